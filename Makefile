@@ -1,0 +1,31 @@
+# The README's two commands: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch pinned to the local CPU build; an unpinned torch would download a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0 || echo "torch==2.13.0 not available: torch-dependent tests will be skipped"
+	$(PY) -m pip install -q -e '.[dev,lmdb]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m engine.demo
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+bench: $(STAMP)
+	$(PY) -m tools.bench all --json
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,62 @@
+"""Block metadata: the record every persistent tier stores beside a payload.
+
+It carries what a restart needs to rebuild the index without any other state: the namespace,
+the parent hash (prefix structure), depth, size, expiry and the payload checksum.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, replace
+
+import xxhash
+
+from kvstore.errors import CorruptBlockError
+from kvstore.keys import HASH_BYTES, BlockHash
+
+_META = struct.Struct("<16s16sIQddQ")
+
+
+def payload_checksum(data: memoryview | bytes | bytearray) -> int:
+    """xxh3-64 of a payload; verified on every read from a persistent tier."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    ns: bytes
+    """Root digest of the block's namespace."""
+    parent: bytes
+    """Hash of the previous block; the namespace root for depth 0."""
+    depth: int
+    """0-based position of the block in its prefix chain."""
+    size: int
+    """Payload bytes."""
+    expiry: float
+    """Wall-clock time after which the block may be dropped."""
+    checksum: int
+    created: float
+
+    PACKED_SIZE = _META.size
+
+    def __post_init__(self) -> None:
+        if len(self.ns) != HASH_BYTES or len(self.parent) != HASH_BYTES:
+            raise ValueError("BlockMeta.ns and .parent must be 16-byte hashes")
+
+    def pack(self) -> bytes:
+        return _META.pack(
+            self.ns, self.parent, self.depth, self.size, self.expiry, self.created, self.checksum
+        )
+
+    @classmethod
+    def unpack(cls, buf: bytes | memoryview, key: BlockHash | None = None) -> BlockMeta:
+        try:
+            ns, parent, depth, size, expiry, created, checksum = _META.unpack_from(buf)
+        except struct.error as e:
+            raise CorruptBlockError(
+                f"block metadata{' of ' + key.hex() if key else ''} is truncated: {e}"
+            ) from e
+        return cls(ns, parent, depth, size, expiry, checksum, created)
+
+    def with_expiry(self, expiry: float) -> BlockMeta:
+        return replace(self, expiry=expiry)

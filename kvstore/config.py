@@ -1,0 +1,175 @@
+"""Store configuration: one TOML file plus environment overrides, frozen and validated on load.
+
+Example ``kvstore.toml``::
+
+    [store]
+    root = "/var/lib/kvstore"
+    default_ttl = "72h"
+    policy = "lru"
+
+    [[tiers]]            # fastest first
+    name = "dram"
+    kind = "dram"
+    capacity_bytes = "8GiB"
+
+    [[tiers]]
+    name = "nvme"
+    kind = "nvme"
+    capacity_bytes = "500GiB"
+
+    [[tiers]]
+    name = "object"
+    kind = "object"
+    url = "s3://bucket/kvstore"
+
+Environment overrides (applied after the file): ``KVSTORE_ROOT``, ``KVSTORE_DEFAULT_TTL``,
+``KVSTORE_POLICY``, and ``KVSTORE_TIER_<NAME>_<OPTION>`` for any tier option, e.g.
+``KVSTORE_TIER_DRAM_CAPACITY_BYTES=16GiB``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from kvstore.errors import ConfigError
+from kvstore.units import parse_duration
+
+DEFAULT_TTL_S = 72 * 3600.0
+MAX_TIERS = 8  # the index keeps tier membership in one byte
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    name: str
+    kind: str
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"tier name {self.name!r} must be a non-empty word (letters, digits, - or _)")
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+
+
+def default_tiers() -> tuple[TierSpec, ...]:
+    """Embedded defaults: no external service, everything under the store's root."""
+    return (
+        TierSpec("dram", "dram", {"capacity_bytes": "256MiB", "slab_bytes": "16MiB"}),
+        TierSpec("nvme", "nvme", {"capacity_bytes": "1GiB", "slab_bytes": "16MiB"}),
+        TierSpec("object", "object", {"capacity_bytes": "4GiB"}),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    root: Path = Path("./kvstore-data")
+    tiers: tuple[TierSpec, ...] = field(default_factory=default_tiers)
+    default_ttl_s: float = DEFAULT_TTL_S
+    policy: str = "lru"
+    promote_on_hit: bool = True
+    expire_work_cap: int = 4096
+    """Blocks an expiry pass may remove per call."""
+    evict_work_cap: int = 8192
+    """Candidates an eviction may examine per round."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+        object.__setattr__(self, "tiers", tuple(self.tiers))
+        if not self.tiers:
+            raise ConfigError("the store needs at least one tier; add a [[tiers]] table")
+        if len(self.tiers) > MAX_TIERS:
+            raise ConfigError(f"at most {MAX_TIERS} tiers are supported, got {len(self.tiers)}")
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique, got {names}")
+        if self.default_ttl_s <= 0:
+            raise ConfigError(f"default_ttl must be positive, got {self.default_ttl_s} s")
+        if self.expire_work_cap <= 0 or self.evict_work_cap <= 0:
+            raise ConfigError("expire_work_cap and evict_work_cap must be positive")
+
+
+_STORE_KEYS = {
+    "root": ("root", str),
+    "default_ttl": ("default_ttl_s", None),
+    "default_ttl_s": ("default_ttl_s", None),
+    "policy": ("policy", str),
+    "promote_on_hit": ("promote_on_hit", bool),
+    "expire_work_cap": ("expire_work_cap", int),
+    "evict_work_cap": ("evict_work_cap", int),
+}
+
+
+def _store_kwargs(section: Mapping[str, Any], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in section.items():
+        if k not in _STORE_KEYS:
+            raise ConfigError(f"{where}: unknown key {k!r}; known: {', '.join(_STORE_KEYS)}")
+        name, typ = _STORE_KEYS[k]
+        if name == "default_ttl_s":
+            out[name] = parse_duration(v, f"{where}.{k}")
+        elif typ is bool and isinstance(v, str):
+            if v.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ConfigError(f"{where}.{k}: expected true or false, got {v!r}")
+            out[name] = v.lower() in ("1", "true", "yes")
+        else:
+            try:
+                out[name] = typ(v) if typ else v
+            except ValueError as e:
+                raise ConfigError(f"{where}.{k}: {e}") from e
+    return out
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> StoreConfig:
+    """Load ``path`` (TOML; None: defaults), apply ``KVSTORE_*`` environment overrides, validate."""
+    env = os.environ if env is None else env
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            with p.open("rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist; pass an existing TOML file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from e
+    unknown = set(data) - {"store", "tiers"}
+    if unknown:
+        raise ConfigError(f"config: unknown table(s) {', '.join(sorted(unknown))}; use [store] and [[tiers]]")
+    kwargs = _store_kwargs(data.get("store", {}), "[store]")
+    tiers = default_tiers()
+    if "tiers" in data:
+        specs = []
+        for i, t in enumerate(data["tiers"]):
+            t = dict(t)
+            try:
+                name = t.pop("name", t.get("kind"))
+                kind = t.pop("kind")
+            except KeyError:
+                raise ConfigError(f"[[tiers]] #{i + 1} needs kind = 'dram' | 'nvme' | 'object'") from None
+            specs.append(TierSpec(str(name), str(kind), t))
+        tiers = tuple(specs)
+    env_store = {
+        k: env[e] for k, e in (("root", "KVSTORE_ROOT"), ("default_ttl", "KVSTORE_DEFAULT_TTL"),
+                               ("policy", "KVSTORE_POLICY")) if e in env
+    }
+    kwargs.update(_store_kwargs(env_store, "environment"))
+    new_tiers = []
+    for t in tiers:
+        prefix = f"KVSTORE_TIER_{t.name.upper().replace('-', '_')}_"
+        opts = dict(t.options)
+        for k, v in env.items():
+            if k.startswith(prefix):
+                opts[k[len(prefix):].lower()] = v
+        new_tiers.append(replace(t, options=opts))
+    kwargs["tiers"] = tuple(new_tiers)
+    kwargs.update(overrides)
+    return StoreConfig(**kwargs)

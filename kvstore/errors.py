@@ -1,0 +1,62 @@
+"""Errors raised by kvstore.
+
+A user's mistake (bad buffer, unknown namespace, bad config) raises a subclass of
+:class:`UsageError` whose message says what to do. Conditions of the store (a full tier, a
+corrupt payload) have their own types so that callers can treat them as misses or retry.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base class of every error kvstore raises on purpose."""
+
+
+class UsageError(KVStoreError, ValueError):
+    """The caller asked for something invalid; the message says how to fix it."""
+
+
+class ConfigError(UsageError):
+    """The configuration file or environment holds an invalid value."""
+
+
+class UnknownNamespaceError(UsageError, KeyError):
+    """A namespace was used before :meth:`KVStore.register_namespace`."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class LayoutMismatchError(UsageError):
+    """A namespace names a model that is registered with a different KV layout.
+
+    Reported instead of becoming a silent miss: the engine and the store disagree on what a
+    block holds.
+    """
+
+
+class BufferSizeError(UsageError):
+    """A caller buffer does not have the size a block needs."""
+
+
+class MissingPrefixError(UsageError):
+    """A put's leading blocks are neither cached nor supplied; the store stays prefix-closed."""
+
+
+class BlockNotFound(KVStoreError, KeyError):
+    """The tier or store does not hold the block (a miss)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class CorruptBlockError(KVStoreError):
+    """A payload failed its checksum or header check. Callers treat it as a miss."""
+
+
+class TierFullError(KVStoreError):
+    """The tier has no room for the payload until something is evicted from it."""
+
+
+class TierIOError(KVStoreError, OSError):
+    """The tier's device failed (disk full, unwritable directory, I/O error)."""

@@ -1,0 +1,261 @@
+"""The prefix-hash radix index: one node per cached block.
+
+Nodes live in columns (a struct of arrays) indexed by a small integer *block id*; a dict maps
+the 16-byte block hash to its id. A node holds no bytes of KV: only where the block lives (a
+bitmask of tiers), its place in the tree, and the counters that eviction and expiry read. The
+columnar layout keeps a node at ~150 bytes (see ``python -m tools.bench index``) where an object
+per node costs several hundred, and lets expiry scan a million nodes with a few numpy operations.
+
+Because a block hash covers its whole prefix, the tree's edges are implied by the hashes; the
+index keeps ``parent`` and a child *count* only, which is all that prefix-closure needs:
+a block with cached children never leaves the store (:meth:`evictable_leaf`).
+
+Not thread-safe: the store holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.keys import BlockHash
+
+NO_PARENT = -1
+_LIVE = np.uint8(1)
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """Result of a longest-prefix match.
+
+    ``ids[i]`` is the block id of the i-th leading cached block and ``tiers[i]`` the bitmask of
+    tiers that hold it (bit ``k`` = the store's k-th tier).
+    """
+
+    ids: np.ndarray
+    tiers: np.ndarray
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.ids.size)
+
+
+class RadixIndex:
+    _COLUMNS: dict[str, np.dtype] = {
+        "parent": np.dtype(np.int32),
+        "depth": np.dtype(np.int32),
+        "size": np.dtype(np.uint32),
+        "ns": np.dtype(np.uint16),
+        "flags": np.dtype(np.uint8),
+        "tiers": np.dtype(np.uint8),
+        "children": np.dtype(np.int32),
+        "pins": np.dtype(np.int32),
+        "in_use": np.dtype(np.int32),
+        "hits": np.dtype(np.uint32),
+        "last_access": np.dtype(np.float64),
+        "expiry": np.dtype(np.float64),
+    }
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._ids: dict[bytes, int] = {}
+        self._hashes: list[bytes | None] = []
+        self._free: list[int] = []
+        self._cap = 0
+        self.parent = self.depth = self.size = self.ns = self.flags = self.tiers = None  # type: ignore[assignment]
+        self.children = self.pins = self.in_use = self.hits = None  # type: ignore[assignment]
+        self.last_access = self.expiry = None  # type: ignore[assignment]
+        self._grow(max(16, capacity))
+
+    # ---- storage ------------------------------------------------------------------------------
+
+    def _grow(self, cap: int) -> None:
+        for name, dt in self._COLUMNS.items():
+            new = np.zeros(cap, dtype=dt)
+            old = getattr(self, name)
+            if old is not None:
+                new[: self._cap] = old
+            setattr(self, name, new)
+        self._cap = cap
+
+    def _alloc_ids(self, n: int) -> np.ndarray:
+        take = min(n, len(self._free))
+        reused = [self._free.pop() for _ in range(take)]
+        fresh_start = len(self._hashes)
+        fresh = n - take
+        if fresh_start + fresh > self._cap:
+            cap = self._cap
+            while fresh_start + fresh > cap:
+                cap *= 2
+            self._grow(cap)
+        self._hashes.extend([None] * fresh)
+        return np.array(reused + list(range(fresh_start, fresh_start + fresh)), dtype=np.int64)
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._ids
+
+    def id_of(self, key: bytes) -> int | None:
+        return self._ids.get(key)
+
+    def hash_of(self, bid: int) -> BlockHash:
+        h = self._hashes[bid]
+        if h is None:
+            raise KeyError(f"block id {bid} is not live")
+        return BlockHash(h)
+
+    def hash_of_or_none(self, bid: int) -> BlockHash | None:
+        h = self._hashes[bid] if 0 <= bid < len(self._hashes) else None
+        return None if h is None else BlockHash(h)
+
+    def subtree(self, roots: np.ndarray) -> np.ndarray:
+        """``roots`` and every live node below them (a few vectorised passes per level)."""
+        n = len(self._hashes)
+        live = self.flags[:n] == _LIVE
+        inside = np.zeros(n, dtype=bool)
+        inside[roots] = True
+        frontier = inside.copy()
+        while frontier.any():
+            parent = self.parent[:n]
+            child = live & ~inside & (parent >= 0) & frontier[np.clip(parent, 0, None)]
+            inside |= child
+            frontier = child
+        return np.flatnonzero(inside)
+
+    def match(self, hashes: Sequence[bytes], now: float | None = None) -> Match:
+        """Longest cached prefix of ``hashes``: stops at the first miss, at a hollow block (in
+        no tier) and, when ``now`` is given, at the first expired block.
+
+        Never writes (a lookup changes nothing; the store touches what it then reads).
+        """
+        get = self._ids.get
+        found: list[int] = []
+        append = found.append
+        for h in hashes:
+            i = get(h)
+            if i is None:
+                break
+            append(i)
+        ids = np.array(found, dtype=np.int64)
+        if ids.size:
+            dead = self.tiers[ids] == 0
+            if now is not None:
+                dead |= self.expiry[ids] <= now
+            if dead.any():
+                ids = ids[: int(np.argmax(dead))]
+        return Match(ids, self.tiers[ids])
+
+    def evictable_leaf(self, bid: int) -> bool:
+        """May ``bid`` leave the store entirely? (no cached children, not pinned, not in use)."""
+        return bool(self.children[bid] == 0 and self.pins[bid] == 0 and self.in_use[bid] == 0)
+
+    def movable(self, bid: int) -> bool:
+        """May ``bid`` be moved between tiers? (no reader or writer holds it)."""
+        return bool(self.in_use[bid] == 0)
+
+    def expired_leaves(self, now: float, limit: int) -> np.ndarray:
+        """Up to ``limit`` expired, evictable leaves, deepest first (children before parents)."""
+        n = len(self._hashes)
+        mask = (
+            (self.flags[:n] == _LIVE)
+            & (self.expiry[:n] <= now)
+            & (self.children[:n] == 0)
+            & (self.pins[:n] == 0)
+            & (self.in_use[:n] == 0)
+        )
+        ids = np.flatnonzero(mask)
+        if ids.size > limit:
+            ids = ids[np.argsort(-self.depth[ids], kind="stable")[:limit]]
+        return ids
+
+    def live_ids(self) -> np.ndarray:
+        n = len(self._hashes)
+        return np.flatnonzero(self.flags[:n] == _LIVE)
+
+    # ---- mutation -----------------------------------------------------------------------------
+
+    def insert_chain(
+        self,
+        hashes: Sequence[bytes],
+        parent: int,
+        depth0: int,
+        size: int,
+        ns: int,
+        tier_bit: int,
+        now: float,
+        expiry: float,
+    ) -> np.ndarray:
+        """Insert a chain: ``hashes[k]``'s parent is ``hashes[k-1]``; ``hashes[0]``'s is ``parent``.
+
+        None of ``hashes`` may be present (the store inserts only the uncached suffix).
+        Returns the new ids.
+        """
+        n = len(hashes)
+        ids = self._alloc_ids(n)
+        for h, i in zip(hashes, ids.tolist(), strict=True):
+            if h in self._ids:
+                raise RuntimeError(f"block {bytes(h).hex()} inserted twice")
+            self._ids[h] = i
+            self._hashes[i] = h
+        self.parent[ids[0]] = parent
+        if n > 1:
+            self.parent[ids[1:]] = ids[:-1]
+        self.depth[ids] = np.arange(depth0, depth0 + n, dtype=np.int32)
+        self.size[ids] = size
+        self.ns[ids] = ns
+        self.flags[ids] = _LIVE
+        self.tiers[ids] = tier_bit
+        self.children[ids] = 0
+        if n > 1:
+            self.children[ids[:-1]] = 1
+        if parent != NO_PARENT:
+            self.children[parent] += 1
+        self.pins[ids] = 0
+        self.in_use[ids] = 0
+        self.hits[ids] = 0
+        self.last_access[ids] = now
+        self.expiry[ids] = expiry
+        return ids
+
+    def remove(self, bid: int) -> BlockHash:
+        """Drop a leaf. Raises if it still has cached children (the store stays prefix-closed)."""
+        if self.children[bid]:
+            raise RuntimeError(f"block id {bid} has {self.children[bid]} cached children")
+        h = self._hashes[bid]
+        if h is None:
+            raise KeyError(f"block id {bid} is not live")
+        p = int(self.parent[bid])
+        if p != NO_PARENT:
+            self.children[p] -= 1
+        del self._ids[h]
+        self._hashes[bid] = None
+        self.flags[bid] = 0
+        self.tiers[bid] = 0
+        self._free.append(bid)
+        return BlockHash(h)
+
+    def touch(self, ids: np.ndarray, now: float, expiry: np.ndarray | float) -> None:
+        """Record a hit on ``ids`` (distinct ids): last access, hit count, refreshed expiry."""
+        self.last_access[ids] = now
+        self.hits[ids] += 1
+        self.expiry[ids] = np.maximum(self.expiry[ids], expiry)
+
+    def add_in_use(self, ids: np.ndarray, delta: int) -> None:
+        self.in_use[ids] += delta
+
+    def add_pins(self, ids: np.ndarray, delta: int) -> None:
+        if delta < 0 and (self.pins[ids] < -delta).any():
+            raise RuntimeError("unpin of a block that is not pinned")
+        self.pins[ids] += delta
+
+    def memory_bytes(self) -> int:
+        """Approximate bytes held by the index (columns + maps), for stats."""
+        cols = sum(getattr(self, name).nbytes for name in self._COLUMNS)
+        # dict entry (~2x 8-byte slot + 24-byte entry at 2/3 load), 49-byte bytes key,
+        # 28-byte int value, 8-byte list slot.
+        return cols + len(self._ids) * (40 + 49 + 28 + 8)

@@ -1,0 +1,112 @@
+"""Registries of tiers and eviction policies: ``name -> "module:Class"``, imported lazily.
+
+New tiers and policies are added here (or with :func:`register_tier` / :func:`register_policy`),
+never with ``if kind == ...`` chains. A missing optional dependency is reported with the extra
+that installs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from pathlib import Path
+from typing import Any
+
+from kvstore.clock import Clock, system_clock
+from kvstore.errors import ConfigError
+from kvstore.units import parse_duration, parse_size
+
+TIERS: dict[str, str] = {
+    "dram": "tiers.dram:DramTier",
+    "nvme": "tiers.nvme:NvmeTier",
+    "object": "tiers.object:ObjectTier",
+}
+POLICIES: dict[str, str] = {
+    "lru": "eviction.lru:LRUPolicy",
+}
+_INSTALL_HINTS = {
+    "s3fs": "pip install 'kvstore[s3]'",
+    "torch": "pip install torch (see README: CI pins torch==2.13.0)",
+    "ucxx": "pip install 'kvstore[ucx]'",
+    "lmdb": "pip install 'kvstore[lmdb]'",
+}
+
+
+def register_tier(kind: str, target: str) -> None:
+    TIERS[kind] = target
+
+
+def register_policy(name: str, target: str) -> None:
+    POLICIES[name] = target
+
+
+def _load(table: dict[str, str], name: str, what: str) -> Any:
+    try:
+        target = table[name]
+    except KeyError:
+        raise ConfigError(f"unknown {what} {name!r}; known: {', '.join(sorted(table))}") from None
+    module, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError as e:
+        hint = _INSTALL_HINTS.get((e.name or "").split(".")[0])
+        if hint:
+            raise ConfigError(f"{what} {name!r} needs {e.name}: {hint}") from e
+        raise
+
+
+def tier_class(kind: str) -> Any:
+    return _load(TIERS, kind, "tier kind")
+
+
+def policy_class(name: str) -> Any:
+    return _load(POLICIES, name, "eviction policy")
+
+
+def build_config(cls: type, options: dict[str, Any], what: str) -> Any:
+    """Instantiate the frozen config dataclass ``cls`` from loose TOML options.
+
+    Fields named ``*_bytes`` accept sizes ("4GiB"), fields named ``*_s`` durations ("72h").
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(options) - set(fields)
+    if unknown:
+        raise ConfigError(
+            f"{what}: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(fields)}"
+        )
+    kwargs: dict[str, Any] = {}
+    for k, v in options.items():
+        if k.endswith("_bytes"):
+            v = parse_size(v, f"{what}.{k}")
+        elif k.endswith("_s"):
+            v = parse_duration(v, f"{what}.{k}")
+        elif isinstance(v, str):  # environment overrides arrive as strings
+            v = _coerce(v, fields[k].type, f"{what}.{k}")
+        kwargs[k] = v
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{what}: {e}") from e
+
+
+def _coerce(value: str, annotation: Any, what: str) -> Any:
+    kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    if kind == "bool":
+        if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+            raise ConfigError(f"{what}: expected true or false, got {value!r}")
+        return value.lower() in ("1", "true", "yes")
+    if kind in ("int", "float"):
+        try:
+            return int(value) if kind == "int" else float(value)
+        except ValueError:
+            raise ConfigError(f"{what}: expected a number, got {value!r}") from None
+    return value
+
+
+def make_tier(
+    kind: str, name: str, options: dict[str, Any], root: Path, clock: Clock = system_clock
+) -> Any:
+    """Build a tier: ``Class(name, Class.Config(**options), root=root, clock=clock)``."""
+    cls = tier_class(kind)
+    config = build_config(cls.Config, options, f"tier {name!r}")
+    return cls(name, config, root=root, clock=clock)

@@ -1,0 +1,920 @@
+"""KVStore: the in-process store that composes the radix index, the tiers and a policy.
+
+Who decides and who moves bytes: the store decides (placement, promotion, demotion, expiry,
+eviction) under one lock and keeps the index and the per-tier policies in step; tiers only move
+bytes (tiers/base.py). Block payloads are read outside the lock: a block being read is marked
+*in use* and nothing moves or drops it until the read is over.
+
+Tiers are ordered fastest first. A put lands in the first tier that admits it (placement); a hit
+served from a slower tier is copied up into the first tier (promotion, from the caller's buffer
+that was just filled, so it costs no extra read); a tier under pressure writes its victims back
+to the next tier (demotion); only the last copy in the last tier is ever dropped, and only from a
+block without cached children, so the store stays prefix-closed.
+
+Expiry comes first: before evicting anything the store removes expired leaves (with a work cap).
+A hit refreshes a block's expiry in memory; persistent tiers learn the new expiry in batches on
+:meth:`KVStore.flush` / :meth:`KVStore.maintain`, never on the read path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstore.block import BlockMeta, payload_checksum
+from kvstore.clock import Clock, system_clock
+from kvstore.config import StoreConfig
+from kvstore.errors import (
+    BlockNotFound,
+    BufferSizeError,
+    CorruptBlockError,
+    KVStoreError,
+    LayoutMismatchError,
+    MissingPrefixError,
+    TierFullError,
+    TierIOError,
+    UnknownNamespaceError,
+    UsageError,
+)
+from kvstore.index import NO_PARENT, RadixIndex
+from kvstore.keys import BlockHash, Namespace
+from kvstore.registry import make_tier, policy_class
+
+log = logging.getLogger(__name__)
+
+NAMESPACES_FILE = "namespaces.json"
+
+
+@dataclass(slots=True)
+class _NsInfo:
+    nid: int
+    digest: bytes
+    namespace: Namespace | None  # None: seen on a persistent tier, not registered yet
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """How many leading blocks of a prompt are cached, and in which tier each one is."""
+
+    num_blocks: int
+    block_tokens: int
+    tiers: tuple[str, ...]
+    """Fastest tier holding each cached block."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_tokens
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    lookups: int = 0
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    loaded_blocks: int = 0
+    put_blocks: int = 0
+    dedup_blocks: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    evictions: int = 0
+    expirations: int = 0
+    corrupt_blocks: int = 0
+    tier_errors: int = 0
+    orphans_dropped: int = 0
+    recovered_blocks: int = 0
+    per_tier_hits: Counter[str] = field(default_factory=Counter)
+
+
+def _lowest_bit(mask: int) -> int:
+    return (mask & -mask).bit_length() - 1
+
+
+class _Scratch:
+    """A page-aligned, reusable buffer for tier-to-tier copies (O_DIRECT wants alignment)."""
+
+    def __init__(self) -> None:
+        self._map: mmap.mmap | None = None
+
+    def view(self, size: int) -> memoryview:
+        if self._map is None or len(self._map) < size:
+            if self._map is not None:
+                self._map.close()
+            self._map = mmap.mmap(-1, max(size, 1 << 20))
+        return memoryview(self._map)[:size]
+
+    def close(self) -> None:
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
+
+
+class KVStore:
+    """A tiered, prefix-closed KV-cache store; thread-safe.
+
+    Typical use::
+
+        store = KVStore(load_config())
+        store.register_namespace(ns)
+        hashes = hash_blocks(ns, tokens)
+        n = store.get_into(ns, hashes, buffers)      # loads the leading n cached blocks
+        store.put(ns, hashes, kv_blocks[n:], start=n)  # stores what was computed
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig | None = None,
+        *,
+        clock: Clock = system_clock,
+        tiers: Sequence[Any] | None = None,
+    ) -> None:
+        self.config = config or StoreConfig()
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._closed = False
+        root = self.config.root
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TierIOError(
+                f"cannot create the store directory {root}: {e.strerror}; "
+                "choose a writable [store] root (or set KVSTORE_ROOT)"
+            ) from e
+        if tiers is None:
+            tiers = [make_tier(s.kind, s.name, dict(s.options), root, clock) for s in self.config.tiers]
+        self.tiers = list(tiers)
+        self._tier_index = {t.name: k for k, t in enumerate(self.tiers)}
+        pcls = policy_class(self.config.policy)
+        self._policies = [pcls() for _ in self.tiers]
+        self._persistent = [k for k, t in enumerate(self.tiers) if t.persistent]
+        self.index = RadixIndex()
+        self.counters = StoreCounters()
+        self._ns_by_digest: dict[bytes, _NsInfo] = {}
+        self._ns_list: list[_NsInfo] = []
+        self._dirty_expiry: set[int] = set()
+        # One scratch buffer per tier level: a demotion from tier k may cascade into one from
+        # k+1 while tier k's buffer still holds the block in flight. The last is for durability.
+        self._scratch = [_Scratch() for _ in range(len(self.tiers) + 1)]
+        self._load_namespaces()
+        self._recover()
+
+    # ---- namespaces ---------------------------------------------------------------------------
+
+    def register_namespace(self, ns: Namespace, ttl_s: float | None = None) -> None:
+        """Make ``ns`` usable; ``ttl_s`` (default: the store's) applies to its blocks.
+
+        Re-registering updates the TTL. Blocks of ``ns`` already on persistent tiers (from an
+        earlier run) become visible at once.
+        """
+        if ttl_s is None:
+            ttl_s = self.config.default_ttl_s
+        if not ttl_s > 0:
+            raise UsageError(f"ttl_s must be positive (seconds), got {ttl_s!r}")
+        with self._lock:
+            info = self._ns_by_digest.get(ns.root)
+            if info is None:
+                info = self._new_ns(ns.root, ns, ttl_s)
+            else:
+                info.namespace, info.ttl_s = ns, float(ttl_s)
+            for t in self.tiers:
+                t.register_namespace(ns.root, ns.canonical_bytes())
+            self._save_namespaces()
+
+    def namespaces(self) -> list[tuple[Namespace, float]]:
+        with self._lock:
+            return [(i.namespace, i.ttl_s) for i in self._ns_list if i.namespace is not None]
+
+    def _new_ns(self, digest: bytes, ns: Namespace | None, ttl_s: float) -> _NsInfo:
+        info = _NsInfo(len(self._ns_list), digest, ns, float(ttl_s))
+        self._ns_list.append(info)
+        self._ns_by_digest[digest] = info
+        return info
+
+    def _ns(self, ns: Namespace) -> _NsInfo:
+        info = self._ns_by_digest.get(ns.root)
+        if info is not None and info.namespace is not None:
+            return info
+        for other in self._ns_list:
+            if other.namespace is not None and other.namespace.model_key() == ns.model_key():
+                diffs = [
+                    f"{k}: registered {a!r}, asked {b!r}"
+                    for k, a, b in _diff(other.namespace.to_dict(), ns.to_dict())
+                ]
+                raise LayoutMismatchError(
+                    f"namespace for model {ns.model_id!r} differs from the registered one "
+                    f"({'; '.join(diffs)}); its blocks are not interchangeable. Register this "
+                    "namespace explicitly if both layouts are meant to be cached."
+                )
+        raise UnknownNamespaceError(
+            f"namespace {ns.root.hex()} (model {ns.model_id!r}) is not registered; "
+            "call store.register_namespace(ns) first"
+        )
+
+    def _load_namespaces(self) -> None:
+        path = self.config.root / NAMESPACES_FILE
+        try:
+            entries = json.loads(path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            raise KVStoreError(f"cannot read {path}: {e}; restore it or remove it to re-register") from e
+        for e in entries:
+            ns = Namespace.from_dict(e["namespace"])
+            self._new_ns(ns.root, ns, float(e["ttl_s"]))
+
+    def _save_namespaces(self) -> None:
+        path = self.config.root / NAMESPACES_FILE
+        entries = [
+            {"namespace": i.namespace.to_dict(), "ttl_s": i.ttl_s}
+            for i in self._ns_list
+            if i.namespace is not None
+        ]
+        _atomic_write(path, json.dumps(entries, indent=1).encode())
+
+    # ---- lookups and loads --------------------------------------------------------------------
+
+    def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
+        """How many leading blocks of ``hashes`` are cached and where. Changes nothing."""
+        info = self._ns(ns)
+        with self._lock:
+            m = self.index.match(hashes, self._clock())
+            self.counters.lookups += 1
+            self.counters.lookup_blocks += len(hashes)
+            names = tuple(self.tiers[_lowest_bit(int(b))].name for b in m.tiers.tolist())
+        return LookupResult(m.num_blocks, info.namespace.block_tokens, names)  # type: ignore[union-attr]
+
+    def get_into(
+        self, ns: Namespace, hashes: Sequence[bytes], dst: Any | Sequence[Any]
+    ) -> int:
+        """Load the leading cached blocks of ``hashes`` into caller-owned buffers.
+
+        ``dst`` is one writable buffer of ``k * block_bytes`` bytes or a sequence of ``k``
+        writable buffers of ``block_bytes`` each; at most ``min(k, len(hashes))`` blocks load.
+        Returns how many leading blocks were loaded; block ``i`` is in buffer ``i``. A block that
+        fails its checksum on every tier ends the prefix there (a miss, never wrong bytes).
+        """
+        info = self._ns(ns)
+        bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        bufs = _dst_views(dst, bb)
+        hashes = hashes[: len(bufs)]
+        with self._lock:
+            now = self._clock()
+            m = self.index.match(hashes, now)
+            ids = m.ids
+            self.counters.lookups += 1
+            self.counters.lookup_blocks += len(hashes)
+            if not ids.size:
+                return 0
+            self.index.add_in_use(ids, 1)
+            masks = m.tiers.tolist()
+        served: list[int] = []
+        corrupt: list[tuple[int, int]] = []
+        try:
+            for i, mask in enumerate(masks):
+                k = self._read_block(BlockHash(hashes[i]), mask, bufs[i], corrupt, i)
+                if k is None:
+                    break
+                served.append(k)
+        finally:
+            with self._lock:
+                try:
+                    self._after_load(ids, hashes, served, corrupt, bufs, info, now)
+                finally:
+                    self.index.add_in_use(ids, -1)
+                    self._drop_hollow_leaves([int(ids[i]) for i, _ in corrupt])
+        return len(served)
+
+    def _read_block(
+        self, key: BlockHash, mask: int, buf: memoryview, corrupt: list[tuple[int, int]], i: int
+    ) -> int | None:
+        """Read from the fastest tier that has a good copy; returns that tier or None."""
+        while mask:
+            k = _lowest_bit(mask)
+            mask &= mask - 1
+            try:
+                self.tiers[k].read_into(key, buf)
+                return k
+            except CorruptBlockError as e:
+                log.warning("block %s corrupt on tier %s: %s", key.hex(), self.tiers[k].name, e)
+                corrupt.append((i, k))
+            except (BlockNotFound, TierIOError) as e:
+                log.warning("block %s unreadable on tier %s: %s", key.hex(), self.tiers[k].name, e)
+                corrupt.append((i, k))
+        return None
+
+    def _after_load(
+        self,
+        ids: np.ndarray,
+        hashes: Sequence[bytes],
+        served: list[int],
+        bad: list[tuple[int, int]],
+        bufs: list[memoryview],
+        info: _NsInfo,
+        now: float,
+    ) -> None:
+        c = self.counters
+        for i, k in bad:
+            bid = int(ids[i])
+            if k == 0 or self.tiers[k].persistent:
+                c.corrupt_blocks += 1
+            self._drop_copy(bid, k, hashes[i])
+        n = len(served)
+        c.hit_blocks += n
+        c.loaded_blocks += n
+        if not n:
+            return
+        hit = ids[:n]
+        self.index.touch(hit, now, now + info.ttl_s)
+        self._dirty_expiry.update(hit.tolist())
+        # Deepest first so that parents end up more recent than their children (leaves go first).
+        for i in range(n - 1, -1, -1):
+            bid = int(hit[i])
+            mask = int(self.index.tiers[bid])
+            while mask:
+                k = _lowest_bit(mask)
+                mask &= mask - 1
+                self._policies[k].touch(bid, now)
+        for k in served:
+            c.per_tier_hits[self.tiers[k].name] += 1
+        if self.config.promote_on_hit:
+            for i, k in enumerate(served):
+                bid = int(hit[i])
+                if k > 0 and not self.index.tiers[bid] & 1:
+                    meta = self._meta_for(bid, hashes[i], info)
+                    if self._place(bid, 0, bufs[i], meta, protect={int(x) for x in hit}):
+                        c.promotions += 1
+
+    # ---- puts ---------------------------------------------------------------------------------
+
+    def put(
+        self,
+        ns: Namespace,
+        hashes: Sequence[bytes],
+        blocks: Any | Sequence[Any],
+        *,
+        start: int = 0,
+        durable: bool = False,
+    ) -> int:
+        """Store blocks ``start..len(hashes)-1`` of a prefix chain; returns how many were new.
+
+        ``hashes`` is the whole chain from the first block; ``blocks`` holds the payloads of
+        ``hashes[start:]`` (one buffer per block, or one contiguous buffer). Blocks before
+        ``start`` must be cached already. Blocks already cached are skipped (deduplicated).
+        With ``durable=True`` the whole chain is on a persistent tier, synced, when this returns.
+        """
+        info = self._ns(ns)
+        bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        n = len(hashes)
+        if not 0 <= start <= n:
+            raise UsageError(f"start={start} is outside the chain of {n} blocks")
+        srcs = _src_views(blocks, bb, n - start)
+        with self._lock:
+            now = self._clock()
+            expiry = now + info.ttl_s
+            present = self.index.match(hashes).num_blocks
+            if present < start:
+                raise MissingPrefixError(
+                    f"block {present} of the chain is not cached, but the put starts at {start}: "
+                    f"pass blocks from {present} on (start={present})"
+                )
+            held: list[int] = self.index.match(hashes[:start]).ids.tolist()
+            self.index.add_in_use(np.array(held, dtype=np.int64), 1)
+            new = 0
+            try:
+                for i in range(start, n):
+                    key = BlockHash(hashes[i])
+                    bid = self.index.id_of(key)
+                    if bid is not None and self.index.tiers[bid]:
+                        self.counters.dedup_blocks += 1
+                    else:
+                        src = srcs[i - start]
+                        parent = hashes[i - 1] if i else info.digest
+                        meta = BlockMeta(info.digest, parent, i, bb, expiry, payload_checksum(src), now)
+                        if bid is None:
+                            pid = held[-1] if held else NO_PARENT
+                            bid = int(self.index.insert_chain([key], pid, i, bb, info.nid, 0, now, expiry)[0])
+                        self.index.add_in_use(np.array([bid]), 1)
+                        held.append(bid)
+                        if not self._place_new(bid, src, meta, set(held)):
+                            raise TierFullError(
+                                f"no tier could take block {i} ({bb} bytes): every tier is full "
+                                "of pinned or in-use blocks; unpin prefixes or add capacity"
+                            )
+                        new += 1
+                        self.counters.put_blocks += 1
+                        continue
+                    held.append(bid)
+                    self.index.add_in_use(np.array([bid]), 1)
+                if durable:
+                    self._make_durable(hashes, held, srcs, start, info)
+            finally:
+                ids = np.array(held, dtype=np.int64)
+                self.index.add_in_use(ids, -1)
+                self._drop_hollow_leaves(held)
+            return new
+
+    def _place_new(self, bid: int, src: memoryview, meta: BlockMeta, protect: set[int]) -> bool:
+        """Placement: the first tier whose policy admits the block and that can make room."""
+        for k, pol in enumerate(self._policies):
+            if pol.admit(bid, meta.size, meta.created) and self._place(bid, k, src, meta, protect):
+                return True
+        return False
+
+    def _make_durable(
+        self, hashes: Sequence[bytes], ids: list[int], srcs: list[memoryview], start: int, info: _NsInfo
+    ) -> None:
+        if not self._persistent:
+            raise UsageError("durable=True needs a persistent tier (nvme or object) in the config")
+        p = self._persistent[0]
+        bit = 1 << p
+        persistent_mask = sum(1 << k for k in self._persistent)
+        for i, bid in enumerate(ids):
+            mask = int(self.index.tiers[bid])
+            key = BlockHash(hashes[i])
+            if mask & persistent_mask:
+                continue
+            meta = self._meta_for(bid, key, info)
+            if i >= start:
+                src = srcs[i - start]
+            else:
+                src = self._scratch[-1].view(meta.size)
+                self.tiers[_lowest_bit(mask)].read_into(key, src)
+            if not self._place(bid, p, src, meta, set(ids), durable=True):
+                raise TierFullError(
+                    f"tier {self.tiers[p].name!r} has no room for a durable copy of block {i}; "
+                    "add capacity or unpin prefixes"
+                )
+            del src
+            assert self.index.tiers[bid] & bit
+        self.tiers[p].flush()
+
+    def _place(
+        self,
+        bid: int,
+        k: int,
+        src: memoryview,
+        meta: BlockMeta,
+        protect: set[int],
+        *,
+        durable: bool = False,
+    ) -> bool:
+        """Write ``bid`` into tier ``k`` (making room first); False if no room could be made."""
+        tier = self.tiers[k]
+        key = self.index.hash_of(bid)
+        for _ in range(4):
+            if not tier.fits(meta.size) and not self._make_room(k, meta.size, protect | {bid}):
+                return False
+            try:
+                tier.write(key, src, meta, durable=durable)
+            except TierFullError:
+                continue  # a size class ran out; make more room and retry
+            except TierIOError as e:
+                self.counters.tier_errors += 1
+                log.error("write of %s to tier %s failed: %s", key.hex(), tier.name, e)
+                raise
+            self.index.tiers[bid] |= 1 << k
+            self._policies[k].insert(bid, meta.size, meta.created)
+            return True
+        return False
+
+    # ---- eviction, demotion, expiry -----------------------------------------------------------
+
+    def _make_room(self, k: int, size: int, protect: set[int]) -> bool:
+        """Free room in tier ``k`` for ``size`` bytes: expire first, then evict by policy."""
+        tier = self.tiers[k]
+        self._expire(self._clock(), self.config.expire_work_cap)
+        if tier.fits(size):
+            return True
+        want = tier.size_class(size)
+        for same_class in (True, False):
+            for _ in range(8):
+                victims = self._choose_victims(k, size, want if same_class else None, protect)
+                if not victims:
+                    break
+                for bid, drop in victims:
+                    if drop:
+                        self._drop_block(bid)
+                        self.counters.evictions += 1
+                    else:
+                        self._demote(bid, k, protect)
+                if tier.fits(size):
+                    return True
+        return tier.fits(size)
+
+    def _choose_victims(
+        self, k: int, size: int, size_class: int | None, protect: set[int]
+    ) -> list[tuple[int, bool]]:
+        """Victims in policy order, as (bid, leaves-the-store); at most one round's worth."""
+        idx, tier = self.index, self.tiers[k]
+        last = k == len(self.tiers) - 1
+        others = ((1 << len(self.tiers)) - 1) & ~(1 << k)
+        pending: Counter[int] = Counter()
+        chosen: list[tuple[int, bool]] = []
+        freed = 0
+        for scanned, bid in enumerate(self._policies[k].candidates()):
+            if scanned >= self.config.evict_work_cap:
+                break
+            if bid in protect or not idx.movable(bid):
+                continue
+            bsize = int(idx.size[bid])
+            if size_class is not None and tier.size_class(bsize) != size_class:
+                continue
+            has_copy = bool(int(idx.tiers[bid]) & others)
+            if has_copy or not last:
+                chosen.append((bid, False))
+            else:
+                if idx.pins[bid] or idx.children[bid] - pending[bid] > 0:
+                    continue
+                chosen.append((bid, True))
+                p = int(idx.parent[bid])
+                if p != NO_PARENT:
+                    pending[p] += 1
+            freed += bsize
+            if freed >= size:
+                break
+        return chosen
+
+    def _demote(self, bid: int, k: int, protect: set[int]) -> None:
+        """Move ``bid`` out of tier ``k``: write it back to a lower tier unless one holds it.
+
+        If no lower tier can take it, the block leaves the store when it may (an unpinned
+        leaf) and otherwise stays where it is.
+        """
+        idx = self.index
+        key = idx.hash_of(bid)
+        lower = int(idx.tiers[bid]) >> (k + 1)
+        if not lower and k + 1 < len(self.tiers):
+            tier = self.tiers[k]
+            idx.in_use[bid] += 1  # nothing below may expire or evict it while it moves
+            try:
+                meta = tier.meta(key) or self._meta_for(bid, key, self._ns_list[int(idx.ns[bid])])
+                buf = self._scratch[k].view(meta.size)
+                try:
+                    tier.read_into(key, buf)
+                    placed = self._place(bid, k + 1, buf, meta, protect | {bid})
+                except (CorruptBlockError, BlockNotFound, TierIOError) as e:
+                    log.warning("demotion of %s from %s failed: %s", key.hex(), tier.name, e)
+                    placed = False
+                finally:
+                    del buf
+            finally:
+                idx.in_use[bid] -= 1
+            if placed:
+                self.counters.demotions += 1
+            elif idx.evictable_leaf(bid):
+                self._drop_block(bid)
+                self.counters.evictions += 1
+                return
+            else:
+                return
+        self._drop_copy(bid, k, key)
+
+    def _drop_copy(self, bid: int, k: int, key: bytes) -> None:
+        """Remove tier ``k``'s copy; a block left with no copy stays in the index only as a
+        hollow node (a lookup stops there) until its children are gone."""
+        try:
+            self.tiers[k].delete(BlockHash(key))
+        except TierIOError as e:
+            self.counters.tier_errors += 1
+            log.error("delete of %s from tier %s failed: %s", key.hex(), self.tiers[k].name, e)
+        self.index.tiers[bid] &= ~np.uint8(1 << k)
+        self._policies[k].remove(bid)
+        if not self.index.tiers[bid]:
+            self._drop_hollow_leaves([bid])
+
+    def _drop_block(self, bid: int) -> None:
+        """Remove a leaf from every tier and from the index."""
+        idx = self.index
+        key = idx.hash_of(bid)
+        mask = int(idx.tiers[bid])
+        while mask:
+            k = _lowest_bit(mask)
+            mask &= mask - 1
+            try:
+                self.tiers[k].delete(key)
+            except TierIOError as e:
+                self.counters.tier_errors += 1
+                log.error("delete of %s from tier %s failed: %s", key.hex(), self.tiers[k].name, e)
+            self._policies[k].remove(bid)
+        idx.remove(bid)
+        self._dirty_expiry.discard(bid)
+
+    def _drop_hollow_leaves(self, bids: Sequence[int]) -> None:
+        """Hollow leaves (no copy anywhere, no children, unused) leave the index, upwards."""
+        idx = self.index
+        for bid in sorted(set(bids), key=lambda b: -int(idx.depth[b])):
+            while (
+                bid != NO_PARENT
+                and idx.hash_of_or_none(bid) is not None
+                and not idx.tiers[bid]
+                and idx.evictable_leaf(bid)
+            ):
+                parent = int(idx.parent[bid])
+                idx.remove(bid)
+                self._dirty_expiry.discard(bid)
+                bid = parent
+
+    def _expire(self, now: float, cap: int) -> int:
+        removed = 0
+        while removed < cap:
+            ids = self.index.expired_leaves(now, cap - removed)
+            if not ids.size:
+                break
+            for bid in ids.tolist():
+                self._drop_block(bid)
+            removed += int(ids.size)
+        self.counters.expirations += removed
+        return removed
+
+    def _meta_for(self, bid: int, key: bytes, info: _NsInfo) -> BlockMeta:
+        """Metadata of a cached block, from the fastest tier that keeps it, else rebuilt."""
+        idx = self.index
+        mask = int(idx.tiers[bid])
+        while mask:
+            k = _lowest_bit(mask)
+            mask &= mask - 1
+            meta = self.tiers[k].meta(BlockHash(key))
+            if meta is not None:
+                return meta.with_expiry(float(idx.expiry[bid]))
+        raise RuntimeError(f"block {key.hex()} has no tier that keeps its metadata")
+
+    # ---- pins, deletes, maintenance -----------------------------------------------------------
+
+    def pin(self, ns: Namespace, hashes: Sequence[bytes]) -> int:
+        """Protect the cached prefix of ``hashes`` from expiry and eviction; returns its length."""
+        self._ns(ns)
+        with self._lock:
+            m = self.index.match(hashes, self._clock())
+            self.index.add_pins(m.ids, 1)
+            return m.num_blocks
+
+    def unpin(self, ns: Namespace, hashes: Sequence[bytes]) -> int:
+        """Undo one :meth:`pin` of the same prefix; returns how many blocks were unpinned."""
+        self._ns(ns)
+        with self._lock:
+            m = self.index.match(hashes)
+            ids = m.ids[self.index.pins[m.ids] > 0]
+            self.index.add_pins(ids, -1)
+            return int(ids.size)
+
+    def delete(self, ns: Namespace, hashes: Sequence[bytes]) -> int:
+        """Delete the given blocks and every cached block that extends them; returns the count.
+
+        Pinned or in-use blocks (and so their ancestors) are kept.
+        """
+        self._ns(ns)
+        with self._lock:
+            idx = self.index
+            roots = [i for h in hashes if (i := idx.id_of(h)) is not None]
+            if not roots:
+                return 0
+            sub = idx.subtree(np.array(roots, dtype=np.int64))
+            removed = 0
+            for bid in sub[np.argsort(-idx.depth[sub], kind="stable")].tolist():
+                if idx.evictable_leaf(bid):
+                    self._drop_block(bid)
+                    removed += 1
+            return removed
+
+    def maintain(self) -> dict[str, int]:
+        """Periodic work: expire (with the work cap) and persist refreshed expiry times."""
+        with self._lock:
+            expired = self._expire(self._clock(), self.config.expire_work_cap)
+            persisted = self._persist_expiry()
+        return {"expired": expired, "expiry_updates": persisted}
+
+    def _persist_expiry(self) -> int:
+        if not self._dirty_expiry:
+            return 0
+        idx = self.index
+        per_tier: dict[int, list[tuple[BlockHash, float]]] = {k: [] for k in self._persistent}
+        for bid in self._dirty_expiry:
+            mask = int(idx.tiers[bid])
+            for k in self._persistent:
+                if mask & (1 << k):
+                    per_tier[k].append((idx.hash_of(bid), float(idx.expiry[bid])))
+        for k, items in per_tier.items():
+            if items:
+                self.tiers[k].update_expiry(items)
+        n = len(self._dirty_expiry)
+        self._dirty_expiry.clear()
+        return n
+
+    def flush(self) -> None:
+        """Persist refreshed expiry times and make every completed write durable."""
+        with self._lock:
+            self._persist_expiry()
+            for t in self.tiers:
+                t.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self.flush()
+            finally:
+                self._closed = True
+                for t in self.tiers:
+                    t.close()
+                for sc in self._scratch:
+                    sc.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- restart ------------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Rebuild the index from the persistent tiers' own metadata (warm restart)."""
+        found: dict[bytes, tuple[BlockMeta, int]] = {}
+        for k in self._persistent:
+            for key, meta in self.tiers[k].scan():
+                prev = found.get(key)
+                mask = (prev[1] if prev else 0) | (1 << k)
+                best = meta if prev is None or meta.expiry > prev[0].expiry else prev[0]
+                found[key] = (best, mask)
+        if not found:
+            return
+        now = self._clock()
+        idx = self.index
+        order = sorted(found.items(), key=lambda kv: kv[1][0].depth)
+        recovered: list[tuple[int, int, BlockMeta]] = []
+        for key, (meta, mask) in order:
+            info = self._ns_by_digest.get(meta.ns)
+            if info is None:
+                info = self._new_ns(meta.ns, None, self.config.default_ttl_s)
+            if meta.depth == 0:
+                pid = NO_PARENT if meta.parent == meta.ns else None
+            else:
+                pid = idx.id_of(meta.parent)
+            if pid is None or (pid != NO_PARENT and idx.depth[pid] != meta.depth - 1):
+                self._drop_orphan(key, mask)
+                continue
+            bid = int(idx.insert_chain([key], pid, meta.depth, meta.size, info.nid, 0, meta.created, meta.expiry)[0])
+            idx.tiers[bid] = mask
+            recovered.append((bid, mask, meta))
+        # Policies learn the blocks deepest first, so leaves are the first candidates.
+        for bid, mask, meta in reversed(recovered):
+            m = mask
+            while m:
+                k = _lowest_bit(m)
+                m &= m - 1
+                self._policies[k].insert(bid, meta.size, meta.created)
+        self.counters.recovered_blocks += len(recovered)
+        self._expire(now, self.config.expire_work_cap)
+        log.info("recovered %d blocks", self.counters.recovered_blocks)
+
+    def _drop_orphan(self, key: bytes, mask: int) -> None:
+        # A block whose parent did not survive (it lived only in DRAM) can never be reached
+        # by a prefix match; free its room.
+        self.counters.orphans_dropped += 1
+        while mask:
+            k = _lowest_bit(mask)
+            mask &= mask - 1
+            self.tiers[k].delete(BlockHash(key))
+
+    # ---- stats --------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            c = self.counters
+            return {
+                "blocks": len(self.index),
+                "index_bytes": self.index.memory_bytes(),
+                "namespaces": len(self._ns_list),
+                "tiers": [t.describe() for t in self.tiers],
+                "lookups": c.lookups,
+                "lookup_blocks": c.lookup_blocks,
+                "hit_blocks": c.hit_blocks,
+                "block_hit_rate": c.hit_blocks / c.lookup_blocks if c.lookup_blocks else 0.0,
+                "hits_by_tier": dict(c.per_tier_hits),
+                "put_blocks": c.put_blocks,
+                "dedup_blocks": c.dedup_blocks,
+                "promotions": c.promotions,
+                "demotions": c.demotions,
+                "evictions": c.evictions,
+                "expirations": c.expirations,
+                "corrupt_blocks": c.corrupt_blocks,
+                "tier_errors": c.tier_errors,
+                "recovered_blocks": c.recovered_blocks,
+                "orphans_dropped": c.orphans_dropped,
+            }
+
+    def iter_blocks(self) -> Iterator[dict[str, Any]]:
+        """Every cached block's index entry (for inspection tools); a snapshot per block."""
+        with self._lock:
+            ids = self.index.live_ids().tolist()
+        for bid in ids:
+            with self._lock:
+                h = self.index.hash_of_or_none(bid)
+                if h is None:
+                    continue
+                idx = self.index
+                yield {
+                    "hash": h.hex(),
+                    "namespace": self._ns_list[int(idx.ns[bid])].digest.hex(),
+                    "depth": int(idx.depth[bid]),
+                    "size": int(idx.size[bid]),
+                    "tiers": [t.name for k, t in enumerate(self.tiers) if idx.tiers[bid] & (1 << k)],
+                    "hits": int(idx.hits[bid]),
+                    "expiry": float(idx.expiry[bid]),
+                    "pins": int(idx.pins[bid]),
+                }
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            yield from _diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            yield f"{prefix}{k}", va, vb
+
+
+def _as_view(buf: Any, writable: bool) -> memoryview:
+    if type(buf).__module__.startswith("torch"):
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise UsageError("torch buffers must be contiguous CPU tensors")
+        buf = buf.view(-1).view(__import__("torch").uint8).numpy()
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise UsageError(f"expected a buffer (bytes, bytearray, numpy array, tensor), got {type(buf).__name__}") from None
+    if writable and mv.readonly:
+        raise UsageError("the destination buffer is read-only; pass a bytearray, numpy array or tensor")
+    if not mv.c_contiguous:
+        raise UsageError("buffers must be C-contiguous")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def _split(buf: Any, bb: int, writable: bool, count: int | None) -> list[memoryview]:
+    mv = _as_view(buf, writable)
+    if count is None:
+        if len(mv) % bb:
+            raise BufferSizeError(
+                f"buffer of {len(mv)} bytes is not a whole number of {bb}-byte blocks"
+            )
+        count = len(mv) // bb
+    elif len(mv) != count * bb:
+        raise BufferSizeError(f"expected {count} blocks of {bb} bytes ({count * bb} bytes), got {len(mv)}")
+    return [mv[i * bb : (i + 1) * bb] for i in range(count)]
+
+
+def _dst_views(dst: Any, bb: int) -> list[memoryview]:
+    if isinstance(dst, list | tuple):
+        views = [_as_view(d, True) for d in dst]
+        for i, v in enumerate(views):
+            if len(v) < bb:
+                raise BufferSizeError(f"destination buffer {i} has {len(v)} bytes; a block needs {bb}")
+        return views
+    return _split(dst, bb, True, None)
+
+
+def _src_views(blocks: Any, bb: int, count: int) -> list[memoryview]:
+    if isinstance(blocks, list | tuple):
+        if len(blocks) != count:
+            raise UsageError(f"expected {count} block payloads, got {len(blocks)}")
+        views = [_as_view(b, False) for b in blocks]
+        for i, v in enumerate(views):
+            if len(v) != bb:
+                raise BufferSizeError(f"payload {i} has {len(v)} bytes; a block of this namespace has {bb}")
+        return views
+    return _split(blocks, bb, False, count)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise TierIOError(f"cannot write {path}: {e.strerror}; check the store directory") from e

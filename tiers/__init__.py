@@ -1,0 +1,1 @@
+"""Storage tiers. Each implements :class:`tiers.base.Tier`; the store composes them by name."""

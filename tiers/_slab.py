@@ -1,0 +1,126 @@
+"""A slab allocator over one contiguous arena (a shared-memory segment or a preallocated file).
+
+The arena is cut into slabs of ``slab_bytes``. A slab serves one size class (a block size rounded
+up to ``align``); it is split into equal slots. Blocks of one namespace all have one size, so a
+class rarely wastes more than the rounding. A slab that empties goes back to the pool and can
+serve another class. Allocation and free are O(1) and allocate no Python objects per block beyond
+the free-list entry; the allocator holds no payload and does no I/O.
+
+Not thread-safe by itself: the owning tier holds its lock around calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstore.errors import UsageError
+
+
+@dataclass(slots=True)
+class _Slab:
+    index: int
+    slot_bytes: int = 0  # 0: unassigned
+    free: list[int] = field(default_factory=list)
+    used: int = 0
+
+
+class SlabAllocator:
+    def __init__(self, capacity_bytes: int, slab_bytes: int, align: int = 4096) -> None:
+        if slab_bytes <= 0 or slab_bytes % align:
+            raise UsageError(f"slab_bytes ({slab_bytes}) must be a positive multiple of {align}")
+        if capacity_bytes < slab_bytes:
+            raise UsageError(
+                f"capacity ({capacity_bytes} bytes) is smaller than one slab ({slab_bytes} bytes); "
+                "raise the tier's capacity or lower its slab_bytes"
+            )
+        self.align = align
+        self.slab_bytes = slab_bytes
+        self.n_slabs = capacity_bytes // slab_bytes
+        self.capacity_bytes = self.n_slabs * slab_bytes
+        self._slabs = [_Slab(i) for i in range(self.n_slabs)]
+        self._unassigned: list[int] = list(range(self.n_slabs - 1, -1, -1))
+        self._partial: dict[int, set[int]] = {}  # slot_bytes -> slabs with a free slot
+        self.used_bytes = 0  # bytes of slots handed out (padded)
+
+    def slot_bytes(self, size: int) -> int:
+        """The size class of a ``size``-byte block."""
+        if size <= 0:
+            raise UsageError(f"a block must have a positive size, got {size}")
+        slot = -(-size // self.align) * self.align
+        if slot > self.slab_bytes:
+            raise UsageError(
+                f"a {size}-byte block does not fit in one {self.slab_bytes}-byte slab; "
+                "raise the tier's slab_bytes"
+            )
+        return slot
+
+    def fits(self, size: int) -> bool:
+        slot = self.slot_bytes(size)
+        return bool(self._partial.get(slot)) or bool(self._unassigned) or any(
+            s.used == 0 and s.slot_bytes for s in self._slabs
+        )
+
+    def alloc(self, size: int) -> int | None:
+        """Offset of a free slot for ``size`` bytes, or None when the class and the pool are full."""
+        slot = self.slot_bytes(size)
+        partial = self._partial.get(slot)
+        if partial:
+            slab = self._slabs[next(iter(partial))]
+        else:
+            slab_i = self._take_slab()
+            if slab_i is None:
+                return None
+            slab = self._slabs[slab_i]
+            self._assign(slab, slot)
+            partial = self._partial.setdefault(slot, set())
+            partial.add(slab.index)
+        k = slab.free.pop()
+        slab.used += 1
+        if not slab.free:
+            partial.discard(slab.index)
+        self.used_bytes += slot
+        return slab.index * self.slab_bytes + k * slot
+
+    def free(self, offset: int) -> None:
+        slab = self._slabs[offset // self.slab_bytes]
+        if not slab.slot_bytes:
+            raise RuntimeError(f"free of offset {offset} in an unassigned slab {slab.index}")
+        k = (offset - slab.index * self.slab_bytes) // slab.slot_bytes
+        slab.free.append(k)
+        slab.used -= 1
+        self.used_bytes -= slab.slot_bytes
+        self._partial.setdefault(slab.slot_bytes, set()).add(slab.index)
+
+    def claim(self, offset: int, size: int) -> None:
+        """Mark the slot at ``offset`` used (rebuilding occupancy after a restart)."""
+        slot = self.slot_bytes(size)
+        slab = self._slabs[offset // self.slab_bytes]
+        if slab.slot_bytes == 0:
+            self._unassigned.remove(slab.index)
+            self._assign(slab, slot)
+            self._partial.setdefault(slot, set()).add(slab.index)
+        elif slab.slot_bytes != slot:
+            raise RuntimeError(
+                f"slot at offset {offset} claimed for class {slot} in slab of class {slab.slot_bytes}"
+            )
+        k = (offset - slab.index * self.slab_bytes) // slot
+        slab.free.remove(k)
+        slab.used += 1
+        self.used_bytes += slot
+        if not slab.free:
+            self._partial[slot].discard(slab.index)
+
+    def _assign(self, slab: _Slab, slot: int) -> None:
+        slab.slot_bytes = slot
+        # Pop from the end: the lowest slot first, so a fresh arena fills front to back.
+        slab.free = list(range(self.slab_bytes // slot - 1, -1, -1))
+        slab.used = 0
+
+    def _take_slab(self) -> int | None:
+        if self._unassigned:
+            return self._unassigned.pop()
+        for s in self._slabs:  # an emptied slab of another class
+            if s.used == 0 and s.slot_bytes:
+                self._partial.get(s.slot_bytes, set()).discard(s.index)
+                return s.index
+        return None

@@ -1,0 +1,124 @@
+"""The Tier protocol: where payload bytes live.
+
+A tier moves bytes and never decides: which blocks it holds, when they leave and where they go
+is the store's business (kvstore.store). A tier only promises:
+
+* ``write(key, src, meta)`` copies ``len(src)`` bytes out of the caller's buffer. When it returns
+  the block is readable; with ``durable=True`` on a persistent tier it also survives a crash of
+  the process and of the machine. It raises :class:`TierFullError` when there is no room (the
+  store then evicts and retries) and :class:`TierIOError` when the device fails; in both cases
+  nothing of the block is left behind. Writing a key that is present replaces it.
+* ``read_into(key, dst)`` copies the payload into the caller's buffer ``dst`` (at least
+  ``meta.size`` bytes, writable) and returns the number of bytes. A persistent tier verifies the
+  checksum and raises :class:`CorruptBlockError` on mismatch: corrupt KV is a miss, never a wrong
+  answer. A missing key raises :class:`BlockNotFound`.
+* ``delete(key)`` frees the block's room; it returns whether the key was present.
+* ``contains`` and ``usage`` never write.
+
+Thread safety: every method may be called from several threads at once. A tier never calls back
+into the store. Reads never write to disk.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from kvstore.block import BlockMeta
+from kvstore.errors import KVStoreError
+from kvstore.keys import BlockHash
+
+Buffer = memoryview | bytes | bytearray
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    used_bytes: int
+    capacity_bytes: int
+    blocks: int
+
+
+class Tier(ABC):
+    """Abstract tier. Subclasses set ``kind``, ``persistent`` and a frozen ``Config`` dataclass."""
+
+    kind: ClassVar[str] = ""
+    persistent: ClassVar[bool] = False
+    Config: ClassVar[type]
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @abstractmethod
+    def contains(self, key: BlockHash) -> bool: ...
+
+    @abstractmethod
+    def read_into(self, key: BlockHash, dst: memoryview) -> int: ...
+
+    @abstractmethod
+    def write(self, key: BlockHash, src: Buffer, meta: BlockMeta, *, durable: bool = False) -> None: ...
+
+    @abstractmethod
+    def delete(self, key: BlockHash) -> bool: ...
+
+    @abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    # ---- derived surface, overridden only for speed or by persistent tiers -------------------
+
+    def fits(self, size: int) -> bool:
+        """Whether a block of ``size`` bytes could be written now without evicting anything."""
+        u = self.usage()
+        return u.capacity_bytes - u.used_bytes >= size
+
+    def size_class(self, size: int) -> int:
+        """Blocks of the same class free room for each other (slab tiers override)."""
+        return 0
+
+    def meta(self, key: BlockHash) -> BlockMeta | None:
+        """The stored metadata of ``key``, or None. Persistent tiers must implement it."""
+        return None
+
+    def scan(self) -> Iterator[tuple[BlockHash, BlockMeta]]:
+        """Every block held, with its metadata: how a restart rebuilds the index."""
+        return iter(())
+
+    def register_namespace(self, digest: bytes, descriptor: bytes) -> None:
+        """Learn a namespace's descriptor (tiers whose objects are self-describing embed it)."""
+
+    def update_expiry(self, items: Iterable[tuple[BlockHash, float]]) -> None:
+        """Persist refreshed expiry times, batched (the store calls it on flush, not per read)."""
+
+    def read_many(self, keys: Sequence[BlockHash], dsts: Sequence[memoryview]) -> list[int | KVStoreError]:
+        """Batched reads; each result is the byte count or the error of that block."""
+        out: list[int | KVStoreError] = []
+        for k, d in zip(keys, dsts, strict=True):
+            try:
+                out.append(self.read_into(k, d))
+            except KVStoreError as e:
+                out.append(e)
+        return out
+
+    def flush(self) -> None:
+        """Make every completed write durable."""
+
+    def close(self) -> None:
+        """Release files, mappings and handles. Idempotent."""
+
+    def describe(self) -> dict[str, Any]:
+        u = self.usage()
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "persistent": self.persistent,
+            "used_bytes": u.used_bytes,
+            "capacity_bytes": u.capacity_bytes,
+            "blocks": u.blocks,
+        }
+
+
+def tier_dir(root: Path, name: str) -> Path:
+    """The directory a tier named ``name`` keeps its files in under the store root."""
+    return root / "tiers" / name

@@ -1,0 +1,43 @@
+"""Run a benchmark: ``python -m tools.bench {hash,nvme,index,all} [--json]``.
+
+Each prints one line per figure; with ``--json`` one JSON object per line with ``bench``,
+``metric``, ``value``, ``unit``, ``baseline`` (measured in the same run) and ``ratio``.
+Exit codes: 0 ok, 2 bad arguments, 1 a benchmark failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tools.bench._common import emit
+
+BENCHES = {
+    "hash": "tools.bench.hash",
+    "index": "tools.bench.index",
+    "nvme": "tools.bench.nvme",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m tools.bench",
+        description="kvstore benchmarks. Each figure is printed with a baseline measured in the "
+        "same run (ratio = value / baseline), so results survive a noisy machine.",
+    )
+    p.add_argument("name", choices=[*BENCHES, "all"], help="which benchmark to run")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
+    p.add_argument("--dir", default=None, help="directory on the disk to measure (nvme); default: a temp dir under ./")
+    args = p.parse_args(argv)
+    names = list(BENCHES) if args.name == "all" else [args.name]
+    for name in names:
+        mod = importlib.import_module(BENCHES[name])
+        for row in mod.run(args):
+            emit(row, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
