@@ -129,7 +129,7 @@ class RadixIndex:
 
     def match(self, hashes: Sequence[bytes], now: float | None = None) -> Match:
         """Longest cached prefix of ``hashes``: stops at the first miss, at a hollow block (in
-        no tier) and, when ``now`` is given, at the first expired block.
+        no tier) and, when ``now`` is given, at the first expired block that is not pinned.
 
         Never writes (a lookup changes nothing; the store touches what it then reads).
         """
@@ -145,7 +145,7 @@ class RadixIndex:
         if ids.size:
             dead = self.tiers[ids] == 0
             if now is not None:
-                dead |= self.expiry[ids] <= now
+                dead |= (self.expiry[ids] <= now) & (self.pins[ids] == 0)
             if dead.any():
                 ids = ids[: int(np.argmax(dead))]
         return Match(ids, self.tiers[ids])

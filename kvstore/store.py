@@ -389,8 +389,10 @@ class KVStore:
                     f"block {present} of the chain is not cached, but the put starts at {start}: "
                     f"pass blocks from {present} on (start={present})"
                 )
+            # The chain is pinned while it is extended: its blocks may move down a tier to make
+            # room, but none may leave the store before its child is in.
             held: list[int] = self.index.match(hashes[:start]).ids.tolist()
-            self.index.add_in_use(np.array(held, dtype=np.int64), 1)
+            self.index.add_pins(np.array(held, dtype=np.int64), 1)
             new = 0
             try:
                 for i in range(start, n):
@@ -405,9 +407,9 @@ class KVStore:
                         if bid is None:
                             pid = held[-1] if held else NO_PARENT
                             bid = int(self.index.insert_chain([key], pid, i, bb, info.nid, 0, now, expiry)[0])
-                        self.index.add_in_use(np.array([bid]), 1)
+                        self.index.add_pins(np.array([bid]), 1)
                         held.append(bid)
-                        if not self._place_new(bid, src, meta, set(held)):
+                        if not self._place_new(bid, src, meta, {bid}):
                             raise TierFullError(
                                 f"no tier could take block {i} ({bb} bytes): every tier is full "
                                 "of pinned or in-use blocks; unpin prefixes or add capacity"
@@ -416,12 +418,11 @@ class KVStore:
                         self.counters.put_blocks += 1
                         continue
                     held.append(bid)
-                    self.index.add_in_use(np.array([bid]), 1)
+                    self.index.add_pins(np.array([bid]), 1)
                 if durable:
                     self._make_durable(hashes, held, srcs, start, info)
             finally:
-                ids = np.array(held, dtype=np.int64)
-                self.index.add_in_use(ids, -1)
+                self.index.add_pins(np.array(held, dtype=np.int64), -1)
                 self._drop_hollow_leaves(held)
             return new
 
@@ -438,7 +439,6 @@ class KVStore:
         if not self._persistent:
             raise UsageError("durable=True needs a persistent tier (nvme or object) in the config")
         p = self._persistent[0]
-        bit = 1 << p
         persistent_mask = sum(1 << k for k in self._persistent)
         for i, bid in enumerate(ids):
             mask = int(self.index.tiers[bid])
@@ -451,13 +451,12 @@ class KVStore:
             else:
                 src = self._scratch[-1].view(meta.size)
                 self.tiers[_lowest_bit(mask)].read_into(key, src)
-            if not self._place(bid, p, src, meta, set(ids), durable=True):
+            if not self._place(bid, p, src, meta, {bid}, durable=True):
                 raise TierFullError(
                     f"tier {self.tiers[p].name!r} has no room for a durable copy of block {i}; "
                     "add capacity or unpin prefixes"
                 )
             del src
-            assert self.index.tiers[bid] & bit
         self.tiers[p].flush()
 
     def _place(

@@ -1,0 +1,65 @@
+"""Shared fixtures: small namespaces, small stores on real tiers, a fake clock."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.clock import FakeClock
+from kvstore.config import StoreConfig, TierSpec
+from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
+from kvstore.store import KVStore
+
+# 16 tokens x 1 layer x (K,V) x 1 head x 64 dims x 2 bytes = 4096 bytes per block.
+SMALL_NS = Namespace("test/tiny", KVLayout("bfloat16", 16, (LayerGroup("full", 1, 1, 64),)))
+BB = SMALL_NS.block_bytes
+
+
+def small_tiers(dram_blocks: int = 16, nvme_blocks: int = 32, object_blocks: int = 256) -> tuple[TierSpec, ...]:
+    return (
+        TierSpec("dram", "dram", {"capacity_bytes": dram_blocks * BB, "slab_bytes": 4 * BB}),
+        TierSpec("nvme", "nvme", {"capacity_bytes": nvme_blocks * BB, "slab_bytes": 4 * BB}),
+        TierSpec("object", "object", {"capacity_bytes": object_blocks * BB}),
+    )
+
+
+def payload(key: bytes, size: int = BB) -> bytes:
+    """Deterministic payload derived from the block hash, so any reader can verify it."""
+    return (key * (size // len(key) + 1))[:size]
+
+
+def tokens_for(seed: int, n_blocks: int, shared_prefix_blocks: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, 50_000, size=n_blocks * SMALL_NS.block_tokens, dtype=np.int64)
+    toks[: shared_prefix_blocks * SMALL_NS.block_tokens] = np.arange(shared_prefix_blocks * SMALL_NS.block_tokens)
+    return toks
+
+
+def chain_for(seed: int, n_blocks: int, shared_prefix_blocks: int = 0) -> list[bytes]:
+    return hash_blocks(SMALL_NS, tokens_for(seed, n_blocks, shared_prefix_blocks))
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def make_store(tmp_path: Path, clock: FakeClock) -> Iterator[Callable[..., KVStore]]:
+    """Build (or reopen) a store on ``tmp_path``; every store built is closed at teardown."""
+    built: list[KVStore] = []
+
+    def make(tiers: tuple[TierSpec, ...] | None = None, register: bool = True, **kw: object) -> KVStore:
+        cfg = StoreConfig(root=tmp_path / "store", tiers=tiers or small_tiers(), **kw)  # type: ignore[arg-type]
+        s = KVStore(cfg, clock=clock)
+        if register:
+            s.register_namespace(SMALL_NS)
+        built.append(s)
+        return s
+
+    yield make
+    for s in built:
+        s.close()
