@@ -4,7 +4,7 @@ block makers, and a helper that corrupts a payload where it lies on disk."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ import xxhash
 from kvstore.block import BlockMeta, payload_checksum
 from kvstore.clock import FakeClock
 from kvstore.keys import BlockHash
-from kvstore.registry import TIERS, make_tier
+from kvstore.registry import TIERS, make_tier, tier_class
 from tiers.base import Tier, tier_dir
 
 KiB = 1024
@@ -54,6 +54,14 @@ class TierFactory:
     def reopen(self, tier: Tier, **overrides: Any) -> Tier:
         tier.close()
         return self(**overrides)
+
+    @property
+    def persistent(self) -> bool:
+        return bool(tier_class(self.kind).persistent)
+
+    def require_persistent(self) -> None:
+        if not self.persistent:
+            pytest.skip(f"tier kind {self.kind!r} is not persistent")
 
     @property
     def dir(self) -> Path:
@@ -103,7 +111,7 @@ class Block:
     meta: BlockMeta
 
 
-def make_block(
+def _make_block(
     size: int,
     seed: int,
     clock: FakeClock | None = None,
@@ -132,7 +140,7 @@ def make_block(
     return Block(key, data, meta)
 
 
-def corrupt_payload(directory: Path, payload: bytes, *, at: int | None = None) -> Path:
+def _corrupt_payload(directory: Path, payload: bytes, *, at: int | None = None) -> Path:
     """Flip one byte of ``payload`` where it lies in a file under ``directory``.
 
     Generic over tiers: it searches every file for the payload's bytes instead of knowing a
@@ -155,3 +163,16 @@ def corrupt_payload(directory: Path, payload: bytes, *, at: int | None = None) -
         f.seek(pos)
         f.write(bytes([byte[0] ^ 0xFF]))
     return path
+
+
+# Helpers reach tests as fixtures: tests/ is not a package, so tests cannot import conftest.
+@pytest.fixture
+def make_block() -> Callable[..., Block]:
+    """``make_block(size, seed, clock=None, *, depth=0, ns=b"N" * 16) -> Block``."""
+    return _make_block
+
+
+@pytest.fixture
+def corrupt_payload() -> Callable[..., Path]:
+    """``corrupt_payload(directory, payload, *, at=None) -> Path``: flip one payload byte."""
+    return _corrupt_payload
