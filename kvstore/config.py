@@ -72,6 +72,8 @@ class StoreConfig:
     default_ttl_s: float = DEFAULT_TTL_S
     policy: str = "lru"
     promote_on_hit: bool = True
+    persist_on_close: bool = True
+    """On a clean close, write blocks that live only in volatile tiers down to a persistent one."""
     expire_work_cap: int = 4096
     """Blocks an expiry pass may remove per call."""
     evict_work_cap: int = 8192
@@ -99,6 +101,7 @@ _STORE_KEYS = {
     "default_ttl_s": ("default_ttl_s", None),
     "policy": ("policy", str),
     "promote_on_hit": ("promote_on_hit", bool),
+    "persist_on_close": ("persist_on_close", bool),
     "expire_work_cap": ("expire_work_cap", int),
     "evict_work_cap": ("evict_work_cap", int),
 }

@@ -723,6 +723,8 @@ class KVStore:
             if self._closed:
                 return
             try:
+                if self.config.persist_on_close:
+                    self._persist_volatile()
                 self.flush()
             finally:
                 self._closed = True
@@ -730,6 +732,39 @@ class KVStore:
                     t.close()
                 for sc in self._scratch:
                     sc.close()
+
+    def _persist_volatile(self) -> int:
+        """Write blocks held only by volatile tiers down to the first persistent tier, parents
+        first, so that a clean restart (an upgrade, a reboot) keeps them. Stops at the first
+        block the tier cannot take."""
+        if not self._persistent:
+            return 0
+        p = self._persistent[0]
+        persistent_mask = sum(1 << k for k in self._persistent)
+        idx = self.index
+        ids = idx.live_ids()
+        ids = ids[(idx.tiers[ids] & persistent_mask) == 0]
+        ids = ids[idx.tiers[ids] != 0]
+        written = 0
+        for bid in ids[np.argsort(idx.depth[ids], kind="stable")].tolist():
+            key = idx.hash_of(bid)
+            src_tier = self.tiers[_lowest_bit(int(idx.tiers[bid]))]
+            meta = src_tier.meta(key)
+            if meta is None:
+                continue
+            buf = self._scratch[-1].view(meta.size)
+            try:
+                src_tier.read_into(key, buf)
+                if not self._place(bid, p, buf, meta.with_expiry(float(idx.expiry[bid])), {bid}):
+                    break
+            except (TierIOError, CorruptBlockError, BlockNotFound) as e:
+                log.warning("could not persist %s on close: %s", key.hex(), e)
+                break
+            finally:
+                del buf
+            written += 1
+        log.info("persisted %d volatile blocks on close", written)
+        return written
 
     def __enter__(self) -> KVStore:
         return self
