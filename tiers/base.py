@@ -85,10 +85,10 @@ class Tier(ABC):
         """Every block held, with its metadata: how a restart rebuilds the index."""
         return iter(())
 
-    def register_namespace(self, digest: bytes, descriptor: bytes) -> None:
+    def register_namespace(self, digest: bytes, descriptor: bytes) -> None:  # noqa: B027
         """Learn a namespace's descriptor (tiers whose objects are self-describing embed it)."""
 
-    def update_expiry(self, items: Iterable[tuple[BlockHash, float]]) -> None:
+    def update_expiry(self, items: Iterable[tuple[BlockHash, float]]) -> None:  # noqa: B027
         """Persist refreshed expiry times, batched (the store calls it on flush, not per read)."""
 
     def read_many(self, keys: Sequence[BlockHash], dsts: Sequence[memoryview]) -> list[int | KVStoreError]:
@@ -101,10 +101,10 @@ class Tier(ABC):
                 out.append(e)
         return out
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027
         """Make every completed write durable."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027
         """Release files, mappings and handles. Idempotent."""
 
     def describe(self) -> dict[str, Any]:

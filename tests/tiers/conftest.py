@@ -18,6 +18,7 @@ from kvstore.clock import FakeClock
 from kvstore.keys import BlockHash
 from kvstore.registry import TIERS, make_tier, tier_class
 from tiers.base import Tier, tier_dir
+from tiers.faulty import FaultyTier
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -100,8 +101,16 @@ def factory(kind: str, tmp_path: Path, clock: FakeClock) -> Iterator[TierFactory
 
 
 @pytest.fixture
-def tier(factory: TierFactory) -> Tier:
+def plain_tier(factory: TierFactory) -> Tier:
     return factory()
+
+
+@pytest.fixture(params=["plain", "faulty"])
+def tier(request: pytest.FixtureRequest, factory: TierFactory) -> Tier:
+    """The tier, and the same tier inside a FaultyTier with no fault armed: the wrapper must be
+    indistinguishable from what it wraps."""
+    inner = factory()
+    return FaultyTier(inner) if request.param == "faulty" else inner
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,239 @@
+"""DRAM tier specifics: the shared-memory arena's life cycle, zero-copy locations, slab classes
+and configuration. The Tier contract itself is in test_conformance.py."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.clock import FakeClock
+from kvstore.errors import ConfigError, TierFullError, TierIOError, UsageError
+from kvstore.registry import build_config, make_tier
+from tiers.dram import DramConfig, DramTier, attach_arena
+
+KiB = 1024
+MiB = 1024 * KiB
+MakeBlock = Callable[..., Any]
+SHM = Path("/dev/shm")
+
+pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="needs POSIX shared memory in /dev/shm")
+
+
+@pytest.fixture
+def dram(tmp_path: Path) -> Iterator[DramTier]:
+    tier = DramTier("d0", DramConfig(4 * MiB, slab_bytes=1 * MiB), root=tmp_path, clock=FakeClock())
+    yield tier
+    tier.close()
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (its own resource tracker), capturing stderr."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+# ---- the arena's life cycle ----------------------------------------------------------------
+
+
+def test_arena_is_a_named_segment_unlinked_on_close(tmp_path: Path) -> None:
+    tier = DramTier("my tier/1", DramConfig(2 * MiB, slab_bytes=1 * MiB), root=tmp_path)
+    name = tier.shm_name
+    assert name.startswith("kvs-") and "/" not in name and " " not in name
+    assert (SHM / name).stat().st_size == 2 * MiB
+    assert tier.describe()["shm_name"] == name
+    tier.close()
+    assert not (SHM / name).exists()
+    tier.close()
+
+
+def test_two_tiers_get_distinct_segments(tmp_path: Path) -> None:
+    cfg = DramConfig(1 * MiB, slab_bytes=1 * MiB)
+    a, b = DramTier("d", cfg, root=tmp_path), DramTier("d", cfg, root=tmp_path)
+    try:
+        assert a.shm_name != b.shm_name
+    finally:
+        a.close()
+        b.close()
+
+
+def test_garbage_collected_tier_unlinks_its_arena(tmp_path: Path) -> None:
+    tier = DramTier("d", DramConfig(1 * MiB, slab_bytes=1 * MiB), root=tmp_path)
+    name = tier.shm_name
+    del tier
+    gc.collect()
+    assert not (SHM / name).exists()
+
+
+def test_explicit_name_and_collision(tmp_path: Path) -> None:
+    cfg = DramConfig(1 * MiB, slab_bytes=1 * MiB, shm_name=f"kvs-test-{id(tmp_path):x}")
+    tier = DramTier("d", cfg, root=tmp_path)
+    try:
+        assert tier.shm_name == cfg.shm_name
+        with pytest.raises(TierIOError, match="already exists"):
+            DramTier("other", cfg, root=tmp_path)
+    finally:
+        tier.close()
+    assert not (SHM / cfg.shm_name).exists()
+
+
+def test_unclosed_tier_leaks_nothing_at_exit(tmp_path: Path) -> None:
+    proc = _run(
+        f"""
+        from pathlib import Path
+        from kvstore.block import BlockMeta
+        from tiers.dram import DramConfig, DramTier
+        t = DramTier("d", DramConfig(1 << 20, slab_bytes=1 << 20), root=Path({str(tmp_path)!r}))
+        t.write(b"k" * 16, b"x", BlockMeta(b"n" * 16, b"p" * 16, 0, 1, 0.0, 0, 0.0))
+        print(t.shm_name)  # and exit without close(): the finalizer must clean up
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    name = proc.stdout.strip()
+    assert not (SHM / name).exists()
+    assert "leaked" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_another_process_reads_the_arena_by_name(dram: DramTier, make_block: MakeBlock) -> None:
+    block = make_block(5000, seed=1)
+    dram.write(block.key, block.data, block.meta)
+    offset, size = dram.location(block.key)  # type: ignore[misc]
+    proc = _run(
+        f"""
+        import sys
+        from tiers.dram import attach_arena
+        shm = attach_arena({dram.shm_name!r})
+        sys.stdout.write(bytes(shm.buf[{offset}:{offset + size}]).hex())
+        shm.close()
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert bytes.fromhex(proc.stdout) == block.data
+    # The client's exit neither unlinked the arena nor made its resource tracker complain.
+    assert (SHM / dram.shm_name).exists()
+    assert "leaked" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_attach_in_the_owning_process(dram: DramTier, make_block: MakeBlock) -> None:
+    block = make_block(100, seed=2)
+    dram.write(block.key, block.data, block.meta)
+    offset, size = dram.location(block.key)  # type: ignore[misc]
+    shm = attach_arena(dram.shm_name)
+    try:
+        assert bytes(shm.buf[offset : offset + size]) == block.data
+    finally:
+        shm.close()
+
+
+# ---- slots and locations ------------------------------------------------------------------------
+
+
+def test_location_and_slot_reuse(dram: DramTier, make_block: MakeBlock) -> None:
+    a, b = make_block(5000, seed=3), make_block(5000, seed=4)
+    assert dram.location(a.key) is None
+    dram.write(a.key, a.data, a.meta)
+    dram.write(b.key, b.data, b.meta)
+    assert dram.location(a.key) == (0, 5000)
+    assert dram.location(b.key) == (8192, 5000)
+    dram.delete(a.key)
+    assert dram.location(a.key) is None
+    c = make_block(6000, seed=5)
+    dram.write(c.key, c.data, c.meta)
+    assert dram.location(c.key) == (0, 6000)  # the freed slot of the same class
+
+
+def test_usage_counts_whole_slots(dram: DramTier, make_block: MakeBlock) -> None:
+    block = make_block(5000, seed=6)
+    dram.write(block.key, block.data, block.meta)
+    assert dram.usage().used_bytes == 8192
+    assert dram.size_class(5000) == dram.size_class(8192) == 8192
+    assert dram.size_class(8193) == 12288
+
+
+def test_same_class_rewrite_stays_in_place(dram: DramTier, make_block: MakeBlock) -> None:
+    a, b = make_block(5000, seed=7), make_block(7000, seed=8)
+    dram.write(a.key, a.data, a.meta)
+    where = dram.location(a.key)
+    dram.write(a.key, b.data, b.meta)
+    assert dram.location(a.key) == (where[0], 7000)  # type: ignore[index]
+    assert dram.usage().used_bytes == 8192
+
+
+def test_class_full_but_another_class_has_room(dram: DramTier, make_block: MakeBlock) -> None:
+    # Four 1 MiB slabs: three hold 512 KiB blocks, the last is free for any class.
+    big = [make_block(512 * KiB, seed=10 + i) for i in range(6)]
+    for b in big:
+        dram.write(b.key, b.data, b.meta)
+    small = make_block(4096, seed=20)
+    assert dram.fits(4096)
+    dram.write(small.key, small.data, small.meta)
+    extra = make_block(512 * KiB, seed=21)
+    assert not dram.fits(512 * KiB)
+    with pytest.raises(TierFullError):
+        dram.write(extra.key, extra.data, extra.meta)
+    assert dram.fits(4096)  # its own class still has free slots
+
+
+def test_block_larger_than_a_slab_is_a_usage_error(dram: DramTier, make_block: MakeBlock) -> None:
+    block = make_block(1 * MiB + 1, seed=30)
+    with pytest.raises(UsageError, match="slab_bytes"):
+        dram.write(block.key, block.data, block.meta)
+    with pytest.raises(UsageError):
+        dram.size_class(1 * MiB + 1)
+    assert dram.usage().blocks == 0
+
+
+def test_update_expiry_and_scan(dram: DramTier, make_block: MakeBlock) -> None:
+    a, b = make_block(10, seed=31), make_block(20, seed=32)
+    dram.write(a.key, a.data, a.meta)
+    dram.write(b.key, b.data, b.meta)
+    dram.update_expiry([(a.key, 123.0), (make_block(1, seed=33).key, 5.0)])
+    assert dram.meta(a.key) == a.meta.with_expiry(123.0)
+    assert dict(dram.scan()) == {a.key: a.meta.with_expiry(123.0), b.key: b.meta}
+
+
+def test_strided_source_is_rejected(dram: DramTier, make_block: MakeBlock) -> None:
+    block = make_block(100, seed=34)
+    strided = memoryview(bytearray(200))[::2]
+    with pytest.raises(UsageError, match="contiguous"):
+        dram.write(block.key, strided, block.meta)
+
+
+# ---- configuration --------------------------------------------------------------------------------
+
+
+def test_config_from_loose_options(tmp_path: Path) -> None:
+    cfg = build_config(DramConfig, {"capacity_bytes": "8MiB", "slab_bytes": "2MiB"}, "tier 'd'")
+    assert cfg == DramConfig(8 * MiB, 2 * MiB, "")
+    tier = make_tier("dram", "d", {"capacity_bytes": "3MiB", "slab_bytes": "2MiB"}, root=tmp_path)
+    try:
+        assert isinstance(tier, DramTier)
+        assert tier.usage().capacity_bytes == 2 * MiB  # rounded down to whole slabs
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"capacity_bytes": 0}, "capacity_bytes"),
+        ({"capacity_bytes": "1MiB", "slab_bytes": 5000}, "multiple of 4096"),
+        ({"capacity_bytes": "1MiB", "slab_bytes": "2MiB"}, "smaller than one slab"),
+        ({"capacity_bytes": "4MiB", "slab_bytes": "1MiB", "shm_name": "a/b"}, "no slash"),
+        ({"capacity_bytes": "4MiB", "nonsense": 1}, "unknown option"),
+    ],
+)
+def test_config_errors_say_what_to_do(options: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build_config(DramConfig, options, "tier 'd'")

@@ -1,0 +1,319 @@
+"""The DRAM tier: one preallocated arena in POSIX shared memory, cut into slabs.
+
+The arena is created once, at its full size, and never grows: a put copies the payload into a
+slot handed out by :class:`tiers._slab.SlabAllocator` and allocates no payload memory. The
+segment has a name (:attr:`DramTier.shm_name`) and every block an ``(offset, size)``
+(:meth:`DramTier.location`), so that a same-node client can map the arena with
+:func:`attach_arena` and read a block without a copy through a socket.
+
+Not persistent: the arena is unlinked on :meth:`DramTier.close`, when the tier is garbage
+collected, at interpreter exit, and (through multiprocessing's resource tracker) when the process
+dies without running any of those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import secrets
+import sys
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+from typing import Any
+
+from kvstore.block import BlockMeta
+from kvstore.clock import Clock, system_clock
+from kvstore.errors import (
+    BlockNotFound,
+    BufferSizeError,
+    ConfigError,
+    TierFullError,
+    TierIOError,
+    UsageError,
+)
+from kvstore.keys import BlockHash
+from tiers._slab import SlabAllocator
+from tiers.base import Buffer, Tier, TierUsage
+
+_ALIGN = 4096
+_MiB = 1024 * 1024
+# Linux allows 255 bytes in a /dev/shm name; stay well under it.
+_MAX_SHM_NAME = 200
+_SHM_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
+
+# Segments created by this process. attach_arena() must not unregister these from the resource
+# tracker: in-process the tracker entry is shared with the creator, and removing it twice makes
+# the tracker print a KeyError traceback when the creator unlinks.
+_OWNED: set[str] = set()
+
+
+@dataclass(frozen=True, slots=True)
+class DramConfig:
+    """``capacity_bytes``: arena size (rounded down to whole slabs). ``slab_bytes``: the unit a
+    size class grows by; must hold the largest block. ``shm_name``: the segment's name without a
+    leading slash; empty picks a unique one (``kvs-<pid>-<tier>-<random>``)."""
+
+    capacity_bytes: int
+    slab_bytes: int = 64 * _MiB
+    shm_name: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
+            raise ConfigError(
+                f"dram capacity_bytes must be a positive size like '4GiB', got {self.capacity_bytes!r}"
+            )
+        if not isinstance(self.slab_bytes, int) or self.slab_bytes <= 0 or self.slab_bytes % _ALIGN:
+            raise ConfigError(
+                f"dram slab_bytes must be a positive multiple of {_ALIGN} (e.g. '64MiB'), "
+                f"got {self.slab_bytes!r}"
+            )
+        if self.capacity_bytes < self.slab_bytes:
+            raise ConfigError(
+                f"dram capacity_bytes ({self.capacity_bytes}) is smaller than one slab "
+                f"({self.slab_bytes}); raise capacity_bytes or lower slab_bytes"
+            )
+        if not isinstance(self.shm_name, str):
+            raise ConfigError(f"dram shm_name must be a string, got {self.shm_name!r}")
+        if self.shm_name and (
+            len(self.shm_name) > _MAX_SHM_NAME or _SHM_NAME_CHARS.search(self.shm_name)
+        ):
+            raise ConfigError(
+                f"dram shm_name {self.shm_name!r} must be at most {_MAX_SHM_NAME} characters of "
+                "letters, digits, '_', '.' and '-' (no slash), or empty for a generated name"
+            )
+
+
+def _byte_view(buf: Buffer, *, writable: bool = False) -> memoryview:
+    """``buf`` as a flat, C-contiguous unsigned-byte view, without copying.
+
+    Accepts numpy/torch-backed views of any item format and shape. UsageError for a strided
+    view or, with ``writable``, a read-only buffer.
+    """
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if not mv.c_contiguous:
+        raise UsageError("the buffer must be C-contiguous; pass a contiguous copy or view")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    if writable and mv.readonly:
+        raise UsageError("the destination buffer is read-only; pass a writable buffer")
+    return mv
+
+
+def _release_segment(shm: SharedMemory, name: str) -> None:
+    """Unmap and unlink ``shm`` once; the finalizer of a tier (it must not reference the tier)."""
+    # BufferError: a view of the arena is still alive somewhere (a caller kept a slice); the
+    # mapping goes when that view does. Unlinking the name is what keeps /dev/shm clean.
+    with contextlib.suppress(BufferError):
+        shm.close()
+    # FileNotFoundError: someone removed /dev/shm/<name> by hand; nothing is left to clean.
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()  # also unregisters it from the resource tracker
+    _OWNED.discard(name)
+
+
+def attach_arena(shm_name: str) -> SharedMemory:
+    """Map another tier's arena by name, for a same-node client; the caller closes it.
+
+    The client never unlinks the segment (the owning tier does). Python < 3.13 registers every
+    attached segment with the resource tracker, which would *unlink it* when the client exits and
+    warn about a leak; the registration is undone here (or never made, on 3.13+).
+    """
+    if sys.version_info >= (3, 13):
+        return SharedMemory(name=shm_name, track=False)  # type: ignore[call-arg]
+    shm = SharedMemory(name=shm_name)
+    if shm_name not in _OWNED:
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm
+
+
+class DramTier(Tier):
+    """Payloads in one shared-memory arena; ``key -> (offset, BlockMeta)`` in a dict.
+
+    Thread safety: ``_lock`` guards the allocator and the map; payload copies run outside it.
+    That is safe because the store never deletes or rewrites a key while a read or write of that
+    same key is in flight, so a slot cannot be freed or reused under a copy. Checksums are not
+    verified on read: the arena lives and dies with the process, it has no device to rot.
+    """
+
+    kind = "dram"
+    persistent = False
+    Config = DramConfig
+
+    def __init__(
+        self, name: str, config: DramConfig, *, root: Path, clock: Clock = system_clock
+    ) -> None:
+        super().__init__(name)
+        self.config = config
+        self._clock = clock  # unused today; kept for the constructor convention of every tier
+        self._alloc = SlabAllocator(config.capacity_bytes, config.slab_bytes, _ALIGN)
+        self._lock = threading.Lock()
+        self._map: dict[BlockHash, tuple[int, BlockMeta]] = {}
+        shm_name = config.shm_name or self._generated_name(name)
+        size = self._alloc.capacity_bytes  # a partial slab at the end could never be used
+        try:
+            shm = SharedMemory(name=shm_name, create=True, size=size)
+        except FileExistsError as e:
+            raise TierIOError(
+                f"dram tier {name!r}: shared memory segment {shm_name!r} already exists; another "
+                f"daemon uses it, or a crashed one left /dev/shm/{shm_name} behind (remove it), "
+                "or leave shm_name empty for a generated name"
+            ) from e
+        except OSError as e:
+            raise TierIOError(f"dram tier {name!r}: cannot create shared memory: {e}") from e
+        # The creator stays registered with the resource tracker on purpose: if this process is
+        # killed, the tracker unlinks the arena instead of leaving gigabytes in /dev/shm.
+        _OWNED.add(shm_name)
+        self._finalizer = weakref.finalize(self, _release_segment, shm, shm_name)
+        try:
+            self._reserve(shm)
+        except BaseException:
+            self._finalizer()
+            raise
+        self._shm = shm
+        self._buf: memoryview = shm.buf
+        self._shm_name = shm_name
+
+    @staticmethod
+    def _generated_name(name: str) -> str:
+        safe = _SHM_NAME_CHARS.sub("_", name)[:64]
+        return f"kvs-{os.getpid()}-{safe}-{secrets.token_hex(4)}"
+
+    def _reserve(self, shm: SharedMemory) -> None:
+        """Back the whole arena with memory now.
+
+        ftruncate on tmpfs only sets a size; a write past what /dev/shm can hold then kills the
+        process with SIGBUS. posix_fallocate turns that into an error at open (a container's
+        /dev/shm is often 64 MiB).
+        """
+        fd = getattr(shm, "_fd", -1)
+        if fd < 0 or not hasattr(os, "posix_fallocate"):
+            return
+        try:
+            os.posix_fallocate(fd, 0, self._alloc.capacity_bytes)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # this filesystem cannot preallocate
+                return
+            raise TierIOError(
+                f"dram tier {self.name!r}: cannot reserve {self._alloc.capacity_bytes} bytes of "
+                f"shared memory ({e}); lower capacity_bytes or enlarge /dev/shm "
+                "(docker: --shm-size)"
+            ) from e
+
+    # ---- zero-copy surface -------------------------------------------------------------------
+
+    @property
+    def shm_name(self) -> str:
+        """The arena's shared-memory name (no leading slash), for :func:`attach_arena`."""
+        return self._shm_name
+
+    def location(self, key: BlockHash) -> tuple[int, int] | None:
+        """``(offset, size)`` of ``key``'s payload in the arena, or None.
+
+        Valid only while the block is held: a client must pin the block through the store
+        before reading the arena directly.
+        """
+        with self._lock:
+            entry = self._map.get(key)
+        return None if entry is None else (entry[0], entry[1].size)
+
+    # ---- Tier --------------------------------------------------------------------------------
+
+    def contains(self, key: BlockHash) -> bool:
+        return key in self._map
+
+    def read_into(self, key: BlockHash, dst: memoryview) -> int:
+        with self._lock:
+            entry = self._map.get(key)
+        if entry is None:
+            raise BlockNotFound(f"block {key.hex()} is not in tier {self.name!r}")
+        off, meta = entry
+        out = _byte_view(dst, writable=True)
+        n = meta.size
+        if out.nbytes < n:
+            raise BufferSizeError(f"dst has {out.nbytes} bytes; block {key.hex()} needs {n}")
+        out[:n] = self._buf[off : off + n]
+        return n
+
+    def write(self, key: BlockHash, src: Buffer, meta: BlockMeta, *, durable: bool = False) -> None:
+        data = _byte_view(src)
+        n = data.nbytes
+        if n != meta.size:
+            raise BufferSizeError(f"src has {n} bytes but meta.size says {meta.size}")
+        slot = self._alloc.slot_bytes(n)  # UsageError when no slab can hold it
+        with self._lock:
+            if self._buf is None:
+                raise TierIOError(f"dram tier {self.name!r} is closed")
+            old = self._map.get(key)
+            if old is not None and self._alloc.slot_bytes(old[1].size) == slot:
+                # Rewrite in place: a full arena can still replace a block with one of its class.
+                off, fresh = old[0], False
+            else:
+                got = self._alloc.alloc(n)
+                if got is None:
+                    raise TierFullError(
+                        f"dram tier {self.name!r} has no free {slot}-byte slot for block {key.hex()}"
+                    )
+                off, fresh = got, True
+        self._buf[off : off + n] = data
+        with self._lock:
+            prev = self._map.get(key)
+            self._map[key] = (off, meta)
+            if fresh and prev is not None:
+                self._alloc.free(prev[0])
+
+    def delete(self, key: BlockHash) -> bool:
+        with self._lock:
+            entry = self._map.pop(key, None)
+            if entry is None:
+                return False
+            self._alloc.free(entry[0])
+            return True
+
+    def usage(self) -> TierUsage:
+        """``used_bytes`` counts whole slots (sizes rounded up to 4 KiB): the room really taken."""
+        with self._lock:
+            return TierUsage(self._alloc.used_bytes, self._alloc.capacity_bytes, len(self._map))
+
+    def fits(self, size: int) -> bool:
+        """Whether a free slot of ``size``'s class exists; UsageError if no slab can hold it."""
+        with self._lock:
+            return self._alloc.fits(size)
+
+    def size_class(self, size: int) -> int:
+        return self._alloc.slot_bytes(size)
+
+    def meta(self, key: BlockHash) -> BlockMeta | None:
+        entry = self._map.get(key)
+        return None if entry is None else entry[1]
+
+    def scan(self) -> Iterator[tuple[BlockHash, BlockMeta]]:
+        """A snapshot of the blocks held now (an empty arena after every start)."""
+        with self._lock:
+            items = [(k, m) for k, (_, m) in self._map.items()]
+        return iter(items)
+
+    def update_expiry(self, items: Iterable[tuple[BlockHash, float]]) -> None:
+        with self._lock:
+            for key, expiry in items:
+                entry = self._map.get(key)
+                if entry is not None:
+                    self._map[key] = (entry[0], entry[1].with_expiry(expiry))
+
+    def close(self) -> None:
+        """Drop every block and unlink the arena. Idempotent."""
+        with self._lock:
+            self._map.clear()
+            self._buf = None  # type: ignore[assignment]
+        self._finalizer()
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d.update(shm_name=self._shm_name, slab_bytes=self._alloc.slab_bytes)
+        return d
