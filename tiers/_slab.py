@@ -21,6 +21,7 @@ class _Slab:
     index: int
     slot_bytes: int = 0  # 0: unassigned
     free: list[int] = field(default_factory=list)
+    busy: bytearray = field(default_factory=bytearray)  # one byte per slot: catches double frees
     used: int = 0
 
 
@@ -40,6 +41,8 @@ class SlabAllocator:
         self._slabs = [_Slab(i) for i in range(self.n_slabs)]
         self._unassigned: list[int] = list(range(self.n_slabs - 1, -1, -1))
         self._partial: dict[int, set[int]] = {}  # slot_bytes -> slabs with a free slot
+        self._empty: set[int] = set()  # assigned slabs with no used slot: free for any class
+        self._stale: set[int] = set()  # slabs whose free lists wait for claims to settle
         self.used_bytes = 0  # bytes of slots handed out (padded)
 
     def slot_bytes(self, size: int) -> int:
@@ -56,13 +59,15 @@ class SlabAllocator:
 
     def fits(self, size: int) -> bool:
         slot = self.slot_bytes(size)
-        return bool(self._partial.get(slot)) or bool(self._unassigned) or any(
-            s.used == 0 and s.slot_bytes for s in self._slabs
-        )
+        if self._stale:
+            self._settle()
+        return bool(self._partial.get(slot)) or bool(self._unassigned) or bool(self._empty)
 
     def alloc(self, size: int) -> int | None:
         """Offset of a free slot for ``size`` bytes, or None when the class and the pool are full."""
         slot = self.slot_bytes(size)
+        if self._stale:
+            self._settle()
         partial = self._partial.get(slot)
         if partial:
             slab = self._slabs[next(iter(partial))]
@@ -75,7 +80,9 @@ class SlabAllocator:
             partial = self._partial.setdefault(slot, set())
             partial.add(slab.index)
         k = slab.free.pop()
+        slab.busy[k] = 1
         slab.used += 1
+        self._empty.discard(slab.index)
         if not slab.free:
             partial.discard(slab.index)
         self.used_bytes += slot
@@ -85,11 +92,18 @@ class SlabAllocator:
         slab = self._slabs[offset // self.slab_bytes]
         if not slab.slot_bytes:
             raise RuntimeError(f"free of offset {offset} in an unassigned slab {slab.index}")
-        k = (offset - slab.index * self.slab_bytes) // slab.slot_bytes
+        if self._stale:
+            self._settle()
+        k, rem = divmod(offset - slab.index * self.slab_bytes, slab.slot_bytes)
+        if rem or not slab.busy[k]:
+            raise RuntimeError(f"free of offset {offset}: not an allocated slot (double free?)")
+        slab.busy[k] = 0
         slab.free.append(k)
         slab.used -= 1
         self.used_bytes -= slab.slot_bytes
         self._partial.setdefault(slab.slot_bytes, set()).add(slab.index)
+        if slab.used == 0:
+            self._empty.add(slab.index)
 
     def claim(self, offset: int, size: int) -> None:
         """Mark the slot at ``offset`` used (rebuilding occupancy after a restart)."""
@@ -104,23 +118,37 @@ class SlabAllocator:
                 f"slot at offset {offset} claimed for class {slot} in slab of class {slab.slot_bytes}"
             )
         k = (offset - slab.index * self.slab_bytes) // slot
-        slab.free.remove(k)
+        if slab.busy[k]:
+            raise RuntimeError(f"slot at offset {offset} claimed twice")
+        slab.busy[k] = 1
         slab.used += 1
+        self._empty.discard(slab.index)
         self.used_bytes += slot
-        if not slab.free:
-            self._partial[slot].discard(slab.index)
+        # Free lists are rebuilt once after a run of claims (a restart claims every block).
+        self._stale.add(slab.index)
+
+    def _settle(self) -> None:
+        for i in self._stale:
+            slab = self._slabs[i]
+            slab.free = [k for k in range(len(slab.busy) - 1, -1, -1) if not slab.busy[k]]
+            if slab.free:
+                self._partial.setdefault(slab.slot_bytes, set()).add(i)
+            else:
+                self._partial.get(slab.slot_bytes, set()).discard(i)
+        self._stale.clear()
 
     def _assign(self, slab: _Slab, slot: int) -> None:
         slab.slot_bytes = slot
         # Pop from the end: the lowest slot first, so a fresh arena fills front to back.
         slab.free = list(range(self.slab_bytes // slot - 1, -1, -1))
+        slab.busy = bytearray(len(slab.free))
         slab.used = 0
 
     def _take_slab(self) -> int | None:
         if self._unassigned:
             return self._unassigned.pop()
-        for s in self._slabs:  # an emptied slab of another class
-            if s.used == 0 and s.slot_bytes:
-                self._partial.get(s.slot_bytes, set()).discard(s.index)
-                return s.index
+        if self._empty:  # an emptied slab of another class
+            i = self._empty.pop()
+            self._partial.get(self._slabs[i].slot_bytes, set()).discard(i)
+            return i
         return None

@@ -144,3 +144,31 @@ def test_random_workload_keeps_invariants() -> None:
             assert o // SLAB == (end - 1) // SLAB
             assert end <= next_start
         assert a.used_bytes == sum(a.slot_bytes(s) for s in live.values())
+
+
+def test_double_free_and_double_claim_are_bugs() -> None:
+    a = SlabAllocator(capacity_bytes=4 * 16384, slab_bytes=16384)
+    off = a.alloc(4096)
+    assert off is not None
+    a.free(off)
+    with pytest.raises(RuntimeError, match="double free"):
+        a.free(off)
+    b = SlabAllocator(capacity_bytes=4 * 16384, slab_bytes=16384)
+    b.claim(4096, 4096)
+    with pytest.raises(RuntimeError, match="claimed twice"):
+        b.claim(4096, 4096)
+
+
+def test_claims_settle_into_free_lists() -> None:
+    a = SlabAllocator(capacity_bytes=2 * 16384, slab_bytes=16384)
+    for off in (0, 8192):  # slots 0 and 2 of slab 0 survived a restart
+        a.claim(off, 4000)
+    got = {a.alloc(4000), a.alloc(4000)}
+    assert got == {4096, 12288}  # the two free slots of slab 0, before a new slab
+    assert a.used_bytes == 4 * 4096
+    a.free(0)
+    a.free(8192)
+    a.free(4096)
+    a.free(12288)
+    assert a.fits(16384)  # the emptied slab serves another class
+    assert a.alloc(16384) is not None and a.alloc(16384) is not None
