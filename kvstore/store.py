@@ -280,7 +280,7 @@ class KVStore:
             self.index.add_in_use(ids, 1)
             masks = m.tiers.tolist()
         served: list[int] = []
-        corrupt: list[tuple[int, int]] = []
+        corrupt: list[tuple[int, int, bool]] = []
         try:
             for i, mask in enumerate(masks):
                 k = self._read_block(BlockHash(hashes[i]), mask, bufs[i], corrupt, i)
@@ -293,11 +293,11 @@ class KVStore:
                     self._after_load(ids, hashes, served, corrupt, bufs, info, now)
                 finally:
                     self.index.add_in_use(ids, -1)
-                    self._drop_hollow_leaves([int(ids[i]) for i, _ in corrupt])
+                    self._drop_hollow_leaves([int(ids[i]) for i, _, _ in corrupt])
         return len(served)
 
     def _read_block(
-        self, key: BlockHash, mask: int, buf: memoryview, corrupt: list[tuple[int, int]], i: int
+        self, key: BlockHash, mask: int, buf: memoryview, bad: list[tuple[int, int, bool]], i: int
     ) -> int | None:
         """Read from the fastest tier that has a good copy; returns that tier or None."""
         while mask:
@@ -308,10 +308,10 @@ class KVStore:
                 return k
             except CorruptBlockError as e:
                 log.warning("block %s corrupt on tier %s: %s", key.hex(), self.tiers[k].name, e)
-                corrupt.append((i, k))
+                bad.append((i, k, True))
             except (BlockNotFound, TierIOError) as e:
                 log.warning("block %s unreadable on tier %s: %s", key.hex(), self.tiers[k].name, e)
-                corrupt.append((i, k))
+                bad.append((i, k, False))
         return None
 
     def _after_load(
@@ -319,17 +319,19 @@ class KVStore:
         ids: np.ndarray,
         hashes: Sequence[bytes],
         served: list[int],
-        bad: list[tuple[int, int]],
+        bad: list[tuple[int, int, bool]],
         bufs: list[memoryview],
         info: _NsInfo,
         now: float,
     ) -> None:
         c = self.counters
-        for i, k in bad:
-            bid = int(ids[i])
-            if k == 0 or self.tiers[k].persistent:
+        for i, k, corrupt in bad:
+            # The copy is dropped either way: a later put or promotion writes a good one.
+            if corrupt:
                 c.corrupt_blocks += 1
-            self._drop_copy(bid, k, hashes[i])
+            else:
+                c.tier_errors += 1
+            self._drop_copy(int(ids[i]), k, hashes[i])
         n = len(served)
         c.hit_blocks += n
         c.loaded_blocks += n
