@@ -60,14 +60,14 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     def build_ours() -> RadixIndex:
         idx = RadixIndex()
         for c in range(0, n_blocks, chain_len):
-            idx.insert_chain(_keys(raw, c, c + chain_len), NO_PARENT, 0, 1 << 20, 0, 1, 1.7e9, 1.8e9)
+            idx.insert_chain(_keys(raw, c, min(c + chain_len, n_blocks)), NO_PARENT, 0, 1 << 20, 0, 1, 1.7e9, 1.8e9)
         return idx
 
     def build_objects() -> dict[bytes, _Node]:
         table: dict[bytes, _Node] = {}
         for c in range(0, n_blocks, chain_len):
             parent = None
-            for d, k in enumerate(_keys(raw, c, c + chain_len)):
+            for d, k in enumerate(_keys(raw, c, min(c + chain_len, n_blocks))):
                 node = _Node(k, parent, depth=d, size=1 << 20, tiers=1, last_access=1.7e9, expiry=1.8e9)
                 if parent is not None:
                     parent.children[k] = node
