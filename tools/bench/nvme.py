@@ -61,7 +61,9 @@ def _measure(base: Path, bs: int, total: int, rounds: int, fs: str) -> Iterator[
         s[:] = rng.integers(0, 256, bs, dtype=np.uint8).tobytes()
     for d in dsts:
         d[:] = bytes(bs)  # fault the pages in now, not inside whichever side reads first
-    metas = [BlockMeta(b"\x01" * 16, b"\x02" * 16, 0, bs, 0.0, payload_checksum(s), 0.0) for s in srcs]
+    metas = [
+        BlockMeta(b"\x01" * 16, b"\x02" * 16, 0, bs, 0.0, payload_checksum(s), 0.0) for s in srcs
+    ]
     keys = [BlockHash(i.to_bytes(16, "little")) for i in range(n)]
     per_seg = max(1, min(SEGMENT_BYTES, total // 4) // bs)
     segments = [range(i, min(i + per_seg, n)) for i in range(0, n, per_seg)]
@@ -96,8 +98,14 @@ def _measure(base: Path, bs: int, total: int, rounds: int, fs: str) -> Iterator[
             # free lists hand the slots back in ascending order, like the raw file's offsets).
             for k in reversed(keys):
                 tier.delete(k)
-            writes: list[tuple[str, Callable[[range], None]]] = [("raw_w", raw_write), ("tier_w", tier_write)]
-            reads: list[tuple[str, Callable[[range], None]]] = [("raw_r", raw_read), ("tier_r", tier_read)]
+            writes: list[tuple[str, Callable[[range], None]]] = [
+                ("raw_w", raw_write),
+                ("tier_w", tier_write),
+            ]
+            reads: list[tuple[str, Callable[[range], None]]] = [
+                ("raw_r", raw_read),
+                ("tier_r", tier_read),
+            ]
             for phase in (writes, reads):
                 for j, seg in enumerate(segments):
                     for name, fn in phase if (j + r) % 2 == 0 else phase[::-1]:
@@ -114,8 +122,12 @@ def _measure(base: Path, bs: int, total: int, rounds: int, fs: str) -> Iterator[
         os.close(fd)
         raw_path.unlink(missing_ok=True)
     gb = total * rounds / 1e9
-    yield result("nvme", f"write_{label}", gb / spent["tier_w"], "GB/s", gb / spent["raw_w"], **extra)
-    yield result("nvme", f"read_{label}", gb / spent["tier_r"], "GB/s", gb / spent["raw_r"], **extra)
+    yield result(
+        "nvme", f"write_{label}", gb / spent["tier_w"], "GB/s", gb / spent["raw_w"], **extra
+    )
+    yield result(
+        "nvme", f"read_{label}", gb / spent["tier_r"], "GB/s", gb / spent["raw_r"], **extra
+    )
 
 
 def _timed(fn: Callable[[range], None], seg: range) -> float:
