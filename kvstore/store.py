@@ -50,6 +50,7 @@ from kvstore.errors import (
 from kvstore.index import NO_PARENT, RadixIndex
 from kvstore.keys import BlockHash, Namespace
 from kvstore.registry import make_tier, policy_class
+from tiers.base import byte_view
 
 log = logging.getLogger(__name__)
 
@@ -892,14 +893,11 @@ def _as_view(buf: Any, writable: bool) -> memoryview:
             raise UsageError("torch buffers must be contiguous CPU tensors")
         buf = buf.view(-1).view(__import__("torch").uint8).numpy()
     try:
-        mv = memoryview(buf)
+        return byte_view(buf, writable=writable)
     except TypeError:
-        raise UsageError(f"expected a buffer (bytes, bytearray, numpy array, tensor), got {type(buf).__name__}") from None
-    if writable and mv.readonly:
-        raise UsageError("the destination buffer is read-only; pass a bytearray, numpy array or tensor")
-    if not mv.c_contiguous:
-        raise UsageError("buffers must be C-contiguous")
-    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+        raise UsageError(
+            f"expected a buffer (bytes, bytearray, numpy array, tensor), got {type(buf).__name__}"
+        ) from None
 
 
 def _split(buf: Any, bb: int, writable: bool, count: int | None) -> list[memoryview]:

@@ -28,8 +28,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.errors import UsageError
-
 ALIGN = 4096
 """Alignment of offsets, lengths and memory addresses for ``O_DIRECT`` transfers."""
 
@@ -41,22 +39,6 @@ _MIN_BOUNCE = 64 * 1024
 
 def round_up(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
-
-
-def byte_view(buf: memoryview | bytes | bytearray, *, writable: bool = False) -> memoryview:
-    """A flat, C-contiguous ``"B"`` view of ``buf`` without copying.
-
-    Accepts numpy/torch-backed memoryviews of any item format and shape (cast to bytes).
-    Raises UsageError for a strided view or, with ``writable``, a read-only buffer.
-    """
-    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if not mv.c_contiguous:
-        raise UsageError("the buffer must be C-contiguous; pass a contiguous copy or view")
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
-    if writable and mv.readonly:
-        raise UsageError("the destination buffer is read-only; pass a writable buffer")
-    return mv
 
 
 def address(mv: memoryview) -> int:

@@ -36,11 +36,10 @@ from kvstore.errors import (
     ConfigError,
     TierFullError,
     TierIOError,
-    UsageError,
 )
 from kvstore.keys import BlockHash
 from tiers._slab import SlabAllocator
-from tiers.base import Buffer, Tier, TierUsage
+from tiers.base import Buffer, Tier, TierUsage, byte_view
 
 _ALIGN = 4096
 _MiB = 1024 * 1024
@@ -88,22 +87,6 @@ class DramConfig:
                 f"dram shm_name {self.shm_name!r} must be at most {_MAX_SHM_NAME} characters of "
                 "letters, digits, '_', '.' and '-' (no slash), or empty for a generated name"
             )
-
-
-def _byte_view(buf: Buffer, *, writable: bool = False) -> memoryview:
-    """``buf`` as a flat, C-contiguous unsigned-byte view, without copying.
-
-    Accepts numpy/torch-backed views of any item format and shape. UsageError for a strided
-    view or, with ``writable``, a read-only buffer.
-    """
-    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if not mv.c_contiguous:
-        raise UsageError("the buffer must be C-contiguous; pass a contiguous copy or view")
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
-    if writable and mv.readonly:
-        raise UsageError("the destination buffer is read-only; pass a writable buffer")
-    return mv
 
 
 def _release_segment(shm: SharedMemory, name: str) -> None:
@@ -234,7 +217,7 @@ class DramTier(Tier):
         if entry is None:
             raise BlockNotFound(f"block {key.hex()} is not in tier {self.name!r}")
         off, meta = entry
-        out = _byte_view(dst, writable=True)
+        out = byte_view(dst, writable=True)
         n = meta.size
         if out.nbytes < n:
             raise BufferSizeError(f"dst has {out.nbytes} bytes; block {key.hex()} needs {n}")
@@ -242,7 +225,7 @@ class DramTier(Tier):
         return n
 
     def write(self, key: BlockHash, src: Buffer, meta: BlockMeta, *, durable: bool = False) -> None:
-        data = _byte_view(src)
+        data = byte_view(src)
         n = data.nbytes
         if n != meta.size:
             raise BufferSizeError(f"src has {n} bytes but meta.size says {meta.size}")

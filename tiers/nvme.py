@@ -49,9 +49,9 @@ from kvstore.errors import (
     UsageError,
 )
 from kvstore.keys import HASH_BYTES, BlockHash
-from tiers._direct import ALIGN, DirectFile, byte_view
+from tiers._direct import ALIGN, DirectFile
 from tiers._slab import SlabAllocator
-from tiers.base import Buffer, Tier, TierUsage, tier_dir
+from tiers.base import Buffer, Tier, TierUsage, byte_view, tier_dir
 
 MiB = 1024 * 1024
 

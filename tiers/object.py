@@ -43,7 +43,7 @@ from kvstore.errors import (
     UsageError,
 )
 from kvstore.keys import HASH_BYTES, BlockHash
-from tiers.base import Buffer, Tier, TierUsage, tier_dir
+from tiers.base import Buffer, Tier, TierUsage, byte_view, tier_dir
 
 MAGIC = b"KVSB"
 FORMAT_VERSION = 1
@@ -86,22 +86,6 @@ class ObjectConfig:
                 "object storage_options must be a table of fsspec options "
                 f"(e.g. {{endpoint_url = '...'}}), got {self.storage_options!r}"
             )
-
-
-def _byte_view(buf: Buffer, *, writable: bool = False) -> memoryview:
-    """``buf`` as a flat, C-contiguous unsigned-byte view, without copying.
-
-    Accepts numpy/torch-backed views of any item format and shape. UsageError for a strided
-    view or, with ``writable``, a read-only buffer.
-    """
-    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if not mv.c_contiguous:
-        raise UsageError("the buffer must be C-contiguous; pass a contiguous copy or view")
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
-    if writable and mv.readonly:
-        raise UsageError("the destination buffer is read-only; pass a writable buffer")
-    return mv
 
 
 def pack_header(key: BlockHash, meta: BlockMeta, descriptor: bytes = b"") -> bytes:
@@ -263,7 +247,7 @@ class ObjectTier(Tier):
     def read_into(self, key: BlockHash, dst: memoryview) -> int:
         """Copy the verified payload into ``dst``. On an error ``dst``'s bytes are unspecified."""
         self._check_open()
-        out = _byte_view(dst, writable=True)
+        out = byte_view(dst, writable=True)
         path = self.path(key)
         if self._local:
             meta = self._read_local(key, path, out)
@@ -328,7 +312,7 @@ class ObjectTier(Tier):
 
     def write(self, key: BlockHash, src: Buffer, meta: BlockMeta, *, durable: bool = False) -> None:
         """Publish the object atomically (temp name + rename locally, one PUT elsewhere)."""
-        data = _byte_view(src)
+        data = byte_view(src)
         if data.nbytes != meta.size:
             raise BufferSizeError(f"src has {data.nbytes} bytes but meta.size says {meta.size}")
         if len(key) != HASH_BYTES:

@@ -261,3 +261,16 @@ def test_durable_needs_a_persistent_tier(tmp_path: Path) -> None:
         with pytest.raises(UsageError, match="persistent"):
             put_chain(s, chain, durable=True)
         assert load(s, chain)[0] == 2  # placed in DRAM all the same
+
+
+def test_torch_tensors_as_caller_buffers(make_store) -> None:
+    torch = pytest.importorskip("torch")
+    s = make_store()
+    chain = chain_for(800, 3)
+    src = torch.frombuffer(bytearray(b"".join(payload(h) for h in chain)), dtype=torch.bfloat16)
+    assert s.put(SMALL_NS, chain, src) == 3
+    dst = torch.zeros(3 * BB // 2, dtype=torch.bfloat16)
+    assert s.get_into(SMALL_NS, chain, dst) == 3
+    assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
+    with pytest.raises(UsageError, match="contiguous"):
+        s.get_into(SMALL_NS, chain, torch.zeros(3 * BB, dtype=torch.uint8)[::2])
