@@ -1,0 +1,165 @@
+"""A reference engine on Hugging Face ``transformers``: a causal LM that skips cached prefill.
+
+For a prompt, :class:`CachedLM` hashes the full blocks, loads the leading cached ones from the
+store, places their KV in a ``DynamicCache`` and runs the model on the uncached suffix only; the
+new full blocks go back to the store in the background. At least one prompt token is always
+computed (its logits start generation), so at most ``(len - 1) // block_tokens`` blocks load.
+
+On CUDA the load is layer-wise: blocks are copied host-to-device in layer groups on a side
+stream, each layer is unpacked there and marks an event, and the model's attention for layer i
+waits (on the device, not the host) for layer i's event only, so layer i+1's copy runs while
+layer i computes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from engine.client import EngineCache
+from engine.kvlayout import KVShape, pack, unpack_layer
+
+
+def _cache_kw(model: Any) -> str:
+    """transformers 5.2x renamed ``past_key_values`` to ``cache``; accept both generations."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _out_cache(out: Any) -> DynamicCache:
+    c = getattr(out, "cache", None)
+    return c if c is not None else out.past_key_values
+
+
+class PrefixCache(DynamicCache):
+    """A DynamicCache whose leading tokens were loaded from the store; each layer's first
+    update waits for that layer's load event."""
+
+    def __init__(self, config: Any, events: list[torch.cuda.Event | None]) -> None:
+        super().__init__(config=config)
+        self._events = events
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        if layer_idx < len(self._events) and self._events[layer_idx] is not None:
+            torch.cuda.current_stream(key_states.device).wait_event(self._events[layer_idx])
+            self._events[layer_idx] = None
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def _set_layer(cache: DynamicCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    while len(cache.layers) <= layer:  # caches built without a config grow on demand
+        cache.layers.append(cache.layer_class_to_replicate())
+    lay = cache.layers[layer]
+    lay.lazy_initialization(k, v)
+    lay.keys, lay.values = k, v  # no copy: the tensors the loader fills
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    logits: torch.Tensor
+    """Next-token logits after the prompt, float32, ``[vocab]``."""
+    cache: DynamicCache
+    hit_tokens: int
+    computed_tokens: int
+    seconds: float
+
+
+class CachedLM:
+    """Wraps a causal LM so that cached prompt prefixes are loaded instead of computed."""
+
+    def __init__(self, model: Any, cache: EngineCache | None, *, layer_groups: int = 4) -> None:
+        self.model = model.eval()
+        self.cache = cache
+        self.device = next(model.parameters()).device
+        self.layer_groups = max(1, layer_groups)
+        self._kw = _cache_kw(model)
+
+    @property
+    def shape(self) -> KVShape:
+        assert self.cache is not None
+        return self.cache.shape
+
+    @torch.no_grad()
+    def prefill(self, input_ids: Any, *, use_cache: bool = True, store: bool = True) -> Prefill:
+        t0 = time.perf_counter()
+        ids = torch.as_tensor(input_ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise ValueError("the prompt is empty")
+        kv_cache: DynamicCache = DynamicCache(config=self.model.config)
+        hashes: list[bytes] = []
+        hit = 0
+        if self.cache is not None and use_cache:
+            bt = self.shape.block_tokens
+            hashes = self.cache.hashes(ids)
+            blocks = self.cache.load(hashes, (ids.numel() - 1) // bt)
+            if blocks.shape[0]:
+                kv_cache = self._install(blocks)
+                hit = blocks.shape[0] * bt
+        out = self.model(input_ids=ids[hit:].unsqueeze(0).to(self.device), use_cache=True, **{self._kw: kv_cache})
+        kv_cache = _out_cache(out)
+        if self.cache is not None and store and hashes:
+            full = len(hashes)
+            start = hit // self.shape.block_tokens
+            if full > start:
+                keys = [lay.keys for lay in kv_cache.layers]
+                values = [lay.values for lay in kv_cache.layers]
+                self.cache.store_async(hashes, pack(keys, values, self.shape, start, full), start)
+        logits = out.logits[0, -1].float()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return Prefill(logits, kv_cache, hit, ids.numel() - hit, time.perf_counter() - t0)
+
+    def _install(self, blocks: torch.Tensor) -> DynamicCache:
+        """Loaded ``[n, block_bytes]`` host blocks -> a cache on the model's device."""
+        shape = self.shape
+        n_layers = shape.num_layers
+        if self.device.type != "cuda":
+            cache = DynamicCache(config=self.model.config)
+            blocks = blocks.to(self.device)
+            for layer in range(n_layers):
+                k, v = unpack_layer(blocks, shape, layer)
+                _set_layer(cache, layer, k.contiguous(), v.contiguous())
+            return cache
+        events: list[torch.cuda.Event | None] = [None] * n_layers
+        cache = PrefixCache(self.model.config, events)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        staging = torch.empty(blocks.shape, dtype=torch.uint8, device=self.device)
+        lb = shape.layer_bytes
+        per_group = -(-n_layers // self.layer_groups)
+        with torch.cuda.stream(stream):
+            for g0 in range(0, n_layers, per_group):
+                g1 = min(n_layers, g0 + per_group)
+                for b in range(blocks.shape[0]):  # one contiguous copy per block and group
+                    staging[b, g0 * lb : g1 * lb].copy_(blocks[b, g0 * lb : g1 * lb], non_blocking=True)
+                for layer in range(g0, g1):
+                    k, v = unpack_layer(staging, shape, layer)
+                    k, v = k.contiguous(), v.contiguous()
+                    _set_layer(cache, layer, k, v)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    events[layer] = ev
+        staging.record_stream(stream)
+        cache._loaded_from = blocks  # type: ignore[attr-defined]  # pinned source outlives the copies
+        return cache
+
+    @torch.no_grad()
+    def generate(self, input_ids: Any, max_new_tokens: int, *, use_cache: bool = True) -> tuple[list[int], Prefill]:
+        """Greedy decoding; returns the new tokens and the prefill record (TTFT = its seconds)."""
+        pre = self.prefill(input_ids, use_cache=use_cache)
+        tokens: list[int] = []
+        nxt = int(pre.logits.argmax())
+        kv_cache = pre.cache
+        for _ in range(max_new_tokens):
+            tokens.append(nxt)
+            if len(tokens) == max_new_tokens:
+                break
+            out = self.model(input_ids=torch.tensor([[nxt]], device=self.device), use_cache=True, **{self._kw: kv_cache})
+            kv_cache = _out_cache(out)
+            nxt = int(out.logits[0, -1].argmax())
+        return tokens, pre

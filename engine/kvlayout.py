@@ -1,0 +1,82 @@
+"""How an engine's KV maps onto store blocks.
+
+A block's payload is layer-major: ``[layers][K, V][kv_heads][block_tokens][head_dim]`` in the
+model's dtype. Layer-major lets a loader move the first layers of every block before the last
+ones (layer-wise loading: layer i+1 loads while layer i computes), and one layer of one block is
+one contiguous run of bytes.
+
+The engine's side is the per-layer ``[batch=1, kv_heads, tokens, head_dim]`` tensors that
+Hugging Face caches (and most engines' attention kernels) use. :func:`pack` and :func:`unpack`
+convert between the two with a few tensor ops (no per-token or per-block Python).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstore.keys import KVLayout, LayerGroup, Namespace
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_tokens: int
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer (K and V) of one block."""
+        return 2 * self.kv_heads * self.block_tokens * self.head_dim * self.dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+    def namespace(self, model_id: str, revision: str = "main", **kw: Any) -> Namespace:
+        layout = KVLayout(
+            self.dtype_name,
+            self.block_tokens,
+            (LayerGroup("full", self.num_layers, self.kv_heads, self.head_dim),),
+        )
+        return Namespace(model_id, layout, model_revision=revision, **kw)
+
+
+def shape_of(config: Any, dtype: torch.dtype, block_tokens: int) -> KVShape:
+    """The KV shape of a Hugging Face decoder config (full attention layers)."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return KVShape(cfg.num_hidden_layers, kv_heads, head_dim, dtype, block_tokens)
+
+
+def pack(keys: list[torch.Tensor], values: list[torch.Tensor], shape: KVShape, start: int, stop: int) -> torch.Tensor:
+    """Blocks ``start..stop-1`` of per-layer ``[1, H, T, D]`` tensors as ``[n, block_bytes]`` uint8."""
+    bt = shape.block_tokens
+    n = stop - start
+    t0, t1 = start * bt, stop * bt
+    k = torch.stack([x[0, :, t0:t1] for x in keys])  # [L, H, n*bt, D]
+    v = torch.stack([x[0, :, t0:t1] for x in values])
+    kv = torch.stack([k, v], dim=1)  # [L, 2, H, n*bt, D]
+    kv = kv.reshape(shape.num_layers, 2, shape.kv_heads, n, bt, shape.head_dim)
+    blocks = kv.permute(3, 0, 1, 2, 4, 5).contiguous()  # [n, L, 2, H, bt, D]
+    return blocks.view(n, -1).view(torch.uint8)
+
+
+def unpack_layer(blocks: torch.Tensor, shape: KVShape, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer`` of ``[n, block_bytes]`` uint8 blocks as ``[1, H, n*bt, D]`` K and V."""
+    n = blocks.shape[0]
+    lb = shape.layer_bytes
+    part = blocks[:, layer * lb : (layer + 1) * lb].contiguous().view(shape.dtype)
+    part = part.view(n, 2, shape.kv_heads, shape.block_tokens, shape.head_dim)
+    kv = part.permute(1, 2, 0, 3, 4).reshape(2, shape.kv_heads, n * shape.block_tokens, shape.head_dim)
+    return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
