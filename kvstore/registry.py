@@ -17,6 +17,7 @@ from kvstore.errors import ConfigError
 from kvstore.units import parse_duration, parse_size
 
 TIERS: dict[str, str] = {
+    "hbm": "tiers.hbm:HbmTier",
     "dram": "tiers.dram:DramTier",
     "nvme": "tiers.nvme:NvmeTier",
     "object": "tiers.object:ObjectTier",

@@ -23,13 +23,14 @@ from tiers.faulty import FaultyTier
 KiB = 1024
 MiB = 1024 * KiB
 
-KINDS = ["dram", "nvme", "object"]
+KINDS = ["hbm", "dram", "nvme", "object"]
 """Every registered tier kind: the conformance suite runs once per kind."""
 
 TIER_NAME = "t0"
 
 # Small tiers keep the suite fast: 4 slabs of 1 MiB (the object tier has no slabs).
 SMALL_OPTIONS: dict[str, dict[str, Any]] = {
+    "hbm": {"capacity_bytes": "4MiB", "slab_bytes": "1MiB", "device": "cpu"},
     "dram": {"capacity_bytes": "4MiB", "slab_bytes": "1MiB"},
     "nvme": {"capacity_bytes": "4MiB", "slab_bytes": "1MiB"},
     "object": {"capacity_bytes": "4MiB"},
