@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
+from engine.gpu import ArenaBlocks, HostBlocks
 from engine.kvlayout import KVShape
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, UsageError
 from kvstore.keys import BlockHash, Namespace, hash_blocks
 
 log = logging.getLogger(__name__)
@@ -49,21 +50,34 @@ class EngineCache:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-store")
         self._slots = threading.BoundedSemaphore(max_pending)
         self._pin = torch.cuda.is_available()
+        # Leases (zero-copy reads from the store's shared-memory arena) when the store offers
+        # them; the first refusal (no arena tier first) switches to copies for good.
+        self._leases = hasattr(store, "acquire")
 
     def hashes(self, tokens: Any) -> list[BlockHash]:
         return hash_blocks(self.ns, tokens)
 
-    def load(self, hashes: list[BlockHash], max_blocks: int) -> torch.Tensor:
-        """The leading cached blocks (at most ``max_blocks``) as ``[n, block_bytes]`` uint8 on
-        the host (pinned when CUDA is present, so the copy to the device is asynchronous)."""
+    def load(self, hashes: list[BlockHash], max_blocks: int) -> ArenaBlocks | HostBlocks:
+        """The leading cached blocks (at most ``max_blocks``). From an in-process store with a
+        shared-memory arena they stay in the arena, held by a lease, and are copied straight to
+        the device; otherwise they are copied into a host buffer (pinned when CUDA is present).
+        The caller calls ``release()`` once its copies are done."""
         self.counters.lookups += 1
         max_blocks = min(max_blocks, len(hashes))
         if max_blocks <= 0:
-            return torch.empty((0, self.shape.block_bytes), dtype=torch.uint8)
+            return HostBlocks(torch.empty((0, self.shape.block_bytes), dtype=torch.uint8))
+        if self._leases:
+            try:
+                blocks = ArenaBlocks(self.store, self.store.acquire(self.ns, hashes[:max_blocks]))
+                self.counters.hit_blocks += blocks.num_blocks
+                return blocks
+            except UsageError as e:
+                log.info("store has no arena to lease from (%s); loading by copy", e)
+                self._leases = False
         buf = torch.empty((max_blocks, self.shape.block_bytes), dtype=torch.uint8, pin_memory=self._pin)
         n = self.store.get_into(self.ns, hashes[:max_blocks], buf.view(-1).numpy())
         self.counters.hit_blocks += n
-        return buf[:n]
+        return HostBlocks(buf[:n])
 
     def store_async(self, hashes: list[BlockHash], blocks: torch.Tensor, start: int) -> Future[int] | None:
         """Store ``blocks`` (``[m, block_bytes]`` uint8, blocks ``start..start+m-1`` of

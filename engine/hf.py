@@ -13,6 +13,7 @@ layer i computes.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,13 +22,12 @@ import torch
 from transformers import DynamicCache
 
 from engine.client import EngineCache
+from engine.gpu import ArenaBlocks, HostBlocks
 from engine.kvlayout import KVShape, pack, unpack_layer
 
 
 def _cache_kw(model: Any) -> str:
     """transformers 5.2x renamed ``past_key_values`` to ``cache``; accept both generations."""
-    import inspect
-
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -78,6 +78,9 @@ class CachedLM:
         self.device = next(model.parameters()).device
         self.layer_groups = max(1, layer_groups)
         self._kw = _cache_kw(model)
+        # Logits of the last position only: a 32K-token prompt's full logits are gigabytes.
+        params = inspect.signature(model.forward).parameters
+        self._extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
     @property
     def shape(self) -> KVShape:
@@ -93,16 +96,25 @@ class CachedLM:
         kv_cache: DynamicCache = DynamicCache(config=self.model.config)
         hashes: list[bytes] = []
         hit = 0
+        loaded: ArenaBlocks | HostBlocks | None = None
         if self.cache is not None and use_cache:
             bt = self.shape.block_tokens
             hashes = self.cache.hashes(ids)
-            blocks = self.cache.load(hashes, (ids.numel() - 1) // bt)
-            if blocks.shape[0]:
-                kv_cache = self._install(blocks)
-                hit = blocks.shape[0] * bt
-        out = self.model(input_ids=ids[hit:].unsqueeze(0).to(self.device), use_cache=True, **{self._kw: kv_cache})
+            loaded = self.cache.load(hashes, (ids.numel() - 1) // bt)
+            if loaded.num_blocks:
+                kv_cache = self._install(loaded)
+                hit = loaded.num_blocks * bt
+        try:
+            return self._run(ids, hit, hashes if store else [], kv_cache, t0)
+        finally:
+            if loaded is not None:
+                # _run synchronised the device: the copies out of the arena are complete.
+                loaded.release()
+
+    def _run(self, ids: torch.Tensor, hit: int, hashes: list[bytes], kv_cache: DynamicCache, t0: float) -> Prefill:
+        out = self.model(input_ids=ids[hit:].unsqueeze(0).to(self.device), use_cache=True, **self._extra, **{self._kw: kv_cache})
         kv_cache = _out_cache(out)
-        if self.cache is not None and store and hashes:
+        if self.cache is not None and hashes:
             full = len(hashes)
             start = hit // self.shape.block_tokens
             if full > start:
@@ -114,13 +126,15 @@ class CachedLM:
             torch.cuda.synchronize(self.device)
         return Prefill(logits, kv_cache, hit, ids.numel() - hit, time.perf_counter() - t0)
 
-    def _install(self, blocks: torch.Tensor) -> DynamicCache:
-        """Loaded ``[n, block_bytes]`` host blocks -> a cache on the model's device."""
+    def _install(self, src: ArenaBlocks | HostBlocks) -> DynamicCache:
+        """Loaded host blocks -> a cache on the model's device."""
         shape = self.shape
         n_layers = shape.num_layers
+        staging = torch.empty((src.num_blocks, shape.block_bytes), dtype=torch.uint8, device=self.device)
         if self.device.type != "cuda":
             cache = DynamicCache(config=self.model.config)
-            blocks = blocks.to(self.device)
+            src.copy_range(staging, 0, shape.block_bytes)
+            blocks = staging
             for layer in range(n_layers):
                 k, v = unpack_layer(blocks, shape, layer)
                 _set_layer(cache, layer, k.contiguous(), v.contiguous())
@@ -129,14 +143,12 @@ class CachedLM:
         cache = PrefixCache(self.model.config, events)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        staging = torch.empty(blocks.shape, dtype=torch.uint8, device=self.device)
         lb = shape.layer_bytes
         per_group = -(-n_layers // self.layer_groups)
         with torch.cuda.stream(stream):
             for g0 in range(0, n_layers, per_group):
                 g1 = min(n_layers, g0 + per_group)
-                for b in range(blocks.shape[0]):  # one contiguous copy per block and group
-                    staging[b, g0 * lb : g1 * lb].copy_(blocks[b, g0 * lb : g1 * lb], non_blocking=True)
+                src.copy_range(staging, g0 * lb, g1 * lb)  # one DMA per block and group
                 for layer in range(g0, g1):
                     k, v = unpack_layer(staging, shape, layer)
                     k, v = k.contiguous(), v.contiguous()
@@ -145,7 +157,6 @@ class CachedLM:
                     ev.record(stream)
                     events[layer] = ev
         staging.record_stream(stream)
-        cache._loaded_from = blocks  # type: ignore[attr-defined]  # pinned source outlives the copies
         return cache
 
     @torch.no_grad()
