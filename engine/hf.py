@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from engine.client import EngineCache
 from engine.gpu import ArenaBlocks, HostBlocks
-from engine.kvlayout import KVShape, pack, unpack_layer
+from engine.kvlayout import KVShape, pack, unpack_layer, unpack_layer_into
 
 
 def _cache_kw(model: Any) -> str:
@@ -137,7 +137,7 @@ class CachedLM:
             blocks = staging
             for layer in range(n_layers):
                 k, v = unpack_layer(blocks, shape, layer)
-                _set_layer(cache, layer, k.contiguous(), v.contiguous())
+                _set_layer(cache, layer, k, v)
             return cache
         events: list[torch.cuda.Event | None] = [None] * n_layers
         cache = PrefixCache(self.model.config, events)
@@ -145,13 +145,20 @@ class CachedLM:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         lb = shape.layer_bytes
         per_group = -(-n_layers // self.layer_groups)
+        # K/V are allocated on the compute stream that will read them (the side stream waited for
+        # it above), so the caching allocator never hands their memory to the side stream early.
+        tokens = src.num_blocks * shape.block_tokens
+        kv = [
+            tuple(torch.empty((1, shape.kv_heads, tokens, shape.head_dim), dtype=shape.dtype, device=self.device) for _ in range(2))
+            for _ in range(n_layers)
+        ]
         with torch.cuda.stream(stream):
             for g0 in range(0, n_layers, per_group):
                 g1 = min(n_layers, g0 + per_group)
-                src.copy_range(staging, g0 * lb, g1 * lb)  # one DMA per block and group
+                src.copy_range(staging, g0 * lb, g1 * lb)  # one DMA per run of blocks and group
                 for layer in range(g0, g1):
-                    k, v = unpack_layer(staging, shape, layer)
-                    k, v = k.contiguous(), v.contiguous()
+                    k, v = kv[layer]
+                    unpack_layer_into(staging, shape, layer, k, v)
                     _set_layer(cache, layer, k, v)
                     ev = torch.cuda.Event()
                     ev.record(stream)

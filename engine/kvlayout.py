@@ -73,10 +73,20 @@ def pack(keys: list[torch.Tensor], values: list[torch.Tensor], shape: KVShape, s
 
 
 def unpack_layer(blocks: torch.Tensor, shape: KVShape, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``layer`` of ``[n, block_bytes]`` uint8 blocks as ``[1, H, n*bt, D]`` K and V."""
+    """Layer ``layer`` of ``[n, block_bytes]`` uint8 blocks as new ``[1, H, n*bt, D]`` K and V."""
+    n = blocks.shape[0] * shape.block_tokens
+    k = torch.empty((1, shape.kv_heads, n, shape.head_dim), dtype=shape.dtype, device=blocks.device)
+    v = torch.empty_like(k)
+    unpack_layer_into(blocks, shape, layer, k, v)
+    return k, v
+
+
+def unpack_layer_into(blocks: torch.Tensor, shape: KVShape, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write layer ``layer`` of the blocks into contiguous ``[1, H, n*bt, D]`` ``k`` and ``v``:
+    one strided copy kernel each, reading the blocks where they are."""
     n = blocks.shape[0]
     lb = shape.layer_bytes
-    part = blocks[:, layer * lb : (layer + 1) * lb].contiguous().view(shape.dtype)
+    part = blocks[:, layer * lb : (layer + 1) * lb].view(shape.dtype)
     part = part.view(n, 2, shape.kv_heads, shape.block_tokens, shape.head_dim)
-    kv = part.permute(1, 2, 0, 3, 4).reshape(2, shape.kv_heads, n * shape.block_tokens, shape.head_dim)
-    return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+    k.view(shape.kv_heads, n, shape.block_tokens, shape.head_dim).copy_(part[:, 0].permute(1, 0, 2, 3))
+    v.view(shape.kv_heads, n, shape.block_tokens, shape.head_dim).copy_(part[:, 1].permute(1, 0, 2, 3))

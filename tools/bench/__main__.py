@@ -17,6 +17,15 @@ BENCHES = {
     "hash": "tools.bench.hash",
     "index": "tools.bench.index",
     "nvme": "tools.bench.nvme",
+    "gpu_load": "tools.bench.gpu_load",
+    "ttft": "tools.bench.ttft",
+    "overlap": "tools.bench.overlap",
+    # the daemon (issue 5): each starts its own daemon on loopback
+    "shm": "tools.bench.shm",
+    "tcp": "tools.bench.tcp",
+    "ucx": "tools.bench.ucx",
+    "rpc": "tools.bench.rpc",
+    "concurrent": "tools.bench.concurrent",
 }
 
 
@@ -30,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
     p.add_argument("--dir", default=None, help="directory on the disk to measure (nvme); default: a temp dir under ./")
+    p.add_argument("--layer-groups", type=int, default=16, help="ttft/overlap: layer groups loaded one after another (default 16)")
     args = p.parse_args(argv)
     names = list(BENCHES) if args.name == "all" else [args.name]
     for name in names:
