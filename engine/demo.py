@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.demo_model import print_model_demo, run_model_demo
 from kvstore.config import load_config
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.store import KVStore
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="do not wipe --root first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-model", action="store_true", help="skip the reference-engine part (transformers)")
     args = p.parse_args(argv)
     if args.users < 1 or args.turns < 1:
         p.error("--users and --turns must be at least 1")
@@ -128,8 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     except AssertionError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 1
+    model = None if args.no_model else run_model_demo(args.root, seed=args.seed)
+    if model is not None and not all(r["same_next_token"] for r in model.get("prompts", [])):
+        print("demo: a cached run picked another next token than the full prefill", file=sys.stderr)
+        return 1
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps({**out, "reference_engine": model}))
         return 0
     print(f"kvstore demo: {out['requests']} requests ({args.users} users x {args.turns} turns) in {out['seconds']} s")
     print(f"  blocks requested {out['blocks']}, served from cache {out['hit_blocks']} "
@@ -142,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
           f"last turn hit {out['restart_hit_blocks']}/{out['restart_request_blocks']} blocks "
           f"(from {out['restart_hits_by_tier']})")
     print(f"  store directory: {out['root']}")
+    if model is not None:
+        print_model_demo(model)
     return 0
 
 

@@ -19,6 +19,18 @@ def test_demo_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # After the restart the first user's last turn is served whole from persistent tiers.
     assert out["restart_recovered_blocks"] > 0
     assert out["restart_hit_blocks"] == out["restart_request_blocks"]
+    engine = out["reference_engine"]
+    if "skipped" not in engine:
+        rows = engine["prompts"]
+        assert rows[0]["hit_tokens"] == 0
+        assert all(r["hit_tokens"] == 1024 and r["tier"] == "dram" for r in rows[1:])
+        assert all(r["same_next_token"] for r in rows)
+
+
+def test_demo_without_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--root", str(tmp_path / "d"), "--users", "1", "--turns", "2", "--no-model"]) == 0
+    text = capsys.readouterr().out
+    assert "warm restart" in text and "reference engine" not in text
 
 
 def test_demo_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
