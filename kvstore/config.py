@@ -127,6 +127,20 @@ def _store_kwargs(section: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def read_toml(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """The tables of a config file (None: none); ConfigError says what is wrong with it."""
+    if path is None:
+        return {}
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist; pass an existing TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p} is not valid TOML: {e}") from e
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
@@ -134,19 +148,14 @@ def load_config(
 ) -> StoreConfig:
     """Load ``path`` (TOML; None: defaults), apply ``KVSTORE_*`` environment overrides, validate."""
     env = os.environ if env is None else env
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            with p.open("rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {p} does not exist; pass an existing TOML file") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {p} is not valid TOML: {e}") from e
-    unknown = set(data) - {"store", "tiers"}
+    data = read_toml(path)
+    # [server] and [[tenants]] belong to the daemon (kvstore/server/config.py), same file.
+    unknown = set(data) - {"store", "tiers", "server", "tenants"}
     if unknown:
-        raise ConfigError(f"config: unknown table(s) {', '.join(sorted(unknown))}; use [store] and [[tiers]]")
+        raise ConfigError(
+            f"config: unknown table(s) {', '.join(sorted(unknown))}; "
+            "use [store], [[tiers]], [server] and [[tenants]]"
+        )
     kwargs = _store_kwargs(data.get("store", {}), "[store]")
     tiers = default_tiers()
     if "tiers" in data:

@@ -60,3 +60,28 @@ class TierFullError(KVStoreError):
 
 class TierIOError(KVStoreError, OSError):
     """The tier's device failed (disk full, unwritable directory, I/O error)."""
+
+
+class TierUnavailableError(TierIOError):
+    """The tier cannot be reached now (its server is down or timed out; its circuit breaker is
+    open). Nothing is wrong with the block: treat it as a miss and keep the block's entry, the
+    tier comes back by itself."""
+
+
+# ---- the daemon and its clients (kvstore/server, kvstore/client) --------------------------------
+
+
+class AuthError(KVStoreError):
+    """No bearer token, or one the daemon does not know."""
+
+
+class ForbiddenError(KVStoreError):
+    """The tenant may not do this (an admin-only call; shared memory not granted)."""
+
+
+class QuotaExceededError(KVStoreError):
+    """The tenant's quota has no room for the request."""
+
+
+class DaemonUnavailableError(KVStoreError, ConnectionError):
+    """The daemon could not be reached, or went away, and retries did not help."""

@@ -44,6 +44,7 @@ from kvstore.errors import (
     MissingPrefixError,
     TierFullError,
     TierIOError,
+    TierUnavailableError,
     UnknownNamespaceError,
     UsageError,
 )
@@ -73,10 +74,33 @@ class LookupResult:
     block_tokens: int
     tiers: tuple[str, ...]
     """Fastest tier holding each cached block."""
+    unavailable: tuple[str, ...] = ()
+    """Tiers that cannot be reached now (a remote store is down): blocks held only there are
+    not counted, so the engine recomputes them instead of waiting on a timeout."""
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_tokens
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """Leading cached blocks held in the shared-memory arena of the first tier for a reader
+    that maps it (``tiers.dram.attach_arena(arena)``); see :meth:`KVStore.acquire`.
+
+    Block ``i`` is at ``locations[i] = (offset, size)`` of the arena. While the lease is held the
+    blocks are *in use*: they neither move nor leave, so their bytes stay put. Give it back with
+    :meth:`KVStore.release` (a second release is a no-op).
+    """
+
+    arena: str
+    locations: tuple[tuple[int, int], ...]
+    _ids: np.ndarray = field(repr=False)
+    _released: bool = field(default=False, repr=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.locations)
 
 
 @dataclass(slots=True)
@@ -95,6 +119,12 @@ class StoreCounters:
     tier_errors: int = 0
     orphans_dropped: int = 0
     recovered_blocks: int = 0
+    discovered_blocks: int = 0
+    """Blocks other nodes wrote to a shared tier, learned by probing past a lookup miss."""
+    foreign_blocks: int = 0
+    """Blocks of another schema version or layout found on a persistent tier: never served."""
+    unavailable_reads: int = 0
+    """Reads skipped or failed because a tier was unreachable (the copy is kept)."""
     per_tier_hits: Counter[str] = field(default_factory=Counter)
 
 
@@ -160,6 +190,7 @@ class KVStore:
         pcls = policy_class(self.config.policy)
         self._policies = [pcls() for _ in self.tiers]
         self._persistent = [k for k, t in enumerate(self.tiers) if t.persistent]
+        self._shared = [k for k, t in enumerate(self.tiers) if getattr(t, "shared", False)]
         self.index = RadixIndex()
         self.counters = StoreCounters()
         self._ns_by_digest: dict[bytes, _NsInfo] = {}
@@ -247,14 +278,21 @@ class KVStore:
     # ---- lookups and loads --------------------------------------------------------------------
 
     def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
-        """How many leading blocks of ``hashes`` are cached and where. Changes nothing."""
+        """How many leading blocks of ``hashes`` are cached and where, counting only tiers that
+        can be reached now. Changes nothing, except that blocks other nodes wrote to a shared
+        tier may be learned (:meth:`_discover`)."""
         info = self._ns(ns)
+        self._discover(info, hashes)
+        avail = self._available_mask()
         with self._lock:
             m = self.index.match(hashes, self._clock())
             self.counters.lookups += 1
             self.counters.lookup_blocks += len(hashes)
-            names = tuple(self.tiers[_lowest_bit(int(b))].name for b in m.tiers.tolist())
-        return LookupResult(m.num_blocks, info.namespace.block_tokens, names)  # type: ignore[union-attr]
+            masks = [int(b) & avail for b in m.tiers.tolist()]
+        n = masks.index(0) if 0 in masks else len(masks)
+        names = tuple(self.tiers[_lowest_bit(b)].name for b in masks[:n])
+        down = tuple(t.name for k, t in enumerate(self.tiers) if not avail >> k & 1)
+        return LookupResult(n, info.namespace.block_tokens, names, down)  # type: ignore[union-attr]
 
     def get_into(
         self, ns: Namespace, hashes: Sequence[bytes], dst: Any | Sequence[Any]
@@ -270,24 +308,14 @@ class KVStore:
         bb = info.namespace.block_bytes  # type: ignore[union-attr]
         bufs = _dst_views(dst, bb)
         hashes = hashes[: len(bufs)]
-        with self._lock:
-            now = self._clock()
-            m = self.index.match(hashes, now)
-            ids = m.ids
-            self.counters.lookups += 1
-            self.counters.lookup_blocks += len(hashes)
-            if not ids.size:
-                return 0
-            self.index.add_in_use(ids, 1)
-            masks = m.tiers.tolist()
+        self._discover(info, hashes)
+        ids, masks, now = self._hold_prefix(hashes)
+        if not ids.size:
+            return 0
         served: list[int] = []
         corrupt: list[tuple[int, int, bool]] = []
         try:
-            for i, mask in enumerate(masks):
-                k = self._read_block(BlockHash(hashes[i]), mask, bufs[i], corrupt, i)
-                if k is None:
-                    break
-                served.append(k)
+            self._read_runs(hashes, masks, bufs, corrupt, served)
         finally:
             with self._lock:
                 try:
@@ -297,23 +325,152 @@ class KVStore:
                     self._drop_hollow_leaves([int(ids[i]) for i, _, _ in corrupt])
         return len(served)
 
+    def _hold_prefix(self, hashes: Sequence[bytes]) -> tuple[np.ndarray, list[int], float]:
+        """Match ``hashes``, count the lookup and mark the matched blocks in use (the caller
+        takes them out of use). Returns their ids, tier masks and the time of the match."""
+        with self._lock:
+            now = self._clock()
+            m = self.index.match(hashes, now)
+            self.counters.lookups += 1
+            self.counters.lookup_blocks += len(hashes)
+            if m.ids.size:
+                self.index.add_in_use(m.ids, 1)
+            return m.ids, m.tiers.tolist(), now
+
     def _read_block(
         self, key: BlockHash, mask: int, buf: memoryview, bad: list[tuple[int, int, bool]], i: int
     ) -> int | None:
-        """Read from the fastest tier that has a good copy; returns that tier or None."""
+        """Read from the fastest reachable tier that has a good copy; returns that tier or None."""
+        mask &= self._available_mask()
         while mask:
             k = _lowest_bit(mask)
             mask &= mask - 1
             try:
                 self.tiers[k].read_into(key, buf)
                 return k
-            except CorruptBlockError as e:
-                log.warning("block %s corrupt on tier %s: %s", key.hex(), self.tiers[k].name, e)
-                bad.append((i, k, True))
-            except (BlockNotFound, TierIOError) as e:
-                log.warning("block %s unreadable on tier %s: %s", key.hex(), self.tiers[k].name, e)
-                bad.append((i, k, False))
+            except (CorruptBlockError, BlockNotFound, TierIOError) as e:
+                self._note_failure(key, k, e, bad, i)
         return None
+
+    def _read_runs(
+        self,
+        hashes: Sequence[bytes],
+        masks: list[int],
+        bufs: list[memoryview],
+        bad: list[tuple[int, int, bool]],
+        served: list[int],
+    ) -> None:
+        """Read the leading blocks, each from its fastest reachable tier, appending the tier that
+        served each to ``served`` up to the first block with no good copy.
+
+        Consecutive blocks whose fastest reachable copy is on the same tier are read with one
+        ``read_many`` (one concurrent batch of GETs on an object store, instead of a blocking
+        request per block); a block that fails there falls back to its other copies alone.
+        """
+        avail = self._available_mask()
+        i, n = 0, len(masks)
+        while i < n:
+            first = masks[i] & avail
+            if not first:
+                if masks[i]:
+                    self._note_failure(BlockHash(hashes[i]), -1, None, bad, i)
+                return
+            k = _lowest_bit(first)
+            j = i + 1
+            while j < n and (m := masks[j] & avail) and _lowest_bit(m) == k:
+                j += 1
+            keys = [BlockHash(h) for h in hashes[i:j]]
+            for b, r in enumerate(self.tiers[k].read_many(keys, bufs[i:j]), start=i):
+                if isinstance(r, int):
+                    served.append(k)
+                    continue
+                if isinstance(r, UsageError):
+                    raise r
+                self._note_failure(keys[b - i], k, r, bad, b)
+                t = self._read_block(keys[b - i], masks[b] & avail & ~(1 << k), bufs[b], bad, b)
+                if t is None:
+                    return
+                served.append(t)
+            i = j
+
+    def _note_failure(
+        self, key: BlockHash, k: int, e: KVStoreError | None, bad: list[tuple[int, int, bool]], i: int
+    ) -> None:
+        """A failed read of block ``i`` from tier ``k``: a damaged or missing copy is dropped
+        after the load (``bad``); an unreachable tier (``e`` None or TierUnavailableError) keeps
+        its copy, the read is only counted."""
+        if e is None or isinstance(e, TierUnavailableError):
+            with self._lock:
+                self.counters.unavailable_reads += 1
+            return
+        corrupt = isinstance(e, CorruptBlockError)
+        what = "corrupt" if corrupt else "unreadable"
+        log.warning("block %s %s on tier %s: %s", key.hex(), what, self.tiers[k].name, e)
+        bad.append((i, k, corrupt))
+
+    def _available_mask(self) -> int:
+        """Tiers that can be asked now (not a remote tier behind an open circuit breaker)."""
+        return sum(1 << k for k, t in enumerate(self.tiers) if t.available())
+
+    def _discover(self, info: _NsInfo, hashes: Sequence[bytes]) -> None:
+        """Learn blocks that other nodes wrote to a shared tier, past the end of this node's match.
+
+        Such a block is in no local index until this node lists the tier again. A hash names a
+        block and its whole prefix, so asking the tier for the next hashes is safe: the tier
+        checks that each object is the block it is named after, :meth:`_adopt` that it extends
+        the chain. Bounded by the tier (``discover_max_blocks``); the requests run without the
+        lock.
+        """
+        if not self._shared or not hashes:
+            return
+        with self._lock:
+            n = self.index.match(hashes, self._clock()).num_blocks
+            if n == len(hashes) or hashes[n] in self.index:
+                return  # a full hit, or a block the index knows (expired, or being written)
+        keys = [BlockHash(h) for h in hashes[n:]]
+        for k in self._shared:
+            tier = self.tiers[k]
+            if not tier.available():
+                continue
+            try:
+                metas = tier.probe(keys)
+            except KVStoreError as e:
+                log.warning("probe of tier %s failed: %s", tier.name, e)
+                continue
+            if metas:
+                with self._lock:
+                    self._adopt(info, hashes, n, k, metas)
+                return
+
+    def _adopt(
+        self, info: _NsInfo, hashes: Sequence[bytes], n: int, k: int, metas: list[BlockMeta]
+    ) -> None:
+        """Insert probed blocks ``n, n+1, ...`` of ``hashes`` (on tier ``k``) while each one
+        continues the chain: same namespace, parent, depth and block size, not expired."""
+        idx, now = self.index, self._clock()
+        pid: int | None = NO_PARENT
+        if n:
+            pid = idx.id_of(hashes[n - 1])
+            if pid is None or int(idx.depth[pid]) != n - 1:
+                return  # the prefix changed while the tier was asked
+        learned: list[tuple[int, BlockMeta]] = []
+        for d, meta in enumerate(metas, start=n):
+            parent = hashes[d - 1] if d else info.digest
+            if (
+                meta.ns != info.digest
+                or meta.parent != parent
+                or meta.depth != d
+                or meta.size != info.namespace.block_bytes  # type: ignore[union-attr]
+                or meta.expiry <= now
+                or hashes[d] in idx
+            ):
+                break
+            bid = int(idx.insert_chain([hashes[d]], pid, d, meta.size, info.nid, 1 << k, meta.created, meta.expiry)[0])
+            learned.append((bid, meta))
+            pid = bid
+        for bid, meta in reversed(learned):  # leaves first in the policy, as on a restart
+            self._policies[k].insert(bid, meta.size, meta.created)
+        self.counters.discovered_blocks += len(learned)
 
     def _after_load(
         self,
@@ -358,6 +515,76 @@ class KVStore:
                     meta = self._meta_for(bid, hashes[i], info)
                     if self._place(bid, 0, bufs[i], meta, protect={int(x) for x in hit}):
                         c.promotions += 1
+
+    def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> Lease:
+        """Hold the leading cached blocks of ``hashes`` in the first tier's shared-memory arena.
+
+        For a same-node reader that maps the arena: nothing is copied inside the store for a
+        block the arena already holds. A block held only by slower tiers is read and promoted
+        into the arena first (a prefix ends at a block that cannot be read or placed). Counts
+        as a hit like :meth:`get_into`. The caller must :meth:`release` the lease; until then
+        its blocks are in use and stay where they are.
+        """
+        info = self._ns(ns)
+        arena = self.tiers[0]
+        shm_name = getattr(arena, "shm_name", None)
+        if shm_name is None or not hasattr(arena, "location"):
+            raise UsageError(
+                f"leases need a shared-memory tier first; tier {arena.name!r} is of kind "
+                f"{arena.kind!r}: put a kind = 'dram' tier first in the config"
+            )
+        bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        self._discover(info, hashes)
+        ids, masks, now = self._hold_prefix(hashes)
+        if not ids.size:
+            return Lease(shm_name, (), ids)
+        served: list[int] = []
+        corrupt: list[tuple[int, int, bool]] = []
+        bufs: list[memoryview] = []
+        held = 0
+        try:
+            # Blocks the arena lacks are read outside the lock; being in use, nothing moves them.
+            for i, mask in enumerate(masks):
+                if mask & 1:
+                    served.append(0)
+                    bufs.append(memoryview(b""))
+                    continue
+                buf = memoryview(np.empty(bb, np.uint8))
+                k = self._read_block(BlockHash(hashes[i]), mask, buf, corrupt, i)
+                if k is None:
+                    break
+                served.append(k)
+                bufs.append(buf)
+            with self._lock:
+                self._after_load(ids, hashes, served, corrupt, bufs, info, now)
+                locations: list[tuple[int, int]] = []
+                protect = {int(x) for x in ids}
+                for i in range(len(served)):
+                    bid = int(ids[i])
+                    if not self.index.tiers[bid] & 1:  # promote_on_hit is off, or it failed
+                        meta = self._meta_for(bid, hashes[i], info)
+                        if not self._place(bid, 0, bufs[i], meta, protect):
+                            break
+                        self.counters.promotions += 1
+                    loc = arena.location(BlockHash(hashes[i]))
+                    if loc is None:
+                        break
+                    locations.append(loc)
+                held = len(locations)
+        finally:
+            with self._lock:
+                self.index.add_in_use(ids[held:], -1)
+                self._drop_hollow_leaves([int(ids[i]) for i, _, _ in corrupt])
+        return Lease(shm_name, tuple(locations), ids[:held].copy())
+
+    def release(self, lease: Lease) -> None:
+        """Give back a :meth:`acquire` lease: its blocks may move and leave again. Idempotent."""
+        with self._lock:
+            if lease._released:
+                return
+            lease._released = True
+            if lease._ids.size:
+                self.index.add_in_use(lease._ids, -1)
 
     # ---- puts ---------------------------------------------------------------------------------
 
@@ -443,6 +670,7 @@ class KVStore:
             raise UsageError("durable=True needs a persistent tier (nvme or object) in the config")
         p = self._persistent[0]
         persistent_mask = sum(1 << k for k in self._persistent)
+        self._write_durable_batch(hashes, ids, srcs, start, info, p, persistent_mask)
         for i, bid in enumerate(ids):
             mask = int(self.index.tiers[bid])
             key = BlockHash(hashes[i])
@@ -461,6 +689,37 @@ class KVStore:
                 )
             del src
         self.tiers[p].flush()
+
+    def _write_durable_batch(
+        self,
+        hashes: Sequence[bytes],
+        ids: list[int],
+        srcs: list[memoryview],
+        start: int,
+        info: _NsInfo,
+        p: int,
+        persistent_mask: int,
+    ) -> None:
+        """Write the caller's blocks that persistent tier ``p`` has room for with one
+        ``write_many`` (one concurrent batch of PUTs on an object store, not a request per
+        block in turn). :meth:`_make_durable` then writes the rest one by one, making room."""
+        tier, idx = self.tiers[p], self.index
+        todo = [(i, bid) for i, bid in enumerate(ids) if i >= start and not int(idx.tiers[bid]) & persistent_mask]
+        if len(todo) < 2 or not tier.fits(sum(int(idx.size[bid]) for _, bid in todo)):
+            return
+        metas = [self._meta_for(bid, BlockHash(hashes[i]), info) for i, bid in todo]
+        items = [(BlockHash(hashes[i]), srcs[i - start], m) for (i, _), m in zip(todo, metas, strict=True)]
+        failed: list[KVStoreError] = []
+        for (_, bid), meta, err in zip(todo, metas, tier.write_many(items, durable=True), strict=True):
+            if err is None:
+                idx.tiers[bid] |= 1 << p
+                self._policies[p].insert(bid, meta.size, meta.created)
+            elif not isinstance(err, TierFullError):  # a full tier: the loop makes room
+                failed.append(err)
+        if failed:
+            self.counters.tier_errors += len(failed)
+            log.error("durable writes to tier %s failed: %s", tier.name, failed[0])
+            raise failed[0]
 
     def _place(
         self,
@@ -482,6 +741,13 @@ class KVStore:
                 tier.write(key, src, meta, durable=durable)
             except TierFullError:
                 continue  # a size class ran out; make more room and retry
+            except TierUnavailableError as e:
+                if durable:
+                    raise
+                # Unreachable (a remote store is down): like a full tier, the block goes
+                # elsewhere or leaves; not a device error.
+                log.info("write of %s to tier %s skipped: %s", key.hex(), tier.name, e)
+                return False
             except TierIOError as e:
                 self.counters.tier_errors += 1
                 log.error("write of %s to tier %s failed: %s", key.hex(), tier.name, e)
@@ -500,17 +766,18 @@ class KVStore:
         if tier.fits(size):
             return True
         want = tier.size_class(size)
+        stuck: set[int] = set()  # victims that could not move down (the tier below failed)
         for same_class in (True, False):
             for _ in range(8):
-                victims = self._choose_victims(k, size, want if same_class else None, protect)
+                victims = self._choose_victims(k, size, want if same_class else None, protect | stuck)
                 if not victims:
                     break
                 for bid, drop in victims:
                     if drop:
                         self._drop_block(bid)
                         self.counters.evictions += 1
-                    else:
-                        self._demote(bid, k, protect)
+                    elif not self._demote(bid, k, protect):
+                        stuck.add(bid)
                 if tier.fits(size):
                     return True
         return tier.fits(size)
@@ -548,11 +815,11 @@ class KVStore:
                 break
         return chosen
 
-    def _demote(self, bid: int, k: int, protect: set[int]) -> None:
+    def _demote(self, bid: int, k: int, protect: set[int]) -> bool:
         """Move ``bid`` out of tier ``k``: write it back to a lower tier unless one holds it.
 
         If no lower tier can take it, the block leaves the store when it may (an unpinned
-        leaf) and otherwise stays where it is.
+        leaf) and otherwise stays where it is (returns False: it is still in tier ``k``).
         """
         idx = self.index
         key = idx.hash_of(bid)
@@ -578,10 +845,11 @@ class KVStore:
             elif idx.evictable_leaf(bid):
                 self._drop_block(bid)
                 self.counters.evictions += 1
-                return
+                return True
             else:
-                return
+                return False
         self._drop_copy(bid, k, key)
+        return True
 
     def _drop_copy(self, bid: int, k: int, key: bytes) -> None:
         """Remove tier ``k``'s copy; a block left with no copy stays in the index only as a
@@ -788,12 +1056,22 @@ class KVStore:
                 found[key] = (best, mask)
         if not found:
             return
+        foreign = self._learn_namespaces({meta.ns for meta, _ in found.values()})
         now = self._clock()
         idx = self.index
         order = sorted(found.items(), key=lambda kv: kv[1][0].depth)
         recovered: list[tuple[int, int, BlockMeta]] = []
         for key, (meta, mask) in order:
             info = self._ns_by_digest.get(meta.ns)
+            if meta.ns in foreign or (
+                info is not None
+                and info.namespace is not None
+                and meta.size != info.namespace.block_bytes
+            ):
+                # Another schema version or layout: never served, and left where it is for
+                # the stores it belongs to.
+                self.counters.foreign_blocks += 1
+                continue
             if info is None:
                 info = self._new_ns(meta.ns, None, self.config.default_ttl_s)
             if meta.depth == 0:
@@ -819,12 +1097,55 @@ class KVStore:
 
     def _drop_orphan(self, key: bytes, mask: int) -> None:
         # A block whose parent did not survive (it lived only in DRAM) can never be reached
-        # by a prefix match; free its room.
+        # by a prefix match; free its room. Not on a shared tier: there the parent may be in
+        # another node's DRAM, to be written later (a probe then finds both).
         self.counters.orphans_dropped += 1
         while mask:
             k = _lowest_bit(mask)
             mask &= mask - 1
-            self.tiers[k].delete(BlockHash(key))
+            if k in self._shared:
+                continue
+            try:
+                self.tiers[k].delete(BlockHash(key))
+            except TierIOError as e:
+                log.warning("could not drop orphan %s from tier %s: %s", key.hex(), self.tiers[k].name, e)
+
+    def _learn_namespaces(self, digests: set[bytes]) -> set[bytes]:
+        """Register the namespaces of recovered blocks that namespaces.json lacks, from the
+        descriptors the persistent tiers keep (object headers: blocks other stores wrote).
+        Returns the digests that are *foreign*: another schema version, or a descriptor that
+        does not hash to its digest. Their blocks are reported, never served."""
+        unknown = {d for d in digests if d not in self._ns_by_digest}
+        descriptors: dict[bytes, bytes] = {}
+        for k in self._persistent:
+            if unknown:
+                for d, desc in self.tiers[k].namespaces().items():
+                    if d in unknown:
+                        descriptors.setdefault(d, desc)
+        foreign: set[bytes] = set()
+        for d, desc in descriptors.items():
+            try:
+                ns = Namespace.from_dict(json.loads(desc))
+                if ns.root != d:
+                    raise ValueError(f"the descriptor hashes to {ns.root.hex()}")
+            except (ValueError, KeyError, TypeError) as e:  # UsageError is a ValueError
+                log.warning("blocks of namespace %s are foreign, never served: %s", d.hex(), e)
+                foreign.add(d)
+                continue
+            for other in self._ns_list:
+                if other.namespace is not None and other.namespace.model_key() == ns.model_key():
+                    log.warning(
+                        "learned namespace %s of model %r has another layout than the "
+                        "registered %s; their blocks are kept apart",
+                        d.hex(), ns.model_id, other.digest.hex(),
+                    )
+            self._new_ns(d, ns, self.config.default_ttl_s)
+            for t in self.tiers:
+                t.register_namespace(d, desc)
+            log.info("learned namespace %s (model %r) from a persistent tier", d.hex(), ns.model_id)
+        if len(descriptors) > len(foreign):
+            self._save_namespaces()
+        return foreign
 
     # ---- stats --------------------------------------------------------------------------------
 
@@ -851,6 +1172,23 @@ class KVStore:
                 "tier_errors": c.tier_errors,
                 "recovered_blocks": c.recovered_blocks,
                 "orphans_dropped": c.orphans_dropped,
+                "discovered_blocks": c.discovered_blocks,
+                "foreign_blocks": c.foreign_blocks,
+                "unavailable_reads": c.unavailable_reads,
+            }
+
+    def namespace_usage(self) -> dict[bytes, tuple[int, int]]:
+        """``{namespace digest: (blocks, bytes)}`` cached now, for quotas; one vectorised pass."""
+        with self._lock:
+            ids = self.index.live_ids()
+            nsi = self.index.ns[ids].astype(np.int64)
+            n = len(self._ns_list)
+            blocks = np.bincount(nsi, minlength=n)
+            nbytes = np.bincount(nsi, weights=self.index.size[ids], minlength=n)
+            return {
+                info.digest: (int(blocks[i]), int(nbytes[i]))
+                for i, info in enumerate(self._ns_list)
+                if blocks[i]
             }
 
     def iter_blocks(self) -> Iterator[dict[str, Any]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from kvstore.clock import FakeClock
 from kvstore.config import StoreConfig, TierSpec
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.store import KVStore
+from tools.s3server import LocalS3
 
 # 16 tokens x 1 layer x (K,V) x 1 head x 64 dims x 2 bytes = 4096 bytes per block.
 SMALL_NS = Namespace("test/tiny", KVLayout("bfloat16", 16, (LayerGroup("full", 1, 1, 64),)))
@@ -63,3 +66,48 @@ def make_store(tmp_path: Path, clock: FakeClock) -> Iterator[Callable[..., KVSto
     yield make
     for s in built:
         s.close()
+
+
+# ---- a real S3 server (moto_server in its own process) --------------------------------------
+
+
+def _s3_or_skip() -> None:
+    import importlib.util
+
+    for module, extra in (("s3fs", "kvstore[s3]"), ("moto", "moto[server]")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed: pip install '{extra}' (make test does)")
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[LocalS3]:
+    """One moto_server for the whole run, on a free loopback port. Tests that kill or pause a
+    server start their own (:class:`tools.s3server.LocalS3`) and leave this one alone."""
+    _s3_or_skip()
+    with LocalS3() as server:
+        yield server
+
+
+_buckets = itertools.count()
+
+
+def s3_options(server: LocalS3, **overrides: object) -> dict[str, object]:
+    """Object tier options on a fresh bucket of ``server``: small timeouts, one attempt, no
+    background thread (tests call ``tick()``), so nothing in a test waits on real time."""
+    bucket = f"kvs-{os.getpid()}-{next(_buckets)}"
+    server.make_bucket(bucket)
+    return {
+        "url": f"s3://{bucket}/kv",
+        **server.tier_options(),
+        "connect_timeout_s": 1.0,
+        "read_timeout_s": 5.0,
+        "max_attempts": 1,
+        "worker_interval_s": 0,
+        **overrides,
+    }
+
+
+@pytest.fixture
+def s3_tier_options(s3_server: LocalS3) -> dict[str, object]:
+    """Options of an object tier on a fresh bucket of the session's S3 server."""
+    return s3_options(s3_server)

@@ -63,6 +63,10 @@ class Tier(ABC):
     kind: ClassVar[str] = ""
     persistent: ClassVar[bool] = False
     Config: ClassVar[type]
+    shared: bool = False
+    """Other nodes write to this tier too (a shared bucket): it may hold blocks this node's
+    index never saw (the store probes for them on a miss) and the store never deletes its
+    blocks as orphans."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -116,6 +120,36 @@ class Tier(ABC):
             except KVStoreError as e:
                 out.append(e)
         return out
+
+    def write_many(
+        self, items: Sequence[tuple[BlockHash, Buffer, BlockMeta]], *, durable: bool = False
+    ) -> list[KVStoreError | None]:
+        """Batched writes; each result is None or the error :meth:`write` raised for that block."""
+        out: list[KVStoreError | None] = []
+        for key, src, meta in items:
+            try:
+                self.write(key, src, meta, durable=durable)
+                out.append(None)
+            except KVStoreError as e:
+                out.append(e)
+        return out
+
+    def available(self) -> bool:
+        """Whether requests can be made now. False while a remote tier is known to be down (a
+        circuit breaker is open): the store skips it, with no request and no timeout, and
+        lookups report it. Never blocks."""
+        return True
+
+    def namespaces(self) -> dict[bytes, bytes]:
+        """``{digest: descriptor}`` of the namespaces the tier's own data describes (a cold
+        store learns the namespaces of blocks other stores wrote from here)."""
+        return {}
+
+    def probe(self, keys: Sequence[BlockHash]) -> list[BlockMeta]:
+        """Metadata of the leading ``keys`` the tier holds, stopping at the first it lacks: a
+        bounded look-up by hash for blocks other nodes wrote to a shared tier. A private tier
+        has nothing the index does not know: none."""
+        return []
 
     def flush(self) -> None:  # noqa: B027
         """Make every completed write durable."""

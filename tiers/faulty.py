@@ -9,7 +9,8 @@
 
 A fault raises *before* the inner tier is called, so a failed write leaves nothing behind and a
 failed delete deletes nothing, as the Tier contract requires of real failures. ``read_many``
-goes through :meth:`read_into` key by key, so faults land on single blocks of a batch.
+and ``write_many`` go through :meth:`read_into` / :meth:`write` key by key, so faults land on
+single blocks of a batch.
 
 Not in the registry: it wraps a tier that the test built, it is not configured.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ OPERATIONS = (
     "register_namespace",
     "update_expiry",
     "flush",
+    "probe",
 )
 
 KeyPredicate = Callable[[BlockHash | None], bool]
@@ -78,6 +80,7 @@ class FaultyTier(Tier):
         # so that the store treats it exactly like the inner tier.
         self.kind = inner.kind  # type: ignore[misc]
         self.persistent = inner.persistent  # type: ignore[misc]
+        self.shared = inner.shared
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
         self.calls: Counter[str] = Counter()
@@ -198,6 +201,16 @@ class FaultyTier(Tier):
     def flush(self) -> None:
         self._check("flush")
         self.inner.flush()
+
+    def available(self) -> bool:
+        return self.inner.available()
+
+    def namespaces(self) -> dict[bytes, bytes]:
+        return self.inner.namespaces()
+
+    def probe(self, keys: Sequence[BlockHash]) -> list[BlockMeta]:
+        self._check("probe", keys[0] if keys else None)
+        return self.inner.probe(keys)
 
     def close(self) -> None:
         self.inner.close()

@@ -23,8 +23,11 @@ from tiers.faulty import FaultyTier
 KiB = 1024
 MiB = 1024 * KiB
 
-KINDS = ["hbm", "dram", "nvme", "object"]
-"""Every registered tier kind: the conformance suite runs once per kind."""
+KINDS = ["hbm", "dram", "nvme", "object", "s3"]
+"""Every registered tier kind: the conformance suite runs once per kind. "s3" is the object tier
+on a real S3 server (moto_server, a separate process) instead of file://."""
+
+REGISTRY_KIND = {"s3": "object"}
 
 TIER_NAME = "t0"
 
@@ -34,6 +37,7 @@ SMALL_OPTIONS: dict[str, dict[str, Any]] = {
     "dram": {"capacity_bytes": "4MiB", "slab_bytes": "1MiB"},
     "nvme": {"capacity_bytes": "4MiB", "slab_bytes": "1MiB"},
     "object": {"capacity_bytes": "4MiB"},
+    "s3": {"capacity_bytes": "4MiB"},
 }
 
 
@@ -41,15 +45,20 @@ class TierFactory:
     """Builds the tier of one kind through the registry, always on the same root and name, so
     that a persistent tier can be closed and reopened on its own files."""
 
-    def __init__(self, kind: str, root: Path, clock: FakeClock) -> None:
+    def __init__(
+        self, kind: str, root: Path, clock: FakeClock, extra: dict[str, Any] | None = None
+    ) -> None:
         self.kind = kind
         self.root = root
         self.clock = clock
+        self.extra = extra or {}
         self.opened: list[Tier] = []
 
     def __call__(self, **overrides: Any) -> Tier:
-        options = {**SMALL_OPTIONS[self.kind], **overrides}
-        tier = make_tier(self.kind, TIER_NAME, options, root=self.root, clock=self.clock)
+        options = {**SMALL_OPTIONS[self.kind], **self.extra, **overrides}
+        tier = make_tier(
+            REGISTRY_KIND.get(self.kind, self.kind), TIER_NAME, options, root=self.root, clock=self.clock
+        )
         self.opened.append(tier)
         return tier
 
@@ -59,7 +68,7 @@ class TierFactory:
 
     @property
     def persistent(self) -> bool:
-        return bool(tier_class(self.kind).persistent)
+        return bool(tier_class(REGISTRY_KIND.get(self.kind, self.kind)).persistent)
 
     def require_persistent(self) -> None:
         if not self.persistent:
@@ -69,6 +78,25 @@ class TierFactory:
     def dir(self) -> Path:
         return tier_dir(self.root, TIER_NAME)
 
+    def corrupt(self, payload: bytes, *, at: int | None = None) -> None:
+        """Flip one byte of ``payload`` where the tier keeps it: a file under :attr:`dir`, or
+        the object in the bucket."""
+        if "url" not in self.extra:
+            _corrupt_payload(self.dir, payload, at=at)
+            return
+        tier = self.opened[0]
+        fs = tier._fs  # type: ignore[attr-defined]
+        hits = []
+        for path in fs.find(tier._blocks):  # type: ignore[attr-defined]
+            raw = bytearray(fs.cat_file(path))
+            pos = raw.find(payload[:64])
+            if pos >= 0 and raw[pos : pos + len(payload)] == payload:
+                hits.append((path, raw, pos))
+        assert len(hits) == 1, f"payload found {len(hits)} times in the bucket"
+        path, raw, pos = hits[0]
+        raw[pos + (len(payload) // 2 if at is None else at)] ^= 0xFF
+        fs.pipe_file(path, bytes(raw))
+
     def close_all(self) -> None:
         for tier in reversed(self.opened):
             tier.close()
@@ -76,7 +104,7 @@ class TierFactory:
 
 def _require_kind(kind: str) -> None:
     """Skip a kind whose module cannot be imported (a tier still being written elsewhere)."""
-    module = TIERS[kind].partition(":")[0]
+    module = TIERS[REGISTRY_KIND.get(kind, kind)].partition(":")[0]
     try:
         importlib.import_module(module)
     except ImportError as e:
@@ -95,8 +123,11 @@ def kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def factory(kind: str, tmp_path: Path, clock: FakeClock) -> Iterator[TierFactory]:
-    f = TierFactory(kind, tmp_path, clock)
+def factory(
+    kind: str, tmp_path: Path, clock: FakeClock, request: pytest.FixtureRequest
+) -> Iterator[TierFactory]:
+    extra = request.getfixturevalue("s3_tier_options") if kind == "s3" else None
+    f = TierFactory(kind, tmp_path, clock, extra)
     yield f
     f.close_all()
 

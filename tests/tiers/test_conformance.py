@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -257,7 +256,7 @@ def test_reopen_scan_yields_every_block(factory: Factory, make_block: MakeBlock)
 
 
 def test_flipped_payload_byte_is_corrupt(
-    factory: Factory, make_block: MakeBlock, corrupt_payload: Callable[..., Path]
+    factory: Factory, make_block: MakeBlock
 ) -> None:
     factory.require_persistent()
     tier = factory()
@@ -266,7 +265,7 @@ def test_flipped_payload_byte_is_corrupt(
     _put(tier, block, durable=True)
     _put(tier, other, durable=True)
     tier.close()
-    corrupt_payload(factory.dir, block.data)
+    factory.corrupt(block.data)
     tier = factory()
     with pytest.raises(CorruptBlockError):
         tier.read_into(block.key, memoryview(bytearray(5000)))
@@ -274,14 +273,14 @@ def test_flipped_payload_byte_is_corrupt(
 
 
 def test_flipped_last_payload_byte_is_corrupt(
-    factory: Factory, make_block: MakeBlock, corrupt_payload: Callable[..., Path]
+    factory: Factory, make_block: MakeBlock
 ) -> None:
     factory.require_persistent()
     tier = factory()
     block = make_block(4096, seed=52)
     _put(tier, block, durable=True)
     tier.close()
-    corrupt_payload(factory.dir, block.data, at=4095)
+    factory.corrupt(block.data, at=4095)
     tier = factory()
     with pytest.raises(CorruptBlockError):
         tier.read_into(block.key, memoryview(bytearray(4096)))

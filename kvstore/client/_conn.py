@@ -1,0 +1,200 @@
+"""Data-plane connections of the client: byte transports (TCP, UCX) and the frame exchange.
+
+Blocking, one request at a time per connection (the client holds a lock around each call).
+Payloads land straight in the caller's buffers (``recv_into``; on UCX one message per block).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import (
+    AuthError,
+    ConfigError,
+    DaemonUnavailableError,
+    ForbiddenError,
+    KVStoreError,
+    MissingPrefixError,
+    QuotaExceededError,
+    TierFullError,
+    UnknownNamespaceError,
+    UsageError,
+)
+from kvstore.server import protocol as P
+
+
+class ConnectionLost(ConnectionError):
+    """The data connection broke; the client reconnects (and retries idempotent calls)."""
+
+
+_ERRORS: dict[P.ErrorCode, type[KVStoreError]] = {
+    P.ErrorCode.UNAUTHENTICATED: AuthError,
+    P.ErrorCode.FORBIDDEN: ForbiddenError,
+    P.ErrorCode.QUOTA: QuotaExceededError,
+    P.ErrorCode.NOT_FOUND: UnknownNamespaceError,
+    P.ErrorCode.CONFLICT: MissingPrefixError,
+    P.ErrorCode.UNAVAILABLE: TierFullError,
+    P.ErrorCode.BAD_REQUEST: UsageError,
+    P.ErrorCode.BAD_FRAME: UsageError,
+    P.ErrorCode.TOO_LARGE: UsageError,
+}
+
+
+class TcpTransport:
+    def __init__(self, host: str, port: int, timeout: float) -> None:
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            raise ConnectionLost(f"cannot reach the data plane at {host}:{port}: {e}") from e
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, bufs: Sequence[bytes | memoryview]) -> None:
+        views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        try:
+            while views:
+                sent = self.sock.sendmsg(views[:512])
+                P.consume(views, sent)
+        except OSError as e:
+            raise ConnectionLost(f"data plane send failed: {e}") from e
+
+    def recv_into(self, buf: memoryview) -> None:
+        mv = memoryview(buf).cast("B")
+        got, n = 0, len(mv)
+        try:
+            while got < n:
+                k = self.sock.recv_into(mv[got:])
+                if k == 0:
+                    raise ConnectionLost("the daemon closed the data connection")
+                got += k
+        except OSError as e:
+            raise ConnectionLost(f"data plane receive failed: {e}") from e
+
+    def recv_many(self, bufs: Sequence[memoryview]) -> None:
+        for b in bufs:
+            self.recv_into(b)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def import_ucxx() -> Any:
+    os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    try:
+        import ucxx
+    except ImportError as e:
+        raise ConfigError(
+            f"plane='ucx' needs ucxx ({e}): `pip install 'kvstore[ucx]'`, or use plane='tcp'"
+        ) from e
+    return ucxx
+
+
+class UcxTransport:
+    """ucxx is asyncio-only: a private event loop on a thread runs its calls."""
+
+    def __init__(self, host: str, port: int, timeout: float) -> None:
+        self.ucxx = import_ucxx()
+        self.timeout = timeout
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-ucx", daemon=True)
+        self._thread.start()
+        self._errors = (self.ucxx.exceptions.UCXError, TimeoutError)
+        try:
+            self.ep = self._run(self.ucxx.create_endpoint(host, port))
+        except ConnectionLost:
+            self._stop_loop()
+            raise
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(self.timeout)
+        except self._errors as e:
+            fut.cancel()
+            raise ConnectionLost(f"UCX transfer failed: {e}") from e
+
+    @staticmethod
+    def _arr(b: bytes | memoryview) -> np.ndarray:
+        return np.frombuffer(b, dtype=np.uint8)
+
+    async def _send(self, bufs: Sequence[bytes | memoryview]) -> None:
+        for b in bufs:
+            if len(b):
+                await self.ep.send(self._arr(b))
+
+    async def _recv(self, bufs: Sequence[memoryview]) -> None:
+        for b in bufs:
+            if len(b):
+                await self.ep.recv(self._arr(b))
+
+    def send(self, bufs: Sequence[bytes | memoryview]) -> None:
+        self._run(self._send(list(bufs)))
+
+    def recv_into(self, buf: memoryview) -> None:
+        self._run(self._recv([buf]))
+
+    def recv_many(self, bufs: Sequence[memoryview]) -> None:
+        self._run(self._recv(list(bufs)))
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def close(self) -> None:
+        with contextlib.suppress(ConnectionLost):  # the daemon is gone already
+            self._run(self.ep.close())
+        self._stop_loop()
+
+
+class FrameConn:
+    """Frame exchange over a transport: one request, one reply (RELEASE has none)."""
+
+    def __init__(self, transport: TcpTransport | UcxTransport) -> None:
+        self.t = transport
+        self._req = 0
+        # Until HELLO says otherwise: room for the largest reply this client could ask for.
+        self.limits = P.WireLimits(max_meta_bytes=64 + 16 * 65_536, max_payload_bytes=1 << 40)
+
+    def call(
+        self, op: P.Op, meta: bytes, payload: Sequence[memoryview] = (), *, reply: bool = True
+    ) -> tuple[P.Header, bytearray]:
+        self._req = (self._req + 1) & 0xFFFFFFFF
+        n = sum(len(v) for v in payload)
+        self.t.send([P.encode_header(op, self._req, meta, n), meta, *payload])
+        if not reply:
+            return P.Header(op, self._req, 0, 0, 0), bytearray()
+        head = bytearray(P.HEADER_BYTES)
+        self.t.recv_into(memoryview(head))
+        try:
+            hdr = P.parse_header(head, self.limits, reply=True)
+            rmeta = bytearray(hdr.meta_len)
+            if hdr.meta_len:
+                self.t.recv_into(memoryview(rmeta))
+            P.check_crc(head, rmeta, hdr.crc)
+            if hdr.req_id != self._req:
+                raise P.ProtocolError(P.ErrorCode.BAD_FRAME, f"reply to request {hdr.req_id}, expected {self._req}")
+        except P.ProtocolError as e:
+            raise ConnectionLost(f"malformed reply from the daemon: {e}") from e
+        if hdr.op is P.Op.ERROR:
+            code, msg = P.parse_error(rmeta)
+            if code in P.FATAL and code is not P.ErrorCode.UNAUTHENTICATED:
+                self.close()  # the daemon closes its end too
+            raise _ERRORS.get(code, KVStoreError)(f"daemon: {msg}")
+        return hdr, rmeta
+
+    def recv_payload(self, bufs: Sequence[memoryview]) -> None:
+        self.t.recv_many(bufs)
+
+    def close(self) -> None:
+        self.t.close()
+
+
+__all__ = ["ConnectionLost", "DaemonUnavailableError", "FrameConn", "TcpTransport", "UcxTransport"]

@@ -1,0 +1,421 @@
+"""The client of the kvstore daemon: the store's API (``register_namespace``, ``lookup``,
+``get_into``, ``put``, ``pin``/``unpin``, ``delete``, ``stats``) over the network.
+
+``connect(url)`` asks the daemon where its data plane listens and picks, per client:
+
+* ``shm`` when the daemon is on this node and grants this tenant shared memory: the client maps
+  the daemon's DRAM arena; a load takes a lease (the daemon copies nothing), copies the blocks
+  from the arena into the caller's buffers and gives the lease back; a store writes into a
+  staging segment that the daemon made for this connection and puts from;
+* ``tcp`` otherwise: framed requests, payloads received with ``recv_into`` straight into the
+  caller's buffers;
+* ``ucx`` only when asked for (``plane="ucx"``).
+
+Control calls (lookup, pin, stats) use HTTP. Idempotent calls are retried after a reconnect
+(a daemon restart, a dropped connection); ``put`` is idempotent too (blocks are
+content-addressed and deduplicated). ``pin`` and ``unpin`` count, so they are not retried.
+Thread-safe: one lock serialises data-plane calls on the connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import httpx
+
+from kvstore.client._conn import ConnectionLost, FrameConn, TcpTransport, UcxTransport
+from kvstore.errors import (
+    AuthError,
+    DaemonUnavailableError,
+    ForbiddenError,
+    KVStoreError,
+    LayoutMismatchError,
+    QuotaExceededError,
+    UnknownNamespaceError,
+    UsageError,
+)
+from kvstore.keys import Namespace
+from kvstore.server import protocol as P
+from kvstore.store import LookupResult, _dst_views, _src_views
+from tiers.dram import attach_arena
+
+T = TypeVar("T")
+PLANES = ("auto", "shm", "tcp", "ucx")
+_STATUS: dict[int, type[KVStoreError]] = {
+    400: UsageError, 401: AuthError, 403: ForbiddenError, 404: UnknownNamespaceError,
+    409: LayoutMismatchError, 413: UsageError, 422: UsageError, 507: QuotaExceededError,
+}
+_STAGING_MIN = 64 << 20
+
+
+# One mapping of a daemon's arena per process, shared by its clients: attaching the same segment
+# from many threads at once races in multiprocessing's resource tracker (Python < 3.13).
+_ARENAS: dict[str, list[Any]] = {}
+_ARENAS_LOCK = threading.Lock()
+
+
+def _attach_shared(name: str) -> SharedMemory:
+    with _ARENAS_LOCK:
+        entry = _ARENAS.get(name)
+        if entry is None:
+            entry = _ARENAS[name] = [attach_arena(name), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _detach_shared(name: str) -> None:
+    with _ARENAS_LOCK:
+        entry = _ARENAS.get(name)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _ARENAS[name]
+            with contextlib.suppress(BufferError):
+                entry[0].close()
+
+
+def _local_node_id() -> str:
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(eq=False)
+class ClientLease:
+    """Blocks held in the daemon's arena for this client: ``views[i]`` is block ``i``, read-only,
+    valid until :meth:`release` (or the end of a ``with`` block)."""
+
+    views: list[memoryview]
+    _release: Callable[[], None] = field(repr=False)
+    _done: bool = field(default=False, repr=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.views)
+
+    def release(self) -> None:
+        if not self._done:
+            self._drop_views()
+            self._release()
+
+    def _drop_views(self) -> None:
+        """Let go of the arena without telling the daemon (it dropped the lease already)."""
+        self._done = True
+        for v in self.views:
+            v.release()
+
+    def __enter__(self) -> ClientLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Client:
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:7070",
+        *,
+        token: str | None = None,
+        plane: str = "auto",
+        timeout: float = 30.0,
+        retries: int = 5,
+    ) -> None:
+        if plane not in PLANES:
+            raise UsageError(f"plane must be one of {', '.join(PLANES)}, got {plane!r}")
+        self.url = url.rstrip("/")
+        self.host = urlsplit(self.url).hostname or "127.0.0.1"
+        self.requested_plane = plane
+        self.plane = ""
+        self.timeout = timeout
+        self.retries = retries
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._token = token or ""
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._lock = threading.RLock()
+        self._conn: FrameConn | None = None
+        self._arena: SharedMemory | None = None
+        self._arena_name = ""
+        self._staging: SharedMemory | None = None
+        self._ns: dict[bytes, tuple[Namespace, float | None]] = {}
+        self._leases: weakref.WeakSet[ClientLease] = weakref.WeakSet()
+        self.info: dict[str, Any] = {}
+        self._retry(self._connect)
+
+    # ---- connection ---------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        self._disconnect()
+        info = self._json("GET", "/v1/info")
+        if self.requested_plane == "ucx":
+            if not info.get("ucx_port"):
+                raise UsageError("the daemon runs no UCX data plane; start it with ucx = true or use plane='tcp'")
+            transport: TcpTransport | UcxTransport = UcxTransport(self.host, info["ucx_port"], self.timeout)
+        else:
+            transport = TcpTransport(self.host, info["data_port"], self.timeout)
+        conn = FrameConn(transport)
+        try:
+            _, meta = conn.call(P.Op.HELLO, self._token.encode())
+            hello = json.loads(bytes(meta))
+            conn.limits = P.WireLimits(64 + 16 * hello["max_blocks"], hello["max_payload_bytes"])
+            self.plane = "ucx" if self.requested_plane == "ucx" else "tcp"
+            if self.requested_plane in ("auto", "shm"):
+                self._arena = self._try_arena(hello)
+                if self._arena is not None:
+                    self.plane = "shm"
+                elif self.requested_plane == "shm":
+                    raise ForbiddenError(
+                        "shared memory is not available: the daemon is on another node, or this "
+                        "tenant has no allow_shm, or its arena cannot be mapped here; use plane='tcp'"
+                    )
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        self.info = {**info, **hello}
+        for ns, ttl in list(self._ns.values()):  # a restarted daemon forgets this client
+            self._register(ns, ttl)
+
+    def _try_arena(self, hello: dict[str, Any]) -> SharedMemory | None:
+        if not hello.get("arena") or hello.get("node_id") != _local_node_id():
+            return None
+        try:
+            shm = _attach_shared(hello["arena"])
+        except OSError:  # another container's /dev/shm, say: fall back to TCP
+            return None
+        self._arena_name = hello["arena"]
+        return shm
+
+    def _disconnect(self) -> None:
+        # A lease's views pin the arena mapping; the daemon releases the leases of a closed
+        # connection itself.
+        for lease in list(self._leases):
+            lease._drop_views()
+        self._leases.clear()
+        if self._conn is not None:
+            with contextlib.suppress(OSError, ConnectionLost):
+                self._conn.close()
+            self._conn = None
+        if self._arena is not None:
+            _detach_shared(self._arena_name)
+        if self._staging is not None:
+            with contextlib.suppress(BufferError):
+                self._staging.close()
+        self._arena = self._staging = None
+
+    def _retry(self, fn: Callable[[], T], idempotent: bool = True) -> T:
+        delay = 0.05
+        for attempt in range(self.retries + 1):
+            try:
+                with self._lock:
+                    if self._conn is None and fn != self._connect:
+                        self._connect()
+                    return fn()
+            except (ConnectionLost, httpx.TransportError, OSError) as e:
+                with self._lock:
+                    self._disconnect()
+                if not idempotent or attempt == self.retries:
+                    raise DaemonUnavailableError(
+                        f"kvstore daemon at {self.url} is unreachable ({e}); is it running? "
+                        "(`kvstore serve`)"
+                    ) from e
+                time.sleep(delay)  # back off before reconnecting (a restarting daemon)
+                delay = min(delay * 2, 1.0)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        with self._lock:
+            self._disconnect()
+            self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- control plane ------------------------------------------------------------------------
+
+    def _json(self, method: str, path: str, body: Any = None) -> Any:
+        r = self._http.request(method, path, json=body)
+        if r.status_code >= 400:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text
+            raise _STATUS.get(r.status_code, KVStoreError)(f"daemon: HTTP {r.status_code}: {detail}")
+        return r.json()
+
+    def _register(self, ns: Namespace, ttl_s: float | None) -> None:
+        self._json("POST", "/v1/namespaces", {"namespace": ns.to_dict(), "ttl_s": ttl_s})
+        self._ns[bytes(ns.root)] = (ns, ttl_s)
+
+    def register_namespace(self, ns: Namespace, ttl_s: float | None = None) -> None:
+        self._retry(lambda: self._register(ns, ttl_s))
+
+    def _ns_id(self, ns: Namespace) -> bytes:
+        if bytes(ns.root) not in self._ns:
+            self._register(ns, None)
+        return bytes(ns.root)
+
+    def _blocks_call(self, path: str, ns: Namespace, hashes: Sequence[bytes], idempotent: bool) -> int:
+        def call() -> int:
+            body = {"ns": self._ns_id(ns).hex(), "hashes": [bytes(h).hex() for h in hashes]}
+            return int(self._json("POST", path, body)["blocks"])
+
+        return self._retry(call, idempotent)
+
+    def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
+        def call() -> LookupResult:
+            body = {"ns": self._ns_id(ns).hex(), "hashes": [bytes(h).hex() for h in hashes]}
+            r = self._json("POST", "/v1/lookup", body)
+            return LookupResult(r["num_blocks"], ns.block_tokens, tuple(r["tiers"]))
+
+        return self._retry(call)
+
+    def lookup_tokens(self, ns: Namespace, tokens: Sequence[int]) -> LookupResult:
+        def call() -> LookupResult:
+            body = {"ns": self._ns_id(ns).hex(), "tokens": [int(t) for t in tokens]}
+            r = self._json("POST", "/v1/lookup", body)
+            return LookupResult(r["num_blocks"], ns.block_tokens, tuple(r["tiers"]))
+
+        return self._retry(call)
+
+    def pin(self, ns: Namespace, hashes: Sequence[bytes]) -> int:
+        return self._blocks_call("/v1/pin", ns, hashes, idempotent=False)
+
+    def unpin(self, ns: Namespace, hashes: Sequence[bytes]) -> int:
+        return self._blocks_call("/v1/unpin", ns, hashes, idempotent=False)
+
+    def delete(self, ns: Namespace, hashes: Sequence[bytes]) -> int:
+        return self._blocks_call("/v1/evict", ns, hashes, idempotent=True)
+
+    def stats(self) -> dict[str, Any]:
+        return self._retry(lambda: self._json("GET", "/v1/stats"))
+
+    # ---- data plane ---------------------------------------------------------------------------
+
+    def get_into(self, ns: Namespace, hashes: Sequence[bytes], dst: Any | Sequence[Any]) -> int:
+        """Load the leading cached blocks into caller buffers (as :meth:`KVStore.get_into`)."""
+        bb = ns.block_bytes
+        bufs = [b[:bb] for b in _dst_views(dst, bb)]
+        hashes = list(hashes[: len(bufs)])
+        if not hashes:
+            return 0
+
+        def call() -> int:
+            conn, ns_id = self._conn, self._ns_id(ns)
+            assert conn is not None
+            if self.plane == "shm":
+                return self._get_shm(conn, ns_id, hashes, bufs)
+            hdr, meta = conn.call(P.Op.GET, P.encode_blocks(ns_id, hashes))
+            count, got_bb = P.parse_data_meta(meta)
+            if got_bb != bb or count > len(bufs) or hdr.payload_len != count * bb:
+                raise ConnectionLost(f"daemon sent {count} blocks of {got_bb} bytes; expected {bb}")
+            conn.recv_payload(bufs[:count])
+            return count
+
+        return self._retry(call)
+
+    def _get_shm(self, conn: FrameConn, ns_id: bytes, hashes: list[bytes], bufs: list[memoryview]) -> int:
+        _, meta = conn.call(P.Op.ACQUIRE, P.encode_blocks(ns_id, hashes))
+        lease_id, locs = P.parse_lease(meta)
+        try:
+            arena = self._arena.buf  # type: ignore[union-attr]
+            for i, (off, size) in enumerate(locs):
+                bufs[i][:size] = arena[off : off + size]
+            del arena
+        finally:
+            conn.call(P.Op.RELEASE, P.encode_u64(lease_id), reply=False)
+        return len(locs)
+
+    def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> ClientLease:
+        """Zero-copy access (shared-memory plane only): the leading cached blocks as read-only
+        views of the daemon's arena, held until :meth:`ClientLease.release`."""
+
+        def call() -> ClientLease:
+            if self.plane != "shm":
+                raise UsageError(f"acquire needs the shared-memory plane; this client uses {self.plane!r}")
+            conn, ns_id = self._conn, self._ns_id(ns)
+            assert conn is not None and self._arena is not None
+            _, meta = conn.call(P.Op.ACQUIRE, P.encode_blocks(ns_id, list(hashes)))
+            lease_id, locs = P.parse_lease(meta)
+            arena = self._arena.buf.toreadonly()
+            views = [arena[off : off + size] for off, size in locs]
+            arena.release()
+
+            def release() -> None:
+                with self._lock:
+                    if self._conn is conn:  # after a reconnect the daemon has dropped it already
+                        with contextlib.suppress(ConnectionLost):
+                            conn.call(P.Op.RELEASE, P.encode_u64(lease_id), reply=False)
+
+            lease = ClientLease(views, release)
+            self._leases.add(lease)
+            return lease
+
+        return self._retry(call)
+
+    def put(
+        self, ns: Namespace, hashes: Sequence[bytes], blocks: Any | Sequence[Any], start: int = 0, durable: bool = False
+    ) -> int:
+        """Store blocks ``start..`` of a chain (as :meth:`KVStore.put`); returns how many were new."""
+        bb = ns.block_bytes
+        hashes = list(hashes)
+        if not 0 <= start <= len(hashes):
+            raise UsageError(f"start={start} is outside the chain of {len(hashes)} blocks")
+        srcs = _src_views(blocks, bb, len(hashes) - start)
+
+        def call() -> int:
+            conn, ns_id = self._conn, self._ns_id(ns)
+            assert conn is not None
+            need = len(srcs) * bb
+            if self.plane == "shm" and 0 < need <= int(self.info.get("max_staging_bytes", 0)):
+                staging = self._staging_for(conn, need)
+                sbuf = staging.buf
+                for i, s in enumerate(srcs):
+                    sbuf[i * bb : (i + 1) * bb] = s
+                del sbuf
+                _, meta = conn.call(P.Op.PUT_SHM, P.encode_put(ns_id, hashes, start, durable, staging_offset=0))
+            else:
+                _, meta = conn.call(P.Op.PUT, P.encode_put(ns_id, hashes, start, durable), srcs)
+            return P.parse_u64(meta)
+
+        return self._retry(call)
+
+    def _staging_for(self, conn: FrameConn, need: int) -> SharedMemory:
+        if self._staging is None or self._staging.size < need:
+            size = min(max(need, _STAGING_MIN), int(self.info["max_staging_bytes"]))
+            _, meta = conn.call(P.Op.STAGING, P.encode_u64(size))
+            if self._staging is not None:
+                with contextlib.suppress(BufferError):
+                    self._staging.close()
+            self._staging = attach_arena(bytes(meta).decode())
+        return self._staging
+
+
+def connect(
+    url: str | None = None, *, token: str | None = None, plane: str = "auto", timeout: float = 30.0, retries: int = 5
+) -> Client:
+    """A client of the daemon at ``url`` (default ``$KVSTORE_URL`` or http://127.0.0.1:7070);
+    the token defaults to ``$KVSTORE_TOKEN``."""
+    url = url or os.environ.get("KVSTORE_URL", "http://127.0.0.1:7070")
+    token = token if token is not None else os.environ.get("KVSTORE_TOKEN")
+    return Client(url, token=token, plane=plane, timeout=timeout, retries=retries)
+

@@ -1,0 +1,213 @@
+"""The control plane: FastAPI on uvicorn. Small JSON requests only; payloads use the data plane.
+
+Every store call runs in the daemon's thread pool (the store blocks on disk and on its lock), so
+the event loop never waits for I/O. Hashes travel as 32-character hex strings; namespace ids are
+the client's namespace root digest in hex (``Namespace.root.hex()``).
+"""
+
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvstore.errors import KVStoreError, UsageError
+from kvstore.keys import Namespace
+from kvstore.server.dataplane import DataContext
+from kvstore.server.metrics import CONTENT_TYPE
+from kvstore.server.service import AuthError, ForbiddenError, Tenant, classify
+
+HEX16 = r"^[0-9a-fA-F]{32}$"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NamespaceIn(_Body):
+    namespace: dict[str, Any] = Field(description="kvstore.keys.Namespace.to_dict() without tenant_salt")
+    ttl_s: float | None = Field(default=None, gt=0)
+
+
+class BlocksIn(_Body):
+    ns: str = Field(pattern=HEX16, description="namespace id: the client's Namespace.root in hex")
+    hashes: list[Annotated[str, Field(pattern=HEX16)]]
+
+
+class LookupIn(_Body):
+    ns: str = Field(pattern=HEX16)
+    hashes: list[Annotated[str, Field(pattern=HEX16)]] | None = None
+    tokens: list[Annotated[int, Field(ge=-(2**31), lt=2**31)]] | None = None
+
+
+class _BodyLimit:
+    """Refuses bodies over the limit with 413 before reading them whole (ASGI middleware)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", []):
+            if k == b"content-length" and v.isdigit() and int(v) > self.limit:
+                return await self._too_large(send)
+        seen = 0
+        too_big = False
+
+        async def limited() -> Any:
+            nonlocal seen, too_big
+            msg = await receive()
+            if msg["type"] == "http.request" and not too_big:
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:  # a chunked body without Content-Length: cut it short
+                    too_big = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
+            return msg
+
+        async def guarded(msg: Any) -> None:
+            if not too_big:
+                await send(msg)
+
+        await self.app(scope, limited, guarded)
+        if too_big:
+            await self._too_large(send)
+
+    async def _too_large(self, send: Any) -> None:
+        resp = JSONResponse(
+            {"detail": f"request body exceeds {self.limit} bytes; send fewer hashes per request"},
+            status_code=413,
+        )
+        await send({"type": "http.response.start", "status": 413, "headers": resp.raw_headers})
+        await send({"type": "http.response.body", "body": resp.body})
+
+
+def _hashes(items: list[str], limit: int) -> list[bytes]:
+    if len(items) > limit:
+        raise UsageError(f"{len(items)} hashes exceed the limit of {limit} per request; split it")
+    return [bytes.fromhex(h) for h in items]
+
+
+def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) -> Any:
+    """``info``: the data-plane endpoints (ports) a client needs; ``ready``: readiness probe."""
+    svc, metrics = ctx.service, ctx.metrics
+    limits = svc.limits
+    app = FastAPI(
+        title="kvstore daemon",
+        version="1",
+        description="Control plane of the kvstore daemon. Block payloads move on the data plane "
+        "(shared memory, framed TCP, UCX), never through this API.",
+    )
+
+    @app.exception_handler(KVStoreError)
+    async def _store_error(request: Request, exc: KVStoreError) -> JSONResponse:
+        _, status = classify(exc)
+        return JSONResponse({"detail": str(exc)}, status_code=status)
+
+    @app.middleware("http")
+    async def _timing(request: Request, call_next: Any) -> Response:
+        t0 = time.perf_counter()
+        resp = await call_next(request)
+        route = request.scope.get("route")
+        op = getattr(route, "path", "unmatched")
+        metrics.observe("http", op, time.perf_counter() - t0, str(resp.status_code))
+        return resp
+
+    async def tenant(authorization: Annotated[str | None, Header()] = None) -> Tenant:
+        token = None
+        if authorization:
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not token:
+                raise AuthError("the Authorization header must be 'Bearer <token>'")
+        return svc.authenticate(token)
+
+    def admin(t: Annotated[Tenant, Depends(tenant)]) -> Tenant:
+        if not t.spec.admin:
+            raise ForbiddenError(f"tenant {t.name!r} is not an admin; this endpoint shows every tenant's data")
+        return t
+
+    Auth = Annotated[Tenant, Depends(tenant)]
+    Admin = Annotated[Tenant, Depends(admin)]
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz() -> JSONResponse:
+        """Readiness: the store is open and the data plane listens."""
+        ok = ready()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/metrics", tags=["health"])
+    async def prometheus(t: Admin) -> Response:
+        body = await ctx.run(metrics.render)
+        return Response(body, media_type=CONTENT_TYPE)
+
+    @app.get("/v1/info")
+    async def get_info(t: Auth) -> dict[str, Any]:
+        """Where the data plane listens and what this tenant may use."""
+        return {**info, "tenant": t.name, "node_id": ctx.node_id,
+                "arena": svc.arena if t.spec.allow_shm else None,
+                "max_blocks": limits.max_blocks, "max_payload_bytes": limits.max_payload_bytes}
+
+    @app.post("/v1/namespaces")
+    async def register(body: NamespaceIn, t: Auth) -> dict[str, Any]:
+        try:
+            ns = Namespace.from_dict(body.namespace)
+        except (TypeError, KeyError, AttributeError) as e:
+            raise UsageError(f"not a namespace descriptor ({e}); send Namespace.to_dict()") from e
+        ns_id = await ctx.run(svc.register, t, ns, body.ttl_s)
+        return {"ns": ns_id.hex(), "block_bytes": ns.block_bytes, "block_tokens": ns.block_tokens}
+
+    @app.get("/v1/namespaces")
+    async def namespaces(t: Auth) -> list[dict[str, Any]]:
+        items = await ctx.run(svc.list_namespaces, t)
+        return [{"ns": k.hex(), "model_id": ns.model_id, "block_bytes": ns.block_bytes} for k, ns in items]
+
+    @app.post("/v1/lookup")
+    async def lookup(body: LookupIn, t: Auth) -> dict[str, Any]:
+        """Cached prefix length and the tier of each cached block, by hashes or token ids."""
+        ns_id = bytes.fromhex(body.ns)
+        if (body.hashes is None) == (body.tokens is None):
+            raise UsageError("send exactly one of 'hashes' or 'tokens'")
+        if body.tokens is not None:
+            r = await ctx.run(svc.lookup_tokens, t, ns_id, body.tokens)
+        else:
+            r = await ctx.run(svc.lookup, t, ns_id, _hashes(body.hashes or [], limits.max_blocks))
+        return {"num_blocks": r.num_blocks, "num_tokens": r.num_tokens, "tiers": list(r.tiers)}
+
+    def _blocks_endpoint(path: str, fn: Callable[..., int], doc: str) -> None:
+        async def handler(body: BlocksIn, t: Auth) -> dict[str, int]:
+            n = await ctx.run(fn, t, bytes.fromhex(body.ns), _hashes(body.hashes, limits.max_blocks))
+            return {"blocks": n}
+
+        handler.__doc__ = doc
+        app.post(path, name=path.rsplit("/", 1)[-1])(handler)
+
+    _blocks_endpoint("/v1/pin", svc.pin, "Protect the cached prefix from expiry and eviction.")
+    _blocks_endpoint("/v1/unpin", svc.unpin, "Undo one pin of the same prefix.")
+    _blocks_endpoint("/v1/evict", svc.evict, "Delete these blocks and every cached block that extends them.")
+
+    @app.get("/v1/stats")
+    async def stats(t: Auth) -> dict[str, Any]:
+        """The tenant's usage; for an admin also the whole store's statistics."""
+        out: dict[str, Any] = {"usage": svc.usage(t)}
+        if t.spec.admin:
+            out["store"] = await ctx.run(svc.store.stats)
+            out["tenants"] = [svc.usage(x) for x in svc.tenants()]
+        return out
+
+    @app.post("/v1/maintain")
+    async def maintain(t: Admin) -> dict[str, int]:
+        """Run expiry and persist refreshed expiry times now (the daemon also runs it periodically)."""
+        out = await ctx.run(svc.store.maintain)
+        await ctx.run(svc.refresh_usage)
+        return out
+
+    return _BodyLimit(app, limits.max_body_bytes)

@@ -1,0 +1,95 @@
+"""``kvstore serve``: run the daemon.
+
+Exit codes: 0 after a clean shutdown (SIGTERM, SIGINT), 2 bad arguments or configuration,
+1 the daemon could not start or failed (a port in use, an unwritable data directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvstore.config import load_config
+from kvstore.errors import ConfigError, KVStoreError
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvstore.server.config import load_server_config
+    from kvstore.server.daemon import Daemon
+
+    overrides: dict[str, Any] = {}
+    for key in ("host", "http_port", "data_port", "ucx_port", "ucx"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    store_over = {"root": args.data_dir} if args.data_dir is not None else {}
+    try:
+        store_cfg = load_config(args.config, **store_over)
+        server_cfg = load_server_config(args.config, **overrides)
+    except ConfigError as e:
+        print(f"kvstore serve: {e}", file=sys.stderr)
+        return 2
+
+    def ready(info: dict[str, Any]) -> None:
+        if args.json:
+            print(json.dumps(info), flush=True)
+        else:
+            ucx = f", ucx port {info['ucx_port']}" if info["ucx_port"] else ""
+            print(f"kvstore daemon ready: {info['url']} (data port {info['data_port']}{ucx}; "
+                  f"store {info['root']})", flush=True)
+
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory(server_cfg.ucx)) as runner:
+            runner.run(Daemon(store_cfg, server_cfg).serve(ready))
+    except ConfigError as e:
+        print(f"kvstore serve: {e}", file=sys.stderr)
+        return 2
+    except (KVStoreError, OSError) as e:
+        print(f"kvstore serve: cannot run the daemon: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _loop_factory(ucx: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop (from uvicorn[standard]) roughly halves the control plane's per-request overhead;
+    ucxx drives the standard asyncio loop, so UCX keeps that one."""
+    if ucx:
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvstore", description="kvstore: a tiered KV-cache store for LLM inference.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser(
+        "serve",
+        help="run the daemon (one per node)",
+        description="Run the kvstore daemon: control plane over HTTP, data plane over shared "
+        "memory, framed TCP and (optionally) UCX. Without --config: embedded defaults under "
+        "--data-dir, loopback only. Stops gracefully on SIGTERM or SIGINT.",
+    )
+    s.add_argument("--config", type=Path, default=None, help="TOML file with [store], [[tiers]], [server], [[tenants]]")
+    s.add_argument("--data-dir", type=Path, default=None, help="store directory (overrides [store] root; default ./kvstore-data)")
+    s.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    s.add_argument("--http-port", type=int, default=None, help="control-plane port (default 7070; 0 picks a free one)")
+    s.add_argument("--data-port", type=int, default=None, help="TCP data-plane port (default 7071; 0 picks a free one)")
+    s.add_argument("--ucx", action=argparse.BooleanOptionalAction, default=None, help="enable the UCX data plane")
+    s.add_argument("--ucx-port", type=int, default=None, help="UCX port (default 7072; 0 picks a free one)")
+    s.add_argument("--json", action="store_true", help="print one JSON line with the bound addresses when ready")
+    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return _serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

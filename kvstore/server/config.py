@@ -1,0 +1,238 @@
+"""The daemon's own configuration: ``[server]`` and ``[[tenants]]`` of the store's TOML file.
+
+Example (same file as ``[store]`` and ``[[tiers]]``)::
+
+    [server]
+    host = "127.0.0.1"          # loopback only unless tenants with tokens are configured
+    http_port = 7070            # control plane (FastAPI)
+    data_port = 7071            # framed TCP data plane (also carries shared-memory leases)
+    ucx = false                 # UCX data plane (needs `pip install 'kvstore[ucx]'`)
+    ucx_port = 7072
+    max_body = "4MiB"           # HTTP request bodies
+    max_blocks = 65536          # blocks (hashes) per request
+    max_payload = "1GiB"        # payload bytes of one data-plane frame
+
+    [[tenants]]
+    name = "team-a"
+    token_env = "KVSTORE_TOKEN_TEAM_A"   # or token = "..." (at least 16 characters)
+    quota = "64GiB"
+    allow_shm = true            # may map the node's shared DRAM arena (see docs/daemon.md)
+
+    [[tenants]]
+    name = "ops"
+    token_env = "KVSTORE_TOKEN_OPS"
+    admin = true                # global stats, /metrics, maintenance
+
+With no ``[[tenants]]`` every request is the anonymous tenant ``default`` (admin, shared
+memory allowed), and the daemon refuses to listen on anything but loopback.
+
+Environment overrides: ``KVSTORE_SERVER_HOST``, ``KVSTORE_SERVER_HTTP_PORT``,
+``KVSTORE_SERVER_DATA_PORT``, ``KVSTORE_SERVER_UCX_PORT``, ``KVSTORE_SERVER_UCX``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvstore.config import read_toml
+from kvstore.errors import ConfigError
+from kvstore.units import parse_duration, parse_size
+
+ANONYMOUS = "default"
+MIN_TOKEN_CHARS = 16
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSpec:
+    """A tenant: who a bearer token is. ``quota_bytes`` 0 means unlimited."""
+
+    name: str
+    token: str
+    quota_bytes: int = 0
+    admin: bool = False
+    allow_shm: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"tenant name {self.name!r} must be a word (letters, digits, - or _)")
+        if len(self.token) < MIN_TOKEN_CHARS:
+            raise ConfigError(
+                f"tenant {self.name!r}: token must have at least {MIN_TOKEN_CHARS} characters; "
+                "generate one with `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
+        if self.quota_bytes < 0:
+            raise ConfigError(f"tenant {self.name!r}: quota cannot be negative")
+
+    def __repr__(self) -> str:  # never print a token into a log
+        return f"TenantSpec(name={self.name!r}, quota_bytes={self.quota_bytes}, admin={self.admin})"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Size limits on every request; larger ones are refused with a message (HTTP 413, or an
+    error frame and the connection closed)."""
+
+    max_body_bytes: int = 4 * _MiB
+    max_blocks: int = 65_536
+    max_tokens: int = 1 << 22
+    max_payload_bytes: int = 1 << 30
+    max_staging_bytes: int = 512 * _MiB
+    max_leases: int = 4096
+    """Leases one data-plane connection may hold at once."""
+
+    def __post_init__(self) -> None:
+        for k in ("max_body_bytes", "max_blocks", "max_tokens", "max_payload_bytes",
+                  "max_staging_bytes", "max_leases"):
+            if getattr(self, k) <= 0:
+                raise ConfigError(f"[server] {k} must be positive")
+
+    @property
+    def max_meta_bytes(self) -> int:
+        """Metadata of one frame: a namespace id, a few integers and the hashes."""
+        return 64 + 16 * self.max_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    http_port: int = 7070
+    data_port: int = 7071
+    ucx: bool = False
+    ucx_port: int = 7072
+    tenants: tuple[TenantSpec, ...] = ()
+    limits: Limits = field(default_factory=Limits)
+    maintain_interval_s: float = 30.0
+    """How often the daemon runs store.maintain() (expiry, persisted refreshes) and refreshes
+    tenant usage for quotas."""
+    threads: int = 8
+    """Worker threads for blocking store calls."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tenants", tuple(self.tenants))
+        for port in (self.http_port, self.data_port, self.ucx_port):
+            if not 0 <= port < 65536:
+                raise ConfigError(f"[server] port {port} is outside 0..65535 (0 picks a free one)")
+        if self.threads < 1 or self.maintain_interval_s <= 0:
+            raise ConfigError("[server] threads and maintain_interval must be positive")
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"[[tenants]] names must be unique, got {names}")
+        if ANONYMOUS in names:
+            raise ConfigError(f"tenant name {ANONYMOUS!r} is reserved for the anonymous tenant")
+        tokens = [t.token for t in self.tenants]
+        if len(set(tokens)) != len(tokens):
+            raise ConfigError("[[tenants]] tokens must be unique (a token names one tenant)")
+        if self.ucx and not self.tenants:
+            raise ConfigError(
+                "[server] ucx = true needs [[tenants]] with tokens: a UCX listener binds every "
+                "interface (ucxx takes no bind address), so its sessions must authenticate"
+            )
+        if not self.tenants and not is_loopback(self.host):
+            raise ConfigError(
+                f"[server] host {self.host!r} is not loopback, but no [[tenants]] with tokens are "
+                "configured; the anonymous tenant is loopback-only: add tenants or bind 127.0.0.1"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except OSError:
+            return False
+
+
+_SERVER_KEYS: dict[str, tuple[str, Any]] = {
+    "host": ("host", str),
+    "http_port": ("http_port", int),
+    "data_port": ("data_port", int),
+    "ucx": ("ucx", bool),
+    "ucx_port": ("ucx_port", int),
+    "maintain_interval": ("maintain_interval_s", parse_duration),
+    "threads": ("threads", int),
+}
+_LIMIT_KEYS: dict[str, tuple[str, Any]] = {
+    "max_body": ("max_body_bytes", parse_size),
+    "max_blocks": ("max_blocks", int),
+    "max_tokens": ("max_tokens", int),
+    "max_payload": ("max_payload_bytes", parse_size),
+    "max_staging": ("max_staging_bytes", parse_size),
+    "max_leases": ("max_leases", int),
+}
+
+
+def _convert(where: str, conv: Any, v: Any) -> Any:
+    if conv is bool:
+        if isinstance(v, bool):
+            return v
+        if str(v).lower() in ("1", "true", "yes", "0", "false", "no"):
+            return str(v).lower() in ("1", "true", "yes")
+        raise ConfigError(f"{where}: expected true or false, got {v!r}")
+    try:
+        return conv(v) if conv in (int, str) else conv(v, where)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def _tenant(i: int, t: Mapping[str, Any], env: Mapping[str, str]) -> TenantSpec:
+    where = f"[[tenants]] #{i + 1}"
+    known = {"name", "token", "token_env", "quota", "admin", "allow_shm"}
+    if unknown := set(t) - known:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+    if "name" not in t:
+        raise ConfigError(f"{where} needs a name")
+    token = t.get("token")
+    if "token_env" in t:
+        token = env.get(str(t["token_env"]))
+        if not token:
+            raise ConfigError(f"{where}: environment variable {t['token_env']} (token_env) is not set")
+    if not token:
+        raise ConfigError(f"{where} needs token = '...' or token_env = 'VARIABLE'")
+    return TenantSpec(
+        name=str(t["name"]),
+        token=str(token),
+        quota_bytes=parse_size(t.get("quota", 0), f"{where}.quota"),
+        admin=_convert(f"{where}.admin", bool, t.get("admin", False)),
+        allow_shm=_convert(f"{where}.allow_shm", bool, t.get("allow_shm", False)),
+    )
+
+
+def load_server_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> ServerConfig:
+    """``[server]`` and ``[[tenants]]`` of ``path`` (None: defaults), env overrides, validated."""
+    env = os.environ if env is None else env
+    data = read_toml(path)
+    section = dict(data.get("server", {}))
+    for key in ("host", "http_port", "data_port", "ucx_port", "ucx"):
+        if (v := env.get(f"KVSTORE_SERVER_{key.upper()}")) is not None:
+            section[key] = v
+    kwargs: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    for k, v in section.items():
+        if k in _SERVER_KEYS:
+            name, conv = _SERVER_KEYS[k]
+            kwargs[name] = _convert(f"[server].{k}", conv, v)
+        elif k in _LIMIT_KEYS:
+            name, conv = _LIMIT_KEYS[k]
+            limits[name] = _convert(f"[server].{k}", conv, v)
+        else:
+            raise ConfigError(
+                f"[server]: unknown key {k!r}; known: {', '.join([*_SERVER_KEYS, *_LIMIT_KEYS])}"
+            )
+    kwargs["limits"] = Limits(**limits)
+    kwargs["tenants"] = tuple(_tenant(i, t, env) for i, t in enumerate(data.get("tenants", [])))
+    cfg = ServerConfig(**kwargs)
+    return replace(cfg, **overrides) if overrides else cfg

@@ -1,0 +1,212 @@
+"""The daemon: one asyncio process per node that owns the store and serves both planes.
+
+Start-up: open the store (a warm restart may take a while: in the pool, not on the loop), bind
+the data plane(s) and the HTTP socket, then report ready. Shutdown on SIGTERM or SIGINT:
+readiness goes false, uvicorn finishes the HTTP requests in flight, data-plane sessions finish
+their current request (bounded), leases are given back, and ``store.close()`` persists what must
+survive (refreshed expiry, volatile blocks) before the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from kvstore.config import StoreConfig
+from kvstore.server.app import make_app
+from kvstore.server.config import ServerConfig
+from kvstore.server.dataplane import DataContext, TcpDataServer
+from kvstore.server.metrics import Metrics
+from kvstore.server.service import Service, load_secret
+from kvstore.store import KVStore
+from tiers.dram import attach_arena
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 10.0
+
+
+def node_id() -> str:
+    """Same value for every process of one booted machine (to tell a same-node client)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class _Uvicorn(uvicorn.Server):
+    """The daemon handles signals itself: uvicorn's handler re-raises the signal after its own
+    shutdown, which would kill the process before the store is closed."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Daemon:
+    def __init__(self, store_config: StoreConfig, config: ServerConfig) -> None:
+        self.store_config = store_config
+        self.config = config
+        self._ready = False
+        self._server: _Uvicorn | None = None
+        self._stop = asyncio.Event()
+
+    def request_stop(self) -> None:
+        """Begin a graceful shutdown (what SIGTERM does)."""
+        self._ready = False
+        self._stop.set()
+        if self._server is not None:
+            self._server.should_exit = True
+
+    async def serve(self, on_ready: Callable[[dict[str, Any]], None] | None = None) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="kvstore")
+        store = await loop.run_in_executor(pool, KVStore, self.store_config)
+        arena_shm = None
+        try:
+            service = Service(store, cfg, load_secret(self.store_config.root))
+            arena_shm = attach_arena(service.arena) if service.arena else None
+            ctx = DataContext(service, pool, Metrics(store.stats), arena_shm.buf if arena_shm else None, node_id())
+            planes: list[Any] = []
+            tcp = TcpDataServer(ctx)
+            data_port = tcp.bind(cfg.host, cfg.data_port)
+            tcp.start()
+            planes.append(tcp)
+            ucx_port = None
+            if cfg.ucx:
+                from kvstore.server.ucx import UcxDataServer
+
+                ucx = UcxDataServer(ctx)
+                ucx_port = ucx.start(cfg.ucx_port)
+                planes.append(ucx)
+            fam = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+            http_sock = socket.create_server((cfg.host, cfg.http_port), family=fam, backlog=1024)
+            # Accepted sockets inherit TCP_NODELAY on Linux. Without it uvicorn's separate writes
+            # of headers and body meet the client's delayed ACK: 40 ms per request.
+            http_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            http_port = http_sock.getsockname()[1]
+            info = {"http_port": http_port, "data_port": data_port, "ucx_port": ucx_port}
+            app = make_app(ctx, info, lambda: self._ready)
+            self._server = _Uvicorn(
+                uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+            )
+            if on_main_thread:  # an embedded daemon (ThreadedDaemon) is stopped by its owner
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.add_signal_handler(sig, self.request_stop)
+            maint = loop.create_task(self._maintain(ctx))
+            http = loop.create_task(self._server.serve(sockets=[http_sock]))
+            while not self._server.started and not http.done():
+                await asyncio.sleep(0.01)  # uvicorn reports no start event; bounded by its start-up
+            if http.done():
+                await http  # start-up failed: raise its error
+                return
+            self._ready = not self._stop.is_set()
+            if on_ready is not None:
+                on_ready({
+                    "pid": os.getpid(),
+                    "url": f"http://{_url_host(cfg.host)}:{http_port}",
+                    **info,
+                    "root": str(self.store_config.root),
+                    "arena": service.arena,
+                    "tenants": [t.name for t in service.tenants()],
+                })
+            await self._stop.wait()
+            await http  # uvicorn finishes the HTTP requests in flight
+            for p in planes:
+                await p.stop(SHUTDOWN_GRACE_S)
+            maint.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await maint
+        finally:
+            if on_main_thread:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+            if arena_shm is not None:
+                with contextlib.suppress(BufferError):
+                    arena_shm.close()
+            await loop.run_in_executor(pool, store.close)
+            pool.shutdown(wait=True)
+            log.info("kvstore daemon stopped; store closed")
+
+    async def _maintain(self, ctx: DataContext) -> None:
+        while True:
+            await asyncio.sleep(self.config.maintain_interval_s)
+            try:
+                await ctx.run(ctx.service.store.maintain)
+                await ctx.run(ctx.service.refresh_usage)
+            except Exception:
+                log.exception("periodic maintenance failed; will retry")
+
+
+class ThreadedDaemon:
+    """A daemon on a background thread of this process (tests; embedding in a host process).
+
+    ``with ThreadedDaemon(store_cfg, server_cfg) as d: connect(d.url)``; leaving the block
+    shuts it down as SIGTERM would.
+    """
+
+    def __init__(self, store_config: StoreConfig, config: ServerConfig, timeout: float = 60.0) -> None:
+        self.daemon = Daemon(store_config, config)
+        self.info: dict[str, Any] = {}
+        self._started = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="kvstore-daemon", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise TimeoutError(f"the daemon did not start within {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def url(self) -> str:
+        return str(self.info["url"])
+
+    def _main(self) -> None:
+        def ready(info: dict[str, Any]) -> None:
+            self.info = info
+            self._started.set()
+
+        async def run() -> None:
+            self._loop = asyncio.get_running_loop()
+            await self.daemon.serve(ready)
+
+        try:
+            asyncio.run(run())
+        except BaseException as e:  # reported to the owner by __init__ or stop()
+            self._error = e
+        finally:
+            self._started.set()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self._loop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self.daemon.request_stop)
+        self._thread.join(timeout)
+        if self._error is not None:
+            raise self._error
+
+    def __enter__(self) -> ThreadedDaemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host

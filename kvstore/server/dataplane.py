@@ -1,0 +1,454 @@
+"""The data plane: one session per client connection, over TCP (here) or UCX (ucx.py).
+
+A session speaks the frames of :mod:`kvstore.server.protocol`. Payloads never pass through
+JSON or HTTP, and the daemon copies no block it serves from the DRAM arena: a GET takes a lease
+on the blocks (promoting them into the arena if needed) and hands views of the arena straight to
+``sendmsg``; a same-node client instead maps the arena itself and receives offsets (ACQUIRE),
+or writes into a daemon-made staging segment that the daemon puts from (PUT_SHM).
+
+Failure containment: a malformed or oversized frame gets an error frame and that connection is
+closed; a client that dies mid-transfer only ends its own session. Whatever a session holds
+(leases, its staging segment) is given back when it ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import secrets
+import socket
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvstore.server import protocol as P
+from kvstore.server.config import is_loopback
+from kvstore.server.metrics import Metrics
+from kvstore.server.service import AuthError, Service, Tenant, classify
+from kvstore.store import Lease
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FRAME_TIMEOUT_S = 60.0
+"""Once a header has arrived, the rest of its frame (and the reply) must move within this."""
+_IOV_MAX = 512
+
+
+class ChannelClosed(Exception):
+    """The peer went away."""
+
+
+class Channel(ABC):
+    """A byte transport with exact-length receives into caller buffers."""
+
+    plane: str = ""
+    local: bool = False
+    """The peer is on this node (it may map shared memory)."""
+
+    @abstractmethod
+    async def recv_into(self, buf: memoryview) -> None:
+        """Fill ``buf`` exactly, or raise ChannelClosed."""
+
+    @abstractmethod
+    async def send(self, bufs: Sequence[bytes | memoryview]) -> None:
+        """Send ``bufs`` in order (on UCX: one message each; empty ones are skipped)."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+class TcpChannel(Channel):
+    plane = "tcp"
+
+    def __init__(self, sock: socket.socket, local: bool) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.local = local
+        self._loop = asyncio.get_running_loop()
+
+    async def recv_into(self, buf: memoryview) -> None:
+        mv = memoryview(buf).cast("B")
+        got, n = 0, len(mv)
+        while got < n:
+            try:
+                k = await self._loop.sock_recv_into(self.sock, mv[got:])
+            except OSError as e:
+                raise ChannelClosed(str(e)) from e
+            if k == 0:
+                raise ChannelClosed("peer closed the connection")
+            got += k
+
+    async def send(self, bufs: Sequence[bytes | memoryview]) -> None:
+        views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        while views:
+            try:
+                sent = self.sock.sendmsg(views[:_IOV_MAX])
+            except BlockingIOError:
+                sent = 0
+            except OSError as e:
+                raise ChannelClosed(str(e)) from e
+            P.consume(views, sent)
+            if views:
+                await self._writable()
+
+    async def _writable(self) -> None:
+        fut = self._loop.create_future()
+        fd = self.sock.fileno()
+        self._loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            self._loop.remove_writer(fd)
+
+    async def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+@dataclass
+class DataContext:
+    """What every session shares."""
+
+    service: Service
+    pool: ThreadPoolExecutor
+    metrics: Metrics
+    arena: memoryview | None
+    """The daemon's own mapping of the DRAM arena (None when the first tier has none)."""
+    node_id: str
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, functools.partial(fn, *args, **kw))
+
+
+class RequestError(Exception):
+    def __init__(self, code: P.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Session:
+    """One client connection; see the module docstring."""
+
+    def __init__(self, channel: Channel, ctx: DataContext) -> None:
+        self.ch = channel
+        self.ctx = ctx
+        lim = ctx.service.limits
+        self.wire = P.WireLimits(lim.max_meta_bytes, lim.max_payload_bytes)
+        self.tenant: Tenant | None = None
+        self.leases: dict[int, Lease] = {}
+        self.staging: SharedMemory | None = None
+        self.busy = False
+        self._unread = 0  # payload bytes of the current frame not read yet
+        self._next_lease = 1
+
+    async def run(self) -> None:
+        m = self.ctx.metrics
+        m.connections.labels(self.ch.plane).inc()
+        try:
+            while True:
+                head = bytearray(P.HEADER_BYTES)
+                await self.ch.recv_into(memoryview(head))  # idle between requests: no timeout
+                self.busy = True
+                if not await self._frame(head):
+                    return
+                self.busy = False
+        except ChannelClosed:
+            pass
+        except TimeoutError:
+            log.info("%s client stalled mid-frame for %.0f s; closing it", self.ch.plane, FRAME_TIMEOUT_S)
+        finally:
+            self.busy = False
+            m.connections.labels(self.ch.plane).dec()
+            await self._cleanup()
+
+    async def _frame(self, head: bytearray) -> bool:
+        """Handle one frame; False when the connection must close."""
+        req_id = 0
+        t0 = time.perf_counter()
+        op = "bad"
+        try:
+            async with asyncio.timeout(FRAME_TIMEOUT_S):
+                try:
+                    hdr = P.parse_header(head, self.wire)
+                    req_id, op = hdr.req_id, hdr.op.name.lower()
+                    meta = bytearray(hdr.meta_len)
+                    if hdr.meta_len:
+                        await self.ch.recv_into(memoryview(meta))
+                    P.check_crc(head, meta, hdr.crc)
+                    self._unread = hdr.payload_len
+                    await self._dispatch(hdr, meta)
+                except P.ProtocolError as e:
+                    self.ctx.metrics.observe(self.ch.plane, op, time.perf_counter() - t0, "bad_frame")
+                    await self._error(req_id, e.code, str(e))
+                    return not e.fatal
+                except RequestError as e:
+                    self.ctx.metrics.observe(self.ch.plane, op, time.perf_counter() - t0, e.code.name.lower())
+                    await self._drain()
+                    await self._error(req_id, e.code, str(e))
+                    return e.code not in P.FATAL
+        except (ChannelClosed, TimeoutError):
+            raise
+        except Exception:
+            log.exception("data-plane request %s failed; closing that connection", op)
+            with contextlib.suppress(ChannelClosed, TimeoutError):
+                await self._error(req_id, P.ErrorCode.INTERNAL, "internal error in the daemon; see its log")
+            return False
+        self.ctx.metrics.observe(self.ch.plane, op, time.perf_counter() - t0)
+        return True
+
+    async def _error(self, req_id: int, code: P.ErrorCode, msg: str) -> None:
+        meta = P.encode_error(code, msg)
+        await self.ch.send([P.encode_header(P.Op.ERROR, req_id, meta, 0), meta])
+
+    async def _reply(self, req_id: int, meta: bytes, payload: Sequence[memoryview] = ()) -> None:
+        n = sum(len(v) for v in payload)
+        await self.ch.send([P.encode_header(P.Op.REPLY, req_id, meta, n), meta, *payload])
+
+    async def _drain(self) -> None:
+        scratch = memoryview(bytearray(min(self._unread, 1 << 20)))
+        while self._unread:
+            k = min(self._unread, len(scratch))
+            await self.ch.recv_into(scratch[:k])
+            self._unread -= k
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """A blocking service call in the pool; its errors become error frames."""
+        try:
+            return await self.ctx.run(fn, *args, **kw)
+        except Exception as e:
+            code, _ = classify(e)
+            if code is P.ErrorCode.INTERNAL:
+                raise
+            raise RequestError(code, str(e)) from e
+
+    # ---- ops ----------------------------------------------------------------------------------
+
+    async def _dispatch(self, hdr: P.Header, meta: bytearray) -> None:
+        op = hdr.op
+        if op is P.Op.HELLO:
+            return await self._hello(hdr, meta)
+        if self.tenant is None:
+            raise P.ProtocolError(P.ErrorCode.UNAUTHENTICATED, "send HELLO with your bearer token first")
+        if op is not P.Op.PUT and hdr.payload_len:
+            raise P.ProtocolError(P.ErrorCode.BAD_FRAME, f"{op.name} carries no payload")
+        handler = {
+            P.Op.GET: self._get,
+            P.Op.PUT: self._put,
+            P.Op.ACQUIRE: self._acquire,
+            P.Op.RELEASE: self._release,
+            P.Op.STAGING: self._staging,
+            P.Op.PUT_SHM: self._put_shm,
+        }[op]
+        await handler(hdr, meta)
+
+    async def _hello(self, hdr: P.Header, meta: bytearray) -> None:
+        try:
+            token = bytes(meta).decode("utf-8")
+        except UnicodeDecodeError:
+            raise P.ProtocolError(P.ErrorCode.BAD_FRAME, "the HELLO token is not UTF-8") from None
+        try:
+            self.tenant = self.ctx.service.authenticate(token or None)
+        except AuthError as e:
+            raise P.ProtocolError(P.ErrorCode.UNAUTHENTICATED, str(e)) from None
+        lim = self.ctx.service.limits
+        shm = self.tenant.spec.allow_shm and self.ch.local and self.ctx.arena is not None
+        info = {
+            "version": P.VERSION,
+            "tenant": self.tenant.name,
+            "node_id": self.ctx.node_id,
+            "arena": self.ctx.service.arena if shm else None,
+            "max_blocks": lim.max_blocks,
+            "max_payload_bytes": lim.max_payload_bytes,
+            "max_staging_bytes": lim.max_staging_bytes,
+        }
+        await self._reply(hdr.req_id, json.dumps(info).encode())
+
+    def _shm_allowed(self) -> Tenant:
+        t = self.tenant
+        assert t is not None
+        if not t.spec.allow_shm:
+            raise RequestError(P.ErrorCode.FORBIDDEN, f"tenant {t.name!r} may not use shared memory; use TCP")
+        if not self.ch.local:
+            raise RequestError(P.ErrorCode.FORBIDDEN, "shared memory is for clients on the daemon's node only")
+        return t
+
+    async def _get(self, hdr: P.Header, meta: bytearray) -> None:
+        svc, t = self.ctx.service, self.tenant
+        req = P.parse_blocks(meta, svc.limits.max_blocks)
+        bb = await self._call(svc.block_bytes, t, req.ns_id)
+        hashes = req.hashes[: max(1, svc.limits.max_payload_bytes // bb)]
+        if self.ctx.arena is not None:
+            lease = await self._call(svc.acquire, t, req.ns_id, hashes, for_client=False)
+            try:
+                arena = self.ctx.arena
+                views = [arena[off : off + size] for off, size in lease.locations]
+                await self._reply(hdr.req_id, P.encode_data_meta(len(views), bb), views)
+                del views
+            finally:
+                await self.ctx.run(svc.release, lease)
+            n = lease.num_blocks
+        else:
+            buf = np.empty(len(hashes) * bb, np.uint8)
+            n = await self._call(svc.get_into, t, req.ns_id, hashes, buf)
+            mv = memoryview(buf)
+            await self._reply(hdr.req_id, P.encode_data_meta(n, bb), [mv[i * bb : (i + 1) * bb] for i in range(n)])
+        self.ctx.metrics.bytes.labels(self.ch.plane, "out").inc(n * bb)
+
+    async def _put(self, hdr: P.Header, meta: bytearray) -> None:
+        svc, t = self.ctx.service, self.tenant
+        req = P.parse_put(meta, svc.limits.max_blocks)
+        bb = await self._call(svc.block_bytes, t, req.ns_id)
+        count = len(req.hashes) - req.start
+        if hdr.payload_len != count * bb:
+            raise RequestError(
+                P.ErrorCode.BAD_REQUEST,
+                f"payload of {hdr.payload_len} bytes is not {count} blocks of {bb} bytes",
+            )
+        buf = np.empty(hdr.payload_len, np.uint8)
+        mv = memoryview(buf)
+        for i in range(count):  # one receive per block: UCX messages are blocks
+            await self.ch.recv_into(mv[i * bb : (i + 1) * bb])
+            self._unread -= bb
+        new = await self._call(svc.put, t, req.ns_id, req.hashes, buf, req.start, req.durable)
+        self.ctx.metrics.bytes.labels(self.ch.plane, "in").inc(hdr.payload_len)
+        await self._reply(hdr.req_id, P.encode_u64(new))
+
+    async def _acquire(self, hdr: P.Header, meta: bytearray) -> None:
+        svc, t = self.ctx.service, self._shm_allowed()
+        if len(self.leases) >= svc.limits.max_leases:
+            raise RequestError(
+                P.ErrorCode.BAD_REQUEST, f"this connection holds {len(self.leases)} leases; release some first"
+            )
+        req = P.parse_blocks(meta, svc.limits.max_blocks)
+        lease = await self._call(svc.acquire, t, req.ns_id, req.hashes)
+        lease_id = self._next_lease
+        self._next_lease += 1
+        self.leases[lease_id] = lease
+        self.ctx.metrics.leases.inc()
+        await self._reply(hdr.req_id, P.encode_lease(lease_id, lease.locations))
+
+    async def _release(self, hdr: P.Header, meta: bytearray) -> None:
+        lease = self.leases.pop(P.parse_u64(meta), None)
+        if lease is not None:  # an unknown id: already released (a retry); nothing to do
+            self.ctx.metrics.leases.dec()
+            await self.ctx.run(self.ctx.service.release, lease)
+
+    async def _staging(self, hdr: P.Header, meta: bytearray) -> None:
+        self._shm_allowed()
+        size = P.parse_u64(meta)
+        limit = self.ctx.service.limits.max_staging_bytes
+        if not 0 < size <= limit:
+            raise RequestError(P.ErrorCode.BAD_REQUEST, f"staging size must be 1..{limit} bytes, got {size}")
+        self._close_staging()
+        name = f"kvs-stage-{secrets.token_hex(8)}"
+        try:
+            self.staging = SharedMemory(name=name, create=True, size=size)
+        except OSError as e:
+            raise RequestError(P.ErrorCode.UNAVAILABLE, f"cannot create a staging segment: {e}") from e
+        await self._reply(hdr.req_id, name.encode())
+
+    async def _put_shm(self, hdr: P.Header, meta: bytearray) -> None:
+        svc, t = self.ctx.service, self._shm_allowed()
+        req = P.parse_put(meta, svc.limits.max_blocks, shm=True)
+        if self.staging is None:
+            raise RequestError(P.ErrorCode.BAD_REQUEST, "no staging segment: send STAGING first")
+        bb = await self._call(svc.block_bytes, t, req.ns_id)
+        n = (len(req.hashes) - req.start) * bb
+        off = req.staging_offset
+        if off + n > self.staging.size:
+            raise RequestError(
+                P.ErrorCode.BAD_REQUEST, f"bytes {off}..{off + n} are outside the {self.staging.size}-byte staging segment"
+            )
+        src = self.staging.buf[off : off + n]
+        try:
+            new = await self._call(svc.put, t, req.ns_id, req.hashes, src, req.start, req.durable)
+        finally:
+            src.release()
+        self.ctx.metrics.bytes.labels(self.ch.plane + "+shm", "in").inc(n)
+        await self._reply(hdr.req_id, P.encode_u64(new))
+
+    # ---- end of session -----------------------------------------------------------------------
+
+    def _close_staging(self) -> None:
+        if self.staging is not None:
+            with contextlib.suppress(BufferError):
+                self.staging.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.staging.unlink()
+            self.staging = None
+
+    async def _cleanup(self) -> None:
+        leases, self.leases = list(self.leases.values()), {}
+        for lease in leases:
+            self.ctx.metrics.leases.dec()
+            # shield: a cancelled session (shutdown) must still give its leases back
+            await asyncio.shield(self.ctx.run(self.ctx.service.release, lease))
+        self._close_staging()
+        await self.ch.close()
+
+
+class TcpDataServer:
+    """Accepts data-plane connections; one :class:`Session` task each."""
+
+    def __init__(self, ctx: DataContext) -> None:
+        self.ctx = ctx
+        self.sessions: dict[asyncio.Task[None], Session] = {}
+        self._sock: socket.socket | None = None
+        self._accept: asyncio.Task[None] | None = None
+
+    def bind(self, host: str, port: int) -> int:
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=fam, backlog=1024)
+        self._sock.setblocking(False)
+        return self._sock.getsockname()[1]
+
+    def start(self) -> None:
+        self._accept = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(self._sock)
+            except OSError as e:
+                log.warning("accept failed: %s", e)
+                await asyncio.sleep(0.05)  # e.g. out of file descriptors: do not spin
+                continue
+            s = Session(TcpChannel(conn, is_loopback(addr[0])), self.ctx)
+            task = loop.create_task(s.run())
+            self.sessions[task] = s
+            task.add_done_callback(self.sessions.pop)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting; let requests in flight finish (up to ``grace_s``); end every session."""
+        if self._accept is not None:
+            self._accept.cancel()
+        if self._sock is not None:
+            self._sock.close()
+        await stop_sessions(self.sessions, grace_s)
+
+
+async def stop_sessions(sessions: dict[asyncio.Task[None], Any], grace_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while any(s.busy for s in sessions.values()) and loop.time() < deadline:
+        await asyncio.sleep(0.01)  # bounded wait for requests in flight
+    tasks = list(sessions)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+

@@ -1,0 +1,286 @@
+"""The data-plane wire format: versioned, length-limited, checksummed frames.
+
+Shared by the daemon (TCP and UCX) and the client; imports nothing of the server, so a client
+needs none of the server's dependencies. Every frame is::
+
+    header (28 bytes, little-endian)
+      magic    4s   b"KVSD"
+      version  u8   VERSION
+      op       u8   an Op
+      flags    u16  0 (reserved; a frame with unknown flags is refused)
+      req_id   u32  echoed by the reply
+      meta_len u32  bytes of metadata that follow the header
+      pay_len  u64  bytes of payload that follow the metadata
+      crc      u32  CRC-32 of the first 24 header bytes and of the metadata
+    metadata (meta_len bytes; op-specific, binary: namespace ids, integers, 16-byte hashes)
+    payload  (pay_len bytes; block payloads back to back, one block_bytes each)
+
+Payloads are not checksummed here: TCP checksums segments, and the store verifies its own
+checksums on every persistent read; hashing gigabytes per second a second time would halve the
+data plane's speed. Their length is validated instead (a whole number of blocks, within limits).
+
+On UCX, where messages have boundaries, the same frame travels as one message for the header,
+one for the metadata (if any) and one per block of payload; on TCP the byte stream is the same.
+
+Parsing never trusts a length before checking it against :class:`WireLimits`; every malformed
+input raises :class:`ProtocolError` and nothing else (a property-based test holds it to that).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import zlib
+from dataclasses import dataclass
+
+MAGIC = b"KVSD"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHIIQI")
+HEADER_BYTES = HEADER.size  # 28
+HASH_BYTES = 16
+NS_ID_BYTES = 16
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    """meta: bearer token (UTF-8; may be empty for the anonymous tenant). Reply meta: JSON."""
+    GET = 2
+    """meta: ns id, u32 n, n hashes. Reply meta: u32 count, u32 block_bytes; payload: blocks."""
+    PUT = 3
+    """meta: ns id, u32 start, u32 n, u8 durable, n hashes; payload: blocks start..n-1."""
+    ACQUIRE = 4
+    """meta: as GET. Reply meta: u64 lease id, u32 count, count x (u64 offset, u64 size)."""
+    RELEASE = 5
+    """meta: u64 lease id. No reply (ordering on the connection is enough)."""
+    STAGING = 6
+    """meta: u64 bytes. Reply meta: the UTF-8 name of a fresh shared-memory staging segment."""
+    PUT_SHM = 7
+    """meta: ns id, u32 start, u32 n, u8 durable, u64 staging offset, n hashes. No payload."""
+    REPLY = 0x80
+    """A successful reply; its meta depends on the request's op."""
+    ERROR = 0xFF
+    """meta: u16 ErrorCode, UTF-8 message."""
+
+
+class ErrorCode(enum.IntEnum):
+    BAD_FRAME = 1  # the connection is closed after this
+    UNAUTHENTICATED = 2  # closed
+    TOO_LARGE = 3  # closed
+    BAD_REQUEST = 4
+    NOT_FOUND = 5
+    CONFLICT = 6
+    QUOTA = 7
+    FORBIDDEN = 8
+    UNAVAILABLE = 9
+    INTERNAL = 10
+
+
+FATAL = frozenset({ErrorCode.BAD_FRAME, ErrorCode.UNAUTHENTICATED, ErrorCode.TOO_LARGE})
+_REQUEST_OPS = frozenset({Op.HELLO, Op.GET, Op.PUT, Op.ACQUIRE, Op.RELEASE, Op.STAGING, Op.PUT_SHM})
+_REPLY_OPS = frozenset({Op.REPLY, Op.ERROR})
+
+
+class ProtocolError(Exception):
+    """A frame that must be refused; ``code`` says how (FATAL codes close the connection)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def fatal(self) -> bool:
+        return self.code in FATAL
+
+
+@dataclass(frozen=True, slots=True)
+class WireLimits:
+    max_meta_bytes: int
+    max_payload_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    op: Op
+    req_id: int
+    meta_len: int
+    payload_len: int
+    crc: int
+
+
+def encode_header(op: Op, req_id: int, meta: bytes, payload_len: int) -> bytes:
+    """The 28-byte header of a frame carrying ``meta`` and ``payload_len`` payload bytes."""
+    head = HEADER.pack(MAGIC, VERSION, int(op), 0, req_id & 0xFFFFFFFF, len(meta), payload_len, 0)
+    crc = zlib.crc32(meta, zlib.crc32(head[:24]))
+    return head[:24] + struct.pack("<I", crc)
+
+
+def parse_header(data: bytes | bytearray | memoryview, limits: WireLimits, *, reply: bool = False) -> Header:
+    """Validate a header; ``reply`` selects which ops are expected (requests by default)."""
+    if len(data) != HEADER_BYTES:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"a frame header has {HEADER_BYTES} bytes, got {len(data)}")
+    magic, version, op, flags, req_id, meta_len, pay_len, crc = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "not a kvstore data-plane frame (bad magic); is this the data port?")
+    if version != VERSION:
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME, f"protocol version {version} is not supported (this side speaks {VERSION}); "
+            "upgrade the client or the daemon so that both match"
+        )
+    try:
+        op = Op(op)
+    except ValueError:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"unknown op {op}") from None
+    if op not in (_REPLY_OPS if reply else _REQUEST_OPS):
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"op {op.name} is not expected here")
+    if flags:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"unknown flags {flags:#x}")
+    if meta_len > limits.max_meta_bytes:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE, f"metadata of {meta_len} bytes exceeds the limit of {limits.max_meta_bytes}; "
+            "send fewer blocks per request"
+        )
+    if pay_len > limits.max_payload_bytes:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE, f"payload of {pay_len} bytes exceeds the limit of {limits.max_payload_bytes}; "
+            "split the request"
+        )
+    return Header(op, req_id, meta_len, pay_len, crc)
+
+
+def check_crc(header_bytes: bytes | bytearray | memoryview, meta: bytes | bytearray | memoryview, crc: int) -> None:
+    if zlib.crc32(meta, zlib.crc32(bytes(header_bytes[:24]))) != crc:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "frame checksum mismatch (corrupt header or metadata)")
+
+
+def consume(views: list[memoryview], sent: int) -> None:
+    """Drop ``sent`` bytes from the front of ``views`` (after a partial ``sendmsg``)."""
+    while sent and views:
+        if sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][sent:]
+            sent = 0
+
+
+# ---- metadata of each op ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRequest:
+    """GET / ACQUIRE / PUT / PUT_SHM metadata."""
+
+    ns_id: bytes
+    hashes: list[bytes]
+    start: int = 0
+    durable: bool = False
+    staging_offset: int = 0
+
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_PUT_FIXED = struct.Struct("<IIB")  # start, n, durable
+_SHM_FIXED = struct.Struct("<IIBQ")  # start, n, durable, staging offset
+
+
+def _split_hashes(meta: bytes | memoryview, off: int, n: int) -> list[bytes]:
+    if len(meta) - off != n * HASH_BYTES:
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME, f"metadata announces {n} hashes but carries {len(meta) - off} bytes for them"
+        )
+    raw = bytes(meta[off:])
+    return [raw[i : i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]
+
+
+def encode_blocks(ns_id: bytes, hashes: list[bytes]) -> bytes:
+    return ns_id + _U32.pack(len(hashes)) + b"".join(hashes)
+
+
+def parse_blocks(meta: bytes | memoryview, max_blocks: int) -> BlockRequest:
+    fixed = NS_ID_BYTES + 4
+    if len(meta) < fixed:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"block request metadata needs at least {fixed} bytes")
+    (n,) = _U32.unpack_from(meta, NS_ID_BYTES)
+    if n > max_blocks:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} blocks exceed the limit of {max_blocks} per request")
+    return BlockRequest(bytes(meta[:NS_ID_BYTES]), _split_hashes(meta, fixed, n))
+
+
+def encode_put(ns_id: bytes, hashes: list[bytes], start: int, durable: bool, staging_offset: int | None = None) -> bytes:
+    if staging_offset is None:
+        fixed = _PUT_FIXED.pack(start, len(hashes), durable)
+    else:
+        fixed = _SHM_FIXED.pack(start, len(hashes), durable, staging_offset)
+    return ns_id + fixed + b"".join(hashes)
+
+
+def parse_put(meta: bytes | memoryview, max_blocks: int, *, shm: bool = False) -> BlockRequest:
+    st = _SHM_FIXED if shm else _PUT_FIXED
+    fixed = NS_ID_BYTES + st.size
+    if len(meta) < fixed:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"put metadata needs at least {fixed} bytes")
+    vals = st.unpack_from(meta, NS_ID_BYTES)
+    start, n, durable = vals[0], vals[1], vals[2]
+    if n > max_blocks:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} blocks exceed the limit of {max_blocks} per request")
+    if start > n:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"put start {start} is past its {n} blocks")
+    if durable > 1:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"durable must be 0 or 1, got {durable}")
+    return BlockRequest(
+        bytes(meta[:NS_ID_BYTES]),
+        _split_hashes(meta, fixed, n),
+        start=start,
+        durable=bool(durable),
+        staging_offset=vals[3] if shm else 0,
+    )
+
+
+def encode_u64(v: int) -> bytes:
+    return _U64.pack(v)
+
+
+def parse_u64(meta: bytes | memoryview) -> int:
+    if len(meta) != 8:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"expected 8 bytes of metadata, got {len(meta)}")
+    return _U64.unpack(meta)[0]
+
+
+def encode_data_meta(count: int, block_bytes: int) -> bytes:
+    return struct.pack("<II", count, block_bytes)
+
+
+def parse_data_meta(meta: bytes | memoryview) -> tuple[int, int]:
+    if len(meta) != 8:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"a data reply has 8 bytes of metadata, got {len(meta)}")
+    return struct.unpack("<II", meta)
+
+
+def encode_lease(lease_id: int, locations: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> bytes:
+    flat = [v for loc in locations for v in loc]
+    return struct.pack(f"<QI{2 * len(locations)}Q", lease_id, len(locations), *flat)
+
+
+def parse_lease(meta: bytes | memoryview) -> tuple[int, list[tuple[int, int]]]:
+    if len(meta) < 12:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "a lease reply needs at least 12 bytes")
+    lease_id, n = struct.unpack_from("<QI", meta)
+    if len(meta) != 12 + 16 * n:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"a lease of {n} blocks needs {12 + 16 * n} bytes")
+    flat = struct.unpack_from(f"<{2 * n}Q", meta, 12)
+    return lease_id, list(zip(flat[0::2], flat[1::2], strict=True))
+
+
+def encode_error(code: ErrorCode, message: str) -> bytes:
+    return struct.pack("<H", int(code)) + message.encode("utf-8", "replace")[:4096]
+
+
+def parse_error(meta: bytes | memoryview) -> tuple[ErrorCode, str]:
+    if len(meta) < 2:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "an error frame needs at least 2 bytes")
+    (code,) = struct.unpack_from("<H", meta)
+    try:
+        ec = ErrorCode(code)
+    except ValueError:
+        ec = ErrorCode.INTERNAL
+    return ec, bytes(meta[2:]).decode("utf-8", "replace")

@@ -1,0 +1,255 @@
+"""The daemon's tenant-aware view of the store, shared by the control and data planes.
+
+Isolation: a client names blocks by the hashes it computed under its own (unsalted) namespace.
+The daemon never stores those hashes as they are: for a configured tenant it
+
+* registers the namespace with ``tenant_salt`` set to the tenant's salt (derived from a secret
+  kept in the store directory, so it is stable across restarts and unknown to every client): the
+  tenant's namespaces, TTLs and layout checks are its own;
+* keys every block by ``xxh3_128(tenant key || client hash)``: the same prompt of two tenants
+  lands on two different blocks, and a tenant that learns another tenant's hashes still cannot
+  name, read or probe that tenant's blocks.
+
+The anonymous tenant (no ``[[tenants]]`` configured, loopback only) uses hashes as they are, so
+a store directory written in process reads the same through the daemon.
+
+Every method blocks (store I/O): the event loop calls them through a thread pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from kvstore.errors import (
+    AuthError,
+    ForbiddenError,
+    LayoutMismatchError,
+    MissingPrefixError,
+    QuotaExceededError,
+    TierFullError,
+    UnknownNamespaceError,
+    UsageError,
+)
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.server.config import ANONYMOUS, ServerConfig, TenantSpec
+from kvstore.server.protocol import ErrorCode
+from kvstore.store import KVStore, Lease, LookupResult
+
+SECRET_FILE = "server-secret"
+
+
+@dataclass(slots=True)
+class Tenant:
+    spec: TenantSpec
+    salt: str
+    key: bytes
+    used_bytes: int = 0
+    namespaces: dict[bytes, Namespace] = field(default_factory=dict)
+    """client namespace id (the unsalted root digest) -> the namespace registered in the store"""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def load_secret(root: Path) -> bytes:
+    """The daemon's secret (32 random bytes, mode 0600), created on first start."""
+    path = root / SECRET_FILE
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    root.mkdir(parents=True, exist_ok=True)
+    data = secrets.token_bytes(32)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another daemon on the same directory won the race
+        return path.read_bytes()
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return data
+
+
+class Service:
+    def __init__(self, store: KVStore, config: ServerConfig, secret: bytes) -> None:
+        self.store = store
+        self.config = config
+        self.limits = config.limits
+        self._lock = threading.Lock()
+        self._by_token: dict[str, Tenant] = {}
+        self._tenants: dict[str, Tenant] = {}
+        for spec in config.tenants:
+            mac = hmac.new(secret, spec.name.encode(), hashlib.sha256).digest()
+            t = Tenant(spec, salt=mac[:16].hex(), key=mac[16:])
+            self._by_token[spec.token] = t
+            self._tenants[spec.name] = t
+        self.anonymous: Tenant | None = None
+        if not config.tenants:
+            self.anonymous = Tenant(TenantSpec(ANONYMOUS, "-" * 16, admin=True, allow_shm=True), "", b"")
+            self._tenants[ANONYMOUS] = self.anonymous
+        self.arena: str | None = getattr(store.tiers[0], "shm_name", None)
+
+    # ---- tenants ------------------------------------------------------------------------------
+
+    def authenticate(self, token: str | None) -> Tenant:
+        if self.anonymous is not None:
+            return self.anonymous
+        if not token:
+            raise AuthError("this daemon requires a bearer token: pass token=... to kvstore.client.connect")
+        for known, tenant in self._by_token.items():
+            if hmac.compare_digest(known.encode(), token.encode()):
+                return tenant
+        raise AuthError("unknown bearer token; check the token configured for your tenant")
+
+    def tenants(self) -> list[Tenant]:
+        return list(self._tenants.values())
+
+    def _store_keys(self, t: Tenant, hashes: Sequence[bytes]) -> list[bytes]:
+        if not t.key:
+            return list(hashes)
+        h = xxhash.xxh3_128_digest
+        k = t.key
+        return [h(k + x) for x in hashes]
+
+    def _check_count(self, n: int) -> None:
+        if n > self.limits.max_blocks:
+            raise UsageError(f"{n} blocks exceed the limit of {self.limits.max_blocks} per request; split it")
+
+    # ---- namespaces ---------------------------------------------------------------------------
+
+    def register(self, t: Tenant, ns: Namespace, ttl_s: float | None = None) -> bytes:
+        """Register ``ns`` for tenant ``t``; returns its id (the client's namespace root)."""
+        if ns.tenant_salt:
+            raise UsageError("tenant_salt is chosen by the server; leave it empty in the namespace")
+        stored = replace(ns, tenant_salt=t.salt) if t.salt else ns
+        self.store.register_namespace(stored, ttl_s)
+        with self._lock:
+            t.namespaces[bytes(ns.root)] = stored
+        return bytes(ns.root)
+
+    def namespace(self, t: Tenant, ns_id: bytes) -> Namespace:
+        try:
+            return t.namespaces[bytes(ns_id)]
+        except KeyError:
+            raise UnknownNamespaceError(
+                f"namespace {bytes(ns_id).hex()} is not registered for tenant {t.name!r}; "
+                "register it first (client.register_namespace(ns) or POST /v1/namespaces)"
+            ) from None
+
+    def list_namespaces(self, t: Tenant) -> list[tuple[bytes, Namespace]]:
+        with self._lock:
+            return list(t.namespaces.items())
+
+    # ---- lookups and blocks -------------------------------------------------------------------
+
+    def lookup(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> LookupResult:
+        self._check_count(len(hashes))
+        return self.store.lookup(self.namespace(t, ns_id), self._store_keys(t, hashes))
+
+    def lookup_tokens(self, t: Tenant, ns_id: bytes, tokens: Any) -> LookupResult:
+        if len(tokens) > self.limits.max_tokens:
+            raise UsageError(f"{len(tokens)} tokens exceed the limit of {self.limits.max_tokens}")
+        stored = self.namespace(t, ns_id)
+        client_ns = replace(stored, tenant_salt="")  # the client hashes without the salt
+        return self.lookup(t, ns_id, hash_blocks(client_ns, tokens))
+
+    def block_bytes(self, t: Tenant, ns_id: bytes) -> int:
+        return self.namespace(t, ns_id).block_bytes
+
+    def get_into(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], dst: Any) -> int:
+        self._check_count(len(hashes))
+        return self.store.get_into(self.namespace(t, ns_id), self._store_keys(t, hashes), dst)
+
+    def acquire(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], *, for_client: bool = True) -> Lease:
+        """A lease on the blocks in the arena. ``for_client=False``: the daemon itself sends them
+        (TCP, UCX) straight from the arena, which needs no shared-memory grant."""
+        if for_client and not t.spec.allow_shm:
+            raise ForbiddenError(
+                f"tenant {t.name!r} may not map the shared arena; use the TCP data plane "
+                "(or set allow_shm = true for it in [[tenants]])"
+            )
+        self._check_count(len(hashes))
+        return self.store.acquire(self.namespace(t, ns_id), self._store_keys(t, hashes))
+
+    def release(self, lease: Lease) -> None:
+        self.store.release(lease)
+
+    def put(
+        self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], blocks: Any, start: int = 0, durable: bool = False
+    ) -> int:
+        self._check_count(len(hashes))
+        ns = self.namespace(t, ns_id)
+        incoming = max(0, len(hashes) - start) * ns.block_bytes
+        quota = t.spec.quota_bytes
+        if quota and t.used_bytes + incoming > quota:
+            self.refresh_usage()  # evictions may have freed room since the last refresh
+            if t.used_bytes + incoming > quota:
+                raise QuotaExceededError(
+                    f"tenant {t.name!r} uses {t.used_bytes} of its {quota}-byte quota; this put needs "
+                    f"{incoming} more: evict or unpin prefixes, or raise the quota"
+                )
+        new = self.store.put(ns, self._store_keys(t, hashes), blocks, start=start, durable=durable)
+        with self._lock:
+            t.used_bytes += new * ns.block_bytes
+        return new
+
+    def pin(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> int:
+        self._check_count(len(hashes))
+        return self.store.pin(self.namespace(t, ns_id), self._store_keys(t, hashes))
+
+    def unpin(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> int:
+        self._check_count(len(hashes))
+        return self.store.unpin(self.namespace(t, ns_id), self._store_keys(t, hashes))
+
+    def evict(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> int:
+        self._check_count(len(hashes))
+        return self.store.delete(self.namespace(t, ns_id), self._store_keys(t, hashes))
+
+    # ---- usage --------------------------------------------------------------------------------
+
+    def refresh_usage(self) -> None:
+        """Recompute each tenant's bytes from the store (evictions and expiry free quota)."""
+        usage = self.store.namespace_usage()
+        with self._lock:
+            for t in self._tenants.values():
+                t.used_bytes = sum(usage.get(bytes(ns.root), (0, 0))[1] for ns in t.namespaces.values())
+
+    def usage(self, t: Tenant) -> dict[str, Any]:
+        return {
+            "tenant": t.name,
+            "used_bytes": t.used_bytes,
+            "quota_bytes": t.spec.quota_bytes,
+            "namespaces": len(t.namespaces),
+        }
+
+
+def classify(exc: BaseException) -> tuple[ErrorCode, int]:
+    """The data-plane error code and HTTP status of an error raised by a request."""
+    for cls, code, status in _ERRORS:
+        if isinstance(exc, cls):
+            return code, status
+    return ErrorCode.INTERNAL, 500
+
+
+_ERRORS: tuple[tuple[type[BaseException], ErrorCode, int], ...] = (
+    (AuthError, ErrorCode.UNAUTHENTICATED, 401),
+    (ForbiddenError, ErrorCode.FORBIDDEN, 403),
+    (QuotaExceededError, ErrorCode.QUOTA, 507),
+    (UnknownNamespaceError, ErrorCode.NOT_FOUND, 404),
+    (LayoutMismatchError, ErrorCode.CONFLICT, 409),
+    (MissingPrefixError, ErrorCode.CONFLICT, 409),
+    (TierFullError, ErrorCode.UNAVAILABLE, 507),
+    (UsageError, ErrorCode.BAD_REQUEST, 400),
+)

@@ -1,0 +1,95 @@
+"""The client library: planes, round trips, zero-copy leases, retries and reconnects."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.client import connect
+from kvstore.client.spawn import start_daemon as spawn_daemon
+from kvstore.errors import DaemonUnavailableError, MissingPrefixError, UsageError
+from kvstore.server.daemon import ThreadedDaemon
+from tests.conftest import BB, SMALL_NS, chain_for, payload
+
+
+def _blocks(chain: list[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(payload(x) for x in chain), np.uint8)
+
+
+@pytest.mark.parametrize("plane", ["shm", "tcp"])
+def test_round_trip_on_each_plane(start_daemon: Callable[..., ThreadedDaemon], plane: str) -> None:
+    d = start_daemon()
+    chain = chain_for(1, 12)
+    with connect(d.url, plane=plane) as c:
+        assert c.plane == plane
+        assert c.put(SMALL_NS, chain[:8], _blocks(chain[:8])) == 8
+        assert c.put(SMALL_NS, chain, _blocks(chain[8:]), start=8) == 4
+        assert c.put(SMALL_NS, chain, _blocks(chain)) == 0  # deduplicated
+        out = np.zeros(12 * BB, np.uint8)
+        assert c.get_into(SMALL_NS, chain, out) == 12
+        assert np.array_equal(out, _blocks(chain))
+        bufs = [bytearray(BB) for _ in range(3)]  # fewer buffers than hashes: that many load
+        assert c.get_into(SMALL_NS, chain, bufs) == 3
+        assert bytes(bufs[2]) == payload(chain[2])
+        assert c.get_into(SMALL_NS, chain_for(2, 2), bufs) == 0
+        assert c.lookup(SMALL_NS, chain).num_blocks == 12
+        with pytest.raises(MissingPrefixError):
+            c.put(SMALL_NS, chain_for(3, 4), _blocks(chain_for(3, 4)[2:]), start=2)
+
+
+def test_pins_and_deletes(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    d = start_daemon()
+    chain = chain_for(4, 4)
+    with connect(d.url) as c:
+        c.put(SMALL_NS, chain, _blocks(chain))
+        assert c.pin(SMALL_NS, chain[:2]) == 2
+        assert c.delete(SMALL_NS, chain[:1]) == 2  # the pinned prefix stays, its suffix goes
+        assert c.unpin(SMALL_NS, chain[:2]) == 2
+        assert c.delete(SMALL_NS, chain[:1]) == 2
+        assert c.stats()["store"]["blocks"] == 0
+
+
+def test_shm_lease_views_are_zero_copy_and_read_only(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    d = start_daemon()
+    chain = chain_for(5, 2)
+    with connect(d.url) as c:
+        c.put(SMALL_NS, chain, _blocks(chain))
+        with c.acquire(SMALL_NS, chain) as lease:
+            assert lease.num_blocks == 2
+            assert lease.views[1].readonly
+            assert bytes(lease.views[1]) == payload(chain[1])
+    with connect(d.url, plane="tcp") as c, pytest.raises(UsageError, match="shared-memory plane"):
+        c.acquire(SMALL_NS, chain)
+
+
+def test_unreachable_daemon_raises_after_retries() -> None:
+    with pytest.raises(DaemonUnavailableError, match="unreachable"):
+        connect("http://127.0.0.1:9", retries=1, timeout=2)
+
+
+def test_bad_plane_name() -> None:
+    with pytest.raises(UsageError, match="plane must be"):
+        connect("http://127.0.0.1:9", plane="carrier-pigeon")
+
+
+@pytest.mark.parametrize("plane", ["shm", "tcp"])
+def test_reconnects_after_a_daemon_restart(tmp_path: Path, plane: str) -> None:
+    chain = chain_for(6, 4)
+    d = spawn_daemon(tmp_path / "store")
+    try:
+        c = connect(d.url, plane=plane, retries=40)
+        c.put(SMALL_NS, chain, _blocks(chain))
+        assert d.stop() == 0  # graceful: the blocks are written down to NVMe
+        # Same ports again, so that the client's URL stays valid.
+        d = spawn_daemon(tmp_path / "store", args=["--http-port", str(d.info["http_port"]),
+                                                    "--data-port", str(d.info["data_port"])])
+        out = np.zeros(4 * BB, np.uint8)
+        assert c.get_into(SMALL_NS, chain, out) == 4  # reconnects, re-registers, loads
+        assert np.array_equal(out, _blocks(chain))
+        assert c.plane == plane
+        c.close()
+    finally:
+        d.stop()

@@ -1,0 +1,128 @@
+"""The data plane: bad frames close only their own connection; leases die with their client."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from kvstore.client import connect
+from kvstore.server import protocol as P
+from kvstore.server.daemon import ThreadedDaemon
+from tests.conftest import BB, SMALL_NS, chain_for, payload
+from tests.kvstore.conftest import TENANTS, TOKEN_A, TOKEN_B, eventually
+
+LIMITS = P.WireLimits(1 << 20, 1 << 30)
+
+
+class Raw:
+    """A hand-driven data-plane connection."""
+
+    def __init__(self, d: ThreadedDaemon) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", d.info["data_port"]), timeout=10)
+
+    def send_frame(self, op: P.Op, meta: bytes, payload: bytes = b"", req_id: int = 1) -> None:
+        self.sock.sendall(P.encode_header(op, req_id, meta, len(payload)) + meta + payload)
+
+    def reply(self) -> tuple[P.Header, bytes, bytes]:
+        head = self._recv(P.HEADER_BYTES)
+        hdr = P.parse_header(head, LIMITS, reply=True)
+        meta = self._recv(hdr.meta_len)
+        P.check_crc(head, meta, hdr.crc)
+        return hdr, meta, self._recv(hdr.payload_len)
+
+    def error(self) -> tuple[P.ErrorCode, str]:
+        hdr, meta, _ = self.reply()
+        assert hdr.op is P.Op.ERROR
+        return P.parse_error(meta)
+
+    def closed(self) -> bool:
+        return self.sock.recv(1) == b""
+
+    def _recv(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            assert k, "connection closed early"
+            got += k
+        return bytes(buf)
+
+
+@pytest.mark.parametrize(
+    ("raw_bytes", "code"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", P.ErrorCode.BAD_FRAME),
+        (P.encode_header(P.Op.GET, 1, b"", 0)[:24] + b"\0\0\0\0", P.ErrorCode.BAD_FRAME),  # bad crc
+        (P.HEADER.pack(P.MAGIC, P.VERSION, P.Op.PUT, 0, 1, 0, 1 << 40, 0), P.ErrorCode.TOO_LARGE),
+        (P.HEADER.pack(P.MAGIC, P.VERSION, P.Op.GET, 0, 1, 1 << 30, 0, 0), P.ErrorCode.TOO_LARGE),
+        (P.encode_header(P.Op.GET, 1, b"", 0), P.ErrorCode.UNAUTHENTICATED),  # no HELLO first
+    ],
+)
+def test_bad_frames_get_an_error_frame_and_a_closed_connection(
+    start_daemon: Callable[..., ThreadedDaemon], raw_bytes: bytes, code: P.ErrorCode
+) -> None:
+    d = start_daemon()
+    with connect(d.url, plane="tcp") as good:
+        chain = chain_for(1, 2)
+        good.put(SMALL_NS, chain, [payload(x) for x in chain])
+        bad = Raw(d)
+        bad.sock.sendall(raw_bytes.ljust(P.HEADER_BYTES, b"\0"))
+        assert bad.error()[0] is code
+        assert bad.closed()
+        # The daemon and its other clients carry on.
+        assert good.get_into(SMALL_NS, chain, np.zeros(2 * BB, np.uint8)) == 2
+
+
+def test_request_errors_keep_the_connection(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    d = start_daemon()
+    raw = Raw(d)
+    raw.send_frame(P.Op.HELLO, b"")
+    assert raw.reply()[0].op is P.Op.REPLY
+    unknown = P.encode_put(b"\1" * 16, [b"h" * 16], 0, False)
+    raw.send_frame(P.Op.PUT, unknown, b"x" * BB, req_id=2)  # payload drained, then the error
+    code, msg = raw.error()
+    assert code is P.ErrorCode.NOT_FOUND and "not registered" in msg
+    raw.send_frame(P.Op.GET, P.encode_blocks(b"\1" * 16, []), req_id=3)
+    assert raw.error()[0] is P.ErrorCode.NOT_FOUND
+    raw.send_frame(P.Op.STAGING, P.encode_u64(1 << 62), req_id=4)
+    assert "staging size" in raw.error()[1]
+
+
+def test_bad_token_on_the_data_plane(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    d = start_daemon(TENANTS)
+    raw = Raw(d)
+    raw.send_frame(P.Op.HELLO, b"wrong-token-wrong-token")
+    assert raw.error()[0] is P.ErrorCode.UNAUTHENTICATED
+    assert raw.closed()
+
+
+def test_shared_memory_needs_the_tenants_grant(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    d = start_daemon(TENANTS)
+    with connect(d.url, token=TOKEN_B) as b:
+        assert b.plane == "tcp"  # auto: b has no allow_shm
+    raw = Raw(d)
+    raw.send_frame(P.Op.HELLO, TOKEN_B.encode())
+    raw.reply()
+    raw.send_frame(P.Op.STAGING, P.encode_u64(4096), req_id=2)
+    assert raw.error()[0] is P.ErrorCode.FORBIDDEN
+    with connect(d.url, token=TOKEN_A) as a:
+        assert a.plane == "shm"
+
+
+def test_leases_of_a_closed_connection_are_released(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    d = start_daemon()
+    chain = chain_for(2, 3)
+    with connect(d.url) as c:
+        c.put(SMALL_NS, chain, [payload(x) for x in chain])
+        lease = c.acquire(SMALL_NS, chain)
+        assert [bytes(v[:16]) for v in lease.views] == chain
+        assert c.delete(SMALL_NS, chain) == 0  # held: nothing leaves
+        lease.release()
+        lease2 = c.acquire(SMALL_NS, chain)
+        assert lease2.num_blocks == 3
+        # the client goes away without releasing lease2 (as a crashed engine would)
+    with connect(d.url) as other:  # the daemon notices the close on its own loop
+        assert eventually(lambda: other.delete(SMALL_NS, chain) == 3)

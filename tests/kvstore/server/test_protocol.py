@@ -1,0 +1,106 @@
+"""The data-plane frame format: round trips, and a property-based fuzz of every parser."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.server import protocol as P
+
+LIMITS = P.WireLimits(max_meta_bytes=64 + 16 * 64, max_payload_bytes=1 << 20)
+hashes16 = st.lists(st.binary(min_size=16, max_size=16), max_size=64)
+
+
+def test_header_round_trip_and_checksum() -> None:
+    meta = P.encode_blocks(b"n" * 16, [b"h" * 16, b"i" * 16])
+    head = P.encode_header(P.Op.GET, 7, meta, 0)
+    hdr = P.parse_header(head, LIMITS)
+    assert (hdr.op, hdr.req_id, hdr.meta_len, hdr.payload_len) == (P.Op.GET, 7, len(meta), 0)
+    P.check_crc(head, meta, hdr.crc)
+    with pytest.raises(P.ProtocolError, match="checksum"):
+        P.check_crc(head, meta[:-1] + b"x", hdr.crc)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "code"),
+    [
+        (lambda h: b"HTTP" + h[4:], P.ErrorCode.BAD_FRAME),  # someone spoke HTTP to the data port
+        (lambda h: h[:4] + bytes([9]) + h[5:], P.ErrorCode.BAD_FRAME),  # a future version
+        (lambda h: h[:5] + bytes([0x42]) + h[6:], P.ErrorCode.BAD_FRAME),  # unknown op
+        (lambda h: h[:6] + b"\x01\x00" + h[8:], P.ErrorCode.BAD_FRAME),  # unknown flags
+        (lambda h: h[:12] + (10**6).to_bytes(4, "little") + h[16:], P.ErrorCode.TOO_LARGE),
+        (lambda h: h[:16] + (1 << 40).to_bytes(8, "little") + h[24:], P.ErrorCode.TOO_LARGE),
+        (lambda h: h[:20], P.ErrorCode.BAD_FRAME),
+    ],
+)
+def test_bad_headers_are_refused_with_a_code(mutate, code) -> None:  # type: ignore[no-untyped-def]
+    head = P.encode_header(P.Op.GET, 1, b"", 0)
+    with pytest.raises(P.ProtocolError) as e:
+        P.parse_header(mutate(head), LIMITS)
+    assert e.value.code is code
+    assert e.value.fatal
+
+
+def test_a_reply_op_is_not_a_request() -> None:
+    with pytest.raises(P.ProtocolError, match="not expected"):
+        P.parse_header(P.encode_header(P.Op.REPLY, 1, b"", 0), LIMITS)
+    assert P.parse_header(P.encode_header(P.Op.REPLY, 1, b"", 0), LIMITS, reply=True).op is P.Op.REPLY
+
+
+@given(ns=st.binary(min_size=16, max_size=16), hashes=hashes16, start=st.integers(0, 64), durable=st.booleans(),
+       off=st.integers(0, 2**64 - 1))
+def test_put_metadata_round_trips(ns: bytes, hashes: list[bytes], start: int, durable: bool, off: int) -> None:
+    start = min(start, len(hashes))
+    r = P.parse_put(P.encode_put(ns, hashes, start, durable), 64)
+    assert (r.ns_id, r.hashes, r.start, r.durable) == (ns, hashes, start, durable)
+    r = P.parse_put(P.encode_put(ns, hashes, start, durable, off), 64, shm=True)
+    assert (r.hashes, r.staging_offset) == (hashes, off)
+
+
+@given(locs=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)), max_size=32),
+       lease_id=st.integers(0, 2**64 - 1))
+def test_lease_metadata_round_trips(locs: list[tuple[int, int]], lease_id: int) -> None:
+    assert P.parse_lease(P.encode_lease(lease_id, locs)) == (lease_id, locs)
+
+
+@settings(max_examples=400)
+@given(data=st.binary(max_size=200), reply=st.booleans())
+def test_fuzz_header_parser_raises_only_protocol_errors(data: bytes, reply: bool) -> None:
+    for chunk in (data, data[: P.HEADER_BYTES].ljust(P.HEADER_BYTES, b"\0"), P.MAGIC + bytes([P.VERSION]) + data[5:28]):
+        try:
+            hdr = P.parse_header(chunk, LIMITS, reply=reply)
+        except P.ProtocolError as e:
+            assert isinstance(e.code, P.ErrorCode)
+        else:
+            assert hdr.meta_len <= LIMITS.max_meta_bytes and hdr.payload_len <= LIMITS.max_payload_bytes
+
+
+@settings(max_examples=400)
+@given(meta=st.binary(max_size=400))
+def test_fuzz_metadata_parsers_raise_only_protocol_errors(meta: bytes) -> None:
+    parsers = [
+        lambda m: P.parse_blocks(m, 16),
+        lambda m: P.parse_put(m, 16),
+        lambda m: P.parse_put(m, 16, shm=True),
+        P.parse_lease,
+        P.parse_u64,
+        P.parse_data_meta,
+        P.parse_error,
+    ]
+    for parse in parsers:
+        try:
+            parse(meta)
+        except P.ProtocolError as e:  # anything else (struct.error, IndexError...) fails the test
+            assert isinstance(e.code, P.ErrorCode)
+
+
+@given(ns=st.binary(min_size=16, max_size=16), n=st.integers(0, 2**32 - 1), tail=st.binary(max_size=64))
+def test_fuzz_a_block_count_that_lies_is_refused(ns: bytes, n: int, tail: bytes) -> None:
+    meta = ns + n.to_bytes(4, "little") + tail
+    try:
+        r = P.parse_blocks(meta, 16)
+    except P.ProtocolError as e:
+        assert e.code in (P.ErrorCode.BAD_FRAME, P.ErrorCode.TOO_LARGE)
+    else:
+        assert len(r.hashes) == n and len(tail) == 16 * n

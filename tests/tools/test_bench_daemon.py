@@ -1,0 +1,34 @@
+"""The daemon benchmarks run (quick sizes), each on its own daemon, in the bench line format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tools.bench.__main__ import main
+
+KEYS = {"bench", "metric", "value", "unit", "baseline", "ratio"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["shm", "tcp", "rpc", "concurrent"])
+def test_daemon_bench_json_lines(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([name, "--json", "--quick"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows
+    for r in rows:
+        assert r.keys() >= KEYS and r["bench"] == name
+        assert r["value"] > 0 and r["baseline"] > 0
+        if name == "concurrent":
+            assert r["errors"] == 0, r["first_errors"]
+
+
+def test_ucx_bench_says_why_it_is_skipped(capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        import ucxx  # noqa: F401
+    except ImportError:
+        assert main(["ucx", "--json", "--quick"]) == 0
+        assert "pip install 'kvstore[ucx]'" in capsys.readouterr().err
+    else:
+        pytest.skip("ucxx is installed: the benchmark runs instead (see the slow tests)")

@@ -1,0 +1,169 @@
+"""Expiry on the object tier: touches (refreshed expiry written back) and the sweeper.
+
+Objects are immutable, so a block's expiry in its header is the one it was written with. A hit
+refreshes it in the store's index; :meth:`ExpiryMixin.update_expiry` writes the refreshed time
+back as a small touch object beside the block, rate-limited by ``touch_min_s``. The sweeper
+deletes an object once both its header expiry and its touch (if any) have passed: it walks the
+whole bucket, so it also expires blocks other nodes wrote and no index holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+from kvstore.clock import Clock
+from kvstore.errors import KVStoreError, TierUnavailableError
+from kvstore.keys import BlockHash
+from tiers.object.config import ObjectConfig
+from tiers.object.format import (
+    SUFFIX,
+    TOUCH_SUFFIX,
+    Header,
+    key_of,
+    pack_touch,
+    unpack_touch,
+)
+from tiers.object.remote import Remote
+
+log = logging.getLogger(__name__)
+
+class ExpiryMixin:
+    """Touches and the sweeper of :class:`~tiers.object.tier.ObjectTier`, over its listing,
+    header and delete primitives (declared below)."""
+
+    name: str
+    config: ObjectConfig
+    _clock: Clock
+    _remote: Remote | None
+    _fs: Any
+    _lock: threading.Lock
+    _blocks: str
+    _sizes: dict[BlockHash, int]
+    _expiry: dict[BlockHash, float]
+    _touched: set[BlockHash]
+    _counters: Any
+    _sweep_after: str
+
+    path: Callable[[BlockHash], str]
+    touch_path: Callable[[BlockHash], str]
+    _check_open: Callable[[], None]
+    _ensure_listed: Callable[[], object]
+    _make_dir: Callable[[str], bool]
+    _list: Callable[..., dict[str, int]]
+    _headers: Callable[[Sequence[BlockHash]], list[Header | KVStoreError]]
+    _delete_paths: Callable[[Sequence[str]], None]
+    _forget: Callable[[Iterable[BlockHash]], None]
+    _run: Callable[[Sequence[Callable[[], Awaitable[Any]]]], list[Any]]
+
+    def update_expiry(self, items: Iterable[tuple[BlockHash, float]]) -> None:
+        """Write refreshed expiry times back as small touch objects, in one batch.
+
+        Only keys this tier knows, and only when the expiry moves by ``touch_min_s`` or more: a
+        hit refreshes every block of its prefix, and one small PUT per block per hit would cost
+        more than the blocks. Never raises: a touch that cannot be written (the store is
+        unreachable) only shortens a block's life, and is counted (``touches_dropped``).
+        """
+        self._ensure_listed()
+        pending: dict[BlockHash, float] = {}
+        with self._lock:
+            for key, expiry in items:
+                known = self._expiry.get(key)
+                if known is not None and expiry >= known + self.config.touch_min_s:
+                    pending[key] = float(expiry)
+        if not pending:
+            return
+        paths = {self.touch_path(k): pack_touch(k, e) for k, e in pending.items()}
+        written: list[BlockHash] = []
+        if self._remote is None:
+            for (p, blob), key in zip(paths.items(), pending, strict=True):
+                try:
+                    self._make_dir(p.rsplit("/", 1)[0])
+                    with open(p, "wb") as f:  # a torn touch fails its checksum: ignored
+                        f.write(blob)
+                    written.append(key)
+                except OSError as e:
+                    log.warning("object tier %r: cannot write %s: %s", self.name, p, e)
+        else:
+            fs = self._remote.fs
+            try:
+                results = self._run([functools.partial(fs._pipe_file, p, b) for p, b in paths.items()])
+            except TierUnavailableError:
+                results = [TierUnavailableError("unavailable")] * len(paths)
+            written = [k for k, r in zip(pending, results, strict=True) if not isinstance(r, BaseException)]
+        with self._lock:
+            for key in written:
+                if key in self._sizes:
+                    self._expiry[key] = max(self._expiry.get(key, 0.0), pending[key])
+                    self._touched.add(key)
+            self._counters.touches_written += len(written)
+            self._counters.touches_dropped += len(pending) - len(written)
+
+    def _read_touches(self, listed: Iterable[str]) -> dict[BlockHash, float]:
+        """``{key: expiry}`` from the touch objects at ``listed`` (damaged ones ignored)."""
+        paths = [p for p in listed if p.endswith(TOUCH_SUFFIX)]
+        keys = [key_of(p.removesuffix(TOUCH_SUFFIX) + SUFFIX) for p in paths]
+        pairs = [(k, p) for k, p in zip(keys, paths, strict=True) if k is not None]
+        if not pairs:
+            return {}
+        if self._remote is None:
+            blobs: list[Any] = []
+            for _, p in pairs:
+                try:
+                    blobs.append(self._fs.cat_file(p))
+                except OSError as e:
+                    blobs.append(e)
+        else:
+            fs = self._remote.fs
+            try:
+                blobs = self._run([functools.partial(fs._cat_file, p) for _, p in pairs])
+            except TierUnavailableError:
+                return {}
+        out: dict[BlockHash, float] = {}
+        for (k, _), blob in zip(pairs, blobs, strict=True):
+            if isinstance(blob, bytes) and (e := unpack_touch(blob, k)) is not None:
+                out[k] = e
+        return out
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Delete objects whose expiry has passed; returns how many were deleted.
+
+        Examines at most ``limit`` (default ``sweep_work_cap``) objects, in name order from where
+        the previous pass stopped (on S3 one LIST per 1,000, resumed with StartAfter), and starts
+        over once it reaches the end. Expiry comes from the in-memory map when this tier knows
+        the block, else from its header; a later touch (this node's or another's) always wins.
+        """
+        self._check_open()
+        self._ensure_listed()
+        budget = self.config.sweep_work_cap if limit is None else limit
+        listed = list(self._list(self._blocks, after=self._sweep_after, limit=budget))
+        self._sweep_after = listed[-1] if len(listed) == budget else ""
+        names = [p for p in listed if p.endswith(SUFFIX)]
+        deleted = self._sweep_paths(names, self._clock())
+        with self._lock:
+            c = self._counters
+            c.sweeps += 1
+            c.sweep_examined += len(names)
+            c.expired_deleted += deleted
+        return deleted
+
+    def _sweep_paths(self, paths: Sequence[str], now: float) -> int:
+        keys = [k for p in paths if (k := key_of(p)) is not None]
+        with self._lock:
+            expiry = {k: self._expiry[k] for k in keys if k in self._expiry}
+        unknown = [k for k in keys if k not in expiry]
+        for k, h in zip(unknown, self._headers(unknown), strict=True):
+            if isinstance(h, Header):
+                expiry[k] = h.meta.expiry
+        candidates = [k for k, e in expiry.items() if e <= now]
+        touches = self._read_touches(self.touch_path(k) for k in candidates)
+        expired = [k for k in candidates if touches.get(k, 0.0) <= now]
+        if not expired:
+            return 0
+        self._delete_paths([self.path(k) for k in expired] + [self.touch_path(k) for k in expired])
+        self._forget(expired)
+        log.info("object tier %r: swept %d expired objects", self.name, len(expired))
+        return len(expired)

@@ -1,0 +1,96 @@
+"""ucx: a hit through the daemon's UCX data plane, against raw ucxx messages of the same bytes.
+
+Figure: ``Client.get_into`` with ``plane="ucx"`` of 64 blocks of 1 MiB from a daemon on
+loopback (listener endpoints with peer error handling: see docs/daemon.md for why). Baseline,
+same run: a raw ucxx listener process sending the same number of 1 MiB messages per request to
+a ucxx endpoint of this process, the same kind of endpoint. Goal: >= 80% of raw.
+Needs ucxx (``pip install 'kvstore[ucx]'``); without it the benchmark prints why and no rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from tools.bench._common import result
+from tools.bench._daemon import BENCH_NS, TOKEN, bench_daemon, chain
+
+_RAW_SENDER = """
+import asyncio, os, sys
+os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+import numpy as np, ucxx
+n, bb = int(sys.argv[1]), int(sys.argv[2])
+async def main():
+    src = np.ones(bb, np.uint8)
+    done = asyncio.Event()
+    async def handler(ep):
+        req = np.empty(1, np.uint8)
+        try:
+            while True:
+                await ep.recv(req)
+                for _ in range(n):
+                    await ep.send(src)
+        except Exception:
+            done.set()
+    lf = ucxx.create_listener(handler, port=0, endpoint_error_handling=True)
+    print(lf.port, flush=True)
+    await done.wait()
+asyncio.run(main())
+"""
+
+
+def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    try:
+        from kvstore.client._conn import import_ucxx
+
+        ucxx = import_ucxx()
+    except Exception as e:
+        print(f"ucx: skipped: {e}", file=sys.stderr)
+        return
+    from kvstore.client import connect
+
+    n = 8 if args.quick else 64
+    rounds = 3 if args.quick else 8
+    bb = BENCH_NS.block_bytes
+    hashes, blocks = chain(n)
+    sender = subprocess.Popen([sys.executable, "-c", _RAW_SENDER, str(n), str(bb)], stdout=subprocess.PIPE, text=True)
+    loop = asyncio.new_event_loop()
+    try:
+        assert sender.stdout is not None
+        port = int(sender.stdout.readline())
+        ep = loop.run_until_complete(ucxx.create_endpoint("127.0.0.1", port))
+        dst = np.ones(n * bb, np.uint8)
+        views = [dst[i * bb : (i + 1) * bb] for i in range(n)]
+
+        async def raw_round() -> None:
+            await ep.send(np.zeros(1, np.uint8))
+            for v in views:
+                await ep.recv(v)
+
+        with bench_daemon(ucx=True) as d, connect(d.url, token=TOKEN, plane="ucx") as c:
+            c.put(BENCH_NS, hashes, blocks)
+            ours = base = 0.0
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                assert c.get_into(BENCH_NS, hashes, dst) == n
+                ours += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                loop.run_until_complete(raw_round())
+                base += time.perf_counter() - t0
+            c.get_into(BENCH_NS, hashes, dst)
+            assert np.array_equal(dst, blocks)
+        loop.run_until_complete(ep.close())
+    finally:
+        sender.kill()
+        sender.wait()
+        loop.close()
+    gb = rounds * n * bb / 1e9
+    yield result("ucx", f"get_ucx_{n}x1MiB", gb / ours, "GB/s", gb / base, goal_ratio=0.8)
