@@ -103,6 +103,10 @@ class ClientLease:
 
     views: list[memoryview]
     _release: Callable[[], None] = field(repr=False)
+    arena: str = ""
+    """The daemon's arena (shared-memory name), as in :class:`kvstore.store.Lease`."""
+    locations: tuple[tuple[int, int], ...] = ()
+    """``(offset, size)`` of each block in the arena, as in :class:`kvstore.store.Lease`."""
     _done: bool = field(default=False, repr=False)
 
     @property
@@ -366,11 +370,15 @@ class Client:
                         with contextlib.suppress(ConnectionLost):
                             conn.call(P.Op.RELEASE, P.encode_u64(lease_id), reply=False)
 
-            lease = ClientLease(views, release)
+            lease = ClientLease(views, release, self._arena_name, tuple(locs))
             self._leases.add(lease)
             return lease
 
         return self._retry(call)
+
+    def release(self, lease: ClientLease) -> None:
+        """Give back an :meth:`acquire` lease (as :meth:`KVStore.release`). Idempotent."""
+        lease.release()
 
     def put(
         self, ns: Namespace, hashes: Sequence[bytes], blocks: Any | Sequence[Any], start: int = 0, durable: bool = False

@@ -114,3 +114,33 @@ def test_pack_unpack_round_trip() -> None:
         k, v = unpack_layer(blocks, shape, layer)
         assert torch.equal(k, keys[layer][:, :, 4:12])
         assert torch.equal(v, values[layer][:, :, 4:12])
+
+
+@pytest.mark.parametrize("plane", ["shm", "tcp"])
+def test_reference_engine_through_a_daemon(tmp_path: Path, plane: str) -> None:
+    """The same engine against the daemon: leases over shared memory, copies over TCP."""
+    from engine.gpu import ArenaBlocks, HostBlocks
+    from kvstore.client import connect
+    from kvstore.client.spawn import start_daemon
+
+    model = llama()
+    shape = shape_of(model.config, torch.float32, BT)
+    prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(11))
+    ref = CachedLM(model, None).prefill(prompt)
+    with start_daemon(tmp_path / "store") as d:
+        client = connect(d.url, plane=plane)
+        try:
+            cache = EngineCache(client, shape.namespace("test/llama-daemon"), shape)
+            lm = CachedLM(model, cache)
+            lm.prefill(prompt)
+            cache.flush()
+            loaded = cache.load(cache.hashes(prompt), 4)
+            assert isinstance(loaded, ArenaBlocks if plane == "shm" else HostBlocks)
+            assert loaded.num_blocks == 4
+            loaded.release()
+            again = lm.prefill(prompt)
+            assert again.hit_tokens == 64
+            assert rel_err(again.logits, ref.logits) <= 1e-4
+            cache.close()
+        finally:
+            client.close()
