@@ -38,6 +38,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.events import EventsConfig, events_config
 from kvstore.units import parse_duration
 
 DEFAULT_TTL_S = 72 * 3600.0
@@ -78,6 +79,8 @@ class StoreConfig:
     """Blocks an expiry pass may remove per call."""
     evict_work_cap: int = 8192
     """Candidates an eviction may examine per round."""
+    events: EventsConfig = field(default_factory=EventsConfig)
+    """``[events]``: the access and block-event log (kvstore/events.py); off in process by default."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
@@ -150,11 +153,11 @@ def load_config(
     env = os.environ if env is None else env
     data = read_toml(path)
     # [server] and [[tenants]] belong to the daemon (kvstore/server/config.py), same file.
-    unknown = set(data) - {"store", "tiers", "server", "tenants"}
+    unknown = set(data) - {"store", "tiers", "server", "tenants", "events"}
     if unknown:
         raise ConfigError(
             f"config: unknown table(s) {', '.join(sorted(unknown))}; "
-            "use [store], [[tiers]], [server] and [[tenants]]"
+            "use [store], [[tiers]], [events], [server] and [[tenants]]"
         )
     kwargs = _store_kwargs(data.get("store", {}), "[store]")
     tiers = default_tiers()
@@ -183,5 +186,6 @@ def load_config(
                 opts[k[len(prefix):].lower()] = v
         new_tiers.append(replace(t, options=opts))
     kwargs["tiers"] = tuple(new_tiers)
+    kwargs["events"] = events_config(data.get("events", {}), env)
     kwargs.update(overrides)
     return StoreConfig(**kwargs)

@@ -25,7 +25,7 @@ import mmap
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from kvstore.errors import (
     UnknownNamespaceError,
     UsageError,
 )
+from kvstore.events import StoreEvents
 from kvstore.index import NO_PARENT, RadixIndex
 from kvstore.keys import BlockHash, Namespace
 from kvstore.registry import make_tier, policy_class
@@ -199,6 +200,7 @@ class KVStore:
         # One scratch buffer per tier level: a demotion from tier k may cascade into one from
         # k+1 while tier k's buffer still holds the block in flight. The last is for durability.
         self._scratch = [_Scratch() for _ in range(len(self.tiers) + 1)]
+        self.events = StoreEvents.open(self.config.events, root, clock, [t.name for t in self.tiers], self.config.policy)
         self._load_namespaces()
         self._recover()
 
@@ -207,15 +209,17 @@ class KVStore:
     def register_namespace(self, ns: Namespace, ttl_s: float | None = None) -> None:
         """Make ``ns`` usable; ``ttl_s`` (default: the store's) applies to its blocks.
 
-        Re-registering updates the TTL. Blocks of ``ns`` already on persistent tiers (from an
-        earlier run) become visible at once.
+        Re-registering with ``ttl_s`` updates the TTL; without, it keeps the one the namespace
+        has (so an operator's ``kvctl ttl`` survives engines reconnecting). Blocks of ``ns``
+        already on persistent tiers (from an earlier run) become visible at once.
         """
-        if ttl_s is None:
-            ttl_s = self.config.default_ttl_s
-        if not ttl_s > 0:
+        if ttl_s is not None and not ttl_s > 0:
             raise UsageError(f"ttl_s must be positive (seconds), got {ttl_s!r}")
         with self._lock:
             info = self._ns_by_digest.get(ns.root)
+            if ttl_s is None:
+                known = info is not None and info.namespace is not None
+                ttl_s = info.ttl_s if known else self.config.default_ttl_s  # type: ignore[union-attr]
             if info is None:
                 info = self._new_ns(ns.root, ns, ttl_s)
             else:
@@ -223,6 +227,7 @@ class KVStore:
             for t in self.tiers:
                 t.register_namespace(ns.root, ns.canonical_bytes())
             self._save_namespaces()
+            self.events.namespace(ns, float(ttl_s))
 
     def namespaces(self) -> list[tuple[Namespace, float]]:
         with self._lock:
@@ -307,10 +312,13 @@ class KVStore:
         info = self._ns(ns)
         bb = info.namespace.block_bytes  # type: ignore[union-attr]
         bufs = _dst_views(dst, bb)
+        trace = self.events.request(info.namespace, hashes)  # type: ignore[arg-type]
         hashes = hashes[: len(bufs)]
         self._discover(info, hashes)
         ids, masks, now = self._hold_prefix(hashes)
+        trace.matched()
         if not ids.size:
+            trace.done(())
             return 0
         served: list[int] = []
         corrupt: list[tuple[int, int, bool]] = []
@@ -323,6 +331,7 @@ class KVStore:
                 finally:
                     self.index.add_in_use(ids, -1)
                     self._drop_hollow_leaves([int(ids[i]) for i, _, _ in corrupt])
+        trace.done(served)
         return len(served)
 
     def _hold_prefix(self, hashes: Sequence[bytes]) -> tuple[np.ndarray, list[int], float]:
@@ -489,6 +498,7 @@ class KVStore:
                 c.corrupt_blocks += 1
             else:
                 c.tier_errors += 1
+            self.events.bad_copy(hashes[i], k, corrupt)
             self._drop_copy(int(ids[i]), k, hashes[i])
         n = len(served)
         c.hit_blocks += n
@@ -534,9 +544,12 @@ class KVStore:
                 f"{arena.kind!r}: put a kind = 'dram' tier first in the config"
             )
         bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        trace = self.events.request(info.namespace, hashes, "acquire")  # type: ignore[arg-type]
         self._discover(info, hashes)
         ids, masks, now = self._hold_prefix(hashes)
+        trace.matched()
         if not ids.size:
+            trace.done(())
             return Lease(shm_name, (), ids)
         served: list[int] = []
         corrupt: list[tuple[int, int, bool]] = []
@@ -575,6 +588,7 @@ class KVStore:
             with self._lock:
                 self.index.add_in_use(ids[held:], -1)
                 self._drop_hollow_leaves([int(ids[i]) for i, _, _ in corrupt])
+        trace.done(served[:held])
         return Lease(shm_name, tuple(locations), ids[:held].copy())
 
     def release(self, lease: Lease) -> None:
@@ -705,13 +719,15 @@ class KVStore:
         block in turn). :meth:`_make_durable` then writes the rest one by one, making room."""
         tier, idx = self.tiers[p], self.index
         todo = [(i, bid) for i, bid in enumerate(ids) if i >= start and not int(idx.tiers[bid]) & persistent_mask]
-        if len(todo) < 2 or not tier.fits(sum(int(idx.size[bid]) for _, bid in todo)):
+        free = tier.usage()
+        if len(todo) < 2 or free.capacity_bytes - free.used_bytes < sum(int(idx.size[b]) for _, b in todo):
             return
         metas = [self._meta_for(bid, BlockHash(hashes[i]), info) for i, bid in todo]
         items = [(BlockHash(hashes[i]), srcs[i - start], m) for (i, _), m in zip(todo, metas, strict=True)]
         failed: list[KVStoreError] = []
         for (_, bid), meta, err in zip(todo, metas, tier.write_many(items, durable=True), strict=True):
             if err is None:
+                self.events.placed(idx.hash_of(bid), p, int(idx.tiers[bid]), meta.size, int(idx.depth[bid]))
                 idx.tiers[bid] |= 1 << p
                 self._policies[p].insert(bid, meta.size, meta.created)
             elif not isinstance(err, TierFullError):  # a full tier: the loop makes room
@@ -752,6 +768,7 @@ class KVStore:
                 self.counters.tier_errors += 1
                 log.error("write of %s to tier %s failed: %s", key.hex(), tier.name, e)
                 raise
+            self.events.placed(key, k, int(self.index.tiers[bid]), meta.size, meta.depth)
             self.index.tiers[bid] |= 1 << k
             self._policies[k].insert(bid, meta.size, meta.created)
             return True
@@ -864,11 +881,12 @@ class KVStore:
         if not self.index.tiers[bid]:
             self._drop_hollow_leaves([bid])
 
-    def _drop_block(self, bid: int) -> None:
-        """Remove a leaf from every tier and from the index."""
+    def _drop_block(self, bid: int, reason: str = "capacity") -> None:
+        """Remove a leaf from every tier and from the index (``reason`` goes to the event log)."""
         idx = self.index
         key = idx.hash_of(bid)
         mask = int(idx.tiers[bid])
+        self.events.dropped(key, mask, reason)
         while mask:
             k = _lowest_bit(mask)
             mask &= mask - 1
@@ -903,7 +921,7 @@ class KVStore:
             if not ids.size:
                 break
             for bid in ids.tolist():
-                self._drop_block(bid)
+                self._drop_block(bid, "expired")
             removed += int(ids.size)
         self.counters.expirations += removed
         return removed
@@ -954,7 +972,7 @@ class KVStore:
             removed = 0
             for bid in sub[np.argsort(-idx.depth[sub], kind="stable")].tolist():
                 if idx.evictable_leaf(bid):
-                    self._drop_block(bid)
+                    self._drop_block(bid, "deleted")
                     removed += 1
             return removed
 
@@ -1003,6 +1021,7 @@ class KVStore:
                     t.close()
                 for sc in self._scratch:
                     sc.close()
+                self.events.close()
 
     def _persist_volatile(self) -> int:
         """Write blocks held only by volatile tiers down to the first persistent tier, parents
@@ -1156,7 +1175,7 @@ class KVStore:
                 "blocks": len(self.index),
                 "index_bytes": self.index.memory_bytes(),
                 "namespaces": len(self._ns_list),
-                "tiers": [t.describe() for t in self.tiers],
+                "tiers": [{**t.describe(), **self.events.traffic(t.name)} for t in self.tiers],
                 "lookups": c.lookups,
                 "lookup_blocks": c.lookup_blocks,
                 "hit_blocks": c.hit_blocks,
@@ -1175,6 +1194,7 @@ class KVStore:
                 "discovered_blocks": c.discovered_blocks,
                 "foreign_blocks": c.foreign_blocks,
                 "unavailable_reads": c.unavailable_reads,
+                "events": self.events.stats(),
             }
 
     def namespace_usage(self) -> dict[bytes, tuple[int, int]]:
@@ -1191,26 +1211,36 @@ class KVStore:
                 if blocks[i]
             }
 
-    def iter_blocks(self) -> Iterator[dict[str, Any]]:
-        """Every cached block's index entry (for inspection tools); a snapshot per block."""
+    def iter_blocks(self, keys: Iterable[bytes] | None = None) -> Iterator[dict[str, Any]]:
+        """Every cached block's index entry, or those of ``keys`` that are cached (for
+        inspection tools); a snapshot per block, taken under the lock and yielded outside it."""
         with self._lock:
-            ids = self.index.live_ids().tolist()
+            if keys is None:
+                ids = self.index.live_ids().tolist()
+            else:
+                ids = [i for k in keys if (i := self.index.id_of(bytes(k))) is not None]
         for bid in ids:
             with self._lock:
-                h = self.index.hash_of_or_none(bid)
+                idx = self.index
+                h = idx.hash_of_or_none(bid)
                 if h is None:
                     continue
-                idx = self.index
-                yield {
+                p = int(idx.parent[bid])
+                row = {
                     "hash": h.hex(),
                     "namespace": self._ns_list[int(idx.ns[bid])].digest.hex(),
+                    "parent": idx.hash_of(p).hex() if p != NO_PARENT else None,
                     "depth": int(idx.depth[bid]),
                     "size": int(idx.size[bid]),
                     "tiers": [t.name for k, t in enumerate(self.tiers) if idx.tiers[bid] & (1 << k)],
                     "hits": int(idx.hits[bid]),
+                    "last_access": float(idx.last_access[bid]),
                     "expiry": float(idx.expiry[bid]),
                     "pins": int(idx.pins[bid]),
+                    "in_use": int(idx.in_use[bid]),
+                    "children": int(idx.children[bid]),
                 }
+            yield row
 
 
 # ---- helpers ------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ RocksDB (and never write anything).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -566,3 +567,70 @@ class NvmeTier(Tier):
         )
         err.errno = e.errno
         return err
+
+
+# ---- offline inspection (kvctl --dir) ---------------------------------------------------------------
+
+
+def read_metadata(root: Path, name: str) -> list[tuple[BlockHash, int, BlockMeta]]:
+    """``(key, offset, meta)`` of every block record of NVMe tier ``name`` under store ``root``,
+    read without modifying anything there (another process may hold the tier open).
+
+    RocksDB's read-only mode takes no lock, but rocksdict rewrites its own config file on every
+    open; so the DB is opened through a private directory of symbolic links to its files (no
+    copy, and nothing under ``root`` is written). A live writer may compact files away while
+    they are read: that open fails, and a retry sees the new set.
+    """
+    import shutil
+    import tempfile
+
+    from rocksdict import AccessType
+
+    db = tier_dir(Path(root), name) / "meta.rocksdb"
+    if not (db / "CURRENT").exists():
+        return []
+    last: Exception | None = None
+    for _ in range(3):
+        view = Path(tempfile.mkdtemp(prefix="kvstore-nvme-ro-"))
+        try:
+            for f in os.listdir(db):
+                if f not in ("LOCK", "rocksdict-config.json") and not f.startswith("LOG"):
+                    os.symlink(db / f, view / f)
+            rdb = Rdict(str(view), Options(raw_mode=True), access_type=AccessType.read_only(False))
+            try:
+                out: list[tuple[BlockHash, int, BlockMeta]] = []
+                for k, v in rdb.items(from_key=_BLOCK_PREFIX):
+                    if not k.startswith(_BLOCK_PREFIX):
+                        break
+                    if len(k) == 1 + HASH_BYTES and len(v) == _RECORD_BYTES:
+                        with contextlib.suppress(KVStoreError, ValueError):
+                            out.append((BlockHash(bytes(k[1:])), _OFFSET.unpack_from(v)[0],
+                                        BlockMeta.unpack(v[_OFFSET.size :])))
+                return out
+            finally:
+                rdb.close()
+        except Exception as e:  # rocksdict raises bare Exception (a file compacted away)
+            last = e
+        finally:
+            shutil.rmtree(view, ignore_errors=True)
+    raise TierIOError(f"nvme tier {name!r}: cannot read {db} read-only: {last}")
+
+
+def lock_holder(root: Path, name: str) -> int | None:
+    """The pid of another process that holds NVMe tier ``name`` under ``root`` open (RocksDB's
+    lock), or None. Asks the kernel (F_GETLK): takes no lock itself."""
+    import fcntl
+
+    lock = tier_dir(Path(root), name) / "meta.rocksdb" / "LOCK"
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        flock = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        l_type, _, _, _, pid = struct.unpack("hhqqi4x", fcntl.fcntl(fd, fcntl.F_GETLK, flock))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return pid if l_type != fcntl.F_UNLCK and pid != os.getpid() else None

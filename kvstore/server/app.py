@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvstore.errors import KVStoreError, UsageError
 from kvstore.keys import Namespace
+from kvstore.server.admin import admin_router
 from kvstore.server.dataplane import DataContext
 from kvstore.server.metrics import CONTENT_TYPE
 from kvstore.server.service import AuthError, ForbiddenError, Tenant, classify
@@ -210,4 +211,5 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
         await ctx.run(svc.refresh_usage)
         return out
 
+    app.include_router(admin_router(ctx, admin))  # /v1/admin: kvctl's endpoints (admin.py)
     return _BodyLimit(app, limits.max_body_bytes)

@@ -18,6 +18,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,8 @@ class _Uvicorn(uvicorn.Server):
 
 class Daemon:
     def __init__(self, store_config: StoreConfig, config: ServerConfig) -> None:
+        if store_config.events.enabled is None:  # the daemon keeps an access log unless told not to
+            store_config = replace(store_config, events=replace(store_config.events, enabled=True))
         self.store_config = store_config
         self.config = config
         self._ready = False

@@ -134,6 +134,7 @@ class Service:
         if ns.tenant_salt:
             raise UsageError("tenant_salt is chosen by the server; leave it empty in the namespace")
         stored = replace(ns, tenant_salt=t.salt) if t.salt else ns
+        self.store.events.set_tenant(stored.root, t.name)  # the access log names the tenant
         self.store.register_namespace(stored, ttl_s)
         with self._lock:
             t.namespaces[bytes(ns.root)] = stored

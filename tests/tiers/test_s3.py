@@ -406,3 +406,28 @@ def test_a_hung_server_costs_one_read_timeout_not_a_hang(
     clock.advance(30)
     assert _read(tier, blk.key, 1000) == blk.data  # the trial read succeeds: closed again
     assert tier.describe()["breaker"] == "closed"
+
+
+def test_a_tier_opened_while_the_server_hangs_starts_empty_and_finds_blocks_later(
+    own_s3: LocalS3, tmp_path: Path, clock: FakeClock, make_block: MakeBlock
+) -> None:
+    writer = _outage_tier(own_s3, tmp_path, clock)
+    blk = make_block(1000, seed=1)
+    writer.write(blk.key, blk.data, blk.meta)
+    own_s3.pause()
+    try:
+        late = make_tier(
+            "object", "late",
+            {**own_s3.tier_options(), "url": "s3://outage/kv", "read_timeout_s": 0.5,
+             "max_attempts": 1, "worker_interval_s": 0, "breaker_failures": 1},
+            root=tmp_path, clock=clock,
+        )
+        assert late.usage().blocks == 0  # the listing timed out: an empty view, no exception
+        assert not late.available()
+    finally:
+        own_s3.resume()
+    clock.advance(5)
+    assert late.probe([blk.key]) == [blk.meta]  # found by hash once the server answers
+    assert late.contains(blk.key)
+    late.close()
+    writer.close()

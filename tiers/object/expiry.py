@@ -31,6 +31,7 @@ from tiers.object.remote import Remote
 
 log = logging.getLogger(__name__)
 
+
 class ExpiryMixin:
     """Touches and the sweeper of :class:`~tiers.object.tier.ObjectTier`, over its listing,
     header and delete primitives (declared below)."""

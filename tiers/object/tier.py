@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import threading
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,8 @@ from tiers.object.format import (
 from tiers.object.remote import DOWN, MISS, Breaker, Queued, Remote, WriteQueue
 
 log = logging.getLogger(__name__)
+
+_RECENT = 4096  # headers kept after a read or write (see ObjectTier._recent)
 
 
 @dataclass(slots=True)
@@ -145,6 +148,10 @@ class ObjectTier(ExpiryMixin, Tier):
         self._descriptors: dict[bytes, bytes] = {}  # registered by the store: written into headers
         self._seen: dict[bytes, bytes] = {}  # found in headers by scan or probe
         self._compress: dict[bytes, int] = {}  # namespace digest -> item size to shuffle by
+        # Headers of blocks just read, written or probed: the store asks for a block's meta
+        # right after reading it (to promote it), and a header GET per block would double the
+        # requests of a load. Content addressing makes a cached header safe to reuse.
+        self._recent: OrderedDict[BlockHash, BlockMeta] = OrderedDict()
         self._queue = WriteQueue(config.write_queue_bytes)
         self._counters = _Counters()
         self._unsynced: set[str] = set()  # local objects written with durable=False
@@ -268,7 +275,16 @@ class ObjectTier(ExpiryMixin, Tier):
             )
         self._check_dst(key, out, h.meta)
         decode_into(h, memoryview(data)[h.length :], out, path)
-        return self._verified(path, out, h.meta)
+        size = self._verified(path, out, h.meta)
+        self._remember(key, h.meta)
+        return size
+
+    def _remember(self, key: BlockHash, meta: BlockMeta) -> None:
+        with self._lock:
+            self._recent[key] = meta
+            self._recent.move_to_end(key)
+            if len(self._recent) > _RECENT:
+                self._recent.popitem(last=False)
 
     @staticmethod
     def _verified(path: str, out: memoryview, meta: BlockMeta) -> int:
@@ -323,8 +339,12 @@ class ObjectTier(ExpiryMixin, Tier):
         from the store; None when there is no such object. CorruptBlockError when the header is
         damaged, TierUnavailableError while the store is unreachable."""
         queued = self._queue.get(key)
+        with self._lock:
+            recent = self._recent.get(key)
         if queued is not None:
             meta = unpack_header(queued.blob, key, queued.path).meta
+        elif recent is not None:
+            meta = recent
         else:
             (h,) = self._headers([key])
             if isinstance(h, BlockNotFound):
@@ -453,6 +473,7 @@ class ObjectTier(ExpiryMixin, Tier):
             return grow
 
     def _commit(self, key: BlockHash, meta: BlockMeta, path: str, durable: bool) -> None:
+        self._remember(key, meta)
         with self._lock:
             self._used += meta.size - self._sizes.get(key, 0)
             self._sizes[key] = meta.size
@@ -619,6 +640,7 @@ class ObjectTier(ExpiryMixin, Tier):
                 if size is not None:
                     self._used -= size
                 self._expiry.pop(key, None)
+                self._recent.pop(key, None)
                 self._touched.discard(key)
                 self._unsynced.discard(self.path(key))
 

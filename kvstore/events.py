@@ -1,0 +1,660 @@
+"""Events and the access log: what the cache was asked for, what it served, what happened to blocks.
+
+Records are JSON objects, one per line, in zstd-compressed files under one directory::
+
+    events-20250101T120000-4242-0001.jsonl.zst     (start time, writer pid, sequence)
+
+Every file starts with a ``header`` record and the ``namespace`` records it needs, so any file
+can be read alone. Record types (``"type"``):
+
+* ``request``: one load (``get_into``/``acquire``): ``t``, ``tenant``, ``ns``, ``op``,
+  ``blocks``, ``block_tokens``, ``prompt_tokens``, ``hit_blocks``, ``hit_tokens``,
+  ``hit_tokens_by_tier``, ``lookup_s``, ``load_s`` and ``h``: the 8-byte prefixes of the
+  request's block hashes (base64 of little-endian u64s), so that a report can replay the requests
+  through an unlimited cache and tell which misses a bigger or longer-lived cache would have hit.
+* ``block``: a lifecycle event of one block, ``event`` in :data:`BLOCK_EVENTS`; ``h`` is the
+  same 8-byte prefix in hex, ``tier``, ``size``, and ``reason`` for ``evicted``.
+* ``namespace``: a namespace's descriptor, its tenant and TTL.
+
+Writing never slows the data path: records go into a bounded queue that a background thread
+drains, formats and compresses (one zstd frame per batch, so a file that is still being written,
+or was cut short by a crash, reads back up to its last whole batch). When the queue is full the
+record is dropped and counted (``stats()["dropped"]``). Files rotate by size and age; the oldest
+closed files go once the directory holds more than ``retain_bytes``.
+
+:class:`EventLog` is the writer API (the store, the daemon and ``tools/replay`` use it);
+:func:`read_events` the reader; :class:`StoreEvents` the store's hooks (it also keeps the
+per-tier byte counters that ``KVStore.stats()`` reports, logging or not).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import os
+import queue
+import re
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from kvstore.clock import Clock, system_clock
+from kvstore.errors import ConfigError
+from kvstore.keys import Namespace
+from kvstore.units import parse_duration, parse_size
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+KEY_BYTES = 8
+"""Bytes of a block hash kept in the log: collisions stay negligible (~3e-4 expected among 1e8
+distinct blocks) at half the size, and replay traces' integer ids fit whole."""
+BLOCK_EVENTS = ("stored", "promoted", "demoted", "evicted", "expired", "corrupt")
+EVICT_REASONS = ("capacity", "deleted")
+_NAME = re.compile(r"^events-(\d{8}T\d{6})-(\d+)-(\d{4,})\.jsonl\.zst$")
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """``[events]`` of the store's TOML file.
+
+    ``enabled``: None lets the host decide: off for an in-process store, on in the daemon.
+    ``dir``: default ``<store root>/events``. ``max_bytes`` / ``max_age_s``: a file is closed and
+    a new one started past either. ``retain_bytes``: the oldest closed files are deleted once
+    the directory holds more (0 keeps everything). ``queue``: records waiting for the writer;
+    more are dropped and counted. ``hashes``: keep block hashes in request records (what the
+    achieved-vs-ideal analysis needs; about 8 bytes per block). ``level``: zstd level.
+    """
+
+    enabled: bool | None = None
+    dir: Path | None = None
+    max_bytes: int = 64 * _MiB
+    max_age_s: float = 3600.0
+    retain_bytes: int = 4096 * _MiB
+    queue: int = 65_536
+    hashes: bool = True
+    level: int = 3
+
+    def __post_init__(self) -> None:
+        if self.dir is not None:
+            object.__setattr__(self, "dir", Path(self.dir))
+        if self.enabled is not None and not isinstance(self.enabled, bool):
+            raise ConfigError(f"[events] enabled must be true or false, got {self.enabled!r}")
+        if self.max_bytes <= 0 or self.max_age_s <= 0:
+            raise ConfigError("[events] max_bytes and max_age must be positive (e.g. '64MiB', '1h')")
+        if self.retain_bytes < 0:
+            raise ConfigError("[events] retain_bytes cannot be negative (0 keeps every file)")
+        if self.queue <= 0:
+            raise ConfigError(f"[events] queue must be a positive number of records, got {self.queue}")
+        if not 1 <= self.level <= 19:
+            raise ConfigError(f"[events] level must be a zstd level in 1..19, got {self.level}")
+
+    def directory(self, root: Path) -> Path:
+        return self.dir if self.dir is not None else Path(root) / "events"
+
+
+_KEYS: dict[str, tuple[str, Any]] = {
+    "enabled": ("enabled", bool),
+    "dir": ("dir", Path),
+    "max_bytes": ("max_bytes", parse_size),
+    "max_age": ("max_age_s", parse_duration),
+    "max_age_s": ("max_age_s", parse_duration),
+    "retain_bytes": ("retain_bytes", parse_size),
+    "queue": ("queue", int),
+    "hashes": ("hashes", bool),
+    "level": ("level", int),
+}
+
+
+def events_config(section: Mapping[str, Any], env: Mapping[str, str] | None = None) -> EventsConfig:
+    """An :class:`EventsConfig` from the ``[events]`` table and ``KVSTORE_EVENTS_<KEY>``
+    environment overrides (e.g. ``KVSTORE_EVENTS_ENABLED=true``, ``KVSTORE_EVENTS_DIR=...``)."""
+    merged = dict(section)
+    for k, v in (env or {}).items():
+        if k.startswith("KVSTORE_EVENTS_"):
+            merged[k[len("KVSTORE_EVENTS_"):].lower()] = v
+    kwargs: dict[str, Any] = {}
+    for k, v in merged.items():
+        if k not in _KEYS:
+            raise ConfigError(f"[events]: unknown key {k!r}; known: {', '.join(_KEYS)}")
+        name, conv = _KEYS[k]
+        where = f"[events].{k}"
+        if conv is bool:
+            if isinstance(v, str):
+                if v.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ConfigError(f"{where}: expected true or false, got {v!r}")
+                v = v.lower() in ("1", "true", "yes")
+            kwargs[name] = v
+        elif conv in (parse_size, parse_duration):
+            kwargs[name] = conv(v, where)
+        else:
+            try:
+                kwargs[name] = conv(v)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"{where}: {e}") from e
+    return EventsConfig(**kwargs)
+
+
+# ---- keys -----------------------------------------------------------------------------------------
+
+
+def short_key(h: bytes | int) -> bytes:
+    """The logged form of a block hash (its first 8 bytes) or of a trace's integer block id."""
+    if isinstance(h, int | np.integer):
+        return int(h).to_bytes(KEY_BYTES, "little", signed=False)
+    return bytes(h[:KEY_BYTES])
+
+
+def key_int(h: bytes | int) -> int:
+    """A logged key as an integer: how readers compare them (block events and requests alike)."""
+    return int.from_bytes(short_key(h), "little")
+
+
+def encode_hashes(hashes: Sequence[bytes | int]) -> str:
+    return base64.b64encode(b"".join(short_key(h) for h in hashes)).decode()
+
+
+def decode_hashes(text: str) -> np.ndarray:
+    """The ``h`` field of a request record as a ``uint64`` array (the keys' :func:`key_int`)."""
+    return np.frombuffer(base64.b64decode(text), dtype="<u8")
+
+
+def decode_key(text: str) -> int:
+    """The ``h`` field of a block record as an integer."""
+    return int.from_bytes(bytes.fromhex(text), "little")
+
+
+# ---- the writer -----------------------------------------------------------------------------------
+
+_FLUSH = "flush"
+_STOP = "stop"
+
+
+class EventLog:
+    """Writes event records to rotated, zstd-compressed JSONL files from a background thread.
+
+    Thread-safe. ``request``, ``block`` and ``namespace`` only enqueue (never block, never
+    raise on I/O); :meth:`flush` waits until everything enqueued so far is written;
+    :meth:`close` flushes and stops the thread. ``t`` defaults to the injected clock.
+
+    ``tools/replay`` and other simulators write the same format: open one on a directory, call
+    :meth:`namespace` once per namespace, then :meth:`request` per simulated request (with its
+    own simulated ``t``) and :meth:`block` per lifecycle event, and :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        config: EventsConfig | None = None,
+        *,
+        clock: Clock = system_clock,
+        source: str = "store",
+        tiers: Sequence[str] = (),
+    ) -> None:
+        self.config = config or EventsConfig(enabled=True)
+        self.dir = Path(directory)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot create the events directory {self.dir}: {e.strerror}; set [events] dir "
+                "to a writable directory, or enabled = false"
+            ) from e
+        self._clock = clock
+        self._header = {"type": "header", "v": FORMAT_VERSION, "source": source,
+                        "host": socket.gethostname(), "pid": os.getpid(), "tiers": list(tiers)}
+        self._q: queue.Queue[tuple[Any, ...]] = queue.Queue(self.config.queue)
+        self._namespaces: dict[str, dict[str, Any]] = {}  # ns hex -> record: re-sent in each file
+        self._lock = threading.Lock()
+        self._counts = Counter[str]()
+        self._file: Any = None
+        self._path: Path | None = None
+        self._opened = 0.0
+        self._size = 0
+        self._seq = 0
+        self._cctx = zstandard.ZstdCompressor(level=self.config.level)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
+        self._thread.start()
+
+    # ---- records (any thread) ----------------------------------------------------------------
+
+    def request(
+        self,
+        *,
+        ns: bytes | str,
+        hashes: Sequence[bytes | int],
+        hit_blocks: int,
+        block_tokens: int,
+        hit_tiers: Mapping[str, int] | None = None,
+        tenant: str = "",
+        op: str = "get",
+        lookup_s: float = 0.0,
+        load_s: float = 0.0,
+        prompt_tokens: int | None = None,
+        t: float | None = None,
+    ) -> None:
+        """One request: ``hashes`` it asked for (whole prefix chain), ``hit_blocks`` leading
+        blocks served, ``hit_tiers`` how many of them each tier served (default: all from an
+        unnamed tier), ``prompt_tokens`` (default ``len(hashes) * block_tokens``)."""
+        self._put(("request", self._t(t), ns, tuple(hashes), hit_blocks, block_tokens,
+                   dict(hit_tiers) if hit_tiers is not None else None, tenant, op, lookup_s,
+                   load_s, prompt_tokens))
+
+    def block(
+        self,
+        event: str,
+        key: bytes | int,
+        *,
+        tier: str = "",
+        size: int = 0,
+        reason: str = "",
+        depth: int | None = None,
+        t: float | None = None,
+    ) -> None:
+        """A lifecycle event of one block (``event`` in :data:`BLOCK_EVENTS`)."""
+        if event not in BLOCK_EVENTS:
+            raise ValueError(f"event {event!r} is not one of {', '.join(BLOCK_EVENTS)}")
+        self._put(("block", self._t(t), event, key, tier, size, reason, depth))
+
+    def namespace(
+        self,
+        ns: Namespace | Mapping[str, Any],
+        *,
+        tenant: str = "",
+        ttl_s: float | None = None,
+        digest: bytes | str | None = None,
+        t: float | None = None,
+    ) -> None:
+        """Describe a namespace (a :class:`Namespace`, or a descriptor dict with ``digest``)."""
+        if isinstance(ns, Namespace):
+            desc, digest = ns.to_dict(), ns.root
+        else:
+            desc = dict(ns)
+            if digest is None:
+                raise ValueError("a namespace given as a dict needs its digest")
+        key = digest.hex() if isinstance(digest, bytes) else str(digest)
+        rec = {"type": "namespace", "t": self._t(t), "ns": key, "tenant": tenant, "ttl_s": ttl_s,
+               "descriptor": desc}
+        with self._lock:
+            self._namespaces[key] = rec
+        self._put(("raw", rec))
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every record enqueued before this call is written (False on timeout)."""
+        if self._closed or not self._thread.is_alive():
+            return False
+        done = threading.Event()
+        self._q.put((_FLUSH, done))  # blocking put: a flush marker is never dropped
+        return done.wait(timeout)
+
+    def close(self) -> None:
+        """Write what is queued, close the current file and stop the thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            self._q.put((_STOP,))
+            self._thread.join(30.0)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            c = dict(self._counts)
+        return {
+            "enabled": True,
+            "dir": str(self.dir),
+            "written": c.get("written", 0),
+            "dropped": c.get("dropped", 0),
+            "errors": c.get("errors", 0),
+            "files": c.get("files", 0),
+            "bytes": c.get("bytes", 0),
+            "queued": self._q.qsize(),
+        }
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _t(self, t: float | None) -> float:
+        return self._clock() if t is None else float(t)
+
+    def _put(self, item: tuple[Any, ...]) -> None:
+        if self._closed:
+            return
+        try:
+            self._q.put_nowait(item)
+        except queue.Full:
+            with self._lock:
+                self._counts["dropped"] += 1
+
+    # ---- the writer thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            items = [self._q.get()]
+            with contextlib.suppress(queue.Empty):
+                while len(items) < 4096:
+                    items.append(self._q.get_nowait())
+            lines: list[bytes] = []
+            waiters: list[threading.Event] = []
+            for item in items:
+                if item[0] == _FLUSH:
+                    waiters.append(item[1])
+                elif item[0] == _STOP:
+                    stop = True
+                else:
+                    lines.append(self._format(item))
+            if lines:
+                self._write(lines)
+            for w in waiters:
+                w.set()
+        self._close_file()
+
+    def _format(self, item: tuple[Any, ...]) -> bytes:
+        kind = item[0]
+        if kind == "raw":
+            rec = item[1]
+        elif kind == "request":
+            _, t, ns, hashes, hit, bt, tiers, tenant, op, lookup_s, load_s, prompt = item
+            if tiers is None:
+                tiers = {"": hit} if hit else {}
+            rec = {
+                "type": "request", "t": t, "tenant": tenant,
+                "ns": ns.hex() if isinstance(ns, bytes) else str(ns), "op": op,
+                "blocks": len(hashes), "block_tokens": bt,
+                "prompt_tokens": prompt if prompt is not None else len(hashes) * bt,
+                "hit_blocks": hit, "hit_tokens": hit * bt,
+                "hit_tokens_by_tier": {k: v * bt for k, v in tiers.items() if v},
+                "lookup_s": round(lookup_s, 7), "load_s": round(load_s, 7),
+            }
+            if self.config.hashes:
+                rec["h"] = encode_hashes(hashes)
+        else:
+            _, t, event, key, tier, size, reason, depth = item
+            rec = {"type": "block", "t": t, "event": event, "h": short_key(key).hex(), "tier": tier,
+                   "size": size}
+            if reason:
+                rec["reason"] = reason
+            if depth is not None:
+                rec["depth"] = depth
+        return json.dumps(rec, separators=(",", ":")).encode() + b"\n"
+
+    def _write(self, lines: list[bytes]) -> None:
+        try:
+            if self._file is None or self._due():
+                self._rotate()
+            frame = self._cctx.compress(b"".join(lines))
+            self._file.write(frame)
+            self._file.flush()  # to the OS: a reader (kvreport on a live daemon) sees it now
+            self._size += len(frame)
+            with self._lock:
+                self._counts["written"] += len(lines)
+                self._counts["bytes"] += len(frame)
+        except OSError as e:
+            # The log must never take the store down: count, say so once per file, go on.
+            with self._lock:
+                self._counts["errors"] += 1
+                first = self._counts["errors"] == 1
+            if first:
+                log.warning("events: cannot write to %s (%s); records are dropped", self.dir, e)
+            self._close_file()
+
+    def _due(self) -> bool:
+        c = self.config
+        return self._size >= c.max_bytes or self._clock() - self._opened >= c.max_age_s
+
+    def _rotate(self) -> None:
+        self._close_file()
+        now = self._clock()
+        stamp = datetime.fromtimestamp(now, UTC).strftime("%Y%m%dT%H%M%S")
+        self._seq += 1
+        path = self.dir / f"events-{stamp}-{os.getpid()}-{self._seq:04d}.jsonl.zst"
+        self._file = open(path, "ab")  # noqa: SIM115 (closed by _close_file)
+        self._path, self._opened, self._size = path, now, 0
+        with self._lock:
+            self._counts["files"] += 1
+            first = [dict(self._header, t=now), *self._namespaces.values()]
+        frame = self._cctx.compress(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in first))
+        self._file.write(frame)
+        self._size += len(frame)
+        self._retain()
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+
+    def _retain(self) -> None:
+        keep = self.config.retain_bytes
+        if not keep:
+            return
+        files = event_files(self.dir)
+        sizes = {p: p.stat().st_size for p in files if p.exists()}
+        total = sum(sizes.values())
+        for p in files:  # oldest first; never the file being written
+            if total <= keep or p == self._path:
+                break
+            with contextlib.suppress(OSError):
+                p.unlink()
+                total -= sizes.get(p, 0)
+
+
+# ---- the reader -----------------------------------------------------------------------------------
+
+
+def event_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The event files under ``path`` (a directory, or one file), oldest first."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    found = [f for f in p.glob("events-*.jsonl.zst") if _NAME.match(f.name)]
+
+    def order(f: Path) -> tuple[str, int, int]:
+        m = _NAME.match(f.name)
+        assert m is not None
+        return m.group(1), int(m.group(3)), int(m.group(2))
+
+    return sorted(found, key=order)
+
+
+def read_events(
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    since: float | None = None,
+    until: float | None = None,
+    types: Iterable[str] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Every record of the event files in ``paths`` (directories or files), file by file.
+
+    A file still being written, or cut short by a crash, yields its records up to the last
+    whole batch. ``namespace`` and ``header`` records are yielded whatever ``since``/``until``
+    say (they describe, they do not happen).
+    """
+    if isinstance(paths, str | os.PathLike):
+        paths = [paths]
+    wanted = set(types) if types is not None else None
+    dctx = zstandard.ZstdDecompressor()
+    for root in paths:
+        if not Path(root).exists():
+            raise FileNotFoundError(f"no event log at {root}: pass the events directory (default <store root>/events)")
+        for f in event_files(root):
+            for rec in _records(f, dctx):
+                kind = rec.get("type")
+                if wanted is not None and kind not in wanted:
+                    continue
+                if kind in ("request", "block"):
+                    t = rec.get("t", 0.0)
+                    if (since is not None and t < since) or (until is not None and t >= until):
+                        continue
+                yield rec
+
+
+def _records(path: Path, dctx: zstandard.ZstdDecompressor) -> Iterator[dict[str, Any]]:
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 (closed below)
+    except FileNotFoundError:
+        return  # removed by retention since the listing
+    with fh:
+        reader = dctx.stream_reader(fh, read_across_frames=True)
+        tail = b""
+        while True:
+            try:
+                chunk = reader.read(1 << 20)
+            except zstandard.ZstdError:
+                chunk = b""  # a frame cut short: what came before it is whole
+            if not chunk:
+                break
+            lines = (tail + chunk).split(b"\n")
+            tail = lines.pop()
+            for line in lines:
+                if line:
+                    yield json.loads(line)
+        # An unterminated last line is a record the writer never finished: skip it.
+
+
+# ---- the store's hooks ----------------------------------------------------------------------------
+
+
+class StoreEvents:
+    """What ``KVStore`` calls at each event; logs when ``log`` is set and always counts the
+    bytes each tier took in and served (``traffic``). Cheap: the store calls it under its lock."""
+
+    def __init__(self, log: EventLog | None, tier_names: Sequence[str], policy: str) -> None:
+        self.log = log
+        self._tiers = list(tier_names)
+        self._policy = policy
+        self._lock = threading.Lock()
+        self._in = [0] * len(self._tiers)
+        self._out = [0] * len(self._tiers)
+        self._tenants: dict[bytes, str] = {}
+        self._known: set[bytes] = set()
+
+    @classmethod
+    def open(cls, config: EventsConfig, root: Path, clock: Clock, tier_names: Sequence[str],
+             policy: str, *, source: str = "store") -> StoreEvents:
+        log_ = None
+        if config.enabled:
+            log_ = EventLog(config.directory(root), config, clock=clock, source=source, tiers=tier_names)
+        return cls(log_, tier_names, policy)
+
+    # ---- namespaces and tenants ------------------------------------------------------------
+
+    def set_tenant(self, digest: bytes, tenant: str) -> None:
+        """Requests of namespace ``digest`` belong to ``tenant`` (the daemon says so)."""
+        self._tenants[bytes(digest)] = tenant
+
+    def namespace(self, ns: Namespace, ttl_s: float | None) -> None:
+        self._known.add(bytes(ns.root))
+        if self.log is not None:
+            self.log.namespace(ns, tenant=self._tenants.get(bytes(ns.root), ""), ttl_s=ttl_s)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def request(self, ns: Namespace, hashes: Sequence[bytes], op: str = "get") -> RequestTrace:
+        """Start timing one load; the store calls ``matched()`` and ``done(served)`` on it."""
+        if self.log is not None and bytes(ns.root) not in self._known:
+            self.namespace(ns, None)  # loaded from namespaces.json, not registered this run
+        return RequestTrace(self, ns, hashes, op)
+
+    def _request_done(self, trace: RequestTrace, served: Sequence[int], t_end: float) -> None:
+        ns = trace.ns
+        by_tier = Counter(served)
+        bb = ns.block_bytes
+        with self._lock:
+            for k, n in by_tier.items():
+                self._out[k] += n * bb
+        if self.log is not None:
+            self.log.request(
+                ns=ns.root, hashes=trace.hashes, hit_blocks=len(served), block_tokens=ns.block_tokens,
+                hit_tiers={self._tiers[k]: n for k, n in by_tier.items()},
+                tenant=self._tenants.get(bytes(ns.root), ""), op=trace.op,
+                lookup_s=trace.t1 - trace.t0, load_s=t_end - trace.t1,
+            )
+
+    # ---- blocks ---------------------------------------------------------------------------
+
+    def placed(self, key: bytes, k: int, prior_mask: int, size: int, depth: int | None = None) -> None:
+        """A copy of ``key`` was written into tier ``k``; ``prior_mask``: tiers holding it before.
+
+        No copy before: *stored*; none as fast: *promoted*; a faster one exists: *demoted*
+        (a write down a tier: demotion under pressure, a durable copy, persist on close).
+        """
+        with self._lock:
+            self._in[k] += size
+        if self.log is None:
+            return
+        if not prior_mask:
+            event = "stored"
+        elif not prior_mask & ((1 << (k + 1)) - 1):
+            event = "promoted"
+        else:
+            event = "demoted"
+        self.log.block(event, key, tier=self._tiers[k], size=size, depth=depth)
+
+    def dropped(self, key: bytes, mask: int, reason: str) -> None:
+        """``key`` left the store: ``reason`` "capacity" (evicted by policy), "expired" or
+        "deleted" (an operator's evict)."""
+        if self.log is None:
+            return
+        tier = self._tiers[(mask & -mask).bit_length() - 1] if mask else ""
+        if reason == "expired":
+            self.log.block("expired", key, tier=tier)
+        else:
+            why = f"{reason}:{self._policy}" if reason == "capacity" else reason
+            self.log.block("evicted", key, tier=tier, reason=why)
+
+    def bad_copy(self, key: bytes, k: int, corrupt: bool) -> None:
+        if self.log is not None:
+            self.log.block("corrupt", key, tier=self._tiers[k], reason="checksum" if corrupt else "unreadable")
+
+    # ---- reporting ------------------------------------------------------------------------
+
+    def traffic(self, tier: str) -> dict[str, int]:
+        """Bytes written into and served from ``tier`` since the store opened."""
+        k = self._tiers.index(tier)
+        with self._lock:
+            return {"bytes_in": self._in[k], "bytes_out": self._out[k]}
+
+    def stats(self) -> dict[str, Any]:
+        return self.log.stats() if self.log is not None else {"enabled": False}
+
+    def flush(self) -> None:
+        if self.log is not None:
+            self.log.flush()
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
+class RequestTrace:
+    """Times one load: start, ``matched()`` after the prefix match, ``done(served)`` at the end."""
+
+    __slots__ = ("events", "ns", "hashes", "op", "t0", "t1")
+
+    def __init__(self, events: StoreEvents, ns: Namespace, hashes: Sequence[bytes], op: str) -> None:
+        self.events, self.ns, self.hashes, self.op = events, ns, hashes, op
+        self.t0 = self.t1 = time.perf_counter()
+
+    def matched(self) -> None:
+        self.t1 = time.perf_counter()
+
+    def done(self, served: Sequence[int]) -> None:
+        """``served[i]``: the tier that served leading block ``i``."""
+        self.events._request_done(self, served, time.perf_counter())

@@ -1,0 +1,222 @@
+"""A read-only view of a store directory: what its persistent tiers hold, from their own metadata.
+
+For inspecting a store that no daemon serves (``kvctl --dir``), or one that a daemon serves but
+cannot be asked. Nothing under the directory is written, locked or deleted: the NVMe tier's
+RocksDB is opened read-only (``tiers.nvme.read_metadata``), the object tier is listed with its
+background work (sweeps, lifecycle rules, write-back) switched off, and ``namespaces.json`` is
+only read. Volatile tiers (DRAM, HBM) exist only inside a running process, so they look empty.
+
+What a snapshot cannot know: hit counts, pins and in-use counts live in a running store's memory
+(``hits`` comes from the event log instead, when there is one; see tools/kvctl).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstore.block import BlockMeta
+from kvstore.clock import Clock, system_clock
+from kvstore.config import StoreConfig, TierSpec
+from kvstore.errors import KVStoreError, UsageError
+from kvstore.keys import Namespace
+from kvstore.registry import make_tier, tier_class
+from kvstore.store import NAMESPACES_FILE
+from kvstore.units import parse_size
+from tiers.base import tier_dir
+
+Progress = Callable[[str, int], None]
+"""``progress(what, count)``: called as a long scan advances (tools draw a bar with it)."""
+
+
+@dataclass(slots=True)
+class _Block:
+    meta: BlockMeta
+    mask: int
+
+
+def _scan_nvme(spec: TierSpec, root: Path, clock: Clock) -> tuple[list[tuple[bytes, BlockMeta]], dict[str, Any]]:
+    from tiers.nvme import read_metadata
+
+    records = read_metadata(root, spec.name)
+    return [(k, m) for k, _, m in records], {}
+
+
+def _object_url(spec: TierSpec, root: Path) -> str:
+    return str(spec.options.get("url") or f"file://{tier_dir(root, spec.name).absolute().as_posix()}/objects")
+
+
+def _scan_object(spec: TierSpec, root: Path, clock: Clock) -> tuple[list[tuple[bytes, BlockMeta]], dict[str, Any]]:
+    url = _object_url(spec, root)
+    if url.startswith("file://") and not Path(url[len("file://"):], "blocks").is_dir():
+        return [], {}  # never written to; opening it would create its directory
+    # No background thread, no sweeper (it deletes expired objects), no bucket lifecycle rule:
+    # listing and reading headers is all this tier may do here.
+    fields = {f.name for f in dataclasses.fields(tier_class(spec.kind).Config)}
+    quiet = {k: v for k, v in {"worker_interval_s": 0, "sweep_interval_s": 0, "lifecycle_days": 0}.items() if k in fields}
+    tier = make_tier(spec.kind, spec.name, {**spec.options, **quiet}, root, clock)
+    try:
+        found = list(tier.scan())
+        extra = {"url": url, "descriptors": tier.namespaces()}
+        d = tier.describe()
+        extra.update({k: d[k] for k in ("bad_headers", "foreign_objects") if k in d})
+        return found, extra
+    finally:
+        tier.close()
+
+
+# How each persistent tier kind is read offline; other kinds are reported, not read.
+_READERS: dict[str, Callable[[TierSpec, Path, Clock], tuple[list[tuple[bytes, BlockMeta]], dict[str, Any]]]] = {
+    "nvme": _scan_nvme,
+    "object": _scan_object,
+}
+
+
+class StoreSnapshot:
+    """The blocks and namespaces of the store directory ``config.root``, as its persistent
+    tiers record them now. ``holder``: the pid of a live process (a daemon) that holds the
+    directory, or None; what it keeps in DRAM and has not written down is not in the view."""
+
+    def __init__(self, config: StoreConfig, *, clock: Clock = system_clock, progress: Progress | None = None) -> None:
+        self.config = config
+        self.root = Path(config.root)
+        self._clock = clock
+        if not self.root.is_dir():
+            raise UsageError(f"{self.root} is not a store directory (it does not exist); pass the daemon's data dir")
+        self.holder = self._holder()
+        self._ns: dict[bytes, tuple[Namespace, float | None]] = {}
+        self._read_namespaces()
+        self._blocks: dict[bytes, _Block] = {}
+        self._tiers: list[dict[str, Any]] = []
+        for k, spec in enumerate(config.tiers):
+            self._tiers.append(self._scan_tier(k, spec, progress))
+
+    # ---- loading --------------------------------------------------------------------------
+
+    def _holder(self) -> int | None:
+        from tiers.nvme import lock_holder
+
+        for spec in self.config.tiers:
+            if spec.kind == "nvme" and (pid := lock_holder(self.root, spec.name)) is not None:
+                return pid
+        return None
+
+    def _read_namespaces(self) -> None:
+        path = self.root / NAMESPACES_FILE
+        try:
+            entries = json.loads(path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            raise KVStoreError(f"cannot read {path}: {e}") from e
+        for e in entries:
+            ns = Namespace.from_dict(e["namespace"])
+            self._ns[ns.root] = (ns, float(e["ttl_s"]))
+
+    def _scan_tier(self, k: int, spec: TierSpec, progress: Progress | None) -> dict[str, Any]:
+        cls = tier_class(spec.kind)
+        row: dict[str, Any] = {"name": spec.name, "kind": spec.kind, "persistent": bool(cls.persistent),
+                               "capacity_bytes": _capacity(spec), "used_bytes": 0, "blocks": 0}
+        reader = _READERS.get(spec.kind)
+        if not cls.persistent:
+            row["note"] = "volatile: its blocks live only inside a running store (use --url)"
+            return row
+        if reader is None:
+            row["note"] = f"tier kind {spec.kind!r} cannot be read offline"
+            return row
+        if progress:
+            progress(f"reading tier {spec.name}", 0)
+        found, extra = reader(spec, self.root, self._clock)
+        for key, desc in extra.pop("descriptors", {}).items():
+            if key not in self._ns:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    ns = Namespace.from_dict(json.loads(desc))
+                    if ns.root == key:
+                        self._ns[key] = (ns, None)
+        for i, (key, meta) in enumerate(found):
+            b = self._blocks.get(key)
+            if b is None:
+                self._blocks[key] = _Block(meta, 1 << k)
+            else:
+                b.mask |= 1 << k
+                if meta.expiry > b.meta.expiry:
+                    b.meta = meta
+            row["used_bytes"] += meta.size
+            if progress and i % 4096 == 0:
+                progress(f"reading tier {spec.name}", i)
+        row["blocks"] = len(found)
+        row.update(extra)
+        if progress:
+            progress(f"reading tier {spec.name}", len(found))
+        return row
+
+    # ---- queries --------------------------------------------------------------------------
+
+    def tiers(self) -> list[dict[str, Any]]:
+        return [dict(t) for t in self._tiers]
+
+    def namespaces(self) -> list[tuple[Namespace, float | None]]:
+        return list(self._ns.values())
+
+    def namespace_usage(self) -> dict[bytes, tuple[int, int]]:
+        out: dict[bytes, list[int]] = {}
+        for b in self._blocks.values():
+            u = out.setdefault(b.meta.ns, [0, 0])
+            u[0] += 1
+            u[1] += b.meta.size
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    def stats(self) -> dict[str, Any]:
+        now = self._clock()
+        expired = sum(1 for b in self._blocks.values() if b.meta.expiry <= now)
+        return {
+            "root": str(self.root),
+            "offline": True,
+            "live_process": self.holder,
+            "blocks": len(self._blocks),
+            "expired_blocks": expired,
+            "bytes": sum(b.meta.size for b in self._blocks.values()),
+            "namespaces": len(self._ns),
+            "tiers": self.tiers(),
+        }
+
+    def lookup(self, ns: bytes, hashes: Sequence[bytes]) -> tuple[int, list[str]]:
+        """Leading blocks of ``hashes`` (namespace ``ns``) a store opened now would serve, and
+        the fastest tier holding each."""
+        now = self._clock()
+        names = [t["name"] for t in self._tiers]
+        tiers: list[str] = []
+        for h in hashes:
+            b = self._blocks.get(bytes(h))
+            if b is None or not b.mask or b.meta.ns != ns or b.meta.expiry <= now:
+                break
+            tiers.append(names[(b.mask & -b.mask).bit_length() - 1])
+        return len(tiers), tiers
+
+    def iter_blocks(self, keys: Iterable[bytes] | None = None) -> Iterator[dict[str, Any]]:
+        """Rows like ``KVStore.iter_blocks`` (hits, pins and in-use are unknown offline: 0),
+        plus ``created``."""
+        names = [t["name"] for t in self._tiers]
+        items = self._blocks.items() if keys is None else (
+            (bytes(k), b) for k in keys if (b := self._blocks.get(bytes(k))) is not None
+        )
+        for key, b in items:
+            m = b.meta
+            yield {
+                "hash": key.hex(), "namespace": m.ns.hex(),
+                "parent": m.parent.hex() if m.depth else None,
+                "depth": m.depth, "size": m.size,
+                "tiers": [n for k, n in enumerate(names) if b.mask >> k & 1],
+                "hits": 0, "last_access": None, "expiry": m.expiry, "pins": 0, "in_use": 0,
+                "created": m.created,
+            }
+
+
+def _capacity(spec: TierSpec) -> int | None:
+    cap = spec.options.get("capacity_bytes")
+    return parse_size(cap, f"tier {spec.name!r}.capacity_bytes") if cap is not None else None

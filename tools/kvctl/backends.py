@@ -1,0 +1,261 @@
+"""Where kvctl's answers come from: a daemon (``--url``, its ``/v1/admin`` endpoints) or a store
+directory read offline (``--dir``, :class:`kvstore.snapshot.StoreSnapshot`). Both return the
+same JSON-able shapes, so every command renders one way whatever the source."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvstore.config import StoreConfig
+from kvstore.errors import KVStoreError
+from kvstore.events import decode_hashes, key_int, read_events
+from kvstore.inspection import layout_warnings, namespace_row, top_prefixes
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.snapshot import Progress, StoreSnapshot
+
+
+class KvctlError(Exception):
+    """A failure to report; ``exit_code`` says which kind (see ``kvctl --help``)."""
+
+    exit_code = 1
+
+
+class BadUsage(KvctlError):
+    exit_code = 2
+
+
+class Unreachable(KvctlError):
+    exit_code = 3
+
+
+class NotFound(KvctlError):
+    exit_code = 4
+
+
+class Busy(KvctlError):
+    exit_code = 5
+
+
+class DaemonBackend:
+    """A running daemon's control plane; every call needs an admin tenant's token (or the
+    daemon's anonymous tenant, which is admin)."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 60.0) -> None:
+        import httpx
+
+        self.url = url.rstrip("/")
+        self._httpx = httpx
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None) -> Any:
+        try:
+            r = self._http.request(method, path, json=body, params=params)
+        except self._httpx.TransportError as e:
+            raise Unreachable(
+                f"cannot reach the kvstore daemon at {self.url} ({e}); is it running (`kvstore serve`)? "
+                "To read a store directory without a daemon: kvctl --dir DIR ..."
+            ) from e
+        if r.status_code < 400:
+            return r.json()
+        try:
+            detail = r.json().get("detail", r.text)
+        except ValueError:
+            detail = r.text
+        if r.status_code in (401, 403):
+            raise KvctlError(f"the daemon refused: {detail}; kvctl needs an admin tenant's token (--token or $KVSTORE_TOKEN)")
+        if r.status_code == 404:
+            raise NotFound(str(detail))
+        if r.status_code in (400, 413, 422):
+            raise BadUsage(str(detail))
+        raise KvctlError(f"the daemon answered HTTP {r.status_code}: {detail}")
+
+    def stats(self) -> dict[str, Any]:
+        s = self._call("GET", "/v1/stats")
+        if "store" not in s:
+            raise KvctlError("the daemon shows store-wide stats only to an admin tenant; pass an admin --token")
+        return {"source": self.url, **s["store"], "tenants": s.get("tenants", [])}
+
+    def tiers(self) -> list[dict[str, Any]]:
+        return list(self.stats()["tiers"])
+
+    def namespaces(self) -> dict[str, Any]:
+        return dict(self._call("GET", "/v1/admin/namespaces"))
+
+    def lookup(self, ns: str, hashes: Sequence[str] | None, tokens: Sequence[int] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"ns": ns}
+        if tokens is not None:
+            body["tokens"] = list(tokens)
+        else:
+            body["hashes"] = list(hashes or [])
+        return dict(self._call("POST", "/v1/admin/lookup", body))
+
+    def top(self, n: int, ns: str | None, by: str) -> list[dict[str, Any]]:
+        params: dict[str, Any] = {"n": n, "by": by}
+        if ns:
+            params["ns"] = ns
+        return list(self._call("GET", "/v1/admin/top", params=params))
+
+    def block(self, h: str) -> dict[str, Any]:
+        return dict(self._call("GET", f"/v1/admin/blocks/{h}"))
+
+    def pin(self, prefix: dict[str, Any], undo: bool) -> dict[str, Any]:
+        return dict(self._call("POST", "/v1/admin/unpin" if undo else "/v1/admin/pin", prefix))
+
+    def evict(self, blocks: Sequence[str]) -> dict[str, Any]:
+        return dict(self._call("POST", "/v1/admin/evict", {"blocks": list(blocks)}))
+
+    def ttl(self, ns: str, ttl_s: float | None) -> dict[str, Any]:
+        if ttl_s is None:
+            row = next((r for r in self.namespaces()["namespaces"] if r["ns"] == ns), None)
+            if row is None:
+                raise NotFound(f"namespace {ns} is not registered")
+            return {"ns": ns, "ttl_s": row["ttl_s"]}
+        return dict(self._call("POST", "/v1/admin/ttl", {"ns": ns, "ttl_s": ttl_s}))
+
+
+class DirBackend:
+    """A store directory, read-only unless ``write`` (``--write``: only for ``evict`` and
+    ``ttl``, and only while no live process holds the directory)."""
+
+    def __init__(self, config: StoreConfig, *, write: bool = False, events: Path | None = None,
+                 progress: Progress | None = None) -> None:
+        self.config = config
+        self.write = write
+        self.events = events if events is not None else config.events.directory(config.root)
+        self._progress = progress
+        self._snap: StoreSnapshot | None = None
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def snap(self) -> StoreSnapshot:
+        if self._snap is None:
+            try:
+                self._snap = StoreSnapshot(self.config, progress=self._progress)
+            except KVStoreError as e:
+                raise KvctlError(str(e)) from e
+        return self._snap
+
+    def warning(self) -> str | None:
+        """What a reader of an offline view must know: a live process serves this directory."""
+        pid = self.snap.holder
+        if pid is None:
+            return None
+        return (f"a live process (pid {pid}) holds {self.config.root}, probably a daemon: this view shows "
+                "only what its persistent tiers hold, not its DRAM tier nor its hit counts and pins; "
+                "ask it instead with --url URL (`kvstore serve` prints it)")
+
+    def stats(self) -> dict[str, Any]:
+        return {"source": str(self.config.root), **self.snap.stats()}
+
+    def tiers(self) -> list[dict[str, Any]]:
+        return self.snap.tiers()
+
+    def _ns_rows(self) -> list[dict[str, Any]]:
+        usage = self.snap.namespace_usage()
+        return [namespace_row(ns, ttl, *usage.get(ns.root, (0, 0))) for ns, ttl in self.snap.namespaces()]
+
+    def namespaces(self) -> dict[str, Any]:
+        rows = self._ns_rows()
+        return {"namespaces": rows, "warnings": layout_warnings(rows)}
+
+    def _namespace(self, ns: str) -> Namespace:
+        for n, _ in self.snap.namespaces():
+            if n.root.hex() == ns:
+                return n
+        raise NotFound(f"namespace {ns} is not in {self.config.root}")
+
+    def lookup(self, ns: str, hashes: Sequence[str] | None, tokens: Sequence[int] | None) -> dict[str, Any]:
+        n = self._namespace(ns)
+        if tokens is not None:
+            if n.tenant_salt:
+                raise BadUsage(
+                    f"namespace {ns} belongs to a daemon's tenant: its block keys need the daemon's "
+                    "secret, so token ids cannot be hashed offline; use --url, or --hashes"
+                )
+            keys = hash_blocks(n, tokens)
+        else:
+            keys = [bytes.fromhex(h) for h in hashes or []]
+        hit, tiers = self.snap.lookup(n.root, keys)
+        return {"ns": ns, "blocks": len(keys), "num_blocks": hit, "num_tokens": hit * n.block_tokens,
+                "block_tokens": n.block_tokens, "tiers": tiers, "unavailable": [], "hashes": [k.hex() for k in keys]}
+
+    def _hits(self) -> Counter[int]:
+        """Hits per block (logged key) from the event log: offline, the only record of them."""
+        if not self.events.is_dir():
+            raise KvctlError(
+                f"hit counts live in a running store's memory; offline they come from the event log, and "
+                f"{self.events} has none (enable [events], or use --url)"
+            )
+        hits: Counter[int] = Counter()
+        for i, rec in enumerate(read_events(self.events, types=("request",))):
+            if rec.get("h") and rec["hit_blocks"]:
+                hits.update(decode_hashes(rec["h"])[: rec["hit_blocks"]].tolist())
+            if self._progress and i % 1000 == 0:
+                self._progress("reading the event log", i)
+        return hits
+
+    def top(self, n: int, ns: str | None, by: str) -> list[dict[str, Any]]:
+        hits = self._hits()
+        rows = []
+        for r in self.snap.iter_blocks():
+            if ns is None or r["namespace"] == ns:
+                r["hits"] = hits.get(key_int(bytes.fromhex(r["hash"])), 0)
+                rows.append(r)
+        bt = {x.root.hex(): x.block_tokens for x, _ in self.snap.namespaces()}
+        return top_prefixes(rows, n, bt, by)
+
+    def block(self, h: str) -> dict[str, Any]:
+        row = next(self.snap.iter_blocks([bytes.fromhex(h)]), None)
+        if row is None:
+            raise NotFound(f"block {h} is not in {self.config.root}")
+        if self.events.is_dir():
+            row["hits"] = self._hits().get(key_int(bytes.fromhex(h)), 0)
+        try:
+            ns = self._namespace(row["namespace"])
+        except NotFound:
+            return row
+        return {**row, "tokens": (row["depth"] + 1) * ns.block_tokens, "namespace_info": namespace_row(ns, None)}
+
+    def pin(self, prefix: dict[str, Any], undo: bool) -> dict[str, Any]:
+        raise BadUsage(
+            "pins live in a running store's memory: one made offline would be gone when kvctl exits. "
+            "Pin through the daemon: kvctl --url URL pin ..."
+        )
+
+    def _writable_store(self) -> Any:
+        if not self.write:
+            raise BadUsage(
+                f"{self.config.root} is opened read-only; pass --write to change a store directory that no "
+                "daemon serves, or use --url to ask the daemon"
+            )
+        if self.snap.holder is not None:
+            raise Busy(
+                f"a live process (pid {self.snap.holder}) holds {self.config.root}; kvctl will not take its "
+                "place: use --url URL to ask it"
+            )
+        from kvstore.store import KVStore
+
+        return KVStore(self.config)
+
+    def evict(self, blocks: Sequence[str]) -> dict[str, Any]:
+        rows = {r["hash"]: r for r in self.snap.iter_blocks([bytes.fromhex(h) for h in blocks])}
+        with self._writable_store() as store:
+            removed = sum(store.delete(self._namespace(r["namespace"]), [bytes.fromhex(h)]) for h, r in rows.items())
+        return {"blocks": removed}
+
+    def ttl(self, ns: str, ttl_s: float | None) -> dict[str, Any]:
+        n = self._namespace(ns)
+        if ttl_s is None:
+            return {"ns": ns, "ttl_s": next(t for x, t in self.snap.namespaces() if x.root == n.root)}
+        with self._writable_store() as store:
+            store.register_namespace(n, ttl_s)
+        return {"ns": ns, "ttl_s": ttl_s}
