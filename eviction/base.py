@@ -1,26 +1,75 @@
 """The EvictionPolicy protocol: which block of a tier should leave first.
 
 A policy orders the blocks resident in *one* tier (the store keeps one policy instance per tier).
-It sees block ids (small ints from the radix index), sizes and times, never payloads or hashes,
-and it never removes anything itself:
+It sees block ids (small ints from the radix index), sizes and times, never payloads, and it
+never removes anything itself:
 
+* ``bind(view, tier)`` is called once, before any other call: ``view`` gives read-only access to
+  the index columns (parent, depth, children, size, hits) and to a block's hash (for ghost
+  entries that outlive a block id, which the index recycles); ``tier`` says which tier the
+  policy orders and whether it is the last one (where only leaves may leave the store).
 * ``insert`` / ``touch`` / ``remove`` keep its view in sync with the tier; the store calls them
-  under its lock, once per event. ``remove`` of an unknown id is a no-op.
+  under its lock, once per event. ``touch`` is a hit (a load of the block), nothing else.
+  ``remove`` of an unknown id is a no-op. The store inserts a new chain leaves first and touches
+  a hit prefix deepest first, so that parents are always more recent than their children.
 * ``candidates()`` yields ids in eviction order, best victim first. The store consumes it lazily,
   skips what it may not evict (pinned, in use, a block with cached children on the last tier),
   stops at its work cap, and only then removes the chosen blocks: eviction is atomic (it frees
-  enough or evicts nothing). The store does not mutate the policy while iterating.
-* ``admit`` lets a policy refuse a block at the door of an expensive tier (default: admit all).
+  enough or evicts nothing). The store does not mutate the policy while iterating; a policy may
+  reorganise itself inside its own iterator. Every resident block must eventually be yielded, so
+  that the store can always make room when room can be made.
+* ``admit`` lets a policy refuse a block at the door of a tier (default: admit all); a refused
+  block goes to the next tier, and a block no tier admits ends the put there.
+
+Time (``now``) is the store's wall clock; policies that count in events keep their own counter.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class BlockView(Protocol):
+    """Read-only columns of the radix index (``kvstore.index.RadixIndex`` satisfies it).
+
+    Columns are numpy arrays indexed by block id; the index may replace an array when it grows,
+    so read ``view.depth[bid]`` at the time of use instead of keeping the array.
+    """
+
+    parent: np.ndarray
+    depth: np.ndarray
+    children: np.ndarray
+    size: np.ndarray
+    hits: np.ndarray
+
+    def hash_of(self, bid: int) -> bytes: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TierContext:
+    """The tier a policy instance orders: its name and kind, its position (0 = fastest), the
+    kind of the next tier down (``""`` for the last), and whether it is the last one."""
+
+    name: str = "t0"
+    kind: str = ""
+    position: int = 0
+    next_kind: str = ""
+
+    @property
+    def last(self) -> bool:
+        return not self.next_kind
 
 
 class EvictionPolicy(ABC):
     name: str = ""
+
+    def bind(self, view: BlockView, tier: TierContext) -> None:  # noqa: B027
+        """Learn the index view and the tier; called once before any other call."""
 
     @abstractmethod
     def insert(self, bid: int, size: int, now: float) -> None: ...

@@ -72,6 +72,8 @@ class StoreConfig:
     tiers: tuple[TierSpec, ...] = field(default_factory=default_tiers)
     default_ttl_s: float = DEFAULT_TTL_S
     policy: str = "lru"
+    policy_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Options of the policy's own ``Config`` (e.g. ``{ghost_factor = 4}``); see eviction/."""
     promote_on_hit: bool = True
     persist_on_close: bool = True
     """On a clean close, write blocks that live only in volatile tiers down to a persistent one."""
@@ -85,6 +87,7 @@ class StoreConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
         object.__setattr__(self, "tiers", tuple(self.tiers))
+        object.__setattr__(self, "policy_options", MappingProxyType(dict(self.policy_options)))
         if not self.tiers:
             raise ConfigError("the store needs at least one tier; add a [[tiers]] table")
         if len(self.tiers) > MAX_TIERS:
@@ -103,6 +106,7 @@ _STORE_KEYS = {
     "default_ttl": ("default_ttl_s", None),
     "default_ttl_s": ("default_ttl_s", None),
     "policy": ("policy", str),
+    "policy_options": ("policy_options", dict),
     "promote_on_hit": ("promote_on_hit", bool),
     "persist_on_close": ("persist_on_close", bool),
     "expire_work_cap": ("expire_work_cap", int),

@@ -224,6 +224,7 @@ class EventLog:
         self._opened = 0.0
         self._size = 0
         self._seq = 0
+        self._described: set[str] = set()  # namespaces the current file describes
         self._cctx = zstandard.ZstdCompressor(level=self.config.level)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
@@ -350,7 +351,7 @@ class EventLog:
             with contextlib.suppress(queue.Empty):
                 while len(items) < 4096:
                     items.append(self._q.get_nowait())
-            lines: list[bytes] = []
+            records: list[tuple[Any, ...]] = []
             waiters: list[threading.Event] = []
             for item in items:
                 if item[0] == _FLUSH:
@@ -358,9 +359,9 @@ class EventLog:
                 elif item[0] == _STOP:
                     stop = True
                 else:
-                    lines.append(self._format(item))
-            if lines:
-                self._write(lines)
+                    records.append(item)
+            if records:
+                self._write(records)
             for w in waiters:
                 w.set()
         self._close_file()
@@ -369,6 +370,10 @@ class EventLog:
         kind = item[0]
         if kind == "raw":
             rec = item[1]
+            if rec["type"] == "namespace":
+                if rec["ns"] in self._described:
+                    return b""  # the file's preamble has it already
+                self._described.add(rec["ns"])
         elif kind == "request":
             _, t, ns, hashes, hit, bt, tiers, tenant, op, lookup_s, load_s, prompt = item
             if tiers is None:
@@ -394,10 +399,11 @@ class EventLog:
                 rec["depth"] = depth
         return json.dumps(rec, separators=(",", ":")).encode() + b"\n"
 
-    def _write(self, lines: list[bytes]) -> None:
+    def _write(self, records: list[tuple[Any, ...]]) -> None:
         try:
             if self._file is None or self._due():
                 self._rotate()
+            lines = [line for r in records if (line := self._format(r))]
             frame = self._cctx.compress(b"".join(lines))
             self._file.write(frame)
             self._file.flush()  # to the OS: a reader (kvreport on a live daemon) sees it now
@@ -429,6 +435,7 @@ class EventLog:
         with self._lock:
             self._counts["files"] += 1
             first = [dict(self._header, t=now), *self._namespaces.values()]
+        self._described = {r["ns"] for r in first[1:]}
         frame = self._cctx.compress(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in first))
         self._file.write(frame)
         self._size += len(frame)

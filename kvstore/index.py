@@ -66,6 +66,9 @@ class RadixIndex:
         self.parent = self.depth = self.size = self.ns = self.flags = self.tiers = None  # type: ignore[assignment]
         self.children = self.pins = self.in_use = self.hits = None  # type: ignore[assignment]
         self.last_access = self.expiry = None  # type: ignore[assignment]
+        # No live block expires before this time (a lower bound), so expired_leaves can answer
+        # without a scan until then: the store asks before every eviction.
+        self._expiry_floor = float("inf")
         self._grow(max(16, capacity))
 
     # ---- storage ------------------------------------------------------------------------------
@@ -159,19 +162,39 @@ class RadixIndex:
         return bool(self.in_use[bid] == 0)
 
     def expired_leaves(self, now: float, limit: int) -> np.ndarray:
-        """Up to ``limit`` expired, evictable leaves, deepest first (children before parents)."""
+        """Up to ``limit`` expired, evictable leaves, deepest first (children before parents).
+
+        Scans only when ``now`` has reached the expiry floor; the scan sets the next floor.
+        """
+        if now < self._expiry_floor:
+            return np.empty(0, dtype=np.int64)
         n = len(self._hashes)
-        mask = (
-            (self.flags[:n] == _LIVE)
-            & (self.expiry[:n] <= now)
-            & (self.children[:n] == 0)
-            & (self.pins[:n] == 0)
-            & (self.in_use[:n] == 0)
-        )
+        live = self.flags[:n] == _LIVE
+        expired = live & (self.expiry[:n] <= now)
+        mask = expired & (self.children[:n] == 0) & (self.pins[:n] == 0) & (self.in_use[:n] == 0)
         ids = np.flatnonzero(mask)
         if ids.size > limit:
             ids = ids[np.argsort(-self.depth[ids], kind="stable")[:limit]]
+            return ids  # more to remove: the floor stays where it is
+        future = self.expiry[:n][live & ~expired]
+        floor = float(future.min()) if future.size else float("inf")
+        if (expired & ~mask).any():
+            # Expired but held (pinned, in use, with children): released through the methods
+            # below, which lower the floor; a direct column write is caught within a second.
+            floor = min(floor, now + 1.0)
+        self._expiry_floor = floor
         return ids
+
+    def _lower_floor(self, ids: np.ndarray | int) -> None:
+        """Blocks that may have become expired, evictable leaves: rescan from their expiry."""
+        if isinstance(ids, int):
+            e = float(self.expiry[ids])
+        elif ids.size:
+            e = float(self.expiry[ids].min())
+        else:
+            return
+        if e < self._expiry_floor:
+            self._expiry_floor = e
 
     def live_ids(self) -> np.ndarray:
         n = len(self._hashes)
@@ -220,6 +243,7 @@ class RadixIndex:
         self.hits[ids] = 0
         self.last_access[ids] = now
         self.expiry[ids] = expiry
+        self._expiry_floor = min(self._expiry_floor, float(expiry))
         return ids
 
     def remove(self, bid: int) -> BlockHash:
@@ -232,6 +256,8 @@ class RadixIndex:
         p = int(self.parent[bid])
         if p != NO_PARENT:
             self.children[p] -= 1
+            if not self.children[p]:
+                self._lower_floor(p)
         del self._ids[h]
         self._hashes[bid] = None
         self.flags[bid] = 0
@@ -247,11 +273,15 @@ class RadixIndex:
 
     def add_in_use(self, ids: np.ndarray, delta: int) -> None:
         self.in_use[ids] += delta
+        if delta < 0:
+            self._lower_floor(ids)
 
     def add_pins(self, ids: np.ndarray, delta: int) -> None:
         if delta < 0 and (self.pins[ids] < -delta).any():
             raise RuntimeError("unpin of a block that is not pinned")
         self.pins[ids] += delta
+        if delta < 0:
+            self._lower_floor(ids)
 
     def memory_bytes(self) -> int:
         """Approximate bytes held by the index (columns + maps), for stats."""

@@ -21,9 +21,13 @@ TIERS: dict[str, str] = {
     "dram": "tiers.dram:DramTier",
     "nvme": "tiers.nvme:NvmeTier",
     "object": "tiers.object:ObjectTier",
+    "null": "tiers.null:NullTier",  # metadata only: trace replay (tools/replay)
 }
 POLICIES: dict[str, str] = {
     "lru": "eviction.lru:LRUPolicy",
+    "arc": "eviction.arc:ARCPolicy",
+    "density": "eviction.density:DensityPolicy",
+    "cost": "eviction.costaware:CostAwarePolicy",
 }
 _INSTALL_HINTS = {
     "s3fs": "pip install 'kvstore[s3]'",
@@ -62,6 +66,22 @@ def tier_class(kind: str) -> Any:
 
 def policy_class(name: str) -> Any:
     return _load(POLICIES, name, "eviction policy")
+
+
+def make_policies(name: str, options: dict[str, Any], view: Any, tiers: list[Any]) -> list[Any]:
+    """One policy per tier, ``Class(Class.Config(**options))``, each bound to the index view
+    and told which tier it orders (its kind, and the kind of the tier below it)."""
+    from eviction.base import TierContext  # the policies' own leaf module
+
+    cls = policy_class(name)
+    config = build_config(cls.Config, options, f"policy {name!r}")
+    out = []
+    for k, t in enumerate(tiers):
+        pol = cls(config)
+        nxt = tiers[k + 1].kind if k + 1 < len(tiers) else ""
+        pol.bind(view, TierContext(t.name, t.kind, k, nxt))
+        out.append(pol)
+    return out
 
 
 def build_config(cls: type, options: dict[str, Any], what: str) -> Any:

@@ -51,7 +51,7 @@ from kvstore.errors import (
 from kvstore.events import StoreEvents
 from kvstore.index import NO_PARENT, RadixIndex
 from kvstore.keys import BlockHash, Namespace
-from kvstore.registry import make_tier, policy_class
+from kvstore.registry import make_policies, make_tier
 from tiers.base import byte_view
 
 log = logging.getLogger(__name__)
@@ -188,11 +188,12 @@ class KVStore:
             tiers = [make_tier(s.kind, s.name, dict(s.options), root, clock) for s in self.config.tiers]
         self.tiers = list(tiers)
         self._tier_index = {t.name: k for k, t in enumerate(self.tiers)}
-        pcls = policy_class(self.config.policy)
-        self._policies = [pcls() for _ in self.tiers]
+        self.index = RadixIndex()
+        self._policies = make_policies(
+            self.config.policy, dict(self.config.policy_options), self.index, self.tiers
+        )
         self._persistent = [k for k, t in enumerate(self.tiers) if t.persistent]
         self._shared = [k for k, t in enumerate(self.tiers) if getattr(t, "shared", False)]
-        self.index = RadixIndex()
         self.counters = StoreCounters()
         self._ns_by_digest: dict[bytes, _NsInfo] = {}
         self._ns_list: list[_NsInfo] = []
@@ -635,47 +636,78 @@ class KVStore:
                 )
             # The chain is pinned while it is extended: its blocks may move down a tier to make
             # room, but none may leave the store before its child is in.
-            held: list[int] = self.index.match(hashes[:start]).ids.tolist()
-            self.index.add_pins(np.array(held, dtype=np.int64), 1)
+            idx = self.index
+            held: list[int] = idx.match(hashes[:start]).ids.tolist()
+            # Blocks the index has never seen form a suffix (a node's parent is always in the
+            # index): insert and pin that suffix in one go, as hollow nodes the loop fills.
+            fresh = start
+            while fresh < n and hashes[fresh] in idx:
+                fresh += 1
+            if fresh < n:
+                pid = int(idx.id_of(hashes[fresh - 1])) if fresh else NO_PARENT  # type: ignore[arg-type]
+                ids = idx.insert_chain(hashes[fresh:], pid, fresh, bb, info.nid, 0, now, expiry).tolist()
+            else:
+                ids = []
+            pinned = held + ids
+            idx.add_pins(np.array(pinned, dtype=np.int64), 1)
+            placed: list[tuple[int, int, int]] = []  # (tier, bid, size): enter the policies at the end
             new = 0
             try:
                 for i in range(start, n):
                     key = BlockHash(hashes[i])
-                    bid = self.index.id_of(key)
-                    if bid is not None and self.index.tiers[bid]:
-                        self.counters.dedup_blocks += 1
+                    if i >= fresh:
+                        bid = ids[i - fresh]
                     else:
-                        src = srcs[i - start]
-                        parent = hashes[i - 1] if i else info.digest
-                        meta = BlockMeta(info.digest, parent, i, bb, expiry, payload_checksum(src), now)
-                        if bid is None:
-                            pid = held[-1] if held else NO_PARENT
-                            bid = int(self.index.insert_chain([key], pid, i, bb, info.nid, 0, now, expiry)[0])
-                        self.index.add_pins(np.array([bid]), 1)
-                        held.append(bid)
-                        if not self._place_new(bid, src, meta, {bid}):
-                            raise TierFullError(
-                                f"no tier could take block {i} ({bb} bytes): every tier is full "
-                                "of pinned or in-use blocks; unpin prefixes or add capacity"
-                            )
-                        new += 1
-                        self.counters.put_blocks += 1
-                        continue
+                        bid = idx.id_of(key)  # type: ignore[assignment]
+                        idx.add_pins(np.array([bid]), 1)
+                        pinned.append(bid)
+                        if idx.tiers[bid]:
+                            self.counters.dedup_blocks += 1
+                            held.append(bid)
+                            continue
                     held.append(bid)
-                    self.index.add_pins(np.array([bid]), 1)
+                    src = srcs[i - start]
+                    parent = hashes[i - 1] if i else info.digest
+                    meta = BlockMeta(info.digest, parent, i, bb, expiry, payload_checksum(src), now)
+                    ok = self._place_new(bid, src, meta, {bid}, placed)
+                    if ok is None:
+                        break  # no tier admits it: the chain ends here (it stays prefix-closed)
+                    if not ok:
+                        raise TierFullError(
+                            f"no tier could take block {i} ({bb} bytes): every tier is full "
+                            "of pinned or in-use blocks; unpin prefixes or add capacity"
+                        )
+                    new += 1
+                    self.counters.put_blocks += 1
                 if durable:
                     self._make_durable(hashes, held, srcs, start, info)
             finally:
-                self.index.add_pins(np.array(held, dtype=np.int64), -1)
-                self._drop_hollow_leaves(held)
+                # Leaves first, as after a restart: a last-tier policy that orders by arrival
+                # then meets a chain's leaf before its parents, which cannot leave before it.
+                for k, bid, size in reversed(placed):
+                    if idx.tiers[bid] & (1 << k):
+                        self._policies[k].insert(bid, size, now)
+                idx.add_pins(np.array(pinned, dtype=np.int64), -1)
+                self._drop_hollow_leaves(pinned)  # and the suffix a refusal left unfilled
             return new
 
-    def _place_new(self, bid: int, src: memoryview, meta: BlockMeta, protect: set[int]) -> bool:
-        """Placement: the first tier whose policy admits the block and that can make room."""
+    def _place_new(
+        self,
+        bid: int,
+        src: memoryview,
+        meta: BlockMeta,
+        protect: set[int],
+        placed: list[tuple[int, int, int]] | None = None,
+    ) -> bool | None:
+        """Placement: the first tier whose policy admits the block and that can make room.
+        None when no policy admits it; False when some did but none could make room."""
+        admitted = False
         for k, pol in enumerate(self._policies):
-            if pol.admit(bid, meta.size, meta.created) and self._place(bid, k, src, meta, protect):
-                return True
-        return False
+            if pol.admit(bid, meta.size, meta.created):
+                admitted = True
+                if self._place(bid, k, src, meta, protect, placed=placed):
+                    return True
+        return False if admitted else None
 
     def _make_durable(
         self, hashes: Sequence[bytes], ids: list[int], srcs: list[memoryview], start: int, info: _NsInfo
@@ -746,8 +778,11 @@ class KVStore:
         protect: set[int],
         *,
         durable: bool = False,
+        placed: list[tuple[int, int, int]] | None = None,
     ) -> bool:
-        """Write ``bid`` into tier ``k`` (making room first); False if no room could be made."""
+        """Write ``bid`` into tier ``k`` (making room first); False if no room could be made.
+        With ``placed``, a block written to the last tier (where it cannot leave while its
+        chain is being put anyway) enters the policy later, from the caller."""
         tier = self.tiers[k]
         key = self.index.hash_of(bid)
         for _ in range(4):
@@ -770,7 +805,10 @@ class KVStore:
                 raise
             self.events.placed(key, k, int(self.index.tiers[bid]), meta.size, meta.depth)
             self.index.tiers[bid] |= 1 << k
-            self._policies[k].insert(bid, meta.size, meta.created)
+            if placed is None or k != len(self.tiers) - 1:
+                self._policies[k].insert(bid, meta.size, meta.created)
+            else:
+                placed.append((k, bid, meta.size))
             return True
         return False
 
@@ -806,13 +844,13 @@ class KVStore:
         idx, tier = self.index, self.tiers[k]
         last = k == len(self.tiers) - 1
         others = ((1 << len(self.tiers)) - 1) & ~(1 << k)
-        pending: Counter[int] = Counter()
+        pending: dict[int, int] = {}  # children chosen this round, per parent
         chosen: list[tuple[int, bool]] = []
         freed = 0
         for scanned, bid in enumerate(self._policies[k].candidates()):
             if scanned >= self.config.evict_work_cap:
                 break
-            if bid in protect or not idx.movable(bid):
+            if bid in protect or idx.in_use[bid]:
                 continue
             bsize = int(idx.size[bid])
             if size_class is not None and tier.size_class(bsize) != size_class:
@@ -821,12 +859,12 @@ class KVStore:
             if has_copy or not last:
                 chosen.append((bid, False))
             else:
-                if idx.pins[bid] or idx.children[bid] - pending[bid] > 0:
+                if idx.pins[bid] or idx.children[bid] > pending.get(bid, 0):
                     continue
                 chosen.append((bid, True))
                 p = int(idx.parent[bid])
                 if p != NO_PARENT:
-                    pending[p] += 1
+                    pending[p] = pending.get(p, 0) + 1
             freed += bsize
             if freed >= size:
                 break

@@ -60,7 +60,7 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], out: TextIO | N
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
 
     print(fmt(cells[0]), file=out)
-    print("  ".join("-" * w for w in widths), file=out)
+    print("  ".join("-" * w for w in widths).rstrip(), file=out)
     for r in cells[1:]:
         print(fmt(r), file=out)
 

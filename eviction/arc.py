@@ -1,0 +1,98 @@
+"""ARC: a probation list for blocks seen once, a protected list for blocks hit again, and ghosts
+of both that steer the split between them (Megiddo and Modha, FAST'03).
+
+A new block enters ``T1`` (probation). A hit moves it to ``T2`` (protected). An evicted block
+leaves its hash in ghost list ``B1`` or ``B2``; when it comes back, the list it left from grows:
+a return through ``B1`` means probation was too short, through ``B2`` that the protected set was
+too small. Blocks seen once therefore compete only with each other for the probation share, and
+a flood of one-hit blocks (most of a trace) cannot flush blocks that were hit.
+
+Prefix-aware: on the last tier only leaves may leave, so candidates are offered leaves first
+(a parent is skipped without moving it); ghosts are keyed by block hash because the index
+recycles block ids.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from eviction.base import BlockView, EvictionPolicy, TierContext
+
+
+@dataclass(frozen=True, slots=True)
+class ARCConfig:
+    pass
+
+
+class ARCPolicy(EvictionPolicy):
+    name = "arc"
+    Config = ARCConfig
+
+    def __init__(self, config: ARCConfig | None = None) -> None:
+        self._t1: OrderedDict[int, None] = OrderedDict()
+        self._t2: OrderedDict[int, None] = OrderedDict()
+        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._b2: OrderedDict[bytes, None] = OrderedDict()
+        self._p = 0.0  # target size of T1, in blocks
+        self._view: BlockView | None = None
+        self._tier = TierContext()
+
+    def bind(self, view: BlockView, tier: TierContext) -> None:
+        self._view = view
+        self._tier = tier
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def insert(self, bid: int, size: int, now: float) -> None:
+        if bid in self._t1 or bid in self._t2:
+            return
+        key = self._view.hash_of(bid) if self._view is not None else None
+        if key is not None and key in self._b1:
+            self._p = min(len(self) + 1.0, self._p + max(1.0, len(self._b2) / len(self._b1)))
+            del self._b1[key]
+            self._t2[bid] = None
+        elif key is not None and key in self._b2:
+            self._p = max(0.0, self._p - max(1.0, len(self._b1) / len(self._b2)))
+            del self._b2[key]
+            self._t2[bid] = None
+        else:
+            self._t1[bid] = None
+
+    def touch(self, bid: int, now: float) -> None:
+        if bid in self._t1:
+            del self._t1[bid]
+            self._t2[bid] = None
+        elif bid in self._t2:
+            self._t2.move_to_end(bid)
+
+    def remove(self, bid: int) -> None:
+        if bid in self._t1:
+            del self._t1[bid]
+            ghosts = self._b1
+        elif bid in self._t2:
+            del self._t2[bid]
+            ghosts = self._b2
+        else:
+            return
+        if self._view is None:
+            return
+        ghosts[self._view.hash_of(bid)] = None
+        while len(ghosts) > max(len(self), 1):
+            ghosts.popitem(last=False)
+
+    def candidates(self) -> Iterator[int]:
+        first, second = (self._t1, self._t2) if len(self._t1) > max(self._p, 1.0) or not self._t2 else (self._t2, self._t1)
+        lists = (first, second)  # iterated lazily: the store does not mutate us meanwhile
+        view = self._view
+        if self._tier.last and view is not None:
+            children = view.children
+            for order in lists:
+                yield from (b for b in order if children[b] == 0)
+            for order in lists:
+                yield from (b for b in order if children[b] != 0)
+        else:
+            for order in lists:
+                yield from order

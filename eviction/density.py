@@ -1,0 +1,369 @@
+"""Hit density: evict the block expected to earn the fewest hits per unit of space and time.
+
+Most blocks are never reused and a few are reused thousands of times; which is which shows in a
+block's *class* (how often it was hit, whether its chain was ever extended past it) and its *age*
+(events since its last access). This policy learns, per class, the distribution of the time to
+the next reuse, and ranks a block by the best hit density it can still earn::
+
+    density(class, age) = max over T > age of  P(reuse in (age, T]) / E[space-time held until
+                                                 the reuse or T, given no reuse by age]
+
+(the hit density of Beckmann et al., LHD, NSDI'18, with the best stopping time T instead of the
+policy's own eviction ages, which would teach it only what it already does). The ranking is the
+whole policy: no per-trace tuning, no thresholds.
+
+What it learns from, per class (counted in the policy's own event clock, one tick per
+insert/touch, so it is scale-free across traces and request rates):
+
+* a hit at age ``a``: a reuse at ``a``;
+* a block that was evicted and comes back (its hash is in the *ghost* ring, which keeps the last
+  ``ghost_factor`` x resident evicted hashes with their class and last access): a reuse at its
+  true gap, although the cache had dropped it. Without ghosts the policy would only see reuses
+  shorter than its own eviction age, and would shorten that age further (the feedback that makes
+  plain LHD lose to LRU here);
+* a ghost that falls off the ring, and every block still resident or in the ring when the tables
+  are rebuilt: censored at its age (not reused *yet*), a Kaplan-Meier estimate.
+
+Counts decay by ``decay`` at every rebuild (every ``period`` events), so the tables follow a
+changing workload. Before the first rebuild the order is least-recently-used.
+
+Eviction takes the lowest-ranked ``queue_fraction`` of up to ``sample`` resident blocks (leaves
+only on the last tier, where only leaves may leave) into a victim queue, which later calls
+consume: a full ranking costs one vectorised pass per ~1% of the tier evicted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from eviction.base import BlockView, EvictionPolicy, TierContext
+
+NUM_BUCKETS = 64
+RATIO = 1.35
+"""Age buckets are geometric: bucket ``k >= 1`` holds ages in ``[RATIO**(k-1), RATIO**k)``."""
+_LOG_RATIO = 1.0 / math.log(RATIO)
+_UP = RATIO ** np.arange(NUM_BUCKETS, dtype=np.float64)
+_LOW = np.concatenate([[0.0], _UP[:-1]])
+_MID = (_LOW + _UP) / 2
+_HIT_CLASSES = 6  # hits 0, 1, 2, 3-4, 5-8, 9+
+NUM_CLASSES = _HIT_CLASSES * 2  # x (chain extended past the block or not)
+
+
+def age_bucket(age: float) -> int:
+    if age < 1:
+        return 0
+    return min(int(math.log(age) * _LOG_RATIO) + 1, NUM_BUCKETS - 1)
+
+
+def age_buckets(ages: np.ndarray) -> np.ndarray:
+    out = np.floor(np.log(np.maximum(ages, 1)) * _LOG_RATIO).astype(np.int64) + 1
+    out[ages < 1] = 0
+    return np.minimum(out, NUM_BUCKETS - 1)
+
+
+def _hit_class(hits: int) -> int:
+    if hits < 3:
+        return hits
+    return 3 if hits < 5 else (4 if hits < 9 else 5)
+
+
+def density_table(reuses: np.ndarray, exposure: np.ndarray) -> np.ndarray:
+    """Best hit density per (class, age bucket) from Kaplan-Meier counts.
+
+    ``reuses[c, k]``: reuses that happened at an age in bucket ``k``; ``exposure[c, k]``:
+    lifetimes (reused or censored) that reached bucket ``k``. Returns ``[classes, buckets]``.
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
+        hazard = np.where(exposure > 0, reuses / exposure, 0.0)
+    hazard = np.clip(hazard, 0.0, 1.0)
+    ones = np.ones((reuses.shape[0], 1))
+    survival = np.cumprod(np.concatenate([ones, 1.0 - hazard[:, :-1]], axis=1), axis=1)
+    mass = survival * hazard  # P(reuse in bucket k)
+    out = np.zeros_like(reuses, dtype=np.float64)
+    for a in range(NUM_BUCKETS):
+        age = _LOW[a]
+        m = mass[:, a:]
+        hits = np.cumsum(m, axis=1)
+        held = np.cumsum(m * np.maximum(_MID[a:] - age, 0.5), axis=1)
+        held += (survival[:, a : a + 1] - hits) * (_UP[a:] - age)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            d = np.where(held > 0, hits / held, 0.0)
+        out[:, a] = d.max(axis=1)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class DensityConfig:
+    period: int = 8192
+    """Events between rebuilds of the density tables."""
+    decay: float = 0.9
+    """Weight kept by past counts at each rebuild (0.9: a half-life of ~6.6 periods)."""
+    ghost_factor: float = 4.0
+    """Evicted hashes remembered, as a multiple of the blocks resident."""
+    queue_fraction: float = 0.01
+    """Share of the ranked sample taken into the victim queue at once."""
+    sample: int = 16384
+    """Most blocks ranked per refill of the victim queue."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.period < 64:
+            raise ValueError(f"period must be >= 64 events, got {self.period}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        if self.ghost_factor < 0:
+            raise ValueError(f"ghost_factor must be >= 0, got {self.ghost_factor}")
+        if not 0.0 < self.queue_fraction <= 1.0:
+            raise ValueError(f"queue_fraction must be in (0, 1], got {self.queue_fraction}")
+        if self.sample < 64:
+            raise ValueError(f"sample must be >= 64, got {self.sample}")
+
+
+class _Ghosts:
+    """A ring of evicted blocks: hash -> (class, last access tick, hits), oldest dropped first."""
+
+    def __init__(self) -> None:
+        self.cap = 1024
+        self.cls = np.zeros(self.cap, np.int16)
+        self.t0 = np.zeros(self.cap, np.int64)
+        self.hits = np.zeros(self.cap, np.int32)
+        self.keys: list[bytes | None] = [None] * self.cap
+        self.head = self.tail = 0
+        self.where: dict[bytes, int] = {}
+
+    def __len__(self) -> int:
+        return self.tail - self.head
+
+    def push(self, key: bytes, cls: int, t0: int, hits: int) -> None:
+        if len(self) >= self.cap:
+            self._grow()
+        i = self.tail % self.cap
+        self.tail += 1
+        old = self.where.pop(key, None)
+        if old is not None:
+            self.keys[old] = None
+        self.cls[i], self.t0[i], self.hits[i], self.keys[i] = cls, t0, hits, key
+        self.where[key] = i
+
+    def take(self, key: bytes) -> tuple[int, int, int] | None:
+        i = self.where.pop(key, None)
+        if i is None:
+            return None
+        self.keys[i] = None
+        return int(self.cls[i]), int(self.t0[i]), int(self.hits[i])
+
+    def pop_oldest(self) -> tuple[int, int] | None:
+        """Drop the oldest entry; its (class, t0) when it was still live."""
+        i = self.head % self.cap
+        self.head += 1
+        key = self.keys[i]
+        if key is None:
+            return None
+        self.keys[i] = None
+        del self.where[key]
+        return int(self.cls[i]), int(self.t0[i])
+
+    def live(self) -> np.ndarray:
+        idx = np.arange(self.head, self.tail) % self.cap
+        return idx[np.fromiter((self.keys[i] is not None for i in idx.tolist()), bool, idx.size)]
+
+    def _grow(self) -> None:
+        idx = np.arange(self.head, self.tail) % self.cap
+        cap = self.cap * 2
+        self.cls = np.concatenate([self.cls[idx], np.zeros(cap - idx.size, np.int16)])
+        self.t0 = np.concatenate([self.t0[idx], np.zeros(cap - idx.size, np.int64)])
+        self.hits = np.concatenate([self.hits[idx], np.zeros(cap - idx.size, np.int32)])
+        keys = [self.keys[i] for i in idx.tolist()]
+        self.keys = keys + [None] * (cap - len(keys))
+        self.where = {k: i for i, k in enumerate(keys) if k is not None}
+        self.head, self.tail, self.cap = 0, len(keys), cap
+
+
+class DensityPolicy(EvictionPolicy):
+    """Learned hit density per (class, age); see the module docstring."""
+
+    name = "density"
+    Config = DensityConfig
+
+    def __init__(self, config: DensityConfig | None = None) -> None:
+        self.config = config or DensityConfig()
+        self._rng = np.random.default_rng(self.config.seed)
+        self._view: BlockView | None = None
+        self._tier = TierContext()
+        self._tick = 0
+        self._since_rebuild = 0
+        # Lifetimes that ended (reused or censored) in each age bucket, and the reused ones;
+        # the exposure of bucket k is the number that ended at k or later.
+        self._ended = np.zeros((NUM_CLASSES, NUM_BUCKETS))
+        self._reuses = np.zeros((NUM_CLASSES, NUM_BUCKETS))
+        self._table: np.ndarray | None = None
+        self._ghosts = _Ghosts()
+        self._queue: list[tuple[int, int]] = []  # (bid, last access) victims, best last
+        self._n = 0
+        self._cap = 0
+        self._grow(1024)
+
+    # ---- per-block state, in columns indexed by block id ----------------------------------------
+
+    def _grow(self, need: int) -> None:
+        old = self._cap
+        if need <= old:
+            return
+        cap = max(need, 2 * old)
+
+        def grown(name: str, dtype: type, fill: int = 0) -> np.ndarray:
+            new = np.full(cap, fill, dtype)
+            if old:
+                new[:old] = getattr(self, name)
+            return new
+
+        self._last = grown("_last", np.int64)
+        self._cls = grown("_cls", np.int16)
+        self._hits = grown("_hits", np.int32)
+        self._extended = grown("_extended", np.bool_)
+        self._pos = grown("_pos", np.int64, -1)  # index into _resident, -1: not resident
+        self._resident = grown("_resident", np.int64)
+        self._cap = cap
+
+    def bind(self, view: BlockView, tier: TierContext) -> None:
+        self._view = view
+        self._tier = tier
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _class_of(self, bid: int) -> int:
+        return _hit_class(int(self._hits[bid])) * 2 + int(self._extended[bid])
+
+    def _advance(self) -> None:
+        self._tick += 1
+        self._since_rebuild += 1
+        if self._since_rebuild >= self.config.period:
+            self._rebuild()
+
+    def _resolve(self, cls: int, age: int, reused: bool) -> None:
+        k = age_bucket(age)
+        self._ended[cls, k] += 1
+        if reused:
+            self._reuses[cls, k] += 1
+
+    # ---- protocol ---------------------------------------------------------------------------
+
+    def insert(self, bid: int, size: int, now: float) -> None:
+        if bid < self._cap and self._pos[bid] >= 0:
+            return
+        self._advance()
+        self._grow(bid + 1)
+        self._pos[bid] = self._n
+        self._resident[self._n] = bid
+        self._n += 1
+        self._last[bid] = self._tick
+        self._extended[bid] = False
+        self._hits[bid] = 0
+        view = self._view
+        if view is not None:
+            back = self._ghosts.take(view.hash_of(bid))
+            if back is not None:  # a reuse the cache missed: learn its true gap
+                cls, t0, hits = back
+                self._resolve(cls, self._tick - t0, True)
+                self._hits[bid] = hits + 1
+            parent = int(view.parent[bid])
+            if 0 <= parent < self._cap and self._pos[parent] >= 0 and not self._extended[parent]:
+                self._extended[parent] = True
+                self._cls[parent] = self._class_of(parent)
+        self._cls[bid] = self._class_of(bid)
+
+    def touch(self, bid: int, now: float) -> None:
+        if bid >= self._cap or self._pos[bid] < 0:
+            return
+        self._advance()
+        self._resolve(int(self._cls[bid]), self._tick - int(self._last[bid]), True)
+        self._hits[bid] += 1
+        self._last[bid] = self._tick
+        self._cls[bid] = self._class_of(bid)
+
+    def remove(self, bid: int) -> None:
+        if bid >= self._cap:
+            return
+        i = int(self._pos[bid])
+        if i < 0:
+            return
+        if self._view is not None and self.config.ghost_factor > 0:
+            ghosts = self._ghosts
+            ghosts.push(self._view.hash_of(bid), int(self._cls[bid]), int(self._last[bid]), int(self._hits[bid]))
+            limit = self.config.ghost_factor * max(self._n, 64)
+            while len(ghosts) > limit:
+                gone = ghosts.pop_oldest()
+                if gone is not None:
+                    self._resolve(gone[0], self._tick - gone[1], False)
+        self._n -= 1
+        moved = int(self._resident[self._n])
+        if moved != bid:
+            self._resident[i] = moved
+            self._pos[moved] = i
+        self._pos[bid] = -1
+
+    def candidates(self) -> Iterator[int]:
+        for _ in range(3):
+            if not self._queue:
+                self._refill()
+            while self._queue:
+                bid, last = self._queue.pop()
+                if self._pos[bid] >= 0 and self._last[bid] == last:
+                    yield bid
+        # Still asked: the store skipped everything ranked (pinned, in use). Offer the rest.
+        yield from self._resident[: self._n].tolist()
+
+    # ---- learning and ranking ---------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Rebuild the density tables; blocks resident or in the ghost ring count as censored
+        at their current age (not reused yet), then past counts decay."""
+        self._since_rebuild = 0
+        pending = np.zeros((NUM_CLASSES, NUM_BUCKETS))
+        ids = self._resident[: self._n]
+        np.add.at(pending, (self._cls[ids], age_buckets(self._tick - self._last[ids])), 1)
+        g = self._ghosts
+        live = g.live()
+        np.add.at(pending, (g.cls[live], age_buckets(self._tick - g.t0[live])), 1)
+        ended = self._ended + pending
+        reached = np.cumsum(ended[:, ::-1], axis=1)[:, ::-1]
+        self._table = density_table(self._reuses, reached)
+        self._reuses *= self.config.decay
+        self._ended *= self.config.decay
+
+    def weights(self, ids: np.ndarray) -> np.ndarray | None:
+        """Value of a hit on each block relative to the others (None: all equal). The cost-aware
+        policy overrides it."""
+        return None
+
+    def _refill(self) -> None:
+        n = self._n
+        if not n:
+            return
+        cfg = self.config
+        ids = self._resident[:n]
+        if n > cfg.sample:
+            ids = ids[self._rng.choice(n, cfg.sample, replace=False)]
+        if self._tier.last and self._view is not None:
+            leaves = ids[self._view.children[ids] == 0]
+            if leaves.size:
+                ids = leaves
+        take = max(8, int(ids.size * cfg.queue_fraction))
+        last = self._last[ids]
+        if self._table is None:
+            score = last.astype(np.float64)  # no statistics yet: least recently used first
+        else:
+            score = self._table[self._cls[ids], age_buckets(self._tick - last)]
+            w = self.weights(ids)
+            if w is not None:
+                score = score * w
+        if take < ids.size:
+            part = np.argpartition(score, take)[:take]
+            ids, last, score = ids[part], last[part], score[part]
+        order = np.lexsort((last, score))  # ties: the older first
+        self._queue = list(zip(ids[order][::-1].tolist(), last[order][::-1].tolist(), strict=True))

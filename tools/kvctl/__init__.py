@@ -1,0 +1,1 @@
+"""kvctl: the cache-inspection CLI (``kvctl --help``; docs/operations.md)."""

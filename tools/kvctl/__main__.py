@@ -1,0 +1,5 @@
+import sys
+
+from tools.kvctl.cli import main
+
+sys.exit(main())

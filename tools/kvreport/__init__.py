@@ -1,0 +1,1 @@
+"""kvreport: hit-rate analytics from the event log (``kvreport --help``; docs/operations.md)."""

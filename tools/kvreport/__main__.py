@@ -1,0 +1,5 @@
+import sys
+
+from tools.kvreport.cli import main
+
+sys.exit(main())

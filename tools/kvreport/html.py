@@ -1,0 +1,132 @@
+"""The report as one self-contained HTML page: inline CSS and SVG, no script, no network."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from html import escape
+from typing import Any
+
+from tools.kvreport import svg
+
+REASONS = {
+    "evicted": "evicted by the policy (capacity)",
+    "expired": "expired (TTL too short)",
+    "deleted": "deleted by an operator",
+    "corrupt": "corrupt copy dropped",
+    "not_stored": "seen, but never stored",
+    "other": "other (tier unreachable, records dropped)",
+    "unknown": "lost, reason unknown (no block events)",
+}
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:820px;color:#111827}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #e5e7eb;padding-bottom:4px}
+.sub{color:#6b7280}.cards{display:flex;flex-wrap:wrap;gap:10px;margin:16px 0}
+.card{border:1px solid #e5e7eb;border-radius:8px;padding:8px 12px;min-width:150px}
+.card b{display:block;font-size:20px}.card span{color:#6b7280;font-size:12px}
+table{border-collapse:collapse;margin:8px 0}td,th{padding:3px 10px;border-bottom:1px solid #f3f4f6;text-align:right}
+td:first-child,th:first-child{text-align:left}th{color:#374151;font-weight:600}
+svg.plot{display:block;margin:10px 0;max-width:100%;height:auto}
+svg .t{font-size:13px;font-weight:600;fill:#111827}svg .a{font-size:11px;fill:#4b5563}
+svg .g{stroke:#f3f4f6}svg .ax{stroke:#9ca3af}svg .m{stroke:#9ca3af;stroke-dasharray:4 3}
+.note{color:#6b7280;font-size:12px}
+"""
+
+
+def _p(v: float) -> str:
+    return f"{100 * v:.1f}%"
+
+
+def _n(v: float) -> str:
+    return f"{v:,.0f}"
+
+
+def _money(cur: str, v: float) -> str:
+    return f"{cur}{v:,.2f}"
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def render(r: dict[str, Any], title: str = "kvstore cache report", sources: list[str] | None = None) -> str:
+    span, cfg, ts = r["span"], r["config"], r["timeseries"]
+    cur = cfg["currency"]
+    start = datetime.fromtimestamp(span["start"], UTC).strftime("%Y-%m-%d %H:%M UTC")
+    end = datetime.fromtimestamp(span["end"], UTC).strftime("%Y-%m-%d %H:%M UTC")
+    out = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{escape(title)}</title>"
+           f"<style>{_CSS}</style></head><body>",
+           f"<h1>{escape(title)}</h1><div class='sub'>{start} to {end} &middot; {r['log']['requests']:,} requests"
+           + (f" &middot; from {escape(', '.join(sources))}" if sources else "") + "</div>"]
+    cards = [("token hit rate", _p(r["token_hit_rate"])), ("unlimited cache would hit", _p(r["ideal"]["token_hit_rate"])),
+             ("requests with a hit", _p(r["request_hit_rate"])), ("prompt tokens", _n(r["prompt_tokens"])),
+             ("GPU-hours saved", f"{r['savings']['gpu_seconds'] / 3600:,.2f}"),
+             ("saved", _money(cur, r["savings"]["money"]))]
+    out.append("<div class='cards'>" + "".join(f"<div class='card'><b>{v}</b><span>{k}</span></div>" for k, v in cards) + "</div>")
+
+    out.append("<h2 id='hit-rate'>Hit rate over time</h2>")
+    out.append(svg.line_chart("Hit rate: tokens, requests, and the unlimited-cache ideal", ts["t"], [
+        ("tokens", ts["token_hit_rate"]), ("requests", ts["request_hit_rate"]), ("ideal (tokens)", ts["ideal_token_hit_rate"])],
+        ymax=1.0))
+    tiers = ts["hit_tokens_by_tier"]
+    out.append(svg.stacked_area("Hit tokens by the tier that served them", ts["t"], list(tiers.items())))
+    out.append(svg.line_chart("Token hit rate by tenant", ts["t"], list(ts["tenant_token_hit_rate"].items()), ymax=1.0))
+    out.append(f"<p class='note'>One point per {svg.num(span['bucket_s'])} s.</p>")
+
+    out.append("<h2 id='ideal'>Achieved vs ideal: where the prompt tokens went</h2>")
+    total = r["prompt_tokens"]
+    bars: list[tuple[str, float, str | None]] = [(f"hit: {k}", v, svg.PALETTE[i % 8]) for i, (k, v) in enumerate(r["hit_tokens_by_tier"].items())]
+    bars += [(f"lost: {REASONS.get(k, k)}", v, "#dc2626") for k, v in r["misses"]["lost"].items()]
+    bars += [("miss: namespace mismatch", r["misses"]["namespace_mismatch"], "#f97316"),
+             ("miss: never seen before", r["misses"]["never_seen"], "#9ca3af")]
+    out.append(svg.bar_chart("Prompt tokens: served, lost (an unlimited cache would have hit), missed", bars, total=total))
+    ideal = r["ideal"]
+    out.append(f"<p>The store served <b>{_p(r['token_hit_rate'])}</b> of prompt tokens; an unlimited cache that "
+               f"never forgets would have served <b>{_p(ideal['token_hit_rate'])}</b> of the same requests. "
+               f"Served from a slower tier than {escape(str(r['slow_tier']['fastest_tier']))}: "
+               f"{_n(r['slow_tier']['tokens'])} tokens ({_p(r['slow_tier']['share_of_hits'])} of hits).</p>")
+    out.append("<p class='note'>Lost hits are attributed to why the first missing block of the request was gone. "
+               "Namespace mismatch: misses in a namespace while another namespace of the same model with a different "
+               f"layout had traffic. Hits of blocks stored before the log began: {_n(ideal['before_log_tokens'])} tokens.</p>")
+
+    out.append("<h2 id='ages'>What retention buys: the age of hits</h2>")
+    ages = r["ages"]
+    out.append(svg.bar_chart("Hit tokens by the age of the block that served them", [(k, v, None) for k, v in ages["tokens"].items()],
+                             total=r["hit_tokens"]))
+    older = ages["share_older_than"]
+    out.append(f"<p>Share of hit tokens served by blocks older than 1 h: <b>{_p(older['1h'])}</b>, "
+               f"24 h: <b>{_p(older['24h'])}</b>, 72 h: <b>{_p(older['72h'])}</b>.</p>")
+    ret = r["retention"]
+    if ret["ttl_hours"]:
+        out.append(svg.line_chart("Token hit rate a TTL would reach (capacity aside)", ret["ttl_hours"],
+                                  [("token hit rate", ret["token_hit_rate"])], time_axis=False, xlabel="TTL (hours)",
+                                  marks=[(1, "1 h"), (24, "24 h"), (72, "72 h")]))
+        at = ret["at"]
+        out.append(f"<p>With a TTL of 1 h the store could have served {_p(at['1h'])} of prompt tokens, 24 h {_p(at['24h'])}, "
+                   f"72 h {_p(at['72h'])}: a hit refreshes a block's TTL, so what matters is how long a block sat idle "
+                   "before its next use (hits, and hits lost to expiry).</p>")
+
+    out.append("<h2 id='savings'>Tokens, GPU time and money saved</h2>")
+    rows = [["all", _n(r["savings"]["tokens"]), f"{r['savings']['gpu_seconds']:,.1f}", _money(cur, r["savings"]["money"])]]
+    rows += [[name, _n(t["savings"]["tokens"]), f"{t['savings']['gpu_seconds']:,.1f}", _money(cur, t["savings"]["money"])]
+             for name, t in r["tenants"].items()]
+    out.append(_table(["tenant", "prefill tokens saved", "GPU-seconds", "money"], rows))
+    out.append(f"<p class='note'>At {cfg['prefill_tps']:,.0f} prefill tokens/s per GPU and {_money(cur, cfg['gpu_price'])} "
+               "per GPU-hour (kvreport --prefill-tps, --gpu-price).</p>")
+
+    out.append("<h2 id='usage'>Usage per tenant (DeepSeek API fields)</h2>")
+    out.append(_table(["tenant", "requests", "prompt_cache_hit_tokens", "prompt_cache_miss_tokens", "hit rate", "ideal"],
+                      [[name, _n(t["requests"]), _n(t["usage"]["prompt_cache_hit_tokens"]),
+                        _n(t["usage"]["prompt_cache_miss_tokens"]), _p(t["token_hit_rate"]), _p(t["ideal_token_hit_rate"])]
+                       for name, t in r["tenants"].items()]))
+
+    lat = r["latency"]
+    if lat["lookup_s"]:
+        rows = [["lookup (per request)", f"{lat['lookup_s']['p50'] * 1e3:.3f}", f"{lat['lookup_s']['p99'] * 1e3:.3f}"]]
+        rows += [[f"load per block from {k}", f"{v['p50'] * 1e3:.3f}", f"{v['p99'] * 1e3:.3f}"]
+                 for k, v in lat["load_s_per_block_by_tier"].items()]
+        out.append("<h2 id='latency'>Lookup and load time</h2>" + _table(["", "p50 ms", "p99 ms"], rows))
+    out.append(f"<p class='note'>kvreport, from {r['log']['requests']:,} request and {r['log']['block_events']:,} block records; "
+               "the same numbers: kvreport --json.</p></body></html>")
+    return "\n".join(out)
