@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench reliability-long clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m tools.bench all --json
+
+# The long reliability run (docs/reliability.md): ~8 minutes; figures to reliability-figures.json.
+reliability-long: $(STAMP)
+	KVSTORE_RELIABILITY=long KVSTORE_RELIABILITY_OUT=reliability-figures.json $(PY) -m pytest tests/reliability -q
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvstore.errors import ConfigError
 from kvstore.keys import KVLayout, LayerGroup
 
 ATTENTION_KINDS = ("full", "mla", "sliding")
@@ -40,11 +41,11 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
+            raise ConfigError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
         if self.params <= 0 or self.layers <= 0 or self.hidden <= 0:
-            raise ValueError("params, layers and hidden must be positive")
+            raise ConfigError("params, layers and hidden must be positive")
         if self.attention == "sliding" and self.window <= 0:
-            raise ValueError("sliding attention needs window > 0 (tokens)")
+            raise ConfigError("sliding attention needs window > 0 (tokens)")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -74,13 +75,15 @@ class TierCost:
     """Relative price of holding a byte for a unit of time (DRAM = 1)."""
 
 
+# Nominal production figures; the development VMs measure less (NVMe 1.4-1.5 GB/s, S3 on
+# loopback 130-170 MB/s), at which a 64 MiB Llama-3-8B block loads slower than it recomputes.
 TIER_COSTS: dict[str, TierCost] = {
     "hbm": TierCost(2e12, 10.0),
-    "dram": TierCost(50e9, 1.0),  # pinned host-to-device copies, 55 GB/s measured on an H200
+    "dram": TierCost(50e9, 1.0),  # pinned host-to-device copies: 55 GB/s measured on an H200
     "null": TierCost(50e9, 1.0),  # the replay's stand-in: priced like DRAM
-    "nvme": TierCost(1.5e9, 0.05),  # O_DIRECT 4 MiB reads, 1.4-1.5 GB/s measured
-    "object": TierCost(0.15e9, 0.01),  # S3 on loopback 130-170 MB/s measured
-    "s3": TierCost(0.15e9, 0.01),
+    "nvme": TierCost(6e9, 0.05),  # one PCIe 4.0 drive, O_DIRECT
+    "object": TierCost(1e9, 0.01),  # parallel ranged GETs from one node
+    "s3": TierCost(1e9, 0.01),
 }
 _DEFAULT_TIER = TierCost(50e9, 1.0)
 
@@ -95,16 +98,16 @@ class CostModel:
 
     def __post_init__(self) -> None:
         if self.block_tokens <= 0:
-            raise ValueError(f"block_tokens must be positive, got {self.block_tokens}")
+            raise ConfigError(f"block_tokens must be positive, got {self.block_tokens}")
         if self.flops_per_s <= 0:
-            raise ValueError(f"flops_per_s must be positive, got {self.flops_per_s}")
+            raise ConfigError(f"flops_per_s must be positive, got {self.flops_per_s}")
 
     @classmethod
     def for_model(cls, name: str, block_tokens: int, flops_per_s: float = 4e14) -> CostModel:
         try:
             shape = MODELS[name]
         except KeyError:
-            raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
+            raise ConfigError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
         return cls(shape, block_tokens, flops_per_s)
 
     @property
@@ -130,6 +133,10 @@ class CostModel:
         else:
             ctx_sum = n * start + n * (n + 1) / 2
         return 2.0 * m.params * n + 4.0 * m.layers * (m.attn_dim or m.hidden) * ctx_sum
+
+    def prefix_flops(self, tokens: np.ndarray | int) -> np.ndarray:
+        """Prefill FLOPs of a prompt's first ``tokens`` tokens."""
+        return self.block_flops(np.zeros(np.shape(tokens)), tokens)
 
     def recompute_seconds(self, depths: np.ndarray | int) -> np.ndarray:
         return self.block_flops(depths) / self.flops_per_s

@@ -23,6 +23,7 @@ import numpy as np
 from eviction.base import BlockView, TierContext
 from eviction.cost import MODELS, CostModel
 from eviction.density import DensityConfig, DensityPolicy
+from kvstore.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +37,15 @@ class CostAwareConfig(DensityConfig):
     def __post_init__(self) -> None:
         DensityConfig.__post_init__(self)
         if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(sorted(MODELS))}")
+            raise ConfigError(f"unknown model {self.model!r}; known: {', '.join(sorted(MODELS))}")
         if self.block_tokens < 0:
-            raise ValueError(f"block_tokens must be >= 0, got {self.block_tokens}")
+            raise ConfigError(f"block_tokens must be >= 0, got {self.block_tokens}")
 
 
 class CostAwarePolicy(DensityPolicy):
     name = "cost"
     Config = CostAwareConfig
+    weighted = True
 
     def __init__(self, config: CostAwareConfig | None = None) -> None:
         super().__init__(config or CostAwareConfig())

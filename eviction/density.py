@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eviction.base import BlockView, EvictionPolicy, TierContext
+from kvstore.errors import ConfigError
 
 NUM_BUCKETS = 64
 RATIO = 1.35
@@ -102,25 +103,26 @@ class DensityConfig:
     """Events between rebuilds of the density tables."""
     decay: float = 0.9
     """Weight kept by past counts at each rebuild (0.9: a half-life of ~6.6 periods)."""
-    ghost_factor: float = 4.0
+    ghost_factor: float = 8.0
     """Evicted hashes remembered, as a multiple of the blocks resident."""
     queue_fraction: float = 0.01
     """Share of the ranked sample taken into the victim queue at once."""
-    sample: int = 16384
+    queue_min: int = 8
+    sample: int = 4096
     """Most blocks ranked per refill of the victim queue."""
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.period < 64:
-            raise ValueError(f"period must be >= 64 events, got {self.period}")
+            raise ConfigError(f"period must be >= 64 events, got {self.period}")
         if not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+            raise ConfigError(f"decay must be in (0, 1], got {self.decay}")
         if self.ghost_factor < 0:
-            raise ValueError(f"ghost_factor must be >= 0, got {self.ghost_factor}")
+            raise ConfigError(f"ghost_factor must be >= 0, got {self.ghost_factor}")
         if not 0.0 < self.queue_fraction <= 1.0:
-            raise ValueError(f"queue_fraction must be in (0, 1], got {self.queue_fraction}")
+            raise ConfigError(f"queue_fraction must be in (0, 1], got {self.queue_fraction}")
         if self.sample < 64:
-            raise ValueError(f"sample must be >= 64, got {self.sample}")
+            raise ConfigError(f"sample must be >= 64, got {self.sample}")
 
 
 class _Ghosts:
@@ -168,8 +170,8 @@ class _Ghosts:
         return int(self.cls[i]), int(self.t0[i])
 
     def live(self) -> np.ndarray:
-        idx = np.arange(self.head, self.tail) % self.cap
-        return idx[np.fromiter((self.keys[i] is not None for i in idx.tolist()), bool, idx.size)]
+        """Slots of the entries still live (not taken back by a return)."""
+        return np.fromiter(self.where.values(), np.int64, len(self.where))
 
     def _grow(self) -> None:
         idx = np.arange(self.head, self.tail) % self.cap
@@ -188,6 +190,7 @@ class DensityPolicy(EvictionPolicy):
 
     name = "density"
     Config = DensityConfig
+    weighted = False  # whether weights() says more than "all equal"
 
     def __init__(self, config: DensityConfig | None = None) -> None:
         self.config = config or DensityConfig()
@@ -202,7 +205,7 @@ class DensityPolicy(EvictionPolicy):
         self._reuses = np.zeros((NUM_CLASSES, NUM_BUCKETS))
         self._table: np.ndarray | None = None
         self._ghosts = _Ghosts()
-        self._queue: list[tuple[int, int]] = []  # (bid, last access) victims, best last
+        self._queue: list[tuple[int, int, float]] = []  # (bid, last access, score), best last
         self._n = 0
         self._cap = 0
         self._grow(1024)
@@ -221,12 +224,18 @@ class DensityPolicy(EvictionPolicy):
                 new[:old] = getattr(self, name)
             return new
 
+        # Columns the ranking reads in bulk are arrays; the rest are lists (a list item is
+        # several times cheaper to read and write than a numpy scalar, per event).
         self._last = grown("_last", np.int64)
         self._cls = grown("_cls", np.int16)
-        self._hits = grown("_hits", np.int32)
-        self._extended = grown("_extended", np.bool_)
-        self._pos = grown("_pos", np.int64, -1)  # index into _resident, -1: not resident
         self._resident = grown("_resident", np.int64)
+        if not old:
+            self._hits: list[int] = []
+            self._extended: list[bool] = []
+            self._pos: list[int] = []  # index into _resident, -1: not resident
+        self._hits += [0] * (cap - old)
+        self._extended += [False] * (cap - old)
+        self._pos += [-1] * (cap - old)
         self._cap = cap
 
     def bind(self, view: BlockView, tier: TierContext) -> None:
@@ -237,7 +246,7 @@ class DensityPolicy(EvictionPolicy):
         return self._n
 
     def _class_of(self, bid: int) -> int:
-        return _hit_class(int(self._hits[bid])) * 2 + int(self._extended[bid])
+        return _hit_class(self._hits[bid]) * 2 + self._extended[bid]
 
     def _advance(self) -> None:
         self._tick += 1
@@ -262,7 +271,7 @@ class DensityPolicy(EvictionPolicy):
         self._resident[self._n] = bid
         self._n += 1
         self._last[bid] = self._tick
-        self._extended[bid] = False
+        self._extended[bid] = self._view is not None and bool(self._view.children[bid])
         self._hits[bid] = 0
         view = self._view
         if view is not None:
@@ -275,7 +284,16 @@ class DensityPolicy(EvictionPolicy):
             if 0 <= parent < self._cap and self._pos[parent] >= 0 and not self._extended[parent]:
                 self._extended[parent] = True
                 self._cls[parent] = self._class_of(parent)
-        self._cls[bid] = self._class_of(bid)
+        self._cls[bid] = cls = self._class_of(bid)
+        queue = self._queue
+        if queue and self._table is not None:
+            # A block worth no more than the next victim goes next, without waiting for a
+            # refill: most new blocks are never reused, and they arrive between refills.
+            score = float(self._table[cls, 0])
+            if self.weighted:
+                score *= float(self.weights(np.array([bid]))[0])  # type: ignore[index]
+            if score <= queue[-1][2]:
+                queue.append((bid, self._tick, score))
 
     def touch(self, bid: int, now: float) -> None:
         if bid >= self._cap or self._pos[bid] < 0:
@@ -289,12 +307,12 @@ class DensityPolicy(EvictionPolicy):
     def remove(self, bid: int) -> None:
         if bid >= self._cap:
             return
-        i = int(self._pos[bid])
+        i = self._pos[bid]
         if i < 0:
             return
         if self._view is not None and self.config.ghost_factor > 0:
             ghosts = self._ghosts
-            ghosts.push(self._view.hash_of(bid), int(self._cls[bid]), int(self._last[bid]), int(self._hits[bid]))
+            ghosts.push(self._view.hash_of(bid), int(self._cls[bid]), int(self._last[bid]), self._hits[bid])
             limit = self.config.ghost_factor * max(self._n, 64)
             while len(ghosts) > limit:
                 gone = ghosts.pop_oldest()
@@ -308,15 +326,16 @@ class DensityPolicy(EvictionPolicy):
         self._pos[bid] = -1
 
     def candidates(self) -> Iterator[int]:
-        for _ in range(3):
+        offered: set[int] = set()  # the store skipped these (pinned, in use): rank the rest
+        while True:
             if not self._queue:
-                self._refill()
-            while self._queue:
-                bid, last = self._queue.pop()
-                if self._pos[bid] >= 0 and self._last[bid] == last:
-                    yield bid
-        # Still asked: the store skipped everything ranked (pinned, in use). Offer the rest.
-        yield from self._resident[: self._n].tolist()
+                self._refill(offered)
+                if not self._queue:
+                    return
+            bid, last, _ = self._queue.pop()
+            if self._pos[bid] >= 0 and self._last[bid] == last and bid not in offered:
+                offered.add(bid)
+                yield bid
 
     # ---- learning and ranking ---------------------------------------------------------------
 
@@ -341,19 +360,23 @@ class DensityPolicy(EvictionPolicy):
         policy overrides it."""
         return None
 
-    def _refill(self) -> None:
+    def _refill(self, offered: set[int]) -> None:
         n = self._n
         if not n:
             return
         cfg = self.config
         ids = self._resident[:n]
-        if n > cfg.sample:
-            ids = ids[self._rng.choice(n, cfg.sample, replace=False)]
+        if offered:
+            ids = ids[~np.isin(ids, np.fromiter(offered, np.int64, len(offered)))]
+            if not ids.size:
+                return
+        if ids.size > cfg.sample:  # with replacement: O(sample), and a repeat is harmless
+            ids = ids[self._rng.integers(0, ids.size, cfg.sample)]
         if self._tier.last and self._view is not None:
             leaves = ids[self._view.children[ids] == 0]
             if leaves.size:
                 ids = leaves
-        take = max(8, int(ids.size * cfg.queue_fraction))
+        take = max(cfg.queue_min, int(ids.size * cfg.queue_fraction))
         last = self._last[ids]
         if self._table is None:
             score = last.astype(np.float64)  # no statistics yet: least recently used first
@@ -365,5 +388,5 @@ class DensityPolicy(EvictionPolicy):
         if take < ids.size:
             part = np.argpartition(score, take)[:take]
             ids, last, score = ids[part], last[part], score[part]
-        order = np.lexsort((last, score))  # ties: the older first
-        self._queue = list(zip(ids[order][::-1].tolist(), last[order][::-1].tolist(), strict=True))
+        order = np.lexsort((last, score))[::-1]  # ties: the older first; best victim last
+        self._queue = list(zip(ids[order].tolist(), last[order].tolist(), score[order].tolist(), strict=True))

@@ -5,7 +5,7 @@ Example ``kvstore.toml``::
     [store]
     root = "/var/lib/kvstore"
     default_ttl = "72h"
-    policy = "lru"
+    policy = "density"
 
     [[tiers]]            # fastest first
     name = "dram"
@@ -71,7 +71,8 @@ class StoreConfig:
     root: Path = Path("./kvstore-data")
     tiers: tuple[TierSpec, ...] = field(default_factory=default_tiers)
     default_ttl_s: float = DEFAULT_TTL_S
-    policy: str = "lru"
+    policy: str = "density"
+    """Eviction policy of every tier (eviction/; docs/eviction.md has the measurements)."""
     policy_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Options of the policy's own ``Config`` (e.g. ``{ghost_factor = 4}``); see eviction/."""
     promote_on_hit: bool = True
@@ -81,6 +82,9 @@ class StoreConfig:
     """Blocks an expiry pass may remove per call."""
     evict_work_cap: int = 8192
     """Candidates an eviction may examine per round."""
+    pin_limit_fraction: float = 0.5
+    """Pins with a deadline are refused once pinned blocks would fill this share of the last
+    tier: the rest stays for best-effort blocks, and a guarantee given is never broken."""
     events: EventsConfig = field(default_factory=EventsConfig)
     """``[events]``: the access and block-event log (kvstore/events.py); off in process by default."""
 
@@ -99,6 +103,8 @@ class StoreConfig:
             raise ConfigError(f"default_ttl must be positive, got {self.default_ttl_s} s")
         if self.expire_work_cap <= 0 or self.evict_work_cap <= 0:
             raise ConfigError("expire_work_cap and evict_work_cap must be positive")
+        if not 0.0 < self.pin_limit_fraction <= 1.0:
+            raise ConfigError(f"pin_limit_fraction must be in (0, 1], got {self.pin_limit_fraction}")
 
 
 _STORE_KEYS = {
@@ -111,6 +117,7 @@ _STORE_KEYS = {
     "persist_on_close": ("persist_on_close", bool),
     "expire_work_cap": ("expire_work_cap", int),
     "evict_work_cap": ("evict_work_cap", int),
+    "pin_limit_fraction": ("pin_limit_fraction", float),
 }
 
 

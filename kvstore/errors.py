@@ -39,6 +39,10 @@ class BufferSizeError(UsageError):
     """A caller buffer does not have the size a block needs."""
 
 
+class RetentionError(UsageError):
+    """A retention guarantee (a pin with a deadline) cannot be honoured; nothing was pinned."""
+
+
 class MissingPrefixError(UsageError):
     """A put's leading blocks are neither cached nor supplied; the store stays prefix-closed."""
 

@@ -42,6 +42,7 @@ from kvstore.errors import (
     KVStoreError,
     LayoutMismatchError,
     MissingPrefixError,
+    RetentionError,
     TierFullError,
     TierIOError,
     TierUnavailableError,
@@ -52,6 +53,7 @@ from kvstore.events import StoreEvents
 from kvstore.index import NO_PARENT, RadixIndex
 from kvstore.keys import BlockHash, Namespace
 from kvstore.registry import make_policies, make_tier
+from kvstore.retention import PINS_FILE, PinBook, PinRecord
 from tiers.base import byte_view
 
 log = logging.getLogger(__name__)
@@ -203,6 +205,7 @@ class KVStore:
         self._scratch = [_Scratch() for _ in range(len(self.tiers) + 1)]
         self.events = StoreEvents.open(self.config.events, root, clock, [t.name for t in self.tiers], self.config.policy)
         self._load_namespaces()
+        self._pins = PinBook(root / PINS_FILE, _atomic_write)
         self._recover()
 
     # ---- namespaces ---------------------------------------------------------------------------
@@ -625,6 +628,7 @@ class KVStore:
         if not 0 <= start <= n:
             raise UsageError(f"start={start} is outside the chain of {n} blocks")
         srcs = _src_views(blocks, bb, n - start)
+        early = self._prewrite_durable(info, hashes, srcs, start) if durable else None
         with self._lock:
             now = self._clock()
             expiry = now + info.ttl_s
@@ -680,6 +684,8 @@ class KVStore:
                     new += 1
                     self.counters.put_blocks += 1
                 if durable:
+                    if early is not None:
+                        raise early  # as a failed durable write below would: the blocks are cached
                     self._make_durable(hashes, held, srcs, start, info)
             finally:
                 # Leaves first, as after a restart: a last-tier policy that orders by arrival
@@ -716,6 +722,7 @@ class KVStore:
             raise UsageError("durable=True needs a persistent tier (nvme or object) in the config")
         p = self._persistent[0]
         persistent_mask = sum(1 << k for k in self._persistent)
+        self._adopt_prewritten(hashes, ids, start, p, persistent_mask)
         self._write_durable_batch(hashes, ids, srcs, start, info, p, persistent_mask)
         for i, bid in enumerate(ids):
             mask = int(self.index.tiers[bid])
@@ -735,6 +742,57 @@ class KVStore:
                 )
             del src
         self.tiers[p].flush()
+
+    def _prewrite_durable(
+        self, info: _NsInfo, hashes: Sequence[bytes], srcs: list[memoryview], start: int
+    ) -> KVStoreError | None:
+        """Write a durable put's new blocks to the first persistent tier *before* taking the
+        store's lock, so that a slow disk or a hung object store holds up this put only: every
+        other request (loads and lookups included) waits on that lock. Content addressing makes
+        the early copy safe; :meth:`_adopt_prewritten` then records it under the lock. A tier
+        without room for them all is left to the locked path, which makes room. Returns the
+        error of a failed write: the put caches the blocks, then raises it."""
+        if not self._persistent:
+            return None
+        p = self._persistent[0]
+        tier, idx = self.tiers[p], self.index
+        mask = sum(1 << k for k in self._persistent)
+        with self._lock:
+            if idx.match(hashes).num_blocks < start:
+                return None  # the put refuses it (MissingPrefixError)
+            now = self._clock()
+            todo = [i for i in range(start, len(hashes))
+                    if (bid := idx.id_of(hashes[i])) is None or not int(idx.tiers[bid]) & mask]
+        bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        free = tier.usage()
+        if not todo or free.capacity_bytes - free.used_bytes < len(todo) * bb:
+            return None
+        items = [
+            (BlockHash(hashes[i]), srcs[i - start],
+             BlockMeta(info.digest, hashes[i - 1] if i else info.digest, i, bb, now + info.ttl_s,
+                       payload_checksum(srcs[i - start]), now))
+            for i in todo
+        ]
+        failed = [e for e in tier.write_many(items, durable=True) if e is not None and not isinstance(e, TierFullError)]
+        if failed:
+            with self._lock:
+                self.counters.tier_errors += len(failed)
+            log.error("durable writes to tier %s failed: %s", tier.name, failed[0])
+            return failed[0]
+        return None
+
+    def _adopt_prewritten(
+        self, hashes: Sequence[bytes], ids: list[int], start: int, p: int, persistent_mask: int
+    ) -> None:
+        """Record the copies :meth:`_prewrite_durable` made (under the lock; no I/O)."""
+        tier, idx = self.tiers[p], self.index
+        for i in range(start, len(ids)):
+            bid = ids[i]
+            if not int(idx.tiers[bid]) & persistent_mask and tier.contains(BlockHash(hashes[i])):
+                size = int(idx.size[bid])
+                self.events.placed(idx.hash_of(bid), p, int(idx.tiers[bid]), size, int(idx.depth[bid]))
+                idx.tiers[bid] |= 1 << p
+                self._policies[p].insert(bid, size, self._clock())
 
     def _write_durable_batch(
         self,
@@ -953,6 +1011,8 @@ class KVStore:
                 bid = parent
 
     def _expire(self, now: float, cap: int) -> int:
+        for record in self._pins.due(now):  # a guarantee that has run out is released first
+            self._release_pin(record)
         removed = 0
         while removed < cap:
             ids = self.index.expired_leaves(now, cap - removed)
@@ -978,22 +1038,74 @@ class KVStore:
 
     # ---- pins, deletes, maintenance -----------------------------------------------------------
 
-    def pin(self, ns: Namespace, hashes: Sequence[bytes]) -> int:
-        """Protect the cached prefix of ``hashes`` from expiry and eviction; returns its length."""
-        self._ns(ns)
+    def pin(self, ns: Namespace, hashes: Sequence[bytes], *, until: float | None = None) -> int:
+        """Protect the cached prefix of ``hashes`` from expiry and eviction; returns its length.
+
+        Without ``until`` the pin holds until :meth:`unpin`; with ``until`` (wall-clock seconds)
+        it is a retention guarantee that ends by itself then: the prefix is copied to the
+        first persistent tier (synced), its expiry moved to ``until`` at least, and it stays
+        on some tier under any pressure. A guarantee that cannot be given (pinned blocks would
+        fill more than ``pin_limit_fraction`` of the last tier, or the persistent tier cannot
+        take the prefix) raises RetentionError and pins nothing. Pins survive restarts.
+        """
+        info = self._ns(ns)
         with self._lock:
-            m = self.index.match(hashes, self._clock())
+            now = self._clock()
+            if until is not None and not until > now:
+                raise UsageError(f"until={until} is not in the future (now {now}); pass a wall-clock time")
+            m = self.index.match(hashes, now)
+            if not m.num_blocks:
+                return 0
+            keys = tuple(bytes(h) for h in hashes[: m.num_blocks])
+            if until is not None:
+                self._guarantee(info, keys, m.ids, until)
             self.index.add_pins(m.ids, 1)
+            self._pins.add(PinRecord(info.digest, keys, until))
             return m.num_blocks
 
+    def _guarantee(self, info: _NsInfo, keys: tuple[bytes, ...], ids: np.ndarray, until: float) -> None:
+        """Make a retention guarantee honourable before it is given (RetentionError if not)."""
+        idx = self.index
+        live = idx.live_ids()
+        pinned = live[idx.pins[live] > 0]
+        fresh = ids[idx.pins[ids] == 0]
+        need = int(idx.size[pinned].sum()) + int(idx.size[fresh].sum())
+        last = self.tiers[-1]
+        limit = self.config.pin_limit_fraction * last.usage().capacity_bytes
+        if need > limit:
+            raise RetentionError(
+                f"cannot guarantee {len(keys)} blocks until {until}: pinned blocks would take "
+                f"{need} bytes, over {limit:.0f} (pin_limit_fraction={self.config.pin_limit_fraction} "
+                f"of tier {last.name!r}); unpin prefixes, shorten them, or raise the limit"
+            )
+        if self._persistent:
+            idx.add_pins(ids, 1)  # nothing may drop the prefix while it is copied down
+            try:
+                self._make_durable(keys, ids.tolist(), [], len(keys), info)
+            except TierFullError as e:
+                raise RetentionError(f"cannot guarantee {len(keys)} blocks until {until}: {e}") from e
+            finally:
+                idx.add_pins(ids, -1)
+        idx.expiry[ids] = np.maximum(idx.expiry[ids], until)
+        self._dirty_expiry.update(ids.tolist())
+
     def unpin(self, ns: Namespace, hashes: Sequence[bytes]) -> int:
-        """Undo one :meth:`pin` of the same prefix; returns how many blocks were unpinned."""
-        self._ns(ns)
+        """Undo one :meth:`pin` of the same prefix (the longest pinned prefix of ``hashes``), or
+        else take ``hashes`` out of the untimed pin that holds most of them; returns how many
+        blocks were unpinned. A pin with a deadline is only undone whole."""
+        info = self._ns(ns)
+        keys = tuple(bytes(h) for h in hashes)
         with self._lock:
-            m = self.index.match(hashes)
-            ids = m.ids[self.index.pins[m.ids] > 0]
-            self.index.add_pins(ids, -1)
-            return int(ids.size)
+            record = self._pins.take(info.digest, keys) or self._pins.trim(info.digest, keys)
+            return 0 if record is None else self._release_pin(record)
+
+    def _release_pin(self, record: PinRecord) -> int:
+        idx = self.index
+        ids = [i for h in record.hashes if (i := idx.id_of(h)) is not None]
+        held = np.array(ids, dtype=np.int64)
+        held = held[idx.pins[held] > 0]
+        idx.add_pins(held, -1)
+        return int(held.size)
 
     def delete(self, ns: Namespace, hashes: Sequence[bytes]) -> int:
         """Delete the given blocks and every cached block that extends them; returns the count.
@@ -1149,6 +1261,10 @@ class KVStore:
                 m &= m - 1
                 self._policies[k].insert(bid, meta.size, meta.created)
         self.counters.recovered_blocks += len(recovered)
+        for record in self._pins:  # before expiry: a pinned block must not expire at open
+            if record.until is None or record.until > now:
+                ids = [i for h in record.hashes if (i := idx.id_of(h)) is not None]
+                idx.add_pins(np.array(ids, dtype=np.int64), 1)
         self._expire(now, self.config.expire_work_cap)
         log.info("recovered %d blocks", self.counters.recovered_blocks)
 

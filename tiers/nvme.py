@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import struct
 import threading
@@ -54,6 +55,8 @@ from tiers._direct import ALIGN, DirectFile
 from tiers._slab import SlabAllocator
 from tiers.base import Buffer, Tier, TierUsage, byte_view, tier_dir
 
+log = logging.getLogger(__name__)
+
 MiB = 1024 * 1024
 
 _GEOMETRY_KEY = b"\x00geometry"
@@ -83,6 +86,13 @@ def _streaming_checksum_matches() -> bool:
 
 
 _STREAMING_CHECKSUM = _streaming_checksum_matches()
+
+
+def _is_corruption(e: BaseException) -> bool:
+    """RocksDB reported damage (its status "Corruption: ...", or a file of the DB gone missing),
+    as opposed to a held lock or an unwritable directory."""
+    msg = str(e)
+    return "Corruption" in msg or "No such file or directory" in msg
 
 
 def _hash_chunks(chunks: SimpleQueue[memoryview | None]) -> xxhash.xxh3_64:
@@ -183,21 +193,34 @@ class NvmeTier(Tier):
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise self._os_error(e, "creating the tier directory", self.path) from e
+        self._quarantined = 0
         try:
             self._db = self._open_db()
-            self._check_geometry()
             fresh = not self._data_path.exists()
             try:
-                self._file = DirectFile.open(str(self._data_path), direct=config.direct_io)
-                self._file.resize(self._alloc.capacity_bytes)
-            except OSError as e:
-                raise self._os_error(e, "preallocating the data file", self._data_path) from e
-            self._load(fresh)
+                self._check_geometry()
+                self._open_data_file()
+                self._load(fresh)
+            except Exception as e:  # rocksdict raises bare Exception
+                if not _is_corruption(e):
+                    raise
+                # Damage RocksDB found only as it read the records: same remedy as at open.
+                self._quarantine_db(e)
+                self._check_geometry()
+                if self._file is None:
+                    self._open_data_file()
         except BaseException:
             self.close()
             raise
 
     # ---- open ---------------------------------------------------------------------------------
+
+    def _open_data_file(self) -> None:
+        try:
+            self._file = DirectFile.open(str(self._data_path), direct=self.config.direct_io)
+            self._file.resize(self._alloc.capacity_bytes)
+        except OSError as e:
+            raise self._os_error(e, "preallocating the data file", self._data_path) from e
 
     def _open_db(self) -> Rdict:
         opts = Options(raw_mode=True)
@@ -205,8 +228,11 @@ class NvmeTier(Tier):
         try:
             return Rdict(str(self._db_path), opts)
         except Exception as e:  # rocksdict raises bare Exception
+            if _is_corruption(e) and not self._quarantined:
+                self._quarantine_db(e)
+                return self._db  # type: ignore[return-value]
             msg = str(e)
-            if "lock" in msg.lower():
+            if "/LOCK" in msg or "lock hold" in msg:  # not "lock": "block checksum" has one too
                 hint = (
                     "another process, or another open tier object in this one, holds this tier: "
                     "close it first or give this tier another name or root"
@@ -217,6 +243,33 @@ class NvmeTier(Tier):
                 f"nvme tier {self.name!r}: cannot open its metadata DB {self._db_path}: "
                 f"{msg}; {hint}"
             ) from e
+
+    def _quarantine_db(self, error: Exception) -> None:
+        """Move a metadata DB that RocksDB reports corrupt aside (``meta.rocksdb.corrupt-*``,
+        for an operator to look at) and start an empty one. Its records are cache entries: the
+        tier loses its blocks (their slots become free), never correctness, and a damaged DB
+        must not keep the store, and so the daemon, from starting."""
+        if self._db is not None:
+            with contextlib.suppress(Exception):  # rocksdict raises bare Exception
+                self._db.close()
+            self._db = None
+        stamp = int(self._clock())
+        dest = self._db_path.with_name(f"meta.rocksdb.corrupt-{stamp}")
+        while dest.exists():
+            stamp += 1
+            dest = self._db_path.with_name(f"meta.rocksdb.corrupt-{stamp}")
+        try:
+            os.rename(self._db_path, dest)
+        except OSError as e:
+            raise self._os_error(e, "quarantining the corrupt metadata DB", self._db_path) from e
+        log.error(
+            "nvme tier %r: metadata DB %s is corrupt (%s); moved to %s, the tier starts empty",
+            self.name, self._db_path, error, dest,
+        )
+        self._quarantined += 1
+        self._index.clear()
+        self._alloc = SlabAllocator(self.config.capacity_bytes, self.config.slab_bytes, ALIGN)
+        self._db = self._open_db()
 
     def _check_geometry(self) -> None:
         assert self._db is not None
@@ -462,6 +515,7 @@ class NvmeTier(Tier):
             direct_io=bool(file and file.direct),
             direct_io_fallback=file.fallback_reason if file else "",
             dropped_on_open=self._dropped_on_open,
+            quarantined=self._quarantined,
         )
         return d
 

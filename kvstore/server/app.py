@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -93,6 +94,20 @@ def _hashes(items: list[str], limit: int) -> list[bytes]:
     return [bytes.fromhex(h) for h in items]
 
 
+def _check_leaves(node: Any, where: str) -> None:
+    """A descriptor arrives as any JSON, but every field of a namespace is a string or an
+    integer: a dict where a model id belongs would be registered, persisted and then break
+    every view of the namespaces."""
+    if isinstance(node, dict) and (where in ("namespace", "namespace.layout") or where.endswith("]")):
+        for k, v in node.items():  # the descriptor, its layout, a layer group
+            _check_leaves(v, f"{where}.{k}")
+    elif isinstance(node, list | tuple) and where.endswith(".groups"):  # the one list
+        for i, v in enumerate(node):
+            _check_leaves(v, f"{where}[{i}]")
+    elif isinstance(node, bool) or not isinstance(node, str | int):
+        raise UsageError(f"{where} must be a string or an integer, got {node!r}; send Namespace.to_dict()")
+
+
 def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) -> Any:
     """``info``: the data-plane endpoints (ports) a client needs; ``ready``: readiness probe."""
     svc, metrics = ctx.service, ctx.metrics
@@ -108,6 +123,14 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
     async def _store_error(request: Request, exc: KVStoreError) -> JSONResponse:
         _, status = classify(exc)
         return JSONResponse({"detail": str(exc)}, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes the offending input, which cannot always be rendered
+        # back as JSON (NaN, Infinity): a 500 for a bad request. Where and what, not the input.
+        detail = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+                  for e in exc.errors()]
+        return JSONResponse({"detail": detail}, status_code=422)
 
     @app.middleware("http")
     async def _timing(request: Request, call_next: Any) -> Response:
@@ -161,8 +184,11 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
     async def register(body: NamespaceIn, t: Auth) -> dict[str, Any]:
         try:
             ns = Namespace.from_dict(body.namespace)
-        except (TypeError, KeyError, AttributeError) as e:
+        except UsageError:
+            raise
+        except (TypeError, KeyError, AttributeError, ValueError) as e:
             raise UsageError(f"not a namespace descriptor ({e}); send Namespace.to_dict()") from e
+        _check_leaves(ns.to_dict(), "namespace")
         ns_id = await ctx.run(svc.register, t, ns, body.ttl_s)
         return {"ns": ns_id.hex(), "block_bytes": ns.block_bytes, "block_tokens": ns.block_tokens}
 

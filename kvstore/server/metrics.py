@@ -36,6 +36,15 @@ class _StoreCollector(Collector):
         ev.add_metric(["expiry"], s["expirations"])
         ev.add_metric(["corrupt"], s["corrupt_blocks"])
         yield ev
+        yield CounterMetricFamily("kvstore_tier_errors", "Reads and writes a tier's device failed", value=s["tier_errors"])
+        q = CounterMetricFamily(
+            "kvstore_quarantined", "Damaged files moved aside at open (metadata DBs, objects, temp files of "
+            "cut-short writes), by tier", labels=["tier"],
+        )
+        for t in s["tiers"]:
+            if "quarantined" in t:
+                q.add_metric([t["name"]], t["quarantined"])
+        yield q
         yield CounterMetricFamily("kvstore_demotions", "Blocks written down a tier under pressure", value=s["demotions"])
         yield CounterMetricFamily("kvstore_promotions", "Blocks copied up to the first tier on a hit", value=s["promotions"])
         yield CounterMetricFamily("kvstore_put_blocks", "New blocks stored", value=s["put_blocks"])

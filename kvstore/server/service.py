@@ -37,6 +37,7 @@ from kvstore.errors import (
     MissingPrefixError,
     QuotaExceededError,
     TierFullError,
+    TierIOError,
     UnknownNamespaceError,
     UsageError,
 )
@@ -133,6 +134,12 @@ class Service:
         """Register ``ns`` for tenant ``t``; returns its id (the client's namespace root)."""
         if ns.tenant_salt:
             raise UsageError("tenant_salt is chosen by the server; leave it empty in the namespace")
+        if ns.block_bytes > self.limits.max_payload_bytes:
+            # Such a block could never travel the data plane: refuse it now, not at each put.
+            raise UsageError(
+                f"a block of this namespace holds {ns.block_bytes} bytes, more than the daemon's "
+                f"max_payload of {self.limits.max_payload_bytes}; use fewer tokens per block"
+            )
         stored = replace(ns, tenant_salt=t.salt) if t.salt else ns
         self.store.events.set_tenant(stored.root, t.name)  # the access log names the tenant
         self.store.register_namespace(stored, ttl_s)
@@ -252,5 +259,8 @@ _ERRORS: tuple[tuple[type[BaseException], ErrorCode, int], ...] = (
     (LayoutMismatchError, ErrorCode.CONFLICT, 409),
     (MissingPrefixError, ErrorCode.CONFLICT, 409),
     (TierFullError, ErrorCode.UNAVAILABLE, 507),
+    # A device or remote store failed (disk full, read-only, S3 down): the request that needed
+    # it fails with the tier's own message; the connection and every other client carry on.
+    (TierIOError, ErrorCode.UNAVAILABLE, 503),
     (UsageError, ErrorCode.BAD_REQUEST, 400),
 )

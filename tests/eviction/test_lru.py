@@ -1,4 +1,4 @@
-"""LRU scenario tests with exact eviction order (the shared policy suite lands with issue 4)."""
+"""LRU scenario tests with exact eviction order (every policy also passes test_conformance.py)."""
 
 from __future__ import annotations
 

@@ -150,7 +150,7 @@ def test_the_store_logs_requests_and_every_block_lifecycle_event(make_store: Any
     events = Counter(r["event"] for r in recs if r["type"] == "block")
     assert {"stored", "demoted", "promoted", "evicted", "expired"} <= set(events)
     reasons = {r.get("reason") for r in recs if r.get("event") == "evicted"}
-    assert {"capacity:lru", "deleted"} <= reasons
+    assert {f"capacity:{s.config.policy}", "deleted"} <= reasons
     stats = s.stats()
     assert stats["events"]["dropped"] == 0
     assert stats["events"]["written"] == sum(r["type"] in ("request", "block") for r in recs)

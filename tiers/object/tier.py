@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from tiers.object.remote import DOWN, MISS, Breaker, Queued, Remote, WriteQueue
 log = logging.getLogger(__name__)
 
 _RECENT = 4096  # headers kept after a read or write (see ObjectTier._recent)
+_STALE_TEMP_S = 3600.0  # a temp file this old on a shared directory is left over from a crash
 
 
 @dataclass(slots=True)
@@ -68,6 +70,7 @@ class _Counters:
     touches_dropped: int = 0
     compressed_writes: int = 0
     probed_blocks: int = 0
+    quarantined: int = 0
 
 
 def _readinto_full(f: Any, dst: memoryview) -> int:
@@ -684,12 +687,17 @@ class ObjectTier(ExpiryMixin, Tier):
         keys: list[BlockHash] = []
         sizes: list[int] = []
         bad = foreign = 0
+        debris: list[str] = []  # damaged objects and temp files of writes cut short
         for path, size in sorted(listed.items()):
             if not path.endswith(SUFFIX):
-                continue  # a temp file of a write in flight, or of one cut short by a crash
+                # A temp file of a write in flight, or of one cut short by a crash.
+                if self._stale_temp(path):
+                    debris.append(path)
+                continue
             key = key_of(path)
             if key is None:
                 bad += 1
+                debris.append(path)
                 continue
             keys.append(key)
             sizes.append(size)
@@ -703,21 +711,62 @@ class ObjectTier(ExpiryMixin, Tier):
                 continue
             if isinstance(h, CorruptBlockError):
                 bad += 1
+                debris.append(self.path(key))
                 continue
             if isinstance(h, KVStoreError):
                 raise h
             if size != h.object_size:
                 bad += 1  # torn or padded: a read would fail its checks anyway
+                debris.append(self.path(key))
                 continue
             meta = h.meta
             if touches.get(key, 0.0) > meta.expiry:
                 meta = meta.with_expiry(touches[key])
             self._learn(key, meta, h.descriptor, key in touches)
             found.append((key, meta))
+        moved = self._quarantine(debris)
         with self._lock:
             self._counters.bad_headers = bad
             self._counters.foreign_objects = foreign
+            self._counters.quarantined += moved
         return found
+
+    def _stale_temp(self, path: str) -> bool:
+        """Whether a temp file can only be left over from a crash: at the first listing of a
+        private tier (its store opening) nothing writes to it yet; otherwise a write may be in
+        flight (another node's, on a shared directory), so only one untouched for an hour
+        counts (file times are the OS's wall clock)."""
+        if not self._local:
+            return False  # remote writes are single PUTs: no temp files
+        if not self.config.url and not self._listed:
+            return True
+        try:
+            return time.time() - os.stat(path).st_mtime > _STALE_TEMP_S
+        except OSError:
+            return False
+
+    def _quarantine(self, paths: list[str]) -> int:
+        """Move damaged objects and stale temp files out of ``blocks/`` into ``quarantine/``
+        (for an operator to look at; delete at will), so that nothing damaged stays on the
+        tier's books or uses its room forever. Local tiers whose sweeper is on only: a read-only
+        listing (kvctl's snapshot turns the sweeper off) must not move anything, and on a remote
+        store such objects are only counted (``bad_headers``)."""
+        if not paths or not self._local or not self.config.sweep_interval_s:
+            return 0
+        qdir = f"{self._base}/quarantine"
+        moved = 0
+        try:
+            os.makedirs(qdir, exist_ok=True)
+            for p in paths:
+                with contextlib.suppress(FileNotFoundError):  # gone since the listing
+                    os.replace(p, f"{qdir}/{p.rsplit('/', 1)[-1]}")
+                    moved += 1
+        except OSError as e:
+            log.warning("object tier %r: cannot quarantine damaged objects in %s: %s", self.name, qdir, e)
+        if moved:
+            log.warning("object tier %r: moved %d damaged objects or temp files of cut-short writes to %s",
+                        self.name, moved, qdir)
+        return moved
 
     def _learn(self, key: BlockHash, meta: BlockMeta, descriptor: bytes, touched: bool) -> None:
         with self._lock:
@@ -913,6 +962,7 @@ class ObjectTier(ExpiryMixin, Tier):
             shared=self.shared,
             available=self.available(),
             bad_headers=c.bad_headers,
+            quarantined=c.quarantined,
             foreign_objects=c.foreign_objects,
             expired_deleted=c.expired_deleted,
             sweeps=c.sweeps,

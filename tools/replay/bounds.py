@@ -1,0 +1,189 @@
+"""The yardsticks every policy is compared with: an unlimited cache and Belady's optimum.
+
+Both use the replay's semantics: a request looks up its blocks first (a block hits only if every
+earlier block of the request hit), then inserts them. They are simulations over the trace, not
+store runs: Belady needs the future, which no store has.
+
+Belady (OPT) evicts the block whose next use lies furthest ahead; a block never used again goes
+first, so it is never kept at the expense of one that will be. Blocks used next by the same
+request tie; ``ties="deep"`` evicts the deeper one first, which keeps the cache prefix-closed (a
+block's next use is never later than its child's) and is the true optimum for longest-prefix
+hits. ``ties="shallow"`` evicts the shallower one and reproduces the published figures in
+traces/README.md exactly (0.243 against 0.246 at 1% of the conversation trace).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from tools.replay.trace import Trace
+
+NEVER = np.iinfo(np.int64).max
+
+
+def prefix_hits(cached: np.ndarray) -> int:
+    """Leading blocks of one request that are set in ``cached`` (a bool per block id)."""
+    miss = np.flatnonzero(~cached)
+    return int(miss[0]) if miss.size else int(cached.size)
+
+
+def unlimited(trace: Trace) -> np.ndarray:
+    """Per request, the blocks an unlimited cache hits."""
+    seen = np.zeros(trace.unique_blocks, dtype=bool)
+    hits = np.zeros(trace.num_requests, dtype=np.int64)
+    for r in range(trace.num_requests):
+        ids = trace.blocks(r)
+        hits[r] = prefix_hits(seen[ids])
+        seen[ids] = True
+    return hits
+
+
+def next_use(trace: Trace) -> np.ndarray:
+    """For every block access (aligned with ``trace.block_ids``), the index of the next request
+    that uses the block, or :data:`NEVER`."""
+    req = np.repeat(np.arange(trace.num_requests), np.diff(trace.offsets))
+    ids = trace.block_ids
+    order = np.lexsort((np.arange(ids.size), ids))  # by block, then by time
+    nxt = np.full(ids.size, NEVER, dtype=np.int64)
+    same = ids[order[1:]] == ids[order[:-1]]
+    nxt[order[:-1][same]] = req[order[1:][same]]
+    return nxt
+
+
+def belady(trace: Trace, capacity: int, ties: str = "deep") -> np.ndarray:
+    """Per request, the blocks Belady's offline policy hits with room for ``capacity`` blocks."""
+    if ties not in ("deep", "shallow"):
+        raise ValueError(f"ties must be 'deep' or 'shallow', got {ties!r}")
+    sign = -1 if ties == "deep" else 1
+    nxt = next_use(trace).tolist()
+    offsets = trace.offsets.tolist()
+    all_ids = trace.block_ids.tolist()
+    cached: dict[int, int] = {}  # block -> its next use, as pushed on the heap
+    heap: list[tuple[int, int, int]] = []  # (-next use, tie, block); stale entries skipped
+    hits = np.zeros(trace.num_requests, dtype=np.int64)
+    push, pop = heapq.heappush, heapq.heappop
+    for r in range(trace.num_requests):
+        lo, hi = offsets[r], offsets[r + 1]
+        k = 0
+        for i in range(lo, hi):
+            if all_ids[i] not in cached:
+                break
+            k += 1
+        hits[r] = k
+        for d, i in enumerate(range(lo, hi)):
+            b, n = all_ids[i], nxt[i]
+            cached[b] = n
+            push(heap, (-n, sign * d, b))
+        while len(cached) > capacity:
+            n, _, b = pop(heap)
+            if cached.get(b) == -n:
+                del cached[b]
+    return hits
+
+
+@dataclass(frozen=True, slots=True)
+class ClassSegments:
+    """Reuse gaps per block class (see :func:`class_bound`), and the trace's length in block
+    accesses."""
+
+    gaps: list[np.ndarray]
+    accesses: int
+
+
+def class_segments(trace: Trace, block_tokens: int = 512) -> ClassSegments:
+    """The statistics of a bound on the block hits of any policy that decides from a block's
+    *class* and *age* alone, with perfect knowledge of each class's reuse statistics: an upper
+    bound for learned policies such as eviction/density.py, which must learn them.
+
+    Each access starts a *segment* that ends at the block's next access (a reuse after ``g``
+    block accesses) or never. A policy of this family keeps a block of class ``c`` until age
+    ``T_c`` and pays ``min(g, T_c)`` of space-time for it; the best ``T_c`` under an average of
+    ``capacity`` blocks resident is a knapsack, solved here as its LP relaxation (the upper
+    concave hull of each class's hits-versus-space curve, filled greedily by slope), which a
+    randomised policy attains. Classes: hits so far (0, 1, 2, 3-4, 5-8, 9+), whether the block
+    is a request's partial tail, its last reuse gap (inherited from the request's deepest hit
+    for a new block), and its depth, each log-bucketed. Block-level and without the prefix
+    constraint, so it is optimistic for longest-prefix hits.
+    """
+    def log_bucket(x: int, cap: int) -> int:
+        return min(int(np.log2(x + 1)), cap)
+
+    offsets, ids = trace.offsets.tolist(), trace.block_ids.tolist()
+    partial = (trace.input_tokens % block_tokens != 0).tolist()
+    last: dict[int, int] = {}
+    hits: dict[int, int] = {}
+    gap: dict[int, int] = {}
+    cls_of: dict[int, tuple[int, ...]] = {}
+    segments: dict[tuple[int, ...], list[float]] = {}
+    tick = 0
+    for r in range(trace.num_requests):
+        chain = ids[offsets[r] : offsets[r + 1]]
+        k = 0
+        while k < len(chain) and chain[k] in last:
+            k += 1
+        for b in chain:
+            tick += 1
+            if b in last:
+                segments.setdefault(cls_of[b], []).append(tick - last[b])
+                gap[b], hits[b] = tick - last[b], hits[b] + 1
+            else:
+                gap[b], hits[b] = -1, 0
+            last[b] = tick
+        inherited = gap[chain[k - 1]] if k > 1 else -1
+        for d, b in enumerate(chain):
+            g = gap[b] if hits[b] else inherited
+            h = hits[b]
+            cls_of[b] = (
+                h if h < 3 else (3 if h < 5 else (4 if h < 9 else 5)),
+                int(d == len(chain) - 1 and partial[r]),
+                -1 if g < 0 else log_bucket(g, 20),
+                int(hits[b] == 0),
+                log_bucket(d, 6),
+            )
+    for b in last:
+        segments.setdefault(cls_of[b], []).append(np.inf)
+    return ClassSegments([np.sort(np.array(g)) for g in segments.values()], tick)
+
+
+def class_bound(segments: ClassSegments, capacity: int) -> float:
+    """The most block hits of :func:`class_segments`' policy family with ``capacity`` blocks."""
+    tick = segments.accesses
+    horizons = np.unique(np.concatenate([[0.0], np.geomspace(1, tick, 600)]))
+    base_space = base_hits = 0.0
+    steps: list[tuple[float, float, float]] = []  # (hits per space, space, hits)
+    for g in segments.gaps:
+        finite = g[np.isfinite(g)]
+        cum = np.concatenate([[0.0], np.cumsum(finite)])
+        reused = np.searchsorted(finite, horizons, side="right")
+        space = cum[reused] + (g.size - reused) * horizons
+        hull = _upper_hull(space, reused.astype(np.float64))
+        base_space, base_hits = base_space + hull[0][0], base_hits + hull[0][1]
+        steps += [((y2 - y1) / (x2 - x1), x2 - x1, y2 - y1) for (x1, y1), (x2, y2) in zip(hull, hull[1:], strict=False)]
+    budget, total = capacity * tick - base_space, base_hits
+    for _, dx, dy in sorted(steps, reverse=True):
+        if budget <= 0:
+            break
+        take = min(1.0, budget / dx)
+        total, budget = total + take * dy, budget - take * dx
+    return total
+
+
+def _upper_hull(xs: np.ndarray, ys: np.ndarray) -> list[tuple[float, float]]:
+    """The increasing part of the upper concave hull of the points (x, y)."""
+    hull: list[tuple[float, float]] = []
+    for p in sorted(zip(xs.tolist(), ys.tolist(), strict=True)):
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = hull[-2], hull[-1]
+            if (y2 - y1) * (p[0] - x1) <= (p[1] - y1) * (x2 - x1):
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    out = [hull[0]]
+    for p in hull[1:]:
+        if p[1] > out[-1][1]:
+            out.append(p)
+    return out
