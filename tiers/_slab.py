@@ -11,9 +11,12 @@ Not thread-safe by itself: the owning tier holds its lock around calls.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.errors import UsageError
+from tiers.base import TierUsage
 
 
 @dataclass(slots=True)
@@ -152,3 +155,33 @@ class SlabAllocator:
             self._partial.get(self._slabs[i].slot_bytes, set()).discard(i)
             return i
         return None
+
+
+class SlabMapMixin:
+    """The shared half of tiers that keep ``key -> (offset, meta)`` over a :class:`SlabAllocator`
+    (DRAM, HBM): delete and the capacity queries, under the tier's lock."""
+
+    _lock: threading.Lock
+    _map: dict[bytes, tuple[int, Any]]
+    _alloc: SlabAllocator
+
+    def delete(self, key: bytes) -> bool:
+        with self._lock:
+            entry = self._map.pop(key, None)
+            if entry is None:
+                return False
+            self._alloc.free(entry[0])
+            return True
+
+    def usage(self) -> TierUsage:
+        """``used_bytes`` counts whole slots (sizes rounded up to 4 KiB): the room really taken."""
+        with self._lock:
+            return TierUsage(self._alloc.used_bytes, self._alloc.capacity_bytes, len(self._map))
+
+    def fits(self, size: int) -> bool:
+        """Whether a free slot of ``size``'s class exists; UsageError if no slab can hold it."""
+        with self._lock:
+            return self._alloc.fits(size)
+
+    def size_class(self, size: int) -> int:
+        return self._alloc.slot_bytes(size)

@@ -38,8 +38,8 @@ from kvstore.errors import (
     TierIOError,
 )
 from kvstore.keys import BlockHash
-from tiers._slab import SlabAllocator
-from tiers.base import Buffer, Tier, TierUsage, byte_view
+from tiers._slab import SlabAllocator, SlabMapMixin
+from tiers.base import Buffer, Tier, byte_view
 
 _ALIGN = 4096
 _MiB = 1024 * 1024
@@ -116,7 +116,7 @@ def attach_arena(shm_name: str) -> SharedMemory:
     return shm
 
 
-class DramTier(Tier):
+class DramTier(SlabMapMixin, Tier):
     """Payloads in one shared-memory arena; ``key -> (offset, BlockMeta)`` in a dict.
 
     Thread safety: ``_lock`` guards the allocator and the map; payload copies run outside it.
@@ -250,27 +250,6 @@ class DramTier(Tier):
             self._map[key] = (off, meta)
             if fresh and prev is not None:
                 self._alloc.free(prev[0])
-
-    def delete(self, key: BlockHash) -> bool:
-        with self._lock:
-            entry = self._map.pop(key, None)
-            if entry is None:
-                return False
-            self._alloc.free(entry[0])
-            return True
-
-    def usage(self) -> TierUsage:
-        """``used_bytes`` counts whole slots (sizes rounded up to 4 KiB): the room really taken."""
-        with self._lock:
-            return TierUsage(self._alloc.used_bytes, self._alloc.capacity_bytes, len(self._map))
-
-    def fits(self, size: int) -> bool:
-        """Whether a free slot of ``size``'s class exists; UsageError if no slab can hold it."""
-        with self._lock:
-            return self._alloc.fits(size)
-
-    def size_class(self, size: int) -> int:
-        return self._alloc.slot_bytes(size)
 
     def meta(self, key: BlockHash) -> BlockMeta | None:
         entry = self._map.get(key)

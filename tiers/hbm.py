@@ -26,8 +26,8 @@ from kvstore.block import BlockMeta
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import BlockNotFound, BufferSizeError, ConfigError, TierFullError, TierIOError
 from kvstore.keys import BlockHash
-from tiers._slab import SlabAllocator
-from tiers.base import Buffer, Tier, TierUsage, byte_view
+from tiers._slab import SlabAllocator, SlabMapMixin
+from tiers.base import Buffer, Tier, byte_view
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +66,7 @@ class _Streams:
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
 
 
-class HbmTier(Tier):
+class HbmTier(SlabMapMixin, Tier):
     kind = "hbm"
     persistent = False
     Config = HbmConfig
@@ -158,25 +158,6 @@ class HbmTier(Tier):
             ev.synchronize()  # the caller may reuse src, and the bounce buffer is reused
         else:
             dst.copy_(host)
-
-    def delete(self, key: BlockHash) -> bool:
-        with self._lock:
-            entry = self._map.pop(key, None)
-            if entry is None:
-                return False
-            self._alloc.free(entry[0])
-            return True
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return TierUsage(self._alloc.used_bytes, self._alloc.capacity_bytes, len(self._map))
-
-    def fits(self, size: int) -> bool:
-        with self._lock:
-            return self._alloc.fits(size)
-
-    def size_class(self, size: int) -> int:
-        return self._alloc.slot_bytes(size)
 
     def scan(self) -> Iterator[tuple[BlockHash, BlockMeta]]:
         with self._lock:
