@@ -247,3 +247,19 @@ def test_class_bound_is_between_nothing_and_every_reuse(small: Path) -> None:
     bounds = [class_bound(seg, c) for c in (0, 1, 2, 4, 100)]
     assert bounds[0] == 0 and bounds == sorted(bounds)
     assert bounds[-1] == pytest.approx(10)  # room for everything: every reuse (here all prefix hits)
+
+
+def test_kvreport_reads_a_replayed_trace(small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A report can be made from a replayed trace as well as from a live daemon."""
+    from tools.kvreport.cli import main as kvreport
+
+    assert main([str(small), "--capacity", "4", "--policy", "lru", "--json", "--events", str(tmp_path / "ev")]) == 0
+    row = json.loads(capsys.readouterr().out)
+    html = tmp_path / "report.html"
+    assert kvreport([str(tmp_path / "ev" / "lru-4"), "--json", "-o", str(html)]) == 0
+    text = capsys.readouterr().out
+    assert html.exists() and "<svg" in html.read_text()
+    numbers = json.loads(text)
+    assert numbers["requests"] == 6
+    assert numbers["hit_tokens"] == round(row["block_hit_rate"] * row["blocks"]) * 512
+    assert numbers["ideal_token_hit_rate"] == pytest.approx(row["infinite_block_hit_rate"])
