@@ -286,6 +286,17 @@ class KVStore:
 
     # ---- lookups and loads --------------------------------------------------------------------
 
+    def lookup_nowait(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult | None:
+        """:meth:`lookup` if it can answer from memory at once, else None (the store lock is
+        held by a put or a move, or a shared tier may need probing). For an event loop: a None
+        means "run :meth:`lookup` on a worker thread"."""
+        if self._shared or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self.lookup(ns, hashes)
+        finally:
+            self._lock.release()
+
     def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
         """How many leading blocks of ``hashes`` are cached and where, counting only tiers that
         can be reached now. Changes nothing, except that blocks other nodes wrote to a shared

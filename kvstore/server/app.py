@@ -206,7 +206,10 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
         if body.tokens is not None:
             r = await ctx.run(svc.lookup_tokens, t, ns_id, body.tokens)
         else:
-            r = await ctx.run(svc.lookup, t, ns_id, _hashes(body.hashes or [], limits.max_blocks))
+            hashes = _hashes(body.hashes or [], limits.max_blocks)
+            # An in-memory answer on the event loop saves two thread hops; when the store is busy
+            # (or a shared tier may need a probe) the lookup goes to the pool as before.
+            r = svc.lookup_nowait(t, ns_id, hashes) or await ctx.run(svc.lookup, t, ns_id, hashes)
         return {"num_blocks": r.num_blocks, "num_tokens": r.num_tokens, "tiers": list(r.tiers)}
 
     def _blocks_endpoint(path: str, fn: Callable[..., int], doc: str) -> None:

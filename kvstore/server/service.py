@@ -166,6 +166,11 @@ class Service:
         self._check_count(len(hashes))
         return self.store.lookup(self.namespace(t, ns_id), self._store_keys(t, hashes))
 
+    def lookup_nowait(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> LookupResult | None:
+        """:meth:`lookup` answered from memory without waiting, or None (see KVStore.lookup_nowait)."""
+        self._check_count(len(hashes))
+        return self.store.lookup_nowait(self.namespace(t, ns_id), self._store_keys(t, hashes))
+
     def lookup_tokens(self, t: Tenant, ns_id: bytes, tokens: Any) -> LookupResult:
         if len(tokens) > self.limits.max_tokens:
             raise UsageError(f"{len(tokens)} tokens exceed the limit of {self.limits.max_tokens}")

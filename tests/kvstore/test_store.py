@@ -274,3 +274,27 @@ def test_torch_tensors_as_caller_buffers(make_store) -> None:
     assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
     with pytest.raises(UsageError, match="contiguous"):
         s.get_into(SMALL_NS, chain, torch.zeros(3 * BB, dtype=torch.uint8)[::2])
+
+
+def test_lookup_nowait_answers_from_memory_or_steps_aside(make_store) -> None:
+    s = make_store()
+    chain = chain_for(900, 3)
+    put_chain(s, chain)
+    r = s.lookup_nowait(SMALL_NS, chain)
+    assert r is not None and r.num_blocks == 3
+    held, go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with s._lock:  # noqa: SLF001 - stands for a put or a move holding the store
+            held.set()
+            go.wait(timeout=30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(timeout=30)
+    try:
+        assert s.lookup_nowait(SMALL_NS, chain) is None  # busy: the caller goes to a thread
+    finally:
+        go.set()
+        t.join()
+    assert s.lookup_nowait(SMALL_NS, chain).num_blocks == 3
