@@ -23,10 +23,10 @@ from typing import Any
 from kvstore.block import BlockMeta
 from kvstore.clock import Clock, system_clock
 from kvstore.config import StoreConfig, TierSpec
-from kvstore.errors import KVStoreError, UsageError
+from kvstore.errors import UsageError
 from kvstore.keys import Namespace
 from kvstore.registry import make_tier, tier_class
-from kvstore.store import NAMESPACES_FILE
+from kvstore.store import read_namespaces
 from kvstore.units import parse_size
 from tiers.base import tier_dir
 
@@ -107,16 +107,8 @@ class StoreSnapshot:
         return None
 
     def _read_namespaces(self) -> None:
-        path = self.root / NAMESPACES_FILE
-        try:
-            entries = json.loads(path.read_text())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError) as e:
-            raise KVStoreError(f"cannot read {path}: {e}") from e
-        for e in entries:
-            ns = Namespace.from_dict(e["namespace"])
-            self._ns[ns.root] = (ns, float(e["ttl_s"]))
+        for ns, ttl_s in read_namespaces(self.root):
+            self._ns[ns.root] = (ns, ttl_s)
 
     def _scan_tier(self, k: int, spec: TierSpec, progress: Progress | None) -> dict[str, Any]:
         cls = tier_class(spec.kind)

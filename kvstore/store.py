@@ -61,6 +61,18 @@ log = logging.getLogger(__name__)
 NAMESPACES_FILE = "namespaces.json"
 
 
+def read_namespaces(root: Path) -> list[tuple[Namespace, float]]:
+    """The registered namespaces and their TTLs saved under a store's ``root`` (none if absent)."""
+    path = root / NAMESPACES_FILE
+    try:
+        entries = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        raise KVStoreError(f"cannot read {path}: {e}; restore it or remove it to re-register") from e
+    return [(Namespace.from_dict(e["namespace"]), float(e["ttl_s"])) for e in entries]
+
+
 @dataclass(slots=True)
 class _NsInfo:
     nid: int
@@ -264,16 +276,8 @@ class KVStore:
         )
 
     def _load_namespaces(self) -> None:
-        path = self.config.root / NAMESPACES_FILE
-        try:
-            entries = json.loads(path.read_text())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError) as e:
-            raise KVStoreError(f"cannot read {path}: {e}; restore it or remove it to re-register") from e
-        for e in entries:
-            ns = Namespace.from_dict(e["namespace"])
-            self._new_ns(ns.root, ns, float(e["ttl_s"]))
+        for ns, ttl_s in read_namespaces(self.config.root):
+            self._new_ns(ns.root, ns, ttl_s)
 
     def _save_namespaces(self) -> None:
         path = self.config.root / NAMESPACES_FILE
