@@ -53,6 +53,7 @@ class EngineCache:
         # Leases (zero-copy reads from the store's shared-memory arena) when the store offers
         # them; the first refusal (no arena tier first) switches to copies for good.
         self._leases = hasattr(store, "acquire")
+        self._d2h: dict[torch.device, torch.cuda.Stream] = {}  # one copy-out stream per device
 
     def hashes(self, tokens: Any) -> list[BlockHash]:
         return hash_blocks(self.ns, tokens)
@@ -91,7 +92,9 @@ class EngineCache:
         ready: torch.cuda.Event | None = None
         if blocks.device.type == "cuda":
             host = torch.empty(blocks.shape, dtype=torch.uint8, pin_memory=True)
-            stream = torch.cuda.Stream(blocks.device)
+            stream = self._d2h.get(blocks.device)
+            if stream is None:
+                stream = self._d2h[blocks.device] = torch.cuda.Stream(blocks.device)
             stream.wait_stream(torch.cuda.current_stream(blocks.device))
             with torch.cuda.stream(stream):
                 host.copy_(blocks, non_blocking=True)
