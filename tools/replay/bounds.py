@@ -91,9 +91,17 @@ class ClassSegments:
 
     gaps: list[np.ndarray]
     accesses: int
+    starts: list[np.ndarray] | None = None
+    """Per class, aligned with ``gaps``: the access (tick) at which each segment began."""
 
 
-def class_segments(trace: Trace, block_tokens: int = 512) -> ClassSegments:
+EXTRA_FEATURES = ("length", "prefix", "turn", "position", "gap")
+"""Request features :func:`class_segments` can add to a block's class (log-bucketed): the
+request's chain length, its cached prefix length, the hits of its deepest cached block (the
+conversation's turn), the block's quarter of the chain, and the time since the last request."""
+
+
+def class_segments(trace: Trace, block_tokens: int = 512, extra: tuple[str, ...] = ()) -> ClassSegments:
     """The statistics of a bound on the block hits of any policy that decides from a block's
     *class* and *age* alone, with perfect knowledge of each class's reuse statistics: an upper
     bound for learned policies such as eviction/density.py, which must learn them.
@@ -106,18 +114,25 @@ def class_segments(trace: Trace, block_tokens: int = 512) -> ClassSegments:
     randomised policy attains. Classes: hits so far (0, 1, 2, 3-4, 5-8, 9+), whether the block
     is a request's partial tail, its last reuse gap (inherited from the request's deepest hit
     for a new block), and its depth, each log-bucketed. Block-level and without the prefix
-    constraint, so it is optimistic for longest-prefix hits.
+    constraint, so it is optimistic for longest-prefix hits. ``extra`` adds request features
+    (:data:`EXTRA_FEATURES`) to the class: finer classes raise the bound, partly because the
+    statistics of a small class are memorised rather than learnable.
     """
+    unknown = set(extra) - set(EXTRA_FEATURES)
+    if unknown:
+        raise ValueError(f"unknown class features {sorted(unknown)}; choose from {', '.join(EXTRA_FEATURES)}")
+
     def log_bucket(x: int, cap: int) -> int:
         return min(int(np.log2(x + 1)), cap)
 
     offsets, ids = trace.offsets.tolist(), trace.block_ids.tolist()
     partial = (trace.input_tokens % block_tokens != 0).tolist()
+    stamps = trace.timestamps_ms.tolist()
     last: dict[int, int] = {}
     hits: dict[int, int] = {}
     gap: dict[int, int] = {}
     cls_of: dict[int, tuple[int, ...]] = {}
-    segments: dict[tuple[int, ...], list[float]] = {}
+    segments: dict[tuple[int, ...], list[tuple[float, int]]] = {}  # (gap, start)
     tick = 0
     for r in range(trace.num_requests):
         chain = ids[offsets[r] : offsets[r + 1]]
@@ -127,12 +142,18 @@ def class_segments(trace: Trace, block_tokens: int = 512) -> ClassSegments:
         for b in chain:
             tick += 1
             if b in last:
-                segments.setdefault(cls_of[b], []).append(tick - last[b])
+                segments.setdefault(cls_of[b], []).append((tick - last[b], last[b]))
                 gap[b], hits[b] = tick - last[b], hits[b] + 1
             else:
                 gap[b], hits[b] = -1, 0
             last[b] = tick
         inherited = gap[chain[k - 1]] if k > 1 else -1
+        request = {
+            "length": log_bucket(len(chain), 8),
+            "prefix": log_bucket(k, 6),
+            "turn": min(hits[chain[k - 1]] if k else 0, 6),
+            "gap": log_bucket(int(stamps[r] - stamps[r - 1]) if r else 0, 12),
+        }
         for d, b in enumerate(chain):
             g = gap[b] if hits[b] else inherited
             h = hits[b]
@@ -142,10 +163,12 @@ def class_segments(trace: Trace, block_tokens: int = 512) -> ClassSegments:
                 -1 if g < 0 else log_bucket(g, 20),
                 int(hits[b] == 0),
                 log_bucket(d, 6),
+                *(4 * d // len(chain) if f == "position" else request[f] for f in extra),
             )
     for b in last:
-        segments.setdefault(cls_of[b], []).append(np.inf)
-    return ClassSegments([np.sort(np.array(g)) for g in segments.values()], tick)
+        segments.setdefault(cls_of[b], []).append((np.inf, last[b]))
+    pairs = [np.array(sorted(v)) for v in segments.values()]
+    return ClassSegments([p[:, 0] for p in pairs], tick, [p[:, 1].astype(np.int64) for p in pairs])
 
 
 def class_bound(segments: ClassSegments, capacity: int) -> float:
@@ -169,6 +192,43 @@ def class_bound(segments: ClassSegments, capacity: int) -> float:
         take = min(1.0, budget / dx)
         total, budget = total + take * dy, budget - take * dx
     return total
+
+
+def holdout_class_hits(segments: ClassSegments, capacity: int) -> float:
+    """Block hits in the second half of the trace (by access count) of :func:`class_segments`'
+    policy family when each class's keep-age is *fitted on the first half*: what the class
+    statistics are worth when they must be learned rather than known. The budget trade-off
+    (one threshold on hits per unit of space-time across classes) is set to fill ``capacity``
+    blocks in the second half, as a policy adapts to its occupancy; a class never seen in the
+    first half keeps nothing. Segments are assigned to the half they start in."""
+    assert segments.starts is not None, "segments without start ticks"
+    mid = segments.accesses // 2
+    horizons = np.unique(np.concatenate([[0.0], np.geomspace(1, segments.accesses, 300)]))
+
+    def curve(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        finite = g[np.isfinite(g)]
+        cum = np.concatenate([[0.0], np.cumsum(finite)])
+        reused = np.searchsorted(finite, horizons, side="right")
+        return reused.astype(np.float64), cum[reused] + (g.size - reused) * horizons
+
+    tables = []
+    for g, start in zip(segments.gaps, segments.starts, strict=True):
+        late = g[start > mid]
+        if late.size:
+            tables.append((*curve(g[start <= mid]), *curve(late)))
+    budget = capacity * (segments.accesses - mid)
+    lo, hi, best = 1e-12, 1.0, 0.0
+    for _ in range(60):  # bisect the threshold on log scale
+        lam = (lo * hi) ** 0.5
+        hits = space = 0.0
+        for h1, s1, h2, s2 in tables:
+            j = int(np.argmax(h1 - lam * s1))
+            hits, space = hits + h2[j], space + s2[j]
+        if space > budget:
+            lo = lam
+        else:
+            hi, best = lam, hits
+    return best
 
 
 def _upper_hull(xs: np.ndarray, ys: np.ndarray) -> list[tuple[float, float]]:

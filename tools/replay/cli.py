@@ -20,7 +20,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, KVStoreError, UsageError
 from kvstore.registry import POLICIES, build_config, policy_class
 from kvstore.units import parse_duration
-from tools.replay.bounds import belady, class_bound, class_segments, unlimited
+from tools.replay.bounds import EXTRA_FEATURES, belady, class_bound, class_segments, unlimited
 from tools.replay.plot import write_svg
 from tools.replay.sim import TierCapacity, parse_capacity, replay_store, summarize
 from tools.replay.trace import Trace, TraceError, load_trace
@@ -60,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttl", default="72h", help="namespace TTL on the trace's clock (default 72h)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
     p.add_argument("--class-bound", action="store_true", help="also the best hit rate of any policy that ranks by block class and age with perfect statistics (an upper bound for learned policies; slower)")
+    p.add_argument("--class-features", default="", metavar="F,F", help=f"with --class-bound: request features added to the class ({', '.join(EXTRA_FEATURES)}); finer classes are partly memorised, see docs/eviction.md")
     p.add_argument("--opt-ties", choices=("deep", "shallow"), default="deep", help="Belady tie-break (shallow reproduces traces/README.md exactly; deep is the prefix-closed optimum)")
     p.add_argument("--json", action="store_true", help="one JSON object per (policy, capacity) on stdout")
     p.add_argument("--plot", metavar="FILE.svg", help="write hit rate against capacity, one line per policy")
@@ -150,7 +151,13 @@ def run(args: argparse.Namespace) -> int:
     options = {name: _policy_options(name, given, args) for name in names}
     capacities = [(spec, parse_capacity(spec, trace.unique_blocks, cost.block_bytes)) for spec in specs]
     progress = _Progress(not args.no_progress)
-    segments = class_segments(trace, args.block_tokens) if args.class_bound else None
+    features = tuple(f.strip() for f in args.class_features.split(",") if f.strip())
+    if features and not args.class_bound:
+        raise UsageError("--class-features needs --class-bound")
+    try:
+        segments = class_segments(trace, args.block_tokens, features) if args.class_bound else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     plot: dict[str, list[tuple[float, float]]] = {}
     started = time.perf_counter()
     for spec, tiers in capacities:
