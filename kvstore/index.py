@@ -246,6 +246,46 @@ class RadixIndex:
         self._expiry_floor = min(self._expiry_floor, float(expiry))
         return ids
 
+    def insert_blocks(
+        self,
+        hashes: Sequence[bytes],
+        parents: np.ndarray,
+        depths: np.ndarray,
+        sizes: np.ndarray,
+        ns: np.ndarray,
+        tiers: np.ndarray,
+        created: np.ndarray,
+        expiry: np.ndarray,
+    ) -> np.ndarray:
+        """Insert blocks whose parents are already present (or ``NO_PARENT``), one column
+        write each: a warm restart inserts a whole depth level at a time. Returns the new ids."""
+        n = len(hashes)
+        ids = self._alloc_ids(n)
+        known = self._ids
+        for h, i in zip(hashes, ids.tolist(), strict=True):
+            if h in known:
+                raise RuntimeError(f"block {bytes(h).hex()} inserted twice")
+            known[h] = i
+            self._hashes[i] = h
+        self.parent[ids] = parents
+        self.depth[ids] = depths
+        self.size[ids] = sizes
+        self.ns[ids] = ns
+        self.flags[ids] = _LIVE
+        self.tiers[ids] = tiers
+        self.children[ids] = 0
+        linked = parents[parents != NO_PARENT]
+        if linked.size:
+            np.add.at(self.children, linked, 1)
+        self.pins[ids] = 0
+        self.in_use[ids] = 0
+        self.hits[ids] = 0
+        self.last_access[ids] = created
+        self.expiry[ids] = expiry
+        if n:
+            self._expiry_floor = min(self._expiry_floor, float(np.min(expiry)))
+        return ids
+
     def remove(self, bid: int) -> BlockHash:
         """Drop a leaf. Raises if it still has cached children (the store stays prefix-closed)."""
         if self.children[bid]:

@@ -83,6 +83,10 @@ class Restart:
 
     def _recover(self) -> None:
         """Rebuild the index from the persistent tiers' own metadata (warm restart)."""
+        # A guarantee whose deadline passed while the store was down is dropped unapplied: the
+        # first expiry pass would otherwise release it, taking the pin of another record off
+        # the blocks the two share.
+        self._pins.due(self._clock())
         found: dict[bytes, tuple[BlockMeta, int]] = {}
         for k in self._persistent:
             for key, meta in self.tiers[k].scan():
@@ -97,13 +101,37 @@ class Restart:
         idx = self.index
         order = sorted(found.items(), key=lambda kv: kv[1][0].depth)
         recovered: list[tuple[int, int, BlockMeta]] = []
+        block_bytes: dict[bytes, int | None] = {}  # per namespace digest; None: not registered
+        level: list[tuple[bytes, int, int, BlockMeta, int]] = []  # (key, mask, parent id, meta, nid)
+
+        def insert_level() -> None:
+            # One depth level at a time: every parent is already in the index.
+            if not level:
+                return
+            ids = idx.insert_blocks(
+                [e[0] for e in level],
+                np.fromiter((e[2] for e in level), np.int32, len(level)),
+                np.fromiter((e[3].depth for e in level), np.int32, len(level)),
+                np.fromiter((e[3].size for e in level), np.uint32, len(level)),
+                np.fromiter((e[4] for e in level), np.uint16, len(level)),
+                np.fromiter((e[1] for e in level), np.uint8, len(level)),
+                np.fromiter((e[3].created for e in level), np.float64, len(level)),
+                np.fromiter((e[3].expiry for e in level), np.float64, len(level)),
+            )
+            recovered.extend(zip(ids.tolist(), (e[1] for e in level), (e[3] for e in level), strict=True))
+            level.clear()
+
+        depth = 0
         for key, (meta, mask) in order:
+            if meta.depth != depth:
+                insert_level()
+                depth = meta.depth
             info = self._ns_by_digest.get(meta.ns)
-            if meta.ns in foreign or (
-                info is not None
-                and info.namespace is not None
-                and meta.size != info.namespace.block_bytes
-            ):
+            if meta.ns not in block_bytes:
+                ns_ = info.namespace if info is not None else None
+                block_bytes[meta.ns] = ns_.block_bytes if ns_ is not None else None
+            expected = block_bytes[meta.ns]
+            if meta.ns in foreign or (expected is not None and meta.size != expected):
                 # Another schema version or layout: never served, and left where it is for
                 # the stores it belongs to.
                 self.counters.foreign_blocks += 1
@@ -117,9 +145,8 @@ class Restart:
             if pid is None or (pid != NO_PARENT and idx.depth[pid] != meta.depth - 1):
                 self._drop_orphan(key, mask)
                 continue
-            bid = int(idx.insert_chain([key], pid, meta.depth, meta.size, info.nid, 0, meta.created, meta.expiry)[0])
-            idx.tiers[bid] = mask
-            recovered.append((bid, mask, meta))
+            level.append((key, mask, pid, meta, info.nid))
+        insert_level()
         # Policies learn the blocks deepest first, so leaves are the first candidates.
         for bid, mask, meta in reversed(recovered):
             m = mask

@@ -131,3 +131,33 @@ def test_memory_per_block_is_reported() -> None:
     for i in range(100):
         chain(idx, i, 1)
     assert idx.memory_bytes() > 0
+
+
+def test_insert_blocks_by_level_equals_insert_chain() -> None:
+    """A warm restart inserts a depth level at a time: the columns come out as the chains'."""
+    keys = [bytes([i]) * 16 for i in range(7)]
+    # Two chains sharing a root: 0-1-2 and 0-3-4, plus a second root 5-6.
+    a, b = RadixIndex(), RadixIndex()
+    a.insert_chain(keys[0:3], NO_PARENT, 0, 64, 1, 2, 10.0, 99.0)
+    a.insert_chain(keys[3:5], a.id_of(keys[0]), 1, 64, 1, 2, 10.0, 99.0)
+    a.insert_chain(keys[5:7], NO_PARENT, 0, 64, 1, 2, 10.0, 50.0)
+    levels = [[0, 5], [1, 3, 6], [2, 4]]
+    parent_key = {1: 0, 3: 0, 6: 5, 2: 1, 4: 3}
+    for depth, members in enumerate(levels):
+        parents = np.array([b.id_of(keys[parent_key[m]]) if m in parent_key else NO_PARENT for m in members], np.int32)
+        n = len(members)
+        expiry = np.array([50.0 if m >= 5 else 99.0 for m in members])
+        b.insert_blocks([keys[m] for m in members], parents, np.full(n, depth, np.int32), np.full(n, 64, np.uint32),
+                        np.full(n, 1, np.uint16), np.full(n, 2, np.uint8), np.full(n, 10.0), expiry)
+    for k in keys:
+        ia, ib = a.id_of(k), b.id_of(k)
+        pa, pb = int(a.parent[ia]), int(b.parent[ib])
+        assert (pa == NO_PARENT) == (pb == NO_PARENT)
+        if pa != NO_PARENT:
+            assert a.hash_of(pa) == b.hash_of(pb)
+        for col in ("depth", "size", "ns", "tiers", "children", "last_access", "expiry"):
+            assert getattr(a, col)[ia] == getattr(b, col)[ib], (k, col)
+    assert a.expired_leaves(60.0, 10).size == b.expired_leaves(60.0, 10).size == 1
+    with pytest.raises(RuntimeError, match="inserted twice"):
+        b.insert_blocks([keys[0]], np.array([NO_PARENT], np.int32), np.zeros(1, np.int32), np.ones(1, np.uint32),
+                        np.ones(1, np.uint16), np.ones(1, np.uint8), np.zeros(1), np.ones(1))

