@@ -30,8 +30,15 @@ log = logging.getLogger("kvstore.store")
 class Restart:
 
     def _persist_expiry(self) -> int:
+        updates, n = self._take_expiry()
+        self._write_expiry(updates)
+        return n
+
+    def _take_expiry(self) -> tuple[dict[int, list[tuple[BlockHash, float]]], int]:
+        """Under the lock: the refreshed expiry times each persistent tier has to learn, and
+        how many blocks they are for; the blocks are no longer dirty."""
         if not self._dirty_expiry:
-            return 0
+            return {}, 0
         idx = self.index
         per_tier: dict[int, list[tuple[BlockHash, float]]] = {k: [] for k in self._persistent}
         for bid in self._dirty_expiry:
@@ -39,12 +46,16 @@ class Restart:
             for k in self._persistent:
                 if mask & (1 << k):
                     per_tier[k].append((idx.hash_of(bid), float(idx.expiry[bid])))
-        for k, items in per_tier.items():
-            if items:
-                self.tiers[k].update_expiry(items)
         n = len(self._dirty_expiry)
         self._dirty_expiry.clear()
-        return n
+        return per_tier, n
+
+    def _write_expiry(self, updates: dict[int, list[tuple[BlockHash, float]]]) -> None:
+        """Outside the lock (a remote tier may take its timeouts): each tier skips keys it no
+        longer holds, and a lost update only shortens a block's life."""
+        for k, items in updates.items():
+            if items:
+                self.tiers[k].update_expiry(items)
 
     def _persist_volatile(self) -> int:
         """Write blocks held only by volatile tiers down to the first persistent tier, parents

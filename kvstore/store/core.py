@@ -481,6 +481,11 @@ class KVStore(ReadPath, Placement, DurablePath, Restart):
             record = self._pins.take(info.digest, keys) or self._pins.trim(info.digest, keys)
             return 0 if record is None else self._release_pin(record)
 
+    def pins(self) -> list[PinRecord]:
+        """The pin records in force, in pinning order (what ``pins.json`` holds)."""
+        with self._lock:
+            return list(self._pins)
+
     def _release_pin(self, record: PinRecord) -> int:
         idx = self.index
         ids = [i for h in record.hashes if (i := idx.id_of(h)) is not None]
@@ -512,15 +517,20 @@ class KVStore(ReadPath, Placement, DurablePath, Restart):
         """Periodic work: expire (with the work cap) and persist refreshed expiry times."""
         with self._lock:
             expired = self._expire(self._clock(), self.config.expire_work_cap)
-            persisted = self._persist_expiry()
+            updates, persisted = self._take_expiry()
+        self._write_expiry(updates)  # tier I/O (maybe a remote one) without the store lock
         return {"expired": expired, "expiry_updates": persisted}
 
     def flush(self) -> None:
-        """Persist refreshed expiry times and make every completed write durable."""
+        """Persist refreshed expiry times and make every completed write durable. The tiers'
+        I/O runs outside the store lock: lookups and hits go on during a slow flush."""
         with self._lock:
-            self._persist_expiry()
-            for t in self.tiers:
-                t.flush()
+            if self._closed:
+                return
+            updates, _ = self._take_expiry()
+        self._write_expiry(updates)
+        for t in self.tiers:
+            t.flush()
 
     def close(self) -> None:
         with self._lock:

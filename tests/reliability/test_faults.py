@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,10 +47,10 @@ def daemon(root: Path, tiers: tuple[TierSpec, ...], wrap: Callable[[list[Any]], 
     if wrap is not None:
         assert monkeypatch is not None
 
-        def store(cfg: StoreConfig) -> KVStore:
-            built = [make_tier(s.kind, s.name, dict(s.options), cfg.root, time.time) for s in cfg.tiers]
+        def store(cfg: StoreConfig, clock: Any = time.time) -> KVStore:
+            built = [make_tier(s.kind, s.name, dict(s.options), cfg.root, clock) for s in cfg.tiers]
             wrap(built)
-            return KVStore(cfg, tiers=built)
+            return KVStore(cfg, clock=clock, tiers=built)
 
         monkeypatch.setattr(daemon_module, "KVStore", store)
     d = ThreadedDaemon(StoreConfig(root=root, tiers=tiers), ServerConfig(http_port=0, data_port=0, ucx_port=0, limits=LIMITS))
@@ -179,6 +180,50 @@ def test_s3_down_or_hung_leaves_dram_hits_and_lookups_serving(tmp_path: Path, fi
             assert eventually(lambda: _try_durable(a, 7), timeout=30)
     figures(hung_durable_put_failed_after_s=round(hung_put_s, 2),
             dram_hit_and_lookup=({k: percentiles(v) for k, v in lat.items()}))
+
+
+def test_s3_hung_demotions_do_not_stall_dram_hits(tmp_path: Path, figures) -> None:
+    """Volatile puts that push DRAM's blocks down to a hung S3: the demotions are queued
+    (write-behind), so hits on DRAM, and the puts themselves, go on while S3 never answers;
+    once it answers again the queue drains and every demoted block is served from S3."""
+    with LocalS3() as s3:
+        obj = s3_options(s3, worker_interval_s=0.2, breaker_retry_s=0.5, read_timeout_s=2.0, connect_timeout_s=1.0)
+        tiers = (
+            TierSpec("dram", "dram", {"capacity_bytes": 16 * BB, "slab_bytes": 4 * BB}),
+            TierSpec("object", "object", {"capacity_bytes": 1 << 30, **obj}),
+        )
+        with daemon(tmp_path / "s", tiers) as d, connect(d.url, plane="tcp") as a, connect(d.url, plane="shm") as b:
+            hot = _put(b, 1)
+            s3.pause()
+            try:
+                done: list[list[bytes]] = []
+                errors: list[BaseException] = []
+
+                def writer() -> None:
+                    try:
+                        for seed in range(100, 112):  # 36 blocks through a 16-block DRAM tier
+                            done.append(_put(a, seed))
+                    except BaseException as e:  # reported by the main thread
+                        errors.append(e)
+
+                t = threading.Thread(target=writer)
+                lat: list[float] = []
+                t0 = time.perf_counter()
+                t.start()
+                while t.is_alive() or not lat:
+                    s = time.perf_counter()
+                    assert _served(b, hot) == 3
+                    lat.append(time.perf_counter() - s)
+                t.join()
+                puts_s = time.perf_counter() - t0
+                assert not errors, errors
+                assert len(done) == 12
+                during = [_served(a, c) for c in done]  # DRAM, or the write queue
+            finally:
+                s3.resume()
+            assert during == [3] * 12
+            assert eventually(lambda: all(_served(a, c) == 3 for c in done), timeout=30)
+    figures(puts_while_hung_s=round(puts_s, 2), dram_hit_while_demoting_into_hung_s3=percentiles(lat))
 
 
 def _try_durable(c: Any, seed: int) -> bool:

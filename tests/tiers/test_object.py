@@ -371,6 +371,7 @@ def test_memory_filesystem_detects_corruption(
     tier = open_tier(url=memory_url)
     a = make_block(5000, seed=42)
     tier.write(a.key, a.data, a.meta)
+    tier.flush()  # write-behind: a queued write reaches the filesystem now, not on the next round
     fs = fsspec.filesystem("memory")
     raw = bytearray(fs.cat_file(tier.path(a.key)))
     raw[-100] ^= 0x40

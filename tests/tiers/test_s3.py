@@ -379,6 +379,39 @@ def test_killed_server_opens_the_breaker_queues_writes_and_recovers(
     assert {k for k, _ in _scan_fresh(own_s3, tmp_path, clock)} == {q1.key, q2.key}
 
 
+def test_write_behind_queues_demotions_and_the_worker_sends_them(
+    own_s3: LocalS3, tmp_path: Path, clock: FakeClock, make_block: MakeBlock
+) -> None:
+    """With the background thread running, a non-durable write returns before any request:
+    readable at once from the queue, sent by the worker; when the queue is full the write goes
+    synchronously; a durable write never waits in the queue."""
+    from tests.kvstore.conftest import eventually
+
+    tier = _outage_tier(own_s3, tmp_path, clock, worker_interval_s=0.05, write_queue_bytes=2500)
+    try:
+        a = make_block(1000, seed=1)
+        tier.write(a.key, a.data, a.meta)
+        assert _read(tier, a.key, 1000) == a.data  # from the queue or from S3: either way, now
+        assert eventually(lambda: tier.describe()["drained_writes"] == 1)
+        assert {k for k, _ in _scan_fresh(own_s3, tmp_path, clock)} == {a.key}  # another node sees it
+        own_s3.kill()
+        b, c, d = (make_block(1000, seed=10 + i) for i in range(3))
+        with pytest.raises(TierUnavailableError):
+            tier.write(b.key, b.data, b.meta, durable=True)  # synchronous: said at once
+        tier.write(b.key, b.data, b.meta)
+        tier.write(c.key, c.data, c.meta)  # both queued without a request
+        assert _read(tier, c.key, 1000) == c.data
+        with pytest.raises(TierUnavailableError, match="queue is full"):
+            tier.write(d.key, d.data, d.meta)  # did not fit: tried synchronously, then refused
+        own_s3.start()
+        own_s3.make_bucket("outage")
+        clock.advance(60)  # the breaker's retry interval: the worker's trial goes, then the queue
+        assert eventually(lambda: tier.describe()["queued_writes"] == 0, timeout=30)
+        assert {k for k, _ in _scan_fresh(own_s3, tmp_path, clock)} == {b.key, c.key}  # a went with the old server
+    finally:
+        tier.close()
+
+
 def _scan_fresh(server: LocalS3, root: Path, clock: FakeClock) -> list[Any]:
     fresh = make_tier(
         "object", "fresh", {"url": "s3://outage/kv", **server.tier_options(), "worker_interval_s": 0},

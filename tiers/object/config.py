@@ -44,6 +44,11 @@ class ObjectConfig:
     """How long an unavailable tier waits before one trial request."""
     write_queue_bytes: int = 64 * _MiB
     """Non-durable writes held while the store is unreachable; past this they are dropped."""
+    write_behind: bool = True
+    """Remote URLs: a non-durable write (a demotion) is queued and sent by the background
+    thread at once, so the store never waits on the network under its lock; a write that does
+    not fit in the queue is sent synchronously. Durable writes are always synchronous, and so
+    is every write when there is no background thread (``worker_interval_s = 0``)."""
     # Sharing.
     discover_max_blocks: int = 64
     """On a lookup miss, how many further blocks a shared tier may be probed for (0: never)."""

@@ -109,7 +109,8 @@ class Queued:
 
 
 class WriteQueue:
-    """Writes held while the store is unreachable, oldest first, bounded in bytes; thread-safe.
+    """Writes not sent yet (write-behind, or held while the store is unreachable), oldest first,
+    bounded in bytes; thread-safe.
 
     A queued block is readable from here (read-your-writes) until it is drained or dropped.
     """
@@ -123,14 +124,15 @@ class WriteQueue:
         self.dropped = 0
         self.drained = 0
 
-    def offer(self, key: BlockHash, item: Queued) -> bool:
-        """Queue ``item`` (replacing an older write of ``key``); False when over the bound."""
+    def offer(self, key: BlockHash, item: Queued, *, count_drop: bool = True) -> bool:
+        """Queue ``item`` (replacing an older write of ``key``); False when over the bound
+        (counted as dropped unless ``count_drop`` is False: the caller writes it itself)."""
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
                 self._bytes -= len(old.blob)
             if self._bytes + len(item.blob) > self._bound:
-                self.dropped += 1
+                self.dropped += count_drop
                 return False
             self._items[key] = item
             self._bytes += len(item.blob)

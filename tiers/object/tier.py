@@ -171,6 +171,7 @@ class ObjectTier(ExpiryMixin, Tier):
         if self._s3 is not None and config.lifecycle_days and self._remote is not None:
             self._apply_lifecycle()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # queued writes to send: the worker runs at once
         self._worker: threading.Thread | None = None
         if config.worker_interval_s > 0 and (self._remote is not None or self.shared):
             self._worker = threading.Thread(
@@ -405,8 +406,9 @@ class ObjectTier(ExpiryMixin, Tier):
     def write(self, key: BlockHash, src: Buffer, meta: BlockMeta, *, durable: bool = False) -> None:
         """Publish the object atomically (temp name + rename locally, one PUT elsewhere).
 
-        Remote and unreachable: a durable write raises TierUnavailableError; another is queued
-        (readable at once) or, past ``write_queue_bytes``, dropped with TierUnavailableError."""
+        Remote: a non-durable write is queued and sent in the background (``write_behind``,
+        readable at once). Unreachable: a durable write raises TierUnavailableError; another is
+        queued or, past ``write_queue_bytes``, dropped with TierUnavailableError."""
         (err,) = self.write_many([(key, src, meta)], durable=durable)
         if err is not None:
             raise err
@@ -434,7 +436,13 @@ class ObjectTier(ExpiryMixin, Tier):
                     except TierIOError as e:
                         out[i] = e
             elif staged:
-                self._write_remote(staged, durable, out)
+                sync = staged
+                if not durable and self.config.write_behind and self._worker is not None:
+                    sync = [s for s in staged if not self._queue.offer(s[1], Queued(s[2], s[3], s[4].size), count_drop=False)]
+                    if len(sync) < len(staged):
+                        self._wake.set()
+                if sync:
+                    self._write_remote(sync, durable, out)
         finally:
             with self._lock:
                 self._reserved -= sum(s[5] for s in staged)
@@ -871,7 +879,11 @@ class ObjectTier(ExpiryMixin, Tier):
             log.info("object tier %r: trial request answered (%s)", self.name, type(r).__name__)
 
     def _work(self) -> None:
-        while not self._stop.wait(self.config.worker_interval_s):
+        while not self._stop.is_set():
+            self._wake.wait(self.config.worker_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
             try:
                 self.tick()
             except Exception:  # the thread must outlive any one failure; the next tick retries
@@ -941,6 +953,7 @@ class ObjectTier(ExpiryMixin, Tier):
         if self._closed:
             return
         self._stop.set()
+        self._wake.set()
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join()
         self.flush()
