@@ -441,6 +441,28 @@ def test_a_hung_server_costs_one_read_timeout_not_a_hang(
     assert tier.describe()["breaker"] == "closed"
 
 
+def test_a_write_to_a_hung_server_ends_at_the_request_deadline(
+    own_s3: LocalS3, tmp_path: Path, clock: FakeClock, make_block: MakeBlock
+) -> None:
+    """A PUT waits for ``100 Continue`` before sending its body, and botocore's read timeout is
+    not armed during that wait: without the tier's own deadline a durable write to a hung
+    server never returned (seen: > 300 s with read_timeout_s = 2)."""
+    tier = _outage_tier(own_s3, tmp_path, clock, read_timeout_s=0.5, connect_timeout_s=0.5, breaker_failures=1)
+    assert tier._remote is not None and tier._remote._deadline == 1.0  # 1 attempt x (0.5 + 0.5)
+    first, blk = make_block(1000, seed=1), make_block(1000, seed=2)
+    tier.write(first.key, first.data, first.meta, durable=True)  # the tier has listed the bucket
+    own_s3.pause()
+    try:
+        with pytest.raises(TierUnavailableError, match="no answer within 1.0 s"):
+            tier.write(blk.key, blk.data, blk.meta, durable=True)
+        assert not tier.available()
+    finally:
+        own_s3.resume()
+    clock.advance(30)
+    tier.write(blk.key, blk.data, blk.meta, durable=True)  # answered again: written
+    assert _read(tier, blk.key, 1000) == blk.data
+
+
 def test_a_tier_opened_while_the_server_hangs_starts_empty_and_finds_blocks_later(
     own_s3: LocalS3, tmp_path: Path, clock: FakeClock, make_block: MakeBlock
 ) -> None:

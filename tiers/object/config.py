@@ -35,6 +35,10 @@ class ObjectConfig:
     read_timeout_s: float = 10.0
     max_attempts: int = 2
     """Attempts per request, the first included (botocore's standard retry mode)."""
+    request_deadline_s: float = 0.0
+    """Hard bound on one request, retries included (0: ``max_attempts x (connect_timeout_s +
+    read_timeout_s)``). botocore's read timeout is not armed while aiohttp waits for the
+    ``100 Continue`` of a PUT, so a hung server would otherwise hold a write forever."""
     max_concurrency: int = 16
     """Requests of one batch in flight at once."""
     # Outages (remote URLs).
@@ -98,7 +102,7 @@ class ObjectConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"object {name} must be positive, got {getattr(self, name)!r}")
-        non_negative = ("breaker_retry_s", "discover_max_blocks", "sweep_interval_s",
+        non_negative = ("request_deadline_s", "breaker_retry_s", "discover_max_blocks", "sweep_interval_s",
                         "touch_min_s", "lifecycle_days", "worker_interval_s")
         for name in non_negative:
             if not getattr(self, name) >= 0:

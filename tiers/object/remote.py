@@ -193,11 +193,13 @@ class Remote:
         breaker: Breaker,
         concurrency: int,
         transport_errors: tuple[type[BaseException], ...] = (),
+        deadline_s: float | None = None,
     ) -> None:
         self.fs: Any = fs if isinstance(fs, AsyncFileSystem) else AsyncFileSystemWrapper(fs)
         self.name = name
         self.breaker = breaker
         self._concurrency = concurrency
+        self._deadline = deadline_s
         self._transport = TRANSPORT_ERRORS + transport_errors
 
     def classify(self, exc: BaseException) -> str:
@@ -256,7 +258,10 @@ class Remote:
         async def one(fn: Callable[[], Awaitable[T]]) -> T | BaseException:
             async with sem:
                 try:
-                    return await fn()
+                    # The deadline runs from the request's start, not from its wait for a slot.
+                    return await asyncio.wait_for(fn(), self._deadline)
+                except TimeoutError:
+                    return TimeoutError(f"{self.name}: no answer within {self._deadline} s")
                 except Exception as e:  # returned, not raised: one object's failure is its own
                     return e
 

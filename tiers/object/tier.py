@@ -138,6 +138,8 @@ class ObjectTier(ExpiryMixin, Tier):
                 breaker=Breaker(clock, config.breaker_failures, config.breaker_retry_s),
                 concurrency=config.max_concurrency,
                 transport_errors=self._s3.transport_errors() if self._s3 else (),
+                deadline_s=config.request_deadline_s
+                or config.max_attempts * (config.connect_timeout_s + config.read_timeout_s),
             )
         self._base = base.rstrip("/")
         self._blocks = f"{self._base}/blocks"
