@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch pinned to the local CPU build; an unpinned torch would download a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0 || echo "torch==2.13.0 not available: torch-dependent tests will be skipped"
-	$(PY) -m pip install -q -e '.[dev,lmdb,s3,server,engine]'
+	$(PY) -m pip install -q -e '.[dev,lmdb,s3,server,engine,ucx]'
 	touch $(STAMP)
 
 demo: $(STAMP)
