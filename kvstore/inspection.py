@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvstore.keys import Namespace
+from kvstore.retention import PinRecord
 
 # Fields of a namespace descriptor that name a model deployment; namespaces equal in these but
 # different in the rest (layout, dtype, block size, hash, schema) can never share a block.
@@ -123,3 +124,45 @@ def chain_to(block: str, parent_of: Callable[[str], str | None], limit: int = 1 
             raise RuntimeError(f"the prefix of {block} is longer than {limit} blocks: a cycle?")
     chain.reverse()
     return chain
+
+
+def pin_rows(records: Iterable[PinRecord], now: float) -> list[dict[str, Any]]:
+    """Pin records (``pins.json``) as rows: the namespace, the block the pinned prefix ends at
+    (what ``kvctl pin BLOCK`` / ``unpin BLOCK`` take), its length, its deadline (None: until
+    unpinned) and whether it still holds (``active`` false: the deadline passed and the store
+    lets go of it at its next expiry pass, or drops it at its next open)."""
+    return [
+        {"ns": r.ns.hex(), "block": r.hashes[-1].hex(), "first": r.hashes[0].hex(), "blocks": len(r.hashes),
+         "until": r.until, "active": r.until is None or r.until > now}
+        for r in records if r.hashes
+    ]
+
+
+def pin_deadlines(records: Iterable[PinRecord], now: float) -> dict[bytes, list[float | None]]:
+    """``{block key: [deadline of each pin holding it (None: until unpinned)]}`` over the pins
+    that still hold."""
+    out: dict[bytes, list[float | None]] = defaultdict(list)
+    for r in records:
+        if r.until is None or r.until > now:
+            for h in r.hashes:
+                out[h].append(r.until)
+    return dict(out)
+
+
+def pin_summary(records: Iterable[PinRecord], now: float) -> dict[str, Any]:
+    """How many pins hold (timed, untimed), how many blocks they hold, the next deadline, and
+    how many have ended but are still on record."""
+    records = list(records)
+    rows = pin_rows(records, now)
+    active = [r for r in rows if r["active"]]
+    deadlines = [r["until"] for r in active if r["until"] is not None]
+    return {"pins": len(active), "timed": len(deadlines), "untimed": len(active) - len(deadlines),
+            "pinned_blocks": len(pin_deadlines(records, now)), "next_until": min(deadlines, default=None),
+            "ended": len(rows) - len(active)}
+
+
+def pin_report(records: Iterable[PinRecord], now: float, ns: str | None = None) -> dict[str, Any]:
+    """``{"pins": pin_rows, "summary": pin_summary}`` of every pin, or of namespace ``ns`` (hex);
+    what ``kvctl pins`` shows, the same for a daemon and a store directory."""
+    records = [r for r in records if ns is None or r.ns.hex() == ns]
+    return {"pins": pin_rows(records, now), "summary": pin_summary(records, now)}

@@ -47,6 +47,19 @@ class PinRecord:
         )
 
 
+def read_pins(path: Path) -> list[PinRecord]:
+    """The pin records saved in ``path`` (a store's ``pins.json``), in pinning order; none if
+    absent. Read-only: the store's :class:`PinBook` and offline readers (``kvctl --dir``, the
+    daemon's admin view) share it."""
+    try:
+        raw = json.loads(path.read_text())
+        return [PinRecord.from_json(d) for d in raw]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise KVStoreError(f"cannot read {path}: {e}; restore it, or remove it to drop every pin") from e
+
+
 class PinBook:
     """The pin records of one store; not thread-safe (the store holds its lock)."""
 
@@ -59,16 +72,7 @@ class PinBook:
         self._load()
 
     def _load(self) -> None:
-        try:
-            raw = json.loads(self._path.read_text())
-            records = [PinRecord.from_json(d) for d in raw]
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise KVStoreError(
-                f"cannot read {self._path}: {e}; restore it, or remove it to drop every pin"
-            ) from e
-        for r in records:
+        for r in read_pins(self._path):
             self._insert(r)
 
     def _insert(self, record: PinRecord) -> None:

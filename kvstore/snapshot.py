@@ -6,8 +6,10 @@ RocksDB is opened read-only (``tiers.nvme.read_metadata``), the object tier is l
 background work (sweeps, lifecycle rules, write-back) switched off, and ``namespaces.json`` is
 only read. Volatile tiers (DRAM, HBM) exist only inside a running process, so they look empty.
 
-What a snapshot cannot know: hit counts, pins and in-use counts live in a running store's memory
-(``hits`` comes from the event log instead, when there is one; see tools/kvctl).
+Pins are read from ``pins.json`` (the store rewrites it atomically on every change): a block held
+by a pin that a store opened now would re-apply (no deadline, or one still ahead) does not count
+as expired. What a snapshot cannot know: hit counts and in-use counts live in a running store's
+memory (``hits`` comes from the event log instead, when there is one; see tools/kvctl).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from typing import Any
 from kvstore.block import BlockMeta
 from kvstore.clock import Clock, system_clock
 from kvstore.config import StoreConfig, TierSpec
-from kvstore.errors import UsageError
+from kvstore.errors import KVStoreError, UsageError
+from kvstore.inspection import pin_deadlines, pin_report, pin_summary
 from kvstore.keys import Namespace
 from kvstore.registry import make_tier, tier_class
+from kvstore.retention import PINS_FILE, PinRecord, read_pins
 from kvstore.store import read_namespaces
 from kvstore.units import parse_size
 from tiers.base import tier_dir
@@ -91,6 +95,13 @@ class StoreSnapshot:
         self.holder = self._holder()
         self._ns: dict[bytes, tuple[Namespace, float | None]] = {}
         self._read_namespaces()
+        self.pins_error: str | None = None
+        """Why ``pins.json`` could not be read (a store would refuse to open), or None."""
+        self._pins: list[PinRecord] = []
+        try:
+            self._pins = read_pins(self.root / PINS_FILE)
+        except KVStoreError as e:
+            self.pins_error = str(e)
         self._blocks: dict[bytes, _Block] = {}
         self._tiers: list[dict[str, Any]] = []
         for k, spec in enumerate(config.tiers):
@@ -163,9 +174,15 @@ class StoreSnapshot:
             u[1] += b.meta.size
         return {k: (v[0], v[1]) for k, v in out.items()}
 
+    def pins(self, ns: str | None = None) -> dict[str, Any]:
+        """The pin records (of namespace ``ns``, hex), as :func:`kvstore.inspection.pin_report`
+        (``active``: a store opened now would re-apply it)."""
+        return pin_report(self._pins, self._clock(), ns)
+
     def stats(self) -> dict[str, Any]:
         now = self._clock()
-        expired = sum(1 for b in self._blocks.values() if b.meta.expiry <= now)
+        held = pin_deadlines(self._pins, now)
+        expired = sum(1 for k, b in self._blocks.items() if b.meta.expiry <= now and k not in held)
         return {
             "root": str(self.root),
             "offline": True,
@@ -174,6 +191,8 @@ class StoreSnapshot:
             "expired_blocks": expired,
             "bytes": sum(b.meta.size for b in self._blocks.values()),
             "namespaces": len(self._ns),
+            "pins": pin_summary(self._pins, now),
+            **({"pins_error": self.pins_error} if self.pins_error else {}),
             "tiers": self.tiers(),
         }
 
@@ -181,19 +200,22 @@ class StoreSnapshot:
         """Leading blocks of ``hashes`` (namespace ``ns``) a store opened now would serve, and
         the fastest tier holding each."""
         now = self._clock()
+        held = pin_deadlines(self._pins, now)
         names = [t["name"] for t in self._tiers]
         tiers: list[str] = []
         for h in hashes:
             b = self._blocks.get(bytes(h))
-            if b is None or not b.mask or b.meta.ns != ns or b.meta.expiry <= now:
+            if b is None or not b.mask or b.meta.ns != ns or (b.meta.expiry <= now and bytes(h) not in held):
                 break
             tiers.append(names[(b.mask & -b.mask).bit_length() - 1])
         return len(tiers), tiers
 
     def iter_blocks(self, keys: Iterable[bytes] | None = None) -> Iterator[dict[str, Any]]:
-        """Rows like ``KVStore.iter_blocks`` (hits, pins and in-use are unknown offline: 0),
-        plus ``created``."""
+        """Rows like ``KVStore.iter_blocks`` (hits and in-use are unknown offline: 0), plus
+        ``created`` and ``pin_until``: the deadline of each pin holding the block (None: until
+        unpinned), as many as ``pins``."""
         names = [t["name"] for t in self._tiers]
+        held = pin_deadlines(self._pins, self._clock())
         items = self._blocks.items() if keys is None else (
             (bytes(k), b) for k in keys if (b := self._blocks.get(bytes(k))) is not None
         )
@@ -204,8 +226,8 @@ class StoreSnapshot:
                 "parent": m.parent.hex() if m.depth else None,
                 "depth": m.depth, "size": m.size,
                 "tiers": [n for k, n in enumerate(names) if b.mask >> k & 1],
-                "hits": 0, "last_access": None, "expiry": m.expiry, "pins": 0, "in_use": 0,
-                "created": m.created,
+                "hits": 0, "last_access": None, "expiry": m.expiry, "pins": len(held.get(key, ())), "in_use": 0,
+                "created": m.created, "pin_until": held.get(key, []),
             }
 
 

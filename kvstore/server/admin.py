@@ -18,8 +18,16 @@ from fastapi import Path as PathParam
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvstore.errors import UnknownNamespaceError, UsageError
-from kvstore.inspection import chain_to, layout_warnings, namespace_row, top_prefixes
+from kvstore.inspection import (
+    chain_to,
+    layout_warnings,
+    namespace_row,
+    pin_deadlines,
+    pin_report,
+    top_prefixes,
+)
 from kvstore.keys import Namespace, hash_blocks
+from kvstore.retention import PinRecord
 from kvstore.server.dataplane import DataContext
 from kvstore.server.service import Service, Tenant
 
@@ -39,6 +47,14 @@ class PrefixIn(_Body):
     ns: Hex | None = None
     hashes: list[Hex] | None = None
     tokens: list[Annotated[int, Field(ge=-(2**31), lt=2**31)]] | None = None
+
+
+class PinIn(PrefixIn):
+    until: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="wall-clock deadline (unix seconds): a retention guarantee until then (409 when "
+        "the store cannot honour it); omit it for a pin that holds until unpinned",
+    )
 
 
 class EvictIn(_Body):
@@ -126,10 +142,20 @@ def _top(svc: Service, n: int, ns: str | None, by: str) -> list[dict[str, Any]]:
     return top_prefixes(rows, n, bt, by)
 
 
+def _pin_records(svc: Service) -> list[PinRecord]:
+    """The store's pin records in force (what ``pins.json`` holds and a restart re-applies)."""
+    return svc.store.pins()
+
+
+def _pins(svc: Service, ns: str | None) -> dict[str, Any]:
+    return pin_report(_pin_records(svc), svc.clock(), ns)
+
+
 def _block(svc: Service, h: str) -> dict[str, Any]:
     row = next(svc.store.iter_blocks([bytes.fromhex(h)]), None)
     if row is None:
         raise HTTPException(404, f"block {h} is not cached")
+    row["pin_until"] = pin_deadlines(_pin_records(svc), svc.clock()).get(bytes.fromhex(h), [])
     try:
         ns = _namespace(svc, row["namespace"])
     except UnknownNamespaceError:
@@ -138,10 +164,13 @@ def _block(svc: Service, h: str) -> dict[str, Any]:
             "namespace_info": namespace_row(ns, None, tenant=_tenant_names(svc).get(ns.tenant_salt, "?"))}
 
 
-def _pin(svc: Service, body: PrefixIn, undo: bool) -> dict[str, int]:
+def _pin(svc: Service, body: PrefixIn, undo: bool) -> dict[str, Any]:
     ns, keys = _prefix(svc, body)
-    fn = svc.store.unpin if undo else svc.store.pin
-    return {"blocks": fn(ns, keys)}
+    if undo:
+        return {"blocks": svc.store.unpin(ns, keys)}
+    until = body.until if isinstance(body, PinIn) else None
+    n = svc.store.pin(ns, keys, until=until)
+    return {"blocks": n} if until is None else {"blocks": n, "until": until}
 
 
 def _evict(svc: Service, blocks: Sequence[str]) -> dict[str, int]:
@@ -188,14 +217,22 @@ def admin_router(ctx: DataContext, admin: Callable[..., Any]) -> APIRouter:
         """One block's index entry: namespace, depth, tiers, hits, expiry, pins."""
         return await ctx.run(_block, svc, block)
 
+    @r.get("/pins")
+    async def pins(ns: Annotated[str | None, Query(pattern=HEX16)] = None) -> dict[str, Any]:
+        """Every pin record (or one namespace's): the block its prefix ends at, its length, its
+        deadline (null: until unpinned) and whether it still holds; and a summary."""
+        return await ctx.run(_pins, svc, ns)
+
     @r.post("/pin")
-    async def pin(body: PrefixIn) -> dict[str, int]:
-        """Pin a cached prefix: it neither expires nor is evicted until unpinned."""
+    async def pin(body: PinIn) -> dict[str, Any]:
+        """Pin a cached prefix: it neither expires nor is evicted until unpinned, or, with
+        ``until``, guaranteed until then (409 when the store cannot honour it)."""
         return await ctx.run(_pin, svc, body, False)
 
     @r.post("/unpin")
-    async def unpin(body: PrefixIn) -> dict[str, int]:
-        """Undo one pin of the same prefix."""
+    async def unpin(body: PrefixIn) -> dict[str, Any]:
+        """Undo one pin of the longest pinned prefix (a pin with a deadline only whole), else
+        take the blocks out of an untimed pin."""
         return await ctx.run(_pin, svc, body, True)
 
     @r.post("/evict")

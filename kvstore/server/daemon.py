@@ -19,11 +19,13 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
+from kvstore.clock import Clock, system_clock
 from kvstore.config import StoreConfig
 from kvstore.server.app import make_app
 from kvstore.server.config import ServerConfig
@@ -57,11 +59,13 @@ class _Uvicorn(uvicorn.Server):
 
 
 class Daemon:
-    def __init__(self, store_config: StoreConfig, config: ServerConfig) -> None:
+    def __init__(self, store_config: StoreConfig, config: ServerConfig, *, clock: Clock = system_clock) -> None:
+        """``clock``: the store's wall clock (a :class:`kvstore.clock.FakeClock` in tests)."""
         if store_config.events.enabled is None:  # the daemon keeps an access log unless told not to
             store_config = replace(store_config, events=replace(store_config.events, enabled=True))
         self.store_config = store_config
         self.config = config
+        self.clock = clock
         self._ready = False
         self._server: _Uvicorn | None = None
         self._stop = asyncio.Event()
@@ -78,10 +82,10 @@ class Daemon:
         loop = asyncio.get_running_loop()
         on_main_thread = threading.current_thread() is threading.main_thread()
         pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="kvstore")
-        store = await loop.run_in_executor(pool, KVStore, self.store_config)
+        store = await loop.run_in_executor(pool, partial(KVStore, self.store_config, clock=self.clock))
         arena_shm = None
         try:
-            service = Service(store, cfg, load_secret(self.store_config.root))
+            service = Service(store, cfg, load_secret(self.store_config.root), clock=self.clock)
             arena_shm = attach_arena(service.arena) if service.arena else None
             ctx = DataContext(service, pool, Metrics(store.stats), arena_shm.buf if arena_shm else None, node_id())
             planes: list[Any] = []
@@ -162,8 +166,9 @@ class ThreadedDaemon:
     shuts it down as SIGTERM would.
     """
 
-    def __init__(self, store_config: StoreConfig, config: ServerConfig, timeout: float = 60.0) -> None:
-        self.daemon = Daemon(store_config, config)
+    def __init__(self, store_config: StoreConfig, config: ServerConfig, timeout: float = 60.0, *,
+                 clock: Clock = system_clock) -> None:
+        self.daemon = Daemon(store_config, config, clock=clock)
         self.info: dict[str, Any] = {}
         self._started = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -30,12 +30,14 @@ from typing import Any
 
 import xxhash
 
+from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     AuthError,
     ForbiddenError,
     LayoutMismatchError,
     MissingPrefixError,
     QuotaExceededError,
+    RetentionError,
     TierFullError,
     TierIOError,
     UnknownNamespaceError,
@@ -84,8 +86,10 @@ def load_secret(root: Path) -> bytes:
 
 
 class Service:
-    def __init__(self, store: KVStore, config: ServerConfig, secret: bytes) -> None:
+    def __init__(self, store: KVStore, config: ServerConfig, secret: bytes, *, clock: Clock = system_clock) -> None:
         self.store = store
+        self.clock = clock
+        """The store's wall clock (what pin deadlines are compared with)."""
         self.config = config
         self.limits = config.limits
         self._lock = threading.Lock()
@@ -218,11 +222,29 @@ class Service:
             t.used_bytes += new * ns.block_bytes
         return new
 
-    def pin(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> int:
+    def pin(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], until: float | None = None) -> int:
+        """As :meth:`KVStore.pin`: ``until`` (wall-clock seconds) makes it a retention guarantee
+        (RetentionError, HTTP 409, when the store cannot honour it).
+
+        Quota: a tenant pins only blocks it has cached, which count against its quota (pinned
+        or not) until they leave, so its pins never hold more than its quota. A tenant already
+        over its quota (it was lowered) may not pin until it is back under: a pin would keep
+        those bytes past eviction."""
         self._check_count(len(hashes))
-        return self.store.pin(self.namespace(t, ns_id), self._store_keys(t, hashes))
+        ns = self.namespace(t, ns_id)
+        quota = t.spec.quota_bytes
+        if quota:
+            self.refresh_usage()  # pins are rare; the count must be today's, not the last refresh's
+            if t.used_bytes > quota:
+                raise QuotaExceededError(
+                    f"tenant {t.name!r} caches {t.used_bytes} bytes, over its {quota}-byte quota, so it may not "
+                    "pin (a pin keeps bytes past eviction): evict or unpin prefixes, or raise the quota"
+                )
+        return self.store.pin(ns, self._store_keys(t, hashes), until=until)
 
     def unpin(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> int:
+        """As :meth:`KVStore.unpin`: undoes one pin of the longest pinned prefix of ``hashes``
+        (a guarantee too, but only whole), else takes them out of an untimed pin."""
         self._check_count(len(hashes))
         return self.store.unpin(self.namespace(t, ns_id), self._store_keys(t, hashes))
 
@@ -262,6 +284,9 @@ _ERRORS: tuple[tuple[type[BaseException], ErrorCode, int], ...] = (
     (QuotaExceededError, ErrorCode.QUOTA, 507),
     (UnknownNamespaceError, ErrorCode.NOT_FOUND, 404),
     (LayoutMismatchError, ErrorCode.CONFLICT, 409),
+    # A retention guarantee the store cannot give (its pin budget or persistent tier is full):
+    # a conflict with the store's state, not a malformed request.
+    (RetentionError, ErrorCode.CONFLICT, 409),
     (MissingPrefixError, ErrorCode.CONFLICT, 409),
     (TierFullError, ErrorCode.UNAVAILABLE, 507),
     # A device or remote store failed (disk full, read-only, S3 down): the request that needed

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import StoreConfig
+from kvstore.clock import Clock, system_clock
+from kvstore.config import StoreConfig, TierSpec
 from kvstore.server.config import Limits, ServerConfig, TenantSpec
 from kvstore.server.daemon import ThreadedDaemon
 from tests.conftest import small_tiers
@@ -36,14 +37,16 @@ def eventually(check: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 @pytest.fixture
 def start_daemon(tmp_path: Path) -> Iterator[Callable[..., ThreadedDaemon]]:
-    """``start_daemon(tenants=..., **server_config)``; every daemon started is stopped."""
+    """``start_daemon(tenants=..., root=..., tiers=..., clock=..., **server_config)``; every
+    daemon started is stopped."""
     started: list[ThreadedDaemon] = []
 
-    def start(tenants: tuple[TenantSpec, ...] = (), root: Path | None = None, **kw: object) -> ThreadedDaemon:
-        store_cfg = StoreConfig(root=root or tmp_path / f"store{len(started)}", tiers=small_tiers())
+    def start(tenants: tuple[TenantSpec, ...] = (), root: Path | None = None, *,
+              tiers: tuple[TierSpec, ...] | None = None, clock: Clock = system_clock, **kw: object) -> ThreadedDaemon:
+        store_cfg = StoreConfig(root=root or tmp_path / f"store{len(started)}", tiers=tiers or small_tiers())
         kw.setdefault("limits", Limits(max_body_bytes=64 * 1024, max_blocks=256, max_payload_bytes=64 * 4096))
         cfg = ServerConfig(http_port=0, data_port=0, ucx_port=0, tenants=tenants, **kw)  # type: ignore[arg-type]
-        d = ThreadedDaemon(store_cfg, cfg)
+        d = ThreadedDaemon(store_cfg, cfg, clock=clock)
         started.append(d)
         return d
 

@@ -141,3 +141,16 @@ def test_pinned_bytes_count_each_block_once(make_store, clock: FakeClock) -> Non
     live = s.index.live_ids()
     assert int(s.index.size[live][s.index.pins[live] > 0].sum()) == 4 * BB
     assert np.all(s.index.pins[s.index.match(c).ids] == 2)
+
+
+def test_a_deadline_that_passed_while_down_leaves_other_pins_alone(make_store, clock: FakeClock) -> None:
+    tiers = small_tiers(dram_blocks=4, nvme_blocks=8, object_blocks=16)
+    s = make_store(tiers=tiers)
+    c = chain_for(13, 2)
+    put_chain(s, c)
+    s.pin(SMALL_NS, c)
+    s.pin(SMALL_NS, c, until=clock() + H)
+    s.close()
+    clock.advance(80 * H)  # past the deadline and the TTL while down
+    s2 = make_store(tiers=tiers, register=False)
+    assert s2.lookup(SMALL_NS, c).num_blocks == 2  # the untimed pin still holds it

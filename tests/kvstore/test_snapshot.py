@@ -97,3 +97,36 @@ def test_a_missing_directory_says_what_to_pass(tmp_path: Path) -> None:
 
     with pytest.raises(UsageError, match="not a store directory"):
         StoreSnapshot(StoreConfig(root=tmp_path / "nope", tiers=small_tiers()))
+
+
+def test_the_snapshot_reads_pins_and_keeps_pinned_blocks_unexpired(tmp_path: Path, clock: Any) -> None:
+    cfg, a, b = _filled(tmp_path, clock)
+    until = clock() + 10 * 3600
+    with KVStore(cfg, clock=clock) as s:
+        s.register_namespace(SMALL_NS)
+        s.pin(SMALL_NS, a[:2])
+        s.pin(SMALL_NS, a, until=until)
+    before = _tree(cfg.root)
+    snap = StoreSnapshot(cfg, clock=clock)
+    p = snap.pins()
+    assert p["summary"] == {"pins": 2, "timed": 1, "untimed": 1, "pinned_blocks": 6, "next_until": until, "ended": 0}
+    assert [(r["block"], r["blocks"], r["until"], r["active"]) for r in p["pins"]] == [
+        (a[1].hex(), 2, None, True), (a[5].hex(), 6, until, True)]
+    assert snap.pins(ns="00" * 16)["pins"] == []
+    (row,) = snap.iter_blocks([a[0]])
+    assert row["pins"] == 2 and row["pin_until"] == [None, until]
+    assert next(snap.iter_blocks([b[0]]))["pin_until"] == []
+    clock.advance(7201)  # past the namespace's TTL: only what the pins hold is not expired
+    assert snap.stats()["expired_blocks"] == 10 and snap.stats()["pins"]["pins"] == 2
+    assert snap.lookup(SMALL_NS.root, a)[0] == 6 and snap.lookup(SMALL_NS.root, b)[0] == 0
+    clock.set(until + 1)  # the guarantee has ended: a store opened now keeps the untimed pin only
+    assert snap.pins()["summary"]["ended"] == 1 and [r["active"] for r in snap.pins()["pins"]] == [True, False]
+    assert snap.lookup(SMALL_NS.root, a)[0] == 2
+    assert _tree(cfg.root) == before
+
+
+def test_a_damaged_pins_file_is_reported_not_fatal(tmp_path: Path, clock: Any) -> None:
+    cfg, _, _ = _filled(tmp_path, clock)
+    (cfg.root / "pins.json").write_text("{not json")
+    snap = StoreSnapshot(cfg, clock=clock)
+    assert "pins.json" in snap.stats()["pins_error"] and snap.stats()["blocks"] == 16

@@ -55,8 +55,8 @@ def test_a_tenant_cannot_hit_probe_or_evict_another_tenants_prefixes(
 ) -> None:
     stores: list[KVStore] = []
 
-    def capture(cfg: Any) -> KVStore:
-        stores.append(KVStore(cfg))
+    def capture(cfg: Any, **kw: Any) -> KVStore:
+        stores.append(KVStore(cfg, **kw))
         return stores[-1]
 
     monkeypatch.setattr(daemon_module, "KVStore", capture)

@@ -39,6 +39,13 @@ class Busy(KvctlError):
     exit_code = 5
 
 
+class Refused(KvctlError):
+    """The store cannot give what was asked: a retention guarantee (``pin --until``) it could
+    not keep (HTTP 409)."""
+
+    exit_code = 6
+
+
 class DaemonBackend:
     """A running daemon's control plane; every call needs an admin tenant's token (or the
     daemon's anonymous tenant, which is admin)."""
@@ -74,13 +81,15 @@ class DaemonBackend:
             raise NotFound(str(detail))
         if r.status_code in (400, 413, 422):
             raise BadUsage(str(detail))
+        if r.status_code == 409:
+            raise Refused(f"the daemon refused: {detail}")
         raise KvctlError(f"the daemon answered HTTP {r.status_code}: {detail}")
 
     def stats(self) -> dict[str, Any]:
         s = self._call("GET", "/v1/stats")
         if "store" not in s:
             raise KvctlError("the daemon shows store-wide stats only to an admin tenant; pass an admin --token")
-        return {"source": self.url, **s["store"], "tenants": s.get("tenants", [])}
+        return {"source": self.url, **s["store"], "tenants": s.get("tenants", []), "pins": self.pins(None)["summary"]}
 
     def tiers(self) -> list[dict[str, Any]]:
         return list(self.stats()["tiers"])
@@ -105,8 +114,13 @@ class DaemonBackend:
     def block(self, h: str) -> dict[str, Any]:
         return dict(self._call("GET", f"/v1/admin/blocks/{h}"))
 
-    def pin(self, prefix: dict[str, Any], undo: bool) -> dict[str, Any]:
-        return dict(self._call("POST", "/v1/admin/unpin" if undo else "/v1/admin/pin", prefix))
+    def pin(self, prefix: dict[str, Any], undo: bool, until: float | None = None) -> dict[str, Any]:
+        if undo:
+            return dict(self._call("POST", "/v1/admin/unpin", prefix))
+        return dict(self._call("POST", "/v1/admin/pin", {**prefix, **({"until": until} if until is not None else {})}))
+
+    def pins(self, ns: str | None) -> dict[str, Any]:
+        return dict(self._call("GET", "/v1/admin/pins", params={"ns": ns} if ns else None))
 
     def evict(self, blocks: Sequence[str]) -> dict[str, Any]:
         return dict(self._call("POST", "/v1/admin/evict", {"blocks": list(blocks)}))
@@ -150,7 +164,7 @@ class DirBackend:
         if pid is None:
             return None
         return (f"a live process (pid {pid}) holds {self.config.root}, probably a daemon: this view shows "
-                "only what its persistent tiers hold, not its DRAM tier nor its hit counts and pins; "
+                "only what its persistent tiers and pins.json hold, not its DRAM tier nor its hit counts; "
                 "ask it instead with --url URL (`kvstore serve` prints it)")
 
     def stats(self) -> dict[str, Any]:
@@ -225,11 +239,14 @@ class DirBackend:
             return row
         return {**row, "tokens": (row["depth"] + 1) * ns.block_tokens, "namespace_info": namespace_row(ns, None)}
 
-    def pin(self, prefix: dict[str, Any], undo: bool) -> dict[str, Any]:
+    def pin(self, prefix: dict[str, Any], undo: bool, until: float | None = None) -> dict[str, Any]:
         raise BadUsage(
-            "pins live in a running store's memory: one made offline would be gone when kvctl exits. "
-            "Pin through the daemon: kvctl --url URL pin ..."
+            "a store directory is read-only here: pin and unpin through the daemon that serves it "
+            "(kvctl --url URL pin ...); `kvctl --dir DIR pins` shows the pins it holds"
         )
+
+    def pins(self, ns: str | None) -> dict[str, Any]:
+        return self.snap.pins(ns)
 
     def _writable_store(self) -> Any:
         if not self.write:

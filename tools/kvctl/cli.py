@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,8 @@ EXIT_CODES = """exit codes:
   2  usage: bad arguments, or a change asked of a read-only store directory
   3  the daemon cannot be reached (is `kvstore serve` running? or use --dir)
   4  not found: no such block or namespace
-  5  busy: --write on a store directory that a live process (a daemon) holds"""
+  5  busy: --write on a store directory that a live process (a daemon) holds
+  6  refused: the store cannot keep the retention guarantee asked (pin --until); nothing was pinned"""
 
 DESCRIPTION = """See what a kvstore cache holds and what it is worth, and act on it.
 
@@ -37,8 +40,8 @@ Sources: a running daemon (--url; its anonymous tenant, or an admin tenant's --t
 store directory read offline (--dir, with the daemon's --config if it has one). Offline, nothing
 under the directory is written or locked; volatile tiers (DRAM) look empty and hit counts come
 from the event log (<dir>/events). Changes (pin, unpin, evict, ttl) go through the daemon;
-evict and ttl may change an offline directory with --write, when no daemon holds it (pins live
-in a running store's memory only).
+evict and ttl may change an offline directory with --write, when no daemon holds it (pin and
+unpin only through the daemon; `pins` reads them from either source).
 
 Namespaces (NS) are named by their digest, a unique prefix of it, or a unique model id.
 Blocks are 32-hex-digit hashes as `top` and `inspect` show them."""
@@ -107,10 +110,24 @@ def build_parser() -> argparse.ArgumentParser:
         pp = cmd(name, f"{verb.lower()} a cached prefix (daemon only)",
                  f"{verb} the cached prefix that ends at BLOCK, or that of a prompt (--ns with "
                  "--tokens/--text/...). A pinned prefix neither expires nor is evicted; pins count "
-                 "and live in the daemon's memory.")
+                 "and survive restarts (<dir>/pins.json). "
+                 + ("With --until the pin is a guarantee until then (past the TTL, under any "
+                    "pressure) that ends by itself; one the store cannot keep is refused (exit 6) "
+                    "and pins nothing." if name == "pin" else
+                    "Undoes one pin of the longest pinned prefix (a pin with --until only whole: "
+                    "unpin the BLOCK it ends at), else takes the blocks out of an untimed pin."))
         pp.add_argument("block", metavar="BLOCK", nargs="?")
         pp.add_argument("--ns", help="namespace of the prompt")
+        if name == "pin":
+            pp.add_argument("--until", metavar="WHEN",
+                            help="keep it until WHEN: a duration from now (24h, 90m, 7d), unix seconds, "
+                                 "or an ISO-8601 time (UTC unless it has an offset: 2030-01-01T00:00Z)")
         _prefix_args(pp)
+    ps = cmd("pins", "the pins a store holds, with their deadlines",
+             "Every pin: the block its prefix ends at (what pin/unpin take), its length, its "
+             "deadline (or none: until unpinned), and whether it still holds. Offline it is read "
+             "from <dir>/pins.json, which a restart re-applies.")
+    ps.add_argument("--ns", help="only this namespace")
     ev = cmd("evict", "delete blocks and every block that extends them",
              "Delete blocks and every cached block that extends them (pinned or in-use ones stay).")
     ev.add_argument("blocks", metavar="BLOCK", nargs="+")
@@ -187,6 +204,30 @@ def _read(path: Path) -> str:
         raise BadUsage(f"cannot read {path}: {e.strerror}") from e
 
 
+def parse_until(spec: str, now: float) -> float:
+    """A wall-clock deadline from ``--until``: a duration from ``now`` (``24h``, ``90m``: a
+    number with a unit), unix seconds (a bare number), or an ISO-8601 time (UTC when it carries
+    no offset, as kvctl prints times)."""
+    s = spec.strip()
+    if re.fullmatch(r"[0-9]*\.?[0-9]+", s):
+        t = float(s)
+        if t < 1e9:  # before 2001: surely a duration without its unit
+            raise BadUsage(f"--until {spec}: unix seconds that far back are no deadline; for a duration write a unit ({s}s, 24h)")
+        return t
+    if re.fullmatch(r"[0-9]*\.?[0-9]+\s*[a-zA-Z]+", s):
+        try:
+            return now + parse_duration(s, "--until")
+        except UsageError as e:
+            raise BadUsage(str(e)) from e
+    try:
+        when = datetime.fromisoformat(s)
+    except ValueError:
+        raise BadUsage(
+            f"--until {spec!r}: write a duration (24h, 90m, 7d), unix seconds, or an ISO-8601 time (2030-01-01T00:00Z)"
+        ) from None
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+
+
 def _block_arg(h: str) -> str:
     h = h.strip().lower()
     if len(h) != 32 or any(c not in "0123456789abcdef" for c in h):
@@ -209,6 +250,7 @@ def _show_stats(s: dict[str, Any]) -> None:
     if s.get("offline"):
         print(f"  offline view: {s['blocks']:,} blocks ({term.size(s['bytes'])}) on persistent tiers, "
               f"{s['expired_blocks']:,} already expired, {s['namespaces']} namespaces")
+        _show_pin_summary(s)
         return
     lb = s.get("lookup_blocks", 0)
     print(f"  blocks {s['blocks']:,}  index {term.size(s.get('index_bytes'))}  namespaces {s['namespaces']}")
@@ -224,6 +266,34 @@ def _show_stats(s: dict[str, Any]) -> None:
         print(f"  event log {ev['dir']}: {ev['written']:,} records, {ev['dropped']:,} dropped, {term.size(ev['bytes'])}")
     else:
         print("  event log: off ([events] enabled = true turns it on)")
+    _show_pin_summary(s)
+
+
+def _show_pin_summary(s: dict[str, Any]) -> None:
+    if s.get("pins_error"):
+        print(f"  pins: {s['pins_error']}")
+    p = s.get("pins")
+    if not p:
+        return
+    if not p["pins"] and not p.get("ended"):
+        print("  pins: none")
+        return
+    line = f"  pins {p['pins']:,} ({p['timed']:,} until a deadline, {p['untimed']:,} until unpinned) holding {p['pinned_blocks']:,} blocks"
+    if p.get("next_until") is not None:
+        line += f"; next ends {term.when(p['next_until'])}"
+    if p.get("ended"):
+        line += f"; {p['ended']:,} ended, released at the next expiry pass"
+    print(line)
+
+
+def _show_pins(d: dict[str, Any]) -> None:
+    now = time.time()
+    term.table([[r["ns"][:12], r["block"], f"{r['blocks']:,}",
+                 term.when(r["until"]) if r["until"] is not None else "until unpinned",
+                 term.duration(r["until"] - now) if r["until"] is not None else "",
+                 "" if r["active"] else "ended"] for r in d["pins"]],
+               ["ns", "prefix ends at block", "blocks", "until", "in", ""], right=(2,))
+    _show_pin_summary({"pins": d["summary"]})
 
 
 def _show_tiers(tiers: list[dict[str, Any]]) -> None:
@@ -287,6 +357,10 @@ def _show_block(r: dict[str, Any]) -> None:
         print(f"  last access  {term.when(r['last_access'])} ({term.duration(now - r['last_access'])} ago)")
     print(f"  expires      {term.when(r['expiry'])} (in {term.duration(r['expiry'] - now)})")
     print(f"  pins {r.get('pins', 0)}  in use {r.get('in_use', 0)}  children {r.get('children', '-')}")
+    if r.get("pin_until"):
+        print("  pinned       " + "; ".join(
+            f"until {term.when(u)} (in {term.duration(u - now)})" if u is not None else "until unpinned"
+            for u in r["pin_until"]))
 
 
 def run(args: argparse.Namespace, progress: term.Progress) -> int:
@@ -319,8 +393,13 @@ def run(args: argparse.Namespace, progress: term.Progress) -> int:
                 prefix = {"ns": resolve_ns(backend, args.ns), **({"tokens": tokens} if tokens is not None else {"hashes": hashes})}
             else:
                 raise BadUsage(f"{c} needs a BLOCK, or --ns with the prompt (--tokens, --text, ...)")
-            out = backend.pin(prefix, undo=c == "unpin")
-            _print(args, out, lambda o: print(f"{c}ned {o['blocks']} blocks"))
+            until = parse_until(args.until, time.time()) if getattr(args, "until", None) else None
+            out = backend.pin(prefix, undo=c == "unpin", until=until)
+            _print(args, out, lambda o: print(f"{c}ned {o['blocks']} blocks" + (
+                f" until {term.when(o['until'])}" if o.get("until") is not None and o["blocks"] else "")))
+        elif c == "pins":
+            ns = resolve_ns(backend, args.ns) if args.ns else None
+            _print(args, backend.pins(ns), _show_pins)
         elif c == "evict":
             out = backend.evict([_block_arg(b) for b in args.blocks])
             _print(args, out, lambda o: print(f"evicted {o['blocks']} blocks"))

@@ -161,3 +161,59 @@ def test_metrics_report_hits_tiers_and_latencies(start_daemon: Callable[..., Thr
     assert 'kvstore_evictions_total{reason="expiry"}' in text
     assert 'kvstore_request_seconds_count{op="get",plane="tcp"} 1.0' in text
     assert 'kvstore_bytes_total{direction="out",plane="tcp"} 12288.0' in text
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        (b"", "body"),  # no body at all
+        (b"\xff\xfe{", "body"),  # not UTF-8
+        (b"[1, 2]", "body"),  # JSON, not an object
+        (b'{"ns": "' + b"0" * 32 + b'", "hashes": [1]}', "hashes"),
+        (b'{"ns": "' + b"0" * 32 + b'", "tokens": [NaN]}', "tokens"),
+        (b'{"ns": "' + b"0" * 32 + b'", "hashes": [], "more": 1}', "more"),
+    ],
+)
+def test_lookup_parses_its_own_body_and_answers_4xx_with_where(
+    start_daemon: Callable[..., ThreadedDaemon], body: bytes, where: str
+) -> None:
+    """The lookup endpoint reads its raw body (the hot path skips FastAPI's body handling):
+    bad input still gets 422 with the place and the reason, as every other endpoint gives."""
+    d = start_daemon()
+    with _http(d) as h:
+        r = h.post("/v1/lookup", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        detail = r.json()["detail"]
+        assert detail and all(e["loc"][0] == "body" and e["msg"] for e in detail)
+        assert where in str([e["loc"] for e in detail]) or where == "body"
+
+
+def test_openapi_documents_the_lookup_body_and_reply(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    d = start_daemon()
+    with _http(d) as h:
+        spec = h.get("/openapi.json").json()
+    op = spec["paths"]["/v1/lookup"]["post"]
+    schema = op["requestBody"]["content"]["application/json"]["schema"]
+    assert set(schema["properties"]) == {"ns", "hashes", "tokens"} and schema["required"] == ["ns"]
+    assert schema["additionalProperties"] is False
+    assert "authorization" in [p["name"] for p in op["parameters"]]
+    reply = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+    assert set(spec["components"]["schemas"][reply]["properties"]) == {"num_blocks", "num_tokens", "tiers"}
+
+
+def test_lookup_needs_the_tenants_token_and_is_timed_by_route(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    d = start_daemon(TENANTS)
+    body = {"ns": SMALL_NS.root.hex(), "hashes": _hex(chain_for(7, 2))}
+    with _http(d) as h:
+        r = h.post("/v1/lookup", json=body)
+        assert r.status_code == 401 and "bearer token" in r.json()["detail"]
+        r = h.post("/v1/lookup", json=body, headers={"Authorization": "Basic abc"})
+        assert r.status_code == 401 and "Bearer <token>" in r.json()["detail"]
+    with _http(d, TOKEN_A) as h:
+        assert h.post("/v1/namespaces", json=NS_BODY).status_code == 200
+        assert h.post("/v1/lookup", json=body).json() == {"num_blocks": 0, "num_tokens": 0, "tiers": []}
+    with _http(d, TOKEN_OPS) as h:
+        text = h.get("/metrics").text
+    assert 'kvstore_requests_total{op="/v1/lookup",outcome="200",plane="http"} 1.0' in text
+    assert 'kvstore_requests_total{op="/v1/lookup",outcome="401",plane="http"} 2.0' in text
+    assert 'kvstore_request_seconds_count{op="/v1/lookup",plane="http"} 3.0' in text

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 
 from kvstore.client import connect
 from kvstore.client.spawn import start_daemon as spawn_daemon
+from kvstore.clock import FakeClock
 from kvstore.config import StoreConfig
 from kvstore.events import EventsConfig
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
@@ -20,7 +23,9 @@ from kvstore.server.daemon import ThreadedDaemon
 from kvstore.store import KVStore
 from tests.conftest import BB, SMALL_NS, payload, small_tiers
 from tests.kvstore.conftest import start_daemon  # noqa: F401  (the fixture)
-from tools.kvctl.cli import main
+from tools.kvctl import term
+from tools.kvctl.backends import BadUsage
+from tools.kvctl.cli import main, parse_until
 
 CORPUS = ["the cache keeps the prefix", "a prefix computed once is loaded, not recomputed",
           "the store keeps it for seventy two hours"] * 20
@@ -157,10 +162,90 @@ def test_a_directory_held_by_a_live_daemon(tmp_path: Path, capsys: pytest.Captur
         assert _run(capsys, "--url", d.url, "stats", "--json")[0] == 0
 
 
+def _conf(path: Path, tiers: Any) -> Path:
+    """A TOML config naming the store's tiers, for --dir."""
+    return _write(path, "".join(
+        f'[[tiers]]\nname = "{t.name}"\nkind = "{t.kind}"\n' + "".join(f"{k} = {v}\n" for k, v in t.options.items())
+        for t in tiers))
+
+
+def test_pin_until_through_a_daemon_then_offline(start_daemon: Callable[..., ThreadedDaemon], tmp_path: Path,  # noqa: F811
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # The store's fake clock starts at the real time: kvctl's durations ("96h") and the offline
+    # view (--dir) use the real clock, and deadlines here are hours away from both.
+    clock = FakeClock(time.time())
+    tiers = small_tiers(dram_blocks=4, nvme_blocks=8, object_blocks=8)  # guarantees may take 4 blocks
+    root = tmp_path / "data"
+    d = start_daemon(root=root, tiers=tiers, clock=clock)
+    a, b, c = (hash_blocks(SMALL_NS, np.arange(16 * n) + 1000 * i) for i, n in ((1, 3), (2, 2), (3, 1)))
+    with connect(d.url) as cl:
+        for chain in (a, b, c):
+            cl.put(SMALL_NS, chain, [payload(h) for h in chain])
+    url = ["--url", d.url]
+    until = float(int(clock()) + 100 * 3600)  # whole seconds: an ISO time carries microseconds
+    iso = datetime.fromtimestamp(until, UTC).isoformat()
+    assert _run(capsys, *url, "pin", c[0].hex())[1].strip() == "pinned 1 blocks"
+    code, out, _ = _run(capsys, *url, "pin", a[-1].hex(), "--until", iso)
+    assert code == 0 and out.strip() == f"pinned 3 blocks until {term.when(until)}"
+    code, out, _ = _run(capsys, *url, "pin", "--ns", SMALL_NS.model_id, "--hashes", a[0].hex(), "--until", "96h", "--json")
+    assert code == 0 and json.loads(out)["blocks"] == 1 and json.loads(out)["until"] > clock() + 95 * 3600
+    code, _, err = _run(capsys, *url, "pin", b[-1].hex(), "--until", "90m")  # 1 + 3 + 2 blocks > 4
+    assert code == 6 and "cannot guarantee 2 blocks" in err and "unpin prefixes" in err
+    code, _, err = _run(capsys, *url, "pin", b[-1].hex(), "--until", "3600")
+    assert code == 2 and "write a unit" in err
+    with pytest.raises(SystemExit) as e:  # unpin takes no deadline
+        main([*url, "unpin", a[-1].hex(), "--until", "1h"])
+    assert e.value.code == 2
+    capsys.readouterr()
+    assert _run(capsys, *url, "unpin", "--ns", SMALL_NS.model_id, "--hashes", a[1].hex())[1].strip() == "unpinned 0 blocks"
+
+    def check(src: list[str]) -> None:
+        code, out, _ = _run(capsys, *src, "pins", "--json")
+        p = json.loads(out)
+        assert code == 0 and [(r["block"], r["blocks"], r["active"]) for r in p["pins"]] == [
+            (c[0].hex(), 1, True), (a[-1].hex(), 3, True), (a[0].hex(), 1, True)]
+        assert p["pins"][0]["until"] is None and p["pins"][1]["until"] == until
+        assert p["summary"]["pins"] == 3 and p["summary"]["timed"] == 2 and p["summary"]["pinned_blocks"] == 4
+        code, out, _ = _run(capsys, *src, "pins", "--ns", SMALL_NS.model_id)
+        assert code == 0 and "until unpinned" in out and term.when(until) in out and "pins 3 (2 until a deadline" in out
+        code, out, _ = _run(capsys, *src, "inspect", a[0].hex(), "--json")
+        r = json.loads(out)
+        assert r["pins"] == 2 and until in r["pin_until"] and len(r["pin_until"]) == 2
+        code, out, _ = _run(capsys, *src, "inspect", a[-1].hex())
+        assert "pins 1" in out and f"pinned       until {term.when(until)}" in out
+        code, out, _ = _run(capsys, *src, "stats", "--json")
+        assert json.loads(out)["pins"]["pins"] == 3 and json.loads(out)["pins"]["next_until"] < until
+        assert "pins 3 (2 until a deadline, 1 until unpinned) holding 4 blocks" in _run(capsys, *src, "stats")[1]
+
+    check(url)
+    d.stop()
+    clock.advance(80 * 3600)  # past every TTL while the daemon is down; before the deadlines
+    dirs = ["--dir", str(root), "--config", str(_conf(tmp_path / "kv.toml", tiers))]
+    check(dirs)
+    code, _, err = _run(capsys, *dirs, "pin", a[-1].hex(), "--until", "1h")
+    assert code == 2 and "--url" in err
+    d = start_daemon(root=root, tiers=tiers, clock=clock)
+    check(["--url", d.url])
+    r = json.loads(_run(capsys, "--url", d.url, "lookup", SMALL_NS.model_id, "--hashes", ",".join(h.hex() for h in a + b), "--json")[1])
+    assert r["num_blocks"] == 3  # kept past the TTL; b was not pinned
+    assert _run(capsys, "--url", d.url, "unpin", a[-1].hex())[1].strip() == "unpinned 3 blocks"
+
+
+def test_until_accepts_durations_unix_seconds_and_iso_times() -> None:
+    now = 1_700_000_000.0
+    assert parse_until("24h", now) == now + 86400 and parse_until("90m", now) == now + 5400
+    assert parse_until("1767225600", now) == 1767225600.0
+    assert parse_until("2030-01-01T00:00:00Z", now) == parse_until("2030-01-01T01:00:00+01:00", now) == 1893456000.0
+    assert parse_until("2030-01-01", now) == 1893456000.0  # no offset: UTC, as kvctl prints times
+    for bad in ("3600", "tomorrow", "5 parsecs"):
+        with pytest.raises(BadUsage):
+            parse_until(bad, now)
+
+
 def test_help_documents_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     out: Any = capsys.readouterr().out
     assert e.value.code == 0
-    for line in ("0  ok", "2  usage", "3  the daemon cannot be reached", "4  not found", "5  busy"):
+    for line in ("0  ok", "2  usage", "3  the daemon cannot be reached", "4  not found", "5  busy", "6  refused"):
         assert line in out
