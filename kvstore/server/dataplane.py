@@ -138,6 +138,24 @@ class RequestError(Exception):
         self.code = code
 
 
+_LINGERING: list[SharedMemory] = []
+"""Staging segments unlinked but still mapped: a put that was in flight when its session ended
+still holds a view of the bytes. Closed at the next chance, never by ``SharedMemory.__del__``
+(which would report a BufferError as an ignored exception)."""
+
+
+def close_lingering() -> int:
+    """Close the unlinked staging segments no view holds any more; returns how many remain."""
+    kept: list[SharedMemory] = []
+    for shm in _LINGERING:
+        try:
+            shm.close()
+        except BufferError:
+            kept.append(shm)
+    _LINGERING[:] = kept
+    return len(kept)
+
+
 class Session:
     """One client connection; see the module docstring."""
 
@@ -383,11 +401,11 @@ class Session:
 
     def _close_staging(self) -> None:
         if self.staging is not None:
-            with contextlib.suppress(BufferError):
-                self.staging.close()
             with contextlib.suppress(FileNotFoundError):
-                self.staging.unlink()
+                self.staging.unlink()  # the name goes now; the mapping when no view holds it
+            _LINGERING.append(self.staging)
             self.staging = None
+        close_lingering()
 
     async def _cleanup(self) -> None:
         leases, self.leases = list(self.leases.values()), {}
