@@ -89,3 +89,29 @@ class QuotaExceededError(KVStoreError):
 
 class DaemonUnavailableError(KVStoreError, ConnectionError):
     """The daemon could not be reached, or went away, and retries did not help."""
+
+
+# ---- error kinds on the wire --------------------------------------------------------------------
+# The daemon's HTTP error bodies name the error as ``"kind"``: the name of its class in this module
+# (the most specific one), so that a client raises the same type the in-process store would.
+# The class names are part of the daemon's API: renaming one changes what old clients see.
+
+KINDS: dict[str, type[KVStoreError]] = {
+    name: cls for name, cls in dict(globals()).items()
+    if isinstance(cls, type) and issubclass(cls, KVStoreError)
+}
+"""Every error class of this module by name (what an HTTP error body's ``kind`` names)."""
+
+
+def error_kind(exc: BaseException) -> str | None:
+    """The wire kind of ``exc``: the name of the most specific class of this module it is an
+    instance of (a subclass defined elsewhere reports its base here); None for other errors."""
+    for cls in type(exc).__mro__:
+        if KINDS.get(cls.__name__) is cls:
+            return cls.__name__
+    return None
+
+
+def error_class(kind: object) -> type[KVStoreError] | None:
+    """The class a wire ``kind`` names, or None for one this version does not know."""
+    return KINDS.get(kind) if isinstance(kind, str) else None

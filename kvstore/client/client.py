@@ -1,5 +1,5 @@
 """The client of the kvstore daemon: the store's API (``register_namespace``, ``lookup``,
-``get_into``, ``put``, ``pin``/``unpin``, ``delete``, ``stats``) over the network.
+``get_into``, ``put``, ``pin``/``unpin``, ``pins``, ``delete``, ``stats``) over the network.
 
 ``connect(url)`` asks the daemon where its data plane listens and picks, per client:
 
@@ -15,7 +15,10 @@ Control calls (lookup, pin, stats) use HTTP over one keep-alive connection (``_h
 a plain socket, a lookup costs ~0.1 ms of client CPU where httpx took ~0.5 ms). Idempotent calls
 are retried after a reconnect (a daemon restart, a dropped connection); ``put`` is idempotent
 too (blocks are content-addressed and deduplicated). ``pin`` and ``unpin`` count, so they are
-not retried. Thread-safe: one lock serialises every call (both planes) on the connections.
+not retried. A refusal raises the kvstore.errors class the daemon's error body names (``kind``),
+as the in-process store would (an older daemon's: the class its HTTP status maps to), and is
+not retried as a lost connection. Thread-safe: one lock serialises every call (both planes) on
+the connections.
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ from kvstore.errors import (
     KVStoreError,
     LayoutMismatchError,
     QuotaExceededError,
-    RetentionError,
     UnknownNamespaceError,
     UsageError,
+    error_class,
 )
 from kvstore.keys import Namespace
 from kvstore.server import protocol as P
@@ -52,6 +55,8 @@ from tiers.dram import attach_arena
 
 T = TypeVar("T")
 PLANES = ("auto", "shm", "tcp", "ucx")
+# What an error reply without a known ``kind`` (an older daemon, a proxy) raises, by status. The
+# body's ``kind`` says more: a 409 is a missing prefix, a layout mismatch or a refused guarantee.
 _STATUS: dict[int, type[KVStoreError]] = {
     400: UsageError, 401: AuthError, 403: ForbiddenError, 404: UnknownNamespaceError,
     409: LayoutMismatchError, 413: UsageError, 422: UsageError, 507: QuotaExceededError,
@@ -244,6 +249,10 @@ class Client:
                 forgotten = True
                 with self._lock:
                     self._disconnect()
+            except KVStoreError:
+                # The daemon's answer (HTTP error body or error frame), raised as it came: a
+                # TierIOError is an OSError too, yet no reason to reconnect and retry.
+                raise
             except (ConnectionLost, OSError) as e:
                 with self._lock:
                     self._disconnect()
@@ -274,10 +283,12 @@ class Client:
         if status >= 400:
             text = data.decode(errors="replace")
             try:
-                detail = json.loads(data).get("detail", text)
+                body = json.loads(data)
+                detail, kind = body.get("detail", text), body.get("kind")
             except (ValueError, AttributeError):
-                detail = text
-            raise _STATUS.get(status, KVStoreError)(f"daemon: HTTP {status}: {detail}")
+                detail, kind = text, None
+            cls = error_class(kind) or _STATUS.get(status, KVStoreError)
+            raise cls(f"daemon: HTTP {status}: {detail}")
         try:
             return json.loads(data)
         except ValueError as e:  # not the daemon (a proxy's page, say)
@@ -295,9 +306,11 @@ class Client:
             self._register(ns, None)
         return bytes(ns.root)
 
-    def _blocks_call(self, path: str, ns: Namespace, hashes: Sequence[bytes], idempotent: bool) -> int:
+    def _blocks_call(
+        self, path: str, ns: Namespace, hashes: Sequence[bytes], idempotent: bool, **extra: Any
+    ) -> int:
         def call() -> int:
-            body = {"ns": self._ns_id(ns).hex(), "hashes": [bytes(h).hex() for h in hashes]}
+            body = {"ns": self._ns_id(ns).hex(), "hashes": [bytes(h).hex() for h in hashes], **extra}
             return int(self._json("POST", path, body)["blocks"])
 
         return self._retry(call, idempotent)
@@ -323,23 +336,22 @@ class Client:
 
         ``until`` (wall-clock seconds, the daemon's clock) makes it a retention guarantee: the
         prefix stays on some tier until then, past its TTL and under any pressure. One the store
-        cannot honour raises :class:`RetentionError` and pins nothing; a tenant over its quota
-        gets :class:`QuotaExceededError`. Without ``until`` the pin holds until :meth:`unpin`."""
-        if until is None:
-            return self._blocks_call("/v1/pin", ns, hashes, idempotent=False)
-        until = float(until)
+        cannot honour (the store's room for guarantees is used up, or this tenant's
+        ``pin_quota`` would be passed) raises :class:`RetentionError` and pins nothing; a tenant
+        over its quota gets :class:`QuotaExceededError`. Without ``until`` the pin holds until
+        :meth:`unpin`."""
+        extra = {} if until is None else {"until": float(until)}
+        return self._blocks_call("/v1/pin", ns, hashes, idempotent=False, **extra)
 
-        def call() -> int:
-            body = {"ns": self._ns_id(ns).hex(), "hashes": [bytes(h).hex() for h in hashes], "until": until}
-            try:
-                return int(self._json("POST", "/v1/pin", body)["blocks"])
-            except LayoutMismatchError as e:
-                # HTTP 409. The namespace was registered before this call, so the only
-                # conflict left for a pin is the guarantee the store refused.
-                raise RetentionError(str(e)) from None
-
-        self._retry(lambda: self._ns_id(ns))
-        return self._retry(call, idempotent=False)
+    def pins(self, ns: Namespace | None = None) -> dict[str, Any]:
+        """This tenant's pins (``GET /v1/pins``), or those of ``ns``: ``{"pins": rows,
+        "summary": ..., "guaranteed_bytes": ..., "pin_quota_bytes": ...}``. A row names the
+        namespace (``ns``: ``Namespace.root.hex()``), the pinned prefix's length in blocks and
+        bytes, its deadline (``until``; None: until unpinned) and whether it still holds; never
+        another tenant's pins. ``guaranteed_bytes``: what this tenant's guarantees hold (each
+        block once), counted against ``pin_quota_bytes`` (None: no per-tenant limit)."""
+        path = "/v1/pins" if ns is None else f"/v1/pins?ns={bytes(ns.root).hex()}"
+        return self._retry(lambda: self._json("GET", path))
 
     def unpin(self, ns: Namespace, hashes: Sequence[bytes]) -> int:
         """Undo one pin of the longest pinned prefix of ``hashes`` (a guarantee only whole),

@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi import APIRouter, Depends, Query
 from fastapi import Path as PathParam
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvstore.errors import UnknownNamespaceError, UsageError
+from kvstore.errors import BlockNotFound, UnknownNamespaceError, UsageError
 from kvstore.inspection import (
     chain_to,
     layout_warnings,
@@ -97,7 +97,7 @@ def _prefix(svc: Service, body: PrefixIn) -> tuple[Namespace, list[bytes]]:
             raise UsageError("send either 'block' or 'ns' with 'hashes' or 'tokens', not both")
         row = next(store.iter_blocks([bytes.fromhex(body.block)]), None)
         if row is None:
-            raise HTTPException(404, f"block {body.block} is not cached")
+            raise BlockNotFound(f"block {body.block} is not cached")
 
         def parent_of(h: str) -> str | None:
             r = next(store.iter_blocks([bytes.fromhex(h)]), None)
@@ -154,7 +154,7 @@ def _pins(svc: Service, ns: str | None) -> dict[str, Any]:
 def _block(svc: Service, h: str) -> dict[str, Any]:
     row = next(svc.store.iter_blocks([bytes.fromhex(h)]), None)
     if row is None:
-        raise HTTPException(404, f"block {h} is not cached")
+        raise BlockNotFound(f"block {h} is not cached")
     row["pin_until"] = pin_deadlines(_pin_records(svc), svc.clock()).get(bytes.fromhex(h), [])
     try:
         ns = _namespace(svc, row["namespace"])

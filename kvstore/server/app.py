@@ -11,12 +11,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvstore.errors import KVStoreError, UsageError
+from kvstore.errors import KVStoreError, UsageError, error_kind
 from kvstore.keys import Namespace
 from kvstore.server.admin import admin_router
 from kvstore.server.dataplane import DataContext
@@ -109,7 +109,8 @@ class _BodyLimit:
 
     async def _too_large(self, send: Any) -> None:
         resp = JSONResponse(
-            {"detail": f"request body exceeds {self.limit} bytes; send fewer hashes per request"},
+            {"detail": f"request body exceeds {self.limit} bytes; send fewer hashes per request",
+             "kind": "UsageError"},
             status_code=413,
         )
         await send({"type": "http.response.start", "status": 413, "headers": resp.raw_headers})
@@ -175,10 +176,13 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
         "(shared memory, framed TCP, UCX), never through this API.",
     )
 
+    # Error bodies: {"detail": the message, "kind": the kvstore.errors class name}; a client
+    # raises the class ``kind`` names (a 409 is a missing prefix, a layout mismatch or a refused
+    # guarantee: the status alone does not say which). docs/daemon.md, "Errors".
     @app.exception_handler(KVStoreError)
     async def _store_error(request: Request, exc: KVStoreError) -> JSONResponse:
         _, status = classify(exc)
-        return JSONResponse({"detail": str(exc)}, status_code=status)
+        return JSONResponse({"detail": str(exc), "kind": error_kind(exc)}, status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -186,7 +190,7 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
         # back as JSON (NaN, Infinity): a 500 for a bad request. Where and what, not the input.
         detail = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
                   for e in exc.errors()]
-        return JSONResponse({"detail": detail}, status_code=422)
+        return JSONResponse({"detail": detail, "kind": "UsageError"}, status_code=422)
 
     app.add_middleware(_Timing, metrics=metrics)
 
@@ -289,6 +293,13 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
         hashes = _hashes(body.hashes, limits.max_blocks)
         n = await ctx.run(svc.pin, t, bytes.fromhex(body.ns), hashes, body.until)
         return {"blocks": n} if body.until is None else {"blocks": n, "until": body.until}
+
+    @app.get("/v1/pins")
+    async def pins(t: Auth, ns: Annotated[str | None, Query(pattern=HEX16)] = None) -> dict[str, Any]:
+        """This tenant's pins (or those of its namespace ``ns``), never another tenant's: each
+        with its namespace, length, deadline (``until``; null: until unpinned) and whether it
+        still holds; a summary; and the bytes its guarantees hold against its ``pin_quota``."""
+        return await ctx.run(svc.list_pins, t, None if ns is None else bytes.fromhex(ns))
 
     _blocks_endpoint("/v1/unpin", svc.unpin, "Undo one pin of the longest pinned prefix of these hashes "
                      "(a pin with a deadline only whole), else take them out of an untimed pin.")

@@ -16,6 +16,7 @@ Example (same file as ``[store]`` and ``[[tiers]]``)::
     name = "team-a"
     token_env = "KVSTORE_TOKEN_TEAM_A"   # or token = "..." (at least 16 characters)
     quota = "64GiB"
+    pin_quota = "8GiB"          # bytes its retention guarantees (pins with a deadline) may hold
     allow_shm = true            # may map the node's shared DRAM arena (see docs/daemon.md)
 
     [[tenants]]
@@ -50,13 +51,16 @@ _MiB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class TenantSpec:
-    """A tenant: who a bearer token is. ``quota_bytes`` 0 means unlimited."""
+    """A tenant: who a bearer token is. ``quota_bytes`` 0 means unlimited. ``pin_quota_bytes``:
+    the bytes of blocks its retention guarantees may hold at once (None: no limit but the
+    store's ``pin_limit_fraction``; 0: no guarantees)."""
 
     name: str
     token: str
     quota_bytes: int = 0
     admin: bool = False
     allow_shm: bool = False
+    pin_quota_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
@@ -68,9 +72,18 @@ class TenantSpec:
             )
         if self.quota_bytes < 0:
             raise ConfigError(f"tenant {self.name!r}: quota cannot be negative")
+        if self.pin_quota_bytes is not None and (
+            isinstance(self.pin_quota_bytes, bool) or not isinstance(self.pin_quota_bytes, int)
+            or self.pin_quota_bytes < 0
+        ):
+            raise ConfigError(
+                f"tenant {self.name!r}: pin_quota must be a size of 0 bytes or more (like '8GiB'), "
+                f"got {self.pin_quota_bytes!r}; leave it out for no per-tenant limit"
+            )
 
     def __repr__(self) -> str:  # never print a token into a log
-        return f"TenantSpec(name={self.name!r}, quota_bytes={self.quota_bytes}, admin={self.admin})"
+        return (f"TenantSpec(name={self.name!r}, quota_bytes={self.quota_bytes}, "
+                f"pin_quota_bytes={self.pin_quota_bytes}, admin={self.admin})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +199,7 @@ def _convert(where: str, conv: Any, v: Any) -> Any:
 
 def _tenant(i: int, t: Mapping[str, Any], env: Mapping[str, str]) -> TenantSpec:
     where = f"[[tenants]] #{i + 1}"
-    known = {"name", "token", "token_env", "quota", "admin", "allow_shm"}
+    known = {"name", "token", "token_env", "quota", "pin_quota", "admin", "allow_shm"}
     if unknown := set(t) - known:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
     if "name" not in t:
@@ -201,10 +214,21 @@ def _tenant(i: int, t: Mapping[str, Any], env: Mapping[str, str]) -> TenantSpec:
     return TenantSpec(
         name=str(t["name"]),
         token=str(token),
-        quota_bytes=parse_size(t.get("quota", 0), f"{where}.quota"),
+        quota_bytes=_size(f"{where}.quota", t.get("quota", 0)),
         admin=_convert(f"{where}.admin", bool, t.get("admin", False)),
         allow_shm=_convert(f"{where}.allow_shm", bool, t.get("allow_shm", False)),
+        pin_quota_bytes=_size(f"{where}.pin_quota", t["pin_quota"]) if "pin_quota" in t else None,
     )
+
+
+def _size(where: str, v: Any) -> int:
+    """``parse_size`` that also turns a TOML ``nan``/``inf`` or a table into a ConfigError."""
+    try:
+        return parse_size(v, where)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ConfigError(f"{where}: cannot read {v!r} as a size; write e.g. '512MiB' or '4GiB'") from e
 
 
 def load_server_config(

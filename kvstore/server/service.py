@@ -33,6 +33,7 @@ import xxhash
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     AuthError,
+    BlockNotFound,
     ForbiddenError,
     LayoutMismatchError,
     MissingPrefixError,
@@ -43,7 +44,9 @@ from kvstore.errors import (
     UnknownNamespaceError,
     UsageError,
 )
+from kvstore.inspection import pin_summary
 from kvstore.keys import Namespace, hash_blocks
+from kvstore.retention import PinRecord
 from kvstore.server.config import ANONYMOUS, ServerConfig, TenantSpec
 from kvstore.server.protocol import ErrorCode
 from kvstore.store import KVStore, Lease, LookupResult
@@ -59,6 +62,8 @@ class Tenant:
     used_bytes: int = 0
     namespaces: dict[bytes, Namespace] = field(default_factory=dict)
     """client namespace id (the unsalted root digest) -> the namespace registered in the store"""
+    pin_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """Held from the check of the tenant's pin_quota to the end of its guarantee's pin."""
 
     @property
     def name(self) -> str:
@@ -224,7 +229,8 @@ class Service:
 
     def pin(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], until: float | None = None) -> int:
         """As :meth:`KVStore.pin`: ``until`` (wall-clock seconds) makes it a retention guarantee
-        (RetentionError, HTTP 409, when the store cannot honour it).
+        (RetentionError, HTTP 409, when the store cannot honour it, or when it would take the
+        tenant's guarantees past its ``pin_quota``).
 
         Quota: a tenant pins only blocks it has cached, which count against its quota (pinned
         or not) until they leave, so its pins never hold more than its quota. A tenant already
@@ -240,7 +246,83 @@ class Service:
                     f"tenant {t.name!r} caches {t.used_bytes} bytes, over its {quota}-byte quota, so it may not "
                     "pin (a pin keeps bytes past eviction): evict or unpin prefixes, or raise the quota"
                 )
-        return self.store.pin(ns, self._store_keys(t, hashes), until=until)
+        keys = self._store_keys(t, hashes)
+        if until is None or t.spec.pin_quota_bytes is None or not until > self.clock():
+            return self.store.pin(ns, keys, until=until)  # (the store refuses a past deadline)
+        with t.pin_lock:  # one guarantee of a tenant at a time: each sees the others' bytes
+            keys = keys[: self._cached_prefix(keys)]  # what the store would pin, and no more
+            self._check_pin_quota(t, ns, keys)
+            return self.store.pin(ns, keys, until=until)
+
+    def _cached_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` a pin would take now (as the index's match: cached, on a
+        tier, and unexpired or pinned). Passing only those to the store keeps a put that
+        extends the chain meanwhile out of a pin whose bytes were already counted."""
+        now = self.clock()
+        n = 0
+        for row in self.store.iter_blocks(keys):
+            if n == len(keys) or row["hash"] != bytes(keys[n]).hex():
+                break  # keys[n] is not cached: the rows skip it
+            if not row["tiers"] or (row["pins"] == 0 and row["expiry"] <= now):
+                break
+            n += 1
+        return n
+
+    def _check_pin_quota(self, t: Tenant, ns: Namespace, keys: Sequence[bytes]) -> None:
+        """RetentionError unless the tenant's guarantees, with these blocks, fit its pin_quota
+        (a block held by several of its guarantees, or already held, counts once)."""
+        limit = t.spec.pin_quota_bytes
+        if limit is None:
+            return
+        held = self._guaranteed(t, self.clock())
+        add = {bytes(k): ns.block_bytes for k in keys if bytes(k) not in held}
+        have = sum(held.values())
+        need = sum(add.values())
+        if need and have + need > limit:
+            raise RetentionError(
+                f"cannot guarantee {len(keys)} blocks: tenant {t.name!r} holds {have} bytes in "
+                f"retention guarantees and this one would add {need}, over its pin_quota of "
+                f"{limit} bytes; unpin guarantees it no longer needs (GET /v1/pins lists them), "
+                "pin a shorter prefix, or raise pin_quota in its [[tenants]] entry"
+            )
+
+    def _tenant_pins(self, t: Tenant) -> list[tuple[PinRecord, bytes, Namespace]]:
+        """The store's pin records in the tenant's namespaces, each with the client's namespace
+        id and the stored namespace. By salt, not by ``t.namespaces``: after a restart the
+        tenant's guarantees count before it registers its namespaces again."""
+        mine: dict[bytes, tuple[bytes, Namespace]] = {}
+        for ns, _ in self.store.namespaces():
+            if ns.tenant_salt == t.salt:
+                client = replace(ns, tenant_salt="") if t.salt else ns
+                mine[bytes(ns.root)] = (bytes(client.root), ns)
+        return [(r, *mine[r.ns]) for r in self.store.pins() if r.ns in mine]
+
+    def _guaranteed(self, t: Tenant, now: float) -> dict[bytes, int]:
+        """``{stored key: bytes}`` of every block a guarantee of the tenant holds now."""
+        out: dict[bytes, int] = {}
+        for r, _, ns in self._tenant_pins(t):
+            if r.until is not None and r.until > now:
+                out.update(dict.fromkeys(r.hashes, ns.block_bytes))
+        return out
+
+    def list_pins(self, t: Tenant, ns_id: bytes | None = None) -> dict[str, Any]:
+        """The tenant's pins (all, or of its namespace ``ns_id``), in its own namespace ids.
+        Rows carry no block hashes: stored keys are salted, and the client's hashes cannot be
+        recovered from them."""
+        now = self.clock()
+        pins = [(r, c, ns) for r, c, ns in self._tenant_pins(t) if ns_id is None or c == bytes(ns_id)]
+        rows = [
+            {"ns": c.hex(), "model_id": ns.model_id, "blocks": len(r.hashes),
+             "bytes": len(r.hashes) * ns.block_bytes, "until": r.until,
+             "active": r.until is None or r.until > now}
+            for r, c, ns in pins if r.hashes
+        ]
+        return {
+            "pins": rows,
+            "summary": pin_summary([r for r, _, _ in pins], now),
+            "guaranteed_bytes": sum(self._guaranteed(t, now).values()),
+            "pin_quota_bytes": t.spec.pin_quota_bytes,
+        }
 
     def unpin(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> int:
         """As :meth:`KVStore.unpin`: undoes one pin of the longest pinned prefix of ``hashes``
@@ -266,6 +348,7 @@ class Service:
             "tenant": t.name,
             "used_bytes": t.used_bytes,
             "quota_bytes": t.spec.quota_bytes,
+            "pin_quota_bytes": t.spec.pin_quota_bytes,
             "namespaces": len(t.namespaces),
         }
 
@@ -283,6 +366,7 @@ _ERRORS: tuple[tuple[type[BaseException], ErrorCode, int], ...] = (
     (ForbiddenError, ErrorCode.FORBIDDEN, 403),
     (QuotaExceededError, ErrorCode.QUOTA, 507),
     (UnknownNamespaceError, ErrorCode.NOT_FOUND, 404),
+    (BlockNotFound, ErrorCode.NOT_FOUND, 404),  # an admin call naming a block that is not cached
     (LayoutMismatchError, ErrorCode.CONFLICT, 409),
     # A retention guarantee the store cannot give (its pin budget or persistent tier is full):
     # a conflict with the store's state, not a malformed request.

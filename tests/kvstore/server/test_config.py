@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
-from kvstore.server.config import load_server_config
+from kvstore.server.config import TenantSpec, load_server_config
 
 TOML = """
 [store]
@@ -73,3 +73,46 @@ def test_a_public_address_is_fine_with_tenants(tmp_path: Path) -> None:
     path = tmp_path / "kvstore.toml"
     path.write_text('[server]\nhost = "0.0.0.0"\n[[tenants]]\nname = "a"\ntoken = "0123456789abcdefg"\n')
     assert load_server_config(path, env={}).host == "0.0.0.0"
+
+
+def _tenant_toml(line: str) -> str:
+    return f'[[tenants]]\nname = "a"\ntoken = "0123456789abcdefg"\n{line}\n'
+
+
+@pytest.mark.parametrize(
+    ("line", "want"),
+    [("", None), ('pin_quota = "8GiB"', 8 << 30), ("pin_quota = 4096", 4096), ('pin_quota = "1.5KiB"', 1536),
+     ("pin_quota = 0", 0)],
+)
+def test_pin_quota_takes_a_size_and_defaults_to_no_limit(tmp_path: Path, line: str, want: int | None) -> None:
+    path = tmp_path / "kvstore.toml"
+    path.write_text(_tenant_toml(line))
+    (a,) = load_server_config(path, env={}).tenants
+    assert a.pin_quota_bytes == want
+    assert f"pin_quota_bytes={want}" in repr(a)
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ('pin_quota = "lots"', r"\[\[tenants\]\] #1.pin_quota: cannot read 'lots' as a size"),
+        ("pin_quota = -1", "pin_quota: a size cannot be negative"),
+        ('pin_quota = "-4KiB"', "pin_quota: cannot read"),
+        ("pin_quota = true", "pin_quota: expected a size"),
+        ("pin_quota = nan", "pin_quota: cannot read nan"),
+        ("pin_quota = inf", "pin_quota: cannot read inf"),
+        ("pin_quota = [1]", "pin_quota: cannot read"),
+        ("quota = inf", r"quota: cannot read inf"),
+    ],
+)
+def test_bad_pin_quotas_say_what_to_write(tmp_path: Path, line: str, words: str) -> None:
+    path = tmp_path / "kvstore.toml"
+    path.write_text(_tenant_toml(line))
+    with pytest.raises(ConfigError, match=words):
+        load_server_config(path, env={})
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "8GiB", True])
+def test_a_tenant_spec_refuses_a_pin_quota_that_is_not_bytes(bad: object) -> None:
+    with pytest.raises(ConfigError, match="pin_quota must be a size"):
+        TenantSpec("a", "0123456789abcdefg", pin_quota_bytes=bad)  # type: ignore[arg-type]
