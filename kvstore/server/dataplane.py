@@ -14,6 +14,7 @@ closed; a client that dies mid-transfer only ends its own session. Whatever a se
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import json
@@ -142,6 +143,14 @@ _LINGERING: list[SharedMemory] = []
 """Staging segments unlinked but still mapped: a put that was in flight when its session ended
 still holds a view of the bytes. Closed at the next chance, never by ``SharedMemory.__del__``
 (which would report a BufferError as an ignored exception)."""
+
+
+@atexit.register
+def _forget_lingering() -> None:
+    # At exit a view that kept a segment mapped may still be alive (held by a traceback); the
+    # process's end unmaps it anyway, so SharedMemory.__del__ must not try and report failing.
+    for shm in _LINGERING:
+        shm._buf = shm._mmap = None  # type: ignore[attr-defined]  # noqa: SLF001
 
 
 def close_lingering() -> int:
