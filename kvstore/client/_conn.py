@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 import threading
 from collections.abc import Coroutine, Sequence
@@ -29,6 +28,7 @@ from kvstore.errors import (
     UsageError,
 )
 from kvstore.server import protocol as P
+from kvstore.ucxenv import apply_ucx_env
 
 
 class ConnectionLost(ConnectionError):
@@ -86,8 +86,7 @@ class TcpTransport:
 
 
 def import_ucxx() -> Any:
-    os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    apply_ucx_env()
     try:
         import ucxx
     except ImportError as e:

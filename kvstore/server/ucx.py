@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,11 +25,9 @@ import numpy as np
 
 from kvstore.errors import ConfigError
 from kvstore.server.dataplane import Channel, ChannelClosed, DataContext, Session, stop_sessions
+from kvstore.ucxenv import apply_ucx_env
 
-# Before ucxx is imported: a blocking progress thread suits small machines (no busy polling of
-# a core), and UCX must not warn about the variables it is given.
-os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+apply_ucx_env()  # before ucxx is imported
 
 
 def import_ucxx() -> Any:

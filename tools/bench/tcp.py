@@ -22,7 +22,7 @@ from kvstore.client import connect
 from tools.bench._common import result
 from tools.bench._daemon import BENCH_NS, bench_daemon, chain
 
-_RAW_SENDER = """
+RAW_SENDER = """
 import socket, sys
 n = int(sys.argv[1])
 srv = socket.create_server(("127.0.0.1", 0))
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     rounds = 3 if args.quick else 10
     hashes, blocks = chain(n)
     nbytes = blocks.nbytes
-    sender = subprocess.Popen([sys.executable, "-c", _RAW_SENDER, str(nbytes)], stdout=subprocess.PIPE, text=True)
+    sender = subprocess.Popen([sys.executable, "-c", RAW_SENDER, str(nbytes)], stdout=subprocess.PIPE, text=True)
     try:
         assert sender.stdout is not None
         port = int(sender.stdout.readline())

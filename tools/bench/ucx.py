@@ -1,9 +1,11 @@
 """ucx: a hit through the daemon's UCX data plane, against raw ucxx messages of the same bytes.
 
 Figure: ``Client.get_into`` with ``plane="ucx"`` of 64 blocks of 1 MiB from a daemon on
-loopback (listener endpoints with peer error handling: see docs/daemon.md for why). Baseline,
-same run: a raw ucxx listener process sending the same number of 1 MiB messages per request to
-a ucxx endpoint of this process, the same kind of endpoint. Goal: >= 80% of raw.
+loopback (listener endpoints with peer error handling: see docs/daemon.md for why). Two
+baselines, same run, interleaved: a raw ucxx listener process sending the same number of 1 MiB
+messages per request to a ucxx endpoint of this process (the same kind of endpoint: what UCX
+itself reaches here), and a raw socket ``recv_into`` of the same bytes from a sender process
+(the issue's yardstick, as for ``tcp``). Goal: >= 80% of each.
 Needs ucxx (``pip install 'kvstore[ucx]'``); without it the benchmark prints why and no rows.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from tools.bench import tcp
 from tools.bench._common import result
 from tools.bench._daemon import BENCH_NS, TOKEN, bench_daemon, chain
 
@@ -75,22 +79,35 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             for v in views:
                 await ep.recv(v)
 
-        with bench_daemon(ucx=True) as d, connect(d.url, token=TOKEN, plane="ucx") as c:
-            c.put(BENCH_NS, hashes, blocks)
-            ours = base = 0.0
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                assert c.get_into(BENCH_NS, hashes, dst) == n
-                ours += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                loop.run_until_complete(raw_round())
-                base += time.perf_counter() - t0
-            c.get_into(BENCH_NS, hashes, dst)
-            assert np.array_equal(dst, blocks)
+        sock_sender = subprocess.Popen([sys.executable, "-c", tcp.RAW_SENDER, str(n * bb)], stdout=subprocess.PIPE, text=True)
+        assert sock_sender.stdout is not None
+        sock = socket.create_connection(("127.0.0.1", int(sock_sender.stdout.readline())))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            with bench_daemon(ucx=True) as d, connect(d.url, token=TOKEN, plane="ucx") as c, sock:
+                c.put(BENCH_NS, hashes, blocks)
+                ours = base = raw_sock = 0.0
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    assert c.get_into(BENCH_NS, hashes, dst) == n
+                    ours += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    loop.run_until_complete(raw_round())
+                    base += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    tcp.raw_round(sock, memoryview(dst))
+                    raw_sock += time.perf_counter() - t0
+                c.get_into(BENCH_NS, hashes, dst)
+                assert np.array_equal(dst, blocks)
+        finally:
+            sock_sender.kill()
+            sock_sender.wait()
         loop.run_until_complete(ep.close())
     finally:
         sender.kill()
         sender.wait()
         loop.close()
     gb = rounds * n * bb / 1e9
-    yield result("ucx", f"get_ucx_{n}x1MiB", gb / ours, "GB/s", gb / base, goal_ratio=0.8)
+    yield result("ucx", f"get_ucx_{n}x1MiB", gb / ours, "GB/s", gb / base, goal_ratio=0.8, baseline_kind="raw ucxx")
+    yield result("ucx", f"get_ucx_{n}x1MiB_vs_socket", gb / ours, "GB/s", gb / raw_sock, goal_ratio=0.8,
+                 baseline_kind="raw socket recv_into")
