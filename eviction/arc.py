@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from eviction.base import BlockView, EvictionPolicy, TierContext
 
 
@@ -60,6 +62,17 @@ class ARCPolicy(EvictionPolicy):
             self._t2[bid] = None
         else:
             self._t1[bid] = None
+
+    def insert_many(self, ids: np.ndarray, sizes: np.ndarray, now: np.ndarray | float) -> None:
+        if self._b1 or self._b2:  # a returning ghost moves p: one at a time
+            super().insert_many(ids, sizes, now)
+            return
+        # No ghosts: every new id joins probation in order of its first occurrence; ids already
+        # resident (and repeats) are no-ops.
+        new = dict.fromkeys(np.asarray(ids).tolist())
+        for bid in (new.keys() & self._t1.keys()) | (new.keys() & self._t2.keys()):
+            del new[bid]
+        self._t1.update(new)
 
     def touch(self, bid: int, now: float) -> None:
         if bid in self._t1:

@@ -12,6 +12,8 @@ never removes anything itself:
   under its lock, once per event. ``touch`` is a hit (a load of the block), nothing else.
   ``remove`` of an unknown id is a no-op. The store inserts a new chain leaves first and touches
   a hit prefix deepest first, so that parents are always more recent than their children.
+  ``insert_many`` is ``insert`` of each block in order (a warm restart learns every block with
+  one call per tier); a policy may override it with a vectorised version of the same outcome.
 * ``candidates()`` yields ids in eviction order, best victim first. The store consumes it lazily,
   skips what it may not evict (pinned, in use, a block with cached children on the last tier),
   stops at its work cap, and only then removes the chosen blocks: eviction is atomic (it frees
@@ -73,6 +75,13 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def insert(self, bid: int, size: int, now: float) -> None: ...
+
+    def insert_many(self, ids: np.ndarray, sizes: np.ndarray, now: np.ndarray | float) -> None:
+        """``insert(ids[i], sizes[i], now[i])`` for each ``i`` in order (``now``: one time per
+        block, or one for all)."""
+        nows = np.broadcast_to(np.asarray(now, np.float64), np.shape(ids)).tolist()
+        for bid, size, t in zip(np.asarray(ids).tolist(), np.asarray(sizes).tolist(), nows, strict=True):
+            self.insert(bid, size, t)
 
     @abstractmethod
     def touch(self, bid: int, now: float) -> None: ...

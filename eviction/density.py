@@ -295,6 +295,65 @@ class DensityPolicy(EvictionPolicy):
             if score <= queue[-1][2]:
                 queue.append((bid, self._tick, score))
 
+    def insert_many(self, ids: np.ndarray, sizes: np.ndarray, now: np.ndarray | float) -> None:
+        """``insert`` of each block in order, vectorised between rebuilds (a warm restart
+        learns every block at once). Neither ``sizes`` nor ``now`` is read, as in ``insert``."""
+        ids = np.asarray(ids, np.int64)
+        if not ids.size:
+            return
+        if self._queue or self._ghosts.where:
+            # A new block may join the victim queue or come back from the ghost ring: the
+            # per-block path decides.
+            for bid in ids.tolist():
+                self.insert(bid, 0, 0.0)
+            return
+        self._grow(int(ids.max()) + 1)
+        pos = self._pos
+        # Repeats and blocks already resident are no-ops (neither advances the clock).
+        fresh = [b for b in dict.fromkeys(ids.tolist()) if pos[b] < 0]
+        i = 0
+        while i < len(fresh):
+            free = self.config.period - 1 - self._since_rebuild
+            if free <= 0:
+                self.insert(fresh[i], 0, 0.0)  # the event that rebuilds the tables
+                i += 1
+                continue
+            self._insert_run(fresh[i : i + free])
+            i += free
+
+    def _insert_run(self, run: list[int]) -> None:
+        """``insert`` of new, distinct blocks while no rebuild is due, no ghost can come back
+        and the victim queue is empty."""
+        m = len(run)
+        ids = np.array(run, np.int64)
+        n0, t0 = self._n, self._tick
+        self._tick += m
+        self._since_rebuild += m
+        self._resident[n0 : n0 + m] = ids
+        self._n = n0 + m
+        self._last[ids] = np.arange(t0 + 1, t0 + m + 1)
+        view = self._view
+        ext = view.children[ids] != 0 if view is not None else np.zeros(m, bool)
+        self._cls[ids] = ext  # hit class 0
+        pos, hits, extended = self._pos, self._hits, self._extended
+        for b, p, e in zip(run, range(n0, n0 + m), ext.tolist(), strict=True):
+            pos[b] = p
+            hits[b] = 0
+            extended[b] = e
+        if view is None:
+            return
+        # A parent already resident when its child came (before the run, or earlier in it) is
+        # now extended.
+        parent = view.parent[ids].astype(np.int64)
+        ok = (parent >= 0) & (parent < self._cap)
+        ppos = np.full(m, -1, np.int64)
+        ppos[ok] = [pos[p] for p in parent[ok].tolist()]
+        came = ok & (ppos >= 0) & (ppos < np.arange(n0, n0 + m))
+        for p in dict.fromkeys(parent[came].tolist()):
+            if not extended[p]:
+                extended[p] = True
+                self._cls[p] = self._class_of(p)
+
     def touch(self, bid: int, now: float) -> None:
         if bid >= self._cap or self._pos[bid] < 0:
             return

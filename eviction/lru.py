@@ -6,6 +6,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from eviction.base import EvictionPolicy
 
 
@@ -30,6 +32,15 @@ class LRUPolicy(EvictionPolicy):
     def insert(self, bid: int, size: int, now: float) -> None:
         self._order[bid] = None
         self._order.move_to_end(bid)
+
+    def insert_many(self, ids: np.ndarray, sizes: np.ndarray, now: np.ndarray | float) -> None:
+        # Each insert moves its id to the end: the ids end in the order of their last occurrence.
+        last = list(dict.fromkeys(reversed(np.asarray(ids).tolist())))
+        order = self._order
+        if order:
+            for bid in order.keys() & last:
+                del order[bid]
+        order.update(dict.fromkeys(reversed(last)))
 
     def touch(self, bid: int, now: float) -> None:
         if bid in self._order:

@@ -38,6 +38,8 @@ class BlockMeta:
     created: float
 
     PACKED_SIZE = _META.size
+    FORMAT = _META.format
+    """The struct format of :meth:`pack`: ns, parent, depth, size, expiry, created, checksum."""
 
     def __post_init__(self) -> None:
         if len(self.ns) != HASH_BYTES or len(self.parent) != HASH_BYTES:

@@ -15,6 +15,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvstore.errors import UsageError
 from tiers.base import TierUsage
 
@@ -129,6 +131,69 @@ class SlabAllocator:
         self.used_bytes += slot
         # Free lists are rebuilt once after a run of claims (a restart claims every block).
         self._stale.add(slab.index)
+
+    def slot_bytes_many(self, sizes: np.ndarray) -> np.ndarray:
+        """:meth:`slot_bytes` of each size, 0 where it would raise (no slab can hold it)."""
+        sizes = np.asarray(sizes, np.uint64)
+        ok = (sizes > 0) & (sizes <= self.slab_bytes)  # slab_bytes is a multiple of align
+        slot = np.zeros(sizes.shape, np.int64)
+        a = self.align
+        slot[ok] = (sizes[ok].astype(np.int64) + (a - 1)) // a * a
+        return slot
+
+    def claim_many(self, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """:meth:`claim` of each ``(offset, size)`` in order (a restart claims every block);
+        True where it succeeded, False where ``claim`` would have raised, as it would have left
+        the allocator."""
+        offsets = np.asarray(offsets, np.uint64)
+        n = offsets.size
+        slot = self.slot_bytes_many(sizes)
+        slab_i = offsets // np.uint64(self.slab_bytes)
+        ok = (slot > 0) & (slab_i < self.n_slabs)
+        out = np.zeros(n, bool)
+        todo = np.flatnonzero(ok)
+        if not todo.size:
+            return out
+        si = slab_i[todo].astype(np.int64)
+        sl = slot[todo]
+        # A slab's class: its own, or that of the first claim in it (which assigns it even when
+        # the claim then fails, as claim() does).
+        cls = np.fromiter((s.slot_bytes for s in self._slabs), np.int64, self.n_slabs)
+        slabs, first = np.unique(si, return_index=True)
+        fresh = cls[slabs] == 0
+        if fresh.any():
+            new = slabs[fresh].tolist()
+            for i, c in zip(new, sl[first[fresh]].tolist(), strict=True):
+                self._assign(self._slabs[i], c)
+                self._partial.setdefault(c, set()).add(i)
+                cls[i] = c
+            taken = set(new)
+            self._unassigned = [i for i in self._unassigned if i not in taken]
+        k = (offsets[todo].astype(np.int64) - si * self.slab_bytes) // sl
+        fit = (cls[si] == sl) & (k < self.slab_bytes // sl)
+        todo, si, sl, k = todo[fit], si[fit], sl[fit], k[fit]
+        order = np.argsort(si, kind="stable")
+        todo, si, k = todo[order], si[order], k[order]
+        bounds = np.flatnonzero(np.diff(si)) + 1
+        for start, rows, ks in zip([0, *bounds.tolist()], np.split(todo, bounds), np.split(k, bounds), strict=True):
+            if not rows.size:
+                continue
+            slab = self._slabs[int(si[start])]
+            busy = np.frombuffer(slab.busy, np.uint8)
+            # The first claim of a free slot wins; a repeat, or a slot already used, fails.
+            _, once = np.unique(ks, return_index=True)
+            won = np.zeros(ks.size, bool)
+            won[once] = busy[ks[once]] == 0
+            if not won.any():
+                continue
+            busy[ks[won]] = 1
+            count = int(won.sum())
+            slab.used += count
+            self.used_bytes += count * slab.slot_bytes
+            self._empty.discard(slab.index)
+            self._stale.add(slab.index)
+            out[rows[won]] = True
+        return out
 
     def _settle(self) -> None:
         for i in self._stale:

@@ -35,6 +35,7 @@ from pathlib import Path
 from queue import SimpleQueue
 from typing import Any
 
+import numpy as np
 import xxhash
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
@@ -63,6 +64,29 @@ _GEOMETRY_KEY = b"\x00geometry"
 _BLOCK_PREFIX = b"B"
 _OFFSET = struct.Struct("<Q")
 _RECORD_BYTES = _OFFSET.size + BlockMeta.PACKED_SIZE
+# A record decoded in bulk at open: the offset, then BlockMeta.pack()'s fields (ns, parent,
+# depth, size, expiry, created, checksum); numpy reads the two that the slot checks need.
+_RECORD = struct.Struct("<Q" + BlockMeta.FORMAT.lstrip("<"))
+_RECORD_DTYPE = np.dtype(
+    {"names": ["offset", "size"], "formats": ["<u8", "<u8"], "itemsize": _RECORD_BYTES,
+     "offsets": [0, _RECORD.size - BlockMeta.PACKED_SIZE + struct.calcsize("<16s16sI")]}
+)
+
+
+def _record_layout_matches() -> bool:
+    meta = BlockMeta(bytes(range(16)), bytes(range(16, 32)), 7, 12345, 1.5, 99, 2.5)
+    value = _OFFSET.pack(8192) + meta.pack()
+    row = np.frombuffer(value, _RECORD_DTYPE)[0]
+    return (
+        _RECORD.size == len(value) == _RECORD_BYTES
+        and (int(row["offset"]), int(row["size"])) == (8192, 12345)
+        and _RECORD.unpack(value) == (8192, meta.ns, meta.parent, 7, 12345, 1.5, 2.5, 99)
+    )
+
+
+if not _record_layout_matches():  # BlockMeta's packing changed: update _RECORD and _RECORD_DTYPE
+    raise ImportError("tiers.nvme: the bulk record layout does not match BlockMeta.pack()")
+
 _GEOMETRY_VERSION = 1
 
 # Reads of blocks from _PIPELINE_MIN up are verified while they are read (NvmeTier._read_hashing):
@@ -305,23 +329,35 @@ class NvmeTier(Tier):
         """
         assert self._db is not None
         bad: list[bytes] = []
+        keys: list[bytes] = []
+        values: list[bytes] = []
         for k, v in self._db.items(from_key=_BLOCK_PREFIX):
             if not k.startswith(_BLOCK_PREFIX):
                 break
             if fresh_file or len(k) != 1 + HASH_BYTES or len(v) != _RECORD_BYTES:
                 bad.append(k)
-                continue
-            offset = _OFFSET.unpack_from(v)[0]
-            try:
-                meta = BlockMeta.unpack(v[_OFFSET.size :])
-                slot = self._alloc.slot_bytes(meta.size)
-                if offset % self._alloc.slab_bytes % slot:
-                    raise ValueError(f"offset {offset} is not on a slot boundary")
-                self._alloc.claim(offset, meta.size)
-            except (ValueError, IndexError, RuntimeError, KVStoreError):
-                bad.append(k)
-                continue
-            self._index[BlockHash(bytes(k[1:]))] = (offset, meta)
+            else:
+                keys.append(k)
+                values.append(v)
+        if keys:
+            # Decoded and claimed in bulk (a restart reads every record): the outcome of one
+            # BlockMeta.unpack + slot check + claim per record, in key order.
+            buf = b"".join(values)
+            records = np.frombuffer(buf, _RECORD_DTYPE)
+            offsets, sizes = records["offset"], records["size"]
+            alloc = self._alloc
+            slot = alloc.slot_bytes_many(sizes)
+            ok = slot > 0
+            ok[ok] = offsets[ok] % np.uint64(alloc.slab_bytes) % slot[ok].astype(np.uint64) == 0
+            ok[ok] = alloc.claim_many(offsets[ok], sizes[ok])
+            index = self._index
+            for k, good, (offset, ns, parent, depth, size, expiry, created, checksum) in zip(
+                keys, ok.tolist(), _RECORD.iter_unpack(buf), strict=True
+            ):
+                if good:
+                    index[BlockHash(k[1:])] = (offset, BlockMeta(ns, parent, depth, size, expiry, checksum, created))
+                else:
+                    bad.append(k)
         if bad:
             wb = WriteBatch(raw_mode=True)
             for k in bad:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from operator import attrgetter
 
 import numpy as np
 
@@ -100,72 +101,110 @@ class Restart:
         self._pins.due(self._clock())
         found: dict[bytes, tuple[BlockMeta, int]] = {}
         for k in self._persistent:
+            bit = 1 << k
             for key, meta in self.tiers[k].scan():
                 prev = found.get(key)
-                mask = (prev[1] if prev else 0) | (1 << k)
-                best = meta if prev is None or meta.expiry > prev[0].expiry else prev[0]
-                found[key] = (best, mask)
+                if prev is None:
+                    found[key] = (meta, bit)
+                else:
+                    found[key] = (meta if meta.expiry > prev[0].expiry else prev[0], prev[1] | bit)
         if not found:
             return
         foreign = self._learn_namespaces({meta.ns for meta, _ in found.values()})
         now = self._clock()
         idx = self.index
+        id_of = idx.id_of
         order = sorted(found.items(), key=lambda kv: kv[1][0].depth)
-        recovered: list[tuple[int, int, BlockMeta]] = []
-        block_bytes: dict[bytes, int | None] = {}  # per namespace digest; None: not registered
-        level: list[tuple[bytes, int, int, BlockMeta, int]] = []  # (key, mask, parent id, meta, nid)
+        recovered: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # per level: ids, masks, sizes, created
+        # Per namespace digest: (nid, its block bytes or None when not registered), or None for
+        # a foreign one.
+        ns_state: dict[bytes, tuple[int, int | None] | None] = {}
+        # The depth level being collected, as columns.
+        keys: list[bytes] = []
+        masks: list[int] = []
+        pids: list[int] = []
+        metas: list[BlockMeta] = []
+        nids: list[int] = []
 
-        def insert_level() -> None:
+        def insert_level(depth: int) -> None:
             # One depth level at a time: every parent is already in the index.
-            if not level:
+            if not keys:
                 return
-            ids = idx.insert_blocks(
-                [e[0] for e in level],
-                np.fromiter((e[2] for e in level), np.int32, len(level)),
-                np.fromiter((e[3].depth for e in level), np.int32, len(level)),
-                np.fromiter((e[3].size for e in level), np.uint32, len(level)),
-                np.fromiter((e[4] for e in level), np.uint16, len(level)),
-                np.fromiter((e[1] for e in level), np.uint8, len(level)),
-                np.fromiter((e[3].created for e in level), np.float64, len(level)),
-                np.fromiter((e[3].expiry for e in level), np.float64, len(level)),
-            )
-            recovered.extend(zip(ids.tolist(), (e[1] for e in level), (e[3] for e in level), strict=True))
-            level.clear()
+            parents = np.array(pids, np.int64)
+            linked = parents != NO_PARENT
+            wrong = linked & (idx.depth[np.where(linked, parents, 0)] != depth - 1)
+            keep = None
+            if wrong.any():  # a parent at another depth: damaged metadata, an orphan
+                for i in np.flatnonzero(wrong).tolist():
+                    self._drop_orphan(keys[i], masks[i])
+                keep = np.flatnonzero(~wrong)
+            n = len(keys) if keep is None else keep.size
+            if n:
+                cols = (keys, masks, metas, nids) if keep is None else (
+                    [c[i] for i in keep.tolist()] for c in (keys, masks, metas, nids))
+                lk, lm, lmeta, ln = cols
+                mask_col = np.array(lm, np.uint8)
+                sizes = np.fromiter(map(attrgetter("size"), lmeta), np.uint32, n)
+                created = np.fromiter(map(attrgetter("created"), lmeta), np.float64, n)
+                ids = idx.insert_blocks(
+                    lk,
+                    (parents if keep is None else parents[keep]).astype(np.int32),
+                    np.full(n, depth, np.int32),
+                    sizes,
+                    np.array(ln, np.uint16),
+                    mask_col,
+                    created,
+                    np.fromiter(map(attrgetter("expiry"), lmeta), np.float64, n),
+                )
+                recovered.append((np.asarray(ids, np.int64), mask_col, sizes, created))
+            for c in (keys, masks, pids, metas, nids):
+                c.clear()
 
         depth = 0
         for key, (meta, mask) in order:
             if meta.depth != depth:
-                insert_level()
+                insert_level(depth)
                 depth = meta.depth
-            info = self._ns_by_digest.get(meta.ns)
-            if meta.ns not in block_bytes:
-                ns_ = info.namespace if info is not None else None
-                block_bytes[meta.ns] = ns_.block_bytes if ns_ is not None else None
-            expected = block_bytes[meta.ns]
-            if meta.ns in foreign or (expected is not None and meta.size != expected):
+            ns = meta.ns
+            if ns in ns_state:
+                state = ns_state[ns]
+            else:
+                info = self._ns_by_digest.get(ns)
+                if ns in foreign:
+                    state = None
+                elif info is None:
+                    state = (-1, None)  # a namespace of its own, made at its first block
+                else:
+                    state = (info.nid, info.namespace.block_bytes if info.namespace is not None else None)
+                ns_state[ns] = state
+            if state is None or (state[1] is not None and meta.size != state[1]):
                 # Another schema version or layout: never served, and left where it is for
                 # the stores it belongs to.
                 self.counters.foreign_blocks += 1
                 continue
-            if info is None:
-                info = self._new_ns(meta.ns, None, self.config.default_ttl_s)
-            if meta.depth == 0:
-                pid = NO_PARENT if meta.parent == meta.ns else None
-            else:
-                pid = idx.id_of(meta.parent)
-            if pid is None or (pid != NO_PARENT and idx.depth[pid] != meta.depth - 1):
+            if state[0] < 0:
+                state = ns_state[ns] = (self._new_ns(ns, None, self.config.default_ttl_s).nid, None)
+            pid = (NO_PARENT if meta.parent == ns else None) if depth == 0 else id_of(meta.parent)
+            if pid is None:
                 self._drop_orphan(key, mask)
                 continue
-            level.append((key, mask, pid, meta, info.nid))
-        insert_level()
-        # Policies learn the blocks deepest first, so leaves are the first candidates.
-        for bid, mask, meta in reversed(recovered):
-            m = mask
-            while m:
-                k = _lowest_bit(m)
-                m &= m - 1
-                self._policies[k].insert(bid, meta.size, meta.created)
-        self.counters.recovered_blocks += len(recovered)
+            keys.append(key)
+            masks.append(mask)
+            pids.append(pid)
+            metas.append(meta)
+            nids.append(state[0])
+        insert_level(depth)
+        # Policies learn the blocks deepest first, so leaves are the first candidates: one
+        # insert_many per tier, in the order of per-block inserts.
+        n_recovered = 0
+        if recovered:
+            all_ids, all_masks, all_sizes, all_created = (np.concatenate(col)[::-1] for col in zip(*recovered, strict=True))
+            n_recovered = all_ids.size
+            for k in range(len(self.tiers)):
+                on_k = (all_masks & (1 << k)) != 0
+                if on_k.any():
+                    self._policies[k].insert_many(all_ids[on_k], all_sizes[on_k], all_created[on_k])
+        self.counters.recovered_blocks += n_recovered
         for record in self._pins:  # before expiry: a pinned block must not expire at open
             if record.until is None or record.until > now:
                 ids = [i for h in record.hashes if (i := idx.id_of(h)) is not None]

@@ -109,6 +109,57 @@ def test_remove_all_then_reuse_ids(name: str, view: FakeView) -> None:
     assert list(pol.candidates()) == [2] and len(pol) == 1
 
 
+@pytest.mark.parametrize("tier", [LAST, UPPER], ids=["last", "upper"])
+@pytest.mark.parametrize("ghosts", [False, True], ids=["fresh", "ghosts"])
+def test_insert_many_equals_inserts_in_order(name: str, tier: TierContext, ghosts: bool) -> None:
+    """What a warm restart relies on: one insert_many is the per-block inserts in the same order
+    (leaves first), across table rebuilds, with repeats and blocks already resident."""
+    options = {"period": 64} if issubclass(policy_class(name).Config, DensityConfig) else {}
+    view = FakeView()
+    rng = np.random.default_rng(3)
+    chains: list[list[int]] = []
+    bid = 0
+    for _ in range(40):
+        parent, chain = -1, []
+        for _ in range(int(rng.integers(1, 13))):
+            chain.append(view.add(bid, parent))
+            parent = bid
+            bid += 1
+        chains.append(chain)
+    one, many = _make(name, view, tier, **options), _make(name, view, tier, **options)
+    early = [b for chain in chains[:3] for b in reversed(chain)]
+    for pol in (one, many):  # resident before the batch, some hit, some evicted (ghosts)
+        for b in early:
+            pol.insert(b, 4096, 0.0)
+        pol.touch(early[0], 1.0)
+        if ghosts:
+            pol.remove(early[-1])
+    batch = [b for chain in chains[3:] for b in reversed(chain)]
+    batch[5:5] = batch[:3] + early[:4]  # repeats and residents: no-ops
+    batch.append(view.add(bid, chains[0][-1]))  # extends a resident chain
+    batch += [view.add(bid + 1), view.add(bid + 2, bid + 1)]  # root first
+    bid += 3
+    if ghosts:
+        batch.append(early[-1])  # comes back
+    created = np.arange(len(batch), dtype=np.float64)
+    for b, t in zip(batch, created.tolist(), strict=True):
+        one.insert(b, 4096, t)
+    many.insert_many(np.array(batch), np.full(len(batch), 4096), created)
+    assert len(one) == len(many)
+    if isinstance(one, DensityPolicy):  # the state a later ranking reads, not only this one
+        assert (one._tick, one._n, one._hits[:bid], one._extended[:bid]) == (many._tick, many._n, many._hits[:bid], many._extended[:bid])
+        assert [one._pos[b] for b in range(bid)] == [many._pos[b] for b in range(bid)]
+        for col in ("_cls", "_last"):
+            assert np.array_equal(getattr(one, col)[:bid], getattr(many, col)[:bid])
+        assert np.array_equal(one._resident[: one._n], many._resident[: many._n])
+        assert np.array_equal(one._ended, many._ended) and np.array_equal(one._reuses, many._reuses)
+    assert list(one.candidates()) == list(many.candidates())
+    for pol in (one, many):  # and they go on alike
+        pol.touch(batch[7], 2.0)
+        pol.insert(view.add(bid), 4096, 3.0)
+    assert list(one.candidates()) == list(many.candidates())
+
+
 def test_store_stays_prefix_closed_under_pressure(name: str, tmp_path: Path) -> None:
     """Through a real store (null tiers: metadata only): many chains through a small tier, hits
     on some; every cached block's parent stays cached, and each policy keeps the tier full."""

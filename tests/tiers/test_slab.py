@@ -111,6 +111,33 @@ def test_claim_rebuilds_occupancy() -> None:
     assert b.alloc(SLAB) is None  # the claims assigned all three slabs
 
 
+def test_claim_many_is_claim_in_order() -> None:
+    """A restart claims every record at once: the same outcome as one claim each, bad records
+    (no size, too big, past the end, another class, a slot past the slab's last, a repeat)
+    included."""
+    rng = np.random.default_rng(7)
+    sizes = [0, 100, 4096, 5000, 12 * KiB, SLAB // 3, SLAB, SLAB + 1]
+    for _ in range(20):
+        one, many = SlabAllocator(6 * SLAB, SLAB), SlabAllocator(6 * SLAB, SLAB)
+        for a in (one, many):  # some slots used before
+            a.claim(SLAB + 4096, 4096)
+        offsets = [int(o) for o in rng.integers(0, 7 * SLAB // 4096, 300) * 4096]
+        offsets += offsets[:20] + [2 * SLAB // 3 * 2, SLAB + 4096]
+        sz = [sizes[int(i)] for i in rng.integers(0, len(sizes), len(offsets))]
+        want = []
+        for off, size in zip(offsets, sz, strict=True):
+            try:
+                one.claim(off, size)
+                want.append(True)
+            except (RuntimeError, IndexError, UsageError):
+                want.append(False)
+        got = many.claim_many(np.array(offsets, np.uint64), np.array(sz, np.uint64))
+        assert got.tolist() == want
+        assert [(s.slot_bytes, bytes(s.busy), s.used) for s in one._slabs] == [(s.slot_bytes, bytes(s.busy), s.used) for s in many._slabs]
+        assert (one.used_bytes, one._unassigned, one._empty) == (many.used_bytes, many._unassigned, many._empty)
+        assert [one.alloc(4096) for _ in range(40)] == [many.alloc(4096) for _ in range(40)]
+
+
 def test_claim_of_a_slot_in_a_slab_of_another_class_is_an_error() -> None:
     a = SlabAllocator(2 * SLAB, SLAB)
     a.claim(0, 4096)

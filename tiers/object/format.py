@@ -45,6 +45,10 @@ _META_AT = _PREFIX.size + HASH_BYTES
 _CODEC_AT = _META_AT + BlockMeta.PACKED_SIZE
 _DESC_LEN_AT = _CODEC_AT + _CODEC.size
 MIN_HEADER = _DESC_LEN_AT + _DESC_LEN.size + _TRAILER.size
+# Every fixed field from the prefix to the descriptor length, read at once (a restart reads
+# every header).
+_FIXED = struct.Struct("<4sHI16s" + BlockMeta.FORMAT.lstrip("<") + _CODEC.format.lstrip("<") + _DESC_LEN.format.lstrip("<"))
+assert _FIXED.size == _DESC_LEN_AT + _DESC_LEN.size
 MAX_DESCRIPTOR = 0xFFFF
 TOUCH_SUFFIX = ".kvt"
 TOUCH = struct.Struct("<4s16sdQ")  # magic, block hash, expiry, xxh3-64 of what precedes it
@@ -124,20 +128,18 @@ def unpack_header(buf: bytes | memoryview, key: BlockHash, where: str) -> Header
     length = header_length(buf, where)
     if len(buf) < length:
         raise CorruptBlockError(f"{where}: truncated header ({len(buf)} of {length} bytes)")
-    body = memoryview(buf)[: length - _TRAILER.size]
-    (stored_sum,) = _TRAILER.unpack_from(buf, length - _TRAILER.size)
-    if xxhash.xxh3_64_intdigest(body) != stored_sum:
+    end = length - _TRAILER.size
+    body = memoryview(buf)[:end]
+    if xxhash.xxh3_64_intdigest(body) != _TRAILER.unpack_from(buf, end)[0]:
         raise CorruptBlockError(f"{where}: header checksum mismatch")
-    if bytes(body[_PREFIX.size : _META_AT]) != key:
+    (_, _, _, held, ns, parent, depth, size, expiry, created, checksum,
+     codec, itemsize, _, stored, desc_len) = _FIXED.unpack_from(body)
+    if held != key:
         # Right bytes under the wrong name (a bad copy or rename): never serve them for this key.
-        raise CorruptBlockError(
-            f"{where}: object holds block {bytes(body[_PREFIX.size : _META_AT]).hex()}"
-        )
-    meta = BlockMeta.unpack(body[_META_AT:_CODEC_AT], key)
-    codec, itemsize, _, stored = _CODEC.unpack_from(body, _CODEC_AT)
-    if codec not in CODECS or (codec == RAW and stored != meta.size):
+        raise CorruptBlockError(f"{where}: object holds block {held.hex()}")
+    meta = BlockMeta(ns, parent, depth, size, expiry, checksum, created)
+    if codec not in CODECS or (codec == RAW and stored != size):
         raise CorruptBlockError(f"{where}: codec {codec} with {stored} stored bytes is impossible")
-    (desc_len,) = _DESC_LEN.unpack_from(body, _DESC_LEN_AT)
     if MIN_HEADER + desc_len != length:
         raise CorruptBlockError(f"{where}: descriptor length {desc_len} disagrees with header")
     start = _DESC_LEN_AT + _DESC_LEN.size

@@ -382,12 +382,16 @@ class ObjectTier(ExpiryMixin, Tier):
     def _read_header_local(self, key: BlockHash, path: str) -> Header:
         try:
             # A local object tier is plain files: os calls, not fsspec's per-call overhead
-            # (a warm restart reads every header: 57 -> ~10 us an object).
-            with open(path, "rb") as f:
-                head = f.read(PROBE_BYTES)
+            # (a warm restart reads every header: 57 -> ~10 us an object), and a bare fd with
+            # pread rather than a buffered file object (6.5 -> 3.2 us an open + read).
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                head = os.pread(fd, PROBE_BYTES, 0)
                 length = header_length(head, path)
                 if length > len(head):
-                    head += f.read(length - len(head))
+                    head += os.pread(fd, length - len(head), len(head))
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             raise BlockNotFound(f"block {key.hex()} is not in tier {self.name!r}") from None
         except OSError as e:
@@ -716,6 +720,7 @@ class ObjectTier(ExpiryMixin, Tier):
             sizes.append(size)
         touches = self._read_touches(self._list(self._touches)) if keys else {}
         found: list[tuple[BlockHash, BlockMeta]] = []
+        learned: list[tuple[BlockHash, BlockMeta, bytes, bool]] = []
         for key, size, h in zip(keys, sizes, self._headers(keys), strict=True):
             if isinstance(h, BlockNotFound):
                 continue  # deleted since the listing
@@ -727,6 +732,7 @@ class ObjectTier(ExpiryMixin, Tier):
                 debris.append(self.path(key))
                 continue
             if isinstance(h, KVStoreError):
+                self._learn_many(learned)  # what came before stays learned
                 raise h
             if size != h.object_size:
                 bad += 1  # torn or padded: a read would fail its checks anyway
@@ -735,8 +741,9 @@ class ObjectTier(ExpiryMixin, Tier):
             meta = h.meta
             if touches.get(key, 0.0) > meta.expiry:
                 meta = meta.with_expiry(touches[key])
-            self._learn(key, meta, h.descriptor, key in touches)
+            learned.append((key, meta, h.descriptor, key in touches))
             found.append((key, meta))
+        self._learn_many(learned)
         moved = self._quarantine(debris)
         with self._lock:
             self._counters.bad_headers = bad
@@ -782,14 +789,19 @@ class ObjectTier(ExpiryMixin, Tier):
         return moved
 
     def _learn(self, key: BlockHash, meta: BlockMeta, descriptor: bytes, touched: bool) -> None:
+        self._learn_many([(key, meta, descriptor, touched)])
+
+    def _learn_many(self, items: Iterable[tuple[BlockHash, BlockMeta, bytes, bool]]) -> None:
         with self._lock:
-            self._used += meta.size - self._sizes.get(key, 0)
-            self._sizes[key] = meta.size
-            self._expiry[key] = max(meta.expiry, self._expiry.get(key, 0.0))
-            if touched:
-                self._touched.add(key)
-            if descriptor:
-                self._seen[meta.ns] = descriptor
+            sizes, expiry = self._sizes, self._expiry
+            for key, meta, descriptor, touched in items:
+                self._used += meta.size - sizes.get(key, 0)
+                sizes[key] = meta.size
+                expiry[key] = max(meta.expiry, expiry.get(key, 0.0))
+                if touched:
+                    self._touched.add(key)
+                if descriptor:
+                    self._seen[meta.ns] = descriptor
 
     def probe(self, keys: Sequence[BlockHash]) -> list[BlockMeta]:
         """Headers of the leading ``keys`` in the store, stopping at the first one missing (or
