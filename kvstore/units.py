@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from kvstore.errors import ConfigError
@@ -20,6 +21,8 @@ def parse_size(value: int | float | str, what: str = "size") -> int:
     """Bytes from ``4096``, ``"64MiB"``, ``"1.5GB"``. Raises ConfigError with a hint."""
     if isinstance(value, bool):
         raise ConfigError(f"{what}: expected a size like '4GiB', got {value!r}")
+    if not isinstance(value, int | float | str) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ConfigError(f"{what}: cannot read {value!r} as a size; write e.g. '512MiB' or '4GiB'")
     if isinstance(value, int | float):
         n = float(value)
     else:
@@ -35,7 +38,7 @@ def parse_size(value: int | float | str, what: str = "size") -> int:
 
 def parse_duration(value: int | float | str, what: str = "duration") -> float:
     """Seconds from ``3600``, ``"72h"``, ``"30min"``, ``"3d"``. Raises ConfigError with a hint."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ConfigError(f"{what}: expected a duration like '72h', got {value!r}")
     if isinstance(value, int | float):
         s = float(value)

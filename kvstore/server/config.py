@@ -214,21 +214,11 @@ def _tenant(i: int, t: Mapping[str, Any], env: Mapping[str, str]) -> TenantSpec:
     return TenantSpec(
         name=str(t["name"]),
         token=str(token),
-        quota_bytes=_size(f"{where}.quota", t.get("quota", 0)),
+        quota_bytes=parse_size(t.get("quota", 0), f"{where}.quota"),
         admin=_convert(f"{where}.admin", bool, t.get("admin", False)),
         allow_shm=_convert(f"{where}.allow_shm", bool, t.get("allow_shm", False)),
-        pin_quota_bytes=_size(f"{where}.pin_quota", t["pin_quota"]) if "pin_quota" in t else None,
+        pin_quota_bytes=parse_size(t["pin_quota"], f"{where}.pin_quota") if "pin_quota" in t else None,
     )
-
-
-def _size(where: str, v: Any) -> int:
-    """``parse_size`` that also turns a TOML ``nan``/``inf`` or a table into a ConfigError."""
-    try:
-        return parse_size(v, where)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ConfigError(f"{where}: cannot read {v!r} as a size; write e.g. '512MiB' or '4GiB'") from e
 
 
 def load_server_config(
