@@ -218,32 +218,11 @@ class RadixIndex:
         None of ``hashes`` may be present (the store inserts only the uncached suffix).
         Returns the new ids.
         """
-        n = len(hashes)
-        ids = self._alloc_ids(n)
-        for h, i in zip(hashes, ids.tolist(), strict=True):
-            if h in self._ids:
-                raise RuntimeError(f"block {bytes(h).hex()} inserted twice")
-            self._ids[h] = i
-            self._hashes[i] = h
-        self.parent[ids[0]] = parent
-        if n > 1:
-            self.parent[ids[1:]] = ids[:-1]
-        self.depth[ids] = np.arange(depth0, depth0 + n, dtype=np.int32)
-        self.size[ids] = size
-        self.ns[ids] = ns
-        self.flags[ids] = _LIVE
-        self.tiers[ids] = tier_bit
-        self.children[ids] = 0
-        if n > 1:
-            self.children[ids[:-1]] = 1
-        if parent != NO_PARENT:
-            self.children[parent] += 1
-        self.pins[ids] = 0
-        self.in_use[ids] = 0
-        self.hits[ids] = 0
-        self.last_access[ids] = now
-        self.expiry[ids] = expiry
-        self._expiry_floor = min(self._expiry_floor, float(expiry))
+        ids = self._register(hashes)
+        if ids.size:
+            parents = np.empty(ids.size, dtype=np.int64)
+            parents[0], parents[1:] = parent, ids[:-1]
+            self._write(ids, parents, np.arange(depth0, depth0 + ids.size), size, ns, tier_bit, now, expiry)
         return ids
 
     def insert_blocks(
@@ -259,14 +238,36 @@ class RadixIndex:
     ) -> np.ndarray:
         """Insert blocks whose parents are already present (or ``NO_PARENT``), one column
         write each: a warm restart inserts a whole depth level at a time. Returns the new ids."""
-        n = len(hashes)
-        ids = self._alloc_ids(n)
+        ids = self._register(hashes)
+        self._write(ids, parents, depths, sizes, ns, tiers, created, expiry)
+        return ids
+
+    def _register(self, hashes: Sequence[bytes]) -> np.ndarray:
+        """New ids for ``hashes``, none of which may be present."""
+        ids = self._alloc_ids(len(hashes))
         known = self._ids
         for h, i in zip(hashes, ids.tolist(), strict=True):
             if h in known:
                 raise RuntimeError(f"block {bytes(h).hex()} inserted twice")
             known[h] = i
             self._hashes[i] = h
+        return ids
+
+    def _write(
+        self,
+        ids: np.ndarray,
+        parents: np.ndarray,
+        depths: np.ndarray,
+        sizes: np.ndarray | int,
+        ns: np.ndarray | int,
+        tiers: np.ndarray | int,
+        last_access: np.ndarray | float,
+        expiry: np.ndarray | float,
+    ) -> None:
+        """The columns of new blocks ``ids``; each parent gains a child (a parent may be among
+        ``ids`` itself, as in a chain)."""
+        if not ids.size:
+            return
         self.parent[ids] = parents
         self.depth[ids] = depths
         self.size[ids] = sizes
@@ -280,11 +281,9 @@ class RadixIndex:
         self.pins[ids] = 0
         self.in_use[ids] = 0
         self.hits[ids] = 0
-        self.last_access[ids] = created
+        self.last_access[ids] = last_access
         self.expiry[ids] = expiry
-        if n:
-            self._expiry_floor = min(self._expiry_floor, float(np.min(expiry)))
-        return ids
+        self._expiry_floor = min(self._expiry_floor, float(np.min(expiry)))
 
     def remove(self, bid: int) -> BlockHash:
         """Drop a leaf. Raises if it still has cached children (the store stays prefix-closed)."""

@@ -27,9 +27,9 @@ from tools.bench._common import result
 from tools.bench._daemon import BENCH_NS, TOKEN, bench_daemon, chain
 
 _RAW_SENDER = """
-import asyncio, os, sys
-os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+import asyncio, sys
+from kvstore.ucxenv import apply_ucx_env
+apply_ucx_env()  # the same UCX settings as the daemon and the client
 import numpy as np, ucxx
 n, bb = int(sys.argv[1]), int(sys.argv[2])
 async def main():

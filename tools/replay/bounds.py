@@ -178,11 +178,8 @@ def class_bound(segments: ClassSegments, capacity: int) -> float:
     base_space = base_hits = 0.0
     steps: list[tuple[float, float, float]] = []  # (hits per space, space, hits)
     for g in segments.gaps:
-        finite = g[np.isfinite(g)]
-        cum = np.concatenate([[0.0], np.cumsum(finite)])
-        reused = np.searchsorted(finite, horizons, side="right")
-        space = cum[reused] + (g.size - reused) * horizons
-        hull = _upper_hull(space, reused.astype(np.float64))
+        reused, space = _keep_curve(g, horizons)
+        hull = _upper_hull(space, reused)
         base_space, base_hits = base_space + hull[0][0], base_hits + hull[0][1]
         steps += [((y2 - y1) / (x2 - x1), x2 - x1, y2 - y1) for (x1, y1), (x2, y2) in zip(hull, hull[1:], strict=False)]
     budget, total = capacity * tick - base_space, base_hits
@@ -205,17 +202,11 @@ def holdout_class_hits(segments: ClassSegments, capacity: int) -> float:
     mid = segments.accesses // 2
     horizons = np.unique(np.concatenate([[0.0], np.geomspace(1, segments.accesses, 300)]))
 
-    def curve(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        finite = g[np.isfinite(g)]
-        cum = np.concatenate([[0.0], np.cumsum(finite)])
-        reused = np.searchsorted(finite, horizons, side="right")
-        return reused.astype(np.float64), cum[reused] + (g.size - reused) * horizons
-
     tables = []
     for g, start in zip(segments.gaps, segments.starts, strict=True):
         late = g[start > mid]
         if late.size:
-            tables.append((*curve(g[start <= mid]), *curve(late)))
+            tables.append((*_keep_curve(g[start <= mid], horizons), *_keep_curve(late, horizons)))
     budget = capacity * (segments.accesses - mid)
     lo, hi, best = 1e-12, 1.0, 0.0
     for _ in range(60):  # bisect the threshold on log scale
@@ -229,6 +220,15 @@ def holdout_class_hits(segments: ClassSegments, capacity: int) -> float:
         else:
             hi, best = lam, hits
     return best
+
+
+def _keep_curve(gaps: np.ndarray, horizons: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For keeping a class's blocks until each age in ``horizons``: the reuses caught and the
+    space-time paid, given the class's sorted reuse gaps (``inf``: never reused)."""
+    finite = gaps[np.isfinite(gaps)]
+    cum = np.concatenate([[0.0], np.cumsum(finite)])
+    reused = np.searchsorted(finite, horizons, side="right")
+    return reused.astype(np.float64), cum[reused] + (gaps.size - reused) * horizons
 
 
 def _upper_hull(xs: np.ndarray, ys: np.ndarray) -> list[tuple[float, float]]:
