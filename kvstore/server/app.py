@@ -58,6 +58,7 @@ class LookupOut(BaseModel):
     num_blocks: int = Field(description="leading blocks cached (the usable prefix)")
     num_tokens: int
     tiers: list[str] = Field(description="the tier holding each cached block")
+    unavailable: list[str] = Field(description="tiers that cannot be reached now (blocks only there are not counted)")
 
 
 B = TypeVar("B", bound=BaseModel)
@@ -235,7 +236,8 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
             # An in-memory answer on the event loop saves two thread hops; when the store is busy
             # (or a shared tier may need a probe) the lookup goes to the pool as before.
             r = svc.lookup_nowait(t, ns_id, hashes) or await ctx.run(svc.lookup, t, ns_id, hashes)
-        out = {"num_blocks": r.num_blocks, "num_tokens": r.num_tokens, "tiers": list(r.tiers)}
+        out = {"num_blocks": r.num_blocks, "num_tokens": r.num_tokens, "tiers": list(r.tiers),
+               "unavailable": list(r.unavailable)}
         return Response(json.dumps(out, separators=(",", ":")).encode(), media_type="application/json")
 
     @app.get("/healthz", tags=["health"])
