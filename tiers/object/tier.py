@@ -6,10 +6,12 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from fsspec.core import url_to_fs
 
 from kvstore.block import BlockMeta
 from kvstore.buffers import Buffer, byte_view
@@ -17,6 +19,7 @@ from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     BlockNotFound,
     BufferSizeError,
+    ConfigError,
     CorruptBlockError,
     KVStoreError,
     TierFullError,
@@ -26,7 +29,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import HASH_BYTES, BlockHash
 from tiers.base import Tier, TierUsage, tier_dir
-from tiers.object.blobs import Blob, BlobStore, open_blobs
+from tiers.object.blobs import Blob, BlobStore
 from tiers.object.config import ObjectConfig
 from tiers.object.expiry import ExpiryMixin
 from tiers.object.format import (
@@ -42,6 +45,8 @@ from tiers.object.format import (
     pack_header,
     unpack_header,
 )
+from tiers.object.local import LocalBlobs
+from tiers.object.remote import RemoteBlobs
 
 log = logging.getLogger(__name__)
 
@@ -584,3 +589,31 @@ class ObjectTier(ExpiryMixin, Tier):
         )
         d.update(self.blobs.describe())
         return d
+
+
+def open_blobs(
+    name: str, url: str, config: ObjectConfig, clock: Clock, *, wake: Callable[[], None] | None
+) -> tuple[BlobStore, str]:
+    """The backend for ``url`` and the base path on it. ``wake``: wakes the tier's worker
+    thread, which drains queued writes (given, a remote backend may write behind)."""
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    options = dict(config.storage_options)
+    s3: Any = None
+    if scheme in ("s3", "s3a"):
+        from tiers.object import s3  # s3fs is an optional extra: import it only when asked for
+
+        options = s3.storage_options(config)
+    try:
+        fs, base = url_to_fs(url, **options)
+    except ImportError as e:
+        raise ConfigError(
+            f"object tier {name!r}: url {url!r} needs {e.name or 'an fsspec backend'}; "
+            "for s3:// run pip install 'kvstore[s3]'"
+        ) from e
+    except ValueError as e:
+        raise ConfigError(f"object tier {name!r}: cannot use url {url!r}: {e}") from e
+    base = base.rstrip("/")
+    protocol = fs.protocol
+    if "file" in ((protocol,) if isinstance(protocol, str) else tuple(protocol)):
+        return LocalBlobs(fs, name, base), base
+    return RemoteBlobs(fs, name, base, config, clock, s3=s3, wake=wake), base
