@@ -55,7 +55,7 @@ from kvstore.errors import (
 from kvstore.keys import HASH_BYTES, BlockHash
 from tiers._direct import ALIGN, DirectFile
 from tiers._slab import SlabAllocator
-from tiers.base import Tier, TierUsage, tier_dir
+from tiers.base import OfflineScan, Tier, TierUsage, tier_dir
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +191,16 @@ class NvmeTier(Tier):
     kind = "nvme"
     persistent = True
     Config = NvmeConfig
+
+    @classmethod
+    def read_offline(cls, name: str, config: Any, root: Path, clock: Clock) -> OfflineScan:
+        """The block records in RocksDB, opened read-only (:func:`read_metadata`)."""
+        return OfflineScan([(k, m) for k, _, m in read_metadata(root, name)])
+
+    @classmethod
+    def holder(cls, name: str, root: Path) -> int | None:
+        """Who holds RocksDB's lock (:func:`lock_holder`)."""
+        return lock_holder(root, name)
 
     def __init__(
         self, name: str, config: NvmeConfig, *, root: Path, clock: Clock = system_clock

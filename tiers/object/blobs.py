@@ -17,13 +17,15 @@ remote backend turns a batch into one concurrent round of requests. Thread-safe.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvstore.block import BlockMeta
-from kvstore.errors import BlockNotFound, KVStoreError, TierIOError
+from kvstore.clock import Clock
+from kvstore.errors import BlockNotFound, ConfigError, KVStoreError, TierIOError
 from kvstore.keys import BlockHash
+from tiers.object.config import ObjectConfig
 from tiers.object.format import Header
 
 
@@ -133,6 +135,40 @@ class BlobStore(ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"queued_writes": 0, "queued_bytes": 0, "dropped_writes": 0, "drained_writes": 0}
+
+
+def open_blobs(
+    name: str, url: str, config: ObjectConfig, clock: Clock, *, wake: Callable[[], None] | None
+) -> tuple[BlobStore, str]:
+    """The backend for ``url`` and the base path on it. ``wake``: wakes the tier's worker
+    thread, which drains queued writes (given, a remote backend may write behind)."""
+    from fsspec.core import url_to_fs
+
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    options = dict(config.storage_options)
+    s3: Any = None
+    if scheme in ("s3", "s3a"):
+        from tiers.object import s3  # s3fs is an optional extra: import it only when asked for
+
+        options = s3.storage_options(config)
+    try:
+        fs, base = url_to_fs(url, **options)
+    except ImportError as e:
+        raise ConfigError(
+            f"object tier {name!r}: url {url!r} needs {e.name or 'an fsspec backend'}; "
+            "for s3:// run pip install 'kvstore[s3]'"
+        ) from e
+    except ValueError as e:
+        raise ConfigError(f"object tier {name!r}: cannot use url {url!r}: {e}") from e
+    base = base.rstrip("/")
+    # The backends import this module for the interface: imported here, when a tier opens.
+    from tiers.object.local import LocalBlobs
+    from tiers.object.remote import RemoteBlobs
+
+    protocol = fs.protocol
+    if "file" in ((protocol,) if isinstance(protocol, str) else tuple(protocol)):
+        return LocalBlobs(fs, name, base), base
+    return RemoteBlobs(fs, name, base, config, clock, s3=s3, wake=wake), base
 
 
 def window(listed: dict[str, int], after: str, limit: int | None) -> dict[str, int]:

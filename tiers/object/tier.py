@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from fsspec.core import url_to_fs
 
 from kvstore.block import BlockMeta
 from kvstore.buffers import Buffer, byte_view
@@ -19,7 +18,6 @@ from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     BlockNotFound,
     BufferSizeError,
-    ConfigError,
     CorruptBlockError,
     KVStoreError,
     TierFullError,
@@ -28,8 +26,8 @@ from kvstore.errors import (
     UsageError,
 )
 from kvstore.keys import HASH_BYTES, BlockHash
-from tiers.base import Tier, TierUsage, tier_dir
-from tiers.object.blobs import Blob, BlobStore
+from tiers.base import OfflineScan, Tier, TierUsage, tier_dir
+from tiers.object.blobs import Blob, BlobStore, open_blobs
 from tiers.object.config import ObjectConfig
 from tiers.object.expiry import ExpiryMixin
 from tiers.object.format import (
@@ -45,8 +43,6 @@ from tiers.object.format import (
     pack_header,
     unpack_header,
 )
-from tiers.object.local import LocalBlobs
-from tiers.object.remote import RemoteBlobs
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +124,25 @@ class ObjectTier(ExpiryMixin, Tier):
                 target=self._work, name=f"kvstore-object-{name}", daemon=True
             )
             self._worker.start()
+
+    @classmethod
+    def read_offline(cls, name: str, config: ObjectConfig, root: Path, clock: Clock) -> OfflineScan:
+        """List the objects and read their headers with the background work switched off (no
+        worker, no sweeper, which deletes expired objects, no bucket lifecycle rule): listing
+        and reading headers is all the tier does here."""
+        url = config.url or f"file://{tier_dir(Path(root), name).absolute().as_posix()}/objects"
+        if url.startswith("file://") and not Path(url[len("file://") :], "blocks").is_dir():
+            return OfflineScan([])  # never written to; opening it would create its directory
+        quiet = dataclasses.replace(config, worker_interval_s=0, sweep_interval_s=0, lifecycle_days=0)
+        tier = cls(name, quiet, root=Path(root), clock=clock)
+        try:
+            found = list(tier.scan())
+            d = tier.describe()
+            extra = {"url": url, "descriptors": tier.namespaces(), "bad_headers": d["bad_headers"],
+                     "foreign_objects": d["foreign_objects"]}
+            return OfflineScan(found, extra)
+        finally:
+            tier.close()
 
     # ---- object-store surface ----------------------------------------------------------------
 
@@ -590,30 +605,3 @@ class ObjectTier(ExpiryMixin, Tier):
         d.update(self.blobs.describe())
         return d
 
-
-def open_blobs(
-    name: str, url: str, config: ObjectConfig, clock: Clock, *, wake: Callable[[], None] | None
-) -> tuple[BlobStore, str]:
-    """The backend for ``url`` and the base path on it. ``wake``: wakes the tier's worker
-    thread, which drains queued writes (given, a remote backend may write behind)."""
-    scheme = url.split("://", 1)[0] if "://" in url else "file"
-    options = dict(config.storage_options)
-    s3: Any = None
-    if scheme in ("s3", "s3a"):
-        from tiers.object import s3  # s3fs is an optional extra: import it only when asked for
-
-        options = s3.storage_options(config)
-    try:
-        fs, base = url_to_fs(url, **options)
-    except ImportError as e:
-        raise ConfigError(
-            f"object tier {name!r}: url {url!r} needs {e.name or 'an fsspec backend'}; "
-            "for s3:// run pip install 'kvstore[s3]'"
-        ) from e
-    except ValueError as e:
-        raise ConfigError(f"object tier {name!r}: cannot use url {url!r}: {e}") from e
-    base = base.rstrip("/")
-    protocol = fs.protocol
-    if "file" in ((protocol,) if isinstance(protocol, str) else tuple(protocol)):
-        return LocalBlobs(fs, name, base), base
-    return RemoteBlobs(fs, name, base, config, clock, s3=s3, wake=wake), base
