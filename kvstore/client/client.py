@@ -64,6 +64,7 @@ _STATUS: dict[int, type[KVStoreError]] = {
     409: LayoutMismatchError, 413: UsageError, 422: UsageError, 507: QuotaExceededError,
 }
 _STAGING_MIN = 64 << 20
+_SLOT_ALIGN = 4096  # the DRAM arena hands out slots in multiples of this (tiers/dram.py)
 
 
 # One mapping of a daemon's arena per process, shared by its clients: attaching the same segment
@@ -413,7 +414,7 @@ class Client:
         def call() -> int:
             conn, ns_id = self._conn, self._ns_id(ns)
             assert conn is not None
-            if self.plane == "shm":
+            if self.plane == "shm" and self._lease_fits(len(hashes), bb):
                 return self._get_shm(conn, ns_id, hashes, bufs)
             hdr, meta = conn.call(P.Op.GET, P.encode_blocks(ns_id, hashes))
             count, got_bb = P.parse_data_meta(meta)
@@ -423,6 +424,13 @@ class Client:
             return count
 
         return self._retry(call)
+
+    def _lease_fits(self, n: int, bb: int) -> bool:
+        """Whether ``n`` blocks of ``bb`` bytes fit in the daemon's arena at once. A lease never
+        holds more than the arena, so a longer load is read by the daemon (GET) instead: a
+        lease would end the prefix where the arena is full of the chain's own blocks."""
+        slot = -(-bb // _SLOT_ALIGN) * _SLOT_ALIGN
+        return self._arena is not None and n * slot <= self._arena.size
 
     def _get_shm(self, conn: FrameConn, ns_id: bytes, hashes: list[bytes], bufs: list[memoryview]) -> int:
         _, meta = conn.call(P.Op.ACQUIRE, P.encode_blocks(ns_id, hashes))

@@ -173,21 +173,17 @@ def test_every_implementation_gives_the_same_answers(open_worlds: Any) -> None:
     assert transcripts["tcp"] == transcripts["store"]
 
 
-_SHM_ACQUIRE = pytest.mark.xfail(strict=True, reason=(
-    "over shm the client's get_into is an acquire: a prefix ends at the first block the DRAM "
-    "arena cannot take while the whole chain is held, so a chain longer than DRAM loads short "
-    "(the in-process store reads slower tiers straight into the caller's buffer); the client "
-    "cannot tell a short lease from a miss without another round trip (an ACQUIRE reply that "
-    "says how many blocks are cached would let it fall back to GET)"
-))
-_TCP_ACQUIRE = pytest.mark.xfail(strict=False, reason=(
-    "the daemon's GET on main serves through KVStore.acquire too (dataplane._get); the daemon "
-    "branch falls back to a buffered read when the lease is short, and then this passes"
+_THROUGH_ACQUIRE = pytest.mark.xfail(strict=False, reason=(
+    "the daemon's GET on main serves through KVStore.acquire (dataplane._get): a prefix ends at "
+    "the first block the DRAM arena cannot take while the whole chain is held, so a chain longer "
+    "than DRAM loads short (the store reads slower tiers straight into the caller's buffer); a "
+    "client over shm sends such a load as a GET too. The daemon branch falls back to a buffered "
+    "read when a lease is short, and then this passes"
 ))
 
 
 @pytest.mark.parametrize(
-    "impl", ["store", pytest.param("shm", marks=_SHM_ACQUIRE), pytest.param("tcp", marks=_TCP_ACQUIRE)]
+    "impl", ["store", pytest.param("shm", marks=_THROUGH_ACQUIRE), pytest.param("tcp", marks=_THROUGH_ACQUIRE)]
 )
 def test_get_into_a_chain_longer_than_the_first_tier(impl: str, tmp_path: Any, monkeypatch: Any) -> None:
     chain = chain_for(13, DRAM_BLOCKS + 2)
