@@ -24,6 +24,7 @@ from kvstore.client.spawn import start_daemon  # noqa: E402
 from kvstore.config import StoreConfig, TierSpec  # noqa: E402
 from kvstore.errors import AuthError, DaemonUnavailableError  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
+from tests.engine.test_hf import llama  # noqa: E402
 
 SHAPE = KVShape(num_layers=2, kv_heads=2, head_dim=8, block_tokens=4, dtype=torch.float32)
 DATA_CALLS = ("acquire", "get_into", "put", "lookup")
@@ -177,15 +178,6 @@ def test_a_deployment_mistake_is_still_raised_at_start(store: KVStore) -> None:
 # ---- a real daemon killed and restarted under the reference engine -------------------------------
 
 
-def _tiny_llama() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).float().eval()
-
-
 def _until_hit(engine: CachedLM, prompt: torch.Tensor, want: int, deadline_s: float = 60.0) -> int:
     """Prefill ``prompt`` until it hits ``want`` tokens; returns the prefills it took (bounded:
     reconnection runs on real processes)."""
@@ -203,7 +195,7 @@ def _until_hit(engine: CachedLM, prompt: torch.Tensor, want: int, deadline_s: fl
 
 def test_daemon_killed_and_restarted_under_an_engine_loop(tmp_path: Path) -> None:
     """The extra latency while the daemon is down: ``python -m tools.bench outage``."""
-    model = _tiny_llama()
+    model = llama()
     shape = shape_of(model.config, torch.float32, 16)
     ns = shape.namespace("test/outage")
     prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(3))
