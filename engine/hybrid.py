@@ -73,18 +73,23 @@ class LayerPlan:
 def plan_of(config: Any) -> LayerPlan:
     """The layer plan of a Hugging Face decoder config (``layer_types`` or ``sliding_window``)."""
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    _refuse_unsupported(getattr(cfg, "layer_types", None) or ())
     types, kwargs = get_layer_types_and_kwargs(cfg)
-    bad = sorted({t for t in types if t not in _KINDS})
-    if bad:
-        raise UsageError(
-            f"layer types {', '.join(bad)} are not supported by the hybrid engine "
-            "(full_attention and sliding_attention are); see docs/hybrid.md for recurrent state"
-        )
+    _refuse_unsupported(types)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     windows = tuple(int(kw.get("sliding_window") or 0) if t == "sliding_attention" else 0 for t, kw in zip(types, kwargs, strict=True))
     return LayerPlan(tuple(_KINDS[t] for t in types), windows, kv_heads, head_dim)
+
+
+def _refuse_unsupported(types: Any) -> None:
+    bad = sorted({t for t in types if t not in _KINDS})
+    if bad:
+        raise UsageError(
+            f"layer types {', '.join(bad)} are not supported by the hybrid engine (full_attention "
+            "and sliding_attention are); docs/hybrid.md says how recurrent state would fit"
+        )
 
 
 def namespace_of(model: Any, model_id: str, block_tokens: int, **kw: Any) -> Namespace:
