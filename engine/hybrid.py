@@ -18,8 +18,10 @@ sliding-window attention (Gemma 2/3, gpt-oss, Mistral with ``sliding_window``). 
 With ``everything=True`` it is the store-everything baseline instead: one namespace with every
 layer of every block (what kvstore stores for any model without this split), no replay.
 
-The loads are whole-buffer copies (host buffer -> device, then one strided copy per layer);
-the layer-wise overlapped load of ``engine/hf.py`` is not repeated here.
+On CUDA with an in-process store the blocks are leased in the DRAM arena and copied to the
+device with one 2-D DMA per run of blocks (``engine.gpu``), then unpacked with one strided copy
+per layer; the layer-wise overlap of load and compute of ``engine/hf.py`` is not repeated here
+(both paths this module compares load the same way).
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from engine.gpu import ArenaBlocks
 from engine.hf import _cache_kw, _out_cache
 from engine.kvlayout import KVShape, pack, unpack_layer
 from kvstore.errors import UsageError
 from kvstore.hybrid import CheckpointPolicy, HybridNamespaces, StoreAPI, find_checkpoint
 from kvstore.keys import BlockHash, KVLayout, LayerGroup, Namespace, hash_blocks
+from kvstore.store import KVStore
 
 _KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
 
@@ -145,7 +149,6 @@ class HybridLM:
         self.bt = ns.block_tokens
         self.wn = max(self.plan.windows) - 1 if self.plan.sliding else 0
         self._kw = _cache_kw(model)
-        self._host_buf: torch.Tensor | None = None
         if store is not None:
             if everything:
                 store.register_namespace(ns)
@@ -157,19 +160,33 @@ class HybridLM:
 
     # ---- loads ----------------------------------------------------------------------------------
 
-    def _host(self, nbytes: int) -> torch.Tensor:
-        """A reusable host buffer (pinned on CUDA, so the copy to the device is one DMA)."""
-        buf = self._host_buf
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-            self._host_buf = buf
-        return buf[:nbytes]
+    def _fetch(self, ns: Namespace, hashes: list[bytes], held: list[Any]) -> torch.Tensor | None:
+        """All of ``hashes``' blocks of ``ns`` on the device as ``[n, block_bytes]`` uint8, or
+        None if fewer are cached. On CUDA with an in-process store the blocks are leased in the
+        DRAM arena and copied from there with one 2-D DMA per run (``engine.gpu``); the lease
+        goes into ``held`` (released once the prefill has synchronised). Otherwise they are
+        read into a host buffer (pinned on CUDA) and copied over."""
+        store = self.store
+        assert store is not None
+        n, bb = len(hashes), ns.block_bytes
+        if self.device.type == "cuda" and isinstance(store, KVStore):
+            try:
+                blocks = ArenaBlocks(store, store.acquire(ns, hashes))
+            except UsageError:  # no shared-memory tier first: load by copy
+                pass
+            else:
+                held.append(blocks)
+                if blocks.num_blocks != n:
+                    return None
+                dev = torch.empty((n, bb), dtype=torch.uint8, device=self.device)
+                blocks.copy_range(dev, 0, bb)
+                return dev
+        host = torch.empty((n, bb), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        if store.get_into(ns, hashes, host.view(-1).numpy()) != n:
+            return None
+        return host.to(self.device, non_blocking=True)
 
-    def _get(self, ns: Namespace, hashes: list[bytes], host: torch.Tensor) -> int:
-        assert self.store is not None
-        return self.store.get_into(ns, hashes, host.numpy())
-
-    def _load(self, hashes: list[BlockHash], max_hit: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None, int]:
+    def _load(self, hashes: list[BlockHash], max_hit: int, held: list[Any]) -> tuple[int, torch.Tensor | None, torch.Tensor | None, int]:
         """(checkpoint, full blocks on the device, window on the device, bytes loaded)."""
         hyb, store = self.hyb, self.store
         assert store is not None and hyb.window is not None
@@ -177,29 +194,26 @@ class HybridLM:
         c = find_checkpoint(store, hyb, hashes, n, self.policy)
         if c < 0:
             return -1, None, None, 0
-        wb, fb = hyb.window.block_bytes, hyb.full.block_bytes if hyb.full is not None else 0
-        host = self._host(wb + (c + 1) * fb)
         # The window first: once it is read, its full part cannot leave before it (its parent),
         # short of expiring in between; a short read of either is a miss, never a wrong hit.
-        if self._get(hyb.window, [hyb.window_key(hashes[c])], host[:wb]) != 1:
+        window = self._fetch(hyb.window, [hyb.window_key(hashes[c])], held)
+        if window is None:
             return -1, None, None, 0
-        if hyb.full is not None and self._get(hyb.full, hashes[: c + 1], host[wb:]) != c + 1:
-            return -1, None, None, 0
-        dev = host.to(self.device, non_blocking=True)
-        full = dev[wb:].view(c + 1, fb) if hyb.full is not None else None
-        return c, full, dev[:wb], host.numel()
+        full = None
+        if hyb.full is not None:
+            full = self._fetch(hyb.full, list(hashes[: c + 1]), held)
+            if full is None:
+                return -1, None, None, 0
+        loaded = window.numel() + (full.numel() if full is not None else 0)
+        return c, full, window.view(-1), loaded
 
-    def _load_everything(self, hashes: list[BlockHash], max_hit: int) -> tuple[int, torch.Tensor | None, int]:
+    def _load_everything(self, hashes: list[BlockHash], max_hit: int, held: list[Any]) -> tuple[int, torch.Tensor | None, int]:
         assert self.store is not None
         n = self.store.lookup(self.ns, hashes[:max_hit]).num_blocks
-        if not n:
+        blocks = self._fetch(self.ns, list(hashes[:n]), held) if n else None
+        if blocks is None:
             return 0, None, 0
-        host = self._host(n * self.ns.block_bytes)
-        n = self._get(self.ns, hashes[:n], host)
-        if not n:
-            return 0, None, 0
-        host = host[: n * self.ns.block_bytes]
-        return n, host.to(self.device, non_blocking=True).view(n, -1), host.numel()
+        return n, blocks, blocks.numel()
 
     # ---- the cache ------------------------------------------------------------------------------
 
@@ -251,24 +265,29 @@ class HybridLM:
         max_hit = (ids.numel() - 1) // bt  # one token is always computed: its logits
         c, blocks, window, loaded = -1, None, None, 0
         n_full = 0
-        if cached and max_hit:
-            if self.everything:
-                n, blocks, loaded = self._load_everything(hashes, max_hit)
-                c = n - 1
-                n_full = n
-            else:
-                c, blocks, window, loaded = self._load(hashes, max_hit)
-                if c >= 0 and self.hyb.full is not None:
-                    n_full = self.store.lookup(self.hyb.full, hashes[:max_hit]).num_blocks  # type: ignore[union-attr]
-        hit = (c + 1) * bt
-        cache = self._build(blocks, window, hit)
-        for layer in self.plan.sliding:
-            cache.layers[layer].activate_past_recording()  # keep the suffix's window states to store
-        out = self.model(input_ids=ids[hit:].unsqueeze(0).to(self.device), use_cache=True, logits_to_keep=1, **{self._kw: cache})
-        cache = _out_cache(out)
-        logits = out.logits[0, -1].float()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        held: list[Any] = []  # leases on the arena, until the device has copied out of it
+        try:
+            if cached and max_hit:
+                if self.everything:
+                    n, blocks, loaded = self._load_everything(hashes, max_hit, held)
+                    c = n - 1
+                    n_full = n
+                else:
+                    c, blocks, window, loaded = self._load(hashes, max_hit, held)
+                    if c >= 0 and self.hyb.full is not None:
+                        n_full = self.store.lookup(self.hyb.full, hashes[:max_hit]).num_blocks  # type: ignore[union-attr]
+            hit = (c + 1) * bt
+            cache = self._build(blocks, window, hit)
+            for layer in self.plan.sliding:
+                cache.layers[layer].activate_past_recording()  # keep the suffix's window states to store
+            out = self.model(input_ids=ids[hit:].unsqueeze(0).to(self.device), use_cache=True, logits_to_keep=1, **{self._kw: cache})
+            cache = _out_cache(out)
+            logits = out.logits[0, -1].float()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            for lease in held:
+                lease.release()
         seconds = time.perf_counter() - t0
         stored = self._store(cache, hashes, c, hit) if store and self.store is not None else 0
         for layer in self.plan.sliding:
