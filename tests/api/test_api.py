@@ -168,15 +168,14 @@ def test_every_implementation_gives_the_same_answers(open_worlds: Any) -> None:
 
 
 _THROUGH_ACQUIRE = pytest.mark.xfail(strict=True, reason=(
-    "the daemon serves every load through KVStore.acquire (dataplane._get, and the client's "
-    "shm get_into): a prefix ends at the first block the DRAM arena cannot take while the "
+    "the client's shm get_into loads through KVStore.acquire: a prefix ends at the first block the DRAM arena cannot take while the "
     "whole chain is held, so a chain longer than DRAM loads short; the in-process store reads "
-    "slower tiers straight into the caller's buffer (issue 12: the core's acquire, the daemon's GET)"
+    "slower tiers straight into the caller's buffer (issue 12: the core's acquire)"
 ))
 
 
 @pytest.mark.parametrize(
-    "impl", ["store", pytest.param("shm", marks=_THROUGH_ACQUIRE), pytest.param("tcp", marks=_THROUGH_ACQUIRE)]
+    "impl", ["store", pytest.param("shm", marks=_THROUGH_ACQUIRE), "tcp"]
 )
 def test_get_into_a_chain_longer_than_the_first_tier(impl: str, tmp_path: Any, monkeypatch: Any) -> None:
     chain = chain_for(13, DRAM_BLOCKS + 2)
