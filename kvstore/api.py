@@ -121,11 +121,8 @@ class KVCacheAPI(Protocol[L]):
     class the daemon's reply names). Differences that remain, by design: a client registers a
     namespace on its first use (the store raises UnknownNamespaceError; both raise
     LayoutMismatchError when the deployment is registered with another layout), :meth:`acquire` on a
-    client needs the shared-memory plane (UsageError otherwise), a client's :meth:`release` is
-    applied by the daemon in order with the client's later data-plane calls (``get_into``,
-    ``put``, ``acquire``) but a control call (``delete``, ``pin``) may overtake it, and
-    :meth:`stats` of a client is the daemon's view for its tenant (``usage``; the store's
-    ``store`` only for an admin).
+    client needs the shared-memory plane (UsageError otherwise), and :meth:`stats` of a client
+    is the daemon's view for its tenant (``usage``; the store's ``store`` only for an admin).
     """
 
     def register_namespace(self, ns: Namespace, ttl_s: float | None = None) -> None:

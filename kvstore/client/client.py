@@ -441,7 +441,7 @@ class Client:
                 bufs[i][:size] = arena[off : off + size]
             del arena
         finally:
-            conn.call(P.Op.RELEASE, P.encode_u64(lease_id), reply=False)
+            conn.call(P.Op.RELEASE, P.encode_u64(lease_id))
         return len(locs)
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> ClientLease:
@@ -463,7 +463,7 @@ class Client:
                 with self._lock:
                     if self._conn is conn:  # after a reconnect the daemon has dropped it already
                         with contextlib.suppress(ConnectionLost):
-                            conn.call(P.Op.RELEASE, P.encode_u64(lease_id), reply=False)
+                            conn.call(P.Op.RELEASE, P.encode_u64(lease_id))
 
             lease = ClientLease(views, release, self._arena_name, tuple(locs))
             self._leases.add(lease)

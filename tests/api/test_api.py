@@ -15,7 +15,6 @@ from kvstore.keys import KVLayout, LayerGroup
 from kvstore.shm import attach_arena
 from tests.api.conftest import DRAM_BLOCKS, IMPLS, World, open_world
 from tests.conftest import BB, SMALL_NS, chain_for, payload
-from tests.kvstore.conftest import eventually
 
 H = 3600.0
 
@@ -115,12 +114,7 @@ def test_leases_hold_blocks_in_the_arena(world: World) -> None:
     assert api.delete(SMALL_NS, chain[:1]) == 0  # in use: nothing leaves
     api.release(lease)
     api.release(lease)  # idempotent
-    if world.kind == "store":
-        assert api.delete(SMALL_NS, chain[:1]) == 3
-    else:  # the daemon applies a release in order on the data connection, not before HTTP calls
-        deleted: list[int] = []
-        assert eventually(lambda: deleted.append(api.delete(SMALL_NS, chain[:1])) or sum(deleted) == 3)
-        assert sum(deleted) == 3
+    assert api.delete(SMALL_NS, chain[:1]) == 3
 
 
 def test_lookup_names_the_tiers_it_cannot_reach(world: World) -> None:
@@ -173,18 +167,7 @@ def test_every_implementation_gives_the_same_answers(open_worlds: Any) -> None:
     assert transcripts["tcp"] == transcripts["store"]
 
 
-_THROUGH_ACQUIRE = pytest.mark.xfail(strict=False, reason=(
-    "the daemon's GET on main serves through KVStore.acquire (dataplane._get): a prefix ends at "
-    "the first block the DRAM arena cannot take while the whole chain is held, so a chain longer "
-    "than DRAM loads short (the store reads slower tiers straight into the caller's buffer); a "
-    "client over shm sends such a load as a GET too. The daemon branch falls back to a buffered "
-    "read when a lease is short, and then this passes"
-))
-
-
-@pytest.mark.parametrize(
-    "impl", ["store", pytest.param("shm", marks=_THROUGH_ACQUIRE), pytest.param("tcp", marks=_THROUGH_ACQUIRE)]
-)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_get_into_a_chain_longer_than_the_first_tier(impl: str, tmp_path: Any, monkeypatch: Any) -> None:
     chain = chain_for(13, DRAM_BLOCKS + 2)
     with open_world(impl, tmp_path / impl, monkeypatch) as w:
