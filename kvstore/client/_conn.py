@@ -24,6 +24,7 @@ from kvstore.errors import (
     MissingPrefixError,
     QuotaExceededError,
     TierFullError,
+    TierIOError,
     UnknownNamespaceError,
     UsageError,
 )
@@ -41,7 +42,10 @@ _ERRORS: dict[P.ErrorCode, type[KVStoreError]] = {
     P.ErrorCode.QUOTA: QuotaExceededError,
     P.ErrorCode.NOT_FOUND: UnknownNamespaceError,
     P.ErrorCode.CONFLICT: MissingPrefixError,
-    P.ErrorCode.UNAVAILABLE: TierFullError,
+    P.ErrorCode.FULL: TierFullError,
+    # A device or remote store failed (a disk I/O error, S3 down): the daemon is there and
+    # answered, so this is neither a full store nor a lost connection.
+    P.ErrorCode.UNAVAILABLE: TierIOError,
     P.ErrorCode.BAD_REQUEST: UsageError,
     P.ErrorCode.BAD_FRAME: UsageError,
     P.ErrorCode.TOO_LARGE: UsageError,

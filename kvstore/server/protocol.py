@@ -71,8 +71,9 @@ class ErrorCode(enum.IntEnum):
     CONFLICT = 6
     QUOTA = 7
     FORBIDDEN = 8
-    UNAVAILABLE = 9
+    UNAVAILABLE = 9  # a device or remote store failed (TierIOError): disk I/O, read-only, S3 down
     INTERNAL = 10
+    FULL = 11  # no room in the store (TierFullError); an older daemon sent UNAVAILABLE for it
 
 
 FATAL = frozenset({ErrorCode.BAD_FRAME, ErrorCode.UNAUTHENTICATED, ErrorCode.TOO_LARGE})
