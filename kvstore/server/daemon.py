@@ -41,8 +41,8 @@ from kvstore.server.limits import (
 )
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import Service, load_secret
+from kvstore.shm import attach_arena
 from kvstore.store import KVStore
-from tiers.dram import attach_arena
 from tiers.nvme import lock_holder
 
 log = logging.getLogger(__name__)
