@@ -189,10 +189,11 @@ class HttpConn:
         conn = headers.get(b"connection", b"").lower()
         if to_eof or self._buf or b"close" in conn or (not http11 and b"keep-alive" not in conn):
             self.close()
-        if DAEMON_HEADER not in headers and b"json" not in headers.get(b"content-type", b"").lower():
+        ctype = headers.get(b"content-type", b"").lower()
+        if DAEMON_HEADER not in headers and b"json" not in ctype and (status >= 300 or b"html" in ctype):
             # Neither the daemon's mark nor JSON (a daemon older than the mark, or a proxy in
-            # front of one, still answers JSON): an HTML 404 page must not read as "unknown
-            # namespace".
+            # front of one, still answers JSON), but an error or a page: an HTML 404 must not
+            # read as "unknown namespace".
             self.close()
             kind = headers.get(b"content-type", b"no content type").decode("latin-1")[:60]
             raise NotADaemonError(

@@ -183,9 +183,9 @@ def test_a_port_in_use_is_named_before_the_store_is_made(tmp_path: Path, plane: 
 def test_a_second_daemon_on_a_directory_names_the_holders_pid(tmp_path: Path) -> None:
     """Issue 15 item 3: a second daemon got RocksDB's lock error, not who holds the directory."""
     cfg = write_config(tmp_path / "kvstore.toml", crash_tiers(), events=False)
-    with spawn_daemon(tmp_path / "store", cfg) as first:
-        with pytest.raises(KVStoreError, match=f"in use by process {first.pid}"):
-            spawn_daemon(tmp_path / "store", cfg)
+    with spawn_daemon(tmp_path / "store", cfg) as first, \
+            pytest.raises(KVStoreError, match=f"in use by process {first.pid}"):
+        spawn_daemon(tmp_path / "store", cfg)
 
 
 @pytest.fixture
