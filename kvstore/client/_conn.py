@@ -29,6 +29,8 @@ from kvstore.errors import (
     UsageError,
 )
 from kvstore.server import protocol as P
+from kvstore.server.fdpass import receive_fds
+from kvstore.shm import Segment, attach_arena
 from kvstore.ucxenv import apply_ucx_env
 
 
@@ -50,6 +52,19 @@ _ERRORS: dict[P.ErrorCode, type[KVStoreError]] = {
     P.ErrorCode.BAD_FRAME: UsageError,
     P.ErrorCode.TOO_LARGE: UsageError,
 }
+
+
+def open_staging(reply: str, info: dict[str, Any], timeout: float) -> Any:
+    """The staging segment a STAGING reply names: a memfd, fetched with the ticket of an
+    ``fd:<hex>`` reply from the daemon's fd socket (``info["shm_socket"]``); from an older
+    daemon, a /dev/shm name."""
+    if not reply.startswith("fd:"):
+        return attach_arena(reply)
+    try:
+        fds = receive_fds(info["shm_socket"], bytes.fromhex(reply[3:]), timeout)
+    except (OSError, KeyError, ValueError) as e:
+        raise ConnectionLost(f"cannot fetch the staging segment from the daemon: {e}") from e
+    return Segment(fds[0], writable=True, name="staging")
 
 
 class TcpTransport:
