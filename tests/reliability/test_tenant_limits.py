@@ -212,3 +212,36 @@ def test_the_limits_are_in_kvstore_errors_terms(start_daemon: Callable[..., Thre
     r = httpx.post(f"{d.url}/v1/namespaces", json={"namespace": _ns(2).to_dict()}, headers={"Authorization": f"Bearer {TOKEN_A}"})
     assert r.status_code == 507 and r.json()["kind"] == "QuotaExceededError", r.text
     assert issubclass(QuotaExceededError, KVStoreError)
+
+
+def test_healthz_while_another_client_sends_the_biggest_lookups(start_daemon: Callable[..., ThreadedDaemon], figures) -> None:
+    """Item 6's figure: /healthz latency while a client sends lookups of 65,536 hashes back to
+    back (reported, not asserted; the structural check is the test above). The daemon runs on
+    a thread of this process, so the figure includes the GIL it shares with the flood."""
+    import time
+
+    d = start_daemon(limits=Limits(max_blocks=65_536))
+    hashes = [bytes([i % 256, i // 256 % 256]) * 8 for i in range(65_536)]
+    stop = threading.Event()
+    probes = 40
+
+    def flood() -> None:
+        with connect(d.url, plane="tcp") as c:
+            c.register_namespace(SMALL_NS)
+            while not stop.is_set():
+                c.lookup(SMALL_NS, hashes)
+
+    t = threading.Thread(target=flood)
+    t.start()
+    lat: list[float] = []
+    try:
+        with httpx.Client(base_url=d.url, timeout=30) as h:
+            for _ in range(probes):
+                t0 = time.perf_counter()
+                assert h.get("/healthz").status_code == 200
+                lat.append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+        t.join(60)
+    lat.sort()
+    figures(probes=probes, healthz_p50_ms=round(1000 * lat[len(lat) // 2], 2), healthz_max_ms=round(1000 * lat[-1], 2))
