@@ -270,3 +270,24 @@ def hash_blocks(
         prev = hasher(prev + tb[off : off + step] + extra)
         append(prev)
     return out
+
+
+def split_layout(layout: KVLayout) -> tuple[KVLayout | None, KVLayout | None]:
+    """A hybrid layout as the two parts a hybrid store keeps (``docs/hybrid.md``).
+
+    The *full part*: every ``full`` and ``mla`` group, per block of ``block_tokens`` tokens
+    (every hit needs it for every block). The *window part*: every ``sliding`` group for the
+    ``window - 1`` tokens before a block boundary (all that a later token can attend to), stored
+    only at checkpoints; its ``block_tokens`` is that token count, the largest window's if the
+    groups differ. Either part is None when the layout has no group of that kind.
+    """
+    full = tuple(g for g in layout.groups if g.kind != "sliding")
+    sliding = tuple(g for g in layout.groups if g.kind == "sliding")
+    full_part = KVLayout(layout.dtype, layout.block_tokens, full) if full else None
+    window_part = None
+    if sliding:
+        tokens = max(g.window for g in sliding) - 1
+        if tokens <= 0:
+            raise UsageError("a sliding window of 1 token keeps no state between blocks; nothing to store")
+        window_part = KVLayout(layout.dtype, tokens, sliding)
+    return full_part, window_part

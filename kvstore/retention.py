@@ -39,6 +39,10 @@ class PinRecord:
     until: float | None
     """Wall-clock deadline; None: until unpinned."""
 
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
     def to_json(self) -> dict[str, object]:
         return {"ns": self.ns.hex(), "hashes": [h.hex() for h in self.hashes], "until": self.until}
 

@@ -65,6 +65,7 @@ class LookupOut(BaseModel):
     num_blocks: int = Field(description="leading blocks cached (the usable prefix)")
     num_tokens: int
     tiers: list[str] = Field(description="the tier holding each cached block")
+    unavailable: list[str] = Field(description="tiers that cannot be reached now (blocks only there are not counted)")
 
 
 B = TypeVar("B", bound=BaseModel)
@@ -261,7 +262,8 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
         return _lookup_reply(r)
 
     def _lookup_reply(r: Any) -> Response:
-        out = {"num_blocks": r.num_blocks, "num_tokens": r.num_tokens, "tiers": list(r.tiers)}
+        out = {"num_blocks": r.num_blocks, "num_tokens": r.num_tokens, "tiers": list(r.tiers),
+               "unavailable": list(r.unavailable)}
         return Response(json.dumps(out, separators=(",", ":")).encode(), media_type="application/json")
 
     @app.get("/healthz", tags=["health"])

@@ -447,6 +447,9 @@ class Session:
         held = self.leases.pop(P.parse_u64(meta), None)
         if held is not None:  # an unknown id: released already (a retry, or its deadline passed)
             await self._give_back(held[0])
+        # Replied once the store has the blocks back, so a client's next call (a delete, a
+        # put that needs the room) sees the release: the control plane is another socket.
+        await self._reply(hdr.req_id, b"")
 
     async def _give_back(self, lease: Lease) -> None:
         self.ctx.metrics.leases.dec()
