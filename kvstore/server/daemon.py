@@ -122,8 +122,10 @@ class Daemon:
                 fds = FdServer()
                 fds.start()
             lim = cfg.limits
-            gate = ConnectionGate(descriptor_budget(lim.max_connections), lim.max_connections_per_peer)
-            ctx = DataContext(service, pool, Metrics(store.stats), arena_shm.buf if arena_shm else None, node_id(),
+            metrics = Metrics(store.stats)
+            gate = ConnectionGate(descriptor_budget(lim.max_connections), lim.max_connections_per_peer,
+                                  metrics.refused.inc)
+            ctx = DataContext(service, pool, metrics, arena_shm.buf if arena_shm else None, node_id(),
                               gate, InflightBytes(lim.max_inflight_bytes_per_tenant), fds, arena_fd)
             planes: list[Any] = []
             tcp = TcpDataServer(ctx)
@@ -143,7 +145,8 @@ class Daemon:
             self._server = _Uvicorn(
                 uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-                               http=gated_http_protocol(gate, lim.request_timeout_s))
+                               http=gated_http_protocol(gate, lim.request_timeout_s,
+                                                        metrics.timeouts.labels("http", "request").inc))
             )
             if on_main_thread:  # an embedded daemon (ThreadedDaemon) is stopped by its owner
                 for sig in (signal.SIGTERM, signal.SIGINT):

@@ -223,6 +223,7 @@ class Session:
         except ChannelClosed:
             pass
         except TimeoutError:
+            m.timeouts.labels(self.ch.plane, "handshake" if self.tenant is None else "frame").inc()
             log.info("%s client stalled (no HELLO within %.0f s, a header cut short for %.0f s, or a "
                      "frame for %.0f s); closing it", self.ch.plane, lim.handshake_timeout_s,
                      lim.request_timeout_s, FRAME_TIMEOUT_S)
@@ -463,6 +464,7 @@ class Session:
             lease, _ = self.leases.pop(i)
             await self._give_back(lease)
         if due:
+            self.ctx.metrics.leases_expired.inc(len(due))
             log.info("released %d lease(s) of tenant %r not released within %.0f s", len(due),
                      self.tenant.name if self.tenant else "?", self.ctx.service.limits.lease_timeout_s)
         return len(due)

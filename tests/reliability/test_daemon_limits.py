@@ -93,12 +93,27 @@ def test_idle_and_partial_connections_at_the_descriptor_limit_leave_the_daemon_s
         assert closed == len(flood), f"the daemon left {len(flood) - closed} of {len(flood)} idle connections open"
         assert httpx.get(f"{d.url}/healthz", timeout=10).status_code == 200
         assert c.get_into(SMALL_NS, chain, out) == 4
+        counts = _counters(httpx.get(f"{d.url}/metrics", timeout=10).text)
+        timeouts = sum(v for k, v in counts.items() if k.startswith("kvstore_connection_timeouts_total"))
+        refused = counts.get("kvstore_connections_refused_total", 0)
+        assert refused + timeouts >= len(flood) * 0.9  # every one accounted for, bar the kernel's refusals
         for s in flood:
             s.close()
         c.close()
         figures(nofile=nofile, connections_opened=len(flood), closed_by_daemon=closed,
-                seconds_until_all_closed=round(closed_s, 2))
+                seconds_until_all_closed=round(closed_s, 2), refused_at_accept=int(refused),
+                closed_at_a_deadline=int(timeouts))
         assert d.stop() == 0
+
+
+def _counters(text: str) -> dict[str, float]:
+    """Prometheus samples by name and labels, as written."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
 
 
 def _hello(port: int, token: str) -> socket.socket:
