@@ -15,6 +15,7 @@ import ctypes
 import glob
 import os
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -92,9 +93,16 @@ def arena_tensor(name: str) -> torch.Tensor:
         if hit is not None:
             return hit[1]
         shm = attach_arena(name)
-        host = torch.frombuffer(shm.buf, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            # A daemon's arena is mapped read-only: the tensor is only read (copies to the
+            # device); a write would fault in this process, never reach the daemon's memory.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            host = torch.frombuffer(shm.buf, dtype=torch.uint8)
         if torch.cuda.is_available():
-            err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
+            # A daemon hands its clients the arena read-only; CUDA registers such memory only
+            # with cudaHostRegisterReadOnly (8).
+            flags = 8 if shm.buf.readonly else 0
+            err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), flags)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of arena {name} ({host.numel()} bytes) failed: {err}")
         _ARENAS[name] = (shm, host)

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from kvstore.block import BlockMeta, payload_checksum
 from kvstore.buffers import Buffer, byte_view
@@ -299,6 +299,15 @@ class NvmeTier(Tier):
                 self._quarantine_db(e)
                 return self._db  # type: ignore[return-value]
             msg = str(e)
+            if "No space left" in msg:
+                # A full disk: RocksDB cannot write its open-time files, but reading needs none.
+                # Serve what the tier holds; its writes fail (TierIOError) until there is room.
+                log.error("nvme tier %r: %s; opened its metadata DB read-only (reads work, writes "
+                          "fail until the disk has room)", self.name, msg)
+                try:
+                    return Rdict(str(self._db_path), Options(raw_mode=True), access_type=AccessType.read_only(False))
+                except Exception:  # rocksdict raises bare Exception; report the first error
+                    pass
             if "/LOCK" in msg or "lock hold" in msg:  # not "lock": "block checksum" has one too
                 hint = (
                     "another process, or another open tier object in this one, holds this tier: "

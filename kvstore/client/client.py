@@ -37,8 +37,9 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from kvstore.api import LookupResult, layout_mismatch
+from kvstore.block import payload_checksum
 from kvstore.buffers import dst_views, src_views
-from kvstore.client._conn import ConnectionLost, FrameConn, TcpTransport, UcxTransport
+from kvstore.client._conn import ConnectionLost, FrameConn, TcpTransport, UcxTransport, open_staging
 from kvstore.client._http import HttpConn
 from kvstore.errors import (
     AuthError,
@@ -53,7 +54,8 @@ from kvstore.errors import (
 )
 from kvstore.keys import Namespace
 from kvstore.server import protocol as P
-from kvstore.shm import attach_arena
+from kvstore.server.fdpass import receive_fds
+from kvstore.shm import attach_arena, remember_arena
 
 T = TypeVar("T")
 PLANES = ("auto", "shm", "tcp", "ucx")
@@ -225,6 +227,9 @@ class Client:
         if not hello.get("arena") or hello.get("node_id") != _local_node_id():
             return None
         try:
+            if hello.get("shm_socket"):  # the arena has no name: a read-only descriptor of it
+                fds = receive_fds(hello["shm_socket"], bytes.fromhex(hello["arena_ticket"]), self.timeout)
+                remember_arena(hello["arena"], fds[0])
             shm = _attach_shared(hello["arena"])
         except OSError:  # another container's /dev/shm, say: fall back to TCP
             return None
@@ -501,7 +506,8 @@ class Client:
                 for i, s in enumerate(srcs):
                     sbuf[i * bb : (i + 1) * bb] = s
                 del sbuf
-                _, meta = conn.call(P.Op.PUT_SHM, P.encode_put(ns_id, hashes, start, durable, staging_offset=0))
+                sums = [payload_checksum(s) for s in srcs]  # the daemon verifies the staged bytes
+                _, meta = conn.call(P.Op.PUT_SHM, P.encode_put(ns_id, hashes, start, durable, 0, sums))
             else:
                 _, meta = conn.call(P.Op.PUT, P.encode_put(ns_id, hashes, start, durable), srcs)
             return P.parse_u64(meta)
@@ -515,7 +521,7 @@ class Client:
             if self._staging is not None:
                 with contextlib.suppress(BufferError):
                     self._staging.close()
-            self._staging = attach_arena(bytes(meta).decode())
+            self._staging = open_staging(bytes(meta).decode(), self.info, self.timeout)
         return self._staging
 
 

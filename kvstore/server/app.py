@@ -24,6 +24,8 @@ from kvstore.server.metrics import CONTENT_TYPE
 from kvstore.server.service import AuthError, ForbiddenError, Tenant, classify
 
 HEX16 = r"^[0-9a-fA-F]{32}$"
+DAEMON_HEADER = (b"x-kvstore-daemon", b"1")
+"""On every reply: how a client tells a kvstore daemon from whatever else answers on a port."""
 INLINE_LOOKUP_BODY = 64 * 1024
 """A lookup body up to this size (~1,800 hashes) is parsed and answered on the event loop (from
 memory, when the store is not busy); a larger one, up to 65,536 hashes or max_tokens token ids,
@@ -142,6 +144,7 @@ class _Timing:
             nonlocal status
             if msg["type"] == "http.response.start":
                 status = msg["status"]
+                msg = {**msg, "headers": [*msg.get("headers", ()), DAEMON_HEADER]}
             await send(msg)
 
         try:

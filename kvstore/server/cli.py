@@ -47,6 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Everything the daemon writes (slab, objects, namespaces.json with tenant salts, the event
     # log, pins.json, server-secret) is for its own user alone: files 0600, directories 0700.
     os.umask(0o077)
+    _not_dumpable()
     try:
         with asyncio.Runner(loop_factory=_loop_factory(server_cfg.ucx)) as runner:
             runner.run(Daemon(store_cfg, server_cfg).serve(ready))
@@ -57,6 +58,21 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvstore serve: cannot run the daemon: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _not_dumpable() -> None:
+    """PR_SET_DUMPABLE 0: processes of the daemon's own user can no longer ptrace it or open its
+    /proc/<pid>/fd and /proc/<pid>/mem (only root can), so the arena and staging descriptors
+    reach only the clients the daemon hands them to. No core dumps either."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE) failed")
+    except (OSError, AttributeError) as e:
+        logging.getLogger(__name__).warning("cannot make the daemon non-dumpable (%s): processes of "
+                                            "its user can read its memory", e)
 
 
 def _loop_factory(ucx: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
