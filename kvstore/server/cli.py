@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 from kvstore.config import load_config
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.version import version
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -28,6 +30,10 @@ def _serve(args: argparse.Namespace) -> int:
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     store_over = {"root": args.data_dir} if args.data_dir is not None else {}
+    problem = _data_dir_problem(args.data_dir) if args.data_dir is not None else None
+    if problem:
+        print(f"kvstore serve: --data-dir {args.data_dir}: {problem}", file=sys.stderr)
+        return 2
     try:
         store_cfg = load_config(args.config, **store_over)
         server_cfg = load_server_config(args.config, **overrides)
@@ -55,6 +61,20 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_dir_problem(path: Path) -> str | None:
+    """What keeps ``--data-dir`` from being a store directory, named by the flag (the store's
+    own message names the TOML key)."""
+    if path.exists() and not path.is_dir():
+        return "is a file, not a directory; pass a directory (it is created if missing)"
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "it" if probe == path else f"{probe}"
+        return f"{where} is not writable by this user; pass a directory it may write, or fix its permissions"
+    return None
+
+
 def _loop_factory(ucx: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop (from uvicorn[standard]) roughly halves the control plane's per-request overhead;
     ucxx drives the standard asyncio loop, so UCX keeps that one."""
@@ -69,6 +89,7 @@ def _loop_factory(ucx: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvstore", description="kvstore: a tiered KV-cache store for LLM inference.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser(
         "serve",
