@@ -20,6 +20,7 @@ from kvstore.errors import KVStoreError, UsageError, error_kind
 from kvstore.keys import Namespace
 from kvstore.server.admin import admin_router
 from kvstore.server.dataplane import DataContext
+from kvstore.server.docs import install_docs
 from kvstore.server.metrics import CONTENT_TYPE
 from kvstore.server.service import AuthError, ForbiddenError, Tenant, classify
 
@@ -172,6 +173,8 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
     app = FastAPI(
         title="kvstore daemon",
         version="1",
+        docs_url=None,  # served from a packaged copy: kvstore/server/docs.py
+        redoc_url=None,
         description="Control plane of the kvstore daemon. Block payloads move on the data plane "
         "(shared memory, framed TCP, UCX), never through this API.",
     )
@@ -193,6 +196,7 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
         return JSONResponse({"detail": detail, "kind": "UsageError"}, status_code=422)
 
     app.add_middleware(_Timing, metrics=metrics)
+    install_docs(app)
 
     async def tenant(authorization: Annotated[str | None, Header()] = None) -> Tenant:
         token = None
