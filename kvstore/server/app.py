@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvstore.errors import KVStoreError, UsageError, error_kind
 from kvstore.keys import Namespace
+from kvstore.server import requestlog
 from kvstore.server.admin import admin_router
 from kvstore.server.dataplane import DataContext
 from kvstore.server.docs import install_docs
@@ -143,7 +144,10 @@ class _Timing:
             await self.app(scope, receive, send_status)
         finally:  # the router put the matched route into the scope
             op = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.observe("http", op, time.perf_counter() - t0, str(status))
+            spent = time.perf_counter() - t0
+            self.metrics.observe("http", op, spent, str(status))
+            if requestlog.enabled():
+                requestlog.record(scope, op, status, spent)
 
 
 def _hashes(items: list[str], limit: int) -> list[bytes]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvstore.config import load_config
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.server import requestlog
 from kvstore.version import version
 
 
@@ -50,8 +51,16 @@ def _serve(args: argparse.Namespace) -> int:
                   f"store {info['root']})", flush=True)
 
     try:
+        requestlog.configure(args.request_log)
+    except OSError as e:
+        print(f"kvstore serve: --request-log {args.request_log}: cannot open it ({e.strerror})", file=sys.stderr)
+        return 2
+    try:
         with asyncio.Runner(loop_factory=_loop_factory(server_cfg.ucx)) as runner:
             runner.run(Daemon(store_cfg, server_cfg).serve(ready))
+        # stderr: with --json, stdout carries the one ready line a parent reads.
+        print(f"kvstore daemon stopped: requests in flight finished, store {store_cfg.root} closed",
+              file=sys.stderr, flush=True)
     except ConfigError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 2
@@ -107,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--ucx-port", type=int, default=None, help="UCX port (default 7072; 0 picks a free one)")
     s.add_argument("--json", action="store_true", help="print one JSON line with the bound addresses when ready")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--request-log", metavar="FILE", default=None,
+                   help="one JSON line per HTTP request to FILE ('-': stderr); default off")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return _serve(args)
