@@ -40,6 +40,7 @@ import xxhash
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
 from kvstore.block import BlockMeta, payload_checksum
+from kvstore.buffers import Buffer, byte_view
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     BlockNotFound,
@@ -54,7 +55,7 @@ from kvstore.errors import (
 from kvstore.keys import HASH_BYTES, BlockHash
 from tiers._direct import ALIGN, DirectFile
 from tiers._slab import SlabAllocator
-from tiers.base import Buffer, Tier, TierUsage, byte_view, tier_dir
+from tiers.base import Tier, TierUsage, tier_dir
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,8 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from kvstore.api import LookupResult
+from kvstore.buffers import dst_views, src_views
 from kvstore.client._conn import ConnectionLost, FrameConn, TcpTransport, UcxTransport
 from kvstore.client._http import HttpConn
 from kvstore.errors import (
@@ -50,8 +52,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import Namespace
 from kvstore.server import protocol as P
-from kvstore.store import LookupResult, _dst_views, _src_views
-from tiers.dram import attach_arena
+from kvstore.shm import attach_arena
 
 T = TypeVar("T")
 PLANES = ("auto", "shm", "tcp", "ucx")
@@ -110,9 +111,9 @@ class ClientLease:
     views: list[memoryview]
     _release: Callable[[], None] = field(repr=False)
     arena: str = ""
-    """The daemon's arena (shared-memory name), as in :class:`kvstore.store.Lease`."""
+    """The daemon's arena (shared-memory name), as in :class:`kvstore.api.Lease`."""
     locations: tuple[tuple[int, int], ...] = ()
-    """``(offset, size)`` of each block in the arena, as in :class:`kvstore.store.Lease`."""
+    """``(offset, size)`` of each block in the arena, as in :class:`kvstore.api.Lease`."""
     _done: bool = field(default=False, repr=False)
 
     @property
@@ -373,7 +374,7 @@ class Client:
     def get_into(self, ns: Namespace, hashes: Sequence[bytes], dst: Any | Sequence[Any]) -> int:
         """Load the leading cached blocks into caller buffers (as :meth:`KVStore.get_into`)."""
         bb = ns.block_bytes
-        bufs = [b[:bb] for b in _dst_views(dst, bb)]
+        bufs = [b[:bb] for b in dst_views(dst, bb)]
         hashes = list(hashes[: len(bufs)])
         if not hashes:
             return 0
@@ -443,7 +444,7 @@ class Client:
         hashes = list(hashes)
         if not 0 <= start <= len(hashes):
             raise UsageError(f"start={start} is outside the chain of {len(hashes)} blocks")
-        srcs = _src_views(blocks, bb, len(hashes) - start)
+        srcs = src_views(blocks, bb, len(hashes) - start)
 
         def call() -> int:
             conn, ns_id = self._conn, self._ns_id(ns)

@@ -32,8 +32,8 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.dataplane import DataContext, TcpDataServer
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import Service, load_secret
+from kvstore.shm import attach_arena
 from kvstore.store import KVStore
-from tiers.dram import attach_arena
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvstore.api import Lease
 from kvstore.server import protocol as P
 from kvstore.server.config import is_loopback
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import AuthError, Service, Tenant, classify
-from kvstore.store import Lease
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

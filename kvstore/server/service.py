@@ -30,6 +30,7 @@ from typing import Any
 
 import xxhash
 
+from kvstore.api import Lease, LookupResult
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     AuthError,
@@ -49,7 +50,7 @@ from kvstore.keys import Namespace, hash_blocks
 from kvstore.retention import PinRecord
 from kvstore.server.config import ANONYMOUS, ServerConfig, TenantSpec
 from kvstore.server.protocol import ErrorCode
-from kvstore.store import KVStore, Lease, LookupResult
+from kvstore.store import KVStore
 
 SECRET_FILE = "server-secret"
 
