@@ -28,9 +28,10 @@ from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.store import KVStore
 from kvstore.version import version
 
-# 8 layers of 8 KV heads x 128 dims in bf16, 32-token blocks -> 1 MiB per block: enough that the
-# workload overflows the default 256 MiB DRAM tier and exercises demotion to NVMe.
-DEMO_NS = Namespace("demo/llama-8-layers", KVLayout("bfloat16", 32, (LayerGroup("full", 8, 8, 128),)))
+# 8 layers of 4 KV heads x 64 dims in bf16, 32-token blocks -> 256 KiB per block: enough that the
+# workload overflows the default 64 MiB DRAM tier and exercises demotion to NVMe, small enough
+# that the whole demo takes tens of MB.
+DEMO_NS = Namespace("demo/llama-8-layers", KVLayout("bfloat16", 32, (LayerGroup("full", 8, 4, 64),)))
 
 
 def fake_prefill(tokens: np.ndarray, block: int, ns: Namespace = DEMO_NS) -> np.ndarray:

@@ -25,6 +25,6 @@ def test_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
         monkeypatch.delenv(k)
     exec(compile(code.group(1), "README.md", "exec"), {})
     out = capsys.readouterr().out
-    assert "0 of 64 blocks cached" in out
-    assert "num_blocks=64" in out
+    assert "0 of 16 blocks cached" in out
+    assert "num_blocks=16" in out
     assert (tmp_path / "kvstore-data" / "namespaces.json").exists()
