@@ -127,7 +127,7 @@ def render(r: dict[str, Any], title: str = "kvstore cache report", sources: list
 
     out.append("<h2 id='ages'>What retention buys: the age of hits</h2>")
     ages = r["ages"]
-    out.append(svg.bar_chart("Hit tokens by the age of the block that served them", [(k, v, None) for k, v in ages["tokens"].items()],
+    out.append(svg.bar_chart("Hit tokens by the age of the block that served them", [(k, v, "#64748b") for k, v in ages["tokens"].items()],
                              total=r["hit_tokens"]))
     older = ages["share_older_than"]
     out.append(f"<p>Share of hit tokens served by blocks older than 1 h: <b>{_p(older['1h'])}</b>, "
