@@ -50,6 +50,9 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"kvstore daemon ready: {info['url']} (data port {info['data_port']}{ucx}; "
                   f"store {info['root']})", flush=True)
 
+    # Everything the daemon writes (slab, objects, namespaces.json with tenant salts, the event
+    # log, pins.json, server-secret) is for its own user alone: files 0600, directories 0700.
+    os.umask(0o077)
     try:
         requestlog.configure(args.request_log)
     except OSError as e:

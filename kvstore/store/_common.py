@@ -8,13 +8,12 @@ import logging
 import mmap
 import os
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kvstore.api import Lease as Lease  # moved to kvstore.api; re-exported for the store's parts
 from kvstore.api import LookupResult as LookupResult
+from kvstore.api import field_diffs as _diff  # noqa: F401 (the store's parts import it from here)
 from kvstore.buffers import dst_views, src_views
 from kvstore.errors import (
     KVStoreError,
@@ -101,15 +100,6 @@ class _Scratch:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-
-
-def _diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            yield from _diff(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            yield f"{prefix}{k}", va, vb
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
