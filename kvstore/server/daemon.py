@@ -206,9 +206,15 @@ class Daemon:
             await asyncio.sleep(self.config.maintain_interval_s)
             try:
                 await ctx.run(ctx.service.store.maintain)
+                await ctx.run(_log_usage, ctx.service.store)
                 await ctx.run(ctx.service.refresh_usage)
             except Exception:
                 log.exception("periodic maintenance failed; will retry")
+
+
+def _log_usage(store: Any) -> None:
+    """Tier fill into the event log, for kvreport's "tier fill over time"."""
+    store.events.usage(store.stats()["tiers"])
 
 
 class ThreadedDaemon:

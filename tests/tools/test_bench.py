@@ -85,3 +85,11 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip().endswith(version())
+
+
+def test_outage_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["outage", "--json", "--quick"]) == 0
+    rows = {r["metric"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    down = rows["request_cache_calls_p99_daemon_down"]
+    assert down["goal_us"] == 1000.0 and down["lookups_skipped"] >= 200 and down["stores_skipped"] >= 200
+    assert {"first_call_after_kill", "hits_back_after_restart"} <= set(rows)
