@@ -7,7 +7,9 @@ one contiguous run of bytes.
 
 The engine's side is the per-layer ``[batch=1, kv_heads, tokens, head_dim]`` tensors that
 Hugging Face caches (and most engines' attention kernels) use. :func:`pack` and :func:`unpack`
-convert between the two with a few tensor ops (no per-token or per-block Python).
+convert between the two with a few tensor ops (no per-token or per-block Python). The batched
+engine (``engine.batch``) keeps token-major ``[tokens, kv_heads, head_dim]`` rows instead (the
+layout of variable-length attention kernels): :func:`layer_rows` and :func:`pack_rows`.
 """
 
 from __future__ import annotations
@@ -90,3 +92,25 @@ def unpack_layer_into(blocks: torch.Tensor, shape: KVShape, layer: int, k: torch
     part = part.view(n, 2, shape.kv_heads, shape.block_tokens, shape.head_dim)
     k.view(shape.kv_heads, n, shape.block_tokens, shape.head_dim).copy_(part[:, 0].permute(1, 0, 2, 3))
     v.view(shape.kv_heads, n, shape.block_tokens, shape.head_dim).copy_(part[:, 1].permute(1, 0, 2, 3))
+
+
+def layer_rows(blocks: torch.Tensor, shape: KVShape, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer`` of ``[n, >=(layer+1)*layer_bytes]`` uint8 rows (any row pitch) as token-major
+    ``[n, block_tokens, kv_heads, head_dim]`` K and V views: no copy, ready to scatter into rows."""
+    n, lb = blocks.shape[0], shape.layer_bytes
+    part = blocks[:, layer * lb : (layer + 1) * lb].view(shape.dtype)
+    part = part.view(n, 2, shape.kv_heads, shape.block_tokens, shape.head_dim)
+    return part[:, 0].transpose(1, 2), part[:, 1].transpose(1, 2)
+
+
+def pack_rows(keys: list[torch.Tensor], values: list[torch.Tensor], shape: KVShape, blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks of per-layer token-major ``[rows, H, D]`` K/V as ``[m, block_bytes]`` uint8 payloads.
+
+    ``blocks`` (int64, on the rows' device) numbers row blocks of ``block_tokens`` rows: block b
+    is rows ``b*bt .. (b+1)*bt-1``. Two copies per layer and K/V, whatever the number of blocks."""
+    m, bt = int(blocks.numel()), shape.block_tokens
+    out = torch.empty((m, shape.num_layers, 2, shape.kv_heads, bt, shape.head_dim), dtype=shape.dtype, device=blocks.device)
+    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        for j, x in enumerate((k, v)):
+            out[:, layer, j] = x.view(-1, bt, shape.kv_heads, shape.head_dim).index_select(0, blocks).transpose(1, 2)
+    return out.view(m, -1).view(torch.uint8)
