@@ -158,6 +158,8 @@ class HbmCache:
             keys.append(h)
         if not keys:
             return None
+        for h in reversed(keys):  # deepest first: a chain's tail is the first to go
+            self._lru.move_to_end(h)
         if promoted:
             self.counters.promoted += len(keys)
         else:
