@@ -11,6 +11,7 @@ Copies go in block order on one stream per direction; callers split a block into
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -99,6 +100,22 @@ def arena_tensor(name: str) -> torch.Tensor:
                 raise RuntimeError(f"cudaHostRegister of arena {name} ({host.numel()} bytes) failed: {err}")
         _ARENAS[name] = (shm, host)
         return host
+
+
+def release_arenas() -> None:
+    """Unmap (and unregister) every arena mapped so far; call only when no lease is held and no
+    copy from an arena is in flight (benchmarks that close a store and open another)."""
+    with _LOCK:
+        items = list(_ARENAS.values())
+        _ARENAS.clear()
+    if torch.cuda.is_available():
+        for _, host in items:
+            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+    shms = [shm for shm, _ in items]
+    items.clear()  # the tensors export the mapping: drop them before closing it
+    for shm in shms:
+        with contextlib.suppress(BufferError):  # a tensor over it is still alive: it stays mapped
+            shm.close()
 
 
 class ArenaBlocks:

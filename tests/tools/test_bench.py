@@ -23,6 +23,23 @@ def test_bench_json_lines(name: str, capsys: pytest.CaptureFixture[str]) -> None
         assert r["ratio"] == pytest.approx(r["value"] / r["baseline"], rel=1e-2, abs=1e-4)
 
 
+def test_throughput_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """The batched-prefill bench end to end on a tiny CPU model: every engine runs the stream and
+    the batch agrees with each request run alone."""
+    pytest.importorskip("transformers")
+    assert main(["throughput", "--json", "--smoke"]) == 0
+    rows = {r["metric"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert set(rows) == {"dram_hit80_tokens_per_s", "hbm_hit80_tokens_per_s", "ideal_hit80_tokens_per_s", "hbm_vs_ideal_hit80"}
+    for r in rows.values():
+        assert r.keys() >= KEYS and r["value"] > 0 and r["baseline"] > 0
+    assert rows["dram_hit80_tokens_per_s"]["measured_hit"] > 0.7
+    assert rows["dram_hit80_tokens_per_s"]["hbm_share_of_hits"] == 0
+    assert rows["hbm_hit80_tokens_per_s"]["hbm_share_of_hits"] == 1.0  # after the warm-up round
+    check = rows["hbm_vs_ideal_hit80"]["check"]
+    assert check["same_greedy_token"] == check["checked_requests"] == 2
+    assert check["logits_rel_err"] <= 1e-4
+
+
 def test_bench_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main(["nope"])
