@@ -344,6 +344,9 @@ class BatchedLM:
         stream = self._stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(dev))
+            for t in (hbm_dst, hbm_src, dram_dst, promo_slots, promo_rows):
+                if t is not None:  # made on the compute stream, read on this one: not reused early
+                    t.record_stream(stream)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for g0 in range(0, n_layers, per_group):
                 g1 = min(n_layers, g0 + per_group)

@@ -187,7 +187,7 @@ def _stream(lm: BatchedLM, turns: list[list[torch.Tensor]], histories: list[torc
 
 def _store(root: Path, n_blocks: int, block_bytes: int) -> KVStore:
     per_slab = SLAB // (-(-block_bytes // 4096) * 4096)
-    cap = (-(-n_blocks // per_slab) + 2) * SLAB
+    cap = (-(-int(n_blocks * 1.05) // per_slab) + 2) * SLAB
     tiers = (TierSpec("dram", "dram", {"capacity_bytes": cap, "slab_bytes": SLAB}),)
     return KVStore(StoreConfig(root=root, tiers=tiers, persist_on_close=False))
 
@@ -222,69 +222,76 @@ def _check(lm: BatchedLM, model: Any, cache: EngineCache, prompts: list[torch.Te
 
 
 def measure(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    smoke = bool(getattr(args, "smoke", False))
+    smoke = args.smoke
     if not smoke and not need_cuda("throughput"):
         return
     w = SMOKE if smoke else QUICK if args.quick else H200
-    if getattr(args, "conversations", None):
+    if args.conversations:
         w = replace(w, conversations=args.conversations)
     model = _model(smoke, args.quick)
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     shape: KVShape = shape_of(model.config, dtype, w.block_tokens)
     vocab = model.config.vocab_size
-    rates = tuple(args.hit) if getattr(args, "hit", None) else ((0.8,) if smoke else HIT_RATES)
-    attention = "loop" if smoke else getattr(args, "attention", "varlen")
+    rates = tuple(args.hit) if args.hit else ((0.8,) if smoke else HIT_RATES)
     gen = torch.Generator(device=dev).manual_seed(1)
     chunk_blocks = 8 if smoke else 64
     chunk = torch.randn(chunk_blocks * shape.block_bytes // dtype.itemsize, dtype=dtype, device=dev, generator=gen)
     chunk_np = chunk.view(torch.uint8).cpu().numpy()
     del chunk
-    with tempfile.TemporaryDirectory(dir=getattr(args, "dir", None)) as d:
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
         for h in rates:
             histories, turns = conversations(w, h, vocab)
             n_blocks = _blocks_of(turns, histories, w.block_tokens)
-            store = _store(Path(d) / f"h{h}", 2 * n_blocks, shape.block_bytes)
             runs: dict[str, _Run] = {}
             extra: dict[str, Any] = {}
-            try:
-                for kind in ("none", "ideal", "dram", "hbm"):
-                    cache = None
-                    hbm = None
-                    if kind in ("dram", "hbm"):
-                        cache = EngineCache(store, shape.namespace(f"bench/throughput-{kind}-{h}"), shape, max_pending=1 << 16)
-                        _populate(cache, histories, chunk_np)
-                    if kind == "hbm":
-                        assert cache is not None
-                        budget = int(getattr(args, "hbm_gib", 0) * (1 << 30)) or int(n_blocks * 1.1 + 64) * shape.block_bytes
-                        hbm = HbmCache(cache, budget, device=dev)
-                        extra["hbm_budget_gib"] = round(hbm.budget_bytes / (1 << 30), 2)
-                    if kind == "ideal":
-                        lm: BatchedLM = _Resident(model, None, attention=attention, block_tokens=w.block_tokens)
-                    else:
-                        lm = BatchedLM(model, cache, hbm=hbm, attention=attention, layer_groups=args.layer_groups,
-                                       block_tokens=w.block_tokens)
-                    runs[kind] = _stream(lm, turns, histories, w, kind, cache)
-                    if kind == "hbm" and hbm is not None:
-                        extra["hbm_counters"] = {k: getattr(hbm.counters, k) for k in hbm.counters.__slots__}
-                    if kind == "dram" and cache is not None and h == rates[-1]:
-                        extra["check"] = _check(lm, model, cache, [conv[-1] for conv in turns[:2]])
-                    if kind == "ideal" and not smoke and getattr(args, "compare_attention", True):
-                        alt = _Resident(model, None, attention="loop", block_tokens=w.block_tokens)
-                        extra["ideal_loop_tokens_per_s"] = round(_stream(alt, turns, histories, w, "ideal", None).rate)
-                        del alt
-                    if cache is not None:
-                        cache.close()
-                    if hbm is not None:
-                        hbm.close()
-                    del lm, cache, hbm
-                    gc.collect()
-                    if dev.type == "cuda":
-                        torch.cuda.empty_cache()
-            finally:
-                store.close()
-                release_arenas()
+            for kind in ("none", "ideal", "dram", "hbm"):
+                runs[kind] = _engine_run(kind, h, args, model, shape, w, histories, turns, n_blocks, chunk_np,
+                                         Path(d) / f"{kind}-{h}", extra, last=h == rates[-1], smoke=smoke)
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
             yield from _rows(h, runs, extra, shape, smoke)
+
+
+def _engine_run(kind: str, h: float, args: argparse.Namespace, model: Any, shape: KVShape, w: Workload,
+                histories: list[torch.Tensor], turns: list[list[torch.Tensor]], n_blocks: int, chunk: np.ndarray,
+                root: Path, extra: dict[str, Any], *, last: bool, smoke: bool) -> _Run:
+    """One engine over the stream, with its own store (a fresh DRAM arena) when it has one."""
+    dev = next(model.parameters()).device
+    attention = "loop" if smoke else args.attention
+    if kind == "none":
+        return _stream(BatchedLM(model, None, attention=attention, block_tokens=w.block_tokens), turns, histories, w, kind, None)
+    if kind == "ideal":
+        run = _stream(_Resident(model, None, attention=attention, block_tokens=w.block_tokens), turns, histories, w, kind, None)
+        if not smoke and args.compare_attention:
+            alt = _Resident(model, None, attention="loop", block_tokens=w.block_tokens)
+            extra["ideal_loop_tokens_per_s"] = round(_stream(alt, turns, histories, w, kind, None).rate)
+        return run
+    store = _store(root, n_blocks, shape.block_bytes)
+    cache = EngineCache(store, shape.namespace(f"bench/throughput-{kind}-{h}"), shape, max_pending=1 << 16)
+    hbm = None
+    try:
+        t0 = time.perf_counter()
+        _populate(cache, histories, chunk)
+        extra[f"{kind}_populate_s"] = round(time.perf_counter() - t0, 2)
+        if kind == "hbm":
+            budget = int(args.hbm_gib * (1 << 30)) or int(n_blocks * 1.1 + 64) * shape.block_bytes
+            hbm = HbmCache(cache, budget, device=dev)
+            extra["hbm_budget_gib"] = round(hbm.budget_bytes / (1 << 30), 2)
+        lm = BatchedLM(model, cache, hbm=hbm, attention=attention, layer_groups=args.layer_groups, block_tokens=w.block_tokens)
+        run = _stream(lm, turns, histories, w, kind, cache)
+        if hbm is not None:
+            extra["hbm_counters"] = {k: getattr(hbm.counters, k) for k in hbm.counters.__slots__}
+        if kind == "dram" and last:
+            extra["check"] = _check(lm, model, cache, [conv[-1] for conv in turns[:2]])
+        return run
+    finally:
+        cache.close()
+        if hbm is not None:
+            hbm.close()
+        store.close()
+        release_arenas()
 
 
 def _rows(h: float, runs: dict[str, _Run], extra: dict[str, Any], shape: KVShape, smoke: bool) -> Iterator[dict[str, Any]]:
