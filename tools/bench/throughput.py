@@ -65,24 +65,27 @@ class Workload:
     block_tokens: int
     max_batch_tokens: int
     max_rows: int
+    max_kv_bytes: int
+    """Distinct KV of the stream at most (fewer conversations at low hit rates, whose histories
+    grow faster): what the DRAM arena and the HBM budget must hold."""
 
 
-H200 = Workload(16, 3, 4096, 32768, 4, 2048, 64, 65536, 262_144)
-QUICK = Workload(8, 3, 4096, 16384, 2, 2048, 64, 65536, 262_144)
-SMOKE = Workload(4, 3, 64, 256, 2, 32, 16, 512, 4096)
+H200 = Workload(16, 3, 4096, 32768, 4, 2048, 64, 65536, 262_144, 32 << 30)
+QUICK = Workload(8, 3, 4096, 16384, 2, 2048, 64, 65536, 262_144, 8 << 30)
+SMOKE = Workload(4, 3, 64, 256, 2, 32, 16, 512, 4096, 1 << 30)
 
 
 def conversations(w: Workload, h: float, vocab: int, seed: int = 0) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """Initial histories (cached before the stream) and each round's prompts, per conversation.
 
-    History lengths start log-uniform in ``[min_len, max_len * h**(rounds-1)]`` (at least
+    History lengths start log-uniform in ``[min_len, max_len * h**rounds]`` (at least
     ``min_len``) so that the last round stays near ``max_len``; each turn adds
     ``(1-h)/h`` of the history in whole blocks (at least one block)."""
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     bt = w.block_tokens
     systems = [torch.randint(0, vocab, (w.system_len,), generator=g) for _ in range(w.system_prompts)]
-    top = max(w.min_len, w.max_len * h ** (w.rounds - 1))
+    top = max(w.min_len, w.max_len * h**w.rounds)
     histories, turns = [], []
     for c in range(w.conversations):
         n0 = int(math.exp(rng.uniform(math.log(w.min_len), math.log(top)))) // bt * bt
@@ -241,12 +244,17 @@ def measure(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     del chunk
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         for h in rates:
-            histories, turns = conversations(w, h, vocab)
-            n_blocks = _blocks_of(turns, histories, w.block_tokens)
+            wh = w
+            while True:
+                histories, turns = conversations(wh, h, vocab)
+                n_blocks = _blocks_of(turns, histories, w.block_tokens)
+                if n_blocks * shape.block_bytes <= w.max_kv_bytes or wh.conversations <= 2:
+                    break
+                wh = replace(wh, conversations=wh.conversations - 1)
             runs: dict[str, _Run] = {}
-            extra: dict[str, Any] = {}
+            extra: dict[str, Any] = {"conversations": wh.conversations, "kv_gib": round(n_blocks * shape.block_bytes / (1 << 30), 1)}
             for kind in ("none", "ideal", "dram", "hbm"):
-                runs[kind] = _engine_run(kind, h, args, model, shape, w, histories, turns, n_blocks, chunk_np,
+                runs[kind] = _engine_run(kind, h, args, model, shape, wh, histories, turns, n_blocks, chunk_np,
                                          Path(d) / f"{kind}-{h}", extra, last=h == rates[-1], smoke=smoke)
                 gc.collect()
                 if dev.type == "cuda":
