@@ -45,7 +45,7 @@ from engine.client import EngineCache
 from engine.gpu import ArenaBlocks, HostBlocks
 from engine.hbm_cache import HbmCache, Reservation
 from engine.hf import _cache_kw
-from engine.kvlayout import KVShape, layer_rows, pack_rows, shape_of
+from engine.kvlayout import KVShape, layer_rows, pack_rows, shape_of, wide
 from kvstore.keys import BlockHash
 
 _ATTN = "kvstore_batched"
@@ -117,8 +117,8 @@ class _RowsCache(DynamicCache):
         if ev is not None:
             torch.cuda.current_stream(key_states.device).wait_event(ev)
         k, v = self._kv[layer_idx, 0], self._kv[layer_idx, 1]
-        k.index_copy_(0, self._new, key_states[0].transpose(0, 1))
-        v.index_copy_(0, self._new, value_states[0].transpose(0, 1))
+        wide(k).index_copy_(0, self._new, wide(key_states[0].transpose(0, 1)))
+        wide(v).index_copy_(0, self._new, wide(value_states[0].transpose(0, 1)))
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
 
 
@@ -358,20 +358,22 @@ class BatchedLM:
                         p.dram.copy_into(staging[r : r + p.n_dram, :w], g0 * lb, g1 * lb, first=p.n_hbm)
                         r += p.n_dram
                     if promo_slots is not None and pages is not None:
-                        src = staging[:, :w] if promo_rows is None else staging[:, :w].index_select(0, promo_rows)
-                        pages[:, g0 * lb : g1 * lb].index_copy_(0, promo_slots, src)
+                        src = wide(staging[:, :w])
+                        if promo_rows is not None:
+                            src = src.index_select(0, promo_rows)
+                        wide(pages[:, g0 * lb : g1 * lb]).index_copy_(0, promo_slots, src)
                 for layer in range(g0, g1):
-                    rows_k = kv[layer, 0].view(-1, bt, shape.kv_heads, shape.head_dim)
-                    rows_v = kv[layer, 1].view(-1, bt, shape.kv_heads, shape.head_dim)
+                    rows_k = wide(kv[layer, 0].view(-1, bt, shape.kv_heads, shape.head_dim))
+                    rows_v = wide(kv[layer, 1].view(-1, bt, shape.kv_heads, shape.head_dim))
                     if staging is not None and dram_dst is not None:
                         k, v = layer_rows(staging, shape, layer - g0)
-                        rows_k.index_copy_(0, dram_dst, k)
-                        rows_v.index_copy_(0, dram_dst, v)
+                        rows_k.index_copy_(0, dram_dst, wide(k))
+                        rows_v.index_copy_(0, dram_dst, wide(v))
                     if hbm_src is not None and pages is not None and hbm_dst is not None:
-                        part = pages[:, layer * lb : (layer + 1) * lb].index_select(0, hbm_src)
-                        k, v = layer_rows(part, shape, 0)
-                        rows_k.index_copy_(0, hbm_dst, k)
-                        rows_v.index_copy_(0, hbm_dst, v)
+                        part = wide(pages[:, layer * lb : (layer + 1) * lb]).index_select(0, hbm_src)
+                        k, v = layer_rows(part.view(torch.uint8), shape, 0)
+                        rows_k.index_copy_(0, hbm_dst, wide(k))
+                        rows_v.index_copy_(0, hbm_dst, wide(v))
                     if stream is not None:
                         ev = torch.cuda.Event()
                         ev.record(stream)
@@ -419,6 +421,6 @@ class BatchedLM:
             if self.hbm is not None:
                 res = self.hbm.reserve(p.hashes, a, b - a, promoted=False)
                 if res is not None:
-                    self.hbm.pages[:, : blocks.shape[1]].index_copy_(0, res.slots, blocks[: len(res.keys)])
+                    wide(self.hbm.pages[:, : blocks.shape[1]]).index_copy_(0, res.slots, wide(blocks[: len(res.keys)]))
                     self.hbm.release(res.keys)
             self.cache.store_async(p.hashes, blocks, a)

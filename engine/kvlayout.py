@@ -94,6 +94,18 @@ def unpack_layer_into(blocks: torch.Tensor, shape: KVShape, layer: int, k: torch
     v.view(shape.kv_heads, n, shape.block_tokens, shape.head_dim).copy_(part[:, 1].permute(1, 0, 2, 3))
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 8-byte elements along the last dim, where the layout allows (else
+    ``t``). The index kernels (``index_copy_``, ``index_select``) and strided copies move one
+    element per thread: on bf16 or uint8 elements they run several times slower than on int64."""
+    size = t.element_size()
+    if t.dtype == torch.int64 or t.stride(-1) != 1 or (t.shape[-1] * size) % 8 or (t.storage_offset() * size) % 8:
+        return t
+    if any((st * size) % 8 for st in t.stride()[:-1]):
+        return t
+    return t.view(torch.int64)
+
+
 def layer_rows(blocks: torch.Tensor, shape: KVShape, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``layer`` of ``[n, >=(layer+1)*layer_bytes]`` uint8 rows (any row pitch) as token-major
     ``[n, block_tokens, kv_heads, head_dim]`` K and V views: no copy, ready to scatter into rows."""
@@ -112,5 +124,6 @@ def pack_rows(keys: list[torch.Tensor], values: list[torch.Tensor], shape: KVSha
     out = torch.empty((m, shape.num_layers, 2, shape.kv_heads, bt, shape.head_dim), dtype=shape.dtype, device=blocks.device)
     for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
         for j, x in enumerate((k, v)):
-            out[:, layer, j] = x.view(-1, bt, shape.kv_heads, shape.head_dim).index_select(0, blocks).transpose(1, 2)
+            src = wide(x.view(-1, bt, shape.kv_heads, shape.head_dim)).index_select(0, blocks)
+            wide(out[:, layer, j]).copy_(src.transpose(1, 2))
     return out.view(m, -1).view(torch.uint8)

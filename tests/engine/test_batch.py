@@ -111,6 +111,19 @@ def test_hits_from_hbm_promotion_and_admission(setup) -> None:
     hbm.close()
 
 
+def test_wide_views_move_the_same_bytes_in_8_byte_elements() -> None:
+    from engine.kvlayout import wide
+
+    x = torch.randn(3, 4, 2, 16, dtype=torch.bfloat16).transpose(1, 2)  # a token-major view of [n, H, T, D]
+    w = wide(x)
+    assert w.dtype == torch.int64 and w.shape == (3, 2, 4, 4)
+    out = torch.empty(3, 2, 4, 16, dtype=torch.bfloat16)
+    wide(out).copy_(w)
+    assert torch.equal(out, x)
+    odd = torch.randn(3, 5, dtype=torch.bfloat16)  # 10-byte rows: left as they are
+    assert wide(odd) is odd
+
+
 def test_batches_respects_both_budgets() -> None:
     reqs = [(100, 1000), (100, 1000), (500, 500), (50, 4000), (10, 10)]
     # 0+1 fill 200 of 300 computed tokens, 2 would overflow them; 3 and 4 fit together

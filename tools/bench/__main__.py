@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="varlen", choices=["varlen", "loop"], help="throughput: attention backend on CUDA")
     p.add_argument("--hbm-gib", type=float, default=0.0, help="throughput: HBM cache budget (default: the stream's blocks)")
     p.add_argument("--conversations", type=int, default=0, help="throughput: concurrent conversations (default 16)")
+    p.add_argument("--repeat", type=int, default=1, help="throughput: run the hit rates this many times (the spread)")
     p.add_argument("--no-compare-attention", dest="compare_attention", action="store_false",
                    help="throughput: skip timing the ideal with the per-request attention loop")
     args = p.parse_args(argv)

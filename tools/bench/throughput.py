@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ import torch
 
 from engine.batch import BatchedLM, BatchResult, _Plan, batches
 from engine.client import EngineCache
-from engine.gpu import release_arenas
+from engine.gpu import arena_tensor, release_arenas
 from engine.hbm_cache import HbmCache
 from engine.hf import CachedLM
 from engine.kvlayout import KVShape, shape_of
@@ -103,6 +104,9 @@ def conversations(w: Workload, h: float, vocab: int, seed: int = 0) -> tuple[lis
 
 def _populate(cache: EngineCache, histories: list[torch.Tensor], chunk: np.ndarray) -> int:
     """Put every history's full blocks into the store (random KV bytes, 'earlier turns')."""
+    lease = cache.store.acquire(cache.ns, [])
+    arena_tensor(lease.arena)  # pins (and so faults in) the fresh arena once, before the copies
+    cache.store.release(lease)
     per = chunk.shape[0] // cache.shape.block_bytes
     n = 0
     for hist in histories:
@@ -243,7 +247,7 @@ def measure(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     chunk_np = chunk.view(torch.uint8).cpu().numpy()
     del chunk
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        for h in rates:
+        for h in [r for _ in range(args.repeat) for r in rates]:
             wh = w
             while True:
                 histories, turns = conversations(wh, h, vocab)
@@ -256,6 +260,7 @@ def measure(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             for kind in ("none", "ideal", "dram", "hbm"):
                 runs[kind] = _engine_run(kind, h, args, model, shape, wh, histories, turns, n_blocks, chunk_np,
                                          Path(d) / f"{kind}-{h}", extra, last=h == rates[-1], smoke=smoke)
+                shutil.rmtree(Path(d) / f"{kind}-{h}", ignore_errors=True)
                 gc.collect()
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
