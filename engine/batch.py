@@ -212,7 +212,8 @@ class BatchedLM:
         try:
             return self._run(plans, store)
         finally:
-            # _run synchronised the device: every copy out of the arena and the pages is done.
+            # _run synchronised the compute stream, which waited for every load: the copies out of
+            # the arena and the pages are done.
             for p in plans:
                 if p.dram is not None:
                     p.dram.release()
@@ -277,7 +278,9 @@ class BatchedLM:
         if store and self.cache is not None:
             self._store_new(plans, kv, k_starts)
         if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+            # The compute stream only: it waited for every layer's load, so the leases and pages
+            # are free to go; the stores' device-to-host copies carry on on their own stream.
+            torch.cuda.current_stream(dev).synchronize()
         return [
             BatchResult(logits[i], h, p.n_hbm * bt, n - h)
             for i, (p, h, n) in enumerate(zip(plans, hits, k_lens, strict=True))
