@@ -147,8 +147,9 @@ class _Run:
 
 
 def _sync(dev: torch.device) -> None:
+    """The compute stream (the stores' copies to the host are waited for by ``flush``)."""
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+        torch.cuda.current_stream(dev).synchronize()
 
 
 def _stream(lm: BatchedLM, turns: list[list[torch.Tensor]], histories: list[torch.Tensor], w: Workload,
