@@ -45,7 +45,7 @@ from engine.client import EngineCache
 from engine.gpu import ArenaBlocks, HostBlocks
 from engine.hbm_cache import HbmCache, Reservation
 from engine.hf import _cache_kw
-from engine.kvlayout import KVShape, layer_rows, pack_rows, shape_of, wide
+from engine.kvlayout import KVShape, block_rows, layer_rows, pack_rows, shape_of, wide
 from kvstore.keys import BlockHash
 
 _ATTN = "kvstore_batched"
@@ -327,78 +327,69 @@ class BatchedLM:
             return events
 
         starts = {id(p): k // bt for p, k in zip(plans, k_starts, strict=True)}
-
-        def dst_blocks(ps: list[_Plan], from_hbm: bool) -> torch.Tensor:
-            """The row blocks that the HBM (or DRAM) blocks of ``ps`` fill, in source order."""
-            idx = []
-            for p in ps:
-                lo = starts[id(p)] + (0 if from_hbm else p.n_hbm)
-                idx.append(torch.arange(lo, lo + (p.n_hbm if from_hbm else p.n_dram)))
-            return torch.cat(idx).to(dev, non_blocking=True)
-
-        hbm_dst = dst_blocks(hbm, True) if hbm else None
-        hbm_src = torch.cat([p.hbm_slots for p in hbm if p.hbm_slots is not None]) if hbm else None
-        dram_dst = dst_blocks(dram, False) if dram else None
+        # HBM hits: per request its pages and the row blocks they fill (a contiguous run).
+        hbm_runs = [(p.hbm_slots, starts[id(p)], p.n_hbm) for p in hbm if p.hbm_slots is not None]
+        dram_dst = torch.cat([torch.arange(starts[id(p)] + p.n_hbm, starts[id(p)] + p.hit_blocks) for p in dram]).to(
+            dev, non_blocking=True) if dram else None
+        promo_slots, promo_dst = self._promotions(dram, starts)
         n_dram = sum(p.n_dram for p in dram)
-        promo_slots, promo_rows = self._promotions(dram)
         per_group = -(-n_layers // self.layer_groups)
         staging = self._staging(n_dram, per_group * lb) if dram else None
-        pages = self.hbm.pages if self.hbm is not None else None
         stream = self._stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(dev))
-            for t in (hbm_dst, hbm_src, dram_dst, promo_slots, promo_rows):
+            for t in (dram_dst, promo_slots, promo_dst):
                 if t is not None:  # made on the compute stream, read on this one: not reused early
                     t.record_stream(stream)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for g0 in range(0, n_layers, per_group):
                 g1 = min(n_layers, g0 + per_group)
                 if staging is not None:
-                    w = (g1 - g0) * lb
                     r = 0
                     for p in dram:
                         assert p.dram is not None
-                        p.dram.copy_into(staging[r : r + p.n_dram, :w], g0 * lb, g1 * lb, first=p.n_hbm)
+                        p.dram.copy_into(staging[r : r + p.n_dram, : (g1 - g0) * lb], g0 * lb, g1 * lb, first=p.n_hbm)
                         r += p.n_dram
-                    if promo_slots is not None and pages is not None:
-                        src = wide(staging[:, :w])
-                        if promo_rows is not None:
-                            src = src.index_select(0, promo_rows)
-                        wide(pages[:, g0 * lb : g1 * lb]).index_copy_(0, promo_slots, src)
                 for layer in range(g0, g1):
-                    rows_k = wide(kv[layer, 0].view(-1, bt, shape.kv_heads, shape.head_dim))
-                    rows_v = wide(kv[layer, 1].view(-1, bt, shape.kv_heads, shape.head_dim))
-                    if staging is not None and dram_dst is not None:
-                        k, v = layer_rows(staging, shape, layer - g0)
-                        rows_k.index_copy_(0, dram_dst, wide(k))
-                        rows_v.index_copy_(0, dram_dst, wide(v))
-                    if hbm_src is not None and pages is not None and hbm_dst is not None:
-                        part = wide(pages[:, layer * lb : (layer + 1) * lb]).index_select(0, hbm_src)
-                        k, v = layer_rows(part.view(torch.uint8), shape, 0)
-                        rows_k.index_copy_(0, hbm_dst, wide(k))
-                        rows_v.index_copy_(0, hbm_dst, wide(v))
+                    for j in (0, 1):
+                        self._fill_layer(kv, layer, j, g0, staging, dram_dst, hbm_runs, promo_slots, promo_dst)
                     if stream is not None:
                         ev = torch.cuda.Event()
                         ev.record(stream)
                         events[layer] = ev
         return events
 
-    def _promotions(self, dram: list[_Plan]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Pages of the DRAM blocks being promoted and, when not all are, their staging rows."""
-        slots, rows = [], []
-        r, all_rows = 0, True
+    def _fill_layer(self, kv: torch.Tensor, layer: int, j: int, g0: int, staging: torch.Tensor | None,
+                    dram_dst: torch.Tensor | None, hbm_runs: list[tuple[torch.Tensor, int, int]],
+                    promo_slots: torch.Tensor | None, promo_dst: torch.Tensor | None) -> None:
+        """K (j=0) or V of one layer: DRAM blocks scattered from the staging (the store's layout
+        transposed to token-major rows), then promoted from those rows into their pages; HBM
+        blocks gathered from their pages (already token-major) straight into the rows."""
+        shape = self.shape
+        rows = kv[layer, j]
+        if staging is not None and dram_dst is not None:
+            src = layer_rows(staging, shape, layer - g0)[j]
+            wide(rows.view(-1, shape.block_tokens, shape.kv_heads, shape.head_dim)).index_copy_(0, dram_dst, wide(src))
+        if self.hbm is None:
+            return
+        pages, blocks = self.hbm.part(layer, j), block_rows(rows, shape)
+        if promo_slots is not None and promo_dst is not None:
+            pages.index_copy_(0, promo_slots, blocks.index_select(0, promo_dst))
+        for slots, b0, n in hbm_runs:
+            torch.index_select(pages, 0, slots, out=blocks[b0 : b0 + n])
+
+    def _promotions(self, dram: list[_Plan], starts: dict[int, int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Pages of the DRAM blocks being promoted, and the row blocks they are copied from."""
+        slots, dst = [], []
         for p in dram:
             if p.promote is not None:
                 k = len(p.promote.keys)
                 slots.append(p.promote.slots)
-                rows.append(torch.arange(r, r + k))
-                all_rows &= k == p.n_dram
-            else:
-                all_rows = False
-            r += p.n_dram
+                lo = starts[id(p)] + p.n_hbm
+                dst.append(torch.arange(lo, lo + k))
         if not slots:
             return None, None
-        return torch.cat(slots), None if all_rows else torch.cat(rows).to(self.device, non_blocking=True)
+        return torch.cat(slots), torch.cat(dst).to(self.device, non_blocking=True)
 
     # ---- stores -----------------------------------------------------------------------------
 
@@ -417,6 +408,7 @@ class BatchedLM:
         idx = torch.cat([torch.arange(k_starts[i] // bt + a, k_starts[i] // bt + b) for i, a, b in spans])
         packed = pack_rows(list(kv[:, 0]), list(kv[:, 1]), self.shape, idx.to(self.device, non_blocking=True))
         r = 0
+        slots, src = [], []
         for i, a, b in spans:
             p = plans[i]
             blocks = packed[r : r + b - a]
@@ -424,6 +416,12 @@ class BatchedLM:
             if self.hbm is not None:
                 res = self.hbm.reserve(p.hashes, a, b - a, promoted=False)
                 if res is not None:
-                    wide(self.hbm.pages[:, : blocks.shape[1]]).index_copy_(0, res.slots, wide(blocks[: len(res.keys)]))
-                    self.hbm.release(res.keys)
+                    slots.append(res.slots)
+                    src.append(torch.arange(k_starts[i] // bt + a, k_starts[i] // bt + a + len(res.keys)))
+                    self.hbm.release(res.keys)  # filled below, on this stream, before any read
             self.cache.store_async(p.hashes, blocks, a)
+        if self.hbm is not None and slots:
+            dst, rows = torch.cat(slots), torch.cat(src).to(self.device, non_blocking=True)
+            for layer in range(self.shape.num_layers):
+                for j in (0, 1):
+                    self.hbm.part(layer, j).index_copy_(0, dst, block_rows(kv[layer, j], self.shape).index_select(0, rows))

@@ -7,7 +7,12 @@ engine's KV rows; only the blocks after the resident run are loaded from the sto
 so the next request finds them here). Blocks the engine computes are admitted too.
 
 The pages are an :class:`tiers.hbm.HbmTier` (one device allocation carved by the slab allocator,
-blocks used in place through ``offsets`` / ``pool``) sized to the budget the engine gives.
+blocks used in place through ``offsets`` / ``pool``) sized to the budget the engine gives. A page
+holds its block in the engine's row layout, ``[layers][K, V][block_tokens][kv_heads][head_dim]``
+(token-major, as the batched engine's KV rows), not the store's payload layout: a hit is then one
+plain gather per request, layer and K/V into the rows, with no transpose. Blocks are converted
+once, when they are promoted or admitted (from the rows they were just loaded or computed into),
+and back to the store's layout when one is written back.
 
 Policy: write-through, like SGLang's HiCache ``write_through``: every block here also goes to
 the store (the engine stores what it computes; promoted blocks came from it), so *demotion* under
@@ -36,6 +41,7 @@ from typing import Any
 import torch
 
 from engine.client import EngineCache
+from engine.kvlayout import wide
 from kvstore.block import BlockMeta
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import BlockHash
@@ -99,10 +105,17 @@ class HbmCache:
         self.device = self.tier.device
         self.pages = self.tier.pool.view(-1, self.slot_bytes)
         """The page pool as ``[pages, slot_bytes]`` uint8: page ``i`` holds one block."""
+        self._part = shape.layer_bytes // 2  # K (or V) of one layer of one block
         self.capacity_blocks = int(self.pages.shape[0])
         self._lru: OrderedDict[BlockHash, _Entry] = OrderedDict()  # least recently used first
         self.counters = HbmCounters()
         self._ns_root = bytes(cache.ns.root)
+
+    def part(self, layer: int, kv: int) -> torch.Tensor:
+        """K (``kv=0``) or V (``kv=1``) of layer ``layer`` in every page: ``[pages, width]`` (the
+        ``[block_tokens, kv_heads, head_dim]`` rows of the block, in 8-byte units when possible)."""
+        lo = (2 * layer + kv) * self._part
+        return wide(self.pages[:, lo : lo + self._part])
 
     @property
     def budget_bytes(self) -> int:
@@ -198,7 +211,9 @@ class HbmCache:
                     page = self.tier.view(h)
                     if page.is_cuda:
                         torch.cuda.synchronize(page.device)  # its writes are queued on other streams
-                    host = page[: self.shape.block_bytes].to("cpu")
+                    s = self.shape
+                    rows = page[: s.block_bytes].view(s.dtype).view(s.num_layers, 2, s.block_tokens, s.kv_heads, s.head_dim)
+                    host = rows.transpose(2, 3).contiguous().view(torch.uint8).view(-1).to("cpu")  # the store's layout
                     store.put(ns, chain, host.numpy(), start=e.depth)
                     self.counters.written_back += 1
         except KVStoreError as err:

@@ -115,6 +115,13 @@ def layer_rows(blocks: torch.Tensor, shape: KVShape, layer: int) -> tuple[torch.
     return part[:, 0].transpose(1, 2), part[:, 1].transpose(1, 2)
 
 
+def block_rows(rows: torch.Tensor, shape: KVShape) -> torch.Tensor:
+    """Token-major ``[rows, H, D]`` K or V (rows a multiple of ``block_tokens``) as one row per
+    block, ``[rows / block_tokens, width]``, in the units of :func:`wide` over bytes: the form the
+    HBM pages' parts have (:meth:`engine.hbm_cache.HbmCache.part`)."""
+    return wide(rows.view(torch.uint8).view(rows.shape[0] // shape.block_tokens, -1))
+
+
 def pack_rows(keys: list[torch.Tensor], values: list[torch.Tensor], shape: KVShape, blocks: torch.Tensor) -> torch.Tensor:
     """Blocks of per-layer token-major ``[rows, H, D]`` K/V as ``[m, block_bytes]`` uint8 payloads.
 

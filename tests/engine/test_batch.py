@@ -124,6 +124,22 @@ def test_wide_views_move_the_same_bytes_in_8_byte_elements() -> None:
     assert wide(odd) is odd
 
 
+def test_a_prefix_promoted_in_a_batch_serves_the_rest_of_that_batch(setup) -> None:
+    """Two requests share a system prompt found in DRAM: the first promotes it, the second is
+    gathered from the pages being filled in the same pass (ordered on one stream)."""
+    model, cache = setup
+    hbm = HbmCache(cache, 64 * cache.shape.block_bytes, device="cpu")
+    system, prompts = _prompts(torch.Generator().manual_seed(4))
+    CachedLM(model, cache).prefill(system)
+    cache.flush()
+    got = BatchedLM(model, cache, hbm=hbm, attention="loop", block_tokens=BT).prefill(prompts[:2], store=False)
+    assert [(r.hit_tokens, r.hbm_tokens) for r in got] == [(32, 0), (32, 32)]
+    plain = CachedLM(model, None)
+    for r, p in zip(got, prompts[:2], strict=True):
+        assert rel_err(r.logits, plain.prefill(p).logits) <= 1e-4
+    hbm.close()
+
+
 def test_batches_respects_both_budgets() -> None:
     reqs = [(100, 1000), (100, 1000), (500, 500), (50, 4000), (10, 10)]
     # 0+1 fill 200 of 300 computed tokens, 2 would overflow them; 3 and 4 fit together
