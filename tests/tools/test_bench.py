@@ -40,6 +40,22 @@ def test_throughput_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert check["logits_rel_err"] <= 1e-4
 
 
+def test_flop_bound_is_below_one_over_one_minus_h_and_falls_with_context() -> None:
+    """Hit tokens are not free: the new tokens attend to the whole prefix, more so when it is long."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tools.bench.throughput import flop_bound
+
+    cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                                   num_attention_heads=32, num_key_value_heads=8)
+
+    def stream(n: int) -> list[list[torch.Tensor]]:
+        return [[torch.zeros(n, dtype=torch.long), torch.zeros(n * 25 // 24, dtype=torch.long)]]  # 96% hit
+
+    short, long = flop_bound(cfg, [], stream(1024)), flop_bound(cfg, [], stream(32768))
+    assert long < 20 < short < 25  # 32K-token prompts: 18.2x at best; 1K: 24.9x
+
+
 def test_bench_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main(["nope"])

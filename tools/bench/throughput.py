@@ -102,6 +102,25 @@ def conversations(w: Workload, h: float, vocab: int, seed: int = 0) -> tuple[lis
     return histories, turns
 
 
+def flop_bound(config: Any, histories: list[torch.Tensor], turns: list[list[torch.Tensor]]) -> float:
+    """Compute of the timed rounds without the store over that with every cached prefix free:
+    the speedup at equal MFU. Hits are not free: each new token still attends to the whole
+    prefix (``4 * heads * head_dim`` FLOPs per layer and earlier token), so this is below
+    ``1/(1-h)`` for long prompts. Linear layers: 2 FLOPs per weight of a decoder layer."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * hd
+    per_token = 2 * cfg.num_hidden_layers * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
+    per_pair = 4 * q * cfg.num_hidden_layers
+    full = cached = 0.0
+    for conv in turns:
+        for r in range(1, len(conv)):
+            n, c = conv[r].numel(), conv[r - 1].numel()
+            full += n * per_token + per_pair * n * n / 2
+            cached += (n - c) * per_token + per_pair * (n * n - c * c) / 2
+    return full / cached if cached else 0.0
+
+
 def _populate(cache: EngineCache, histories: list[torch.Tensor], chunk: np.ndarray) -> int:
     """Put every history's full blocks into the store (random KV bytes, 'earlier turns')."""
     lease = cache.store.acquire(cache.ns, [])
@@ -257,7 +276,8 @@ def measure(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                     break
                 wh = replace(wh, conversations=wh.conversations - 1)
             runs: dict[str, _Run] = {}
-            extra: dict[str, Any] = {"conversations": wh.conversations, "kv_gib": round(n_blocks * shape.block_bytes / (1 << 30), 1)}
+            extra: dict[str, Any] = {"conversations": wh.conversations, "kv_gib": round(n_blocks * shape.block_bytes / (1 << 30), 1),
+                                     "flop_bound": round(flop_bound(model.config, histories, turns), 2)}
             for kind in ("none", "ideal", "dram", "hbm"):
                 runs[kind] = _engine_run(kind, h, args, model, shape, wh, histories, turns, n_blocks, chunk_np,
                                          Path(d) / f"{kind}-{h}", extra, last=h == rates[-1], smoke=smoke)
