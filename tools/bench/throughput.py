@@ -336,6 +336,7 @@ def _rows(h: float, runs: dict[str, _Run], extra: dict[str, Any], shape: KVShape
         r = runs[kind]
         row = result(
             "throughput", f"{kind}_{tag}_tokens_per_s", r.rate, "tok/s", base.rate,
+            speedup=round(r.rate / base.rate, 2) if base.rate else 0.0,
             measured_hit=round(r.hit / r.tokens, 4) if kind != "ideal" else None,
             hbm_share_of_hits=round(r.hbm / r.hit, 4) if r.hit else 0.0,
             tokens=r.tokens, seconds=round(r.seconds, 3), batches=r.batches,
