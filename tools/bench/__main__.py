@@ -21,6 +21,7 @@ BENCHES = {
     "gpu_load": "tools.bench.gpu_load",
     "ttft": "tools.bench.ttft",
     "overlap": "tools.bench.overlap",
+    "hybrid": "tools.bench.hybrid",  # sliding-window models: bytes, replay; TTFT on CUDA
     # the daemon (issue 5): each starts its own daemon on loopback
     "shm": "tools.bench.shm",
     "tcp": "tools.bench.tcp",
