@@ -196,7 +196,7 @@ class HybridLM:
             return -1, None, None, 0
         # The window first: once it is read, its full part cannot leave before it (its parent),
         # short of expiring in between; a short read of either is a miss, never a wrong hit.
-        window = self._fetch(hyb.window, [hyb.window_key(hashes[c])], held)
+        window = self._fetch(hyb.window, [hyb.window_key(hashes[j]) for j in hyb.checkpoint_blocks(c)], held)
         if window is None:
             return -1, None, None, 0
         full = None
@@ -205,7 +205,7 @@ class HybridLM:
             if full is None:
                 return -1, None, None, 0
         loaded = window.numel() + (full.numel() if full is not None else 0)
-        return c, full, window.view(-1), loaded
+        return c, full, window, loaded
 
     def _load_everything(self, hashes: list[BlockHash], max_hit: int, held: list[Any]) -> tuple[int, torch.Tensor | None, int]:
         assert self.store is not None
@@ -245,10 +245,11 @@ class HybridLM:
             shape = self._shape(len(self.plan.full), self.bt)
             for j, layer in enumerate(self.plan.full):
                 self._install(cache, layer, *unpack_layer(blocks, shape, j), tokens)
-        assert window is not None
-        w = window.view(self.dtype).view(len(self.plan.sliding), 2, 1, self.plan.kv_heads, self.wn, self.plan.head_dim)
+        assert window is not None  # the pieces of the last blocks: layer-major, like the full part
+        shape = self._shape(len(self.plan.sliding), self.bt)
         for j, layer in enumerate(self.plan.sliding):
-            self._install(cache, layer, w[j, 0, :, :, -keep:].contiguous(), w[j, 1, :, :, -keep:].contiguous(), tokens)
+            k, v = unpack_layer(window, shape, j)
+            self._install(cache, layer, k[:, :, -keep:].contiguous(), v[:, :, -keep:].contiguous(), tokens)
         return cache
 
     # ---- prefill --------------------------------------------------------------------------------
@@ -321,23 +322,19 @@ class HybridLM:
             return new_bytes
         wns = self.hyb.window
         assert wns is not None
-        for p in self.policy.new_checkpoints(c + 1, n - 1):
-            payload = self._window(cache, first, (p + 1) * self.bt).cpu()
-            chain = self.hyb.window_chain(hashes, p)
-            new_bytes += store.put(wns, chain, payload.numpy(), start=len(chain) - 1) * wns.block_bytes
+        # Pieces of the new checkpoints' windows; those of blocks up to c are cached (c is a
+        # checkpoint), so only computed blocks need packing.
+        need = sorted({j for p in self.policy.new_checkpoints(c + 1, n - 1) for j in self.hyb.checkpoint_blocks(p) if j > c})
+        for a, b in _runs(need):
+            t0, t1 = a * self.bt, (b + 1) * self.bt
+            sl = self.plan.sliding
+            keys = [layers[i].keys[:, :, t0 - first[i] : t1 - first[i]] for i in sl]
+            values = [layers[i].values[:, :, t0 - first[i] : t1 - first[i]] for i in sl]
+            pieces = pack(keys, values, self._shape(len(sl), self.bt), 0, b - a + 1).cpu().numpy()
+            for j in range(a, b + 1):
+                chain = self.hyb.window_chain(hashes, j)
+                new_bytes += store.put(wns, chain, pieces[j - a], start=len(chain) - 1) * wns.block_bytes
         return new_bytes
-
-    def _window(self, cache: DynamicCache, first: dict[int, int], boundary: int) -> torch.Tensor:
-        """The window payload at a block boundary: ``[sliding layers][K, V][heads][wn][dim]``,
-        zero-padded in front when fewer than ``wn`` tokens precede the boundary."""
-        ls, h, d, wn = len(self.plan.sliding), self.plan.kv_heads, self.plan.head_dim, self.wn
-        out = torch.zeros((ls, 2, h, wn, d), dtype=self.dtype, device=self.device)
-        lo = max(0, boundary - wn)
-        for j, layer in enumerate(self.plan.sliding):
-            lay, off = cache.layers[layer], first[layer]
-            out[j, 0, :, wn - (boundary - lo) :] = lay.keys[0, :, lo - off : boundary - off]
-            out[j, 1, :, wn - (boundary - lo) :] = lay.values[0, :, lo - off : boundary - off]
-        return out.view(-1).view(torch.uint8)
 
     @torch.no_grad()
     def generate(self, input_ids: Any, max_new_tokens: int, *, use_cache: bool = True) -> tuple[list[int], HybridPrefill]:
@@ -356,20 +353,33 @@ class HybridLM:
         return tokens, pre
 
 
+def _runs(sorted_ids: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive ids as (first, last)."""
+    out: list[tuple[int, int]] = []
+    for j in sorted_ids:
+        if out and out[-1][1] == j - 1:
+            out[-1] = (out[-1][0], j)
+        else:
+            out.append((j, j))
+    return out
+
+
 def window_bytes_per_token(ns: Namespace, context: int, policy: CheckpointPolicy) -> dict[str, float]:
     """Exact payload bytes per cached token of one chain of ``context`` tokens, stored once
-    (periodic checkpoints + one at the end) against storing every layer of every block."""
+    (the checkpoints of ``policy`` and their window pieces) against storing every layer of
+    every block."""
     hyb = HybridNamespaces.of(ns)
     n = context // ns.block_tokens
-    ckpts = len(policy.new_checkpoints(0, n - 1)) if n else 0
+    ckpts = policy.new_checkpoints(0, n - 1) if n else []
+    pieces = len({j for p in ckpts for j in hyb.checkpoint_blocks(p)})
     full = n * hyb.full.block_bytes if hyb.full is not None else 0
-    window = ckpts * hyb.window.block_bytes if hyb.window is not None else 0
+    window = pieces * hyb.window.block_bytes if hyb.window is not None else 0
     every = n * ns.block_bytes
     tokens = n * ns.block_tokens
     return {
-        "checkpoints": float(ckpts),
+        "checkpoints": float(len(ckpts)),
+        "window_pieces": float(pieces),
         "hybrid_bytes_per_token": (full + window) / tokens,
         "everything_bytes_per_token": every / tokens,
         "ratio": (full + window) / every,
     }
-

@@ -5,19 +5,22 @@ namespaces (``docs/hybrid.md``):
 
 - the **full part** (``HybridNamespaces.full``): the full-attention layers' KV of every block,
   keyed by the usual chained block hashes. Every hit needs it for every block before its end.
-- the **window part** (``HybridNamespaces.window``): the SWA layers' KV of the ``window - 1``
-  tokens before a block boundary, stored only at *checkpoints*. The window of checkpoint block
-  ``i`` is one block keyed by :meth:`HybridNamespaces.window_key` (a hash of the window
-  namespace's root and the chained hash of block ``i``, so it names the whole prefix too). Its
-  parent in the radix index is block ``i``'s full part (``window_chain``): the store's
-  prefix-closure then guarantees that a window leaves the store before the full part under it,
+- the **window part** (``HybridNamespaces.window``): the SWA layers' KV of a block (a *window
+  piece*), stored only for the ``k = window_blocks`` blocks before each *checkpoint*: the
+  sliding layers' whole state at a block boundary is the ``window - 1`` tokens before it.
+  Block ``j``'s piece is keyed by :meth:`HybridNamespaces.window_key` (a hash of the window
+  namespace's root and block ``j``'s chained hash, so it names the whole prefix too) and its
+  parent in the radix index is block ``j``'s full part (``window_chain``): the store's
+  prefix-closure then guarantees that a piece leaves the store before the full part under it,
   never the reverse. A model with no full-attention layer (all SWA) has no full part; its
-  windows are chains of length 1 under the window namespace's root.
+  pieces are chains of length 1 under the window namespace's root.
 
-A hit ends at a checkpoint: :func:`find_checkpoint` returns the nearest checkpoint at or before
-the end of the cached full part; the engine loads the full part up to it and its window and
-recomputes the blocks after it (at most ``every_blocks`` of them when the periodic checkpoints
-are cached: *bounded replay*).
+Block ``i`` is a checkpoint while the pieces of blocks ``i-k+1..i`` are all cached; checkpoints
+close together share pieces, so the window bytes are those of the union of the windows (at
+most every block's, never more). A hit ends at a checkpoint: :func:`find_checkpoint` returns
+the nearest one at or before the end of the cached full part; the engine loads the full part up
+to it and its pieces and recomputes the blocks after it (at most ``every_blocks - 1`` of them
+when the periodic checkpoints are cached: *bounded replay*).
 
 Works on any object with the store's ``register_namespace`` / ``lookup`` / ``get_into`` /
 ``put``: the in-process :class:`kvstore.store.KVStore` or a daemon client.
@@ -32,7 +35,7 @@ from typing import Any, Protocol
 import xxhash
 
 from kvstore.errors import UsageError
-from kvstore.keys import BlockHash, Namespace, hash_blocks, split_layout
+from kvstore.keys import BlockHash, Namespace, hash_blocks, split_layout, window_blocks
 
 WINDOW_SUFFIX = "#swa-window"
 """Appended to the model id of the window namespace: its descriptor differs from the full
@@ -81,10 +84,18 @@ class HybridNamespaces:
         return self.model.block_tokens
 
     @property
+    def window_blocks(self) -> int:
+        """Pieces a checkpoint needs: the blocks its ``window - 1`` tokens reach into."""
+        return window_blocks(self.model.layout)
+
+    @property
     def window_tokens(self) -> int:
-        """Tokens a window block holds: the largest window minus one."""
-        assert self.window is not None
-        return self.window.block_tokens
+        """Tokens of sliding-layer state at a block boundary: the largest window minus one."""
+        return max(g.window for g in self.model.layout.groups if g.kind == "sliding") - 1
+
+    def checkpoint_blocks(self, i: int) -> range:
+        """The blocks whose pieces checkpoint ``i`` needs."""
+        return range(max(0, i - self.window_blocks + 1), i + 1)
 
     @property
     def chain_ns(self) -> Namespace:
@@ -104,12 +115,12 @@ class HybridNamespaces:
         return hash_blocks(self.chain_ns, tokens, extra_keys)
 
     def window_key(self, block_hash: bytes) -> BlockHash:
-        """The key of the window stored at the checkpoint whose last block is ``block_hash``."""
+        """The key of the window piece of the block whose chained hash is ``block_hash``."""
         return BlockHash(xxhash.xxh3_128_digest(self._key_prefix + bytes(block_hash)))
 
     def window_chain(self, hashes: Sequence[bytes], i: int) -> list[bytes]:
-        """The chain to ``put`` checkpoint ``i``'s window with (``start=len(chain) - 1``): under
-        its full block when there is a full part, alone otherwise."""
+        """The chain to ``put`` block ``i``'s window piece with (``start=len(chain) - 1``):
+        under its full block when there is a full part, alone otherwise."""
         key = self.window_key(hashes[i])
         if self.full is None:
             return [key]
@@ -129,7 +140,7 @@ class CheckpointPolicy:
     every_blocks: int = 16
     at_end: bool = True
     max_probes: int = 0
-    """Lookups :func:`find_checkpoint` may make; 0: ``every_blocks + 8``."""
+    """Candidates :func:`find_checkpoint` may try; 0: ``every_blocks + 8``."""
 
     def __post_init__(self) -> None:
         if self.every_blocks <= 0:
@@ -165,11 +176,20 @@ class CheckpointPolicy:
 def find_checkpoint(store: StoreAPI, hyb: HybridNamespaces, hashes: Sequence[bytes], n: int, policy: CheckpointPolicy) -> int:
     """The nearest cached checkpoint among blocks ``0..n-1`` (their full part is cached), or -1.
 
-    One ``lookup`` per candidate, nearest first (:meth:`CheckpointPolicy.probe_order`); the
-    usual multi-turn hit (the previous prompt's end) is found by the first.
+    One ``lookup`` per candidate, nearest first (:meth:`CheckpointPolicy.probe_order`), of the
+    candidate's piece keys in reverse order: the store's match counts the leading cached keys,
+    so a short count names the missing piece, and every candidate whose window holds it is
+    skipped. The usual multi-turn hit (the previous prompt's end) is found by the first lookup.
     """
     assert hyb.window is not None
+    below = n  # candidates at or above a known missing piece cannot be checkpoints
     for i in policy.probe_order(n):
-        if store.lookup(hyb.window, [hyb.window_key(hashes[i])]).num_blocks:
+        if i >= below:
+            continue
+        blocks = hyb.checkpoint_blocks(i)
+        keys = [hyb.window_key(hashes[j]) for j in reversed(blocks)]
+        m = store.lookup(hyb.window, keys).num_blocks
+        if m == len(keys):
             return i
+        below = i - m  # block i - m has no piece: so no checkpoint from there to i + k - 1
     return -1

@@ -251,19 +251,24 @@ def hash_blocks(
 def split_layout(layout: KVLayout) -> tuple[KVLayout | None, KVLayout | None]:
     """A hybrid layout as the two parts a hybrid store keeps (``docs/hybrid.md``).
 
-    The *full part*: every ``full`` and ``mla`` group, per block of ``block_tokens`` tokens
-    (every hit needs it for every block). The *window part*: every ``sliding`` group for the
-    ``window - 1`` tokens before a block boundary (all that a later token can attend to), stored
-    only at checkpoints; its ``block_tokens`` is that token count, the largest window's if the
-    groups differ. Either part is None when the layout has no group of that kind.
+    The *full part*: every ``full`` and ``mla`` group (every hit needs it for every block). The
+    *window part*: every ``sliding`` group, per block too, but stored only for the blocks inside
+    the window of a checkpoint (:func:`window_blocks` of them before each). Either part is None
+    when the layout has no group of that kind.
     """
     full = tuple(g for g in layout.groups if g.kind != "sliding")
     sliding = tuple(g for g in layout.groups if g.kind == "sliding")
     full_part = KVLayout(layout.dtype, layout.block_tokens, full) if full else None
-    window_part = None
-    if sliding:
-        tokens = max(g.window for g in sliding) - 1
-        if tokens <= 0:
-            raise UsageError("a sliding window of 1 token keeps no state between blocks; nothing to store")
-        window_part = KVLayout(layout.dtype, tokens, sliding)
+    window_part = KVLayout(layout.dtype, layout.block_tokens, sliding) if sliding else None
     return full_part, window_part
+
+
+def window_blocks(layout: KVLayout) -> int:
+    """Blocks before a block boundary that a later token's sliding window reaches: a token
+    attends to itself and the ``window - 1`` tokens before it, so the state at a boundary is
+    the ``window - 1`` tokens before it (the largest window's, if the groups differ). 0 without
+    sliding groups."""
+    windows = [g.window for g in layout.groups if g.kind == "sliding"]
+    if not windows:
+        return 0
+    return max(1, -(-(max(windows) - 1) // layout.block_tokens))

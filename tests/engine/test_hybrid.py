@@ -2,7 +2,8 @@
 
 Two small random-weight sliding-window models, float32 on the CPU: Gemma-3 (alternating local
 and global layers) and Mistral with ``sliding_window`` (every layer local). Blocks of 8 tokens,
-a 24-token window (23 tokens kept: not a multiple of the block), a checkpoint every 3 blocks.
+a 16-token window (15 tokens of state: not a multiple of the block, so a checkpoint needs the
+pieces of 2 blocks), a checkpoint every 4 blocks.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kvstore.errors import UsageError  # noqa: E402
 from kvstore.hybrid import CheckpointPolicy  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
 
-BT, W, C = 8, 24, 3
+BT, W, C = 8, 16, 4
 _SIZES = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
@@ -80,13 +81,13 @@ def _check(lm: HybridLM, plain: HybridLM, prompt: torch.Tensor, checkpoint: int,
 
 
 def _scenarios(lm: HybridLM, plain: HybridLM, seed: int) -> None:
-    base = _tokens(seed, 100)  # 12 full blocks: checkpoints 2, 5, 8 (every 3) and 11 (the end)
+    base = _tokens(seed, 100)  # 12 full blocks: checkpoints 3, 7 and 11 (every 4, and the end)
     first = lm.prefill(base)
     assert first.checkpoint == -1 and first.hit_tokens == 0
-    # A hit that ends on a checkpoint: 49 tokens -> blocks 0..5 usable, block 5 is a checkpoint.
-    _check(lm, plain, base[:49], checkpoint=5, replayed_blocks=0)
-    # Between checkpoints: blocks 0..7 usable, nearest checkpoint 5, blocks 6 and 7 replayed.
-    _check(lm, plain, base[:65], checkpoint=5, replayed_blocks=2)
+    # A hit that ends on a checkpoint: 65 tokens -> blocks 0..7 usable, block 7 is a checkpoint.
+    _check(lm, plain, base[:65], checkpoint=7, replayed_blocks=0)
+    # Between checkpoints: blocks 0..5 usable, nearest checkpoint 3, blocks 4 and 5 replayed.
+    _check(lm, plain, base[:49], checkpoint=3, replayed_blocks=2)
     # The whole stored prompt and past it: the end checkpoint (11), then new tokens.
     _check(lm, plain, torch.cat([base, _tokens(seed + 1, 37)]), checkpoint=11, replayed_blocks=0)
 
@@ -111,9 +112,9 @@ def test_hit_past_the_last_checkpoint_replays_from_it(model: Any, tmp_path: Path
     plain = HybridLM(model, None, ns)
     try:
         base = _tokens(5, 90)
-        periodic_only.prefill(base)  # full part of 11 blocks, windows at 2, 5, 8 only
+        periodic_only.prefill(base)  # full part of 11 blocks, checkpoints 3 and 7 only
         lm = HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=C))
-        _check(lm, plain, torch.cat([base, _tokens(6, 20)]), checkpoint=8, replayed_blocks=2)
+        _check(lm, plain, torch.cat([base, _tokens(6, 20)]), checkpoint=7, replayed_blocks=3)
     finally:
         store.close()
 
@@ -161,10 +162,12 @@ def test_a_window_evicted_falls_back_to_an_earlier_checkpoint(model: Any, tmp_pa
         base = _tokens(13, 100)
         lm.prefill(base)
         hashes = lm.hyb.hashes(base)
-        assert store.delete(lm.hyb.window, [lm.hyb.window_key(hashes[5])]) == 1
-        # Blocks 0..5 usable; checkpoint 5's window is gone: the hit ends at checkpoint 2.
-        blocks_after = 3 if lm.hyb.full is not None else 0
-        _check(lm, plain, base[:49], checkpoint=2, replayed_blocks=blocks_after, bounded=False)
+        # Block 7's window piece goes: checkpoint 7 is gone, 3 and 11 stay.
+        assert store.delete(lm.hyb.window, [lm.hyb.window_key(hashes[7])]) == 1
+        blocks_after = 4 if lm.hyb.full is not None else 0
+        _check(lm, plain, base[:65], checkpoint=3, replayed_blocks=blocks_after, bounded=False)
+        # The replaying prefill stored the piece again: checkpoint 7 is back.
+        _check(lm, plain, base[:65], checkpoint=7, replayed_blocks=0)
     finally:
         store.close()
 

@@ -50,7 +50,7 @@ PLANS: dict[str, tuple[int, int, int, int, int]] = {
     "gemma-3-27b": (10, 52, 1024, 16, 128),
     "mistral-7b-v0.1": (0, 32, 4096, 8, 128),
 }
-INTERVALS = (16, 64, 0)  # blocks between periodic checkpoints; 0: only the end of the prompt
+INTERVALS = (16, 32, 64, 0)  # blocks between periodic checkpoints; 0: only the end of the prompt
 
 
 def _ns(name: str, kv_heads: int | None = None, head_dim: int | None = None) -> Namespace:
@@ -85,8 +85,8 @@ def _store_run(ns: Namespace, context: int, policy: CheckpointPolicy) -> tuple[i
                 store.put(hyb.full, hashes, [memoryview(bytearray(hyb.full.block_bytes))] * n)
             assert hyb.window is not None
             wbuf = memoryview(bytearray(hyb.window.block_bytes))
-            for i in policy.new_checkpoints(0, n - 1):
-                chain = hyb.window_chain(hashes, i)
+            for j in sorted({j for i in policy.new_checkpoints(0, n - 1) for j in hyb.checkpoint_blocks(i)}):
+                chain = hyb.window_chain(hashes, j)
                 store.put(hyb.window, chain, [wbuf], start=len(chain) - 1)
             usage = store.namespace_usage()
             hybrid = sum(usage.get(p.root, (0, 0))[1] for p in hyb.parts())
@@ -107,7 +107,7 @@ def bytes_rows(quick: bool) -> Iterator[dict[str, Any]]:
             yield result(
                 "hybrid", f"bytes_per_token_{name}_C{c or 'end'}", exact["hybrid_bytes_per_token"], "B",
                 exact["everything_bytes_per_token"], context=context, window=PLANS[name][2],
-                checkpoints=int(exact["checkpoints"]), every_blocks=c, store_run_ratio=round(hybrid / everything, 4),
+                checkpoints=int(exact["checkpoints"]), window_pieces=int(exact["window_pieces"]), every_blocks=c, store_run_ratio=round(hybrid / everything, 4),
                 replay_bound_tokens=(c - 1) * BT if c else None,
                 goal_ratio=0.55 if PLANS[name][0] == PLANS[name][1] else None,
             )
@@ -207,7 +207,7 @@ def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
     tail = torch.randint(0, vocab, (suffix,), generator=g)
     ns = namespace_of(model, "bench/gemma3-8b-shape" + ("-quick" if quick else ""), BT)
     n_blocks = prefix_len // BT
-    cap = (n_blocks + 8) * ns.block_bytes * 2 + (n_blocks // c + 4) * HybridNamespaces.of(ns).window.block_bytes  # type: ignore[union-attr]
+    cap = (n_blocks + 8) * ns.block_bytes * 2  # every layer, and the two parts: at most as much
     with tempfile.TemporaryDirectory() as d:
         store = _dram_store(d, -(-cap // (64 << 20)) * (64 << 20) + (128 << 20))
         try:
@@ -217,21 +217,24 @@ def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
             lm.prefill(prefix)
             every.prefill(prefix)
             plain.prefill(prefix[:1024], use_cache=False, store=False)  # kernels warm
-            # On a checkpoint: the stored prompt's end. Between: the prompt leaves the chain
-            # half an interval after a periodic checkpoint, so C/2 blocks replay.
-            between = prefix_len - (c // 2) * BT
-            prompts = {"on_checkpoint": torch.cat([prefix, tail]), "between_checkpoints": torch.cat([prefix[:between], tail])}
-            full_t = _best(lambda: plain.prefill(prompts["on_checkpoint"], use_cache=False, store=False), repeat)
-            for case, prompt in prompts.items():
+            # A hit on a checkpoint (the stored prompt's end), and hits that leave the chain r
+            # blocks after a periodic checkpoint, so that r blocks replay (at most C - 1).
+            prompts = {0: torch.cat([prefix, tail])}
+            for r in (c // 4, c // 2, c - 1):
+                prompts[r] = torch.cat([prefix[: prefix_len - (c - r) * BT], tail])
+            full_t = _best(lambda: plain.prefill(prompts[0], use_cache=False, store=False), repeat)
+            for r, prompt in prompts.items():
                 a = lm.prefill(prompt, store=False)
                 b = every.prefill(prompt, store=False)
+                assert a.replayed_tokens == r * BT, (r, a.replayed_tokens)
                 t_h = min(lm.prefill(prompt, store=False).seconds for _ in range(repeat))
                 t_e = min(every.prefill(prompt, store=False).seconds for _ in range(repeat))
                 rel = float((a.logits - b.logits).abs().max() / b.logits.abs().max())
+                case = "on_checkpoint" if r == 0 else f"replay_{r}_blocks"
                 yield result(
                     "hybrid", f"ttft_{prefix_len}_{case}_{suffix}_new", t_h * 1e3, "ms", t_e * 1e3,
                     baseline_is="store-everything", goal_ratio=1.1, full_prefill_ms=round(full_t * 1e3, 2),
-                    speedup_vs_full=round(full_t / t_h, 2), replayed_tokens=a.replayed_tokens,
+                    speedup_vs_full=round(full_t / t_h, 2), every_blocks=c, replayed_tokens=a.replayed_tokens,
                     hit_tokens=a.hit_tokens, loaded_bytes=a.loaded_bytes, everything_loaded_bytes=b.loaded_bytes,
                     same_next_token=bool(a.logits.argmax() == b.logits.argmax()), logits_rel_err=round(rel, 4),
                     device=torch.cuda.get_device_name() if on_gpu else "cpu (smoke)",
