@@ -44,7 +44,28 @@ def mistral() -> Any:
     return transformers.MistralForCausalLM(cfg).float().eval()
 
 
-MODELS: dict[str, Callable[[], Any]] = {"gemma3-alternating": gemma3, "mistral-all-swa": mistral}
+def qwen3_next() -> Any:
+    """Gated delta-net linear attention (conv + recurrent state) between full-attention layers."""
+    cfg = transformers.Qwen3NextConfig(
+        **_SIZES, layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=2,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=0,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    )
+    torch.manual_seed(2)
+    return transformers.Qwen3NextForCausalLM(cfg).float().eval()
+
+
+def lfm2() -> Any:
+    """Short convolutions (a conv state) between full-attention layers."""
+    cfg = transformers.Lfm2Config(**{k: v for k, v in _SIZES.items() if k != "head_dim"},
+                                  layer_types=["conv", "full_attention"] * 2)
+    torch.manual_seed(3)
+    return transformers.Lfm2ForCausalLM(cfg).float().eval()
+
+
+MODELS: dict[str, Callable[[], Any]] = {
+    "gemma3-alternating": gemma3, "mistral-all-swa": mistral, "qwen3-next-linear": qwen3_next,
+}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -120,8 +141,12 @@ def test_hit_past_the_last_checkpoint_replays_from_it(model: Any, tmp_path: Path
 
 
 def test_store_everything_baseline_equals_uncached(model: Any, tmp_path: Path) -> None:
-    store = _store(tmp_path)
     ns = namespace_of(model, "test/everything", BT)
+    if "recurrent" in [g.kind for g in ns.layout.groups]:
+        with pytest.raises(UsageError, match="per-block form"):
+            HybridLM(model, None, ns, everything=True)
+        return
+    store = _store(tmp_path)
     lm = HybridLM(model, store, ns, everything=True)
     plain = HybridLM(model, None, ns)
     try:
@@ -147,7 +172,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.mark.parametrize("plane", ["shm", "tcp"])
 def test_through_the_daemon(model: Any, daemon: str, plane: str) -> None:
-    ns = namespace_of(model, f"test/hybrid-daemon-{plane}", BT)
+    ns = namespace_of(model, f"test/{model.config.model_type}-daemon-{plane}", BT)  # one id per model
     with connect(daemon, plane=plane) as client:
         lm = HybridLM(model, client, ns, policy=CheckpointPolicy(every_blocks=C))
         _scenarios(lm, HybridLM(model, None, ns), seed=11)
@@ -162,8 +187,12 @@ def test_a_window_evicted_falls_back_to_an_earlier_checkpoint(model: Any, tmp_pa
         base = _tokens(13, 100)
         lm.prefill(base)
         hashes = lm.hyb.hashes(base)
-        # Block 7's window piece goes: checkpoint 7 is gone, 3 and 11 stay.
-        assert store.delete(lm.hyb.window, [lm.hyb.window_key(hashes[7])]) == 1
+        # Block 7's window piece (or its recurrent state) goes: checkpoint 7 is gone, 3 and 11 stay.
+        if lm.hyb.window is not None:
+            assert store.delete(lm.hyb.window, [lm.hyb.window_key(hashes[7])]) == 1
+        else:
+            assert lm.hyb.state is not None
+            assert store.delete(lm.hyb.state, [lm.hyb.state_key(hashes[7])]) == 1
         blocks_after = 4 if lm.hyb.full is not None else 0
         _check(lm, plain, base[:65], checkpoint=3, replayed_blocks=blocks_after, bounded=False)
         # The replaying prefill stored the piece again: checkpoint 7 is back.
@@ -172,8 +201,20 @@ def test_a_window_evicted_falls_back_to_an_earlier_checkpoint(model: Any, tmp_pa
         store.close()
 
 
+def test_short_convolution_state_lfm2(tmp_path: Path) -> None:
+    """A conv state only (no recurrent one): LFM2's layers, through the same scenarios."""
+    model = lfm2()
+    store = _store(tmp_path)
+    ns = namespace_of(model, "test/lfm2", BT)
+    assert [g.kind for g in ns.layout.groups] == ["full", "recurrent"]
+    try:
+        _scenarios(HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=C)), HybridLM(model, None, ns), seed=17)
+    finally:
+        store.close()
+
+
 def test_unsupported_layer_types_are_refused() -> None:
     cfg = transformers.Gemma3TextConfig(sliding_window=W, sliding_window_pattern=2, **_SIZES)
-    cfg.layer_types = ["sliding_attention", "linear_attention", "full_attention", "full_attention"]
-    with pytest.raises(UsageError, match="linear_attention"):
+    cfg.layer_types = ["sliding_attention", "hybrid", "full_attention", "full_attention"]
+    with pytest.raises(UsageError, match="hybrid"):
         plan_of(cfg)
