@@ -488,20 +488,21 @@ def _runs(sorted_ids: list[int]) -> list[tuple[int, int]]:
 
 def window_bytes_per_token(ns: Namespace, context: int, policy: CheckpointPolicy) -> dict[str, float]:
     """Exact payload bytes per cached token of one chain of ``context`` tokens, stored once
-    (the checkpoints of ``policy`` and their window pieces) against storing every layer of
-    every block."""
+    (the full part, the checkpoints' window pieces and states) against storing every layer of
+    every block (with recurrent layers: their state at every block)."""
     hyb = HybridNamespaces.of(ns)
     n = context // ns.block_tokens
     ckpts = policy.new_checkpoints(0, n - 1) if n else []
     pieces = len({j for p in ckpts for j in hyb.checkpoint_blocks(p)})
-    full = n * hyb.full.block_bytes if hyb.full is not None else 0
-    window = pieces * hyb.window.block_bytes if hyb.window is not None else 0
+    total = n * hyb.full.block_bytes if hyb.full is not None else 0
+    total += pieces * hyb.window.block_bytes if hyb.window is not None else 0
+    total += len(ckpts) * hyb.state.block_bytes if hyb.state is not None else 0
     every = n * ns.block_bytes
     tokens = n * ns.block_tokens
     return {
         "checkpoints": float(len(ckpts)),
         "window_pieces": float(pieces),
-        "hybrid_bytes_per_token": (full + window) / tokens,
+        "hybrid_bytes_per_token": total / tokens,
         "everything_bytes_per_token": every / tokens,
-        "ratio": (full + window) / every,
+        "ratio": total / every,
     }

@@ -4,8 +4,9 @@ Three parts, each with its baseline from the same run (``docs/hybrid.md``):
 
 - **bytes**: payload bytes stored per cached token for one 32K-token chain, against storing
   every layer of every block, for the layer plans of gpt-oss (half SWA, W = 128), Gemma-2
-  (half SWA, W = 4096), Gemma-3 (5 of 6 SWA, W = 1024) and Mistral-7B-v0.1 (all SWA,
-  W = 4096), at several checkpoint intervals C. Exact from the layouts, and checked by a real
+  (half SWA, W = 4096), Gemma-3 (5 of 6 SWA, W = 1024), Mistral-7B-v0.1 (all SWA,
+  W = 4096) and Qwen3-Next (3 of 4 layers gated delta-net linear attention, a fixed-size state;
+  its baseline stores that state at every block), at several checkpoint intervals C. Exact from the layouts, and checked by a real
   store run: the chain put through a :class:`KVStore` over a null tier (bookkeeping only, the
   same layouts with 1 KV head x 8 dims so the payloads stay small), bytes read back from
   ``namespace_usage``. Goal: <= 0.55x for a half-SWA model at W << context.
@@ -43,23 +44,30 @@ CONTEXT = 32_768
 BT = 64
 
 # Layer plans of public models (bf16, 64-token blocks): (full layers, sliding layers, window,
-# kv heads, head dim).
-PLANS: dict[str, tuple[int, int, int, int, int]] = {
-    "gpt-oss-120b": (18, 18, 128, 8, 64),
-    "gemma-2-27b": (23, 23, 4096, 16, 128),
-    "gemma-3-27b": (10, 52, 1024, 16, 128),
-    "mistral-7b-v0.1": (0, 32, 4096, 8, 128),
+# kv heads, head dim, recurrent layers, state elements per recurrent layer).
+PLANS: dict[str, tuple[int, int, int, int, int, int, int]] = {
+    "gpt-oss-120b": (18, 18, 128, 8, 64, 0, 0),
+    "gemma-2-27b": (23, 23, 4096, 16, 128, 0, 0),
+    "gemma-3-27b": (10, 52, 1024, 16, 128, 0, 0),
+    "mistral-7b-v0.1": (0, 32, 4096, 8, 128, 0, 0),
+    # Gated delta net: conv state 8192 channels x kernel 4, recurrent state 32 heads x 128 x 128.
+    "qwen3-next-80b": (12, 0, 0, 2, 256, 36, 8192 * 4 + 32 * 128 * 128),
 }
 INTERVALS = (16, 32, 64, 0)  # blocks between periodic checkpoints; 0: only the end of the prompt
 
 
-def _ns(name: str, kv_heads: int | None = None, head_dim: int | None = None) -> Namespace:
-    full, sliding, w, h, d = PLANS[name]
-    h, d = kv_heads or h, head_dim or d
+def _ns(name: str, scale: int = 1) -> Namespace:
+    """``scale`` > 1: the same plan with 1 KV head x 8 dims and the state / scale (small payloads)."""
+    full, sliding, w, h, d, rec, state = PLANS[name]
+    if scale > 1:
+        h, d, state = 1, 8, max(1, state // scale)
     groups = []
     if full:
         groups.append(LayerGroup("full", full, h, d))
-    groups.append(LayerGroup("sliding", sliding, h, d, window=w))
+    if sliding:
+        groups.append(LayerGroup("sliding", sliding, h, d, window=w))
+    if rec:
+        groups.append(LayerGroup("recurrent", rec, latent_dim=state))
     return Namespace(f"bench/{name}", KVLayout("bfloat16", BT, tuple(groups)))
 
 
@@ -83,11 +91,17 @@ def _store_run(ns: Namespace, context: int, policy: CheckpointPolicy) -> tuple[i
             hashes = hyb.hashes(tokens)
             if hyb.full is not None:
                 store.put(hyb.full, hashes, [memoryview(bytearray(hyb.full.block_bytes))] * n)
-            assert hyb.window is not None
-            wbuf = memoryview(bytearray(hyb.window.block_bytes))
-            for j in sorted({j for i in policy.new_checkpoints(0, n - 1) for j in hyb.checkpoint_blocks(i)}):
-                chain = hyb.window_chain(hashes, j)
-                store.put(hyb.window, chain, [wbuf], start=len(chain) - 1)
+            ckpts = policy.new_checkpoints(0, n - 1)
+            if hyb.window is not None:
+                wbuf = memoryview(bytearray(hyb.window.block_bytes))
+                for j in sorted({j for i in ckpts for j in hyb.checkpoint_blocks(i)}):
+                    chain = hyb.window_chain(hashes, j)
+                    store.put(hyb.window, chain, [wbuf], start=len(chain) - 1)
+            if hyb.state is not None:
+                sbuf = memoryview(bytearray(hyb.state.block_bytes))
+                for i in ckpts:
+                    chain = hyb.state_chain(hashes, i)
+                    store.put(hyb.state, chain, [sbuf], start=len(chain) - 1)
             usage = store.namespace_usage()
             hybrid = sum(usage.get(p.root, (0, 0))[1] for p in hyb.parts())
             return hybrid, usage[ns.root][1]
@@ -99,14 +113,14 @@ def bytes_rows(quick: bool) -> Iterator[dict[str, Any]]:
     context = 8192 if quick else CONTEXT
     for name in PLANS:
         ns = _ns(name)
-        small = _ns(name, kv_heads=1, head_dim=8)
+        small = _ns(name, scale=64)
         for c in INTERVALS:
             policy = _policy(c)
             exact = window_bytes_per_token(ns, context, policy)
             hybrid, everything = _store_run(small, context, policy)
             yield result(
                 "hybrid", f"bytes_per_token_{name}_C{c or 'end'}", exact["hybrid_bytes_per_token"], "B",
-                exact["everything_bytes_per_token"], context=context, window=PLANS[name][2],
+                exact["everything_bytes_per_token"], context=context, window=PLANS[name][2] or None,
                 checkpoints=int(exact["checkpoints"]), window_pieces=int(exact["window_pieces"]), every_blocks=c, store_run_ratio=round(hybrid / everything, 4),
                 replay_bound_tokens=(c - 1) * BT if c else None,
                 goal_ratio=0.55 if PLANS[name][0] == PLANS[name][1] else None,
