@@ -210,49 +210,51 @@ def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
     if not on_gpu and not quick:
         print("hybrid ttft: skipped, needs a CUDA device (--quick runs a CPU smoke test)", flush=True)
         return
-    c, suffix = 16, 512
+    suffix = 512
     if on_gpu:
         model, prefix_len, repeat = _gpu_model(quick), (4096 if quick else CONTEXT), 3
     else:
         model, prefix_len, repeat, suffix = _tiny_gemma3(128), 2048, 1, 64
+    intervals = (16,) if quick else (16, 32)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (prefix_len,), generator=g)
     tail = torch.randint(0, vocab, (suffix,), generator=g)
     ns = namespace_of(model, "bench/gemma3-8b-shape" + ("-quick" if quick else ""), BT)
     n_blocks = prefix_len // BT
-    cap = (n_blocks + 8) * ns.block_bytes * 2  # every layer, and the two parts: at most as much
+    cap = (n_blocks + 8) * ns.block_bytes * (1 + len(intervals))  # every layer, and each split
     with tempfile.TemporaryDirectory() as d:
         store = _dram_store(d, -(-cap // (64 << 20)) * (64 << 20) + (128 << 20))
         try:
-            lm = HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=c))
             every = HybridLM(model, store, replace(ns, model_id=ns.model_id + "-all"), everything=True)
             plain = HybridLM(model, None, ns)
-            lm.prefill(prefix)
             every.prefill(prefix)
             plain.prefill(prefix[:1024], use_cache=False, store=False)  # kernels warm
-            # A hit on a checkpoint (the stored prompt's end), and hits that leave the chain r
-            # blocks after a periodic checkpoint, so that r blocks replay (at most C - 1).
-            prompts = {0: torch.cat([prefix, tail])}
-            for r in (c // 4, c // 2, c - 1):
-                prompts[r] = torch.cat([prefix[: prefix_len - (c - r) * BT], tail])
-            full_t = _best(lambda: plain.prefill(prompts[0], use_cache=False, store=False), repeat)
-            for r, prompt in prompts.items():
-                a = lm.prefill(prompt, store=False)
-                b = every.prefill(prompt, store=False)
-                assert a.replayed_tokens == r * BT, (r, a.replayed_tokens)
-                t_h = min(lm.prefill(prompt, store=False).seconds for _ in range(repeat))
-                t_e = min(every.prefill(prompt, store=False).seconds for _ in range(repeat))
-                rel = float((a.logits - b.logits).abs().max() / b.logits.abs().max())
-                case = "on_checkpoint" if r == 0 else f"replay_{r}_blocks"
-                yield result(
-                    "hybrid", f"ttft_{prefix_len}_{case}_{suffix}_new", t_h * 1e3, "ms", t_e * 1e3,
-                    baseline_is="store-everything", goal_ratio=1.1, full_prefill_ms=round(full_t * 1e3, 2),
-                    speedup_vs_full=round(full_t / t_h, 2), every_blocks=c, replayed_tokens=a.replayed_tokens,
-                    hit_tokens=a.hit_tokens, loaded_bytes=a.loaded_bytes, everything_loaded_bytes=b.loaded_bytes,
-                    same_next_token=bool(a.logits.argmax() == b.logits.argmax()), logits_rel_err=round(rel, 4),
-                    device=torch.cuda.get_device_name() if on_gpu else "cpu (smoke)",
-                )
+            full_t = _best(lambda: plain.prefill(torch.cat([prefix, tail]), use_cache=False, store=False), repeat)
+            for c in intervals:
+                lm = HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}"), policy=CheckpointPolicy(every_blocks=c))
+                lm.prefill(prefix)
+                # A hit on a checkpoint (the stored prompt's end), and hits that leave the chain
+                # r blocks after a periodic checkpoint, so that r blocks replay (at most C - 1).
+                prompts = {0: torch.cat([prefix, tail])}
+                for r in (c // 4, c // 2, c - 1):
+                    prompts[r] = torch.cat([prefix[: prefix_len - (c - r) * BT], tail])
+                for r, prompt in prompts.items():
+                    a = lm.prefill(prompt, store=False)
+                    b = every.prefill(prompt, store=False)
+                    assert a.replayed_tokens == r * BT, (r, a.replayed_tokens)
+                    t_h = min(lm.prefill(prompt, store=False).seconds for _ in range(repeat))
+                    t_e = min(every.prefill(prompt, store=False).seconds for _ in range(repeat))
+                    rel = float((a.logits - b.logits).abs().max() / b.logits.abs().max())
+                    case = "on_checkpoint" if r == 0 else f"replay_{r}_blocks"
+                    yield result(
+                        "hybrid", f"ttft_{prefix_len}_C{c}_{case}_{suffix}_new", t_h * 1e3, "ms", t_e * 1e3,
+                        baseline_is="store-everything", goal_ratio=1.1, full_prefill_ms=round(full_t * 1e3, 2),
+                        speedup_vs_full=round(full_t / t_h, 2), every_blocks=c, replayed_tokens=a.replayed_tokens,
+                        hit_tokens=a.hit_tokens, loaded_bytes=a.loaded_bytes, everything_loaded_bytes=b.loaded_bytes,
+                        same_next_token=bool(a.logits.argmax() == b.logits.argmax()), logits_rel_err=round(rel, 4),
+                        device=torch.cuda.get_device_name() if on_gpu else "cpu (smoke)",
+                    )
         finally:
             store.close()
 
