@@ -427,13 +427,10 @@ class HybridLM:
         sel = list(range(len(self.plan.kinds))) if self.everything else self.plan.full
         new_bytes = 0
         if sel:
-            t0, t1 = (c + 1) * self.bt, n * self.bt
-            keys = [layers[i].keys[:, :, t0 - first.get(i, 0) : t1 - first.get(i, 0)] for i in sel]
-            values = [layers[i].values[:, :, t0 - first.get(i, 0) : t1 - first.get(i, 0)] for i in sel]
-            blocks = pack(keys, values, self._shape(len(sel), self.bt), 0, n - c - 1).cpu()
+            blocks = self._pack(layers, sel, first, c + 1, n - 1)
             ns = self.ns if self.everything else self.hyb.full
             assert ns is not None
-            new_bytes += store.put(ns, hashes, blocks.numpy(), start=c + 1) * ns.block_bytes
+            new_bytes += store.put(ns, hashes, blocks, start=c + 1) * ns.block_bytes
         if self.everything:
             return new_bytes
         sns = self.hyb.state
@@ -448,15 +445,19 @@ class HybridLM:
         # checkpoint), so only computed blocks need packing.
         need = sorted({j for p in self.policy.new_checkpoints(c + 1, n - 1) for j in self.hyb.checkpoint_blocks(p) if j > c})
         for a, b in _runs(need):
-            t0, t1 = a * self.bt, (b + 1) * self.bt
-            sl = self.plan.sliding
-            keys = [layers[i].keys[:, :, t0 - first[i] : t1 - first[i]] for i in sl]
-            values = [layers[i].values[:, :, t0 - first[i] : t1 - first[i]] for i in sl]
-            pieces = pack(keys, values, self._shape(len(sl), self.bt), 0, b - a + 1).cpu().numpy()
+            pieces = self._pack(layers, self.plan.sliding, first, a, b)
             for j in range(a, b + 1):
                 chain = self.hyb.window_chain(hashes, j)
                 new_bytes += store.put(wns, chain, pieces[j - a], start=len(chain) - 1) * wns.block_bytes
         return new_bytes
+
+    def _pack(self, layers: Any, sel: list[int], first: dict[int, int], a: int, b: int) -> Any:
+        """Blocks ``a..b`` of layers ``sel`` as host ``[n, block_bytes]`` uint8 (numpy); a
+        layer's cached tokens start at position ``first[layer]`` (0 if absent)."""
+        t0, t1 = a * self.bt, (b + 1) * self.bt
+        keys = [layers[i].keys[:, :, t0 - first.get(i, 0) : t1 - first.get(i, 0)] for i in sel]
+        values = [layers[i].values[:, :, t0 - first.get(i, 0) : t1 - first.get(i, 0)] for i in sel]
+        return pack(keys, values, self._shape(len(sel), self.bt), 0, b - a + 1).cpu().numpy()
 
     @torch.no_grad()
     def generate(self, input_ids: Any, max_new_tokens: int, *, use_cache: bool = True) -> tuple[list[int], HybridPrefill]:

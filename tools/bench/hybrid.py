@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -38,7 +37,7 @@ from kvstore.config import StoreConfig, TierSpec
 from kvstore.hybrid import CheckpointPolicy, HybridNamespaces
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.store import KVStore
-from tools.bench._common import result
+from tools.bench._common import best_of, result
 
 CONTEXT = 32_768
 BT = 64
@@ -196,15 +195,6 @@ def _gpu_model(quick: bool) -> Any:
     return model.eval()
 
 
-def _best(fn: Any, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not quick:
@@ -230,7 +220,7 @@ def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
             plain = HybridLM(model, None, ns)
             every.prefill(prefix)
             plain.prefill(prefix[:1024], use_cache=False, store=False)  # kernels warm
-            full_t = _best(lambda: plain.prefill(torch.cat([prefix, tail]), use_cache=False, store=False), repeat)
+            full_t = best_of(lambda: plain.prefill(torch.cat([prefix, tail]), use_cache=False, store=False), repeat)
             for c in intervals:
                 lm = HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}"), policy=CheckpointPolicy(every_blocks=c))
                 lm.prefill(prefix)
