@@ -18,7 +18,7 @@ sliding-window attention (Gemma 2/3, gpt-oss, Mistral with ``sliding_window``). 
 With ``everything=True`` it is the store-everything baseline instead: one namespace with every
 layer of every block (what kvstore stores for any model without this split), no replay.
 
-On CUDA with an in-process store the blocks are leased in the DRAM arena and copied to the
+On CUDA, from a store with a shared-memory arena, the blocks are leased there and copied to the
 device with one 2-D DMA per run of blocks (``engine.gpu``), then unpacked with one strided copy
 per layer; the layer-wise overlap of load and compute of ``engine/hf.py`` is not repeated here
 (both paths this module compares load the same way).
@@ -41,7 +41,6 @@ from engine.kvlayout import KVShape, pack, unpack_layer
 from kvstore.errors import UsageError
 from kvstore.hybrid import CheckpointPolicy, HybridNamespaces, StoreAPI, find_checkpoint
 from kvstore.keys import BlockHash, KVLayout, LayerGroup, Namespace, hash_blocks
-from kvstore.store import KVStore
 
 _KINDS = {
     "full_attention": "full",
@@ -231,6 +230,8 @@ class HybridLM:
         self.bt = ns.block_tokens
         self.wn = max(self.plan.windows) - 1 if self.plan.sliding else 0
         self._kw = _cache_kw(model)
+        # Leases (zero-copy reads from the store's shared-memory arena) for a CUDA device.
+        self._leases = self.device.type == "cuda" and hasattr(store, "acquire")
         if store is not None:
             if everything:
                 store.register_namespace(ns)
@@ -244,18 +245,19 @@ class HybridLM:
 
     def _fetch(self, ns: Namespace, hashes: list[bytes], held: list[Any]) -> torch.Tensor | None:
         """All of ``hashes``' blocks of ``ns`` on the device as ``[n, block_bytes]`` uint8, or
-        None if fewer are cached. On CUDA with an in-process store the blocks are leased in the
-        DRAM arena and copied from there with one 2-D DMA per run (``engine.gpu``); the lease
-        goes into ``held`` (released once the prefill has synchronised). Otherwise they are
-        read into a host buffer (pinned on CUDA) and copied over."""
+        None if fewer are cached. On CUDA, from a store with a shared-memory arena (in process
+        or a same-node daemon), the blocks are leased in the arena and copied from there with
+        one 2-D DMA per run (``engine.gpu``); the lease goes into ``held`` (released once the
+        prefill has synchronised). Otherwise they are read into a host buffer (pinned on CUDA)
+        and copied over."""
         store = self.store
         assert store is not None
         n, bb = len(hashes), ns.block_bytes
-        if self.device.type == "cuda" and isinstance(store, KVStore):
+        if self._leases:
             try:
                 blocks = ArenaBlocks(store, store.acquire(ns, hashes))
-            except UsageError:  # no shared-memory tier first: load by copy
-                pass
+            except UsageError:  # no shared-memory tier first: load by copy from now on
+                self._leases = False
             else:
                 held.append(blocks)
                 if blocks.num_blocks != n:

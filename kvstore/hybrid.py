@@ -33,10 +33,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import xxhash
 
+from kvstore.api import KVCacheAPI
 from kvstore.errors import UsageError
 from kvstore.keys import (
     BlockHash,
@@ -59,11 +60,8 @@ _WINDOW_TAG = b"kvstore.swa-window.v1\0"
 _STATE_TAG = b"kvstore.recurrent-state.v1\0"
 
 
-class StoreAPI(Protocol):
-    def register_namespace(self, ns: Namespace, ttl_s: float | None = None) -> None: ...
-    def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> Any: ...
-    def get_into(self, ns: Namespace, hashes: Sequence[bytes], dst: Any) -> int: ...
-    def put(self, ns: Namespace, hashes: Sequence[bytes], blocks: Any, *, start: int = 0, durable: bool = False) -> int: ...
+StoreAPI = KVCacheAPI[Any]
+"""The in-process :class:`kvstore.store.KVStore` or a daemon client."""
 
 
 @dataclass(frozen=True, slots=True)
