@@ -39,7 +39,7 @@ from engine.gpu import ArenaBlocks
 from engine.hf import _cache_kw, _out_cache
 from engine.kvlayout import KVShape, pack, unpack_layer
 from kvstore.errors import UsageError
-from kvstore.hybrid import CheckpointPolicy, HybridNamespaces, StoreAPI, find_checkpoint
+from kvstore.hybrid import CheckpointPolicy, HybridNamespaces, StoreAPI, lookup
 from kvstore.keys import BlockHash, KVLayout, LayerGroup, Namespace, hash_blocks
 
 _KINDS = {
@@ -274,14 +274,14 @@ class HybridLM:
         """The nearest checkpoint's parts on the device, or None (no checkpoint is cached)."""
         hyb, store = self.hyb, self.store
         assert store is not None
-        n = store.lookup(hyb.full, hashes[:max_hit]).num_blocks if hyb.full is not None else max_hit
-        c = find_checkpoint(store, hyb, hashes, n, self.policy)
+        where = lookup(store, hyb, hashes[:max_hit], self.policy)
+        c = where.checkpoint
         if c < 0:
             return None
         # Window pieces and state first: once they are read, the full part under them cannot
         # leave before them (it is their parent), short of expiring in between; a short read of
         # any part is a miss, never a wrong hit.
-        got = _Loaded(c, n)
+        got = _Loaded(c, where.full_blocks)
         if hyb.window is not None:
             got.window = self._fetch(hyb.window, [hyb.window_key(hashes[j]) for j in hyb.checkpoint_blocks(c)], held)
             if got.window is None:
@@ -411,8 +411,7 @@ class HybridLM:
             lay = cache.layers[layer]
             lay.record_past = False
             lay.keys, lay.values = lay.keys[:, :, -self.wn :], lay.values[:, :, -self.wn :]
-        n_full = got.cached_blocks if got is not None and (self.everything or self.hyb.full is not None) else 0
-        replayed = max(0, n_full * bt - hit)
+        replayed = (got.cached_blocks - c - 1) * bt if got is not None else 0
         loaded = got.nbytes() if got is not None else 0
         return HybridPrefill(logits, cache, c, hit, replayed, ids.numel() - hit, loaded, seconds, stored)
 

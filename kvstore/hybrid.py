@@ -201,6 +201,30 @@ class CheckpointPolicy:
         return order[:limit]
 
 
+@dataclass(frozen=True, slots=True)
+class HybridLookup:
+    """Where a prompt's hit ends in a hybrid store."""
+
+    full_blocks: int
+    """Leading blocks whose full part is cached (for an all-SWA or all-recurrent model, which has
+    no full part: every block asked about)."""
+    checkpoint: int
+    """The nearest cached checkpoint among them, or -1: load blocks ``0..checkpoint``."""
+
+    @property
+    def replay_blocks(self) -> int:
+        """Cached blocks after the checkpoint, which the engine recomputes (0 without a full part)."""
+        return self.full_blocks - self.checkpoint - 1 if self.checkpoint >= 0 else self.full_blocks
+
+
+def lookup(store: StoreAPI, hyb: HybridNamespaces, hashes: Sequence[bytes], policy: CheckpointPolicy) -> HybridLookup:
+    """The longest cached full-part prefix of ``hashes`` and the nearest checkpoint at or before
+    its end. Changes nothing."""
+    n = store.lookup(hyb.full, hashes).num_blocks if hyb.full is not None else len(hashes)
+    c = find_checkpoint(store, hyb, hashes, n, policy)
+    return HybridLookup(n if hyb.full is not None else max(c + 1, 0), c)
+
+
 def find_checkpoint(store: StoreAPI, hyb: HybridNamespaces, hashes: Sequence[bytes], n: int, policy: CheckpointPolicy) -> int:
     """The nearest cached checkpoint among blocks ``0..n-1`` (their full part is cached), or -1.
 

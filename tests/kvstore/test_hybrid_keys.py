@@ -10,7 +10,14 @@ import pytest
 
 from kvstore.config import TierSpec
 from kvstore.errors import MissingPrefixError, UsageError
-from kvstore.hybrid import WINDOW_SUFFIX, CheckpointPolicy, HybridNamespaces, find_checkpoint
+from kvstore.hybrid import (
+    WINDOW_SUFFIX,
+    CheckpointPolicy,
+    HybridLookup,
+    HybridNamespaces,
+    find_checkpoint,
+)
+from kvstore.hybrid import lookup as hybrid_lookup
 from kvstore.keys import KVLayout, LayerGroup, Namespace, split_layout, window_blocks
 from kvstore.store import KVStore
 
@@ -116,6 +123,13 @@ def test_checkpoints_are_found_by_their_pieces(make_store: Callable[..., KVStore
         assert store.delete(hyb.window, [hyb.window_key(hashes[7])]) == 1  # type: ignore[arg-type]
         assert find_checkpoint(store, hyb, hashes, 9, policy) == 3
         assert find_checkpoint(store, hyb, hashes, 10, policy) == 9
+        # The longest full-part prefix and the nearest checkpoint at or before it.
+        where = hybrid_lookup(store, hyb, hashes[:9], policy)
+        if hyb.full is not None:
+            assert where == HybridLookup(9, 3) and where.replay_blocks == 5
+        else:  # nothing past the checkpoint is cached: nothing to replay
+            assert where == HybridLookup(4, 3) and where.replay_blocks == 0
+        assert hybrid_lookup(store, hyb, hyb.hashes(np.arange(24) + 7000), policy).checkpoint == -1
 
 
 def test_pieces_sit_under_their_full_part(make_store: Callable[..., KVStore]) -> None:
