@@ -26,6 +26,7 @@ per layer; the layer-wise overlap of load and compute of ``engine/hf.py`` is not
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, replace
@@ -38,9 +39,11 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from engine.gpu import ArenaBlocks
 from engine.hf import _cache_kw, _out_cache
 from engine.kvlayout import KVShape, pack, unpack_layer
-from kvstore.errors import UsageError
+from kvstore.errors import MissingPrefixError, UsageError
 from kvstore.hybrid import CheckpointPolicy, HybridNamespaces, StoreAPI, lookup
 from kvstore.keys import BlockHash, KVLayout, LayerGroup, Namespace, hash_blocks
+
+log = logging.getLogger(__name__)
 
 _KINDS = {
     "full_attention": "full",
@@ -200,7 +203,8 @@ class _Loaded:
 
 
 class HybridLM:
-    """A causal LM with sliding-window layers that loads the full part + a window and replays."""
+    """A causal LM with sliding-window and/or recurrent layers: loads a checkpoint's full part,
+    window pieces and state, and replays the blocks after it."""
 
     def __init__(
         self,
@@ -278,9 +282,8 @@ class HybridLM:
         c = where.checkpoint
         if c < 0:
             return None
-        # Window pieces and state first: once they are read, the full part under them cannot
-        # leave before them (it is their parent), short of expiring in between; a short read of
-        # any part is a miss, never a wrong hit.
+        # The parts may leave between the lookup and the reads (eviction, expiry): a short read
+        # of any of them is a miss, never a wrong hit.
         got = _Loaded(c, where.full_blocks)
         if hyb.window is not None:
             got.window = self._fetch(hyb.window, [hyb.window_key(hashes[j]) for j in hyb.checkpoint_blocks(c)], held)
@@ -406,7 +409,12 @@ class HybridLM:
             for lease in held:
                 lease.release()
         seconds = time.perf_counter() - t0
-        stored = self._store(cache, hashes, c, hit, states) if store and self.store is not None else 0
+        stored = 0
+        if store and self.store is not None:
+            try:
+                stored = self._store(cache, hashes, c, hit, states)
+            except MissingPrefixError as e:  # the loaded prefix left the store since: skip this put
+                log.info("hybrid store skipped: %s", e)
         for layer in self.plan.sliding:
             lay = cache.layers[layer]
             lay.record_past = False

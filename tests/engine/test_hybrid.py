@@ -201,6 +201,36 @@ def test_a_window_evicted_falls_back_to_an_earlier_checkpoint(model: Any, tmp_pa
         store.close()
 
 
+def test_a_put_whose_prefix_left_is_skipped(model: Any, tmp_path: Path) -> None:
+    """The put after a hit extends the loaded prefix; if that prefix left the store in between,
+    the put is skipped (the prefill's answer stands) and a later prefill starts cold."""
+    store = _store(tmp_path)
+    ns = namespace_of(model, "test/hybrid", BT)
+    lm = HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=C))
+    if lm.hyb.full is None:
+        store.close()
+        pytest.skip("no full part: every put is a chain of one block")
+    try:
+        base = _tokens(21, 100)
+        lm.prefill(base[:40])  # 5 blocks: checkpoints 3 (every 4) and 4 (the end)
+        hashes = lm.hyb.hashes(base)
+        real_put = store.put
+
+        def evict_then_put(ns: Any, chain: Any, blocks: Any, *, start: int = 0, durable: bool = False) -> int:
+            store.delete(lm.hyb.full, [hashes[0]])  # the loaded prefix leaves before the put
+            return real_put(ns, chain, blocks, start=start, durable=durable)
+
+        store.put = evict_then_put  # type: ignore[method-assign]
+        ref = HybridLM(model, None, ns).prefill(base, use_cache=False, store=False)
+        pre = lm.prefill(base)
+        assert pre.checkpoint == 4 and pre.stored_bytes == 0
+        assert rel_err(pre.logits, ref.logits) <= 1e-4
+        store.put = real_put  # type: ignore[method-assign]
+        assert lm.prefill(base).checkpoint == -1
+    finally:
+        store.close()
+
+
 def test_short_convolution_state_lfm2(tmp_path: Path) -> None:
     """A conv state only (no recurrent one): LFM2's layers, through the same scenarios."""
     model = lfm2()
