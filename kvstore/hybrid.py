@@ -66,7 +66,7 @@ StoreAPI = KVCacheAPI[Any]
 
 @dataclass(frozen=True, slots=True)
 class HybridNamespaces:
-    """The full-part and window-part namespaces of one model deployment."""
+    """The part namespaces (full, window, state) of one model deployment."""
 
     model: Namespace
     """The model's own descriptor, with every layer group (what a store-everything engine uses)."""
