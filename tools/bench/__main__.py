@@ -25,6 +25,7 @@ BENCHES = {
     "ttft": "tools.bench.ttft",
     "overlap": "tools.bench.overlap",
     "throughput": "tools.bench.throughput",  # batched prefill, hits from DRAM and HBM
+    "hybrid": "tools.bench.hybrid",  # sliding-window models: bytes, replay; TTFT on CUDA
     # the daemon (issue 5): each starts its own daemon on loopback
     "shm": "tools.bench.shm",
     "tcp": "tools.bench.tcp",
