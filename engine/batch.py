@@ -10,9 +10,11 @@ new tokens.
 
 KV layout: per layer, token-major rows ``[rows, kv_heads, head_dim]`` holding every request's
 prompt one after another, each starting at a multiple of ``block_tokens`` (so that a cached block
-is one ``block_tokens``-row slot: all loaded blocks of a layer are scattered into place with one
-``index_copy_``). The cached rows are filled by the loader, the new rows by the model's cache
-``update``; attention reads them in place.
+is one ``block_tokens``-row slot: all DRAM blocks of a layer are scattered into place with one
+``index_copy_``, and the HBM pages, which hold blocks in this same layout, are gathered with one
+``index_select`` per request). The cached rows are filled by the loader, the new rows by the
+model's cache ``update``; attention reads them in place. Index kernels run on 8-byte views of the
+bytes (:func:`engine.kvlayout.wide`).
 
 Attention backends (``attention=``):
 

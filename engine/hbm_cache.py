@@ -34,9 +34,8 @@ import logging
 import math
 import tempfile
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -74,13 +73,12 @@ class _Entry:
 @dataclass(slots=True)
 class Reservation:
     """Pages reserved for blocks ``start .. start+len(keys)-1`` of a chain, to be filled by the
-    caller (``pages.index_copy_(0, slots, rows)`` or per column range)."""
+    caller (per layer and K/V: ``part(layer, kv).index_copy_(0, slots, rows)``)."""
 
     keys: list[BlockHash]
     slots: torch.Tensor
     """int64 page indices on the device, one per key."""
     start: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class HbmCache:
