@@ -1,7 +1,9 @@
 """The hybrid engine: full part + checkpoint window + bounded replay gives the uncached answer.
 
-Two small random-weight sliding-window models, float32 on the CPU: Gemma-3 (alternating local
-and global layers) and Mistral with ``sliding_window`` (every layer local). Blocks of 8 tokens,
+Small random-weight models, float32 on the CPU: Gemma-3 (alternating local and global layers),
+Mistral with ``sliding_window`` (every layer local) and Qwen3-Next (linear attention: conv and
+recurrent state) through every test; gpt-oss (windows with attention sinks, experts) and LFM2
+(short convolutions) through the hit scenarios. Blocks of 8 tokens,
 a 16-token window (15 tokens of state: not a multiple of the block, so a checkpoint needs the
 pieces of 2 blocks), a checkpoint every 4 blocks.
 """
@@ -61,6 +63,16 @@ def lfm2() -> Any:
                                   layer_types=["conv", "full_attention"] * 2)
     torch.manual_seed(3)
     return transformers.Lfm2ForCausalLM(cfg).float().eval()
+
+
+def gpt_oss() -> Any:
+    """Alternating 16-token windows and full layers with attention sinks and a mixture of experts."""
+    cfg = transformers.GptOssConfig(
+        **{**_SIZES, "intermediate_size": 64}, sliding_window=W, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+    torch.manual_seed(4)
+    return transformers.GptOssForCausalLM(cfg).float().eval()
 
 
 MODELS: dict[str, Callable[[], Any]] = {
@@ -231,14 +243,16 @@ def test_a_put_whose_prefix_left_is_skipped(model: Any, tmp_path: Path) -> None:
         store.close()
 
 
-def test_short_convolution_state_lfm2(tmp_path: Path) -> None:
-    """A conv state only (no recurrent one): LFM2's layers, through the same scenarios."""
-    model = lfm2()
+@pytest.mark.parametrize(("make", "kinds"), [(gpt_oss, ["full", "sliding"]), (lfm2, ["full", "recurrent"])])
+def test_more_architectures(make: Callable[[], Any], kinds: list[str], tmp_path: Path) -> None:
+    """gpt-oss (windows with sinks and experts) and LFM2 (a conv state only, no recurrent one)
+    through the hit scenarios, in process."""
+    model = make()
     store = _store(tmp_path)
-    ns = namespace_of(model, "test/lfm2", BT)
-    assert [g.kind for g in ns.layout.groups] == ["full", "recurrent"]
+    ns = namespace_of(model, f"test/{model.config.model_type}", BT)
+    assert [g.kind for g in ns.layout.groups] == kinds
     try:
-        _scenarios(HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=C)), HybridLM(model, None, ns), seed=17)
+        _scenarios(HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=C)), HybridLM(model, None, ns), seed=23)
     finally:
         store.close()
 
