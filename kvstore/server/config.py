@@ -11,8 +11,8 @@ Example (same file as ``[store]`` and ``[[tiers]]``)::
     max_body = "4MiB"           # HTTP request bodies
     max_blocks = 65536          # blocks (hashes) per request
     max_payload = "1GiB"        # payload bytes of one data-plane frame
-    max_connections = 1024      # both planes together (also kept under RLIMIT_NOFILE)
-    max_connections_per_peer = 256
+    max_connections = 4096      # both planes together (also kept under RLIMIT_NOFILE)
+    max_connections_per_peer = 1024  # every same-node engine is 127.0.0.1: HTTP + data each
     handshake_timeout = "10s"   # a data connection's HELLO must arrive within this
     request_timeout = "30s"     # an HTTP request's head and body; the rest of a frame header
     lease_timeout = "5min"      # a shared-memory lease not released by then is taken back
@@ -103,12 +103,13 @@ class Limits:
     max_staging_bytes: int = 512 * _MiB
     max_leases: int = 4096
     """Leases one data-plane connection may hold at once."""
-    max_connections: int = 1024
+    max_connections: int = 4096
     """Open connections of both planes together; the daemon also keeps it under its
     RLIMIT_NOFILE (less room for the store's own files). A connection over a limit is closed at
     once, so the clients already connected keep being served."""
-    max_connections_per_peer: int = 256
-    """Open connections from one address (every same-node engine is 127.0.0.1)."""
+    max_connections_per_peer: int = 1024
+    """Open connections from one address (every same-node engine is 127.0.0.1, and a client
+    holds two: HTTP and data)."""
     handshake_timeout_s: float = 10.0
     """A data-plane connection must complete its HELLO within this, or it is closed."""
     request_timeout_s: float = 30.0

@@ -39,6 +39,7 @@ from kvstore.server.limits import (
     InflightBytes,
     descriptor_budget,
     gated_http_protocol,
+    sweep_http,
 )
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import Service, load_secret
@@ -152,6 +153,7 @@ class Daemon:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, self.request_stop)
             maint = loop.create_task(self._maintain(ctx))
+            sweeper = loop.create_task(sweep_http(gate, min(1.0, lim.request_timeout_s / 4)))
             http = loop.create_task(self._server.serve(sockets=[http_sock]))
             while not self._server.started and not http.done():
                 await asyncio.sleep(0.01)  # uvicorn reports no start event; bounded by its start-up
@@ -172,9 +174,10 @@ class Daemon:
             await http  # uvicorn finishes the HTTP requests in flight
             for p in planes:
                 await p.stop(SHUTDOWN_GRACE_S)
-            maint.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await maint
+            for task in (maint, sweeper):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         finally:
             if on_main_thread:
                 for sig in (signal.SIGTERM, signal.SIGINT):

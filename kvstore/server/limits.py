@@ -60,6 +60,8 @@ class ConnectionGate:
         self.refused = 0
         self._peers: Counter[str] = Counter()
         self._last_warning = 0.0
+        self.http: set[Any] = set()
+        """The open HTTP connections (their protocols), for :func:`sweep_http`."""
 
     def admit(self, peer: str) -> bool:
         """Count a new connection from ``peer``; False (and nothing counted) over a limit."""
@@ -98,14 +100,15 @@ def gated_http_protocol(gate: ConnectionGate, request_timeout_s: float,
                         on_timeout: Callable[[], None] | None = None) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with the gate and the request deadline.
 
-    The deadline is armed when the connection opens and again after each reply, and disarmed
-    when a request has fully arrived (``on_message_complete``): it bounds the head and the
-    body, never the daemon's own work on a request."""
+    The deadline is set when the connection opens and again after each reply, and cleared when
+    a request has fully arrived (``on_message_complete``): it bounds the head and the body,
+    never the daemon's own work on a request. Setting it is an attribute write; one sweep a
+    second (:func:`sweep_http`) closes the connections past theirs, so a request pays no timer."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class GatedHttp(HttpToolsProtocol):  # type: ignore[misc]
         _kv_peer: str | None = None
-        _kv_timer: asyncio.TimerHandle | None = None
+        kv_deadline: float | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             peer = peer_of(transport)
@@ -114,14 +117,15 @@ def gated_http_protocol(gate: ConnectionGate, request_timeout_s: float,
                 return
             self._kv_peer = peer
             super().connection_made(transport)
-            self._kv_arm()
+            gate.http.add(self)
+            self.kv_deadline = self.loop.time() + request_timeout_s
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._kv_peer is None:  # refused at the gate: uvicorn never saw it
                 return
             gate.leave(self._kv_peer)
+            gate.http.discard(self)
             self._kv_peer = None
-            self._kv_disarm()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -129,31 +133,31 @@ def gated_http_protocol(gate: ConnectionGate, request_timeout_s: float,
                 super().data_received(data)
 
         def on_message_complete(self) -> None:
-            self._kv_disarm()
+            self.kv_deadline = None
             super().on_message_complete()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._kv_arm()
+            self.kv_deadline = self.loop.time() + request_timeout_s
 
-        def _kv_arm(self) -> None:
-            self._kv_disarm()
-            self._kv_timer = self.loop.call_later(request_timeout_s, self._kv_expired)
-
-        def _kv_disarm(self) -> None:
-            if self._kv_timer is not None:
-                self._kv_timer.cancel()
-                self._kv_timer = None
-
-        def _kv_expired(self) -> None:
-            self._kv_timer = None
+        def kv_expire(self) -> None:
+            self.kv_deadline = None
             if not self.transport.is_closing():
                 if on_timeout is not None:
                     on_timeout()
                 self.transport.close()
 
     return GatedHttp
+
+
+async def sweep_http(gate: ConnectionGate, interval_s: float = 1.0) -> None:
+    """Forever: close the HTTP connections of ``gate`` past their request deadline."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval_s)
+        now = loop.time()
+        for proto in [p for p in gate.http if p.kv_deadline is not None and p.kv_deadline <= now]:
+            proto.kv_expire()
 
 
 class InflightBytes:

@@ -145,6 +145,7 @@ def test_a_staging_segment_still_viewed_at_session_end_is_closed_later() -> None
     dataplane.Session._close_staging(session)  # type: ignore[arg-type]
     assert session.staging is None and seg in dataplane._LINGERING
     view.release()
-    assert dataplane.close_lingering() == 0 and seg not in dataplane._LINGERING
+    dataplane.close_lingering()  # (other tests' segments may still be viewed: only this one counts)
+    assert seg not in dataplane._LINGERING
     with pytest.raises(ValueError, match="closed"):
         seg.buf  # noqa: B018 (closed)
