@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,9 @@ def main(path: str) -> None:
         spec["daemon"]["http_port"] = daemon.info["http_port"]
         spec["daemon"]["data_port"] = daemon.info["data_port"]
     transfer = None if spec.get("connector") is None else kvstore_transfer(url, **spec["connector"])
+    t0 = time.perf_counter()
     llm = make_llm(spec["model"], kv_transfer_config=transfer, **spec.get("engine", {}))
+    print(f"scenario: engine up in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     results = []
     try:
         for rnd in spec["rounds"]:
@@ -49,7 +52,9 @@ def main(path: str) -> None:
                 killer.start()
             elif action == "restart":
                 daemon = _restart(spec)
+            t0 = time.perf_counter()
             outs = generate(llm, rnd["prompts"], rnd.get("max_tokens", 8))
+            print(f"scenario: round {len(results)} in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
             if killer is not None:
                 killer.join()
             results.append([asdict(o) for o in outs])

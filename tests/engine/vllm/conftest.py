@@ -13,11 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM's CPU build is not installed here: run `make test-vllm`")
-
-from engine.vllm.harness import small_daemon  # noqa: E402
-from engine.vllm.tiny import GQA128, SMALL, save_tiny_llama  # noqa: E402
-from kvstore.client.spawn import LocalDaemon  # noqa: E402
+from engine.vllm.harness import small_daemon
+from engine.vllm.tiny import GQA128, SMALL, save_tiny_llama
+from kvstore.client.spawn import LocalDaemon
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -34,13 +32,21 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDaemon]:
         yield d
 
 
-def run_scenario(spec: dict[str, Any], tmp: Path, timeout: float = 480) -> list[list[dict[str, Any]]]:
-    """Run one vLLM process on ``spec`` (see _scenario.py); its per-round results."""
+def run_scenario(spec: dict[str, Any], tmp: Path, timeout: float = 480, inproc: bool = True) -> list[list[dict[str, Any]]]:
+    """Run one vLLM process on ``spec`` (see _scenario.py); its per-round results.
+
+    ``inproc``: the engine core and the worker run in the test's process (vLLM's
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor): a third of the start-up
+    time. At least one scenario runs vLLM's usual three processes, where the connector's
+    metadata crosses process boundaries."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "out": str(tmp / "out.json")}
+    if inproc:
+        spec["engine"] = {**spec.get("engine", {}), "distributed_executor_backend": "uni"}
     path = tmp / "spec.json"
     path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if inproc else "1"}
     proc = subprocess.run([sys.executable, "-m", "tests.engine.vllm._scenario", str(path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not (tmp / "out.json").exists():

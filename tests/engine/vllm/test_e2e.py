@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.engine.vllm.conftest import prompts, run_scenario, same_outputs
+pytest.importorskip("vllm", reason="vLLM's CPU build is not installed here: run `make test-vllm`")
+
+from tests.engine.vllm.conftest import prompts, run_scenario, same_outputs  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -71,7 +73,7 @@ def test_a_fresh_process_hits_what_another_stored_and_prefix_cache_on(
     spec = {"model": models["small"], "url": daemon.url, "connector": {"load_mode": "layerwise"},
             "engine": {"prefix_caching": True, "max_model_len": 1536, "dtype": "float32"},
             "rounds": [{"prompts": S}, {"prompts": S}]}
-    fresh, again = run_scenario(spec, tmp_path)
+    fresh, again = run_scenario(spec, tmp_path, inproc=False)
     # A new process, an empty vLLM prefix cache: the blocks come from the daemon, layer by layer.
     assert [_hit(o) for o in fresh] == [((len(p) - 1) // BT) * BT for p in S]
     same_outputs(fresh, reference[0])
