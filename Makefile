@@ -36,6 +36,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q -e '.[server,engine,dev]'
 	$(VLLM_PY) -m pip install -q --no-deps sglang
+	$(VLLM_PY) -m pip install -q orjson ipython  # what sglang.srt.mem_cache imports
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)

@@ -13,6 +13,7 @@ not open the breaker.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -174,7 +175,5 @@ class DaemonLink(Generic[C]):
         if client is not None:
             close = getattr(client, "close", None)
             if close is not None:
-                try:
+                with contextlib.suppress(*DOWN_ERRORS):
                     close()
-                except DOWN_ERRORS:
-                    pass

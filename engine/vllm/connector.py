@@ -569,7 +569,8 @@ class _Worker:
                     return
                 ns, chain, start, buf = self._saves.popleft()
             try:
-                n = self.save_link.call(lambda c: c.put(ns, chain, buf.view(-1).numpy(), start=start), -1)
+                src = buf.view(-1).numpy()
+                n = self.save_link.call(lambda c, ns=ns, chain=chain, src=src, start=start: c.put(ns, chain, src, start=start), -1)
                 if n < 0:
                     self.counters.saves_dropped += 1
                 else:
