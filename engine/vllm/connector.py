@@ -696,6 +696,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.close()
 
+    def flush(self) -> None:
+        """Wait until this worker's submitted saves have run (benchmarks, tests)."""
+        if self._worker is not None:
+            self._worker.flush()
+
     @property
     def counters(self) -> ConnectorCounters:
         part = self._scheduler or self._worker

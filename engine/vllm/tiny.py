@@ -27,6 +27,8 @@ SMALL = TinyShape()
 """GQA, head_dim 64: the default test model."""
 GQA128 = TinyShape(hidden=512, layers=2, heads=4, kv_heads=1, head_dim=128, intermediate=512)
 """GQA with head_dim 128 (one KV head per four query heads), the shape of most served models."""
+BENCH = TinyShape(hidden=512, layers=6, heads=4, kv_heads=2, head_dim=128, intermediate=1024)
+"""``tools/bench vllm``: enough compute per token that a prefill hit shows on a CPU."""
 
 
 def save_tiny_llama(path: str | Path, shape: TinyShape = SMALL, seed: int = 0) -> Path:

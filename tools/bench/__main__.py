@@ -27,6 +27,8 @@ BENCHES = {
     "ucx": "tools.bench.ucx",
     "rpc": "tools.bench.rpc",
     "concurrent": "tools.bench.concurrent",
+    # vLLM's CPU build with the kvstore connector (issue 13); needs .venv-vllm
+    "vllm": "tools.bench.vllm",
 }
 
 
