@@ -103,7 +103,7 @@ def _model_identity(vllm_config: VllmConfig, cfg: ConnectorConfig) -> tuple[str,
     return model_id, revision
 
 
-def _make_link(cfg: ConnectorConfig, name: str, timeout: float, namespaces: list[Namespace]) -> DaemonLink[Client]:
+def make_link(cfg: ConnectorConfig, name: str, timeout: float, namespaces: list[Namespace]) -> DaemonLink[Client]:
     ttl = cfg.ttl_s or None
 
     def make() -> Client:
@@ -165,7 +165,7 @@ class _Scheduler:
             "layout, TP degree or revision are not seen by this engine",
             bytes(ns0.root).hex()[:16], self.model_id, spec.describe(), self.world,
         )
-        self.link = _make_link(cfg, "kvstore-scheduler", cfg.lookup_timeout_s, [ns0])
+        self.link = make_link(cfg, "kvstore-scheduler", cfg.lookup_timeout_s, [ns0])
         self.reqs: dict[str, _Req] = {}
         self.pending_loads: list[LoadSpec] = []
         self.counters = ConnectorCounters()
@@ -339,8 +339,8 @@ class _Worker:
         self.model_id, self.revision = _model_identity(vllm_config, cfg)
         self._ns: dict[str, Namespace] = {}
         ns0 = self.ns_for("")
-        self.load_link = _make_link(cfg, f"kvstore-load-r{self.rank}", cfg.load_timeout_s, [ns0])
-        self.save_link = _make_link(cfg, f"kvstore-save-r{self.rank}", cfg.save_timeout_s, [ns0])
+        self.load_link = make_link(cfg, f"kvstore-load-r{self.rank}", cfg.load_timeout_s, [ns0])
+        self.save_link = make_link(cfg, f"kvstore-save-r{self.rank}", cfg.save_timeout_s, [ns0])
         self.kv: PagedKV | None = None
         self.infos: dict[str, ReqInfo] = {}
         self.chains: dict[str, list[BlockHash]] = {}
