@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from kvstore.errors import DaemonUnavailableError
+from kvstore.errors import DaemonUnavailableError, KVStoreError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,6 +77,8 @@ class DaemonLink(Generic[C]):
         self._wake = threading.Event()
         self._stop = False
         self.counters = BreakerCounters()
+        self.refused = ""
+        """The daemon's last refusal of a (re)connection (empty: none)."""
         self._thread: threading.Thread | None = None
         self.probe()
         if start_thread:
@@ -137,10 +139,17 @@ class DaemonLink(Generic[C]):
             if self._on_connect is not None:
                 self._on_connect(client)
         except DOWN_ERRORS as e:
-            with self._lock:
-                self._next_probe = self._clock() + self._backoff
-                self._backoff = min(self._backoff * 2, self._max_backoff)
+            self._retry_later()
             log.debug("%s: reconnect failed (%s); next try in %.1f s", self.name, e, self._backoff)
+            return False
+        except KVStoreError as e:
+            # The daemon answered and refused (a bad token, a namespace it will not take): the
+            # engine runs without the cache rather than not at all; say so loudly and retry.
+            self._retry_later()
+            if str(e) != self.refused:
+                self.refused = str(e)
+                log.error("%s: the daemon refused this engine (%s); running without the cache "
+                          "until that is fixed (retrying every %.0f s at most)", self.name, e, self._max_backoff)
             return False
         with self._lock:
             self._client = client
@@ -152,6 +161,11 @@ class DaemonLink(Generic[C]):
         if was_counted:
             log.warning("%s: daemon reachable again; cache hits resume", self.name)
         return True
+
+    def _retry_later(self) -> None:
+        with self._lock:
+            self._next_probe = self._clock() + self._backoff
+            self._backoff = min(self._backoff * 2, self._max_backoff)
 
     def _run(self) -> None:
         while not self._stop:

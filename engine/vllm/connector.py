@@ -41,7 +41,7 @@ from engine.vllm.pages import PagedKV, PageSpec, layer_rows, page_spec
 from kvstore.client import Client, connect
 from kvstore.errors import KVStoreError, UsageError
 from kvstore.keys import BlockHash, Namespace, hash_blocks
-from tiers.dram import attach_arena
+from kvstore.shm import attach_arena
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

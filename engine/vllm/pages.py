@@ -8,8 +8,9 @@ block is the same bytes whatever the memory order, and one layer of one block is
 run (the loader writes layer i before layer i+1 is needed).
 
 The namespace records the page: dtype, block size, layers, KV heads, head size (its
-``KVLayout``) and vLLM's layout name and content kind (in ``model_revision``), so an engine with
-another page format never reads these blocks: it gets a different namespace.
+``KVLayout``) and, in ``model_revision``, the block format, vLLM's layout name, the block size and
+dtype, so an engine with another page format never reads these blocks: it gets a different
+namespace (and the daemon, which refuses a second layout for one deployment, accepts it).
 """
 
 from __future__ import annotations
@@ -68,13 +69,17 @@ class PageSpec:
             self.block_size,
             (LayerGroup("full", self.num_layers, self.num_kv_heads, self.head_size),),
         )
-        ns = Namespace(
-            model_id, layout, model_revision=f"{revision}+{PAGE_FORMAT}-{self.layout}",
-            rank=rank, world_size=world_size, lora_id=lora_id,
-        )
+        ns = Namespace(model_id, layout, model_revision=f"{revision}+{self.tag()}", rank=rank,
+                       world_size=world_size, lora_id=lora_id)
         if ns.block_bytes != self.block_bytes:  # a bug: the two descriptions disagree
             raise AssertionError(f"namespace blocks are {ns.block_bytes} bytes, vLLM pages {self.block_bytes}")
         return ns
+
+    def tag(self) -> str:
+        """The page in the revision string: the daemon keeps one layout per deployment (model,
+        revision, rank, LoRA), so a new page format, layout, block size or dtype must be a new
+        deployment, not a refused registration."""
+        return f"{PAGE_FORMAT}-{self.layout}-b{self.block_size}-{str(self.dtype).removeprefix('torch.')}"
 
     def describe(self) -> str:
         return (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.vllm.breaker import DaemonLink
-from kvstore.errors import DaemonUnavailableError, MissingPrefixError
+from kvstore.errors import AuthError, DaemonUnavailableError, MissingPrefixError
 
 
 class Clock:
@@ -91,6 +91,18 @@ def test_daemon_down_at_start_is_an_open_breaker_not_an_error() -> None:
     world["up"] = True
     clock.now += 1.0
     assert link.probe() and link.call(lambda c: c.lookup(), -1) == 7
+
+
+def test_a_refused_connection_is_loud_and_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
+    world, clock = {"up": True}, Clock()
+
+    def refuse(client: FakeClient) -> None:
+        raise AuthError("daemon: HTTP 401: unknown token")
+
+    link = DaemonLink(lambda: FakeClient(world), on_connect=refuse, clock=clock, start_thread=False)
+    assert link.is_open and "unknown token" in link.refused
+    assert any(r.levelname == "ERROR" and "running without the cache" in r.message for r in caplog.records)
+    assert link.call(lambda c: c.lookup(), 0) == 0
 
 
 def test_answered_errors_are_the_callers_and_do_not_open() -> None:

@@ -47,10 +47,12 @@ def test_gather_then_scatter_round_trips_pages(permute: tuple[int, ...] | None) 
 def test_namespace_records_the_page() -> None:
     ns = SPEC.namespace("org/model", "main", 1, 4)
     assert ns.block_bytes == SPEC.block_bytes == 3 * 2 * 32 * 128 * 2
-    assert (ns.rank, ns.world_size) == (1, 4) and ns.model_revision.endswith("-LBHNC")
+    assert (ns.rank, ns.world_size) == (1, 4) and ns.model_revision == "main+vllm-HNC1-LBHNC-b32-bfloat16"
     other = PageSpec(SPEC.layer_names, 32, 2, 64, torch.bfloat16, "LBNHC").namespace("org/model", "main", 1, 4)
     assert other.root != ns.root  # another page layout is another namespace
     assert SPEC.namespace("org/model", "main", 0, 4).root != ns.root  # each TP rank its own
+    bigger = PageSpec(SPEC.layer_names, 64, 2, 64, torch.bfloat16, "LBHNC").namespace("org/model", "main", 1, 4)
+    assert bigger.model_key() != ns.model_key()  # another deployment: the daemon accepts both
 
 
 def test_layer_rows_strided_and_gathered() -> None:
