@@ -33,6 +33,8 @@ BENCHES = {
     "rpc": "tools.bench.rpc",
     "concurrent": "tools.bench.concurrent",
     "outage": "tools.bench.outage",  # the engine's cost while its daemon is down (issue 15)
+    # vLLM's CPU build with the kvstore connector (issue 13); needs .venv-vllm
+    "vllm": "tools.bench.vllm",
 }
 
 

@@ -1,0 +1,185 @@
+"""vLLM's paged KV as kvstore blocks.
+
+vLLM hands a connector one tensor per attention layer, a logical ``[B, H, N, C]`` view (B pages,
+H KV heads of this rank, N = block_size tokens, C = the content of one token and head: K then V)
+whose memory order is the engine's resolved ``KVCacheLayout`` (``LBHNC`` on CPU). A kvstore
+block is one vLLM page of every layer, layer-major: ``[layer][H][N][C]`` in logical order, so a
+block is the same bytes whatever the memory order, and one layer of one block is one contiguous
+run (the loader writes layer i before layer i+1 is needed).
+
+The namespace records the page: dtype, block size, layers, KV heads, head size (its
+``KVLayout``) and, in ``model_revision``, the block format, vLLM's layout name, the block size and
+dtype, so an engine with another page format never reads these blocks: it gets a different
+namespace (and the daemon, which refuses a second layout for one deployment, accepts it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstore.errors import UsageError
+from kvstore.keys import KVLayout, LayerGroup, Namespace
+
+PAGE_FORMAT = "vllm-HNC1"
+"""Version of the block format above; part of every namespace (a change is a new namespace)."""
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+@dataclass(frozen=True, slots=True)
+class PageSpec:
+    """What one vLLM page holds, per rank."""
+
+    layer_names: tuple[str, ...]
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    layout: str
+    """vLLM's resolved KV cache layout name (``LBHNC``...)."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    @property
+    def content(self) -> int:
+        """C: elements per token and head (K then V)."""
+        return 2 * self.head_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one layer of one block."""
+        return self.num_kv_heads * self.block_size * self.content * self.dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.page_bytes
+
+    def namespace(self, model_id: str, revision: str, rank: int, world_size: int, lora_id: str = "") -> Namespace:
+        layout = KVLayout(
+            str(self.dtype).removeprefix("torch."),
+            self.block_size,
+            (LayerGroup("full", self.num_layers, self.num_kv_heads, self.head_size),),
+        )
+        ns = Namespace(model_id, layout, model_revision=f"{revision}+{self.tag()}", rank=rank,
+                       world_size=world_size, lora_id=lora_id)
+        if ns.block_bytes != self.block_bytes:  # a bug: the two descriptions disagree
+            raise AssertionError(f"namespace blocks are {ns.block_bytes} bytes, vLLM pages {self.block_bytes}")
+        return ns
+
+    def tag(self) -> str:
+        """The page in the revision string: the daemon keeps one layout per deployment (model,
+        revision, rank, LoRA), so a new page format, layout, block size or dtype must be a new
+        deployment, not a refused registration."""
+        return f"{PAGE_FORMAT}-{self.layout}-b{self.block_size}-{str(self.dtype).removeprefix('torch.')}"
+
+    def describe(self) -> str:
+        return (
+            f"block_size={self.block_size} dtype={str(self.dtype).removeprefix('torch.')} "
+            f"layers={self.num_layers} kv_heads={self.num_kv_heads} head_size={self.head_size} "
+            f"layout={self.layout}"
+        )
+
+
+def page_spec(kv_cache_config: Any, cache_layout: str | None) -> PageSpec:
+    """The page of a vLLM ``KVCacheConfig`` (one group of full-attention layers with dense K/V);
+    anything else is a :class:`UsageError` saying what kvstore's connector supports."""
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        raise UsageError(
+            f"kvstore's vLLM connector supports models with one KV cache group; this one has {len(groups)} "
+            "(a hybrid or multi-spec model)"
+        )
+    spec = groups[0].kv_cache_spec
+    missing = [a for a in ("num_kv_heads", "head_size", "dtype", "block_size") if not hasattr(spec, a)]
+    if missing:
+        raise UsageError(f"kvstore's vLLM connector needs an attention KV cache; got {type(spec).__name__}")
+    dense = (
+        getattr(spec, "head_size_v", spec.head_size) == spec.head_size
+        and getattr(spec, "page_size_padded", None) is None
+        and getattr(spec, "num_head_slots", None) is None
+        and getattr(spec, "state_content_bytes", None) is None
+        and getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE") == "NONE"
+        and "MLA" not in type(spec).__name__
+    )
+    if not dense:
+        raise UsageError(
+            f"kvstore's vLLM connector stores dense K/V pages; this model's cache is {spec!r} "
+            "(MLA, quantised or padded pages are not supported yet)"
+        )
+    names = tuple(sorted(groups[0].layer_names, key=_natural_key))
+    return PageSpec(names, int(spec.block_size), int(spec.num_kv_heads), int(spec.head_size), spec.dtype,
+                    cache_layout or "LBHNC")
+
+
+class PagedKV:
+    """Moves blocks between vLLM's per-layer page tensors and kvstore block buffers."""
+
+    def __init__(self, spec: PageSpec, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in spec.layer_names if n not in kv_caches]
+        if missing:
+            raise UsageError(f"vLLM registered no KV cache for layer(s) {', '.join(missing[:4])}")
+        self.spec = spec
+        self.layers = [kv_caches[n] for n in spec.layer_names]
+        self.index = {n: i for i, n in enumerate(spec.layer_names)}
+        want = (spec.num_kv_heads, spec.block_size, spec.content)
+        for name, t in zip(spec.layer_names, self.layers, strict=True):
+            if t.dim() != 4 or tuple(t.shape[1:]) != want or t.dtype != spec.dtype:
+                raise UsageError(
+                    f"layer {name}: vLLM's KV view is {tuple(t.shape)} {t.dtype}; kvstore expects "
+                    f"[blocks, {want[0]}, {want[1]}, {want[2]}] {spec.dtype} (an attention backend "
+                    "with another page format is not supported yet)"
+                )
+        self.device = self.layers[0].device
+        self._page = (spec.num_kv_heads, spec.block_size, spec.content)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Copy pages ``block_ids`` of every layer into ``out`` (``[n, block_bytes]`` uint8)."""
+        n = len(block_ids)
+        ids = self._ids(block_ids)
+        pb = self.spec.page_bytes
+        dst = out.view(n, self.num_layers, pb)
+        for i, t in enumerate(self.layers):
+            dst[:, i].view(self.spec.dtype).view(n, *self._page).copy_(t.index_select(0, ids))
+
+    def scatter_layer(self, layer: int, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Write layer ``layer`` of ``n`` blocks: ``src`` is ``[n, page_bytes]`` uint8 (any row
+        stride, e.g. a view of the daemon's arena or of a host buffer of whole blocks)."""
+        n = src.shape[0]
+        pages = src.view(self.spec.dtype).view(n, *self._page)
+        if pages.device != self.device:
+            pages = pages.to(self.device, non_blocking=True)
+        self.layers[layer].index_copy_(0, block_ids, pages)
+
+    def block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return self._ids(block_ids)
+
+
+def layer_rows(buf: torch.Tensor, offsets: Sequence[int], layer: int, page_bytes: int) -> torch.Tensor:
+    """Layer ``layer`` of blocks at byte ``offsets`` of ``buf`` (1-D uint8) as ``[n, page_bytes]``:
+    a strided view when the blocks are equally spaced (no copy), else one gather."""
+    n = len(offsets)
+    base = offsets[0] + layer * page_bytes
+    if n == 1:
+        return buf[base : base + page_bytes].view(1, page_bytes)
+    step = offsets[1] - offsets[0]
+    if step > 0 and all(offsets[i + 1] - offsets[i] == step for i in range(n - 1)):
+        return buf.as_strided((n, page_bytes), (step, 1), base)
+    idx = torch.as_tensor([o + layer * page_bytes for o in offsets], dtype=torch.long)
+    rows = buf.as_strided((buf.numel() - page_bytes + 1, page_bytes), (1, 1))
+    return rows.index_select(0, idx)

@@ -1,0 +1,75 @@
+"""One vLLM process of the end-to-end tests: ``python -m tests.engine.vllm._scenario SPEC.json``.
+
+SPEC names the model, the connector settings (or none), the engine settings and the rounds to
+run; the results (per round, per prompt: tokens, logprobs, cached and kvstore-hit tokens) go to
+SPEC's ``out`` as JSON. A round may kill or restart the test's daemon first (``daemon`` in the
+spec: its data dir and ports), so a run can lose its daemon mid-way and get it back.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from engine.vllm.harness import generate, kvstore_transfer, make_llm, small_daemon
+
+
+def _restart(spec: dict[str, Any]) -> Any:
+    from kvstore.client.spawn import start_daemon
+
+    d = spec["daemon"]
+    return start_daemon(Path(d["root"]) / "store", Path(d["root"]) / "kvstore.toml",
+                        args=["--http-port", str(d["http_port"]), "--data-port", str(d["data_port"])])
+
+
+def main(path: str) -> None:
+    spec = json.loads(Path(path).read_text())
+    daemon = None
+    url = spec.get("url")
+    if spec.get("daemon"):  # this process owns the daemon (the kill-and-restart scenario)
+        daemon = small_daemon(spec["daemon"]["root"])
+        url = daemon.url
+        spec["daemon"]["http_port"] = daemon.info["http_port"]
+        spec["daemon"]["data_port"] = daemon.info["data_port"]
+    transfer = None if spec.get("connector") is None else kvstore_transfer(url, **spec["connector"])
+    t0 = time.perf_counter()
+    llm = make_llm(spec["model"], kv_transfer_config=transfer, **spec.get("engine", {}))
+    print(f"scenario: engine up in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    results = []
+    try:
+        for rnd in spec["rounds"]:
+            action = rnd.get("daemon")
+            killer = None
+            if action == "kill":
+                daemon.kill()
+            elif action == "kill_during":  # SIGKILL while this round's requests run
+                killer = threading.Timer(rnd.get("after_s", 0.3), daemon.kill)
+                killer.start()
+            elif action == "restart":
+                daemon = _restart(spec)
+            t0 = time.perf_counter()
+            outs = generate(llm, rnd["prompts"], rnd.get("max_tokens", 8))
+            print(f"scenario: round {len(results)} in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+            if killer is not None:
+                killer.join()
+            results.append([asdict(o) for o in outs])
+            if rnd.get("until_hit") and not any(o.kvstore_hit_tokens for o in outs):
+                # The connector reconnects in the background: repeat (bounded) until it has.
+                for _ in range(rnd["until_hit"]):
+                    outs = generate(llm, rnd["prompts"], rnd.get("max_tokens", 8))
+                    results[-1] = [asdict(o) for o in outs]
+                    if any(o.kvstore_hit_tokens for o in outs):
+                        break
+    finally:
+        Path(spec["out"]).write_text(json.dumps(results))
+        if daemon is not None and daemon.proc.poll() is None:
+            daemon.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,117 @@
+"""The circuit breaker in front of the daemon: open at the first failure, answer the fallback at
+once while open, reconnect after a backoff that doubles, close by itself (a fake clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.vllm.breaker import DaemonLink
+from kvstore.errors import AuthError, DaemonUnavailableError, MissingPrefixError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeClient:
+    """A daemon client whose daemon is up or down."""
+
+    def __init__(self, world: dict[str, bool]) -> None:
+        self.world = world
+        self.calls = 0
+
+    def health(self) -> dict[str, str]:
+        if not self.world["up"]:
+            raise DaemonUnavailableError("connection refused")
+        return {"status": "ok"}
+
+    def lookup(self) -> int:
+        self.calls += 1
+        if not self.world["up"]:
+            raise DaemonUnavailableError("connection reset")
+        return 7
+
+
+def _link(world: dict[str, bool], clock: Clock, registered: list[FakeClient]) -> DaemonLink[FakeClient]:
+    def make() -> FakeClient:
+        if not world["up"]:
+            raise DaemonUnavailableError("connection refused")
+        return FakeClient(world)
+
+    return DaemonLink(make, on_connect=registered.append, backoff_s=0.5, max_backoff_s=2.0, clock=clock, start_thread=False)
+
+
+def test_open_at_first_failure_then_fallback_without_calling() -> None:
+    world, clock, registered = {"up": True}, Clock(), []
+    link = _link(world, clock, registered)
+    assert not link.is_open and len(registered) == 1  # namespaces registered on connect
+    assert link.call(lambda c: c.lookup(), 0) == 7
+    world["up"] = False
+    assert link.call(lambda c: c.lookup(), 0) == 0  # the failing call answers the fallback
+    assert link.is_open and link.counters.opened == 1
+    client = registered[0]
+    before = client.calls
+    for _ in range(100):
+        assert link.call(lambda c: c.lookup(), 0) == 0
+    assert client.calls == before  # open: no call reaches the client, no retry delay
+    assert link.counters.short_circuited == 100
+
+
+def test_backoff_doubles_up_to_the_cap_and_hits_resume() -> None:
+    world, clock, registered = {"up": True}, Clock(), []
+    link = _link(world, clock, registered)
+    world["up"] = False
+    link.call(lambda c: c.lookup(), 0)
+    assert not link.probe_due()
+    waits = []
+    for _ in range(4):
+        start = clock.now
+        while not link.probe_due():
+            clock.now += 0.25
+        waits.append(round(clock.now - start, 1))
+        assert not link.probe()  # still down
+    assert waits == [0.5, 0.5, 1.0, 2.0]  # first wait, then doubled, capped at max_backoff_s
+    world["up"] = True
+    while not link.probe_due():
+        clock.now += 0.25
+    assert link.probe() and not link.is_open
+    assert link.counters.reconnects == 1 and len(registered) == 2  # registered again
+    assert link.call(lambda c: c.lookup(), 0) == 7
+
+
+def test_daemon_down_at_start_is_an_open_breaker_not_an_error() -> None:
+    world, clock, registered = {"up": False}, Clock(), []
+    link = _link(world, clock, registered)
+    assert link.is_open and link.client is None
+    assert link.call(lambda c: c.lookup(), -1) == -1
+    world["up"] = True
+    clock.now += 1.0
+    assert link.probe() and link.call(lambda c: c.lookup(), -1) == 7
+
+
+def test_a_refused_connection_is_loud_and_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
+    world, clock = {"up": True}, Clock()
+
+    def refuse(client: FakeClient) -> None:
+        raise AuthError("daemon: HTTP 401: unknown token")
+
+    link = DaemonLink(lambda: FakeClient(world), on_connect=refuse, clock=clock, start_thread=False)
+    assert link.is_open and "unknown token" in link.refused
+    assert any(r.levelname == "ERROR" and "running without the cache" in r.message for r in caplog.records)
+    assert link.call(lambda c: c.lookup(), 0) == 0
+
+
+def test_answered_errors_are_the_callers_and_do_not_open() -> None:
+    world, clock, registered = {"up": True}, Clock(), []
+    link = _link(world, clock, registered)
+
+    def refused(c: FakeClient) -> int:
+        raise MissingPrefixError("prefix evicted")
+
+    with pytest.raises(MissingPrefixError):
+        link.call(refused, 0)
+    assert not link.is_open

@@ -1,0 +1,80 @@
+"""vLLM pages <-> kvstore blocks: a round trip through the block format for any memory order,
+the namespace that records the page, and the strided reads from an arena."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.vllm.pages import PagedKV, PageSpec, layer_rows, page_spec
+from kvstore.errors import UsageError
+
+SPEC = PageSpec(("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn"), 32, 2, 64, torch.bfloat16, "LBHNC")
+
+
+def _caches(num_blocks: int, permute: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, name in enumerate(SPEC.layer_names):
+        shape = (num_blocks, SPEC.num_kv_heads, SPEC.block_size, SPEC.content)
+        if permute is None:
+            t = torch.randn(shape).to(torch.bfloat16)
+        else:  # another memory order of the same logical [B, H, N, C] view
+            phys = torch.randn([shape[p] for p in permute]).to(torch.bfloat16)
+            t = phys.permute(*[permute.index(d) for d in range(4)])
+        out[name] = t + i
+    return out
+
+
+@pytest.mark.parametrize("permute", [None, (1, 0, 2, 3), (0, 2, 1, 3)])
+def test_gather_then_scatter_round_trips_pages(permute: tuple[int, ...] | None) -> None:
+    src, dst = PagedKV(SPEC, _caches(10, permute)), PagedKV(SPEC, {k: torch.zeros_like(v) for k, v in _caches(10, permute).items()})
+    ids = [7, 2, 5]
+    buf = torch.empty((3, SPEC.block_bytes), dtype=torch.uint8)
+    src.gather(ids, buf)
+    # Layer-major: layer 1 of block 0 is page 7 of layer 1, in logical order.
+    pb = SPEC.page_bytes
+    assert torch.equal(buf[0, pb : 2 * pb].view(torch.bfloat16).view(2, 32, 128), src.layers[1][7])
+    targets = dst.block_ids([1, 3, 9])
+    for layer in range(3):
+        dst.scatter_layer(layer, targets, buf[:, layer * pb : (layer + 1) * pb])
+    for layer in range(3):
+        assert torch.equal(dst.layers[layer][[1, 3, 9]], src.layers[layer][ids])
+        assert not dst.layers[layer][0].any()  # nothing else written
+
+
+def test_namespace_records_the_page() -> None:
+    ns = SPEC.namespace("org/model", "main", 1, 4)
+    assert ns.block_bytes == SPEC.block_bytes == 3 * 2 * 32 * 128 * 2
+    assert (ns.rank, ns.world_size) == (1, 4) and ns.model_revision == "main+vllm-HNC1-LBHNC-b32-bfloat16"
+    other = PageSpec(SPEC.layer_names, 32, 2, 64, torch.bfloat16, "LBNHC").namespace("org/model", "main", 1, 4)
+    assert other.root != ns.root  # another page layout is another namespace
+    assert SPEC.namespace("org/model", "main", 0, 4).root != ns.root  # each TP rank its own
+    bigger = PageSpec(SPEC.layer_names, 64, 2, 64, torch.bfloat16, "LBHNC").namespace("org/model", "main", 1, 4)
+    assert bigger.model_key() != ns.model_key()  # another deployment: the daemon accepts both
+
+
+def test_layer_rows_strided_and_gathered() -> None:
+    arena = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
+    even = layer_rows(arena, [256, 768, 1280], 1, 64)
+    assert even.shape == (3, 64) and even.data_ptr() == arena[256 + 64 :].data_ptr()  # a view
+    odd = layer_rows(arena, [256, 1536, 768], 1, 64)
+    assert torch.equal(odd[1], arena[1536 + 64 : 1536 + 128]) and torch.equal(odd[2], arena[768 + 64 : 768 + 128])
+
+
+def _kv_config(**spec_kw: object) -> SimpleNamespace:
+    spec = SimpleNamespace(num_kv_heads=2, head_size=64, dtype=torch.bfloat16, block_size=32, **spec_kw)
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l.10", "l.2", "l.1"])])
+
+
+def test_page_spec_orders_layers_and_refuses_what_it_cannot_store() -> None:
+    assert page_spec(_kv_config(), "LBHNC").layer_names == ("l.1", "l.2", "l.10")
+    with pytest.raises(UsageError, match="dense K/V pages"):
+        page_spec(_kv_config(head_size_v=128), "LBHNC")
+    two = _kv_config()
+    two.kv_cache_groups.append(two.kv_cache_groups[0])
+    with pytest.raises(UsageError, match="one KV cache group"):
+        page_spec(two, "LBHNC")
+    with pytest.raises(UsageError, match="expects"):
+        PagedKV(SPEC, {n: torch.zeros(4, 2, 32, 64, dtype=torch.bfloat16) for n in SPEC.layer_names})
