@@ -210,7 +210,7 @@ class DensityPolicy(EvictionPolicy):
         self._ghosts = _Ghosts()
         self._queue: list[tuple[int, int, float]] = []  # (bid, last access, score), best last
         self._n = 0  # ranked blocks: _resident[:_n]
-        self._held_n = 0  # resident blocks held out of the ranking (last tier)
+        self._held: set[int] = set()  # resident blocks held out of the ranking (last tier)
         self._cap = 0
         self._grow(1024)
 
@@ -247,7 +247,7 @@ class DensityPolicy(EvictionPolicy):
         self._tier = tier
 
     def __len__(self) -> int:
-        return self._n + self._held_n
+        return self._n + len(self._held)
 
     def _class_of(self, bid: int) -> int:
         return _hit_class(self._hits[bid]) * 2 + self._extended[bid]
@@ -356,7 +356,7 @@ class DensityPolicy(EvictionPolicy):
             pos[b] = p
         for b in ids[held].tolist():
             pos[b] = _HELD
-        self._held_n += int(held.sum())
+            self._held.add(b)
         for b, e in zip(run, ext.tolist(), strict=True):
             hits[b] = 0
             extended[b] = e
@@ -384,11 +384,11 @@ class DensityPolicy(EvictionPolicy):
         if bid < self._cap and self._pos[bid] >= 0:
             self._unrank(bid)
             self._pos[bid] = _HELD
-            self._held_n += 1
+            self._held.add(bid)
 
     def offer(self, bid: int) -> None:
         if bid < self._cap and self._pos[bid] == _HELD:
-            self._held_n -= 1
+            self._held.discard(bid)
             self._pos[bid] = self._n
             self._resident[self._n] = bid
             self._n += 1
@@ -419,7 +419,7 @@ class DensityPolicy(EvictionPolicy):
                     self._resolve(gone[0], self._tick - gone[1], False)
         if i == _HELD:
             self._pos[bid] = -1
-            self._held_n -= 1
+            self._held.discard(bid)
         else:
             self._unrank(bid)
 
@@ -443,6 +443,8 @@ class DensityPolicy(EvictionPolicy):
         self._since_rebuild = 0
         pending = np.zeros((NUM_CLASSES, NUM_BUCKETS))
         ids = self._resident[: self._n]
+        if self._held:  # held blocks are resident too: censored like the ranked ones
+            ids = np.concatenate([ids, np.fromiter(self._held, np.int64, len(self._held))])
         np.add.at(pending, (self._cls[ids], age_buckets(self._tick - self._last[ids])), 1)
         g = self._ghosts
         live = g.live()

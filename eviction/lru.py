@@ -134,9 +134,13 @@ class LRUPolicy(EvictionPolicy):
         heap = self._heap
         while heap and not self._valid(heap[0]):
             heapq.heappop(heap)  # stale: a reorganisation inside our own iterator
-        # The heap in order without popping it: a frontier of heap positions, smallest first.
-        frontier = [(heap[0], 0)] if heap else []
-        seen: set[int] = set()
+        if not heap:
+            return
+        yield heap[0][1]  # the usual case: the store takes the first victim offered
+        # The rest of the heap in order without popping it: a frontier of heap positions.
+        frontier = [(heap[c], c) for c in (1, 2) if c < len(heap)]
+        heapq.heapify(frontier)
+        seen = {heap[0][1]}
         while frontier:
             entry, i = heapq.heappop(frontier)
             for c in (2 * i + 1, 2 * i + 2):

@@ -195,6 +195,24 @@ class Placer:
             self.apply_room(k, plan, protect, stuck)
         return tier.fits(size)
 
+    def reserve(self, k: int, count: int, size: int, protect: set[int]) -> None:
+        """Best effort, before a put places ``count`` new blocks of ``size`` in tier ``k``: make
+        the room the tier's usage says they lack, one victim at a time in policy order (the
+        victims the per-block placements would have taken, without a make-room per block).
+        Stops at the first victim it cannot find; the placements that follow decide."""
+        tier = self.tiers[k]
+        u = tier.usage()
+        room = (u.capacity_bytes - u.used_bytes) // max(tier.size_class(size), 1)
+        if count <= room:
+            return
+        self.expire(self.clock(), self.config.expire_work_cap)
+        stuck: set[int] = set()
+        for _ in range(count - room):
+            plan = self.choose_room(k, size, protect | stuck)
+            if plan is None:
+                return
+            self.apply_room(k, plan, protect, stuck)
+
     def choose_room(self, k: int, size: int, protect: set[int]) -> list[Victim] | None:
         """Victims that free ``size`` bytes of tier ``k`` (same size class first), in policy
         order, or None when that much cannot move or leave. Changes nothing."""

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from eviction.base import EvictionPolicy
 from kvstore.block import BlockMeta, payload_checksum
 from kvstore.errors import KVStoreError, MissingPrefixError, TierFullError, UsageError
 from kvstore.index import NO_PARENT
@@ -125,6 +126,11 @@ class Storer:
         idx, c = self.index, self.ledger.counters
         p = self.persistent[0] if durable and self.persistent else None
         plan.stored_to = plan.start
+        first = self.ledger.policies[0]
+        if p is None and plan.fresh < len(plan.hashes) - 1 and type(first).admit is EvictionPolicy.admit:
+            # Room for the whole new suffix at once in the first tier (which admits all).
+            bb = plan.info.namespace.block_bytes  # type: ignore[union-attr]
+            self.placer.reserve(0, len(plan.hashes) - plan.fresh, bb, set(plan.ids))
         for i in range(plan.start, len(plan.hashes)):
             bid = plan.ids[i]
             if idx.tiers[bid]:

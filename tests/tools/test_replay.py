@@ -17,7 +17,11 @@ from tools.replay.sim import parse_capacity, replay_store
 from tools.replay.synth import KINDS, generate, write_trace
 from tools.replay.trace import Trace, TraceError, load_trace
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake"
+TRACES = next(
+    (p / "shared" / "traces" / "mooncake" for p in Path(__file__).resolve().parents
+     if (p / "shared" / "traces" / "mooncake").is_dir()),
+    Path("/nonexistent"),
+)  # the steering repo's shared/ beside the checkout (a worktree sits one level deeper)
 CONVERSATION = TRACES / "conversation_trace.jsonl"
 SYNTHETIC = TRACES / "synthetic_trace.jsonl"
 needs_traces = pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces are not mounted")
