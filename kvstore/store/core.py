@@ -123,10 +123,9 @@ class KVStore:
         if ttl_s is not None and not ttl_s > 0:
             raise UsageError(f"ttl_s must be positive (seconds), got {ttl_s!r}")
         with self._lock:
-            info, changed = self._namespaces.register(ns, ttl_s, self.config.default_ttl_s)
-            if changed:
-                for t in self.tiers:
-                    t.register_namespace(ns.root, ns.canonical_bytes())
+            info, _ = self._namespaces.register(ns, ttl_s, self.config.default_ttl_s)
+            for t in self.tiers:  # cheap, and a tier learns descriptors only in this process
+                t.register_namespace(ns.root, ns.canonical_bytes())
             snap = self._namespaces.snapshot()
             self.events.namespace(ns, info.ttl_s)
         self._namespaces.save(snap)

@@ -96,11 +96,14 @@ class NamespaceTable:
                 self.add(ns.root, ns, ttl_s)
         self._saved = self._version
 
-    def add(self, digest: bytes, ns: Namespace | None, ttl_s: float) -> NsInfo:
-        if len(self.by_id) >= self._limit:
+    def add(self, digest: bytes, ns: Namespace | None, ttl_s: float, *, new: bool = False) -> NsInfo:
+        """A namespace entry. ``new``: a registration, held to ``max_namespaces``; what the
+        store already holds (its file, its tiers' blocks) only to what the index can tell apart."""
+        limit = self._limit if new else MAX_NAMESPACES
+        if len(self.by_id) >= limit:
             raise QuotaExceededError(
                 f"the store holds {len(self.by_id)} namespaces, its limit (max_namespaces = "
-                f"{self._limit}); reuse an existing namespace or raise [store] max_namespaces "
+                f"{limit}); reuse an existing namespace or raise [store] max_namespaces "
                 f"(at most {MAX_NAMESPACES})"
             )
         info = NsInfo(len(self.by_id), digest, ns, float(ttl_s))
@@ -114,7 +117,7 @@ class NamespaceTable:
         """Add or update ``ns``; returns its entry and whether the file must change."""
         info = self.by_digest.get(ns.root)
         if info is None:
-            return self.add(ns.root, ns, default_ttl_s if ttl_s is None else ttl_s), True
+            return self.add(ns.root, ns, default_ttl_s if ttl_s is None else ttl_s, new=True), True
         if ttl_s is None:
             ttl_s = info.ttl_s if info.namespace is not None else default_ttl_s
         changed = info.namespace != ns or info.ttl_s != float(ttl_s)

@@ -275,6 +275,21 @@ def test_namespaces_have_a_limit_with_a_clear_error(null_store: Make) -> None:
     assert len(s.namespaces()) == 3
 
 
+def test_a_store_holding_more_namespaces_than_its_limit_still_opens(tmp_path: Path) -> None:
+    """Lowering max_namespaces below what the store holds: it opens and serves them all, and
+    refuses only new ones."""
+    cfg = StoreConfig(root=tmp_path, tiers=null_tiers(8), persist_on_close=False)
+    with KVStore(cfg, clock=FakeClock()) as s:
+        for i in range(4):
+            s.register_namespace(_ns(i))
+    small = StoreConfig(root=tmp_path, tiers=null_tiers(8), max_namespaces=2)
+    with KVStore(small, clock=FakeClock()) as s:
+        assert len(s.namespaces()) == 4
+        s.register_namespace(_ns(3))
+        with pytest.raises(QuotaExceededError):
+            s.register_namespace(_ns(4))
+
+
 def test_namespaces_json_is_written_only_when_it_changes(null_store: Make, monkeypatch: pytest.MonkeyPatch) -> None:
     s = null_store(8)
     writes: list[Path] = []
