@@ -76,7 +76,7 @@ class KVStore:
         self._closed = False
         root = config.root
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             raise TierIOError(
                 f"cannot create the store directory {root}: {e.strerror}; "
