@@ -30,7 +30,7 @@ POLICIES = ("lru", "density", "arc", "cost")
 
 
 @st.composite
-def traces(draw: st.DrawFn, max_requests: int = 24) -> list[tuple[float, list[int]]]:
+def traces(draw: st.DrawFn, max_requests: int = 16) -> list[tuple[float, list[int]]]:
     """Requests ``(seconds since the last, block ids of the chain)``: sessions extend their own
     chain, fork from another's prefix, revisit a prefix, or go idle for a while."""
     sessions: list[list[int]] = []
@@ -50,7 +50,8 @@ def traces(draw: st.DrawFn, max_requests: int = 24) -> list[tuple[float, list[in
             kind = "extend"
         if kind == "extend":
             # Mostly a turn or a tool result; now and then a long document or a long agent loop.
-            grow = draw(st.one_of(st.integers(1, 12), st.integers(1, 12), st.integers(50, 2500)))
+            long = draw(st.integers(0, 7)) == 0
+            grow = draw(st.integers(50, 2000) if long else st.integers(1, 12))
             sessions[s] = sessions[s] + list(range(next_id, next_id + grow))
             next_id += grow
             req = sessions[s]
@@ -158,7 +159,7 @@ def setups(draw: st.DrawFn) -> tuple[list[tuple[float, list[int]]], list[int], s
     return trace, caps, draw(st.sampled_from(POLICIES))
 
 
-EXAMPLES = 400
+EXAMPLES = 300
 """Examples per property: with the shrinker's runs, a few minutes of CI for both together."""
 _SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
