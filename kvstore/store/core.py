@@ -109,6 +109,11 @@ class KVStore:
         """Name of the shared-memory arena leases point into (None: the store has none)."""
         return None if self._arena is None else self.tiers[self._arena].shm_name
 
+    @property
+    def arena_tier(self) -> Any | None:
+        """The tier leases live in: the first shared-memory tier, wherever it is (None: none)."""
+        return None if self._arena is None else self.tiers[self._arena]
+
     # ---- namespaces ---------------------------------------------------------------------------
 
     def register_namespace(self, ns: Namespace, ttl_s: float | None = None) -> None:
