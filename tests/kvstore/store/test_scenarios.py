@@ -296,6 +296,7 @@ def test_namespaces_json_is_written_only_when_it_changes(null_store: Make, monke
     real = s._namespaces._write  # noqa: SLF001 - count the file writes
 
     def counting(path: Path, data: bytes) -> None:
+        assert not s._lock._is_owned()  # noqa: SLF001 - two fsyncs never under the store lock
         writes.append(path)
         real(path, data)
 
