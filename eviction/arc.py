@@ -37,6 +37,9 @@ class ARCPolicy(EvictionPolicy):
         self._t2: OrderedDict[int, None] = OrderedDict()
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
+        # Last tier: resident blocks with cached children, out of T1/T2 until offered again;
+        # the value says whether the block returns to T2 (hit since it came) or to T1.
+        self._held: dict[int, bool] = {}
         self._p = 0.0  # target size of T1, in blocks
         self._view: BlockView | None = None
         self._tier = TierContext()
@@ -46,10 +49,10 @@ class ARCPolicy(EvictionPolicy):
         self._tier = tier
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        return len(self._t1) + len(self._t2) + len(self._held)
 
     def insert(self, bid: int, size: int, now: float) -> None:
-        if bid in self._t1 or bid in self._t2:
+        if bid in self._t1 or bid in self._t2 or bid in self._held:
             return
         key = self._view.hash_of(bid) if self._view is not None else None
         if key is not None and key in self._b1:
@@ -62,9 +65,11 @@ class ARCPolicy(EvictionPolicy):
             self._t2[bid] = None
         else:
             self._t1[bid] = None
+        if self._tier.last and self._view is not None and self._view.children[bid]:
+            self.hold(bid)
 
     def insert_many(self, ids: np.ndarray, sizes: np.ndarray, now: np.ndarray | float) -> None:
-        if self._b1 or self._b2:  # a returning ghost moves p: one at a time
+        if self._b1 or self._b2 or self._tier.last:  # a returning ghost moves p; leaves: one at a time
             super().insert_many(ids, sizes, now)
             return
         # No ghosts: every new id joins probation in order of its first occurrence; ids already
@@ -75,14 +80,35 @@ class ARCPolicy(EvictionPolicy):
         self._t1.update(new)
 
     def touch(self, bid: int, now: float) -> None:
-        if bid in self._t1:
+        if bid in self._held:
+            self._held[bid] = True
+        elif bid in self._t1:
             del self._t1[bid]
             self._t2[bid] = None
         elif bid in self._t2:
             self._t2.move_to_end(bid)
 
-    def remove(self, bid: int) -> None:
+    def hold(self, bid: int) -> None:
         if bid in self._t1:
+            del self._t1[bid]
+            self._held[bid] = False
+        elif bid in self._t2:
+            del self._t2[bid]
+            self._held[bid] = True
+
+    def offer(self, bid: int) -> None:
+        frequent = self._held.pop(bid, None)
+        if frequent is not None:
+            # At the old end: a parent is offered when its last child left, and a leaf leaves
+            # from the old end, so the parent is about as old (its own recency is not kept).
+            order = self._t2 if frequent else self._t1
+            order[bid] = None
+            order.move_to_end(bid, last=False)
+
+    def remove(self, bid: int) -> None:
+        if bid in self._held:
+            ghosts = self._b2 if self._held.pop(bid) else self._b1
+        elif bid in self._t1:
             del self._t1[bid]
             ghosts = self._b1
         elif bid in self._t2:
@@ -98,14 +124,5 @@ class ARCPolicy(EvictionPolicy):
 
     def candidates(self) -> Iterator[int]:
         first, second = (self._t1, self._t2) if len(self._t1) > max(self._p, 1.0) or not self._t2 else (self._t2, self._t1)
-        lists = (first, second)  # iterated lazily: the store does not mutate us meanwhile
-        view = self._view
-        if self._tier.last and view is not None:
-            children = view.children
-            for order in lists:
-                yield from (b for b in order if children[b] == 0)
-            for order in lists:
-                yield from (b for b in order if children[b] != 0)
-        else:
-            for order in lists:
-                yield from order
+        for order in (first, second):  # iterated lazily: the store does not mutate us meanwhile
+            yield from order

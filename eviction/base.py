@@ -14,10 +14,17 @@ never removes anything itself:
   a hit prefix deepest first, so that parents are always more recent than their children.
   ``insert_many`` is ``insert`` of each block in order (a warm restart learns every block with
   one call per tier); a policy may override it with a vectorised version of the same outcome.
+* On the **last tier** only leaves may leave the store, so a last-tier policy orders leaves
+  only: a block inserted while it has cached children (``view.children[bid] > 0``) starts
+  *held*; the store calls ``hold(bid)`` when a resident block gains its first cached child and
+  ``offer(bid)`` when it loses its last one. A held block is still resident (``touch`` and
+  ``remove`` apply, its statistics are kept) but ``candidates()`` does not yield it. This is
+  what lets the store find a victim in O(1) or O(log n) however long and forked the chains are
+  (SGLang's radix cache: evict a leaf, its parent may become one). Upper tiers never see
+  ``hold``/``offer``: there every block may move down.
 * ``candidates()`` yields ids in eviction order, best victim first. The store consumes it lazily,
-  skips what it may not evict (pinned, in use, a block with cached children on the last tier),
-  stops at its work cap, and only then removes the chosen blocks: eviction is atomic (it frees
-  enough or evicts nothing). The store does not mutate the policy while iterating; a policy may
+  skips what it may not evict (pinned, in use), stops at its work cap, and only then removes the
+  chosen blocks: eviction is atomic (it frees enough or evicts nothing). The store does not mutate the policy while iterating; a policy may
   reorganise itself inside its own iterator. Every resident block must eventually be yielded, so
   that the store can always make room when room can be made.
 * ``admit`` lets a policy refuse a block at the door of a tier (default: admit all); a refused
@@ -88,6 +95,14 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def remove(self, bid: int) -> None: ...
+
+    def hold(self, bid: int) -> None:
+        """Last tier only: resident ``bid`` gained a cached child; stop yielding it."""
+        raise NotImplementedError(f"policy {self.name!r} cannot order the last tier: implement hold/offer")
+
+    def offer(self, bid: int) -> None:
+        """Last tier only: resident ``bid`` lost its last cached child; yield it again."""
+        raise NotImplementedError(f"policy {self.name!r} cannot order the last tier: implement hold/offer")
 
     @abstractmethod
     def candidates(self) -> Iterator[int]: ...

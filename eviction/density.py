@@ -27,8 +27,9 @@ insert/touch, so it is scale-free across traces and request rates):
 Counts decay by ``decay`` at every rebuild (every ``period`` events), so the tables follow a
 changing workload. Before the first rebuild the order is least-recently-used.
 
-Eviction takes the lowest-ranked ``queue_fraction`` of up to ``sample`` resident blocks (leaves
-only on the last tier, where only leaves may leave) into a victim queue, which later calls
+Eviction takes the lowest-ranked ``queue_fraction`` of up to ``sample`` resident blocks (on the last
+tier only the offered leaves are ranked: blocks with cached children are held, see
+``eviction/base.py``) into a victim queue, which later calls
 consume: a full ranking costs one vectorised pass per ~1% of the tier evicted.
 """
 
@@ -50,6 +51,8 @@ _LOG_RATIO = 1.0 / math.log(RATIO)
 _UP = RATIO ** np.arange(NUM_BUCKETS, dtype=np.float64)
 _LOW = np.concatenate([[0.0], _UP[:-1]])
 _MID = (_LOW + _UP) / 2
+_HELD = -2
+"""``_pos`` of a resident block held out of the ranking (last tier, it has cached children)."""
 _HIT_CLASSES = 6  # hits 0, 1, 2, 3-4, 5-8, 9+
 NUM_CLASSES = _HIT_CLASSES * 2  # x (chain extended past the block or not)
 
@@ -206,7 +209,8 @@ class DensityPolicy(EvictionPolicy):
         self._table: np.ndarray | None = None
         self._ghosts = _Ghosts()
         self._queue: list[tuple[int, int, float]] = []  # (bid, last access, score), best last
-        self._n = 0
+        self._n = 0  # ranked blocks: _resident[:_n]
+        self._held: set[int] = set()  # resident blocks held out of the ranking (last tier)
         self._cap = 0
         self._grow(1024)
 
@@ -232,7 +236,7 @@ class DensityPolicy(EvictionPolicy):
         if not old:
             self._hits: list[int] = []
             self._extended: list[bool] = []
-            self._pos: list[int] = []  # index into _resident, -1: not resident
+            self._pos: list[int] = []  # index into _resident, -1: not resident, _HELD: held
         self._hits += [0] * (cap - old)
         self._extended += [False] * (cap - old)
         self._pos += [-1] * (cap - old)
@@ -243,7 +247,7 @@ class DensityPolicy(EvictionPolicy):
         self._tier = tier
 
     def __len__(self) -> int:
-        return self._n
+        return self._n + len(self._held)
 
     def _class_of(self, bid: int) -> int:
         return _hit_class(self._hits[bid]) * 2 + self._extended[bid]
@@ -263,7 +267,7 @@ class DensityPolicy(EvictionPolicy):
     # ---- protocol ---------------------------------------------------------------------------
 
     def insert(self, bid: int, size: int, now: float) -> None:
-        if bid < self._cap and self._pos[bid] >= 0:
+        if bid < self._cap and self._pos[bid] != -1:
             return
         self._advance()
         self._grow(bid + 1)
@@ -281,10 +285,13 @@ class DensityPolicy(EvictionPolicy):
                 self._resolve(cls, self._tick - t0, True)
                 self._hits[bid] = hits + 1
             parent = int(view.parent[bid])
-            if 0 <= parent < self._cap and self._pos[parent] >= 0 and not self._extended[parent]:
+            if 0 <= parent < self._cap and self._pos[parent] != -1 and not self._extended[parent]:
                 self._extended[parent] = True
                 self._cls[parent] = self._class_of(parent)
         self._cls[bid] = cls = self._class_of(bid)
+        if self._tier.last and view is not None and view.children[bid]:
+            self.hold(bid)  # it has cached children: it may not leave before them
+            return
         queue = self._queue
         if queue and self._table is not None:
             # A block worth no more than the next victim goes next, without waiting for a
@@ -310,7 +317,7 @@ class DensityPolicy(EvictionPolicy):
         self._grow(int(ids.max()) + 1)
         pos = self._pos
         # Repeats and blocks already resident are no-ops (neither advances the clock).
-        fresh = [b for b in dict.fromkeys(ids.tolist()) if pos[b] < 0]
+        fresh = [b for b in dict.fromkeys(ids.tolist()) if pos[b] == -1]
         i = 0
         while i < len(fresh):
             free = self.config.period - 1 - self._since_rebuild
@@ -329,33 +336,43 @@ class DensityPolicy(EvictionPolicy):
         n0, t0 = self._n, self._tick
         self._tick += m
         self._since_rebuild += m
-        self._resident[n0 : n0 + m] = ids
-        self._n = n0 + m
         self._last[ids] = np.arange(t0 + 1, t0 + m + 1)
         view = self._view
         ext = view.children[ids] != 0 if view is not None else np.zeros(m, bool)
         self._cls[ids] = ext  # hit class 0
         pos, hits, extended = self._pos, self._hits, self._extended
-        for b, p, e in zip(run, range(n0, n0 + m), ext.tolist(), strict=True):
+        # Before the run: which parents were resident already (for "extended" below).
+        if view is not None:
+            parent = view.parent[ids].astype(np.int64)
+            ok = (parent >= 0) & (parent < self._cap)
+            before = np.zeros(m, bool)
+            before[ok] = [pos[p] != -1 for p in parent[ok].tolist()]
+        # On the last tier a block with cached children is held at once, never ranked.
+        held = ext if self._tier.last else np.zeros(m, bool)
+        ranked = ids[~held]
+        self._resident[n0 : n0 + ranked.size] = ranked
+        self._n = n0 + ranked.size
+        for b, p in zip(ranked.tolist(), range(n0, n0 + ranked.size), strict=True):
             pos[b] = p
+        for b in ids[held].tolist():
+            pos[b] = _HELD
+            self._held.add(b)
+        for b, e in zip(run, ext.tolist(), strict=True):
             hits[b] = 0
             extended[b] = e
         if view is None:
             return
         # A parent already resident when its child came (before the run, or earlier in it) is
         # now extended.
-        parent = view.parent[ids].astype(np.int64)
-        ok = (parent >= 0) & (parent < self._cap)
-        ppos = np.full(m, -1, np.int64)
-        ppos[ok] = [pos[p] for p in parent[ok].tolist()]
-        came = ok & (ppos >= 0) & (ppos < np.arange(n0, n0 + m))
+        order = {b: j for j, b in enumerate(run)}
+        came = ok & (before | np.array([order.get(p, m) < j for j, p in enumerate(parent.tolist())], bool))
         for p in dict.fromkeys(parent[came].tolist()):
             if not extended[p]:
                 extended[p] = True
                 self._cls[p] = self._class_of(p)
 
     def touch(self, bid: int, now: float) -> None:
-        if bid >= self._cap or self._pos[bid] < 0:
+        if bid >= self._cap or self._pos[bid] == -1:
             return
         self._advance()
         self._resolve(int(self._cls[bid]), self._tick - int(self._last[bid]), True)
@@ -363,26 +380,48 @@ class DensityPolicy(EvictionPolicy):
         self._last[bid] = self._tick
         self._cls[bid] = self._class_of(bid)
 
-    def remove(self, bid: int) -> None:
-        if bid >= self._cap:
-            return
+    def hold(self, bid: int) -> None:
+        if bid < self._cap and self._pos[bid] >= 0:
+            self._unrank(bid)
+            self._pos[bid] = _HELD
+            self._held.add(bid)
+
+    def offer(self, bid: int) -> None:
+        if bid < self._cap and self._pos[bid] == _HELD:
+            self._held.discard(bid)
+            self._pos[bid] = self._n
+            self._resident[self._n] = bid
+            self._n += 1
+
+    def _unrank(self, bid: int) -> None:
+        """Take ``bid`` out of the ranked set (``_resident[:_n]``); its statistics stay."""
         i = self._pos[bid]
-        if i < 0:
-            return
-        if self._view is not None and self.config.ghost_factor > 0:
-            ghosts = self._ghosts
-            ghosts.push(self._view.hash_of(bid), int(self._cls[bid]), int(self._last[bid]), self._hits[bid])
-            limit = self.config.ghost_factor * max(self._n, 64)
-            while len(ghosts) > limit:
-                gone = ghosts.pop_oldest()
-                if gone is not None:
-                    self._resolve(gone[0], self._tick - gone[1], False)
         self._n -= 1
         moved = int(self._resident[self._n])
         if moved != bid:
             self._resident[i] = moved
             self._pos[moved] = i
         self._pos[bid] = -1
+
+    def remove(self, bid: int) -> None:
+        if bid >= self._cap:
+            return
+        i = self._pos[bid]
+        if i == -1:
+            return
+        if self._view is not None and self.config.ghost_factor > 0:
+            ghosts = self._ghosts
+            ghosts.push(self._view.hash_of(bid), int(self._cls[bid]), int(self._last[bid]), self._hits[bid])
+            limit = self.config.ghost_factor * max(len(self), 64)  # resident: ranked and held
+            while len(ghosts) > limit:
+                gone = ghosts.pop_oldest()
+                if gone is not None:
+                    self._resolve(gone[0], self._tick - gone[1], False)
+        if i == _HELD:
+            self._pos[bid] = -1
+            self._held.discard(bid)
+        else:
+            self._unrank(bid)
 
     def candidates(self) -> Iterator[int]:
         offered: set[int] = set()  # the store skipped these (pinned, in use): rank the rest
@@ -404,6 +443,8 @@ class DensityPolicy(EvictionPolicy):
         self._since_rebuild = 0
         pending = np.zeros((NUM_CLASSES, NUM_BUCKETS))
         ids = self._resident[: self._n]
+        if self._held:  # held blocks are resident too: censored like the ranked ones
+            ids = np.concatenate([ids, np.fromiter(self._held, np.int64, len(self._held))])
         np.add.at(pending, (self._cls[ids], age_buckets(self._tick - self._last[ids])), 1)
         g = self._ghosts
         live = g.live()
@@ -431,10 +472,6 @@ class DensityPolicy(EvictionPolicy):
                 return
         if ids.size > cfg.sample:  # with replacement: O(sample), and a repeat is harmless
             ids = ids[self._rng.integers(0, ids.size, cfg.sample)]
-        if self._tier.last and self._view is not None:
-            leaves = ids[self._view.children[ids] == 0]
-            if leaves.size:
-                ids = leaves
         take = max(cfg.queue_min, int(ids.size * cfg.queue_fraction))
         last = self._last[ids]
         if self._table is None:
@@ -445,7 +482,10 @@ class DensityPolicy(EvictionPolicy):
             if w is not None:
                 score = score * w
         if take < ids.size:
-            part = np.argpartition(score, take)[:take]
-            ids, last, score = ids[part], last[part], score[part]
-        order = np.lexsort((last, score))[::-1]  # ties: the older first; best victim last
+            # Every block tied with the take-th score stays in the running, so that the older
+            # wins a tie whatever the order of the resident array (scores take few values).
+            kth = np.partition(score, take - 1)[take - 1]
+            keep = np.flatnonzero(score <= kth)
+            ids, last, score = ids[keep], last[keep], score[keep]
+        order = np.lexsort((last, score))[:take][::-1]  # ties: the older first; best victim last
         self._queue = list(zip(ids[order].tolist(), last[order].tolist(), score[order].tolist(), strict=True))

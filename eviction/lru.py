@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from eviction.base import EvictionPolicy
+from eviction.base import BlockView, EvictionPolicy, TierContext
+
+_COMPACT_SLACK = 1024
+"""Stale heap entries tolerated beyond the live ones before the leaf heap is rebuilt."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +24,11 @@ class LRUPolicy(EvictionPolicy):
     """Evicts the block whose last access is oldest.
 
     The store touches a matched prefix from its deepest block back to the root, so a parent is
-    always more recent than its children and leaves come out first, as prefix-closure wants.
+    always more recent than its children. On an upper tier every block may move: one ordered
+    dict, O(1) per event. On the last tier only leaves may leave: every resident block keeps a
+    recency stamp, and the leaves that are offered sit in a heap keyed by it (lazy deletion), so
+    a parent whose last child left competes at its own last access, as a prefix-closed LRU
+    wants, and the victim is found in O(log n) whatever the shape of the chains.
     """
 
     name = "lru"
@@ -28,12 +36,47 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self, config: LRUConfig | None = None) -> None:
         self._order: OrderedDict[int, None] = OrderedDict()
+        self._view: BlockView | None = None
+        self._leaf_mode = False
+        self._stamp: dict[int, int] = {}  # last tier: every resident block's recency
+        self._held: set[int] = set()  # last tier: resident blocks with cached children
+        self._heap: list[tuple[int, int]] = []  # last tier: (stamp, bid) of offered leaves, lazily
+        self._seq = 0
+
+    def bind(self, view: BlockView, tier: TierContext) -> None:
+        self._view = view
+        self._leaf_mode = tier.last
+
+    # ---- upper tiers: one ordered dict ----------------------------------------------------------
 
     def insert(self, bid: int, size: int, now: float) -> None:
-        self._order[bid] = None
-        self._order.move_to_end(bid)
+        if not self._leaf_mode:
+            self._order[bid] = None
+            self._order.move_to_end(bid)
+            return
+        self._seq += 1
+        self._stamp[bid] = self._seq
+        if self._view is not None and self._view.children[bid]:
+            self._held.add(bid)
+        else:
+            self._held.discard(bid)
+            heapq.heappush(self._heap, (self._seq, bid))
 
     def insert_many(self, ids: np.ndarray, sizes: np.ndarray, now: np.ndarray | float) -> None:
+        if self._leaf_mode:
+            # One heapify for the whole batch (a warm restart learns every block at once).
+            order = np.asarray(ids).tolist()
+            held = self._view.children[np.asarray(ids, np.int64)].tolist() if self._view is not None else [0] * len(order)
+            for bid, kids in zip(order, held, strict=True):
+                self._seq += 1
+                self._stamp[bid] = self._seq
+                if kids:
+                    self._held.add(bid)
+                else:
+                    self._held.discard(bid)
+                    self._heap.append((self._seq, bid))
+            heapq.heapify(self._heap)
+            return
         # Each insert moves its id to the end: the ids end in the order of their last occurrence.
         last = list(dict.fromkeys(reversed(np.asarray(ids).tolist())))
         order = self._order
@@ -43,14 +86,69 @@ class LRUPolicy(EvictionPolicy):
         order.update(dict.fromkeys(reversed(last)))
 
     def touch(self, bid: int, now: float) -> None:
-        if bid in self._order:
-            self._order.move_to_end(bid)
+        if not self._leaf_mode:
+            if bid in self._order:
+                self._order.move_to_end(bid)
+            return
+        if bid in self._stamp:
+            self._seq += 1
+            self._stamp[bid] = self._seq
+            if bid not in self._held:
+                heapq.heappush(self._heap, (self._seq, bid))
+                self._compact()
 
     def remove(self, bid: int) -> None:
-        self._order.pop(bid, None)
+        if not self._leaf_mode:
+            self._order.pop(bid, None)
+            return
+        if self._stamp.pop(bid, None) is not None:
+            self._held.discard(bid)
+            self._compact()
+
+    # ---- the last tier: leaves only ---------------------------------------------------------------
+
+    def hold(self, bid: int) -> None:
+        if self._leaf_mode and bid in self._stamp:
+            self._held.add(bid)
+
+    def offer(self, bid: int) -> None:
+        if self._leaf_mode and bid in self._held:
+            self._held.discard(bid)
+            heapq.heappush(self._heap, (self._stamp[bid], bid))
+
+    def _valid(self, entry: tuple[int, int]) -> bool:
+        stamp, bid = entry
+        return self._stamp.get(bid) == stamp and bid not in self._held
+
+    def _compact(self) -> None:
+        if len(self._heap) > 2 * len(self._stamp) + _COMPACT_SLACK:
+            self._heap = [e for e in self._heap if self._valid(e)]
+            heapq.heapify(self._heap)
 
     def candidates(self) -> Iterator[int]:
-        return iter(self._order)
+        if not self._leaf_mode:
+            return iter(self._order)
+        return self._leaves()
+
+    def _leaves(self) -> Iterator[int]:
+        heap = self._heap
+        while heap and not self._valid(heap[0]):
+            heapq.heappop(heap)  # stale: a reorganisation inside our own iterator
+        if not heap:
+            return
+        yield heap[0][1]  # the usual case: the store takes the first victim offered
+        # The rest of the heap in order without popping it: a frontier of heap positions.
+        frontier = [(heap[c], c) for c in (1, 2) if c < len(heap)]
+        heapq.heapify(frontier)
+        seen = {heap[0][1]}
+        while frontier:
+            entry, i = heapq.heappop(frontier)
+            for c in (2 * i + 1, 2 * i + 2):
+                if c < len(heap):
+                    heapq.heappush(frontier, (heap[c], c))
+            if self._valid(entry) and entry[1] not in seen:
+                seen.add(entry[1])
+                yield entry[1]
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._stamp) if self._leaf_mode else len(self._order)

@@ -44,6 +44,7 @@ from kvstore.units import parse_duration
 
 DEFAULT_TTL_S = 72 * 3600.0
 MAX_TIERS = 8  # the index keeps tier membership in one byte
+MAX_NAMESPACES = 1 << 16  # the index keeps a block's namespace in 16 bits
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,9 @@ class StoreConfig:
     pin_limit_fraction: float = 0.5
     """Pins with a deadline are refused once pinned blocks would fill this share of the last
     tier: the rest stays for best-effort blocks, and a guarantee given is never broken."""
+    max_namespaces: int = 8192
+    """Namespaces the store registers at most (every tenant's together); past it a registration
+    is refused (QuotaExceededError). At most 65,536, what the index can tell apart."""
     events: EventsConfig = field(default_factory=EventsConfig)
     """``[events]``: the access and block-event log (kvstore/events.py); off in process by default."""
 
@@ -107,6 +111,9 @@ class StoreConfig:
             raise ConfigError(f"default_ttl must be positive, got {self.default_ttl_s} s")
         if self.expire_work_cap <= 0 or self.evict_work_cap <= 0:
             raise ConfigError("expire_work_cap and evict_work_cap must be positive")
+        if isinstance(self.max_namespaces, bool) or not isinstance(self.max_namespaces, int) \
+                or not 1 <= self.max_namespaces <= MAX_NAMESPACES:
+            raise ConfigError(f"max_namespaces must be a whole number in 1..{MAX_NAMESPACES}, got {self.max_namespaces!r}")
         if not 0.0 < self.pin_limit_fraction <= 1.0:
             raise ConfigError(f"pin_limit_fraction must be in (0, 1], got {self.pin_limit_fraction}")
 
@@ -122,6 +129,7 @@ _STORE_KEYS = {
     "expire_work_cap": ("expire_work_cap", int),
     "evict_work_cap": ("evict_work_cap", int),
     "pin_limit_fraction": ("pin_limit_fraction", float),
+    "max_namespaces": ("max_namespaces", int),
 }
 
 

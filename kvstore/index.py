@@ -243,12 +243,15 @@ class RadixIndex:
         return ids
 
     def _register(self, hashes: Sequence[bytes]) -> np.ndarray:
-        """New ids for ``hashes``, none of which may be present."""
-        ids = self._alloc_ids(len(hashes))
+        """New ids for ``hashes``, none of which may be present nor repeated. Checked before
+        anything changes: a refused insert leaves the index as it was."""
         known = self._ids
+        if len(set(hashes)) != len(hashes) or any(h in known for h in hashes):
+            dup = next((h for h in hashes if h in known), None) or next(
+                h for i, h in enumerate(hashes) if h in hashes[:i])
+            raise RuntimeError(f"block {bytes(dup).hex()} inserted twice")
+        ids = self._alloc_ids(len(hashes))
         for h, i in zip(hashes, ids.tolist(), strict=True):
-            if h in known:
-                raise RuntimeError(f"block {bytes(h).hex()} inserted twice")
             known[h] = i
             self._hashes[i] = h
         return ids
@@ -309,6 +312,11 @@ class RadixIndex:
         self.last_access[ids] = now
         self.hits[ids] += 1
         self.expiry[ids] = np.maximum(self.expiry[ids], expiry)
+
+    def extend_expiry(self, ids: np.ndarray, until: float) -> None:
+        """Move the expiry of ``ids`` to ``until`` at least (a later expiry never lowers the
+        floor, so none is needed)."""
+        self.expiry[ids] = np.maximum(self.expiry[ids], until)
 
     def add_in_use(self, ids: np.ndarray, delta: int) -> None:
         self.in_use[ids] += delta

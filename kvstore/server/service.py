@@ -136,7 +136,7 @@ class Service:
         if not config.tenants:
             self.anonymous = Tenant(TenantSpec(ANONYMOUS, "-" * 16, admin=True, allow_shm=True), "", b"")
             self._tenants[ANONYMOUS] = self.anonymous
-        self.arena: str | None = getattr(store.tiers[0], "shm_name", None)
+        self.arena: str | None = store.arena  # the shared-memory tier leases live in
 
     # ---- tenants ------------------------------------------------------------------------------
 
@@ -292,7 +292,8 @@ class Service:
         """The bytes of the arena one tenant's leases may hold (all of it when it is the only
         tenant: there is nobody to starve)."""
         share = self.limits.max_lease_fraction if len(self._tenants) > 1 else 1.0
-        return int(self.store.tiers[0].usage().capacity_bytes * share)
+        arena = self.store.arena_tier
+        return int(arena.usage().capacity_bytes * share) if arena is not None else 0
 
     def reserve(self, t: Tenant, ns_id: bytes, n_hashes: int, start: int) -> int:
         """Admit a put of ``n_hashes`` blocks from ``start`` against the tenant's quota *before*

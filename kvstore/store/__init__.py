@@ -1,6 +1,6 @@
-"""The in-process store; see :mod:`kvstore.store.core` (the class) and its parts:
-:mod:`._read` (read path), :mod:`._placement` (placement, eviction, demotion, expiry),
-:mod:`._durable` (durable puts), :mod:`._restart` (warm restart), :mod:`._common` (types).
+"""The in-process store: :class:`KVStore` (:mod:`.core`, the public facade) over its parts,
+:mod:`.ledger` (who holds which copy), :mod:`.placer` (placement, room, demotion, expiry),
+:mod:`.loads` and :mod:`.puts` (load and store plans), :mod:`.namespaces` and :mod:`.restart`.
 
 ``Lease`` and ``LookupResult`` live in :mod:`kvstore.api`, the buffer helpers in
 :mod:`kvstore.buffers`; they are re-exported here for older imports."""
@@ -8,7 +8,8 @@
 from kvstore.api import Lease, LookupResult
 from kvstore.buffers import dst_views as _dst_views
 from kvstore.buffers import src_views as _src_views
-from kvstore.store._common import NAMESPACES_FILE, StoreCounters, read_namespaces
 from kvstore.store.core import KVStore
+from kvstore.store.ledger import StoreCounters
+from kvstore.store.namespaces import NAMESPACES_FILE, read_namespaces
 
 __all__ = ["NAMESPACES_FILE", "KVStore", "Lease", "LookupResult", "StoreCounters", "_dst_views", "_src_views", "read_namespaces"]

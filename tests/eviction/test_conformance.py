@@ -65,7 +65,8 @@ def test_insert_remove_and_len(name: str, view: FakeView) -> None:
 @pytest.mark.parametrize("tier", [LAST, UPPER], ids=["last", "upper"])
 def test_candidates_offer_every_resident_block_once(name: str, view: FakeView, tier: TierContext) -> None:
     """Chains and lone blocks: whatever the order, a full pass offers each resident block exactly
-    once (the store may skip all of them), and nothing that is not resident."""
+    once (the store may skip all of them), and nothing that is not resident. On the last tier
+    only leaves are offered: a block with cached children is held."""
     pol = _make(name, view, tier)
     bid = 0
     for chain in range(6):
@@ -79,8 +80,32 @@ def test_candidates_offer_every_resident_block_once(name: str, view: FakeView, t
     for b in (0, 3, 5):
         pol.touch(b, 10.0)
     offered = list(pol.candidates())
-    assert sorted(offered) == list(range(bid))
+    expect = [b for b in range(bid) if tier is UPPER or not view.children[b]]
+    assert sorted(offered) == expect
     assert len(offered) == len(set(offered))
+
+
+def test_last_tier_holds_and_offers_as_children_come_and_go(name: str, view: FakeView) -> None:
+    """hold/offer: a leaf that gains a child stops being offered; a parent whose last child
+    left is offered again, and every resident block is still known (touch, remove, len)."""
+    pol = _make(name, view, LAST)
+    a = view.add(0)
+    pol.insert(a, 4096, 0.0)
+    assert list(pol.candidates()) == [a]
+    b = view.add(1, a)
+    pol.hold(a)  # the store: a gained its first cached child
+    pol.insert(b, 4096, 1.0)
+    assert list(pol.candidates()) == [b]
+    pol.touch(a, 2.0)  # a held block still takes hits
+    assert len(pol) == 2
+    pol.remove(b)
+    view.drop(b)
+    pol.offer(a)  # the store: a lost its last child
+    assert list(pol.candidates()) == [a]
+    pol.hold(a)
+    pol.remove(a)  # a held block may leave the tier (its copy moved), and is forgotten
+    view.drop(a)
+    assert list(pol.candidates()) == [] and len(pol) == 0
 
 
 def test_last_tier_offers_leaves_before_parents(name: str, view: FakeView) -> None:

@@ -79,7 +79,7 @@ def test_without_persist_on_close_dram_is_lost_and_orphans_are_dropped(make_stor
     put_chain(s, c, start=2, durable=False)
     for key in c[2:]:
         bid = s.index.id_of(key)
-        s._demote(bid, 0, set())  # noqa: SLF001 - force the children down to NVMe only
+        s._placer.demote(bid, 0, set())  # noqa: SLF001 - force the children down to NVMe only
     assert all(nvme.contains(k) for k in c[2:]) and not any(nvme.contains(k) for k in c[:2])
     s.close()
     s2 = make_store(persist_on_close=False, register=False)

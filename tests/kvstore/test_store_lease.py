@@ -52,7 +52,7 @@ def test_leased_blocks_neither_leave_nor_move_until_released(make_store: Callabl
 
 
 def test_acquire_promotes_blocks_from_slower_tiers(make_store: Callable[..., KVStore]) -> None:
-    store = make_store(promote_on_hit=False)
+    store = make_store()
     chain = chain_for(3, 4)
     _put(store, chain)
     for seed in range(20, 24):  # push the chain out of DRAM
@@ -63,6 +63,47 @@ def test_acquire_promotes_blocks_from_slower_tiers(make_store: Callable[..., KVS
     assert _arena_bytes(store, lease.locations) == [payload(h) for h in chain]
     assert store.lookup(SMALL_NS, chain).tiers == ("dram",) * 4
     store.release(lease)
+    assert store.stats()["promotions"] == 4
+
+
+def test_acquire_honours_promote_on_hit_false(make_store: Callable[..., KVStore]) -> None:
+    """Without promotion a lease holds only the leading blocks the arena already has."""
+    store = make_store(promote_on_hit=False)
+    chain = chain_for(3, 4)
+    _put(store, chain)
+    for seed in range(20, 24):  # push the chain out of DRAM
+        _put(store, chain_for(seed, 8))
+    before = store.lookup(SMALL_NS, chain).tiers
+    assert before[0] != "dram"
+    lease = store.acquire(SMALL_NS, chain)
+    assert lease.num_blocks == 0
+    assert store.lookup(SMALL_NS, chain).tiers == before  # nothing moved into the arena
+    assert store.stats()["promotions"] == 0
+    store.release(lease)
+    head = chain_for(30, 3)
+    _put(store, head)  # in DRAM: leased in place
+    lease = store.acquire(SMALL_NS, head)
+    assert lease.num_blocks == 3
+    assert _arena_bytes(store, lease.locations) == [payload(h) for h in head]
+    store.release(lease)
+
+
+def test_leases_use_the_shared_memory_tier_wherever_it_is(tmp_path, clock) -> None:
+    """The arena need not be tier 0: a null tier first, then DRAM."""
+    from kvstore.config import StoreConfig, TierSpec
+    tiers = (TierSpec("fast", "null", {"capacity_blocks": 2}),) + small_tiers()[:2]
+    with KVStore(StoreConfig(root=tmp_path / "s", tiers=tiers, promote_on_hit=False), clock=clock) as store:
+        store.register_namespace(SMALL_NS)
+        chain = chain_for(40, 6)
+        _put(store, chain)  # the last two stay in the null tier, the first four went down to DRAM
+        assert store.lookup(SMALL_NS, chain).tiers == ("dram",) * 4 + ("fast",) * 2
+        assert store.arena == store.tiers[1].shm_name
+        lease = store.acquire(SMALL_NS, chain)
+        assert lease.arena == store.tiers[1].shm_name
+        assert lease.num_blocks == 4  # the lease ends where the arena does
+        # (no payload check: the null tier keeps no bytes, so what it demoted is zeros)
+        assert [off for off, _ in lease.locations] == [store.tiers[1].location(h)[0] for h in chain[:4]]
+        store.release(lease)
 
 
 def test_acquire_of_a_miss_is_an_empty_lease(make_store: Callable[..., KVStore]) -> None:

@@ -20,6 +20,7 @@ BENCHES = {
     "hash": "tools.bench.hash",
     "index": "tools.bench.index",
     "nvme": "tools.bench.nvme",
+    "restart": "tools.bench.restart",
     "s3": "tools.bench.s3",  # starts its own moto_server on loopback
     "gpu_load": "tools.bench.gpu_load",
     "ttft": "tools.bench.ttft",

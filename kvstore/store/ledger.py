@@ -1,0 +1,230 @@
+"""The ledger: the one place that records which tier holds which copy of which block.
+
+Every change of the store's bookkeeping goes through it: a copy added or dropped, a block
+dropped, a chain inserted, blocks held in use or pinned, hits touched, expiry extended. Each
+change updates the index, the per-tier policies and the event hooks together, so the three can
+never disagree (the policy of the last tier, which orders leaves only, is told when a block
+gains its first or loses its last cached child). The ledger does no tier I/O: callers delete or
+write bytes, then record what happened here. It never writes index columns directly; the index's
+own methods keep its expiry floor true.
+
+Not thread-safe: the store holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eviction.base import EvictionPolicy
+from kvstore.events import StoreEvents
+from kvstore.index import NO_PARENT, RadixIndex
+from kvstore.keys import BlockHash
+from kvstore.retention import PinRecord
+
+
+def lowest_bit(mask: int) -> int:
+    return (mask & -mask).bit_length() - 1
+
+
+def bits(mask: int) -> list[int]:
+    """The tier positions set in ``mask``, fastest first."""
+    out = []
+    while mask:
+        out.append(lowest_bit(mask))
+        mask &= mask - 1
+    return out
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    lookups: int = 0
+    lookup_blocks: int = 0
+    """Blocks asked for by :meth:`KVStore.lookup` (loads count apart: ``load_blocks``)."""
+    lookup_hit_blocks: int = 0
+    """Leading blocks :meth:`KVStore.lookup` found cached."""
+    loads: int = 0
+    load_blocks: int = 0
+    """Blocks asked for by loads (``get_into``, ``acquire``)."""
+    hit_blocks: int = 0
+    """Blocks loads served (the same as ``loaded_blocks``)."""
+    loaded_blocks: int = 0
+    put_blocks: int = 0
+    dedup_blocks: int = 0
+    truncated_puts: int = 0
+    """Puts that stored only the leading blocks that fit (the rest had no room)."""
+    promotions: int = 0
+    demotions: int = 0
+    evictions: int = 0
+    expirations: int = 0
+    failed_room: int = 0
+    """Make-rooms that found nothing that may move or leave (nothing was evicted)."""
+    corrupt_blocks: int = 0
+    tier_errors: int = 0
+    tier_writes: int = 0
+    """Block writes into any tier (placement, promotion, demotion, durable copies)."""
+    orphans_dropped: int = 0
+    recovered_blocks: int = 0
+    discovered_blocks: int = 0
+    """Blocks other nodes wrote to a shared tier, learned by probing past a lookup miss."""
+    foreign_blocks: int = 0
+    """Blocks of another schema version or layout found on a persistent tier: never served."""
+    unavailable_reads: int = 0
+    """Reads skipped or failed because a tier was unreachable (the copy is kept)."""
+    per_tier_hits: Counter[str] = field(default_factory=Counter)
+
+
+class Ledger:
+    def __init__(
+        self,
+        index: RadixIndex,
+        policies: list[EvictionPolicy],
+        events: StoreEvents,
+        counters: StoreCounters,
+    ) -> None:
+        self.index = index
+        self.policies = policies
+        self.events = events
+        self.counters = counters
+        self.last = len(policies) - 1
+        self._last_bit = 1 << self.last
+        self.dirty_expiry: set[int] = set()
+        """Blocks whose expiry moved since the persistent tiers last learned it."""
+
+    # ---- structure ------------------------------------------------------------------------------
+
+    def insert_chain(
+        self,
+        hashes: Sequence[bytes],
+        parent: int,
+        depth0: int,
+        size: int,
+        nid: int,
+        mask: int,
+        now: float,
+        expiry: float,
+    ) -> list[int]:
+        """New nodes for a chain under ``parent``; ``mask`` 0 makes them hollow (a put fills
+        them), otherwise they are recorded on those tiers (the caller then :meth:`learn` s them)."""
+        idx = self.index
+        first_child = parent != NO_PARENT and not idx.children[parent]
+        ids = idx.insert_chain(hashes, parent, depth0, size, nid, mask, now, expiry).tolist()
+        if first_child and ids:
+            self._gained_child(parent)
+        return ids
+
+    def _gained_child(self, bid: int) -> None:
+        if int(self.index.tiers[bid]) & self._last_bit:
+            self.policies[self.last].hold(bid)
+
+    def _unlink(self, bid: int) -> None:
+        """``bid`` leaves the index; a parent left childless may leave the last tier now."""
+        idx = self.index
+        parent = int(idx.parent[bid])
+        idx.remove(bid)
+        self.dirty_expiry.discard(bid)
+        if parent != NO_PARENT and not idx.children[parent] and int(idx.tiers[parent]) & self._last_bit:
+            self.policies[self.last].offer(parent)
+
+    # ---- copies -----------------------------------------------------------------------------------
+
+    def add_copy(
+        self, bid: int, k: int, size: int, created: float, deferred: list[tuple[int, int, int]] | None = None
+    ) -> None:
+        """Tier ``k`` now holds a copy of ``bid``. With ``deferred``, a copy in the last tier
+        enters its policy later, from :meth:`enter_deferred` (a put's chain, leaves first)."""
+        idx = self.index
+        self.events.placed(idx.hash_of(bid), k, int(idx.tiers[bid]), size, int(idx.depth[bid]))
+        idx.tiers[bid] |= 1 << k
+        self.counters.tier_writes += 1
+        if deferred is not None and k == self.last:
+            deferred.append((k, bid, size))
+        else:
+            self.policies[k].insert(bid, size, created)
+
+    def enter_deferred(self, placed: list[tuple[int, int, int]], now: float) -> None:
+        # Leaves first, as after a restart: a last-tier policy that orders by arrival then meets
+        # a chain's leaf before its parents.
+        idx = self.index
+        for k, bid, size in reversed(placed):
+            if idx.hash_of_or_none(bid) is not None and int(idx.tiers[bid]) & (1 << k):
+                self.policies[k].insert(bid, size, now)
+
+    def learn(self, bid: int, k: int, size: int, created: float) -> None:
+        """A copy the tier already held (found by a probe) enters tier ``k``'s policy."""
+        self.policies[k].insert(bid, size, created)
+
+    def drop_copy(self, bid: int, k: int) -> bool:
+        """Tier ``k`` no longer holds ``bid``; True if no copy is left (the node is hollow)."""
+        idx = self.index
+        idx.tiers[bid] &= ~np.uint8(1 << k)
+        self.policies[k].remove(bid)
+        return not idx.tiers[bid]
+
+    def drop_block(self, bid: int, reason: str) -> tuple[BlockHash, int]:
+        """A leaf leaves the store; returns its key and the tiers whose copies must be deleted."""
+        idx = self.index
+        key = idx.hash_of(bid)
+        mask = int(idx.tiers[bid])
+        self.events.dropped(key, mask, reason)
+        for k in bits(mask):
+            self.policies[k].remove(bid)
+        self._unlink(bid)
+        return key, mask
+
+    def drop_hollow_leaves(self, bids: Sequence[int]) -> None:
+        """Hollow leaves (no copy anywhere, no children, unused) leave the index, upwards."""
+        idx = self.index
+        for bid in sorted(set(bids), key=lambda b: -int(idx.depth[b])):
+            while (
+                bid != NO_PARENT
+                and idx.hash_of_or_none(bid) is not None
+                and not idx.tiers[bid]
+                and idx.evictable_leaf(bid)
+            ):
+                parent = int(idx.parent[bid])
+                self._unlink(bid)
+                bid = parent
+
+    # ---- use, pins, hits ----------------------------------------------------------------------------
+
+    def hold(self, ids: np.ndarray | list[int]) -> None:
+        """Mark blocks in use (a read or a move in flight): nothing moves or drops them."""
+        self.index.add_in_use(np.asarray(ids, np.int64), 1)
+
+    def unhold(self, ids: np.ndarray | list[int]) -> None:
+        self.index.add_in_use(np.asarray(ids, np.int64), -1)
+
+    def pin(self, ids: np.ndarray | list[int]) -> None:
+        self.index.add_pins(np.asarray(ids, np.int64), 1)
+
+    def unpin(self, ids: np.ndarray | list[int]) -> None:
+        self.index.add_pins(np.asarray(ids, np.int64), -1)
+
+    def release_pin(self, record: PinRecord) -> int:
+        """Take one pin record's pin off the blocks it still holds; returns how many."""
+        idx = self.index
+        held = np.array([i for h in record.hashes if (i := idx.id_of(h)) is not None], dtype=np.int64)
+        held = held[idx.pins[held] > 0]
+        idx.add_pins(held, -1)
+        return int(held.size)
+
+    def touch_hits(self, hit: np.ndarray, now: float, expiry: float) -> None:
+        """A load served the leading blocks ``hit``: refresh them, tell every tier's policy."""
+        idx = self.index
+        idx.touch(hit, now, expiry)
+        self.dirty_expiry.update(hit.tolist())
+        # Deepest first so that parents end up more recent than their children (leaves go first).
+        policies = self.policies
+        for bid, mask in zip(hit[::-1].tolist(), idx.tiers[hit[::-1]].tolist(), strict=True):
+            while mask:
+                k = lowest_bit(mask)
+                mask &= mask - 1
+                policies[k].touch(bid, now)
+
+    def extend_expiry(self, ids: np.ndarray, until: float) -> None:
+        self.index.extend_expiry(ids, until)
+        self.dirty_expiry.update(ids.tolist())

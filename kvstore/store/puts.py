@@ -1,0 +1,237 @@
+"""Store plans: the put path, and durable copies.
+
+``prepare_store`` validates the chain before the index is touched (a repeated hash, or a cached
+block whose parent is not the previous hash, is the caller's mistake: UsageError), checks that
+the prefix before ``start`` is cached, inserts the uncached suffix as hollow nodes in one atomic
+call and pins the chain (its blocks may move down a tier to make room, but none may leave the
+store before its child is in). ``fill`` places each new block; a block that finds no room ends
+the chain there: the put stores the leading blocks that fit and says how many. ``complete_store``
+enters the chain into the last tier's policy leaves first, unpins it and removes the hollow
+suffix a short put left.
+
+Durable puts write each block once: new blocks go straight to the first persistent tier, synced
+(before the store lock is taken when the tier has room for them all, so that a slow disk holds
+up this put only), and blocks of the chain cached earlier without a persistent copy are copied
+there. Every write goes through :meth:`Placer.write_copy`, the routine demotion uses too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from eviction.base import EvictionPolicy
+from kvstore.block import BlockMeta, payload_checksum
+from kvstore.errors import KVStoreError, MissingPrefixError, TierFullError, UsageError
+from kvstore.index import NO_PARENT
+from kvstore.keys import BlockHash
+from kvstore.store.ledger import Ledger, lowest_bit
+from kvstore.store.namespaces import NsInfo
+from kvstore.store.placer import Placer
+
+log = logging.getLogger("kvstore.store")
+
+
+@dataclass(slots=True)
+class StorePlan:
+    info: NsInfo
+    hashes: Sequence[bytes]
+    start: int
+    srcs: list[memoryview]
+    now: float
+    ids: list[int]
+    """Block id of every position of the chain."""
+    pinned: list[int]
+    fresh: int
+    """First position the index did not know (a hollow suffix from there)."""
+    prewritten: set[int] = field(default_factory=set)
+    """Positions whose durable copy was written before the lock."""
+    placed: list[tuple[int, int, int]] = field(default_factory=list)
+    """(tier, bid, size) of copies written to the last tier: they enter its policy at the end."""
+    new: int = 0
+    stored_to: int = 0
+    """Positions before this are cached after the fill."""
+
+
+def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes]) -> None:
+    """UsageError unless ``hashes`` can be one prefix chain of ``info``'s namespace: distinct
+    hashes, and each cached one under the previous hash of the chain, at its position."""
+    if len(set(hashes)) != len(hashes):
+        seen: dict[bytes, int] = {}
+        for i, h in enumerate(hashes):
+            if h in seen:
+                raise UsageError(
+                    f"the chain repeats block hash {bytes(h).hex()} (positions {seen[h]} and {i}); "
+                    "a block hash covers its whole prefix, so a chain's hashes are distinct"
+                )
+            seen[h] = i
+    idx = ledger.index
+    prev = NO_PARENT
+    for i, h in enumerate(hashes):
+        bid = idx.id_of(h)
+        if bid is None:
+            return  # the rest is new to the index (a node's parent is always in it)
+        if int(idx.parent[bid]) != prev or int(idx.depth[bid]) != i or int(idx.ns[bid]) != info.nid:
+            raise UsageError(
+                f"block {i} of the chain ({bytes(h).hex()}) is cached at another place (another "
+                "parent, depth or namespace); send the chain's hashes as hash_blocks computes them"
+            )
+        prev = bid
+
+
+class Storer:
+    def __init__(self, ledger: Ledger, placer: Placer) -> None:
+        self.ledger = ledger
+        self.index = ledger.index
+        self.placer = placer
+        self.tiers = placer.tiers
+        self.persistent = [k for k, t in enumerate(self.tiers) if t.persistent]
+        self.persistent_mask = placer.persistent_mask
+
+    def meta(self, plan: StorePlan, i: int) -> BlockMeta:
+        info, hashes = plan.info, plan.hashes
+        src = plan.srcs[i - plan.start]
+        parent = hashes[i - 1] if i else info.digest
+        bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        return BlockMeta(info.digest, parent, i, bb, plan.now + info.ttl_s, payload_checksum(src), plan.now)
+
+    # ---- the plan ---------------------------------------------------------------------------------
+
+    def prepare_store(self, info: NsInfo, hashes: Sequence[bytes], start: int, srcs: list[memoryview], now: float) -> StorePlan:
+        """Under the lock: validate, insert the hollow suffix, pin the chain."""
+        idx = self.index
+        validate_chain(self.ledger, info, hashes)
+        present = idx.match(hashes).num_blocks
+        if present < start:
+            raise MissingPrefixError(
+                f"block {present} of the chain is not cached, but the put starts at {start}: "
+                f"pass blocks from {present} on (start={present})"
+            )
+        n = len(hashes)
+        fresh = start
+        while fresh < n and hashes[fresh] in idx:
+            fresh += 1
+        known = [idx.id_of(h) for h in hashes[:fresh]]
+        ids: list[int] = known  # type: ignore[assignment]
+        if fresh < n:
+            pid = ids[fresh - 1] if fresh else NO_PARENT
+            bb = info.namespace.block_bytes  # type: ignore[union-attr]
+            ids = ids + self.ledger.insert_chain(hashes[fresh:], pid, fresh, bb, info.nid, 0, now, now + info.ttl_s)
+        self.ledger.pin(ids)
+        return StorePlan(info, hashes, start, srcs, now, ids, list(ids), fresh)
+
+    def fill(self, plan: StorePlan, durable: bool) -> None:
+        """Under the lock: place each new block; the first that finds no room ends the chain."""
+        idx, c = self.index, self.ledger.counters
+        p = self.persistent[0] if durable and self.persistent else None
+        plan.stored_to = plan.start
+        first = self.ledger.policies[0]
+        if p is None and plan.fresh < len(plan.hashes) - 1 and type(first).admit is EvictionPolicy.admit:
+            # Room for the whole new suffix at once in the first tier (which admits all).
+            bb = plan.info.namespace.block_bytes  # type: ignore[union-attr]
+            self.placer.reserve(0, len(plan.hashes) - plan.fresh, bb, set(plan.ids))
+        for i in range(plan.start, len(plan.hashes)):
+            bid = plan.ids[i]
+            if idx.tiers[bid]:
+                c.dedup_blocks += 1
+                plan.stored_to = i + 1
+                continue
+            meta = self.meta(plan, i)
+            if i in plan.prewritten:
+                self.ledger.add_copy(bid, p, meta.size, meta.created, plan.placed)  # type: ignore[arg-type]
+                ok: bool | None = True
+            elif p is not None:
+                ok = self.placer.place(bid, p, plan.srcs[i - plan.start], meta, {bid}, durable=True, deferred=plan.placed)
+                if not ok:
+                    raise TierFullError(
+                        f"tier {self.tiers[p].name!r} has no room for a durable copy of block {i}: "
+                        "everything on it is pinned or in use; add capacity or unpin prefixes"
+                    )
+            else:
+                ok = self.placer.place_new(bid, plan.srcs[i - plan.start], meta, {bid}, plan.placed)
+            if not ok:
+                if ok is False:
+                    c.truncated_puts += 1  # no room: the put keeps the leading blocks that fit
+                break  # (None: no tier admits it; the chain ends here and stays prefix-closed)
+            plan.new += 1
+            plan.stored_to = i + 1
+            c.put_blocks += 1
+
+    def complete_store(self, plan: StorePlan) -> None:
+        """Under the lock: policies learn the chain leaves first; unpin; drop the hollow rest."""
+        self.ledger.enter_deferred(plan.placed, plan.now)
+        self.ledger.unpin(plan.pinned)
+        self.ledger.drop_hollow_leaves(plan.pinned)
+
+    # ---- durability -------------------------------------------------------------------------------
+
+    def prewrite(self, info: NsInfo, hashes: Sequence[bytes], srcs: list[memoryview], start: int, todo: list[int], now: float) -> KVStoreError | None:
+        """Outside the lock: write a durable put's new blocks (positions ``todo``) to the first
+        persistent tier in one ``write_many``. Content addressing makes the early copy safe;
+        :meth:`fill` records it under the lock. Returns the error of a failed write."""
+        tier = self.tiers[self.persistent[0]]
+        bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        items = [
+            (BlockHash(hashes[i]), srcs[i - start],
+             BlockMeta(info.digest, hashes[i - 1] if i else info.digest, i, bb, now + info.ttl_s,
+                       payload_checksum(srcs[i - start]), now))
+            for i in todo
+        ]
+        errors = tier.write_many(items, durable=True)
+        failed = [e for e in errors if e is not None and not isinstance(e, TierFullError)]
+        if failed:
+            log.error("durable writes to tier %s failed: %s", tier.name, failed[0])
+            return failed[0]
+        return None
+
+    def prewrite_todo(self, info: NsInfo, hashes: Sequence[bytes], start: int) -> list[int]:
+        """Under the lock: the positions a prewrite should write (new to every persistent tier),
+        or none when the first persistent tier lacks room for them all (the locked path makes
+        room) or the put will be refused."""
+        if not self.persistent:
+            return []
+        idx = self.index
+        validate_chain(self.ledger, info, hashes)
+        if idx.match(hashes).num_blocks < start:
+            return []
+        todo = [i for i in range(start, len(hashes))
+                if (bid := idx.id_of(hashes[i])) is None or not int(idx.tiers[bid]) & self.persistent_mask]
+        u = self.tiers[self.persistent[0]].usage()
+        bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        if len(todo) < 1 or u.capacity_bytes - u.used_bytes < len(todo) * bb:
+            return []
+        return todo
+
+    def adopt_prewritten(self, plan: StorePlan, todo: list[int]) -> None:
+        """Under the lock: which prewritten copies the tier really holds (a write may have been
+        refused for room)."""
+        tier = self.tiers[self.persistent[0]]
+        plan.prewritten = {i for i in todo if not self.index.tiers[plan.ids[i]] and tier.contains(BlockHash(plan.hashes[i]))}
+
+    def make_durable(self, plan: StorePlan) -> None:
+        """Under the lock: copy the chain's cached blocks that have no persistent copy (cached
+        by earlier puts) to the first persistent tier, synced."""
+        if not self.persistent:
+            raise UsageError("durable=True needs a persistent tier (nvme or object) in the config")
+        self.copy_durable(plan.ids[: plan.stored_to], plan.hashes)
+
+    def copy_durable(self, ids: Sequence[int], hashes: Sequence[bytes]) -> None:
+        p = self.persistent[0]
+        idx, placer = self.index, self.placer
+        for i, bid in enumerate(ids):
+            mask = int(idx.tiers[bid])
+            if mask & self.persistent_mask or not mask:
+                continue
+            meta = placer.meta_for(bid)
+            src = placer.scratch[-1].view(meta.size)
+            try:
+                self.tiers[lowest_bit(mask)].read_into(BlockHash(hashes[i]), src)
+                if not placer.place(bid, p, src, meta, set(ids), durable=True):
+                    raise TierFullError(
+                        f"tier {self.tiers[p].name!r} has no room for a durable copy of block {i}; "
+                        "add capacity or unpin prefixes"
+                    )
+            finally:
+                del src
+        self.tiers[p].flush()
