@@ -54,9 +54,14 @@ class StorePlan:
     """Positions before this are cached after the fill."""
 
 
-def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes]) -> None:
+def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes], start: int) -> None:
     """UsageError unless ``hashes`` can be one prefix chain of ``info``'s namespace: distinct
-    hashes, and each cached one under the previous hash of the chain, at its position."""
+    hashes, and each cached one under the previous hash of the chain, at its position.
+
+    The blocks a put writes (from ``start`` on) must be this namespace's. The cached prefix it
+    extends may be another namespace's: a hybrid model's window pieces hang under the blocks of
+    its full part (``kvstore.hybrid``), so prefix-closure makes a piece leave before its full
+    block. Loads never cross a namespace (``Loader.match`` ends a prefix there)."""
     if len(set(hashes)) != len(hashes):
         seen: dict[bytes, int] = {}
         for i, h in enumerate(hashes):
@@ -72,7 +77,7 @@ def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes]) -> Non
         bid = idx.id_of(h)
         if bid is None:
             return  # the rest is new to the index (a node's parent is always in it)
-        if int(idx.parent[bid]) != prev or int(idx.depth[bid]) != i or int(idx.ns[bid]) != info.nid:
+        if int(idx.parent[bid]) != prev or int(idx.depth[bid]) != i or (i >= start and int(idx.ns[bid]) != info.nid):
             raise UsageError(
                 f"block {i} of the chain ({bytes(h).hex()}) is cached at another place (another "
                 "parent, depth or namespace); send the chain's hashes as hash_blocks computes them"
@@ -101,7 +106,7 @@ class Storer:
     def prepare_store(self, info: NsInfo, hashes: Sequence[bytes], start: int, srcs: list[memoryview], now: float) -> StorePlan:
         """Under the lock: validate, insert the hollow suffix, pin the chain."""
         idx = self.index
-        validate_chain(self.ledger, info, hashes)
+        validate_chain(self.ledger, info, hashes, start)
         present = idx.match(hashes).num_blocks
         if present < start:
             raise MissingPrefixError(
@@ -192,7 +197,7 @@ class Storer:
         if not self.persistent:
             return []
         idx = self.index
-        validate_chain(self.ledger, info, hashes)
+        validate_chain(self.ledger, info, hashes, start)
         if idx.match(hashes).num_blocks < start:
             return []
         todo = [i for i in range(start, len(hashes))
