@@ -84,8 +84,10 @@ class Daemon:
         pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="kvstore")
         store = await loop.run_in_executor(pool, partial(KVStore, self.store_config, clock=self.clock))
         arena_shm = None
+        service: Service | None = None
         try:
             service = Service(store, cfg, load_secret(self.store_config.root), clock=self.clock)
+            await loop.run_in_executor(pool, self._attach_routing, service)  # kvevents.py, handoff.py
             arena_shm = attach_arena(service.arena) if service.arena else None
             ctx = DataContext(service, pool, Metrics(store.stats), arena_shm.buf if arena_shm else None, node_id())
             planes: list[Any] = []
@@ -130,6 +132,7 @@ class Daemon:
                     "root": str(self.store_config.root),
                     "arena": service.arena,
                     "tenants": [t.name for t in service.tenants()],
+                    "events": service.kv_events.endpoints(None) if service.kv_events else None,
                 })
             await self._stop.wait()
             await http  # uvicorn finishes the HTTP requests in flight
@@ -146,6 +149,8 @@ class Daemon:
                 with contextlib.suppress(BufferError):
                     arena_shm.close()
             await loop.run_in_executor(pool, store.close)
+            if service is not None and service.kv_events is not None:
+                service.kv_events.close()
             pool.shutdown(wait=True)
             log.info("kvstore daemon stopped; store closed")
 
@@ -155,8 +160,21 @@ class Daemon:
             try:
                 await ctx.run(ctx.service.store.maintain)
                 await ctx.run(ctx.service.refresh_usage)
+                await ctx.run(ctx.service.handoffs.expire)
             except Exception:
                 log.exception("periodic maintenance failed; will retry")
+
+
+    def _attach_routing(self, service: Service) -> None:
+        """Handoffs (always) and the KV event publisher (with ``[events] publish``)."""
+        from kvstore.server.handoff import Handoffs
+
+        service.handoffs = Handoffs(service, self.store_config.root, self.clock)
+        if self.store_config.events.publish:
+            from kvstore.server.kvevents import KVEventPublisher
+
+            keyed = [(t.name, t.salt, t.spec.token, t.spec.admin) for t in service.tenants() if t.key]
+            service.kv_events = KVEventPublisher(service.store, self.store_config.events, keyed)
 
 
 class ThreadedDaemon:

@@ -110,6 +110,10 @@ class Service:
             self.anonymous = Tenant(TenantSpec(ANONYMOUS, "-" * 16, admin=True, allow_shm=True), "", b"")
             self._tenants[ANONYMOUS] = self.anonymous
         self.arena: str | None = getattr(store.tiers[0], "shm_name", None)
+        self.kv_events: Any = None
+        """The KV event publisher (kvstore/server/kvevents.py) when [events] publish is set."""
+        self.handoffs: Any = None
+        """Prefill -> decode handoffs (kvstore/server/handoff.py), set by the daemon."""
 
     # ---- tenants ------------------------------------------------------------------------------
 
@@ -222,7 +226,10 @@ class Service:
                     f"tenant {t.name!r} uses {t.used_bytes} of its {quota}-byte quota; this put needs "
                     f"{incoming} more: evict or unpin prefixes, or raise the quota"
                 )
-        new = self.store.put(ns, self._store_keys(t, hashes), blocks, start=start, durable=durable)
+        keys = self._store_keys(t, hashes)
+        if self.kv_events is not None:  # names the put's blocks for the KV event publisher
+            self.kv_events.names(ns, hashes, keys, start)
+        new = self.store.put(ns, keys, blocks, start=start, durable=durable)
         with self._lock:
             t.used_bytes += new * ns.block_bytes
         return new

@@ -197,6 +197,7 @@ class Placement:
             self.counters.tier_errors += 1
             log.error("delete of %s from tier %s failed: %s", key.hex(), self.tiers[k].name, e)
         self.index.tiers[bid] &= ~np.uint8(1 << k)
+        self.events.copy_dropped(key, k)
         self._policies[k].remove(bid)
         if not self.index.tiers[bid]:
             self._drop_hollow_leaves([bid])

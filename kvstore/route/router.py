@@ -1,0 +1,276 @@
+"""The routing helper: which node holds the longest cached prefix of a prompt, on which tier.
+
+A :class:`Router` subscribes to the KV event streams of several daemons (vLLM's format, see
+:mod:`kvstore.route.wire`), keeps one :class:`~kvstore.route.index.PrefixIndex` for all of them
+and answers :meth:`Router.route` from memory::
+
+    r = Router()
+    r.add_node("a", "http://10.0.0.1:7070")        # asks the daemon where its events are
+    r.add_node("b", "http://10.0.0.2:7070", token=...)
+    r.start()                                       # a thread follows the streams
+    best = r.route(ns, token_ids)                   # Route(node="b", blocks=812, tiers={"dram": 800, "nvme": 12}, ...)
+
+Longest prefix: a store is prefix-closed (a block is cached only under its cached parent), so a
+node's cached prefix is its run of leading blocks present in the index; the router takes the
+longest, breaks ties by the faster tiers, then by the consistent hash. A prompt no node holds
+(a cold prefix) goes to the node the consistent hash (rendezvous, on the first block's hash)
+picks, so that the turns of one conversation meet again. A node whose stream has been silent
+past ``down_after_s`` (the publisher sends an empty batch every second) is left out of both.
+
+Tenants: a router routes one tenant's requests on that tenant's stream (``tenant=`` and its
+token); with an admin token it may follow every tenant's stream and route any tenant
+(``route(..., tenant=name)``): the hashes there carry the tenant's mask (kvstore.server.kvevents).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+import zmq
+
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.route._http import control
+from kvstore.route.feed import Feed
+from kvstore.route.index import BITS, MAX_NODES, PrefixIndex, hash_keys
+from kvstore.route.wire import AllBlocksCleared, BlockRemoved, BlockStored, tenant_mask
+
+MEDIA_RANK = {"hbm": 0, "gpu": 0, "dram": 1, "cpu": 1, "nvme": 2, "disk": 2, "object": 3, "s3": 3}
+"""Speed order of the tier names kvstore and vLLM use (lower is faster); others rank last."""
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    node: str
+    blocks: int
+    """Leading blocks of the prompt that ``node`` holds (0: a cold prefix)."""
+    tiers: dict[str, int]
+    """Those blocks by the fastest tier holding each on ``node``."""
+    reason: str
+    """``prefix``: the longest cached prefix; ``hash``: none cached, the consistent hash."""
+    matched: dict[str, int] = field(default_factory=dict)
+    """The cached prefix of every node that is up."""
+
+
+@dataclass(slots=True)
+class _Node:
+    name: str
+    slot: int
+    feed: Feed | None
+    spec: dict[str, Any]
+    heard: float = 0.0
+
+
+class Router:
+    """Thread-safe: :meth:`route` from any thread while one thread follows the streams."""
+
+    def __init__(self, *, tenant: str = "", down_after_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic, capacity: int = 1 << 16) -> None:
+        """``tenant``: the tenant whose requests this router routes by default ("" anonymous)."""
+        self.tenant = tenant
+        self.down_after_s = down_after_s
+        self._clock = clock
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._lock = threading.Lock()
+        self._index = PrefixIndex(capacity)
+        self._nodes: list[_Node] = []
+        self._media: dict[str, int] = {}  # medium -> bit
+        self._fastest = np.zeros(16, dtype=np.int64)  # 4-bit tier mask -> fastest bit
+        self._rank_of_bit = [9, 9, 9, 9]
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._pending: list[_Node] = []  # added, feed not made yet (made by the polling thread)
+
+    # ---- nodes --------------------------------------------------------------------------------
+
+    def add_node(self, name: str, url: str | None = None, *, publish: str | None = None,
+                 replay: str | None = None, token: str | None = None, tenant: str | None = None,
+                 all_tenants: bool = False) -> None:
+        """Follow a daemon: at ``url`` (its control plane says where its events are), or at the
+        ``publish`` / ``replay`` endpoints directly. ``tenant`` / ``token``: whose stream
+        (default: the router's tenant); ``all_tenants``: every tenant's (an admin's token)."""
+        with self._lock:
+            if any(n.name == name for n in self._nodes):
+                raise ValueError(f"node {name!r} is already followed")
+            if len(self._nodes) >= MAX_NODES:
+                raise ValueError(f"a router follows at most {MAX_NODES} nodes")
+        tenant = self.tenant if tenant is None else tenant
+        auth: tuple[str | None, str | None] = (None, None)
+        if publish is None:
+            if url is None:
+                raise ValueError("add_node needs the daemon's url or its publish endpoint")
+            ep = control(url, "GET", "/v1/events" + ("?all=true" if all_tenants else ""), token=token)
+            publish, replay = ep["publish"], ep["replay"]
+            if ep.get("auth") == "plain":
+                auth = (ep["tenant"] if ep.get("tenant") else tenant, token)
+            mask = 0 if (ep.get("tenant") is None) else tenant_mask(ep["tenant"])
+        else:
+            mask = 0 if all_tenants else tenant_mask(tenant)
+            if token is not None:
+                auth = (tenant, token)
+        if replay is None:
+            host, _, port = publish.rpartition(":")
+            replay = f"{host}:{int(port) + 1}"
+        spec = {"publish": publish, "replay": replay, "mask": mask, "username": auth[0], "password": auth[1]}
+        with self._lock:
+            node = _Node(name, len(self._nodes), None, spec, self._clock())
+            self._nodes.append(node)
+            self._pending.append(node)
+        if self._thread is None:
+            self._make_feeds()
+
+    def _make_feeds(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for node in pending:
+            s = node.spec
+            node.feed = Feed(node.name, s["publish"], s["replay"], self._sink(node, s["mask"]),
+                             self._reset(node), self._ctx, s["username"], s["password"])
+            node.feed.start()
+            node.heard = self._clock()
+
+    def nodes(self) -> list[str]:
+        return [n.name for n in self._nodes]
+
+    # ---- following the streams -------------------------------------------------------------------
+
+    def _bit(self, medium: str | None) -> int:
+        name = (medium or "").lower()
+        bit = self._media.get(name)
+        if bit is None:
+            bit = len(self._media) if len(self._media) < BITS else BITS - 1
+            self._media[name] = bit
+            self._rank_of_bit[bit] = min(self._rank_of_bit[bit], MEDIA_RANK.get(name, 8))
+            for m in range(1, 16):  # fastest tier bit of each 4-bit mask
+                bits = [b for b in range(BITS) if m & (1 << b)]
+                self._fastest[m] = min(bits, key=lambda b: (self._rank_of_bit[b], b))
+        return bit
+
+    def _sink(self, node: _Node, mask: int) -> Callable[[list[Any]], None]:
+        def apply(events: list[Any]) -> None:
+            node.heard = self._clock()
+            with self._lock:
+                for ev in events:
+                    if isinstance(ev, BlockStored | BlockRemoved):
+                        keys = _keys(ev.block_hashes, mask)
+                        self._index.update(keys, node.slot, 1 << self._bit(ev.medium), isinstance(ev, BlockStored))
+                    elif isinstance(ev, AllBlocksCleared):
+                        self._index.clear_node(node.slot)
+        return apply
+
+    def _reset(self, node: _Node) -> Callable[[], None]:
+        def reset() -> None:
+            with self._lock:
+                self._index.clear_node(node.slot)
+        return reset
+
+    def poll(self, timeout_s: float = 0.0) -> int:
+        """Apply what the streams sent (waiting up to ``timeout_s`` for the first message);
+        returns the messages handled. The thread of :meth:`start` calls it in a loop."""
+        self._make_feeds()
+        feeds = [n.feed for n in self._nodes if n.feed is not None]
+        poller = zmq.Poller()
+        for f in feeds:
+            poller.register(f.sub, zmq.POLLIN)
+        ready = dict(poller.poll(int(timeout_s * 1000)))
+        n = 0
+        for f in feeds:
+            if f.sub in ready:
+                n += f.handle()
+        return n
+
+    def refresh(self) -> None:
+        """Catch up with every stream now: a replay from each feed's next sequence number, which
+        the publisher answers after publishing every hook that ran before the request. A
+        barrier: what the nodes' stores did before this call is in the index after it."""
+        self._make_feeds()
+        self.poll(0)
+        for node in self._nodes:
+            if node.feed is not None and node.feed.catch_up(node.feed.last_seq + 1):
+                node.heard = self._clock()
+
+    def start(self) -> Router:
+        """Follow the streams on a background thread (until :meth:`close`)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvstore-router", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.poll(0.1)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        for n in self._nodes:
+            if n.feed is not None:
+                n.feed.close()
+        self._ctx.term()
+
+    def __enter__(self) -> Router:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- answering ------------------------------------------------------------------------------
+
+    def route(self, ns: Namespace, tokens: Any, *, tenant: str | None = None) -> Route:
+        """The node for a prompt of ``tokens`` under the client namespace ``ns``."""
+        return self.route_hashes(hash_blocks(ns, tokens), tenant=tenant)
+
+    def route_hashes(self, hashes: Sequence[bytes], *, tenant: str | None = None) -> Route:
+        """The node for a prompt whose full blocks hash to ``hashes`` (``hash_blocks``)."""
+        tenant = self.tenant if tenant is None else tenant
+        keys = hash_keys(hashes, tenant_mask(tenant))
+        now = self._clock()
+        with self._lock:
+            up = [n for n in self._nodes if now - n.heard <= self.down_after_s]
+            vals = self._index.get(keys) if keys.size else np.zeros(0, dtype=np.uint64)
+        if not up:
+            raise LookupError("no node is up: the router hears no stream (check the daemons' [events] publish)")
+        slots = np.array([n.slot for n in up], dtype=np.uint64)
+        masks = (vals[:, None] >> (slots * np.uint64(BITS))) & np.uint64(0xF)  # (blocks, nodes)
+        held = masks != 0
+        lengths = np.where(held.all(axis=0), held.shape[0], held.argmin(axis=0)) if held.size else np.zeros(len(up), dtype=np.int64)
+        best = int(lengths.max()) if lengths.size else 0
+        matched = {n.name: int(length) for n, length in zip(up, lengths, strict=True)}
+        first = hashes[0] if hashes else b""
+        if best == 0:
+            node = max(up, key=lambda n: _rendezvous(n.name, first))
+            return Route(node.name, 0, {}, "hash", matched)
+        cands = [i for i, length in enumerate(lengths) if length == best]
+        fastest = self._fastest[masks[:best, cands].astype(np.int64)]  # (best, cands) tier bits
+        ranks = np.array(self._rank_of_bit)[fastest].sum(axis=0)
+        pick = min(range(len(cands)), key=lambda j: (int(ranks[j]), -_rendezvous(up[cands[j]].name, first)))
+        col = fastest[:, pick]
+        names = {b: m for m, b in self._media.items()}
+        counts = np.bincount(col, minlength=BITS)
+        tiers = {names.get(b, f"tier{b}"): int(c) for b, c in enumerate(counts) if c}
+        return Route(up[cands[pick]].name, best, tiers, "prefix", matched)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out = {"blocks": len(self._index), "index_bytes": self._index.nbytes, "media": dict(self._media)}
+        out["nodes"] = {n.name: ({"last_seq": n.feed.last_seq, "synced": n.feed.synced,
+                                  **{k: getattr(n.feed.stats, k) for k in n.feed.stats.__slots__}}
+                                 if n.feed is not None else {}) for n in self._nodes}
+        return out
+
+
+def _keys(hashes: list[Any], mask: int) -> np.ndarray:
+    if hashes and isinstance(hashes[0], int):  # vLLM's 64-bit integer hashes
+        return np.array([h & _U64 for h in hashes], dtype=np.uint64) ^ np.uint64(mask)
+    return hash_keys(hashes, mask)
+
+
+def _rendezvous(node: str, key: bytes) -> int:
+    return xxhash.xxh64_intdigest(node.encode() + b"\0" + bytes(key))
