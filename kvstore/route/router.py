@@ -13,8 +13,10 @@ and answers :meth:`Router.route` from memory::
 Longest prefix: a store is prefix-closed (a block is cached only under its cached parent), so a
 node's cached prefix is its run of leading blocks present in the index; the router takes the
 longest, breaks ties by the faster tiers, then by the consistent hash. A prompt no node holds
-(a cold prefix) goes to the node the consistent hash (rendezvous, on the first block's hash)
-picks, so that the turns of one conversation meet again. A node whose stream has been silent
+(a cold prefix), or whose longest cached prefix is under ``min_match`` of its blocks (say only
+the system prompt every conversation shares), goes to the node the consistent hash picks
+(rendezvous, on the hash of the first block no node holds): conversations spread over the
+nodes, and the next turn of each finds its prefix where the first one left it. A node whose stream has been silent
 past ``down_after_s`` (the publisher sends an empty batch every second) is left out of both.
 
 Tenants: a router routes one tenant's requests on that tenant's stream (``tenant=`` and its
@@ -70,10 +72,15 @@ class _Node:
 class Router:
     """Thread-safe: :meth:`route` from any thread while one thread follows the streams."""
 
-    def __init__(self, *, tenant: str = "", down_after_s: float = 5.0,
+    def __init__(self, *, tenant: str = "", min_match: float = 0.25, down_after_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, capacity: int = 1 << 16) -> None:
-        """``tenant``: the tenant whose requests this router routes by default ("" anonymous)."""
+        """``tenant``: the tenant whose requests this router routes by default ("" anonymous).
+        ``min_match``: a cached prefix shorter than this share of the prompt's blocks does not
+        decide (see :meth:`route_hashes`)."""
+        if not 0.0 <= min_match <= 1.0:
+            raise ValueError(f"min_match={min_match} must be a share of the prompt in [0, 1]")
         self.tenant = tenant
+        self.min_match = min_match
         self.down_after_s = down_after_s
         self._clock = clock
         self._ctx: zmq.Context[Any] = zmq.Context()
@@ -243,19 +250,26 @@ class Router:
         lengths = np.where(held.all(axis=0), held.shape[0], held.argmin(axis=0)) if held.size else np.zeros(len(up), dtype=np.int64)
         best = int(lengths.max()) if lengths.size else 0
         matched = {n.name: int(length) for n, length in zip(up, lengths, strict=True)}
-        first = hashes[0] if hashes else b""
-        if best == 0:
-            node = max(up, key=lambda n: _rendezvous(n.name, first))
-            return Route(node.name, 0, {}, "hash", matched)
+        if best == 0 or best < self.min_match * len(hashes):
+            # Cold, or only a short shared prefix (a system prompt every node has): the hash of
+            # the first block no node holds picks, which spreads conversations over the nodes
+            # while the turns of one conversation (one chain) still meet on one node.
+            key = hashes[best] if best < len(hashes) else (hashes[-1] if hashes else b"")
+            node = max(up, key=lambda n: _rendezvous(n.name, key))
+            got = matched[node.name]
+            return Route(node.name, got, self._tiers_of(masks[:got, up.index(node)]) if got else {}, "hash", matched)
+        first = hashes[0]
         cands = [i for i, length in enumerate(lengths) if length == best]
         fastest = self._fastest[masks[:best, cands].astype(np.int64)]  # (best, cands) tier bits
         ranks = np.array(self._rank_of_bit)[fastest].sum(axis=0)
         pick = min(range(len(cands)), key=lambda j: (int(ranks[j]), -_rendezvous(up[cands[j]].name, first)))
-        col = fastest[:, pick]
+        return Route(up[cands[pick]].name, best, self._tiers_of(masks[:best, cands[pick]]), "prefix", matched)
+
+    def _tiers_of(self, masks: np.ndarray) -> dict[str, int]:
+        """Blocks by the fastest tier holding each, from one node's tier masks."""
+        counts = np.bincount(self._fastest[masks.astype(np.int64)], minlength=BITS)
         names = {b: m for m, b in self._media.items()}
-        counts = np.bincount(col, minlength=BITS)
-        tiers = {names.get(b, f"tier{b}"): int(c) for b, c in enumerate(counts) if c}
-        return Route(up[cands[pick]].name, best, tiers, "prefix", matched)
+        return {names.get(b, f"tier{b}"): int(c) for b, c in enumerate(counts) if c}
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

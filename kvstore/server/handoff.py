@@ -37,7 +37,13 @@ from fastapi import Path as PathParam
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvstore.clock import Clock
-from kvstore.errors import BlockNotFound, MissingPrefixError, TierIOError, UsageError
+from kvstore.errors import (
+    BlockNotFound,
+    ForbiddenError,
+    MissingPrefixError,
+    TierIOError,
+    UsageError,
+)
 from kvstore.keys import Namespace
 from kvstore.server.service import Service, Tenant
 
@@ -107,6 +113,7 @@ class Handoffs:
             raise UsageError(f"ttl_s={ttl_s} is outside (0, {MAX_TTL_S:.0f}]; a longer hold is a pin")
         if not hashes:
             raise UsageError("a handoff needs the request's block hashes")
+        self.expire()
         key = (t.name, request_id)
         with self._lock:
             known = self._open.get(key)
@@ -132,6 +139,7 @@ class Handoffs:
         return h.view()
 
     def status(self, t: Tenant, request_id: str) -> dict[str, Any]:
+        self.expire()  # a deadline that passed since the last maintenance shows now
         key = (t.name, request_id)
         with self._lock:
             h = self._open.get(key) or self._done.get(key)
@@ -140,7 +148,9 @@ class Handoffs:
         return h.view()
 
     def confirm(self, t: Tenant, request_id: str) -> dict[str, Any]:
-        """The decode side has the KV: release the hold (idempotent)."""
+        """The decode side has the KV: release the hold (idempotent). Past the deadline it is
+        ``expired`` already: the KV may still have been loaded, but nothing held it."""
+        self.expire()
         key = (t.name, request_id)
         with self._lock:
             h = self._open.pop(key, None)
@@ -293,11 +303,15 @@ def handoff_router(service: Service, run: Callable[..., Any], tenant: Callable[.
         if pub is None:
             raise UsageError("this daemon publishes no KV events; set [events] publish = \"tcp://HOST:PORT\"")
         if service.anonymous is not None:
-            return pub.endpoints(None)
-        if all:
+            out = pub.endpoints(None)
+        elif all:
             if not t.spec.admin:
-                raise UsageError(f"tenant {t.name!r} is not an admin; ask for its own stream (all=false)")
-            return pub.endpoints(None)
-        return pub.endpoints(t.name)
+                raise ForbiddenError(f"tenant {t.name!r} is not an admin; ask for its own stream (all=false)")
+            out = pub.endpoints(None)
+        else:
+            out = pub.endpoints(t.name)
+        if t.spec.admin:
+            out["stats"] = pub.stats()
+        return out
 
     return r
