@@ -22,6 +22,7 @@ MAX_NODES = 16
 BITS = 4
 """Tier bits per node: at most 4 tiers (media) are told apart."""
 _FILL = 0.5
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 def hash_keys(hashes: Sequence[bytes], mask: int = 0) -> np.ndarray:
@@ -57,7 +58,7 @@ class PrefixIndex:
         keys = _nonzero(keys)
         out = np.zeros(keys.size, dtype=np.uint64)
         mask = np.uint64(self._keys.size - 1)
-        slot = keys & mask
+        slot = self._home(keys)
         pending = np.arange(keys.size)
         while pending.size:
             cur = self._keys[slot]
@@ -100,11 +101,17 @@ class PrefixIndex:
 
     # ---- the table --------------------------------------------------------------------------
 
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        """First slot of each key: Fibonacci hashing (the top bits of key * 2^64/phi), so keys
+        that differ only in a few bits (trace ids, not hashes) do not pile up in one run."""
+        shift = np.uint64(64 - (self._keys.size.bit_length() - 1))
+        return (keys * _GOLDEN) >> shift
+
     def _find(self, keys: np.ndarray) -> np.ndarray:
         """Slot of each key, -1 where absent."""
         out = np.full(keys.size, -1, dtype=np.int64)
         mask = np.uint64(self._keys.size - 1)
-        slot = keys & mask
+        slot = self._home(keys)
         pending = np.arange(keys.size)
         while pending.size:
             cur = self._keys[slot]
@@ -123,7 +130,7 @@ class PrefixIndex:
             self._resize(uniq.size)
         out = np.empty(uniq.size, dtype=np.int64)
         mask = np.uint64(self._keys.size - 1)
-        slot = uniq & mask
+        slot = self._home(uniq)
         pending = np.arange(uniq.size)
         while pending.size:
             cur = self._keys[slot]

@@ -115,7 +115,7 @@ class Router:
             ep = control(url, "GET", "/v1/events" + ("?all=true" if all_tenants else ""), token=token)
             publish, replay = ep["publish"], ep["replay"]
             if ep.get("auth") == "plain":
-                auth = (ep["tenant"] if ep.get("tenant") else tenant, token)
+                auth = (ep["username"], token)
             mask = 0 if (ep.get("tenant") is None) else tenant_mask(ep["tenant"])
         else:
             mask = 0 if all_tenants else tenant_mask(tenant)
@@ -220,7 +220,7 @@ class Router:
         for n in self._nodes:
             if n.feed is not None:
                 n.feed.close()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
     def __enter__(self) -> Router:
         return self

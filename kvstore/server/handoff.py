@@ -310,6 +310,8 @@ def handoff_router(service: Service, run: Callable[..., Any], tenant: Callable[.
             out = pub.endpoints(None)
         else:
             out = pub.endpoints(t.name)
+        if service.anonymous is None:
+            out["username"] = t.name  # ZeroMQ PLAIN: this tenant's name, its token the password
         if t.spec.admin:
             out["stats"] = pub.stats()
         return out

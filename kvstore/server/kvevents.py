@@ -72,6 +72,9 @@ from kvstore.store import KVStore
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
+POLL_MS = 5
+"""The thread's wake-up period: the most an event waits in the queue (a hook never wakes it:
+that would cost the data path a system call per block)."""
 SNAPSHOT_CHUNK = 4096
 """Blocks per batch of a snapshot (and of the announcement at start)."""
 REBUILD_EVERY_S = 5.0
@@ -476,18 +479,12 @@ class KVEventPublisher:
                 self._publish_snapshots(enc)
                 self._last_send = time.monotonic()
             try:
-                first = [self._q.get(timeout=0.02)]
-            except queue.Empty:
-                first = []
-            stop = self._drain(first, enc)
-            try:
-                ready = poller.poll(0)
-                if ready:
-                    # A replay covers every hook that ran before it was asked for: what is
-                    # queued now is published first (the router's refresh() relies on it).
-                    stop = self._drain([], enc) or stop
-                    for sock, _ in ready:
-                        self._serve_replay(replays[sock], enc)
+                ready = poller.poll(POLL_MS)  # a replay request wakes the thread at once
+                stop = self._drain([], enc)
+                # A replay covers every hook that ran before it was asked for: what was queued
+                # is published first (the router's refresh() relies on it).
+                for sock, _ in ready:
+                    self._serve_replay(replays[sock], enc)
             except zmq.ZMQError as e:
                 log.warning("kv events: replay failed: %s", e)
 

@@ -7,19 +7,30 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 
+from engine.demo import fake_prefill
 from kvstore.clock import Clock, system_clock
 from kvstore.config import StoreConfig, TierSpec
 from kvstore.events import EventsConfig
-from kvstore.route.wire import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decoder, seq_bytes
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.route.wire import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decoder,
+    seq_bytes,
+)
 from kvstore.server.config import ServerConfig, TenantSpec
 from kvstore.server.daemon import ThreadedDaemon
 from tests.conftest import small_tiers
 
 
 def daemon_config(root: Path, *, tiers: tuple[TierSpec, ...] | None = None, **events: Any) -> StoreConfig:
-    ev = EventsConfig(publish="tcp://127.0.0.1:0", **events)
+    ev = EventsConfig(**{"publish": "tcp://127.0.0.1:0", **events})
     return StoreConfig(root=root, tiers=tiers or small_tiers(), events=ev)
 
 
@@ -98,3 +109,23 @@ def state(events: list[Any]) -> dict[bytes, set[str]]:
                     if not media:
                         del out[h]
     return out
+
+
+def fake_kv(ns: Namespace, prompt: np.ndarray, block: int) -> np.ndarray:
+    """A block's KV as a reference engine would compute it: depends on the whole prefix."""
+    return fake_prefill(prompt, block, ns)
+
+
+def serve(client: Any, ns: Namespace, prompt: np.ndarray) -> tuple[int, int]:
+    """One request of a reference-style engine on the node ``client`` talks to: load the cached
+    prefix (checked against its prefill), prefill the rest, store it. Returns (hit, blocks)."""
+    bb = ns.block_bytes
+    hashes = hash_blocks(ns, prompt)
+    kv = np.empty(len(hashes) * bb, dtype=np.uint8)
+    hit = client.get_into(ns, hashes, kv)
+    for b in range(hit):
+        assert np.array_equal(kv[b * bb:(b + 1) * bb], fake_kv(ns, prompt, b)), f"loaded block {b} differs"
+    for b in range(hit, len(hashes)):
+        kv[b * bb:(b + 1) * bb] = fake_kv(ns, prompt, b)
+    client.put(ns, hashes, kv[hit * bb:], start=hit)
+    return hit, len(hashes)
