@@ -1,4 +1,4 @@
-"""vLLM's KV event wire format (``vllm/distributed/kv_events.py``), field for field.
+"""vLLM's KV event wire format (``vllm/distributed/kv_events.py`` of vLLM 0.32), field for field.
 
 A publisher sends three frames per batch: ``topic``, the batch's sequence number (8 bytes,
 big-endian, unsigned) and the batch as msgpack (a :class:`KVEventBatch`). A replay request on the
@@ -25,7 +25,9 @@ ExternalBlockHash = bytes | int
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    """Encoded as an array ``[ts, events]`` (vLLM 0.32: ``array_like=True``)."""
+
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
@@ -47,12 +49,17 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
