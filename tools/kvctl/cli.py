@@ -21,7 +21,7 @@ from typing import Any
 from kvstore.config import load_config
 from kvstore.errors import KVStoreError, UsageError
 from kvstore.units import parse_duration
-from tools.kvctl import term
+from tools.kvctl import route, term
 from tools.kvctl.backends import BadUsage, DaemonBackend, DirBackend, KvctlError, NotFound
 from tools.kvctl.tokens import load_tokenizer, parse_ids
 
@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
              "next hit, then expire that long after their last use.")
     tt.add_argument("ns", metavar="NS")
     tt.add_argument("duration", metavar="DURATION", nargs="?")
+    route.register(cmd)  # kvctl route: several daemons, from their KV events (route.py)
     return p
 
 
@@ -364,6 +365,8 @@ def _show_block(r: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace, progress: term.Progress) -> int:
+    if getattr(args, "handler", None) is not None:  # a command with its own module (route)
+        return args.handler(args)
     backend = _backend(args, progress)
     try:
         if isinstance(backend, DirBackend) and args.command not in ("evict", "ttl"):
