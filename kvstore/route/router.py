@@ -132,6 +132,18 @@ class Router:
         if self._thread is None:
             self._make_feeds()
 
+    def add_events_node(self, name: str) -> Callable[[list[Any]], None]:
+        """A node whose events the caller delivers (another transport, a benchmark): returns
+        the function to call with each batch's events (:mod:`kvstore.route.wire` structs)."""
+        with self._lock:
+            if any(n.name == name for n in self._nodes):
+                raise ValueError(f"node {name!r} is already followed")
+            if len(self._nodes) >= MAX_NODES:
+                raise ValueError(f"a router follows at most {MAX_NODES} nodes")
+            node = _Node(name, len(self._nodes), None, {}, self._clock())
+            self._nodes.append(node)
+        return self._sink(node, 0)
+
     def _make_feeds(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
@@ -234,42 +246,116 @@ class Router:
         """The node for a prompt of ``tokens`` under the client namespace ``ns``."""
         return self.route_hashes(hash_blocks(ns, tokens), tenant=tenant)
 
-    def route_hashes(self, hashes: Sequence[bytes], *, tenant: str | None = None) -> Route:
-        """The node for a prompt whose full blocks hash to ``hashes`` (``hash_blocks``)."""
+    def route_hashes(self, hashes: Sequence[bytes], *, tenant: str | None = None, exact: bool = False) -> Route:
+        """The node for a prompt whose full blocks hash to ``hashes`` (``hash_blocks``).
+
+        A store is prefix-closed, so whether a node holds block ``i`` is true up to its cached
+        prefix and false after: the router finds each node's prefix by a 32-way search (three
+        or four batched probes of at most 32 keys per node for 8K blocks, not 8K lookups), and
+        the blocks per tier the same way, since faster tiers hold a prefix of the chain (a hit
+        promotes its whole prefix, eviction takes leaves first). Where events were lost the
+        answer is *a* prefix end, not always the first one; ``exact=True`` looks up every block.
+        """
         tenant = self.tenant if tenant is None else tenant
-        keys = hash_keys(hashes, tenant_mask(tenant))
+        mask = tenant_mask(tenant)
         now = self._clock()
         with self._lock:
             up = [n for n in self._nodes if now - n.heard <= self.down_after_s]
-            vals = self._index.get(keys) if keys.size else np.zeros(0, dtype=np.uint64)
         if not up:
             raise LookupError("no node is up: the router hears no stream (check the daemons' [events] publish)")
-        slots = np.array([n.slot for n in up], dtype=np.uint64)
-        masks = (vals[:, None] >> (slots * np.uint64(BITS))) & np.uint64(0xF)  # (blocks, nodes)
-        held = masks != 0
-        lengths = np.where(held.all(axis=0), held.shape[0], held.argmin(axis=0)) if held.size else np.zeros(len(up), dtype=np.int64)
-        best = int(lengths.max()) if lengths.size else 0
-        matched = {n.name: int(length) for n, length in zip(up, lengths, strict=True)}
-        if best == 0 or best < self.min_match * len(hashes):
+        n = len(hashes)
+        if exact:
+            with self._lock:
+                vals = self._index.get(_keys(list(hashes), mask)) if n else np.zeros(0, dtype=np.uint64)
+            slots = np.array([u.slot for u in up], dtype=np.uint64)
+            nib = (vals[:, None] >> (slots * np.uint64(BITS))) & np.uint64(0xF)  # (blocks, nodes)
+            held = nib != 0
+            lengths = [int(x) for x in (np.where(held.all(axis=0), n, held.argmin(axis=0)) if n else np.zeros(len(up)))]
+
+            def tiers(j: int, length: int) -> dict[str, int]:
+                counts = np.bincount(self._fastest[nib[:length, j].astype(np.int64)], minlength=BITS)
+                return self._named({b: int(c) for b, c in enumerate(counts) if c})
+        else:
+            lengths = self._first_false(hashes, mask, [_holds(u.slot) for u in up], [n] * len(up))
+
+            def tiers(j: int, length: int) -> dict[str, int]:
+                return self._tiers_by_search(hashes, mask, up[j].slot, length)
+
+        best = max(lengths) if lengths else 0
+        matched = {u.name: length for u, length in zip(up, lengths, strict=True)}
+        if best == 0 or best < self.min_match * n:
             # Cold, or only a short shared prefix (a system prompt every node has): the hash of
             # the first block no node holds picks, which spreads conversations over the nodes
             # while the turns of one conversation (one chain) still meet on one node.
-            key = hashes[best] if best < len(hashes) else (hashes[-1] if hashes else b"")
-            node = max(up, key=lambda n: _rendezvous(n.name, key))
-            got = matched[node.name]
-            return Route(node.name, got, self._tiers_of(masks[:got, up.index(node)]) if got else {}, "hash", matched)
-        first = hashes[0]
+            key = hashes[best] if best < n else (hashes[-1] if hashes else b"")
+            j = max(range(len(up)), key=lambda i: _rendezvous(up[i].name, key))
+            got = lengths[j]
+            return Route(up[j].name, got, tiers(j, got) if got else {}, "hash", matched)
         cands = [i for i, length in enumerate(lengths) if length == best]
-        fastest = self._fastest[masks[:best, cands].astype(np.int64)]  # (best, cands) tier bits
-        ranks = np.array(self._rank_of_bit)[fastest].sum(axis=0)
-        pick = min(range(len(cands)), key=lambda j: (int(ranks[j]), -_rendezvous(up[cands[j]].name, first)))
-        return Route(up[cands[pick]].name, best, self._tiers_of(masks[:best, cands[pick]]), "prefix", matched)
+        by = {j: tiers(j, best) for j in cands}
+        rank = {m: self._rank_of_bit[b] for m, b in self._media.items()}
+        first = hashes[0]
+        pick = min(cands, key=lambda j: (sum(rank.get(m, 9) * c for m, c in by[j].items()),
+                                         -_rendezvous(up[j].name, first)))
+        return Route(up[pick].name, best, by[pick], "prefix", matched)
 
-    def _tiers_of(self, masks: np.ndarray) -> dict[str, int]:
-        """Blocks by the fastest tier holding each, from one node's tier masks."""
-        counts = np.bincount(self._fastest[masks.astype(np.int64)], minlength=BITS)
+    def _named(self, counts: dict[int, int]) -> dict[str, int]:
         names = {b: m for m, b in self._media.items()}
-        return {names.get(b, f"tier{b}"): int(c) for b, c in enumerate(counts) if c}
+        return {names.get(b, f"tier{b}"): c for b, c in counts.items()}
+
+    def _first_false(self, hashes: Sequence[bytes], mask: int, tests: list[Callable[[int], bool]],
+                     ends: list[int]) -> list[int]:
+        """For each monotone ``test`` (true, then false along the chain, over ``[0, end)``):
+        the first position where it is false (``end`` if none). The first round probes both ends
+        (a whole hit or a whole miss ends there), then 32-way rounds; all tests share one batch
+        of keys per round. Small batches: plain Python beats numpy's per-call cost here."""
+        lo = [0] * len(tests)
+        hi = list(ends)
+        first = True
+        while True:
+            live = [t for t in range(len(tests)) if lo[t] < hi[t]]
+            if not live:
+                return lo
+            want: set[int] = set()
+            for t in live:
+                a, b = lo[t], hi[t]
+                if first:
+                    want.update((a, b - 1))
+                else:
+                    k = min(32, b - a)
+                    want.update(a + (i * (b - a)) // k for i in range(k))
+            first = False
+            pos = sorted(want)
+            with self._lock:
+                vals = self._index.get(_keys([hashes[p] for p in pos], mask)).tolist()
+            for t in live:
+                test, a, b = tests[t], lo[t], hi[t]
+                for p, v in zip(pos, vals, strict=True):
+                    if a <= p < b:
+                        if test(v):
+                            a = max(a, p + 1)
+                        else:
+                            b = min(b, p)
+                lo[t], hi[t] = a, max(a, b)
+
+    def _tiers_by_search(self, hashes: Sequence[bytes], mask: int, slot: int, length: int) -> dict[str, int]:
+        """Blocks of the prefix ``[0, length)`` by the fastest tier holding each on ``slot``."""
+        order = sorted(set(self._media.values()), key=lambda b: (self._rank_of_bit[b], b))
+        place = {b: k for k, b in enumerate(order)}
+        shift = BITS * slot
+        # 4-bit tier mask -> the place of its fastest tier in speed order (99: not held)
+        places = [99] + [place.get(int(self._fastest[m]), 99) for m in range(1, 16)]
+
+        def upto(k: int) -> Callable[[int], bool]:
+            return lambda v: places[(v >> shift) & 0xF] <= k
+
+        ends = self._first_false(hashes, mask, [upto(k) for k in range(len(order))], [length] * len(order))
+        counts, prev = {}, 0
+        for b, e in zip(order, ends, strict=True):
+            if e > prev:
+                counts[b] = e - prev
+            prev = max(prev, e)
+        return self._named(counts)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -278,6 +364,11 @@ class Router:
                                   **{k: getattr(n.feed.stats, k) for k in n.feed.stats.__slots__}}
                                  if n.feed is not None else {}) for n in self._nodes}
         return out
+
+
+def _holds(slot: int) -> Callable[[int], bool]:
+    shift = BITS * slot
+    return lambda v: (v >> shift) & 0xF != 0
 
 
 def _keys(hashes: list[Any], mask: int) -> np.ndarray:

@@ -27,6 +27,8 @@ BENCHES = {
     "ucx": "tools.bench.ucx",
     "rpc": "tools.bench.rpc",
     "concurrent": "tools.bench.concurrent",
+    # KV events, the router and the handoff (issue 17); starts its own daemons
+    "route": "tools.bench.route",
 }
 
 

@@ -166,3 +166,29 @@ def test_the_router_resyncs_after_a_daemon_restart(start: Callable[..., Threaded
         r = router.route(SMALL_NS, prompt)
         assert (r.node, r.blocks, r.tiers) == ("a", 6, {"nvme": 6})
         assert router.route(SMALL_NS, other).blocks == 8
+
+
+def test_the_search_agrees_with_a_lookup_of_every_block() -> None:
+    """Prefix-closed nodes with faster tiers on a prefix of each chain: the 32-way search finds
+    the same lengths and tier counts as looking every block up."""
+    from kvstore.route.wire import AllBlocksCleared, BlockStored
+
+    rng = np.random.default_rng(7)
+    router = Router(down_after_s=float("inf"), min_match=0.0)
+    feeds = [router.add_events_node(f"n{i}") for i in range(3)]
+    prompt = [bytes(h) for h in rng.integers(0, 256, (3000, 16), dtype=np.uint8)]
+
+    def stored(hs: list[bytes], medium: str) -> list[BlockStored]:
+        return [BlockStored(block_hashes=hs, parent_block_hash=None, token_ids=[], block_size=16,
+                            lora_id=None, medium=medium, lora_name=None)]
+
+    for _ in range(40):
+        for f in feeds:
+            f([AllBlocksCleared()])
+            length = int(rng.choice([0, 1, 2999, 3000, int(rng.integers(0, 3001))]))
+            fast = int(rng.integers(0, length + 1))
+            f(stored(prompt[length - (length - fast):length], "nvme") if length > fast else [])
+            f(stored(prompt[:fast], "dram") if fast else [])
+        q = prompt[: int(rng.integers(1, 3001))]
+        assert router.route_hashes(q) == router.route_hashes(q, exact=True)
+    router.close()
