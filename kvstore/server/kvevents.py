@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import re
 import threading
 import time
@@ -150,7 +149,10 @@ class KVEventPublisher:
         self._tiers = [t.name for t in store.tiers]
         self._tier_bit = {n: 1 << k for k, n in enumerate(self._tiers)}
         self._epoch = f"{time.time_ns():x}"
-        self._q: queue.Queue[tuple[Any, ...]] = queue.Queue(config.publish_queue)
+        # A deque, not a queue.Queue: append and popleft are atomic under the GIL and take no
+        # lock, which is what a hook called under the store's lock for every block can afford.
+        self._q: deque[tuple[Any, ...]] = deque()
+        self._cap = config.publish_queue
         self._counts = {"dropped": 0, "batches": 0, "events": 0, "replays": 0, "snapshots": 0,
                         "unnamed": 0, "rebuilds": 0}
         self._lost = threading.Event()
@@ -223,15 +225,15 @@ class KVEventPublisher:
         raise KeyError(tenant)
 
     def stats(self) -> dict[str, Any]:
-        return {**self._counts, "queued": self._q.qsize(), "blocks": len(self._recs),
+        return {**self._counts, "queued": len(self._q), "blocks": len(self._recs),
                 "streams": {s.name: s.seq for s in self.streams}}
 
     # ---- hooks (any thread, the store's lock held) ----------------------------------------------
 
     def _put(self, item: tuple[Any, ...]) -> None:
-        try:
-            self._q.put_nowait(item)
-        except queue.Full:
+        if len(self._q) < self._cap:
+            self._q.append(item)
+        else:
             with self._drop_lock:
                 self._counts["dropped"] += 1
             self._lost.set()
@@ -254,12 +256,12 @@ class KVEventPublisher:
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything hooked before this call is published (tests, shutdown)."""
         done = threading.Event()
-        self._q.put(("f", done))
+        self._q.append(("f", done))  # a marker is never dropped
         return done.wait(timeout)
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._q.put(_STOP)
+            self._q.append(_STOP)
             self._thread.join(10.0)
         with contextlib.suppress(ValueError):
             self.store.events.sinks.remove(self)
@@ -372,6 +374,13 @@ class KVEventPublisher:
     def _stored(self, rec: _Rec, k: int) -> None:
         info = self._ns[rec.ns]
         medium = self._tiers[k]
+        if not self._keyed:  # one stream, hashes as they are: the common case, kept short
+            events = self.streams[0].pending.setdefault(0, [])
+            last = events[-1] if events else None
+            if (type(last) is BlockStored and last.block_hashes[-1] == rec.parent and last.medium == medium
+                    and last.block_size == info.block_size and last.lora_name == info.lora):
+                last.block_hashes.append(rec.client)
+                return
         for events, m in self._targets(info.tenant):
             h = masked(rec.client, m)  # type: ignore[arg-type]
             parent = masked(rec.parent, m) if rec.parent is not None else None
@@ -490,9 +499,10 @@ class KVEventPublisher:
 
     def _drain(self, items: list[tuple[Any, ...]], enc: msgspec.msgpack.Encoder) -> bool:
         """Apply what is queued (after ``items``) and publish it; True on the stop marker."""
-        with contextlib.suppress(queue.Empty):
+        q = self._q
+        with contextlib.suppress(IndexError):
             while len(items) < 8192:
-                items.append(self._q.get_nowait())
+                items.append(q.popleft())
         waiters = []
         stop = False
         for item in items:
