@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tiers.dram import attach_arena
+from kvstore.shm import attach_arena
 
 _ARENAS: dict[str, tuple[Any, torch.Tensor]] = {}
 _LOCK = threading.Lock()

@@ -28,26 +28,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvstore.block import BlockMeta
-from kvstore.errors import KVStoreError, UsageError
+from kvstore.buffers import Buffer
+from kvstore.buffers import byte_view as byte_view  # re-exported for older imports
+from kvstore.errors import KVStoreError
 from kvstore.keys import BlockHash
-
-Buffer = memoryview | bytes | bytearray
-
-
-def byte_view(buf: Buffer, *, writable: bool = False) -> memoryview:
-    """``buf`` as a flat, C-contiguous unsigned-byte view, without copying.
-
-    Accepts numpy/torch-backed views of any item format and shape. UsageError for a strided
-    view or, with ``writable``, a read-only buffer.
-    """
-    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if not mv.c_contiguous:
-        raise UsageError("the buffer must be C-contiguous; pass a contiguous copy or view")
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
-    if writable and mv.readonly:
-        raise UsageError("the destination buffer is read-only; pass a writable buffer")
-    return mv
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ The arena is created once, at its full size, and never grows: a put copies the p
 slot handed out by :class:`tiers._slab.SlabAllocator` and allocates no payload memory. The
 segment has a name (:attr:`DramTier.shm_name`) and every block an ``(offset, size)``
 (:meth:`DramTier.location`), so that a same-node client can map the arena with
-:func:`attach_arena` and read a block without a copy through a socket.
+:func:`kvstore.shm.attach_arena` and read a block without a copy through a socket.
 
 Not persistent: the arena is unlinked on :meth:`DramTier.close`, when the tier is garbage
 collected, at interpreter exit, and (through multiprocessing's resource tracker) when the process
@@ -18,17 +18,16 @@ import errno
 import os
 import re
 import secrets
-import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 from typing import Any
 
 from kvstore.block import BlockMeta
+from kvstore.buffers import Buffer, byte_view
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     BlockNotFound,
@@ -38,20 +37,16 @@ from kvstore.errors import (
     TierIOError,
 )
 from kvstore.keys import BlockHash
+from kvstore.shm import attach_arena as attach_arena  # re-exported for older imports
+from kvstore.shm import disown_arena, own_arena
 from tiers._slab import SlabAllocator, SlabMapMixin
-from tiers.base import Buffer, Tier, byte_view
+from tiers.base import Tier
 
 _ALIGN = 4096
 _MiB = 1024 * 1024
 # Linux allows 255 bytes in a /dev/shm name; stay well under it.
 _MAX_SHM_NAME = 200
 _SHM_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
-
-# Segments created by this process. attach_arena() must not unregister these from the resource
-# tracker: in-process the tracker entry is shared with the creator, and removing it twice makes
-# the tracker print a KeyError traceback when the creator unlinks.
-_OWNED: set[str] = set()
-
 
 @dataclass(frozen=True, slots=True)
 class DramConfig:
@@ -98,22 +93,7 @@ def _release_segment(shm: SharedMemory, name: str) -> None:
     # FileNotFoundError: someone removed /dev/shm/<name> by hand; nothing is left to clean.
     with contextlib.suppress(FileNotFoundError):
         shm.unlink()  # also unregisters it from the resource tracker
-    _OWNED.discard(name)
-
-
-def attach_arena(shm_name: str) -> SharedMemory:
-    """Map another tier's arena by name, for a same-node client; the caller closes it.
-
-    The client never unlinks the segment (the owning tier does). Python < 3.13 registers every
-    attached segment with the resource tracker, which would *unlink it* when the client exits and
-    warn about a leak; the registration is undone here (or never made, on 3.13+).
-    """
-    if sys.version_info >= (3, 13):
-        return SharedMemory(name=shm_name, track=False)  # type: ignore[call-arg]
-    shm = SharedMemory(name=shm_name)
-    if shm_name not in _OWNED:
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
+    disown_arena(name)
 
 
 class DramTier(SlabMapMixin, Tier):
@@ -152,7 +132,7 @@ class DramTier(SlabMapMixin, Tier):
             raise TierIOError(f"dram tier {name!r}: cannot create shared memory: {e}") from e
         # The creator stays registered with the resource tracker on purpose: if this process is
         # killed, the tracker unlinks the arena instead of leaving gigabytes in /dev/shm.
-        _OWNED.add(shm_name)
+        own_arena(shm_name)
         self._finalizer = weakref.finalize(self, _release_segment, shm, shm_name)
         try:
             self._reserve(shm)
@@ -193,7 +173,7 @@ class DramTier(SlabMapMixin, Tier):
 
     @property
     def shm_name(self) -> str:
-        """The arena's shared-memory name (no leading slash), for :func:`attach_arena`."""
+        """The arena's shared-memory name (no leading slash), for :func:`kvstore.shm.attach_arena`."""
         return self._shm_name
 
     def location(self, key: BlockHash) -> tuple[int, int] | None:

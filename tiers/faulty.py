@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.block import BlockMeta
+from kvstore.buffers import Buffer
 from kvstore.errors import KVStoreError, UsageError
 from kvstore.keys import BlockHash
-from tiers.base import Buffer, Tier, TierUsage
+from tiers.base import Tier, TierUsage
 
 OPERATIONS = (
     "contains",

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from kvstore.block import BlockMeta
+from kvstore.buffers import Buffer, byte_view
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import BlockNotFound, BufferSizeError, ConfigError, TierFullError, TierIOError
 from kvstore.keys import BlockHash
 from tiers._slab import SlabAllocator, SlabMapMixin
-from tiers.base import Buffer, Tier, byte_view
+from tiers.base import Tier
 
 
 @dataclass(frozen=True, slots=True)

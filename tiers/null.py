@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.block import BlockMeta
+from kvstore.buffers import Buffer, byte_view
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import BlockNotFound, BufferSizeError, ConfigError, TierFullError, TierIOError
 from kvstore.keys import BlockHash
-from tiers.base import Buffer, Tier, TierUsage, byte_view
+from tiers.base import Tier, TierUsage
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,11 +128,12 @@ class Handoffs:
         deadline = self.clock() + ttl_s
         pinned = self.service.pin(t, ns_id, hashes, deadline if durable else None)
         if pinned < len(hashes):  # evicted between the lookup and the pin: take back what held
-            self._unpin_keys(self.service.namespace(t, ns_id), self.service._store_keys(t, hashes[:pinned]))
+            stored = self.service.namespace(t, ns_id)
+            self._unpin_keys(stored, self.service.store_keys(t, stored, hashes[:pinned]))
             raise MissingPrefixError(f"only {pinned} of {len(hashes)} blocks were still cached; put them again")
         stored = self.service.namespace(t, ns_id)
         h = Handoff(request_id, t.name, bytes(ns_id).hex(), bytes(stored.root).hex(),
-                    [k.hex() for k in self.service._store_keys(t, hashes)], deadline, durable)
+                    [k.hex() for k in self.service.store_keys(t, stored, hashes)], deadline, durable)
         with self._lock:
             self._open[key] = h
             self._save()

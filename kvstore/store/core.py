@@ -90,7 +90,7 @@ class KVStore(ReadPath, Placement, DurablePath, Restart):
         self._closed = False
         root = self.config.root
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             raise TierIOError(
                 f"cannot create the store directory {root}: {e.strerror}; "

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 
 from kvstore.errors import UsageError
+from kvstore.shm import attach_arena
 from kvstore.store import KVStore
 from tests.conftest import BB, SMALL_NS, chain_for, payload, small_tiers
-from tiers.dram import attach_arena
 
 
 def _put(store: KVStore, chain: list[bytes]) -> None:

@@ -16,7 +16,8 @@ import pytest
 from kvstore.clock import FakeClock
 from kvstore.errors import ConfigError, TierFullError, TierIOError, UsageError
 from kvstore.registry import build_config, make_tier
-from tiers.dram import DramConfig, DramTier, attach_arena
+from kvstore.shm import attach_arena
+from tiers.dram import DramConfig, DramTier
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -112,7 +113,7 @@ def test_another_process_reads_the_arena_by_name(dram: DramTier, make_block: Mak
     proc = _run(
         f"""
         import sys
-        from tiers.dram import attach_arena
+        from kvstore.shm import attach_arena
         shm = attach_arena({dram.shm_name!r})
         sys.stdout.write(bytes(shm.buf[{offset}:{offset + size}]).hex())
         shm.close()

@@ -19,6 +19,7 @@ from typing import Any
 from fsspec.core import url_to_fs
 
 from kvstore.block import BlockMeta, payload_checksum
+from kvstore.buffers import Buffer, byte_view
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     BlockNotFound,
@@ -32,7 +33,7 @@ from kvstore.errors import (
     UsageError,
 )
 from kvstore.keys import HASH_BYTES, BlockHash
-from tiers.base import Buffer, Tier, TierUsage, byte_view, tier_dir
+from tiers.base import Tier, TierUsage, tier_dir
 from tiers.object.config import ObjectConfig
 from tiers.object.expiry import ExpiryMixin
 from tiers.object.format import (
