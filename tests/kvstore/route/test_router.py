@@ -20,7 +20,10 @@ from tests.conftest import SMALL_NS
 from tests.kvstore.conftest import TENANTS, TOKEN_A, TOKEN_B, TOKEN_OPS, eventually
 from tests.kvstore.route.tap import daemons, serve
 
-TRACE = Path("/work/shared/traces/mooncake/conversation_trace.jsonl")
+# shared/ lies beside the repository (CI, the main checkout); a worktree finds it at /work/shared.
+TRACE = next((p for p in (Path(__file__).resolve().parents[4] / "shared", Path("/work/shared"))
+              if (p / "traces/mooncake/conversation_trace.jsonl").exists()),
+             Path("shared")) / "traces/mooncake/conversation_trace.jsonl"
 MiB = 1 << 20
 
 
