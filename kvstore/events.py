@@ -15,6 +15,9 @@ can be read alone. Record types (``"type"``):
 * ``block``: a lifecycle event of one block, ``event`` in :data:`BLOCK_EVENTS`; ``h`` is the
   same 8-byte prefix in hex, ``tier``, ``size``, and ``reason`` for ``evicted``.
 * ``namespace``: a namespace's descriptor, its tenant and TTL.
+* ``usage``: how full each tier is (``tiers``: name -> ``used_bytes``, ``capacity_bytes``,
+  ``blocks``), written now and then (the daemon: every maintenance pass), so that a report can
+  draw tier fill over time.
 
 Writing never slows the data path: records go into a bounded queue that a background thread
 drains, formats and compresses (one zstd frame per batch, so a file that is still being written,
@@ -92,7 +95,9 @@ class EventsConfig:
     replay: str | None = None
     """The replay (ROUTER) endpoint; default: ``publish``'s port + 1."""
     publish_queue: int = 65_536
+    """Block hooks waiting for the publisher's thread; more are dropped, counted, and cost a resync."""
     replay_batches: int = 10_000
+    """Published batches kept for replay requests; an older request is answered with a snapshot."""
 
     def __post_init__(self) -> None:
         if self.dir is not None:
@@ -308,6 +313,13 @@ class EventLog:
                "descriptor": desc}
         with self._lock:
             self._namespaces[key] = rec
+        self._put(("raw", rec))
+
+    def usage(self, tiers: Iterable[Mapping[str, Any]], *, t: float | None = None) -> None:
+        """How full each tier is now: rows with ``name``, ``used_bytes``, ``capacity_bytes`` and
+        ``blocks`` (what ``KVStore.stats()["tiers"]`` lists)."""
+        rec = {"type": "usage", "t": self._t(t), "tiers": {
+            str(r["name"]): {k: int(r.get(k) or 0) for k in ("used_bytes", "capacity_bytes", "blocks")} for r in tiers}}
         self._put(("raw", rec))
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -653,6 +665,11 @@ class StoreEvents:
         """Tier ``k`` no longer holds ``key`` (it moved down, or the copy was bad); other tiers may."""
         for sink in self.sinks:
             sink.copy_dropped(key, k)
+
+    def usage(self, tiers: Iterable[Mapping[str, Any]]) -> None:
+        """Log how full each tier is (``KVStore.stats()["tiers"]``); nothing when not logging."""
+        if self.log is not None:
+            self.log.usage(tiers)
 
     def bad_copy(self, key: bytes, k: int, corrupt: bool) -> None:
         if self.log is not None:
