@@ -47,7 +47,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import zstandard
@@ -89,6 +89,15 @@ class EventsConfig:
     queue: int = 65_536
     hashes: bool = True
     level: int = 3
+    publish: str | None = None
+    """``tcp://HOST:PORT``: the daemon publishes block events there in vLLM's ``KVEventBatch``
+    format (``kvstore/server/kvevents.py``, ``docs/routing.md``); None (default): no publisher."""
+    replay: str | None = None
+    """The replay (ROUTER) endpoint; default: ``publish``'s port + 1."""
+    publish_queue: int = 65_536
+    """Block hooks waiting for the publisher's thread; more are dropped, counted, and cost a resync."""
+    replay_batches: int = 10_000
+    """Published batches kept for replay requests; an older request is answered with a snapshot."""
 
     def __post_init__(self) -> None:
         if self.dir is not None:
@@ -103,6 +112,12 @@ class EventsConfig:
             raise ConfigError(f"[events] queue must be a positive number of records, got {self.queue}")
         if not 1 <= self.level <= 19:
             raise ConfigError(f"[events] level must be a zstd level in 1..19, got {self.level}")
+        for name in ("publish", "replay"):
+            url = getattr(self, name)
+            if url is not None and not re.match(r"^tcp://[^:/]+:\d+$", str(url)):
+                raise ConfigError(f"[events] {name} must be 'tcp://HOST:PORT' (e.g. 'tcp://127.0.0.1:5557'), got {url!r}")
+        if self.publish_queue <= 0 or self.replay_batches <= 0:
+            raise ConfigError("[events] publish_queue and replay_batches must be positive counts")
 
     def directory(self, root: Path) -> Path:
         return self.dir if self.dir is not None else Path(root) / "events"
@@ -118,6 +133,10 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "queue": ("queue", int),
     "hashes": ("hashes", bool),
     "level": ("level", int),
+    "publish": ("publish", str),
+    "replay": ("replay", str),
+    "publish_queue": ("publish_queue", int),
+    "replay_batches": ("replay_batches", int),
 }
 
 
@@ -561,6 +580,8 @@ class StoreEvents:
         self._out = [0] * len(self._tiers)
         self._tenants: dict[bytes, str] = {}
         self._known: set[bytes] = set()
+        self.sinks: list[BlockSink] = []
+        """Also told of every change of a block's place (the daemon's KV event publisher)."""
 
     @classmethod
     def open(cls, config: EventsConfig, root: Path, clock: Clock, tier_names: Sequence[str],
@@ -614,6 +635,8 @@ class StoreEvents:
         """
         with self._lock:
             self._in[k] += size
+        for sink in self.sinks:
+            sink.placed(key, k, prior_mask, depth)
         if self.log is None:
             return
         if not prior_mask:
@@ -627,6 +650,8 @@ class StoreEvents:
     def dropped(self, key: bytes, mask: int, reason: str) -> None:
         """``key`` left the store: ``reason`` "capacity" (evicted by policy), "expired" or
         "deleted" (an operator's evict)."""
+        for sink in self.sinks:
+            sink.dropped(key, mask)
         if self.log is None:
             return
         tier = self._tiers[(mask & -mask).bit_length() - 1] if mask else ""
@@ -635,6 +660,11 @@ class StoreEvents:
         else:
             why = f"{reason}:{self._policy}" if reason == "capacity" else reason
             self.log.block("evicted", key, tier=tier, reason=why)
+
+    def copy_dropped(self, key: bytes, k: int) -> None:
+        """Tier ``k`` no longer holds ``key`` (it moved down, or the copy was bad); other tiers may."""
+        for sink in self.sinks:
+            sink.copy_dropped(key, k)
 
     def usage(self, tiers: Iterable[Mapping[str, Any]]) -> None:
         """Log how full each tier is (``KVStore.stats()["tiers"]``); nothing when not logging."""
@@ -663,6 +693,17 @@ class StoreEvents:
     def close(self) -> None:
         if self.log is not None:
             self.log.close()
+
+
+class BlockSink(Protocol):
+    """A listener on block placement (:attr:`StoreEvents.sinks`); called under the store's
+    lock, so it must only enqueue."""
+
+    def placed(self, key: bytes, k: int, prior_mask: int, depth: int | None) -> None: ...
+
+    def dropped(self, key: bytes, mask: int) -> None: ...
+
+    def copy_dropped(self, key: bytes, k: int) -> None: ...
 
 
 class RequestTrace:

@@ -22,6 +22,7 @@ from kvstore.server import requestlog
 from kvstore.server.admin import admin_router
 from kvstore.server.dataplane import DataContext
 from kvstore.server.docs import install_docs
+from kvstore.server.handoff import handoff_router
 from kvstore.server.metrics import CONTENT_TYPE
 from kvstore.server.service import AuthError, ForbiddenError, Tenant, classify
 
@@ -357,4 +358,5 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
         return out
 
     app.include_router(admin_router(ctx, admin))  # /v1/admin: kvctl's endpoints (admin.py)
+    app.include_router(handoff_router(svc, ctx.run, tenant))  # /v1/handoffs, /v1/events (handoff.py)
     return _BodyLimit(app, limits.max_body_bytes)

@@ -109,10 +109,12 @@ class Daemon:
             pool.shutdown(wait=False)
             raise
         arena_shm = None
+        service: Service | None = None
         fds: FdServer | None = None
         arena_fd = -1
         try:
             service = Service(store, cfg, load_secret(self.store_config.root), clock=self.clock)
+            await loop.run_in_executor(pool, self._attach_routing, service)  # kvevents.py, handoff.py
             arena_shm = attach_arena(service.arena) if service.arena else None
             first = store.tiers[0]
             if arena_shm is not None and hasattr(first, "unlink_name"):
@@ -169,6 +171,7 @@ class Daemon:
                     "root": str(self.store_config.root),
                     "arena": service.arena,
                     "tenants": [t.name for t in service.tenants()],
+                    "events": service.kv_events.endpoints(None) if service.kv_events else None,
                 })
             await self._stop.wait()
             await http  # uvicorn finishes the HTTP requests in flight
@@ -192,6 +195,8 @@ class Daemon:
             tcp_sock.close()
             http_sock.close()
             await loop.run_in_executor(pool, _close_store, store)
+            if service is not None and service.kv_events is not None:
+                service.kv_events.close()
             pool.shutdown(wait=True)
 
     def _refuse_held_directory(self) -> None:
@@ -211,8 +216,20 @@ class Daemon:
                 await ctx.run(ctx.service.store.maintain)
                 await ctx.run(_log_usage, ctx.service.store)
                 await ctx.run(ctx.service.refresh_usage)
+                await ctx.run(ctx.service.handoffs.expire)
             except Exception:
                 log.exception("periodic maintenance failed; will retry")
+
+    def _attach_routing(self, service: Service) -> None:
+        """Handoffs (always) and the KV event publisher (with ``[events] publish``)."""
+        from kvstore.server.handoff import Handoffs
+
+        service.handoffs = Handoffs(service, self.store_config.root, self.clock)
+        if self.store_config.events.publish:
+            from kvstore.server.kvevents import KVEventPublisher
+
+            keyed = [(t.name, t.salt, t.spec.token, t.spec.admin) for t in service.tenants() if t.key]
+            service.kv_events = KVEventPublisher(service.store, self.store_config.events, keyed)
 
 
 def _log_usage(store: Any) -> None:

@@ -137,6 +137,10 @@ class Service:
             self.anonymous = Tenant(TenantSpec(ANONYMOUS, "-" * 16, admin=True, allow_shm=True), "", b"")
             self._tenants[ANONYMOUS] = self.anonymous
         self.arena: str | None = store.arena  # the shared-memory tier leases live in
+        self.kv_events: Any = None
+        """The KV event publisher (kvstore/server/kvevents.py) when [events] publish is set."""
+        self.handoffs: Any = None
+        """Prefill -> decode handoffs (kvstore/server/handoff.py), set by the daemon."""
 
     # ---- tenants ------------------------------------------------------------------------------
 
@@ -333,6 +337,8 @@ class Service:
             reserved = self.reserve(t, ns_id, len(hashes), start)
         try:
             ns, keys = self._resolve(t, ns_id, hashes)
+            if self.kv_events is not None:  # names the put's blocks for the KV event publisher
+                self.kv_events.names(ns, hashes, keys, start)
             new = self.store.put(ns, keys, blocks, start=start, durable=durable)
             with self._lock:
                 t.used_bytes += new * ns.block_bytes

@@ -162,6 +162,7 @@ class Ledger:
         idx = self.index
         idx.tiers[bid] &= ~np.uint8(1 << k)
         self.policies[k].remove(bid)
+        self.events.copy_dropped(idx.hash_of(bid), k)
         return not idx.tiers[bid]
 
     def drop_block(self, bid: int, reason: str) -> tuple[BlockHash, int]:

@@ -36,6 +36,8 @@ BENCHES = {
     "outage": "tools.bench.outage",  # the engine's cost while its daemon is down (issue 15)
     # vLLM's CPU build with the kvstore connector (issue 13); needs .venv-vllm
     "vllm": "tools.bench.vllm",
+    # KV events, the router and the handoff (issue 17); starts its own daemons
+    "route": "tools.bench.route",
 }
 
 

@@ -22,7 +22,7 @@ from kvstore.config import load_config
 from kvstore.errors import KVStoreError, UsageError
 from kvstore.units import parse_duration
 from kvstore.version import version
-from tools.kvctl import term
+from tools.kvctl import route, term
 from tools.kvctl.backends import BadUsage, DaemonBackend, DirBackend, KvctlError, NotFound
 from tools.kvctl.tokens import load_tokenizer, parse_ids
 
@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
              "next hit, then expire that long after their last use.")
     tt.add_argument("ns", metavar="NS")
     tt.add_argument("duration", metavar="DURATION", nargs="?")
+    route.register(cmd)  # kvctl route: several daemons, from their KV events (route.py)
     return p
 
 
@@ -407,6 +408,8 @@ def _evict(args: argparse.Namespace, backend: DaemonBackend | DirBackend) -> int
 
 
 def run(args: argparse.Namespace, progress: term.Progress) -> int:
+    if getattr(args, "handler", None) is not None:  # a command with its own module (route)
+        return args.handler(args)
     backend = _backend(args, progress)
     try:
         if isinstance(backend, DirBackend) and args.command not in ("evict", "ttl"):

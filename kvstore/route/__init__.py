@@ -1,0 +1,14 @@
+"""Beyond one node: route requests to the node holding their prefix, and hand KV from a
+prefill node to a decode node (``docs/routing.md``).
+
+* :class:`Router` / :class:`Route` (``router.py``): follows the daemons' KV event streams
+  (vLLM's ``KVEventBatch`` over ZeroMQ, ``wire.py``, one :class:`~kvstore.route.feed.Feed` per
+  stream) into one compact :class:`~kvstore.route.index.PrefixIndex`;
+* :func:`offer` / :func:`receive` (``handoff.py``): the two sides of a handoff;
+* ``python -m kvstore.route``: a router process answering over HTTP (``kvctl route`` too).
+"""
+
+from kvstore.route.handoff import Received, offer, receive
+from kvstore.route.router import Route, Router
+
+__all__ = ["Received", "Route", "Router", "offer", "receive"]

@@ -1,0 +1,5 @@
+import sys
+
+from kvstore.route.service import main
+
+sys.exit(main())

@@ -1,0 +1,157 @@
+"""Prefill -> decode handoff through the store: offer, load by hash over TCP, confirm, deadlines,
+and the failure paths (unreachable prefill node, a prefill daemon killed mid-handoff)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.client import connect
+from kvstore.client.spawn import start_daemon
+from kvstore.clock import FakeClock
+from kvstore.errors import BlockNotFound, MissingPrefixError, UsageError
+from kvstore.keys import hash_blocks
+from kvstore.route import offer, receive
+from kvstore.route._http import control
+from kvstore.server.daemon import ThreadedDaemon
+from tests.conftest import SMALL_NS
+from tests.kvstore.route.tap import daemons, fake_kv
+
+BT = SMALL_NS.block_tokens
+BB = SMALL_NS.block_bytes
+
+
+@pytest.fixture
+def start(tmp_path: Path) -> Iterator[Callable[..., ThreadedDaemon]]:
+    with daemons(tmp_path) as s:
+        yield s
+
+
+def prefill(prompt: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+    """What a prefill engine computes for ``prompt``: its block hashes and KV."""
+    hashes = hash_blocks(SMALL_NS, prompt)
+    return hashes, np.concatenate([fake_kv(SMALL_NS, prompt, b) for b in range(len(hashes))])
+
+
+def decode(url: str, prompt: np.ndarray, rid: str) -> tuple[np.ndarray, object]:
+    """A decode engine: load the handoff, recompute whatever did not come."""
+    hashes = hash_blocks(SMALL_NS, prompt)
+    kv = np.zeros(len(hashes) * BB, dtype=np.uint8)
+    got = receive(url, SMALL_NS, hashes, kv, rid)
+    for b in range(got.blocks, len(hashes)):
+        kv[b * BB:(b + 1) * BB] = fake_kv(SMALL_NS, prompt, b)
+    return kv, got
+
+
+def pins(url: str) -> list[dict]:
+    return control(url, "GET", "/v1/pins")["pins"]
+
+
+def test_a_handoff_works_both_ways_and_confirm_releases_it(start: Callable[..., ThreadedDaemon]) -> None:
+    nodes = [start("p"), start("q")]
+    for k, (pre, dec) in enumerate([(nodes[0], nodes[1]), (nodes[1], nodes[0])]):
+        prompt = np.arange(6 * BT + 5, dtype=np.int32) + 1000 * k
+        hashes, kv = prefill(prompt)
+        with connect(pre.url) as c:
+            c.register_namespace(SMALL_NS)
+            held = offer(c, SMALL_NS, hashes, kv, f"req-{k}", ttl_s=30)
+        assert (held["state"], held["blocks"], held["durable"]) == ("ready", 6, False)
+        assert [p["blocks"] for p in pins(pre.url)] == [6]
+        # The decode node's own daemon has none of it: the KV comes from the prefill node.
+        with connect(dec.url) as local:
+            local.register_namespace(SMALL_NS)
+            assert local.lookup(SMALL_NS, hashes).num_blocks == 0
+        got_kv, got = decode(pre.url, prompt, f"req-{k}")
+        assert (got.blocks, got.recompute, got.state) == (6, False, "released")
+        assert np.array_equal(got_kv, kv)
+        assert pins(pre.url) == []  # the hold is gone
+        assert control(pre.url, "GET", f"/v1/handoffs/req-{k}")["state"] == "released"
+        # A second confirm (a retry after a lost answer) changes nothing.
+        assert control(pre.url, "POST", f"/v1/handoffs/req-{k}/confirm")["state"] == "released"
+
+
+def test_an_unconfirmed_handoff_ends_at_its_deadline(start: Callable[..., ThreadedDaemon]) -> None:
+    clock = FakeClock()
+    d = start("p", clock=clock)
+    volatile = np.arange(3 * BT, dtype=np.int32)
+    durable = volatile + 7
+    with connect(d.url) as c:
+        c.register_namespace(SMALL_NS)
+        for rid, prompt, dur in (("v", volatile, False), ("d", durable, True)):
+            hashes, kv = prefill(prompt)
+            offer(c, SMALL_NS, hashes, kv, rid, ttl_s=10, durable=dur)
+    assert sorted(p["until"] is None for p in pins(d.url)) == [False, True]
+    clock.advance(11)
+    for rid in ("v", "d"):
+        st = control(d.url, "GET", f"/v1/handoffs/{rid}")
+        assert (st["state"], st["reason"]) == ("expired", "nobody confirmed it before the deadline")
+    assert [p for p in pins(d.url) if p["active"]] == []  # the volatile pin taken back, the guarantee over
+    _, got = decode(d.url, volatile, "v")
+    assert (got.blocks, got.recompute, got.state) == (0, True, "expired")
+
+
+def test_a_decode_node_that_cannot_reach_the_prefill_node_recomputes(start: Callable[..., ThreadedDaemon]) -> None:
+    d = start("p")
+    url = d.url
+    prompt = np.arange(4 * BT, dtype=np.int32)
+    hashes, kv = prefill(prompt)
+    with connect(url) as c:
+        c.register_namespace(SMALL_NS)
+        offer(c, SMALL_NS, hashes, kv, "r1", ttl_s=30)
+    d.stop()
+    got_kv, got = decode(url, prompt, "r1")
+    assert (got.blocks, got.recompute, got.state) == (0, True, "unreachable")
+    assert np.array_equal(got_kv, kv)  # recomputed: the same KV
+
+
+def test_offers_are_checked(start: Callable[..., ThreadedDaemon]) -> None:
+    d = start("p")
+    hashes, kv = prefill(np.arange(4 * BT, dtype=np.int32))
+    with connect(d.url) as c:
+        c.register_namespace(SMALL_NS)
+        c.put(SMALL_NS, hashes[:2], kv[: 2 * BB])
+        body = {"ns": SMALL_NS.root.hex(), "hashes": [h.hex() for h in hashes], "request_id": "r", "ttl_s": 5}
+        with pytest.raises(MissingPrefixError, match="put the request's KV first"):
+            control(d.url, "POST", "/v1/handoffs", body)
+        with pytest.raises(UsageError):
+            control(d.url, "POST", "/v1/handoffs", {**body, "ttl_s": 7200})
+        with pytest.raises(BlockNotFound):
+            control(d.url, "GET", "/v1/handoffs/never-offered")
+        first = offer(c, SMALL_NS, hashes, kv[2 * BB:], "r", ttl_s=5, start=2)
+        assert offer(c, SMALL_NS, hashes, kv[2 * BB:], "r", ttl_s=5, start=2) == first  # a retry
+    assert [p["blocks"] for p in pins(d.url)] == [4]  # pinned once
+
+
+def test_a_killed_prefill_daemon_keeps_durable_handoffs_and_reports_volatile_ones_lost(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvstore.toml"
+    cfg.write_text(
+        '[[tiers]]\nname = "dram"\nkind = "dram"\ncapacity_bytes = "4MiB"\nslab_bytes = "64KiB"\n'
+        '[[tiers]]\nname = "nvme"\nkind = "nvme"\ncapacity_bytes = "8MiB"\nslab_bytes = "64KiB"\n'
+    )
+    root = tmp_path / "store"
+    volatile = np.arange(3 * BT, dtype=np.int32)
+    durable = volatile + 11
+    d = start_daemon(root, cfg)
+    try:
+        with connect(d.url, plane="tcp") as c:
+            c.register_namespace(SMALL_NS)
+            for rid, prompt, dur in (("vol", volatile, False), ("dur", durable, True)):
+                hashes, kv = prefill(prompt)
+                offer(c, SMALL_NS, hashes, kv, rid, ttl_s=600, durable=dur)
+    finally:
+        d.kill()  # mid-handoff: nobody confirmed; DRAM is gone
+    d2 = start_daemon(root, cfg)
+    try:
+        lost = control(d2.url, "GET", "/v1/handoffs/vol")
+        assert lost["state"] == "lost" and "0 of 3 blocks survived" in lost["reason"]
+        _, got = decode(d2.url, volatile, "vol")
+        assert (got.recompute, got.state) == (True, "lost")
+        kept_kv, kept = decode(d2.url, durable, "dur")
+        assert (kept.blocks, kept.recompute, kept.state) == (3, False, "released")
+        assert np.array_equal(kept_kv, prefill(durable)[1])
+        assert "1 handoffs lost in the restart: vol" in d2.log()
+    finally:
+        d2.stop()

@@ -1,0 +1,182 @@
+"""The daemon's KV event publisher: vLLM's wire format, sequence numbers, replay, tenants, drops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
+
+from kvstore.client import connect  # noqa: E402
+from kvstore.errors import ConfigError, ForbiddenError  # noqa: E402
+from kvstore.events import events_config  # noqa: E402
+from kvstore.keys import hash_blocks  # noqa: E402
+from kvstore.route._http import control  # noqa: E402
+from kvstore.route.wire import AllBlocksCleared, BlockRemoved, BlockStored, masked, tenant_mask  # noqa: E402
+from kvstore.server import kvevents  # noqa: E402
+from kvstore.server.daemon import ThreadedDaemon  # noqa: E402
+from tests.conftest import BB, SMALL_NS  # noqa: E402
+from tests.kvstore.conftest import TENANTS, TOKEN_A, TOKEN_B, TOKEN_OPS, eventually  # noqa: E402
+from tests.kvstore.route.tap import Tap, daemons, events_of, state  # noqa: E402
+
+
+@pytest.fixture
+def start(tmp_path: Path) -> Iterator[Callable[..., ThreadedDaemon]]:
+    with daemons(tmp_path) as s:
+        yield s
+
+
+def chain(n: int, seed: int = 0) -> list[bytes]:
+    return hash_blocks(SMALL_NS, [seed * 1000 + i for i in range(n * SMALL_NS.block_tokens)])
+
+
+def payloads(n: int) -> list[bytes]:
+    return [bytes([i % 251]) * BB for i in range(n)]
+
+
+def tap_of(d: ThreadedDaemon, **auth: str) -> Tap:
+    return Tap(d.info["events"]["replay"], **auth)
+
+
+def nonempty(events: list) -> list:
+    return [e for e in events if not isinstance(e, AllBlocksCleared)]
+
+
+def test_a_put_is_one_chained_block_stored_in_vllm_layout(start: Callable[..., ThreadedDaemon]) -> None:
+    d = start("n")
+    hs = chain(5)
+    with connect(d.url) as c:
+        c.register_namespace(SMALL_NS)
+        c.put(SMALL_NS, hs[:3], payloads(3))
+        c.put(SMALL_NS, hs, payloads(2), start=3)
+    tap = tap_of(d)
+    batches = tap.replay(0)
+    assert batches is not None
+    assert [s for s, _ in batches] == list(range(len(batches)))  # one sequence, from 0, no hole
+    events = events_of(batches)
+    assert isinstance(events[0], AllBlocksCleared)  # a new publisher: forget what this node said
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    # One BlockStored per run of a chain (two puts published in one batch are one run).
+    assert [h for e in stored for h in e.block_hashes] == hs
+    assert len(stored) <= 2 and stored[0].parent_block_hash is None
+    assert all(e.parent_block_hash == hs[hs.index(e.block_hashes[0]) - 1] for e in stored[1:])
+    for e in stored:
+        assert (e.block_size, e.medium, e.token_ids, e.lora_id, e.lora_name) == (16, "dram", [], None, None)
+    tap.close()
+
+
+def test_demotion_and_delete_are_block_events_per_medium(start: Callable[..., ThreadedDaemon]) -> None:
+    d = start("n")  # DRAM holds 16 blocks: a chain of 24 pushes 8 down to NVMe
+    hs = chain(24)
+    tap = tap_of(d)
+    with connect(d.url) as c:
+        c.register_namespace(SMALL_NS)
+        c.put(SMALL_NS, hs, payloads(24))
+        tiers = c.lookup(SMALL_NS, hs).tiers
+        seen = state(events_of(tap.replay(0) or []))
+        assert set(seen) == set(hs)
+        # What a subscriber believes is what the store says: the fastest medium of each block.
+        fastest = {h: min(m, key=["dram", "nvme", "object"].index) for h, m in seen.items()}
+        assert [fastest[h] for h in hs] == list(tiers)
+        assert "nvme" in tiers
+        events = events_of(tap.replay(0) or [])
+        assert any(isinstance(e, BlockRemoved) and e.medium == "dram" for e in events)
+        c.delete(SMALL_NS, hs[:1])  # the chain and everything that extends it
+    assert state(events_of(tap.replay(0) or [])) == {}
+    tap.close()
+
+
+def test_replay_serves_history_then_a_snapshot_when_it_is_gone(start: Callable[..., ThreadedDaemon]) -> None:
+    d = start("n", replay_batches=2)
+    with connect(d.url) as c:
+        c.register_namespace(SMALL_NS)
+        for k in range(4):
+            c.put(SMALL_NS, chain(2, seed=k), payloads(2))
+        c.delete(SMALL_NS, chain(2, seed=0)[:1])
+    tap = tap_of(d)
+    full = tap.replay(0)
+    assert full is not None and len(full) == 1  # the history from 0 is gone: one snapshot batch
+    seq, batch = full[0]
+    assert isinstance(batch.events[0], AllBlocksCleared)
+    assert state(batch.events) == {h: {"dram"} for k in (1, 2, 3) for h in chain(2, seed=k)}
+    recent = tap.replay(seq)  # still in the buffer: the batch itself
+    assert recent is not None and [s for s, _ in recent] == [seq]
+    assert tap.replay(seq + 1) == []  # nothing newer yet
+    tap.close()
+
+
+def test_each_tenant_sees_only_its_blocks(start: Callable[..., ThreadedDaemon]) -> None:
+    d = start("n", tenants=TENANTS)
+    hs = chain(3)
+    for token in (TOKEN_A, TOKEN_B):
+        with connect(d.url, token=token) as c:
+            c.register_namespace(SMALL_NS)
+            c.put(SMALL_NS, hs if token == TOKEN_A else chain(3, seed=7), payloads(3))
+    ep_a = control(d.url, "GET", "/v1/events", token=TOKEN_A)
+    assert ep_a["tenant"] == "a" and ep_a["auth"] == "plain" and "stats" not in ep_a
+    a = Tap(ep_a["replay"], "a", TOKEN_A)
+    # Tenant a's stream: its blocks under the hashes its clients compute, nothing of b's.
+    assert state(events_of(a.replay(0) or [])) == {h: {"dram"} for h in hs}
+    # b's name and token do not open a's stream, nor does a wrong password.
+    assert Tap(ep_a["replay"], "b", TOKEN_B, timeout_s=1.0).replay(0) is None
+    assert Tap(ep_a["replay"], "a", "not-the-token", timeout_s=1.0).replay(0) is None
+    with pytest.raises(ForbiddenError):
+        control(d.url, "GET", "/v1/events?all=true", token=TOKEN_A)
+    # The admin's stream of every tenant: each hash carries its tenant's mask.
+    ep = control(d.url, "GET", "/v1/events?all=true", token=TOKEN_OPS)
+    every = Tap(ep["replay"], "ops", TOKEN_OPS)
+    want = {masked(h, tenant_mask("a")) for h in hs} | {masked(h, tenant_mask("b")) for h in chain(3, seed=7)}
+    assert set(state(events_of(every.replay(0) or []))) == want
+    assert ep["stats"]["dropped"] == 0
+    for t in (a, every):
+        t.close()
+
+
+def test_a_full_queue_drops_counts_and_resyncs(start: Callable[..., ThreadedDaemon],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kvevents, "REBUILD_EVERY_S", 0.0)
+    d = start("n", publish_queue=1)
+    with connect(d.url) as c:
+        c.register_namespace(SMALL_NS)
+        for k in range(8):
+            c.put(SMALL_NS, chain(2, seed=k), payloads(2))
+        c.delete(SMALL_NS, chain(2, seed=3)[:1])
+        want = {h: {"dram"} for k in range(8) if k != 3 for h in chain(2, seed=k)}
+    stats = control(d.url, "GET", "/v1/events")["stats"]
+    assert stats["dropped"] > 0 and stats["rebuilds"] >= 2
+    tap = tap_of(d)
+    # Dropped hooks cost a rebuild of the mirror and a snapshot on the stream, never a wrong state.
+    assert eventually(lambda: state(events_of(tap.replay(0) or [])) == want)
+    tap.close()
+
+
+def test_a_restarted_daemon_says_so_and_announces_what_it_kept(tmp_path: Path,
+                                                               start: Callable[..., ThreadedDaemon]) -> None:
+    d = start("n")
+    hs = chain(4)
+    with connect(d.url) as c:
+        c.register_namespace(SMALL_NS)
+        c.put(SMALL_NS, hs, payloads(4))
+    epoch = d.info["events"]["epoch"]
+    d.stop()  # a clean stop writes DRAM-only blocks down to NVMe (persist_on_close)
+    d2 = start("n")
+    assert d2.info["events"]["epoch"] != epoch
+    tap = tap_of(d2)
+    events = events_of(tap.replay(0) or [])
+    assert isinstance(events[0], AllBlocksCleared)
+    assert state(events) == {h: {"nvme"} for h in hs}
+    stored = [e for e in nonempty(events) if isinstance(e, BlockStored)]
+    assert stored[0].parent_block_hash is None and stored[0].block_hashes == hs
+    tap.close()
+
+
+def test_publish_endpoints_are_checked_at_load() -> None:
+    with pytest.raises(ConfigError, match="tcp://HOST:PORT"):
+        events_config({"publish": "localhost:5557"})
+    with pytest.raises(ConfigError, match="positive"):
+        events_config({"publish": "tcp://127.0.0.1:5557", "publish_queue": 0})
+    assert events_config({"publish": "tcp://127.0.0.1:5557"}).publish == "tcp://127.0.0.1:5557"
+    assert events_config({}).publish is None  # off by default

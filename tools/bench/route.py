@@ -1,0 +1,266 @@
+"""route: KV events, the routing helper and the prefill -> decode handoff (issue 17).
+
+Figures, each with a same-run baseline:
+
+* ``publish_block_events``: block events per second the publisher turns into ``KVEventBatch``
+  batches on a PUB socket with a subscriber reading (hooks called directly, chains of 32);
+  baseline: the event log (``EventLog.block``) writing the same events, the other sink of the
+  same hooks.
+* ``datapath_with_publish``: put + get rounds per second through a daemon (TCP, 8 new blocks of
+  1 MiB a round as in the other daemon benchmarks, DRAM small enough to evict) with ``[events]
+  publish`` on; baseline: the same rounds on an identical daemon with it off, interleaved round
+  by round. Goal: ratio >= 0.99. ``events_per_s``: block events it published meanwhile.
+  ``datapath_with_publish_16k``: the same with 32 blocks of 16 KiB, the most events per byte.
+* ``router_lookup_128k``: ``Router.route_hashes`` for a 128K-token prompt (8,192 blocks of 16
+  tokens) against an index of 1M blocks on 3 nodes, median; baseline: ``hash_blocks`` of the same
+  prompt (what the engine pays to hash it anyway). ``with_hashing_ms``: ``Router.route`` from
+  tokens.
+* ``router_bytes_per_block``: the index's bytes per block at 1M blocks; baseline: a Python
+  ``dict`` of the same 8-byte keys (as ints) to a small int (the obvious router), keys included.
+* ``handoff_32k_tcp``: ``kvstore.route.receive`` of a 32K-token request (128 MiB of KV: 128
+  blocks of 256 tokens x 1 MiB) from the prefill node's daemon over TCP on loopback, status +
+  load + confirm, median; baseline: a raw socket ``sendall`` -> ``recv_into`` of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvstore.client import connect
+from kvstore.client.spawn import LocalDaemon, start_daemon
+from kvstore.config import StoreConfig, TierSpec
+from kvstore.events import EventLog, EventsConfig
+from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
+from kvstore.route import Router, offer, receive
+from kvstore.route._http import control
+from kvstore.route.wire import BlockStored
+from kvstore.server.kvevents import KVEventPublisher
+from kvstore.store import KVStore
+from tools.bench._common import result
+from tools.bench._daemon import BENCH_NS
+from tools.bench.tcp import RAW_SENDER, raw_round
+
+SMALL = Namespace("bench/route-16k", KVLayout("bfloat16", 32, (LayerGroup("full", 2, 2, 32),)))
+"""16 KiB a block: many blocks per byte, so the per-block cost of publishing shows."""
+HANDOFF = Namespace("bench/handoff", KVLayout("bfloat16", 256, (LayerGroup("full", 8, 2, 64),)))
+"""256 tokens x 4 KiB a token = 1 MiB a block; 32K tokens = 128 MiB."""
+
+_TOML = """
+{events}
+[[tiers]]
+name = "dram"
+kind = "dram"
+capacity_bytes = "{dram}"
+slab_bytes = "4MiB"
+"""
+
+
+@contextlib.contextmanager
+def _daemon(publish: bool, dram: str) -> Iterator[LocalDaemon]:
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore-bench-route-"))
+    try:
+        cfg = tmp / "kvstore.toml"
+        events = '[events]\npublish = "tcp://127.0.0.1:0"\n' if publish else ""
+        cfg.write_text(_TOML.format(events=events, dram=dram))
+        with start_daemon(tmp / "store", cfg) as d:
+            yield d
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _drain(url: str, stop: threading.Event, count: list[int]) -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(url)
+    while not stop.is_set():
+        if sub.poll(50):
+            sub.recv_multipart()
+            count[0] += 1
+    sub.close(0)
+    ctx.term()
+
+
+def publish_capacity(n: int) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore-bench-route-"))
+    try:
+        cfg = StoreConfig(root=tmp / "s", tiers=(TierSpec("dram", "dram", {"capacity_bytes": "16MiB", "slab_bytes": "1MiB"}),))
+        rng = np.random.default_rng(0)
+        keys = [bytes(k) for k in rng.integers(0, 256, (n, 16), dtype=np.uint8)]
+        with KVStore(cfg) as store:
+            store.register_namespace(SMALL)
+            pub = KVEventPublisher(store, EventsConfig(publish="tcp://127.0.0.1:0", publish_queue=4 * n))
+            stop, got = threading.Event(), [0]
+            reader = threading.Thread(target=_drain, args=(pub.endpoints()["publish"], stop, got))
+            reader.start()
+            time.sleep(0.2)  # the subscription reaches the PUB socket (slow joiner)
+            t0 = time.perf_counter()
+            for i in range(0, n, 32):
+                chain = keys[i:i + 32]
+                pub.names(SMALL, chain, chain, 0)
+                for k in chain:
+                    pub.placed(k, 0, 0, None)
+            hooks_s = time.perf_counter() - t0
+            pub.flush(60.0)
+            ours = time.perf_counter() - t0
+            stop.set()
+            reader.join()
+            stats = pub.stats()
+            pub.close()
+        log_dir = tmp / "log"
+        t0 = time.perf_counter()
+        with EventLog(log_dir, EventsConfig(enabled=True, queue=4 * n)) as elog:
+            for k in keys:
+                elog.block("stored", k, tier="dram", size=SMALL.block_bytes)
+            elog.flush(60.0)
+        base = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"ours": n / ours, "base": n / base, "hook_us": hooks_s / n * 1e6,
+            "batches": stats["batches"], "dropped": stats["dropped"], "received": got[0]}
+
+
+def datapath(rounds: int, ns: Namespace, per: int, dram: str) -> dict[str, Any]:
+    rng = np.random.default_rng(1)
+    with _daemon(True, dram) as on, _daemon(False, dram) as off, \
+            connect(on.url, plane="tcp") as c_on, connect(off.url, plane="tcp") as c_off:
+        for c in (c_on, c_off):
+            c.register_namespace(ns)
+        dst = np.empty(per * ns.block_bytes, np.uint8)
+        times = {"on": 0.0, "off": 0.0}
+        for r in range(rounds + 5):
+            hashes = [bytes(h) for h in rng.integers(0, 256, (per, 16), dtype=np.uint8)]
+            blocks = rng.integers(0, 256, per * ns.block_bytes, dtype=np.uint8)
+            order = (("on", c_on), ("off", c_off)) if r % 2 else (("off", c_off), ("on", c_on))
+            for name, c in order:
+                t0 = time.perf_counter()
+                c.put(ns, hashes, blocks)
+                c.get_into(ns, hashes, dst)
+                if r >= 5:  # the first rounds warm both up
+                    times[name] += time.perf_counter() - t0
+        stats = control(on.url, "GET", "/v1/events")["stats"]
+    return {"on": rounds / times["on"], "off": rounds / times["off"],
+            "events": stats["events"], "dropped": stats["dropped"], "seconds": times["on"]}
+
+
+def router_lookup(total_blocks: int, repeat: int) -> dict[str, Any]:
+    ns = Namespace("bench/router", KVLayout("bfloat16", 16, (LayerGroup("full", 1, 1, 64),)))
+    tokens = np.random.default_rng(2).integers(0, 32_000, 128 * 1024).astype(np.int32)
+    prompt = hash_blocks(ns, tokens)
+    router = Router(down_after_s=float("inf"))  # its nodes are fed here, not by streams
+    rng = np.random.default_rng(3)
+    # Feed the index as three nodes' streams would: the prompt's chain on node 1, random chains.
+    nodes = [router.add_events_node(f"n{i}") for i in range(3)]
+    nodes[1]([BlockStored(block_hashes=prompt, parent_block_hash=None, token_ids=[], block_size=16,
+                          lora_id=None, medium="dram", lora_name=None)])
+    left = total_blocks - len(prompt)
+    while left > 0:
+        k = min(left, 8192)
+        hs = [bytes(h) for h in rng.integers(0, 256, (k, 16), dtype=np.uint8)]
+        nodes[int(rng.integers(0, 3))]([BlockStored(block_hashes=hs, parent_block_hash=None, token_ids=[],
+                                                    block_size=16, lora_id=None, medium="nvme", lora_name=None)])
+        left -= k
+    r = router.route_hashes(prompt)
+    assert (r.node, r.blocks) == ("n1", len(prompt)), r
+    lookups, hashing, full = [], [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        router.route_hashes(prompt)
+        t1 = time.perf_counter()
+        hash_blocks(ns, tokens)
+        t2 = time.perf_counter()
+        router.route(ns, tokens)
+        t3 = time.perf_counter()
+        lookups.append(t1 - t0)
+        hashing.append(t2 - t1)
+        full.append(t3 - t2)
+    stats = router.stats()
+    keys = np.random.default_rng(4).integers(1, 2**63, stats["blocks"], dtype=np.uint64)
+    tracemalloc.start()
+    naive = dict.fromkeys((int(k) for k in keys), 1)  # int keys and the table
+    dict_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del naive
+    router.close()
+    return {"lookup_ms": statistics.median(lookups) * 1e3, "hash_ms": statistics.median(hashing) * 1e3,
+            "full_ms": statistics.median(full) * 1e3, "blocks": stats["blocks"],
+            "bytes_per_block": stats["index_bytes"] / stats["blocks"], "dict_bytes_per_block": dict_bytes / stats["blocks"]}
+
+
+def handoff(rounds: int) -> dict[str, Any]:
+    tokens = np.random.default_rng(5).integers(0, 32_000, 32 * 1024).astype(np.int32)
+    hashes = hash_blocks(HANDOFF, tokens)
+    kv = np.random.default_rng(6).integers(0, 256, len(hashes) * HANDOFF.block_bytes, dtype=np.uint8)
+    nbytes = kv.nbytes
+    sender = subprocess.Popen([sys.executable, "-c", RAW_SENDER, str(nbytes)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sender.stdout is not None
+        port = int(sender.stdout.readline())
+        raw = socket.create_connection(("127.0.0.1", port))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with _daemon(False, "512MiB") as d, connect(d.url, plane="tcp") as prefill, raw:
+            prefill.register_namespace(HANDOFF)
+            dst = np.zeros_like(kv)
+            view = memoryview(np.zeros_like(kv))  # the raw transfer's own buffer
+            ours, base, offers = [], [], []
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                offer(prefill, HANDOFF, hashes, kv, f"bench-{r}", ttl_s=60)
+                t1 = time.perf_counter()
+                got = receive(d.url, HANDOFF, hashes, dst, f"bench-{r}")
+                t2 = time.perf_counter()
+                assert got.state == "released" and got.blocks == len(hashes), got
+                raw_round(raw, view)
+                t3 = time.perf_counter()
+                offers.append(t1 - t0)
+                ours.append(t2 - t1)
+                base.append(t3 - t2)
+            receive_kv = dst
+    finally:
+        sender.kill()
+        sender.wait()
+    assert np.array_equal(receive_kv, kv)
+    return {"ours_ms": statistics.median(ours) * 1e3, "raw_ms": statistics.median(base) * 1e3,
+            "offer_ms": statistics.median(offers) * 1e3, "bytes": nbytes}
+
+
+def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    quick = args.quick
+    p = publish_capacity(20_000 if quick else 200_000)
+    yield result("route", "publish_block_events", p["ours"], "events/s", p["base"],
+                 baseline_is="the event log writing the same events", hook_us=round(p["hook_us"], 3),
+                 batches=p["batches"], dropped=p["dropped"])
+    dp = datapath(10 if quick else 150, BENCH_NS, 8, "128MiB")
+    yield result("route", "datapath_with_publish", dp["on"], "rounds/s", dp["off"], goal_ratio=0.99,
+                 events_per_s=round(dp["events"] / dp["seconds"]), dropped=dp["dropped"],
+                 round="put + get of 8 new 1 MiB blocks over TCP (the daemon benchmarks' block)")
+    dp = datapath(20 if quick else 300, SMALL, 32, "32MiB")
+    yield result("route", "datapath_with_publish_16k", dp["on"], "rounds/s", dp["off"],
+                 events_per_s=round(dp["events"] / dp["seconds"]), dropped=dp["dropped"],
+                 round="put + get of 32 new 16 KiB blocks over TCP (the worst case: events per byte)")
+    lk = router_lookup(100_000 if quick else 1_000_000, 20 if quick else 200)
+    yield result("route", "router_lookup_128k", lk["lookup_ms"], "ms", lk["hash_ms"],
+                 baseline_is="hash_blocks of the same 128K tokens", with_hashing_ms=round(lk["full_ms"], 4),
+                 index_blocks=lk["blocks"])
+    yield result("route", "router_bytes_per_block", lk["bytes_per_block"], "B", lk["dict_bytes_per_block"],
+                 baseline_is="a Python dict of the same keys", index_blocks=lk["blocks"])
+    h = handoff(2 if quick else 5)
+    yield result("route", "handoff_32k_tcp", h["ours_ms"], "ms", h["raw_ms"],
+                 baseline_is="raw socket sendall -> recv_into of the same bytes", bytes=h["bytes"],
+                 offer_ms=round(h["offer_ms"], 2))
