@@ -309,7 +309,7 @@ class KVStoreHiCache(HiCacheStorage):
 
     def get_stats(self) -> dict[str, int]:
         return {**self.counters, "breaker_short_circuited": self.link.counters.short_circuited,
-                "breaker_opened": self.link.counters.opened}
+                "breaker_opened": self.link.breaker.opened}
 
     def close(self) -> None:
         self.link.close()
