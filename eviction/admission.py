@@ -14,8 +14,8 @@ but never a durable or pinned block.
   hits). Class: hits so far (0, 1, 2, 3+) x depth (log2) x idle time at demotion (log2 seconds).
   Outcomes are read from the index, without hooks on the hit path: a stored block whose hit
   count rose was read again; a skipped block whose hash is back in the index was put again,
-  i.e. a lost hit (a ghost, as in eviction/density.py). Decisions are kept in a ring of
-  ``window`` records and polled every ``poll`` decisions.
+  i.e. a lost hit (a ghost, as in eviction/density.py); a decision with neither within
+  ``horizon_s`` counts as not reused. Decisions are polled every ``poll`` decisions.
 
 Admission objects see block ids and the index's columns, never payloads; the store calls them
 under its lock.
@@ -95,12 +95,20 @@ class ReuseConfig:
     """Decisions between two polls of the index for outcomes and two re-plans."""
     decay: float = 0.9
     """Per re-plan, old class statistics fade by this factor."""
+    horizon_s: float = 600.0
+    """A decision not followed by a reuse within this long (store clock) counts as not reused;
+    a skipped block that comes back later still counts as a lost hit."""
+    inner: bool = False
+    """Also decide about blocks with cached children (a refused one stays hollow, cutting its
+    descendants off; its own return is all the rule sees of the hits that cost)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.hit_loss_budget < 1.0:
             raise ValueError(f"hit_loss_budget must be in [0, 1), got {self.hit_loss_budget}")
         if not 0.0 < self.margin <= 1.0:
             raise ValueError(f"margin must be in (0, 1], got {self.margin}")
+        if self.horizon_s <= 0:
+            raise ValueError(f"horizon_s must be positive, got {self.horizon_s}")
         if self.min_samples < 1 or self.window < 1 or self.poll < 1:
             raise ValueError("min_samples, window and poll must be positive")
         if not 0.0 < self.decay <= 1.0:
@@ -129,12 +137,14 @@ class ReuseAdmission(Admission):
 
     def __init__(self, config: ReuseConfig | None = None) -> None:
         super().__init__(config or ReuseConfig())
+        self.inner = self.config.inner
         n = 3 * _HITS * _DEPTHS * _IDLE
-        self.seen = np.zeros(n)  # decisions per class (decayed)
-        self.reused = np.zeros(n)  # of them, read (or put) again
+        self.seen = np.zeros(n)  # decisions per class whose outcome is known (decayed)
+        self.reused = np.zeros(n)  # of them, read (or put) again within the horizon
         self.skip = np.zeros(n, dtype=bool)  # the classes skipped now
-        # (key, class, hits at decision, stored); outcome unknown yet
-        self.pending: deque[tuple[bytes, int, int, bool]] = deque()
+        # (time, key, class, hits at decision, stored), oldest first; outcome not known yet
+        self.pending: deque[tuple[float, bytes, int, int, bool]] = deque()
+        self.ghosts: dict[bytes, None] = {}  # skipped past the horizon: a return is still a loss
         self.parents: dict[bytes, None] = {}  # blocks whose child was skipped, oldest first
         self.decisions = 0
         self.lost = 0
@@ -144,50 +154,69 @@ class ReuseAdmission(Admission):
     def admit(self, bid: int, now: float) -> bool:
         v = self.view
         key = bytes(v.hash_of(bid))
-        c = block_class(int(v.hits[bid]), int(v.depth[bid]), now - float(v.last_access[bid]), 2 if int(v.children[bid]) else int(key in self.parents))
+        shape = 2 if int(v.children[bid]) else int(key in self.parents)
+        c = block_class(int(v.hits[bid]), int(v.depth[bid]), now - float(v.last_access[bid]), shape)
         self.decisions += 1
         if self.decisions % self.config.poll == 0:
-            self._poll()
+            self._poll(now)
         stored = not self.skip[c]
-        self.pending.append((key, c, int(v.hits[bid]), stored))
+        self.pending.append((now, key, c, int(v.hits[bid]), stored))
+        if len(self.pending) > self.config.window:
+            self._expire(self.pending.popleft())
         self.parents.pop(key, None)
         if not stored and int(v.parent[bid]) >= 0:
-            self.parents[bytes(v.hash_of(int(v.parent[bid])))] = None
-            if len(self.parents) > self.config.window:
-                del self.parents[next(iter(self.parents))]
-        if len(self.pending) > self.config.window:
-            self._resolve(self.pending.popleft(), final=True)
-        self.seen[c] += 1
+            self._remember(self.parents, bytes(v.hash_of(int(v.parent[bid]))))
         return stored
 
-    def _resolve(self, record: tuple[bytes, int, int, bool], final: bool) -> bool:
-        """Count ``record``'s outcome if it is known (or ``final``); True when it was reused."""
-        key, c, hits, stored = record
-        bid = self.view.id_of(key)
-        if stored:
-            again = bid is not None and int(self.view.hits[bid]) > hits
-        else:  # back with a copy: put again (a hollow node has none)
-            again = bid is not None and int(self.view.tiers[bid]) != 0
-            self.lost += int(again)
-        if again:
-            self.reused[c] += 1
-        return again
+    def _remember(self, table: dict[bytes, None], key: bytes) -> None:
+        table[key] = None
+        if len(table) > self.config.window:
+            del table[next(iter(table))]
 
-    def _poll(self) -> None:
+    def _back(self, key: bytes) -> bool:
+        """A skipped block is back: put again, with a copy (a hollow node has none)."""
+        bid = self.view.id_of(key)
+        return bid is not None and int(self.view.tiers[bid]) != 0
+
+    def _expire(self, record: tuple[float, bytes, int, int, bool]) -> None:
+        """Past the horizon without a reuse: counted as not reused."""
+        _, key, c, _, stored = record
+        self.seen[c] += 1
+        if not stored:
+            self._remember(self.ghosts, key)
+
+    def _poll(self, now: float) -> None:
         """Learn the outcomes known now, then choose the classes to skip."""
-        keep: deque[tuple[bytes, int, int, bool]] = deque()
+        horizon = now - self.config.horizon_s
+        keep: deque[tuple[float, bytes, int, int, bool]] = deque()
         for record in self.pending:
-            if not self._resolve(record, final=False):
+            t, key, c, hits, stored = record
+            if stored:
+                bid = self.view.id_of(key)
+                again = bid is not None and int(self.view.hits[bid]) > hits
+            else:
+                again = self._back(key)
+                self.lost += int(again)
+            if again:
+                self.seen[c] += 1
+                self.reused[c] += 1
+            elif t < horizon:
+                self._expire(record)
+            else:
                 keep.append(record)
         self.pending = keep
+        back = [k for k in self.ghosts if self._back(k)]
+        for k in back:
+            del self.ghosts[k]
+        self.lost += len(back)
         self._plan()
         self.seen *= self.config.decay
         self.reused *= self.config.decay
 
     def _plan(self) -> None:
         """Greedy by reuse rate: skip the least reused classes while their expected lost hits
-        (rate x decisions, over the window) stay within the budget's share; none while the
-        measured loss is past the budget."""
+        (rate x decisions) stay within the budget's share; none while the measured loss is past
+        the budget."""
         cfg = self.config
         hits = max(self.hits(), 1)
         self.skip[:] = False
@@ -198,8 +227,8 @@ class ReuseAdmission(Admission):
             return
         rate = self.reused[ready] / self.seen[ready]
         order = np.argsort(rate, kind="stable")
-        # Expected losses are per window of decisions; the budget is scaled to the hits the
-        # store earns over the same number of decisions.
+        # The budget is scaled to the hits the store earns over as many decisions as the
+        # statistics hold.
         per_decision_hits = hits / max(self.decisions, 1)
         allowance = cfg.margin * cfg.hit_loss_budget * per_decision_hits * float(self.seen.sum())
         spent = 0.0

@@ -140,9 +140,11 @@ class FakeView:
 
 
 class Rule(ReuseAdmission):
-    """The reuse rule over a fake view, dropping what it refuses (as the store does)."""
+    """The reuse rule over a fake view, dropping what it refuses (as the store does); every
+    block asked about was last read at ``now`` (idle 0 s: one class per depth)."""
 
     def admit(self, bid: int, now: float) -> bool:
+        self.view.last_access[bid] = now  # type: ignore[attr-defined]
         ok = super().admit(bid, now)
         if not ok:
             self.view.live.discard(bid)  # type: ignore[attr-defined]
@@ -150,7 +152,7 @@ class Rule(ReuseAdmission):
 
 
 def _rule(view: FakeView, hits_per_decision: float, **kw: Any) -> ReuseAdmission:
-    adm = Rule(ReuseConfig(min_samples=4, poll=10, decay=1.0, **kw))
+    adm = Rule(ReuseConfig(min_samples=4, poll=10, decay=1.0, horizon_s=5.0, **kw))
     adm.bind(view, lambda: int(hits_per_decision * adm.decisions))
     return adm
 
@@ -159,14 +161,14 @@ def test_a_class_never_read_again_is_skipped_and_a_reread_one_stored() -> None:
     view = FakeView(400)
     view.depth[200:] = 8  # class B: deeper; its blocks are all read again
     adm = _rule(view, 0.5, hit_loss_budget=0.01, margin=1.0)
-    for b in range(100):
-        adm.admit(b, 0.0)
-        adm.admit(200 + b, 0.0)
+    for b in range(100):  # one second a pair: a decision resolves 5 s later, or at a reuse
+        adm.admit(b, float(b))
+        adm.admit(200 + b, float(b))
         view.hits[200 + b] += 1  # read again right after
     a, b = block_class(0, 0, 0.0, 0), block_class(0, 8, 0.0, 0)
     assert adm.skip[a] and not adm.skip[b]
-    assert adm.admit(150, 0.0) is False
-    assert adm.admit(350, 0.0) is True
+    assert adm.admit(150, 100.0) is False
+    assert adm.admit(350, 100.0) is True
     assert adm.lost == 0
 
 
@@ -174,23 +176,25 @@ def test_measured_loss_past_the_budget_stops_skipping() -> None:
     view = FakeView(400)
     adm = _rule(view, 5.0, hit_loss_budget=0.01, margin=1.0)  # 1% of hits: 0.05 per decision
     for b in range(40):
-        adm.admit(b, 0.0)
-    assert adm.admit(40, 0.0) is False  # never read again so far: skipped
-    refused = [b for b in range(41, 80) if not adm.admit(b, 0.0)]
+        adm.admit(b, float(b))
+    assert adm.admit(40, 40.0) is False  # never read again so far: skipped
+    refused = [b for b in range(41, 80) if not adm.admit(b, float(b))]
     view.live |= set(refused[:11])  # 11 refused blocks are put again: past 1% of 5 x 100 hits
     for b in range(80, 100):
-        adm.admit(b, 0.0)
+        adm.admit(b, float(b))
     assert adm.lost == 11
     assert not adm.skip.any()
-    assert all(adm.admit(b, 0.0) for b in range(100, 120))
+    assert all(adm.admit(b, float(b)) for b in range(100, 120))
 
 
 def test_budget_zero_skips_nothing() -> None:
     view = FakeView(100)
     adm = _rule(view, 1.0, hit_loss_budget=0.0)
-    assert all(adm.admit(b, 0.0) for b in range(100))
+    assert all(adm.admit(b, float(b)) for b in range(100))
 
 
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="hit_loss_budget"):
         ReuseConfig(hit_loss_budget=1.5)
+    with pytest.raises(ValueError, match="horizon_s"):
+        ReuseConfig(horizon_s=0)

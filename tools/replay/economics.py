@@ -62,9 +62,12 @@ class OracleAdmission(Admission):
     @dataclass(frozen=True, slots=True)
     class Config:
         future: str = ""
+        inner: bool = True
+        """False: asked about leaves only, like the store's online rules (a bound for them)."""
 
     def __init__(self, config: Any = None) -> None:
         super().__init__(config)
+        self.inner = bool(getattr(config, "inner", True))
         try:
             self.last = _FUTURES[config.future]
         except (KeyError, AttributeError):
