@@ -6,12 +6,20 @@ It works against anything with the store's public API (``register_namespace``, `
 Stores run on a background thread: the engine never waits for one. When too many stores are in
 flight the newest is dropped and counted (the cache is an optimisation; backpressure on the
 engine would be worse than a miss later).
+
+The cache never breaks the engine. A call that finds the store unreachable (the daemon down or
+restarting) or slow (a load past ``timeout_s``) opens a :class:`Breaker`: from then on a load
+answers "no hit" and a store is dropped and counted, both at once and without touching the
+network, while a background thread reconnects with exponential backoff. The first probe that
+succeeds closes the breaker and hits resume by themselves.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +28,7 @@ import torch
 
 from engine.gpu import ArenaBlocks, HostBlocks
 from engine.kvlayout import KVShape
-from kvstore.errors import KVStoreError, UsageError
+from kvstore.errors import DaemonUnavailableError, KVStoreError, UsageError
 from kvstore.keys import BlockHash, Namespace, hash_blocks
 
 log = logging.getLogger(__name__)
@@ -30,61 +38,257 @@ log = logging.getLogger(__name__)
 class ClientCounters:
     lookups: int = 0
     hit_blocks: int = 0
+    lookups_skipped: int = 0
+    """Loads answered "no hit" without a call: the store was unavailable (breaker open)."""
+    load_errors: int = 0
+    """Loads that failed (unreachable, timed out, or refused) and answered "no hit"."""
     stores_submitted: int = 0
     stores_done: int = 0
     stores_dropped: int = 0
+    """Stores dropped because too many were in flight."""
+    stores_skipped: int = 0
+    """Stores dropped without a call: the store was unavailable (breaker open)."""
     store_errors: int = 0
 
 
-class EngineCache:
-    """One model's view of the store. Thread-safe for one engine thread plus the store thread."""
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the store could not be reached (as opposed to a refusal by a store
+    that answered: a missing prefix, a full tier, a quota)."""
+    if isinstance(exc, DaemonUnavailableError):
+        return True
+    # A tier's own I/O error (TierIOError) is an OSError too, but the daemon answered.
+    return isinstance(exc, OSError) and not isinstance(exc, KVStoreError)
 
-    def __init__(self, store: Any, ns: Namespace, shape: KVShape, *, max_pending: int = 4) -> None:
+
+class Breaker:
+    """A circuit breaker whose recovery is a background probe, not a trial call.
+
+    ``closed`` (the default): calls go out. :meth:`trip` opens it: callers check :attr:`closed`
+    and skip the store, so an open breaker costs a callers no network round trip and no retry
+    delay. A prober thread runs ``probe`` after ``backoff_s``, doubling the wait (with jitter)
+    up to ``max_backoff_s`` after each failure; the first probe that returns closes the breaker.
+    With ``background=False`` nothing probes by itself: :meth:`probe_now` does one probe
+    (tests step it that way instead of waiting).
+    """
+
+    def __init__(
+        self,
+        probe: Callable[[], None],
+        *,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 5.0,
+        background: bool = True,
+        name: str = "kvstore",
+    ) -> None:
+        if not 0 < backoff_s <= max_backoff_s:
+            raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {backoff_s} and {max_backoff_s}")
+        self._probe = probe
+        self._backoff = (backoff_s, max_backoff_s)
+        self._background = background
+        self._name = name
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.closed = True
+        """Calls may go out. Read without the lock: a stale read costs one call or one miss."""
+        self.opened = 0
+        """Times the breaker opened."""
+        self.probes = 0
+        """Probes made (each one a connection attempt)."""
+        self.last_error = ""
+
+    def trip(self, exc: BaseException) -> None:
+        """Open the breaker (idempotent) and start reconnecting in the background."""
+        with self._lock:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            if not self.closed:
+                return
+            self.closed = False
+            self.opened += 1
+            log.warning("%s unavailable (%s): answering 'no hit' and dropping stores until it is back",
+                        self._name, self.last_error)
+            if self._background and not self._stop and (self._thread is None or not self._thread.is_alive()):
+                self._thread = threading.Thread(target=self._run, name="kvstore-reconnect", daemon=True)
+                self._thread.start()
+
+    def probe_now(self) -> bool:
+        """One probe; closes the breaker when it succeeds. Returns whether the breaker is closed."""
+        self.probes += 1
+        try:
+            self._probe()
+        except (KVStoreError, OSError) as e:
+            self.last_error = f"{type(e).__name__}: {e}"
+            return False
+        with self._lock:
+            if not self.closed:
+                log.warning("%s is back after %d probes: loads and stores resume", self._name, self.probes)
+            self.closed = True
+        return True
+
+    def _run(self) -> None:
+        delay, cap = self._backoff
+        while not self._stop and not self.closed:
+            self._wake.wait(delay * random.uniform(0.5, 1.0))
+            if self._stop or self.probe_now():
+                return
+            delay = min(delay * 2, cap)
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        t = self._thread
+        if t is not None:
+            t.join(timeout=1.0)  # a probe stuck in a connect ends with its own timeout
+
+
+_AUTO: Any = object()
+
+
+class EngineCache:
+    """One model's view of the store. Thread-safe for one engine thread plus the store thread.
+
+    ``store``: the store (in-process, or a daemon client); or None with ``connect``, a function
+    that makes one (``lambda: kvstore.client.connect(url)``), called in the background until it
+    succeeds, so an engine may start before its daemon. ``timeout_s``: how long a load may take,
+    plus its bytes at ``min_load_gbps``, before the engine goes on without it and the store
+    counts as down (default: 1 s for a daemon client; no limit for an in-process store, which
+    has no network to hang on). ``backoff_s`` / ``max_backoff_s``: the reconnection backoff
+    while the store is unavailable. ``background=False``: nothing reconnects by itself
+    (tests call ``breaker.probe_now()``).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        ns: Namespace,
+        shape: KVShape,
+        *,
+        max_pending: int = 4,
+        timeout_s: float | None = _AUTO,
+        connect: Callable[[], Any] | None = None,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 5.0,
+        min_load_gbps: float = 1.0,
+        background: bool = True,
+    ) -> None:
         if ns.block_bytes != shape.block_bytes:
             raise ValueError(f"namespace blocks are {ns.block_bytes} bytes, the KV shape's {shape.block_bytes}")
+        if store is None and connect is None:
+            raise UsageError("EngineCache needs a store, or connect= (a function that returns one)")
         self.store = store
         self.ns = ns
         self.shape = shape
-        store.register_namespace(ns)
+        self._connect = connect
         self.counters = ClientCounters()
+        self.breaker = Breaker(self._reconnect, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
+                               background=background, name=f"kvstore ({getattr(store, 'url', 'store')})")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-store")
         self._slots = threading.BoundedSemaphore(max_pending)
         self._pin = torch.cuda.is_available()
+        self._d2h: dict[torch.device, torch.cuda.Stream] = {}  # one copy-out stream per device
+        self._timeout = timeout_s
+        self._bytes_per_s = min_load_gbps * 1e9
+        self._io: ThreadPoolExecutor | None = None
+        self._leases = False
+        if store is not None:
+            self._adopt(store)
+            try:
+                store.register_namespace(ns)
+            except (KVStoreError, OSError) as e:
+                if not unreachable(e):
+                    raise  # a layout mismatch, a bad token: the deployment's mistake, said now
+                self.breaker.trip(e)
+        else:
+            self.breaker.trip(DaemonUnavailableError("not connected yet"))
+
+    def _adopt(self, store: Any) -> None:
+        self.store = store
         # Leases (zero-copy reads from the store's shared-memory arena) when the store offers
         # them; the first refusal (no arena tier first) switches to copies for good.
         self._leases = hasattr(store, "acquire")
-        self._d2h: dict[torch.device, torch.cuda.Stream] = {}  # one copy-out stream per device
+        if self._timeout is _AUTO:
+            self._timeout = 1.0 if hasattr(store, "url") else None
+        if self._timeout is not None and self._io is None:
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+
+    def _reconnect(self) -> None:
+        """The breaker's probe: (re)connect if need be and register the namespace again (a
+        restarted daemon forgot it; idempotent otherwise)."""
+        if self.store is None:
+            assert self._connect is not None
+            self._adopt(self._connect())
+        self.store.register_namespace(self.ns)
+
+    @property
+    def available(self) -> bool:
+        """Whether loads and stores go to the store now (the breaker is closed)."""
+        return self.breaker.closed
 
     def hashes(self, tokens: Any) -> list[BlockHash]:
         return hash_blocks(self.ns, tokens)
+
+    def _empty(self) -> HostBlocks:
+        return HostBlocks(torch.empty((0, self.shape.block_bytes), dtype=torch.uint8))
 
     def load(self, hashes: list[BlockHash], max_blocks: int) -> ArenaBlocks | HostBlocks:
         """The leading cached blocks (at most ``max_blocks``). From an in-process store with a
         shared-memory arena they stay in the arena, held by a lease, and are copied straight to
         the device; otherwise they are copied into a host buffer (pinned when CUDA is present).
-        The caller calls ``release()`` once its copies are done."""
+        The caller calls ``release()`` once its copies are done. Never raises for the store's
+        sake: unavailable, slow or failing, the answer is "no hit"."""
         self.counters.lookups += 1
         max_blocks = min(max_blocks, len(hashes))
         if max_blocks <= 0:
-            return HostBlocks(torch.empty((0, self.shape.block_bytes), dtype=torch.uint8))
+            return self._empty()
+        if not self.breaker.closed:
+            self.counters.lookups_skipped += 1
+            return self._empty()
+        try:
+            blocks = self._bounded(self._load, hashes[:max_blocks])
+        except (KVStoreError, OSError) as e:
+            self.counters.load_errors += 1
+            if unreachable(e):
+                self.breaker.trip(e)
+            else:
+                log.warning("load failed, treated as a miss: %s", e)
+            return self._empty()
+        self.counters.hit_blocks += blocks.num_blocks
+        return blocks
+
+    def _load(self, hashes: list[BlockHash]) -> ArenaBlocks | HostBlocks:
         if self._leases:
             try:
-                blocks = ArenaBlocks(self.store, self.store.acquire(self.ns, hashes[:max_blocks]))
-                self.counters.hit_blocks += blocks.num_blocks
-                return blocks
+                return ArenaBlocks(self.store, self.store.acquire(self.ns, hashes))
             except UsageError as e:
                 log.info("store has no arena to lease from (%s); loading by copy", e)
                 self._leases = False
-        buf = torch.empty((max_blocks, self.shape.block_bytes), dtype=torch.uint8, pin_memory=self._pin)
-        n = self.store.get_into(self.ns, hashes[:max_blocks], buf.view(-1).numpy())
-        self.counters.hit_blocks += n
+        buf = torch.empty((len(hashes), self.shape.block_bytes), dtype=torch.uint8, pin_memory=self._pin)
+        n = self.store.get_into(self.ns, hashes, buf.view(-1).numpy())
         return HostBlocks(buf[:n])
+
+    def _bounded(self, fn: Callable[[list[BlockHash]], ArenaBlocks | HostBlocks], hashes: list[BlockHash]) -> ArenaBlocks | HostBlocks:
+        """``fn(hashes)``, given up after ``timeout_s`` (the call finishes on its own thread;
+        a lease it returns late is given back)."""
+        if self._io is None:
+            return fn(hashes)
+        limit = self._timeout + len(hashes) * self.shape.block_bytes / self._bytes_per_s
+        fut = self._io.submit(fn, hashes)
+        try:
+            return fut.result(timeout=limit)
+        except TimeoutError as e:
+            fut.add_done_callback(_release_late)
+            raise TimeoutError(f"a load of {len(hashes)} blocks took longer than {limit:.3g} s") from e
 
     def store_async(self, hashes: list[BlockHash], blocks: torch.Tensor, start: int) -> Future[int] | None:
         """Store ``blocks`` (``[m, block_bytes]`` uint8, blocks ``start..start+m-1`` of
         ``hashes``) in the background. Device tensors are copied to pinned host memory on a side
-        stream first; the store thread waits for that copy, the engine does not."""
+        stream first; the store thread waits for that copy, the engine does not. While the
+        store is unavailable the blocks are dropped and counted (``stores_skipped``)."""
         if blocks.shape[0] == 0:
+            return None
+        if not self.breaker.closed:
+            self.counters.stores_skipped += 1
             return None
         if not self._slots.acquire(blocking=False):
             self.counters.stores_dropped += 1
@@ -112,14 +316,20 @@ class EngineCache:
         try:
             if ready is not None:
                 ready.synchronize()
+            if not self.breaker.closed:  # it opened while this store waited its turn
+                self.counters.stores_skipped += 1
+                return 0
             n = self.store.put(self.ns, chain, blocks.view(-1).numpy(), start=start)
             self.counters.stores_done += 1
             return n
-        except KVStoreError as e:
-            # A prefix evicted between the load and this store, a full tier: the next request
-            # recomputes. Never the engine's problem.
+        except (KVStoreError, OSError) as e:
+            # A prefix evicted between the load and this store, a full tier, the daemon gone:
+            # the next request recomputes. Never the engine's problem.
             self.counters.store_errors += 1
-            log.warning("background store failed: %s", e)
+            if unreachable(e):
+                self.breaker.trip(e)
+            else:
+                log.warning("background store failed: %s", e)
             return 0
         finally:
             self._slots.release()
@@ -129,5 +339,13 @@ class EngineCache:
         self._pool.submit(lambda: None).result()
 
     def close(self) -> None:
+        self.breaker.close()
         self.flush()
         self._pool.shutdown(wait=True)
+        if self._io is not None:
+            self._io.shutdown(wait=False)
+
+
+def _release_late(fut: Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().release()

@@ -99,7 +99,11 @@ class ARCPolicy(EvictionPolicy):
     def offer(self, bid: int) -> None:
         frequent = self._held.pop(bid, None)
         if frequent is not None:
-            (self._t2 if frequent else self._t1)[bid] = None
+            # At the old end: a parent is offered when its last child left, and a leaf leaves
+            # from the old end, so the parent is about as old (its own recency is not kept).
+            order = self._t2 if frequent else self._t1
+            order[bid] = None
+            order.move_to_end(bid, last=False)
 
     def remove(self, bid: int) -> None:
         if bid in self._held:

@@ -364,8 +364,9 @@ class DensityPolicy(EvictionPolicy):
             return
         # A parent already resident when its child came (before the run, or earlier in it) is
         # now extended.
-        order = {b: j for j, b in enumerate(run)}
-        came = ok & (before | np.array([order.get(p, m) < j for j, p in enumerate(parent.tolist())], bool))
+        at = np.full(self._cap, m, np.int64)  # each block's place in the run (m: not in it)
+        at[ids] = np.arange(m)
+        came = ok & (before | (at[np.where(ok, parent, 0)] < np.arange(m)))
         for p in dict.fromkeys(parent[came].tolist()):
             if not extended[p]:
                 extended[p] = True
@@ -412,7 +413,7 @@ class DensityPolicy(EvictionPolicy):
         if self._view is not None and self.config.ghost_factor > 0:
             ghosts = self._ghosts
             ghosts.push(self._view.hash_of(bid), int(self._cls[bid]), int(self._last[bid]), self._hits[bid])
-            limit = self.config.ghost_factor * max(self._n, 64)
+            limit = self.config.ghost_factor * max(len(self), 64)  # resident: ranked and held
             while len(ghosts) > limit:
                 gone = ghosts.pop_oldest()
                 if gone is not None:
@@ -482,7 +483,10 @@ class DensityPolicy(EvictionPolicy):
             if w is not None:
                 score = score * w
         if take < ids.size:
-            part = np.argpartition(score, take)[:take]
-            ids, last, score = ids[part], last[part], score[part]
-        order = np.lexsort((last, score))[::-1]  # ties: the older first; best victim last
+            # Every block tied with the take-th score stays in the running, so that the older
+            # wins a tie whatever the order of the resident array (scores take few values).
+            kth = np.partition(score, take - 1)[take - 1]
+            keep = np.flatnonzero(score <= kth)
+            ids, last, score = ids[keep], last[keep], score[keep]
+        order = np.lexsort((last, score))[:take][::-1]  # ties: the older first; best victim last
         self._queue = list(zip(ids[order].tolist(), last[order].tolist(), score[order].tolist(), strict=True))

@@ -29,9 +29,10 @@ Environment overrides (applied after the file): ``KVSTORE_ROOT``, ``KVSTORE_DEFA
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -137,24 +138,91 @@ _STORE_KEYS = {
 }
 
 
-def _store_kwargs(section: Mapping[str, Any], where: str) -> dict[str, Any]:
+_STORE_ENV = {"root": "KVSTORE_ROOT", "default_ttl": "KVSTORE_DEFAULT_TTL", "policy": "KVSTORE_POLICY"}
+"""``[store]`` keys an environment variable overrides, and the variable."""
+TIER_ENV_PREFIX = "KVSTORE_TIER_"
+
+
+def _store_kwargs(
+    section: Mapping[str, Any], where: str, label: Callable[[str], str] | None = None
+) -> dict[str, Any]:
+    """``label(key)``: how errors name a key (default ``[store].key``; an environment variable
+    for an override)."""
+    name_of = label or (lambda k: f"{where}.{k}")
     out: dict[str, Any] = {}
     for k, v in section.items():
         if k not in _STORE_KEYS:
             raise ConfigError(f"{where}: unknown key {k!r}; known: {', '.join(_STORE_KEYS)}")
         name, typ = _STORE_KEYS[k]
         if name == "default_ttl_s":
-            out[name] = parse_duration(v, f"{where}.{k}")
+            out[name] = parse_duration(v, name_of(k))
         elif typ is bool and isinstance(v, str):
             if v.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ConfigError(f"{where}.{k}: expected true or false, got {v!r}")
+                raise ConfigError(f"{name_of(k)}: expected true or false, got {v!r}")
             out[name] = v.lower() in ("1", "true", "yes")
         else:
             try:
                 out[name] = typ(v) if typ else v
             except ValueError as e:
-                raise ConfigError(f"{where}.{k}: {e}") from e
+                raise ConfigError(f"{name_of(k)}: {e}") from e
     return out
+
+
+def tier_env_prefix(name: str) -> str:
+    """``KVSTORE_TIER_<NAME>_``: the prefix of the environment variables of tier ``name``."""
+    return f"{TIER_ENV_PREFIX}{name.upper().replace('-', '_')}_"
+
+
+def _tier_env(tiers: tuple[TierSpec, ...], env: Mapping[str, str]) -> tuple[TierSpec, ...]:
+    """The tiers with ``KVSTORE_TIER_<NAME>_<OPTION>`` overrides applied and checked: a
+    variable naming no tier, or an option its tier does not have, is refused (not ignored), and
+    errors name the variable."""
+    prefixes = sorted(((tier_env_prefix(t.name), t) for t in tiers), key=lambda p: -len(p[0]))
+    by_tier: dict[str, dict[str, str]] = {t.name: {} for t in tiers}
+    for var in sorted(k for k in env if k.startswith(TIER_ENV_PREFIX)):
+        # The longest matching prefix: tier "nvme_fast" owns KVSTORE_TIER_NVME_FAST_*, not "nvme".
+        match = next(((p, t) for p, t in prefixes if var.startswith(p) and len(var) > len(p)), None)
+        if match is None:
+            raise ConfigError(
+                f"environment variable {var} names no tier of this configuration; known tiers: "
+                f"{', '.join(t.name for t in tiers)} (write {TIER_ENV_PREFIX}<NAME>_<OPTION>, e.g. "
+                f"{tier_env_prefix(tiers[0].name)}CAPACITY_BYTES)"
+            )
+        by_tier[match[1].name][var[len(match[0]):].lower()] = var
+    out = []
+    for t in tiers:
+        from_env = by_tier[t.name]
+        if not from_env:
+            out.append(t)
+            continue
+        opts = {**t.options, **{k: env[var] for k, var in from_env.items()}}
+        _check_tier_env(t, opts, from_env, env)
+        out.append(replace(t, options=opts))
+    return tuple(out)
+
+
+def _check_tier_env(t: TierSpec, opts: dict[str, Any], from_env: dict[str, str], env: Mapping[str, str]) -> None:
+    """Build the tier's own config now, so that a bad override is named by its variable here
+    rather than found by key when the store opens."""
+    from kvstore.registry import build_config, tier_class
+
+    cls = tier_class(t.kind)
+    fields = [f.name for f in dataclasses.fields(cls.Config)]
+    for key, var in from_env.items():
+        if key not in fields:
+            raise ConfigError(
+                f"environment variable {var}: tier {t.name!r} ({t.kind}) has no option {key!r}; "
+                f"known: {', '.join(fields)}"
+            )
+    try:
+        build_config(cls.Config, opts, f"tier {t.name!r}")
+    except ConfigError as e:
+        msg = str(e)
+        for key, var in from_env.items():
+            msg = msg.replace(f"tier {t.name!r}.{key}:", f"environment variable {var}:")
+        if msg == str(e):  # a check across options: name every variable that took part
+            msg += " (with " + ", ".join(f"{v}={env[v]!r}" for v in from_env.values()) + " from the environment)"
+        raise ConfigError(msg) from None
 
 
 def read_toml(path: str | os.PathLike[str] | None) -> dict[str, Any]:
@@ -199,20 +267,22 @@ def load_config(
                 raise ConfigError(f"[[tiers]] #{i + 1} needs kind = 'dram' | 'nvme' | 'object'") from None
             specs.append(TierSpec(str(name), str(kind), t))
         tiers = tuple(specs)
-    env_store = {
-        k: env[e] for k, e in (("root", "KVSTORE_ROOT"), ("default_ttl", "KVSTORE_DEFAULT_TTL"),
-                               ("policy", "KVSTORE_POLICY")) if e in env
-    }
-    kwargs.update(_store_kwargs(env_store, "environment"))
-    new_tiers = []
-    for t in tiers:
-        prefix = f"KVSTORE_TIER_{t.name.upper().replace('-', '_')}_"
-        opts = dict(t.options)
-        for k, v in env.items():
-            if k.startswith(prefix):
-                opts[k[len(prefix):].lower()] = v
-        new_tiers.append(replace(t, options=opts))
-    kwargs["tiers"] = tuple(new_tiers)
+    for key, var in _STORE_ENV.items():
+        if var in env:
+            kwargs.update(_store_kwargs({key: env[var]}, "environment", label=lambda _k, v=var: f"environment variable {v}"))
+    if "KVSTORE_POLICY" in env:
+        from kvstore.registry import POLICIES
+
+        if env["KVSTORE_POLICY"] not in POLICIES:
+            raise ConfigError(
+                f"KVSTORE_POLICY={env['KVSTORE_POLICY']!r}: unknown eviction policy; known: {', '.join(POLICIES)}"
+            )
+    kwargs["tiers"] = _tier_env(tiers, env)
+    for var in sorted(k for k in env if k.startswith("KVSTORE_EVENTS_")):
+        try:
+            events_config({}, {var: env[var]})
+        except ConfigError as e:
+            raise ConfigError(f"environment variable {var}={env[var]!r}: {e}") from None
     kwargs["events"] = events_config(data.get("events", {}), env)
     kwargs.update(overrides)
     return StoreConfig(**kwargs)

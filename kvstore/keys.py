@@ -27,6 +27,9 @@ from kvstore.errors import UsageError
 
 SCHEMA_VERSION = 1
 HASH_BYTES = 16
+MAX_FIELD_BYTES = 1024
+"""A string field of a namespace (model id, revision, LoRA id, salt) holds at most this many
+bytes of UTF-8: a descriptor travels in every object header and in ``namespaces.json``."""
 
 BlockHash = NewType("BlockHash", bytes)
 """16 bytes: a block and its whole prefix."""
@@ -133,6 +136,8 @@ class Namespace:
     def __post_init__(self) -> None:
         if not self.model_id:
             raise UsageError("a namespace needs a model_id")
+        for name in ("model_id", "model_revision", "lora_id", "tenant_salt", "hash_algo"):
+            _check_text(name, getattr(self, name))
         if self.hash_algo not in _HASHERS:
             raise UsageError(
                 f"hash_algo {self.hash_algo!r} is not supported; use one of {', '.join(_HASHERS)}"
@@ -185,6 +190,25 @@ class Namespace:
             self.lora_id,
             self.tenant_salt,
         )
+
+
+def _check_text(name: str, value: object) -> None:
+    """A descriptor's string field must survive every place it is written: JSON replies (UTF-8,
+    so no lone surrogate), ``namespaces.json``, object headers and logs (no control characters),
+    within :data:`MAX_FIELD_BYTES`."""
+    if not isinstance(value, str):
+        raise UsageError(f"namespace {name} must be a string, got {type(value).__name__}")
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(
+            f"namespace {name} {value[:40]!r} is not valid Unicode text (a lone surrogate); "
+            "send the id as UTF-8"
+        ) from None
+    if len(raw) > MAX_FIELD_BYTES:
+        raise UsageError(f"namespace {name} has {len(raw)} bytes of UTF-8, over the limit of {MAX_FIELD_BYTES}")
+    if not value.isprintable():
+        raise UsageError(f"namespace {name} {value[:40]!r} holds control characters; use printable text")
 
 
 def _token_bytes(tokens: Any) -> np.ndarray:
@@ -246,3 +270,24 @@ def hash_blocks(
         prev = hasher(prev + tb[off : off + step] + extra)
         append(prev)
     return out
+
+
+def split_layout(layout: KVLayout) -> tuple[KVLayout | None, KVLayout | None]:
+    """A hybrid layout as the two parts a hybrid store keeps (``docs/hybrid.md``).
+
+    The *full part*: every ``full`` and ``mla`` group, per block of ``block_tokens`` tokens
+    (every hit needs it for every block). The *window part*: every ``sliding`` group for the
+    ``window - 1`` tokens before a block boundary (all that a later token can attend to), stored
+    only at checkpoints; its ``block_tokens`` is that token count, the largest window's if the
+    groups differ. Either part is None when the layout has no group of that kind.
+    """
+    full = tuple(g for g in layout.groups if g.kind != "sliding")
+    sliding = tuple(g for g in layout.groups if g.kind == "sliding")
+    full_part = KVLayout(layout.dtype, layout.block_tokens, full) if full else None
+    window_part = None
+    if sliding:
+        tokens = max(g.window for g in sliding) - 1
+        if tokens <= 0:
+            raise UsageError("a sliding window of 1 token keeps no state between blocks; nothing to store")
+        window_part = KVLayout(layout.dtype, tokens, sliding)
+    return full_part, window_part

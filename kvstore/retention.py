@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import heapq
 import json
+import logging
+import math
+import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +26,7 @@ from pathlib import Path
 from kvstore.errors import KVStoreError
 
 PINS_FILE = "pins.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,30 +39,56 @@ class PinRecord:
     until: float | None
     """Wall-clock deadline; None: until unpinned."""
 
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
     def to_json(self) -> dict[str, object]:
         return {"ns": self.ns.hex(), "hashes": [h.hex() for h in self.hashes], "until": self.until}
 
     @classmethod
-    def from_json(cls, d: dict[str, object]) -> PinRecord:
+    def from_json(cls, d: object) -> PinRecord:
+        """A record from its JSON form; ValueError (with what is wrong) for anything else."""
+        if not isinstance(d, dict) or not isinstance(d.get("ns"), str) or not isinstance(d.get("hashes"), list):
+            raise ValueError(f"not a pin record: {str(d)[:100]}")
+        ns = bytes.fromhex(d["ns"])
+        hashes = tuple(bytes.fromhex(h) if isinstance(h, str) else b"" for h in d["hashes"])
         until = d.get("until")
-        return cls(
-            bytes.fromhex(str(d["ns"])),
-            tuple(bytes.fromhex(h) for h in d["hashes"]),  # type: ignore[union-attr]
-            None if until is None else float(until),  # type: ignore[arg-type]
-        )
+        if len(ns) != 16 or any(len(h) != 16 for h in hashes):
+            raise ValueError(f"a pin record names 16-byte hashes in hex: {str(d)[:100]}")
+        if until is not None and (isinstance(until, bool) or not isinstance(until, int | float) or not math.isfinite(until)):
+            raise ValueError(f"a pin deadline is a number of seconds: {until!r}")
+        return cls(ns, hashes, None if until is None else float(until))
 
 
 def read_pins(path: Path) -> list[PinRecord]:
     """The pin records saved in ``path`` (a store's ``pins.json``), in pinning order; none if
     absent. Read-only: the store's :class:`PinBook` and offline readers (``kvctl --dir``, the
     daemon's admin view) share it."""
+    records, bad = _parse_pins(path)
+    if bad:
+        raise KVStoreError(f"cannot read {path}: {bad}; restore it, or remove it to drop every pin")
+    return records
+
+
+def _parse_pins(path: Path) -> tuple[list[PinRecord], str]:
+    """The records that parse, and what was wrong with the rest ("" when nothing was)."""
     try:
-        raw = json.loads(path.read_text())
-        return [PinRecord.from_json(d) for d in raw]
+        raw = json.loads(path.read_bytes())
     except FileNotFoundError:
-        return []
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise KVStoreError(f"cannot read {path}: {e}; restore it, or remove it to drop every pin") from e
+        return [], ""
+    except (OSError, ValueError) as e:  # unreadable, not JSON, not UTF-8
+        return [], str(e)
+    if not isinstance(raw, list):
+        return [], f"expected a list of pin records, got {type(raw).__name__}"
+    records: list[PinRecord] = []
+    errors: list[str] = []
+    for d in raw:
+        try:
+            records.append(PinRecord.from_json(d))
+        except ValueError as e:
+            errors.append(str(e))
+    return records, f"{len(errors)} damaged record(s), e.g. {errors[0]}" if errors else ""
 
 
 class PinBook:
@@ -72,8 +103,17 @@ class PinBook:
         self._load()
 
     def _load(self) -> None:
-        for r in read_pins(self._path):
+        """Damage is moved aside, never fatal (as the tiers do with theirs): the file is kept
+        as ``pins.json.corrupt-<time>`` and the records that still parse are re-applied."""
+        records, bad = _parse_pins(self._path)
+        for r in records:
             self._insert(r)
+        if bad:
+            aside = self._path.with_name(f"{self._path.name}.corrupt-{int(time.time())}")
+            os.replace(self._path, aside)
+            log.error("%s is damaged (%s); moved it to %s and kept the %d pin(s) that parse",
+                      self._path, bad, aside, len(records))
+            self._save()
 
     def _insert(self, record: PinRecord) -> None:
         self._seq += 1

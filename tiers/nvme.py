@@ -241,11 +241,43 @@ class NvmeTier(Tier):
     # ---- open ---------------------------------------------------------------------------------
 
     def _open_data_file(self) -> None:
+        existed = self._data_path.exists()
+        old_size = 0
         try:
             self._file = DirectFile.open(str(self._data_path), direct=self.config.direct_io)
+            old_size = self._file.size()
+            self._check_free_space()
             self._file.resize(self._alloc.capacity_bytes)
-        except OSError as e:
+        except (OSError, ConfigError) as e:
+            # Leave no partial preallocation behind: a half-filled disk helps nobody.
+            if self._file is not None:
+                with contextlib.suppress(OSError):
+                    if existed:
+                        os.ftruncate(self._file.fd, old_size)
+                    else:
+                        self._data_path.unlink()
+                self._file.close()
+                self._file = None
+            if isinstance(e, ConfigError):
+                raise
             raise self._os_error(e, "preallocating the data file", self._data_path) from e
+
+    def _check_free_space(self) -> None:
+        """Refuse a capacity the filesystem cannot hold before ``posix_fallocate`` fills it."""
+        assert self._file is not None
+        st = os.fstat(self._file.fd)
+        have = st.st_blocks * 512  # what the file holds on disk already
+        need = self._alloc.capacity_bytes - min(have, self._alloc.capacity_bytes)
+        vfs = os.fstatvfs(self._file.fd)
+        free = vfs.f_bavail * vfs.f_frsize
+        if need > free:
+            raise ConfigError(
+                f"nvme tier {self.name!r}: capacity_bytes asks for {_gib(self._alloc.capacity_bytes)} "
+                f"in {self._data_path}, which needs {_gib(need)} more on disk, but only {_gib(free)} "
+                f"is free there; lower capacity_bytes (at most {_gib(have + free)} fits, less leaves "
+                "the disk's other users room) "
+                "or put the tier on a disk with room"
+            )
 
     def _open_db(self) -> Rdict:
         opts = Options(raw_mode=True)
@@ -658,6 +690,10 @@ class NvmeTier(Tier):
         )
         err.errno = e.errno
         return err
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n} bytes)"
 
 
 # ---- offline inspection (kvctl --dir) ---------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The client of the kvstore daemon: the store's API (``register_namespace``, ``lookup``,
-``get_into``, ``put``, ``pin``/``unpin``, ``pins``, ``delete``, ``stats``) over the network.
+"""The client of the kvstore daemon: the store's API (:class:`kvstore.api.KVCacheAPI`:
+``register_namespace``, ``lookup``, ``get_into``, ``put``, ``pin``/``unpin``, ``pins``,
+``delete``, ``acquire``/``release``, ``stats``) over the network.
 
 ``connect(url)`` asks the daemon where its data plane listens and picks, per client:
 
@@ -35,7 +36,7 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from kvstore.api import LookupResult
+from kvstore.api import LookupResult, layout_mismatch
 from kvstore.buffers import dst_views, src_views
 from kvstore.client._conn import ConnectionLost, FrameConn, TcpTransport, UcxTransport
 from kvstore.client._http import HttpConn
@@ -138,7 +139,23 @@ class ClientLease:
         self.release()
 
 
+@dataclass(frozen=True, slots=True)
+class ClientPin:
+    """One pin of this tenant, as the daemon reports it (a :class:`kvstore.api.PinLike`)."""
+
+    ns: bytes
+    """The namespace's root as this client registered it (``Namespace.root``)."""
+    num_blocks: int
+    until: float | None
+    """Wall-clock deadline (the daemon's clock); None: until unpinned."""
+    model_id: str = ""
+    nbytes: int = 0
+
+
 class Client:
+    """The daemon's store through one connection; satisfies :class:`kvstore.api.KVCacheAPI`
+    with :class:`ClientLease` leases. Use :func:`connect`."""
+
     def __init__(
         self,
         url: str = "http://127.0.0.1:7070",
@@ -303,7 +320,13 @@ class Client:
         self._retry(lambda: self._register(ns, ttl_s))
 
     def _ns_id(self, ns: Namespace) -> bytes:
+        """The namespace's id, registering it on first use; a deployment this client registered
+        with another layout raises LayoutMismatchError, as in the store."""
         if bytes(ns.root) not in self._ns:
+            key = ns.model_key()
+            for known, _ in self._ns.values():
+                if known.model_key() == key:
+                    raise layout_mismatch(known, ns)
             self._register(ns, None)
         return bytes(ns.root)
 
@@ -316,23 +339,24 @@ class Client:
 
         return self._retry(call, idempotent)
 
-    def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
+    def _lookup(self, ns: Namespace, key: str, values: list[Any]) -> LookupResult:
         def call() -> LookupResult:
-            body = {"ns": self._ns_id(ns).hex(), "hashes": [bytes(h).hex() for h in hashes]}
-            r = self._json("POST", "/v1/lookup", body)
-            return LookupResult(r["num_blocks"], ns.block_tokens, tuple(r["tiers"]))
+            r = self._json("POST", "/v1/lookup", {"ns": self._ns_id(ns).hex(), key: values})
+            # An older daemon sends no "unavailable": it names no unreachable tier.
+            return LookupResult(r["num_blocks"], ns.block_tokens, tuple(r["tiers"]), tuple(r.get("unavailable", ())))
 
         return self._retry(call)
+
+    def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
+        """As :meth:`KVStore.lookup`: the cached prefix, its tiers, and the tiers the daemon
+        cannot reach now (``unavailable``)."""
+        return self._lookup(ns, "hashes", [bytes(h).hex() for h in hashes])
 
     def lookup_tokens(self, ns: Namespace, tokens: Sequence[int]) -> LookupResult:
-        def call() -> LookupResult:
-            body = {"ns": self._ns_id(ns).hex(), "tokens": [int(t) for t in tokens]}
-            r = self._json("POST", "/v1/lookup", body)
-            return LookupResult(r["num_blocks"], ns.block_tokens, tuple(r["tiers"]))
+        """:meth:`lookup` by token ids: the daemon hashes them (as :func:`kvstore.keys.hash_blocks`)."""
+        return self._lookup(ns, "tokens", [int(t) for t in tokens])
 
-        return self._retry(call)
-
-    def pin(self, ns: Namespace, hashes: Sequence[bytes], until: float | None = None) -> int:
+    def pin(self, ns: Namespace, hashes: Sequence[bytes], *, until: float | None = None) -> int:
         """Pin the cached prefix of ``hashes`` (as :meth:`KVStore.pin`); returns its length.
 
         ``until`` (wall-clock seconds, the daemon's clock) makes it a retention guarantee: the
@@ -344,7 +368,14 @@ class Client:
         extra = {} if until is None else {"until": float(until)}
         return self._blocks_call("/v1/pin", ns, hashes, idempotent=False, **extra)
 
-    def pins(self, ns: Namespace | None = None) -> dict[str, Any]:
+    def pins(self) -> list[ClientPin]:
+        """This tenant's pin records, in pinning order (as :meth:`KVStore.pins`, without the
+        block hashes: the daemon keeps salted keys, from which the client's cannot be
+        recovered). Which still hold, and the tenant's guarantee budget: :meth:`pin_report`."""
+        rows = self.pin_report()["pins"]
+        return [ClientPin(bytes.fromhex(r["ns"]), r["blocks"], r["until"], r["model_id"], r["bytes"]) for r in rows]
+
+    def pin_report(self, ns: Namespace | None = None) -> dict[str, Any]:
         """This tenant's pins (``GET /v1/pins``), or those of ``ns``: ``{"pins": rows,
         "summary": ..., "guaranteed_bytes": ..., "pin_quota_bytes": ...}``. A row names the
         namespace (``ns``: ``Namespace.root.hex()``), the pinned prefix's length in blocks and
@@ -402,7 +433,7 @@ class Client:
                 bufs[i][:size] = arena[off : off + size]
             del arena
         finally:
-            conn.call(P.Op.RELEASE, P.encode_u64(lease_id), reply=False)
+            conn.call(P.Op.RELEASE, P.encode_u64(lease_id))
         return len(locs)
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> ClientLease:
@@ -424,7 +455,7 @@ class Client:
                 with self._lock:
                     if self._conn is conn:  # after a reconnect the daemon has dropped it already
                         with contextlib.suppress(ConnectionLost):
-                            conn.call(P.Op.RELEASE, P.encode_u64(lease_id), reply=False)
+                            conn.call(P.Op.RELEASE, P.encode_u64(lease_id))
 
             lease = ClientLease(views, release, self._arena_name, tuple(locs))
             self._leases.add(lease)
@@ -437,7 +468,13 @@ class Client:
         lease.release()
 
     def put(
-        self, ns: Namespace, hashes: Sequence[bytes], blocks: Any | Sequence[Any], start: int = 0, durable: bool = False
+        self,
+        ns: Namespace,
+        hashes: Sequence[bytes],
+        blocks: Any | Sequence[Any],
+        *,
+        start: int = 0,
+        durable: bool = False,
     ) -> int:
         """Store blocks ``start..`` of a chain (as :meth:`KVStore.put`); returns how many were new."""
         bb = ns.block_bytes

@@ -112,7 +112,7 @@ def _prefix(svc: Service, body: PrefixIn) -> tuple[Namespace, list[bytes]]:
     else:
         t = _owner(svc, ns)
         client_ns = replace(ns, tenant_salt="")
-        keys = svc._store_keys(t, hash_blocks(client_ns, body.tokens))
+        keys = svc.store_keys(t, ns, hash_blocks(client_ns, body.tokens))
     if len(keys) > svc.limits.max_blocks:
         raise UsageError(f"{len(keys)} blocks exceed the limit of {svc.limits.max_blocks} per request")
     return ns, keys

@@ -24,6 +24,11 @@ from kvstore.server.metrics import CONTENT_TYPE
 from kvstore.server.service import AuthError, ForbiddenError, Tenant, classify
 
 HEX16 = r"^[0-9a-fA-F]{32}$"
+INLINE_LOOKUP_BODY = 64 * 1024
+"""A lookup body up to this size (~1,800 hashes) is parsed and answered on the event loop (from
+memory, when the store is not busy); a larger one, up to 65,536 hashes or max_tokens token ids,
+is parsed, checked against its limits and answered in the pool, so it never delays /healthz or
+another tenant's lookup."""
 
 
 class _Body(BaseModel):
@@ -32,7 +37,7 @@ class _Body(BaseModel):
 
 class NamespaceIn(_Body):
     namespace: dict[str, Any] = Field(description="kvstore.keys.Namespace.to_dict() without tenant_salt")
-    ttl_s: float | None = Field(default=None, gt=0)
+    ttl_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class BlocksIn(_Body):
@@ -58,6 +63,7 @@ class LookupOut(BaseModel):
     num_blocks: int = Field(description="leading blocks cached (the usable prefix)")
     num_tokens: int
     tiers: list[str] = Field(description="the tier holding each cached block")
+    unavailable: list[str] = Field(description="tiers that cannot be reached now (blocks only there are not counted)")
 
 
 B = TypeVar("B", bound=BaseModel)
@@ -224,18 +230,37 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
         # is parsed and validated here (one pydantic call) and the answer sent pre-serialised,
         # which skips FastAPI's dependency and response machinery (docs/benchmarks.md, rpc).
         t = await tenant(request.headers.get("authorization"))
-        body = _parse(LookupIn, await request.body())
-        ns_id = bytes.fromhex(body.ns)
+        raw = await request.body()
+        if len(raw) > INLINE_LOOKUP_BODY:
+            return await ctx.run(_lookup_blocking, t, raw)
+        body = _parse(LookupIn, raw)
+        ns_id, hashes = _lookup_request(body)
+        if hashes is None:
+            return await ctx.run(_lookup_blocking, t, raw, body)
+        # An in-memory answer on the event loop saves two thread hops; when the store is busy
+        # (or a shared tier may need a probe) the lookup goes to the pool as before.
+        r = svc.lookup_nowait(t, ns_id, hashes) or await ctx.run(svc.lookup, t, ns_id, hashes)
+        return _lookup_reply(r)
+
+    def _lookup_request(body: LookupIn) -> tuple[bytes, list[bytes] | None]:
+        """The namespace id and the hashes (None: a token lookup), limits checked first."""
         if (body.hashes is None) == (body.tokens is None):
             raise UsageError("send exactly one of 'hashes' or 'tokens'")
-        if body.tokens is not None:
-            r = await ctx.run(svc.lookup_tokens, t, ns_id, body.tokens)
-        else:
-            hashes = _hashes(body.hashes or [], limits.max_blocks)
-            # An in-memory answer on the event loop saves two thread hops; when the store is busy
-            # (or a shared tier may need a probe) the lookup goes to the pool as before.
-            r = svc.lookup_nowait(t, ns_id, hashes) or await ctx.run(svc.lookup, t, ns_id, hashes)
-        out = {"num_blocks": r.num_blocks, "num_tokens": r.num_tokens, "tiers": list(r.tiers)}
+        if body.tokens is not None and len(body.tokens) > limits.max_tokens:
+            raise UsageError(f"{len(body.tokens)} tokens exceed the limit of {limits.max_tokens}")
+        return bytes.fromhex(body.ns), None if body.hashes is None else _hashes(body.hashes, limits.max_blocks)
+
+    def _lookup_blocking(t: Tenant, raw: bytes, body: LookupIn | None = None) -> Response:
+        """A large lookup, whole, on a worker thread."""
+        if body is None:
+            body = _parse(LookupIn, raw)
+        ns_id, hashes = _lookup_request(body)
+        r = svc.lookup_tokens(t, ns_id, body.tokens) if hashes is None else svc.lookup(t, ns_id, hashes)
+        return _lookup_reply(r)
+
+    def _lookup_reply(r: Any) -> Response:
+        out = {"num_blocks": r.num_blocks, "num_tokens": r.num_tokens, "tiers": list(r.tiers),
+               "unavailable": list(r.unavailable)}
         return Response(json.dumps(out, separators=(",", ":")).encode(), media_type="application/json")
 
     @app.get("/healthz", tags=["health"])
@@ -280,7 +305,7 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
 
     def _blocks_endpoint(path: str, fn: Callable[..., int], doc: str) -> None:
         async def handler(body: BlocksIn, t: Auth) -> dict[str, int]:
-            n = await ctx.run(fn, t, bytes.fromhex(body.ns), _hashes(body.hashes, limits.max_blocks))
+            n = await ctx.run(lambda: fn(t, bytes.fromhex(body.ns), _hashes(body.hashes, limits.max_blocks)))
             return {"blocks": n}
 
         handler.__doc__ = doc
@@ -290,8 +315,7 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
     async def pin(body: PinIn, t: Auth) -> dict[str, Any]:
         """Protect the cached prefix from expiry and eviction: until unpinned, or with ``until``
         guaranteed until then (409 when the store cannot honour it; nothing is pinned then)."""
-        hashes = _hashes(body.hashes, limits.max_blocks)
-        n = await ctx.run(svc.pin, t, bytes.fromhex(body.ns), hashes, body.until)
+        n = await ctx.run(lambda: svc.pin(t, bytes.fromhex(body.ns), _hashes(body.hashes, limits.max_blocks), body.until))
         return {"blocks": n} if body.until is None else {"blocks": n, "until": body.until}
 
     @app.get("/v1/pins")

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,9 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"kvstore daemon ready: {info['url']} (data port {info['data_port']}{ucx}; "
                   f"store {info['root']})", flush=True)
 
+    # Everything the daemon writes (slab, objects, namespaces.json with tenant salts, the event
+    # log, pins.json, server-secret) is for its own user alone: files 0600, directories 0700.
+    os.umask(0o077)
     try:
         with asyncio.Runner(loop_factory=_loop_factory(server_cfg.ucx)) as runner:
             runner.run(Daemon(store_cfg, server_cfg).serve(ready))

@@ -11,6 +11,11 @@ Example (same file as ``[store]`` and ``[[tiers]]``)::
     max_body = "4MiB"           # HTTP request bodies
     max_blocks = 65536          # blocks (hashes) per request
     max_payload = "1GiB"        # payload bytes of one data-plane frame
+    max_connections = 1024      # both planes together (also kept under RLIMIT_NOFILE)
+    max_connections_per_peer = 256
+    handshake_timeout = "10s"   # a data connection's HELLO must arrive within this
+    request_timeout = "30s"     # an HTTP request's head and body; the rest of a frame header
+    lease_timeout = "5min"      # a shared-memory lease not released by then is taken back
 
     [[tenants]]
     name = "team-a"
@@ -98,12 +103,43 @@ class Limits:
     max_staging_bytes: int = 512 * _MiB
     max_leases: int = 4096
     """Leases one data-plane connection may hold at once."""
+    max_connections: int = 1024
+    """Open connections of both planes together; the daemon also keeps it under its
+    RLIMIT_NOFILE (less room for the store's own files). A connection over a limit is closed at
+    once, so the clients already connected keep being served."""
+    max_connections_per_peer: int = 256
+    """Open connections from one address (every same-node engine is 127.0.0.1)."""
+    handshake_timeout_s: float = 10.0
+    """A data-plane connection must complete its HELLO within this, or it is closed."""
+    request_timeout_s: float = 30.0
+    """An HTTP request's head and body must arrive within this (from its first byte, or from
+    the connection or the previous reply); so must the rest of a data-plane frame header."""
+    lease_timeout_s: float = 300.0
+    """A shared-memory lease (ACQUIRE) not released by then is released by the daemon."""
+    max_lease_fraction: float = 0.5
+    """Of the first tier (the arena), what one tenant's leases may hold at once (with more than
+    one tenant)."""
+    max_inflight_bytes_per_tenant: int = 1 << 30
+    """Payload bytes of one tenant's puts being received at once (more wait: TCP backpressure);
+    one put of any allowed size is always admitted when the tenant has none in flight."""
+    max_pins_per_tenant: int = 1024
+    """Pin records (untimed and timed) one tenant may hold."""
+    max_namespaces_per_tenant: int = 1024
+    """Namespaces one tenant may register (one per model deployment and layout)."""
 
     def __post_init__(self) -> None:
         for k in ("max_body_bytes", "max_blocks", "max_tokens", "max_payload_bytes",
-                  "max_staging_bytes", "max_leases"):
-            if getattr(self, k) <= 0:
-                raise ConfigError(f"[server] {k} must be positive")
+                  "max_staging_bytes", "max_leases", "max_connections", "max_connections_per_peer",
+                  "max_inflight_bytes_per_tenant", "max_pins_per_tenant", "max_namespaces_per_tenant"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"[server] {k} must be a positive integer, got {v!r}")
+        for k in ("handshake_timeout_s", "request_timeout_s", "lease_timeout_s"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf"):
+                raise ConfigError(f"[server] {k.removesuffix('_s')} must be a positive duration like '10s', got {v!r}")
+        if not 0 < self.max_lease_fraction <= 1:
+            raise ConfigError(f"[server] max_lease_fraction must be in (0, 1], got {self.max_lease_fraction!r}")
 
     @property
     def max_meta_bytes(self) -> int:
@@ -181,6 +217,15 @@ _LIMIT_KEYS: dict[str, tuple[str, Any]] = {
     "max_payload": ("max_payload_bytes", parse_size),
     "max_staging": ("max_staging_bytes", parse_size),
     "max_leases": ("max_leases", int),
+    "max_connections": ("max_connections", int),
+    "max_connections_per_peer": ("max_connections_per_peer", int),
+    "handshake_timeout": ("handshake_timeout_s", parse_duration),
+    "request_timeout": ("request_timeout_s", parse_duration),
+    "lease_timeout": ("lease_timeout_s", parse_duration),
+    "max_lease_fraction": ("max_lease_fraction", float),
+    "max_inflight_per_tenant": ("max_inflight_bytes_per_tenant", parse_size),
+    "max_pins_per_tenant": ("max_pins_per_tenant", int),
+    "max_namespaces_per_tenant": ("max_namespaces_per_tenant", int),
 }
 
 
@@ -192,7 +237,7 @@ def _convert(where: str, conv: Any, v: Any) -> Any:
             return str(v).lower() in ("1", "true", "yes")
         raise ConfigError(f"{where}: expected true or false, got {v!r}")
     try:
-        return conv(v) if conv in (int, str) else conv(v, where)
+        return conv(v) if conv in (int, str, float) else conv(v, where)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from e
 

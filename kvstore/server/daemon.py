@@ -1,7 +1,8 @@
 """The daemon: one asyncio process per node that owns the store and serves both planes.
 
-Start-up: open the store (a warm restart may take a while: in the pool, not on the loop), bind
-the data plane(s) and the HTTP socket, then report ready. Shutdown on SIGTERM or SIGINT:
+Start-up: refuse a data directory another daemon holds (naming its pid), bind the data plane
+and the HTTP socket (a port in use is found before a slab or an arena is made, and named), open
+the store (a warm restart may take a while: in the pool, not on the loop), then report ready. Shutdown on SIGTERM or SIGINT:
 readiness goes false, uvicorn finishes the HTTP requests in flight, data-plane sessions finish
 their current request (bounded), leases are given back, and ``store.close()`` persists what must
 survive (refreshed expiry, volatile blocks) before the process exits.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -27,13 +29,21 @@ import uvicorn
 
 from kvstore.clock import Clock, system_clock
 from kvstore.config import StoreConfig
+from kvstore.errors import KVStoreError
 from kvstore.server.app import make_app
 from kvstore.server.config import ServerConfig
 from kvstore.server.dataplane import DataContext, TcpDataServer
+from kvstore.server.limits import (
+    ConnectionGate,
+    InflightBytes,
+    descriptor_budget,
+    gated_http_protocol,
+)
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import Service, load_secret
 from kvstore.shm import attach_arena
 from kvstore.store import KVStore
+from tiers.nvme import lock_holder
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +91,32 @@ class Daemon:
         cfg = self.config
         loop = asyncio.get_running_loop()
         on_main_thread = threading.current_thread() is threading.main_thread()
+        self._refuse_held_directory()
+        tcp_sock = _bind(cfg.host, cfg.data_port, "data")
+        try:
+            http_sock = _bind(cfg.host, cfg.http_port, "HTTP")
+        except BaseException:
+            tcp_sock.close()
+            raise
         pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="kvstore")
-        store = await loop.run_in_executor(pool, partial(KVStore, self.store_config, clock=self.clock))
+        try:
+            store = await loop.run_in_executor(pool, partial(KVStore, self.store_config, clock=self.clock))
+        except BaseException:
+            tcp_sock.close()
+            http_sock.close()
+            pool.shutdown(wait=False)
+            raise
         arena_shm = None
         try:
             service = Service(store, cfg, load_secret(self.store_config.root), clock=self.clock)
             arena_shm = attach_arena(service.arena) if service.arena else None
-            ctx = DataContext(service, pool, Metrics(store.stats), arena_shm.buf if arena_shm else None, node_id())
+            lim = cfg.limits
+            gate = ConnectionGate(descriptor_budget(lim.max_connections), lim.max_connections_per_peer)
+            ctx = DataContext(service, pool, Metrics(store.stats), arena_shm.buf if arena_shm else None, node_id(),
+                              gate, InflightBytes(lim.max_inflight_bytes_per_tenant))
             planes: list[Any] = []
             tcp = TcpDataServer(ctx)
-            data_port = tcp.bind(cfg.host, cfg.data_port)
+            data_port = tcp.adopt(tcp_sock)
             tcp.start()
             planes.append(tcp)
             ucx_port = None
@@ -100,16 +126,13 @@ class Daemon:
                 ucx = UcxDataServer(ctx)
                 ucx_port = ucx.start(cfg.ucx_port)
                 planes.append(ucx)
-            fam = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-            http_sock = socket.create_server((cfg.host, cfg.http_port), family=fam, backlog=1024)
-            # Accepted sockets inherit TCP_NODELAY on Linux. Without it uvicorn's separate writes
-            # of headers and body meet the client's delayed ACK: 40 ms per request.
-            http_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             http_port = http_sock.getsockname()[1]
             info = {"http_port": http_port, "data_port": data_port, "ucx_port": ucx_port}
             app = make_app(ctx, info, lambda: self._ready)
             self._server = _Uvicorn(
-                uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+                uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                               timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+                               http=gated_http_protocol(gate, lim.request_timeout_s))
             )
             if on_main_thread:  # an embedded daemon (ThreadedDaemon) is stopped by its owner
                 for sig in (signal.SIGTERM, signal.SIGINT):
@@ -145,9 +168,20 @@ class Daemon:
             if arena_shm is not None:
                 with contextlib.suppress(BufferError):
                     arena_shm.close()
-            await loop.run_in_executor(pool, store.close)
+            tcp_sock.close()
+            http_sock.close()
+            await loop.run_in_executor(pool, _close_store, store)
             pool.shutdown(wait=True)
-            log.info("kvstore daemon stopped; store closed")
+
+    def _refuse_held_directory(self) -> None:
+        """A second daemon on a directory gets the holder's pid, not RocksDB's lock error."""
+        root = Path(self.store_config.root)
+        for spec in self.store_config.tiers:
+            if spec.kind == "nvme" and (pid := lock_holder(root, spec.name)) is not None:
+                raise KVStoreError(
+                    f"the store directory {root} is in use by process {pid} (another kvstore daemon, "
+                    "or a program with the store open); stop it, or give this daemon another --data-dir"
+                )
 
     async def _maintain(self, ctx: DataContext) -> None:
         while True:
@@ -212,6 +246,33 @@ class ThreadedDaemon:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _bind(host: str, port: int, plane: str) -> socket.socket:
+    """A listening socket on ``host:port``; an error that names the plane and the port."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=fam, backlog=1024)
+    except OSError as e:
+        hint = " (another daemon? pick another port, or 0 for a free one)" if e.errno == errno.EADDRINUSE else ""
+        raise OSError(e.errno, f"cannot listen on the {plane} port {host}:{port}: {e.strerror}{hint}") from e
+    if plane == "HTTP":
+        # Accepted sockets inherit TCP_NODELAY on Linux. Without it uvicorn's separate writes
+        # of headers and body meet the client's delayed ACK: 40 ms per request.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _close_store(store: KVStore) -> None:
+    """Close the store; a failure to persist (a full or failed disk) is logged, not raised: the
+    blocks already on persistent tiers are safe, and a shutdown the operator asked for ends."""
+    try:
+        store.close()
+    except (KVStoreError, OSError) as e:
+        log.error("closing the store did not persist everything (%s); blocks that lived only in "
+                  "memory are lost, everything put durably or already on disk is kept", e)
+        return
+    log.info("kvstore daemon stopped; store closed")
 
 
 def _url_host(host: str) -> str:

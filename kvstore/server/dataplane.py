@@ -8,7 +8,11 @@ or writes into a daemon-made staging segment that the daemon puts from (PUT_SHM)
 
 Failure containment: a malformed or oversized frame gets an error frame and that connection is
 closed; a client that dies mid-transfer only ends its own session. Whatever a session holds
-(leases, its staging segment) is given back when it ends, however it ends.
+(leases, its staging segment) is given back when it ends, however it ends. A connection must
+say HELLO within ``handshake_timeout`` and, once a header has begun, finish it within
+``request_timeout``; a put is admitted against the tenant's quota and its bound on bytes in
+flight *before* its payload is read; a lease not released within ``lease_timeout`` is taken
+back (:mod:`kvstore.server.limits`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import numpy as np
 from kvstore.api import Lease
 from kvstore.server import protocol as P
 from kvstore.server.config import is_loopback
+from kvstore.server.limits import ConnectionGate, InflightBytes, peer_of
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import AuthError, Service, Tenant, classify
 
@@ -59,6 +64,12 @@ class Channel(ABC):
     @abstractmethod
     async def recv_into(self, buf: memoryview) -> None:
         """Fill ``buf`` exactly, or raise ChannelClosed."""
+
+    async def recv_some(self, buf: memoryview) -> int:
+        """Wait for the first bytes of ``buf`` and return how many arrived (at least one; on a
+        message transport, all of them)."""
+        await self.recv_into(buf)
+        return len(buf)
 
     @abstractmethod
     async def send(self, bufs: Sequence[bytes | memoryview]) -> None:
@@ -89,6 +100,15 @@ class TcpChannel(Channel):
             if k == 0:
                 raise ChannelClosed("peer closed the connection")
             got += k
+
+    async def recv_some(self, buf: memoryview) -> int:
+        try:
+            k = await self._loop.sock_recv_into(self.sock, buf)
+        except OSError as e:
+            raise ChannelClosed(str(e)) from e
+        if k == 0:
+            raise ChannelClosed("peer closed the connection")
+        return k
 
     async def send(self, bufs: Sequence[bytes | memoryview]) -> None:
         views = [memoryview(b).cast("B") for b in bufs if len(b)]
@@ -127,6 +147,8 @@ class DataContext:
     arena: memoryview | None
     """The daemon's own mapping of the DRAM arena (None when the first tier has none)."""
     node_id: str
+    gate: ConnectionGate
+    inflight: InflightBytes
 
     async def run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -174,7 +196,8 @@ class Session:
         lim = ctx.service.limits
         self.wire = P.WireLimits(lim.max_meta_bytes, lim.max_payload_bytes)
         self.tenant: Tenant | None = None
-        self.leases: dict[int, Lease] = {}
+        self.leases: dict[int, tuple[Lease, float]] = {}
+        """lease id -> (lease, deadline on the loop's clock)"""
         self.staging: SharedMemory | None = None
         self.busy = False
         self._unread = 0  # payload bytes of the current frame not read yet
@@ -183,22 +206,39 @@ class Session:
     async def run(self) -> None:
         m = self.ctx.metrics
         m.connections.labels(self.ch.plane).inc()
+        lim = self.ctx.service.limits
         try:
-            while True:
-                head = bytearray(P.HEADER_BYTES)
-                await self.ch.recv_into(memoryview(head))  # idle between requests: no timeout
-                self.busy = True
-                if not await self._frame(head):
+            async with asyncio.timeout(lim.handshake_timeout_s):  # HELLO, whole, or the door
+                if not await self._next_frame():
                     return
-                self.busy = False
+            while await self._next_frame():
+                pass
         except ChannelClosed:
             pass
         except TimeoutError:
-            log.info("%s client stalled mid-frame for %.0f s; closing it", self.ch.plane, FRAME_TIMEOUT_S)
+            log.info("%s client stalled (no HELLO within %.0f s, a header cut short for %.0f s, or a "
+                     "frame for %.0f s); closing it", self.ch.plane, lim.handshake_timeout_s,
+                     lim.request_timeout_s, FRAME_TIMEOUT_S)
         finally:
             self.busy = False
             m.connections.labels(self.ch.plane).dec()
             await self._cleanup()
+
+    async def _next_frame(self) -> bool:
+        """Read and handle one frame; False when the connection must close. Idle between frames
+        without a deadline (an engine's connection waits for its next request), but a header
+        that has begun must be whole within ``request_timeout``."""
+        head = bytearray(P.HEADER_BYTES)
+        mv = memoryview(head)
+        got = await self.ch.recv_some(mv)
+        if got < len(mv):
+            async with asyncio.timeout(self.ctx.service.limits.request_timeout_s):
+                await self.ch.recv_into(mv[got:])
+        self.busy = True
+        try:
+            return await self._frame(head)
+        finally:
+            self.busy = False
 
     async def _frame(self, head: bytearray) -> bool:
         """Handle one frame; False when the connection must close."""
@@ -316,16 +356,26 @@ class Session:
         req = P.parse_blocks(meta, svc.limits.max_blocks)
         bb = await self._call(svc.block_bytes, t, req.ns_id)
         hashes = req.hashes[: max(1, svc.limits.max_payload_bytes // bb)]
+        lease = None
         if self.ctx.arena is not None:
             lease = await self._call(svc.acquire, t, req.ns_id, hashes, for_client=False)
+            if lease.num_blocks < len(hashes) and (await self._call(svc.lookup, t, req.ns_id, hashes)).num_blocks > lease.num_blocks:
+                # The arena could not take the whole prefix (full of blocks in use): serve it
+                # from where it is, through a buffer, rather than a shorter hit.
+                await self.ctx.run(svc.release, lease)
+                lease = None
+        if lease is not None:
             try:
                 arena = self.ctx.arena
-                views = [arena[off : off + size] for off, size in lease.locations]
+                assert arena is not None
+                locs = lease.locations  # a block of another size is of another namespace: the hit ends
+                k = next((i for i, (_, size) in enumerate(locs) if size != bb), len(locs))
+                views = [arena[off : off + size] for off, size in locs[:k]]
                 await self._reply(hdr.req_id, P.encode_data_meta(len(views), bb), views)
+                n = len(views)
                 del views
             finally:
                 await self.ctx.run(svc.release, lease)
-            n = lease.num_blocks
         else:
             buf = np.empty(len(hashes) * bb, np.uint8)
             n = await self._call(svc.get_into, t, req.ns_id, hashes, buf)
@@ -343,12 +393,26 @@ class Session:
                 P.ErrorCode.BAD_REQUEST,
                 f"payload of {hdr.payload_len} bytes is not {count} blocks of {bb} bytes",
             )
-        buf = np.empty(hdr.payload_len, np.uint8)
-        mv = memoryview(buf)
-        for i in range(count):  # one receive per block: UCX messages are blocks
-            await self.ch.recv_into(mv[i * bb : (i + 1) * bb])
-            self._unread -= bb
-        new = await self._call(svc.put, t, req.ns_id, req.hashes, buf, req.start, req.durable)
+        assert t is not None
+        # Quota and the bound on bytes in flight before a byte of payload is read: a refused
+        # put is drained through a small scratch buffer, a waiting one stays in the socket.
+        reserved = await self._call(svc.reserve, t, req.ns_id, len(req.hashes), req.start)
+        try:
+            await self.ctx.inflight.acquire(t.name, hdr.payload_len)
+            try:
+                buf = np.empty(hdr.payload_len, np.uint8)
+                mv = memoryview(buf)
+                for i in range(count):  # one receive per block: UCX messages are blocks
+                    await self.ch.recv_into(mv[i * bb : (i + 1) * bb])
+                    self._unread -= bb
+                new = await self._call(svc.put, t, req.ns_id, req.hashes, buf, req.start, req.durable,
+                                       reserved=reserved)
+                reserved = 0  # given back by the put
+            finally:
+                await self.ctx.inflight.release(t.name, hdr.payload_len)
+        finally:
+            if reserved:
+                svc.unreserve(t, reserved)
         self.ctx.metrics.bytes.labels(self.ch.plane, "in").inc(hdr.payload_len)
         await self._reply(hdr.req_id, P.encode_u64(new))
 
@@ -362,15 +426,33 @@ class Session:
         lease = await self._call(svc.acquire, t, req.ns_id, req.hashes)
         lease_id = self._next_lease
         self._next_lease += 1
-        self.leases[lease_id] = lease
+        self.leases[lease_id] = (lease, asyncio.get_running_loop().time() + svc.limits.lease_timeout_s)
         self.ctx.metrics.leases.inc()
         await self._reply(hdr.req_id, P.encode_lease(lease_id, lease.locations))
 
     async def _release(self, hdr: P.Header, meta: bytearray) -> None:
-        lease = self.leases.pop(P.parse_u64(meta), None)
-        if lease is not None:  # an unknown id: already released (a retry); nothing to do
-            self.ctx.metrics.leases.dec()
-            await self.ctx.run(self.ctx.service.release, lease)
+        held = self.leases.pop(P.parse_u64(meta), None)
+        if held is not None:  # an unknown id: released already (a retry, or its deadline passed)
+            await self._give_back(held[0])
+        # Replied once the store has the blocks back, so a client's next call (a delete, a
+        # put that needs the room) sees the release: the control plane is another socket.
+        await self._reply(hdr.req_id, b"")
+
+    async def _give_back(self, lease: Lease) -> None:
+        self.ctx.metrics.leases.dec()
+        # shield: a cancelled session (shutdown) must still give its leases back
+        await asyncio.shield(self.ctx.run(self.ctx.service.release, lease, self.tenant))
+
+    async def expire_leases(self, now: float) -> int:
+        """Release the leases whose deadline has passed (``now`` on the loop's clock)."""
+        due = [i for i, (_, deadline) in self.leases.items() if deadline <= now]
+        for i in due:
+            lease, _ = self.leases.pop(i)
+            await self._give_back(lease)
+        if due:
+            log.info("released %d lease(s) of tenant %r not released within %.0f s", len(due),
+                     self.tenant.name if self.tenant else "?", self.ctx.service.limits.lease_timeout_s)
+        return len(due)
 
     async def _staging(self, hdr: P.Header, meta: bytearray) -> None:
         self._shm_allowed()
@@ -418,10 +500,8 @@ class Session:
 
     async def _cleanup(self) -> None:
         leases, self.leases = list(self.leases.values()), {}
-        for lease in leases:
-            self.ctx.metrics.leases.dec()
-            # shield: a cancelled session (shutdown) must still give its leases back
-            await asyncio.shield(self.ctx.run(self.ctx.service.release, lease))
+        for lease, _ in leases:
+            await self._give_back(lease)
         self._close_staging()
         await self.ch.close()
 
@@ -434,15 +514,22 @@ class TcpDataServer:
         self.sessions: dict[asyncio.Task[None], Session] = {}
         self._sock: socket.socket | None = None
         self._accept: asyncio.Task[None] | None = None
+        self._reaper: asyncio.Task[None] | None = None
 
     def bind(self, host: str, port: int) -> int:
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host, port), family=fam, backlog=1024)
-        self._sock.setblocking(False)
-        return self._sock.getsockname()[1]
+        return self.adopt(socket.create_server((host, port), family=fam, backlog=1024))
+
+    def adopt(self, sock: socket.socket) -> int:
+        """Serve on a listening socket bound already; returns its port."""
+        self._sock = sock
+        sock.setblocking(False)
+        return int(sock.getsockname()[1])
 
     def start(self) -> None:
-        self._accept = asyncio.get_running_loop().create_task(self._accept_loop())
+        loop = asyncio.get_running_loop()
+        self._accept = loop.create_task(self._accept_loop())
+        self._reaper = loop.create_task(reap_leases(self.sessions, lease_check_interval(self.ctx)))
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -454,18 +541,44 @@ class TcpDataServer:
                 log.warning("accept failed: %s", e)
                 await asyncio.sleep(0.05)  # e.g. out of file descriptors: do not spin
                 continue
+            peer = peer_of(addr)
+            if not self.ctx.gate.admit(peer):
+                conn.close()  # over a limit: the clients already connected carry on
+                continue
             s = Session(TcpChannel(conn, is_loopback(addr[0])), self.ctx)
             task = loop.create_task(s.run())
             self.sessions[task] = s
-            task.add_done_callback(self.sessions.pop)
+            task.add_done_callback(functools.partial(self._ended, peer))
+
+    def _ended(self, peer: str, task: asyncio.Task[None]) -> None:
+        self.sessions.pop(task, None)
+        self.ctx.gate.leave(peer)
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting; let requests in flight finish (up to ``grace_s``); end every session."""
-        if self._accept is not None:
-            self._accept.cancel()
+        for task in (self._accept, self._reaper):
+            if task is not None:
+                task.cancel()
         if self._sock is not None:
             self._sock.close()
         await stop_sessions(self.sessions, grace_s)
+
+
+def lease_check_interval(ctx: DataContext) -> float:
+    return min(1.0, ctx.service.limits.lease_timeout_s / 4)
+
+
+async def reap_leases(sessions: dict[asyncio.Task[None], Session], interval_s: float) -> None:
+    """Forever: take back the leases of ``sessions`` whose deadline has passed."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval_s)
+        for s in list(sessions.values()):
+            if s.leases:
+                try:
+                    await s.expire_leases(loop.time())
+                except Exception:
+                    log.exception("releasing expired leases failed; will retry")
 
 
 async def stop_sessions(sessions: dict[asyncio.Task[None], Any], grace_s: float) -> None:

@@ -6,9 +6,10 @@ The daemon never stores those hashes as they are: for a configured tenant it
 * registers the namespace with ``tenant_salt`` set to the tenant's salt (derived from a secret
   kept in the store directory, so it is stable across restarts and unknown to every client): the
   tenant's namespaces, TTLs and layout checks are its own;
-* keys every block by ``xxh3_128(tenant key || client hash)``: the same prompt of two tenants
-  lands on two different blocks, and a tenant that learns another tenant's hashes still cannot
-  name, read or probe that tenant's blocks.
+* keys every block by ``xxh3_128(tenant key || namespace digest || client hash)``: the same
+  prompt of two tenants lands on two different blocks, a tenant that learns another tenant's
+  hashes still cannot name, read or probe that tenant's blocks, and a hash put under one of a
+  tenant's namespaces is never served under another (with another block size).
 
 The anonymous tenant (no ``[[tenants]]`` configured, loopback only) uses hashes as they are, so
 a store directory written in process reads the same through the daemon.
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import math
 import os
 import secrets
 import threading
@@ -35,6 +38,7 @@ from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     AuthError,
     BlockNotFound,
+    ConfigError,
     ForbiddenError,
     LayoutMismatchError,
     MissingPrefixError,
@@ -53,6 +57,8 @@ from kvstore.server.protocol import ErrorCode
 from kvstore.store import KVStore
 
 SECRET_FILE = "server-secret"
+SECRET_BYTES = 32
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -63,8 +69,14 @@ class Tenant:
     used_bytes: int = 0
     namespaces: dict[bytes, Namespace] = field(default_factory=dict)
     """client namespace id (the unsalted root digest) -> the namespace registered in the store"""
+    reserved_bytes: int = 0
+    """Bytes of puts admitted against the quota and not yet stored (reserved before the payload
+    is read, so parallel puts cannot pass the quota together)."""
+    leased_bytes: int = 0
+    """Bytes of the arena its leases hold now."""
     pin_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    """Held from the check of the tenant's pin_quota to the end of its guarantee's pin."""
+    """Serialises the tenant's pins and namespace registrations: each checks a limit (pin
+    records, pin_quota bytes, namespaces) that the others change, and holds it to the end."""
 
     @property
     def name(self) -> str:
@@ -72,22 +84,36 @@ class Tenant:
 
 
 def load_secret(root: Path) -> bytes:
-    """The daemon's secret (32 random bytes, mode 0600), created on first start."""
+    """The daemon's secret (32 random bytes, mode 0600), created on first start.
+
+    A secret of any other length is damage (a truncated copy, an empty file from a full disk):
+    used silently it would re-key every tenant, making every cached block unreachable, so it is
+    refused with what to do."""
     path = root / SECRET_FILE
     try:
-        return path.read_bytes()
+        return _checked_secret(path, path.read_bytes())
     except FileNotFoundError:
         pass
-    root.mkdir(parents=True, exist_ok=True)
-    data = secrets.token_bytes(32)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    data = secrets.token_bytes(SECRET_BYTES)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # another daemon on the same directory won the race
-        return path.read_bytes()
+        return _checked_secret(path, path.read_bytes())
     with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return data
+
+
+def _checked_secret(path: Path, data: bytes) -> bytes:
+    if len(data) != SECRET_BYTES:
+        raise ConfigError(
+            f"{path} holds {len(data)} bytes, not the {SECRET_BYTES} of a server secret: it is damaged. "
+            "Restore it from a backup (tenants' block keys and salts derive from it); or, to start "
+            "over with every tenant's cache unreachable, remove it and the daemon makes a new one"
+        )
     return data
 
 
@@ -110,7 +136,7 @@ class Service:
         if not config.tenants:
             self.anonymous = Tenant(TenantSpec(ANONYMOUS, "-" * 16, admin=True, allow_shm=True), "", b"")
             self._tenants[ANONYMOUS] = self.anonymous
-        self.arena: str | None = getattr(store.tiers[0], "shm_name", None)
+        self.arena: str | None = store.arena  # the shared-memory tier leases live in
 
     # ---- tenants ------------------------------------------------------------------------------
 
@@ -127,11 +153,12 @@ class Service:
     def tenants(self) -> list[Tenant]:
         return list(self._tenants.values())
 
-    def _store_keys(self, t: Tenant, hashes: Sequence[bytes]) -> list[bytes]:
+    def store_keys(self, t: Tenant, ns: Namespace, hashes: Sequence[bytes]) -> list[bytes]:
+        """The stored keys of a tenant's client hashes in its (stored) namespace ``ns``."""
         if not t.key:
             return list(hashes)
         h = xxhash.xxh3_128_digest
-        k = t.key
+        k = t.key + ns.root
         return [h(k + x) for x in hashes]
 
     def _check_count(self, n: int) -> None:
@@ -141,9 +168,13 @@ class Service:
     # ---- namespaces ---------------------------------------------------------------------------
 
     def register(self, t: Tenant, ns: Namespace, ttl_s: float | None = None) -> bytes:
-        """Register ``ns`` for tenant ``t``; returns its id (the client's namespace root)."""
+        """Register ``ns`` for tenant ``t``; returns its id (the client's namespace root).
+        Everything is checked before the store sees it: a refused registration is never
+        written."""
         if ns.tenant_salt:
             raise UsageError("tenant_salt is chosen by the server; leave it empty in the namespace")
+        if ttl_s is not None and not (math.isfinite(ttl_s) and ttl_s > 0):
+            raise UsageError(f"ttl_s must be a positive, finite number of seconds, got {ttl_s!r}")
         if ns.block_bytes > self.limits.max_payload_bytes:
             # Such a block could never travel the data plane: refuse it now, not at each put.
             raise UsageError(
@@ -151,11 +182,27 @@ class Service:
                 f"max_payload of {self.limits.max_payload_bytes}; use fewer tokens per block"
             )
         stored = replace(ns, tenant_salt=t.salt) if t.salt else ns
-        self.store.events.set_tenant(stored.root, t.name)  # the access log names the tenant
-        self.store.register_namespace(stored, ttl_s)
-        with self._lock:
-            t.namespaces[bytes(ns.root)] = stored
+        with t.pin_lock:  # one registration of a tenant at a time: the count below stays true
+            if bytes(ns.root) not in t.namespaces:
+                self._check_namespace_limit(t, stored)
+            self.store.events.set_tenant(stored.root, t.name)  # the access log names the tenant
+            self.store.register_namespace(stored, ttl_s)
+            with self._lock:
+                t.namespaces[bytes(ns.root)] = stored
         return bytes(ns.root)
+
+    def _check_namespace_limit(self, t: Tenant, stored: Namespace) -> None:
+        """QuotaExceededError when a new namespace would take the tenant past
+        ``max_namespaces_per_tenant`` (counted in the store, so registrations of earlier runs
+        count too; re-registering one it has is always allowed)."""
+        limit = self.limits.max_namespaces_per_tenant
+        mine = {bytes(n.root) for n, _ in self.store.namespaces() if n.tenant_salt == t.salt}
+        if bytes(stored.root) not in mine and len(mine) >= limit:
+            raise QuotaExceededError(
+                f"tenant {t.name!r} has {len(mine)} namespaces, the daemon's limit per tenant "
+                f"(max_namespaces_per_tenant = {limit}); reuse a registered namespace (one per "
+                "model deployment and layout), or raise the limit in [server]"
+            )
 
     def namespace(self, t: Tenant, ns_id: bytes) -> Namespace:
         try:
@@ -172,14 +219,18 @@ class Service:
 
     # ---- lookups and blocks -------------------------------------------------------------------
 
-    def lookup(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> LookupResult:
+    def _resolve(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> tuple[Namespace, list[bytes]]:
+        """The stored namespace and keys of a request, limits checked first."""
         self._check_count(len(hashes))
-        return self.store.lookup(self.namespace(t, ns_id), self._store_keys(t, hashes))
+        ns = self.namespace(t, ns_id)
+        return ns, self.store_keys(t, ns, hashes)
+
+    def lookup(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> LookupResult:
+        return self.store.lookup(*self._resolve(t, ns_id, hashes))
 
     def lookup_nowait(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> LookupResult | None:
         """:meth:`lookup` answered from memory without waiting, or None (see KVStore.lookup_nowait)."""
-        self._check_count(len(hashes))
-        return self.store.lookup_nowait(self.namespace(t, ns_id), self._store_keys(t, hashes))
+        return self.store.lookup_nowait(*self._resolve(t, ns_id, hashes))
 
     def lookup_tokens(self, t: Tenant, ns_id: bytes, tokens: Any) -> LookupResult:
         if len(tokens) > self.limits.max_tokens:
@@ -192,41 +243,102 @@ class Service:
         return self.namespace(t, ns_id).block_bytes
 
     def get_into(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], dst: Any) -> int:
-        self._check_count(len(hashes))
-        return self.store.get_into(self.namespace(t, ns_id), self._store_keys(t, hashes), dst)
+        return self.store.get_into(*self._resolve(t, ns_id, hashes), dst)
 
     def acquire(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], *, for_client: bool = True) -> Lease:
         """A lease on the blocks in the arena. ``for_client=False``: the daemon itself sends them
-        (TCP, UCX) straight from the arena, which needs no shared-memory grant."""
+        (TCP, UCX) straight from the arena, which needs no shared-memory grant.
+
+        A client's leases count against the tenant's share of the arena
+        (``max_lease_fraction`` of the first tier): blocks held in use can neither move nor
+        leave, so one tenant's unreleased leases would otherwise fill the arena for everyone.
+        The request is cut to what fits; nothing fits: QuotaExceededError."""
         if for_client and not t.spec.allow_shm:
             raise ForbiddenError(
                 f"tenant {t.name!r} may not map the shared arena; use the TCP data plane "
                 "(or set allow_shm = true for it in [[tenants]])"
             )
-        self._check_count(len(hashes))
-        return self.store.acquire(self.namespace(t, ns_id), self._store_keys(t, hashes))
+        ns, keys = self._resolve(t, ns_id, hashes)
+        if not for_client:
+            return self.store.acquire(ns, keys)
+        cap = self.lease_cap_bytes
+        with self._lock:
+            room = max(0, cap - t.leased_bytes) // ns.block_bytes
+            if room == 0 and keys:
+                raise QuotaExceededError(
+                    f"tenant {t.name!r} holds {t.leased_bytes} bytes of leases, its share of the arena "
+                    f"({cap} bytes, max_lease_fraction); release leases before taking more"
+                )
+            keys = keys[:room]
+            t.leased_bytes += len(keys) * ns.block_bytes  # reserved until the lease is known
+        try:
+            lease = self.store.acquire(ns, keys)
+        finally:
+            with self._lock:
+                t.leased_bytes -= len(keys) * ns.block_bytes
+        with self._lock:
+            t.leased_bytes += sum(size for _, size in lease.locations)
+        return lease
 
-    def release(self, lease: Lease) -> None:
+    def release(self, lease: Lease, t: Tenant | None = None) -> None:
+        """Give a lease back; ``t``: the tenant whose share it counted in (a client's lease)."""
         self.store.release(lease)
+        if t is not None:
+            with self._lock:
+                t.leased_bytes -= sum(size for _, size in lease.locations)
+
+    @property
+    def lease_cap_bytes(self) -> int:
+        """The bytes of the arena one tenant's leases may hold (all of it when it is the only
+        tenant: there is nobody to starve)."""
+        share = self.limits.max_lease_fraction if len(self._tenants) > 1 else 1.0
+        arena = self.store.arena_tier
+        return int(arena.usage().capacity_bytes * share) if arena is not None else 0
+
+    def reserve(self, t: Tenant, ns_id: bytes, n_hashes: int, start: int) -> int:
+        """Admit a put of ``n_hashes`` blocks from ``start`` against the tenant's quota *before*
+        its payload is read: the bytes are reserved (so parallel puts cannot pass the quota
+        together) and returned; give them back with :meth:`unreserve` after the put (as
+        :meth:`put` does with ``reserved=``). QuotaExceededError when they do not fit."""
+        self._check_count(n_hashes)
+        ns = self.namespace(t, ns_id)
+        incoming = max(0, n_hashes - start) * ns.block_bytes
+        quota = t.spec.quota_bytes
+        if not quota:
+            return incoming
+        for refreshed in (False, True):
+            with self._lock:
+                if t.used_bytes + t.reserved_bytes + incoming <= quota:
+                    t.reserved_bytes += incoming
+                    return incoming
+            if not refreshed:
+                self.refresh_usage()  # evictions may have freed room since the last refresh
+        raise QuotaExceededError(
+            f"tenant {t.name!r} uses {t.used_bytes} of its {quota}-byte quota ({t.reserved_bytes} more "
+            f"are being put); this put needs {incoming} more: evict or unpin prefixes, or raise the quota"
+        )
+
+    def unreserve(self, t: Tenant, n: int) -> None:
+        if t.spec.quota_bytes:
+            with self._lock:
+                t.reserved_bytes -= n
 
     def put(
-        self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], blocks: Any, start: int = 0, durable: bool = False
+        self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], blocks: Any, start: int = 0,
+        durable: bool = False, *, reserved: int | None = None,
     ) -> int:
-        self._check_count(len(hashes))
-        ns = self.namespace(t, ns_id)
-        incoming = max(0, len(hashes) - start) * ns.block_bytes
-        quota = t.spec.quota_bytes
-        if quota and t.used_bytes + incoming > quota:
-            self.refresh_usage()  # evictions may have freed room since the last refresh
-            if t.used_bytes + incoming > quota:
-                raise QuotaExceededError(
-                    f"tenant {t.name!r} uses {t.used_bytes} of its {quota}-byte quota; this put needs "
-                    f"{incoming} more: evict or unpin prefixes, or raise the quota"
-                )
-        new = self.store.put(ns, self._store_keys(t, hashes), blocks, start=start, durable=durable)
-        with self._lock:
-            t.used_bytes += new * ns.block_bytes
-        return new
+        """Put blocks ``start..`` of ``hashes``. ``reserved``: the bytes :meth:`reserve` admitted
+        for it (given back here); None reserves now."""
+        if reserved is None:
+            reserved = self.reserve(t, ns_id, len(hashes), start)
+        try:
+            ns, keys = self._resolve(t, ns_id, hashes)
+            new = self.store.put(ns, keys, blocks, start=start, durable=durable)
+            with self._lock:
+                t.used_bytes += new * ns.block_bytes
+            return new
+        finally:
+            self.unreserve(t, reserved)
 
     def pin(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], until: float | None = None) -> int:
         """As :meth:`KVStore.pin`: ``until`` (wall-clock seconds) makes it a retention guarantee
@@ -236,9 +348,9 @@ class Service:
         Quota: a tenant pins only blocks it has cached, which count against its quota (pinned
         or not) until they leave, so its pins never hold more than its quota. A tenant already
         over its quota (it was lowered) may not pin until it is back under: a pin would keep
-        those bytes past eviction."""
-        self._check_count(len(hashes))
-        ns = self.namespace(t, ns_id)
+        those bytes past eviction. A tenant holds at most ``max_pins_per_tenant`` pin records
+        (every pin rewrites ``pins.json`` under the store's lock)."""
+        ns, keys = self._resolve(t, ns_id, hashes)
         quota = t.spec.quota_bytes
         if quota:
             self.refresh_usage()  # pins are rare; the count must be today's, not the last refresh's
@@ -247,27 +359,30 @@ class Service:
                     f"tenant {t.name!r} caches {t.used_bytes} bytes, over its {quota}-byte quota, so it may not "
                     "pin (a pin keeps bytes past eviction): evict or unpin prefixes, or raise the quota"
                 )
-        keys = self._store_keys(t, hashes)
-        if until is None or t.spec.pin_quota_bytes is None or not until > self.clock():
-            return self.store.pin(ns, keys, until=until)  # (the store refuses a past deadline)
-        with t.pin_lock:  # one guarantee of a tenant at a time: each sees the others' bytes
-            keys = keys[: self._cached_prefix(keys)]  # what the store would pin, and no more
+        with t.pin_lock:  # one pin of a tenant at a time: each sees the others' records and bytes
+            self._check_pin_count(t)
+            if until is None or t.spec.pin_quota_bytes is None or not until > self.clock():
+                return self.store.pin(ns, keys, until=until)  # (the store refuses a past deadline)
+            keys = keys[: self._cached_prefix(ns, keys)]  # what the store would pin, and no more
             self._check_pin_quota(t, ns, keys)
             return self.store.pin(ns, keys, until=until)
 
-    def _cached_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` a pin would take now (as the index's match: cached, on a
-        tier, and unexpired or pinned). Passing only those to the store keeps a put that
-        extends the chain meanwhile out of a pin whose bytes were already counted."""
-        now = self.clock()
-        n = 0
-        for row in self.store.iter_blocks(keys):
-            if n == len(keys) or row["hash"] != bytes(keys[n]).hex():
-                break  # keys[n] is not cached: the rows skip it
-            if not row["tiers"] or (row["pins"] == 0 and row["expiry"] <= now):
-                break
-            n += 1
-        return n
+    def _check_pin_count(self, t: Tenant) -> None:
+        limit = self.limits.max_pins_per_tenant
+        have = len(self._tenant_pins(t))
+        if have >= limit:
+            raise QuotaExceededError(
+                f"tenant {t.name!r} holds {have} pins, the daemon's limit per tenant "
+                f"(max_pins_per_tenant = {limit}); unpin prefixes it no longer needs (GET /v1/pins "
+                "lists them), pin longer prefixes instead of many short ones, or raise the limit"
+            )
+
+    def _cached_prefix(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` a pin would take now: the index's match (cached, on a
+        reachable tier, unexpired or pinned), through the store's public lookup. Passing only
+        those to the store keeps a put that extends the chain meanwhile out of a pin whose bytes
+        were already counted."""
+        return self.store.lookup(ns, keys).num_blocks
 
     def _check_pin_quota(self, t: Tenant, ns: Namespace, keys: Sequence[bytes]) -> None:
         """RetentionError unless the tenant's guarantees, with these blocks, fit its pin_quota
@@ -328,12 +443,10 @@ class Service:
     def unpin(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> int:
         """As :meth:`KVStore.unpin`: undoes one pin of the longest pinned prefix of ``hashes``
         (a guarantee too, but only whole), else takes them out of an untimed pin."""
-        self._check_count(len(hashes))
-        return self.store.unpin(self.namespace(t, ns_id), self._store_keys(t, hashes))
+        return self.store.unpin(*self._resolve(t, ns_id, hashes))
 
     def evict(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> int:
-        self._check_count(len(hashes))
-        return self.store.delete(self.namespace(t, ns_id), self._store_keys(t, hashes))
+        return self.store.delete(*self._resolve(t, ns_id, hashes))
 
     # ---- usage --------------------------------------------------------------------------------
 
@@ -351,6 +464,8 @@ class Service:
             "quota_bytes": t.spec.quota_bytes,
             "pin_quota_bytes": t.spec.pin_quota_bytes,
             "namespaces": len(t.namespaces),
+            "reserved_bytes": t.reserved_bytes,
+            "leased_bytes": t.leased_bytes,
         }
 
 

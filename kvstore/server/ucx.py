@@ -24,7 +24,15 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import ConfigError
-from kvstore.server.dataplane import Channel, ChannelClosed, DataContext, Session, stop_sessions
+from kvstore.server.dataplane import (
+    Channel,
+    ChannelClosed,
+    DataContext,
+    Session,
+    lease_check_interval,
+    reap_leases,
+    stop_sessions,
+)
 from kvstore.ucxenv import apply_ucx_env
 
 apply_ucx_env()  # before ucxx is imported
@@ -82,24 +90,34 @@ class UcxDataServer:
         self.ucxx = import_ucxx()
         self.sessions: dict[asyncio.Task[None], Session] = {}
         self._listener: Any = None
+        self._reaper: asyncio.Task[None] | None = None
         self._errors: tuple[type[BaseException], ...] = (self.ucxx.exceptions.UCXError,)  # the base class of every ucxx error
 
     def start(self, port: int) -> int:
         # endpoint_error_handling=True: a client that dies must not abort the daemon.
         self._listener = self.ucxx.create_listener(self._handle, port=port, endpoint_error_handling=True)
+        self._reaper = asyncio.get_running_loop().create_task(reap_leases(self.sessions, lease_check_interval(self.ctx)))
         return int(self._listener.port)
 
     async def _handle(self, ep: Any) -> None:
         task = asyncio.current_task()
         assert task is not None
-        s = Session(UcxChannel(ep, self._errors), self.ctx)
+        peer = f"ucx-{id(ep)}"  # ucxx names no peer address: only the global limit applies
+        ch = UcxChannel(ep, self._errors)
+        if not self.ctx.gate.admit(peer):
+            await ch.close()
+            return
+        s = Session(ch, self.ctx)
         self.sessions[task] = s
         try:
             await s.run()
         finally:
             self.sessions.pop(task, None)
+            self.ctx.gate.leave(peer)
 
     async def stop(self, grace_s: float) -> None:
         if self._listener is not None:
             self._listener.close()
+        if self._reaper is not None:
+            self._reaper.cancel()
         await stop_sessions(self.sessions, grace_s)

@@ -76,7 +76,7 @@ class KVStore:
         self._closed = False
         root = config.root
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             raise TierIOError(
                 f"cannot create the store directory {root}: {e.strerror}; "
@@ -109,6 +109,11 @@ class KVStore:
         """Name of the shared-memory arena leases point into (None: the store has none)."""
         return None if self._arena is None else self.tiers[self._arena].shm_name
 
+    @property
+    def arena_tier(self) -> Any | None:
+        """The tier leases live in: the first shared-memory tier, wherever it is (None: none)."""
+        return None if self._arena is None else self.tiers[self._arena]
+
     # ---- namespaces ---------------------------------------------------------------------------
 
     def register_namespace(self, ns: Namespace, ttl_s: float | None = None) -> None:
@@ -123,10 +128,9 @@ class KVStore:
         if ttl_s is not None and not ttl_s > 0:
             raise UsageError(f"ttl_s must be positive (seconds), got {ttl_s!r}")
         with self._lock:
-            info, changed = self._namespaces.register(ns, ttl_s, self.config.default_ttl_s)
-            if changed:
-                for t in self.tiers:
-                    t.register_namespace(ns.root, ns.canonical_bytes())
+            info, _ = self._namespaces.register(ns, ttl_s, self.config.default_ttl_s)
+            for t in self.tiers:  # cheap, and a tier learns descriptors only in this process
+                t.register_namespace(ns.root, ns.canonical_bytes())
             snap = self._namespaces.snapshot()
             self.events.namespace(ns, info.ttl_s)
         self._namespaces.save(snap)

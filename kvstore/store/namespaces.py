@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from kvstore.api import field_diffs
 from kvstore.config import MAX_NAMESPACES
 from kvstore.errors import (
     KVStoreError,
@@ -96,11 +96,14 @@ class NamespaceTable:
                 self.add(ns.root, ns, ttl_s)
         self._saved = self._version
 
-    def add(self, digest: bytes, ns: Namespace | None, ttl_s: float) -> NsInfo:
-        if len(self.by_id) >= self._limit:
+    def add(self, digest: bytes, ns: Namespace | None, ttl_s: float, *, new: bool = False) -> NsInfo:
+        """A namespace entry. ``new``: a registration, held to ``max_namespaces``; what the
+        store already holds (its file, its tiers' blocks) only to what the index can tell apart."""
+        limit = self._limit if new else MAX_NAMESPACES
+        if len(self.by_id) >= limit:
             raise QuotaExceededError(
                 f"the store holds {len(self.by_id)} namespaces, its limit (max_namespaces = "
-                f"{self._limit}); reuse an existing namespace or raise [store] max_namespaces "
+                f"{limit}); reuse an existing namespace or raise [store] max_namespaces "
                 f"(at most {MAX_NAMESPACES})"
             )
         info = NsInfo(len(self.by_id), digest, ns, float(ttl_s))
@@ -114,7 +117,7 @@ class NamespaceTable:
         """Add or update ``ns``; returns its entry and whether the file must change."""
         info = self.by_digest.get(ns.root)
         if info is None:
-            return self.add(ns.root, ns, default_ttl_s if ttl_s is None else ttl_s), True
+            return self.add(ns.root, ns, default_ttl_s if ttl_s is None else ttl_s, new=True), True
         if ttl_s is None:
             ttl_s = info.ttl_s if info.namespace is not None else default_ttl_s
         changed = info.namespace != ns or info.ttl_s != float(ttl_s)
@@ -141,7 +144,7 @@ class NamespaceTable:
             if other.namespace is not None and other.namespace.model_key() == ns.model_key():
                 diffs = [
                     f"{k}: registered {a!r}, asked {b!r}"
-                    for k, a, b in _diff(other.namespace.to_dict(), ns.to_dict())
+                    for k, a, b in field_diffs(other.namespace.to_dict(), ns.to_dict())
                 ]
                 raise LayoutMismatchError(
                     f"namespace for model {ns.model_id!r} differs from the registered one "
@@ -174,11 +177,3 @@ class NamespaceTable:
             self._write(self._path, data)
             self._saved = version
 
-
-def _diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            yield from _diff(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            yield f"{prefix}{k}", va, vb

@@ -192,15 +192,32 @@ class Placer:
         tier = self.tiers[k]
         self.expire(self.clock(), self.config.expire_work_cap)
         stuck: set[int] = set()  # blocks whose demotion failed in an earlier round
+        evict_leaves = self._evicts_leaves(k)
         for _ in range(MAKE_ROOM_ROUNDS):
             if tier.fits(size):
                 return True
-            plan = self.choose_room(k, size, protect | stuck)
+            plan = self.choose_room(k, size, protect | stuck, evict_leaves)
             if plan is None:
+                if not evict_leaves and not tier.persistent:
+                    # Nothing can move down: a volatile tier's leaves may leave (those whose
+                    # demotion failed too: they could not move, but they may go).
+                    evict_leaves = True
+                    stuck.clear()
+                    continue
                 self.ledger.counters.failed_room += 1
                 return False
-            self.apply_room(k, plan, protect, stuck)
+            if not self.apply_room(k, plan, protect, stuck) and not tier.persistent:
+                evict_leaves = True
+                stuck.clear()
         return tier.fits(size)
+
+    def _evicts_leaves(self, k: int) -> bool:
+        """Whether tier ``k``'s leaves may leave the store: on the last tier, and on a volatile
+        tier with no reachable tier below (a remote store is down: for now it is the last).
+        A persistent tier's blocks never leave from above: its copy may be the only durable one.
+        """
+        tier = self.tiers[k]
+        return k == self.last or (not tier.persistent and not any(t.available() for t in self.tiers[k + 1 :]))
 
     def reserve(self, k: int, count: int, size: int, protect: set[int]) -> None:
         """Best effort, before a put places ``count`` new blocks of ``size`` in tier ``k``: make
@@ -214,21 +231,22 @@ class Placer:
             return
         self.expire(self.clock(), self.config.expire_work_cap)
         stuck: set[int] = set()
+        evict_leaves = self._evicts_leaves(k)
         for _ in range(count - room):
-            plan = self.choose_room(k, size, protect | stuck)
+            plan = self.choose_room(k, size, protect | stuck, evict_leaves)
             if plan is None:
                 return
-            self.apply_room(k, plan, protect, stuck)
+            if not self.apply_room(k, plan, protect, stuck) and not tier.persistent:
+                evict_leaves = True
+                stuck.clear()
 
-    def choose_room(self, k: int, size: int, protect: set[int]) -> list[Victim] | None:
+    def choose_room(self, k: int, size: int, protect: set[int], evict_leaves: bool) -> list[Victim] | None:
         """Victims that free ``size`` bytes of tier ``k`` (same size class first), in policy
-        order, or None when that much cannot move or leave. Changes nothing."""
+        order, or None when that much cannot move or leave. With ``evict_leaves`` a victim with
+        no other copy is a leaf that leaves the store (the last tier), else it moves down.
+        Changes nothing."""
         idx, tier = self.index, self.tiers[k]
-        # A volatile tier with no reachable tier below (a remote store is down) is the last one
-        # for now: its leaves may leave, as a cache's do. A persistent tier's never do then:
-        # its copy may be the only durable one.
-        last = k == self.last or (
-            not tier.persistent and not any(t.available() for t in self.tiers[k + 1 :]))
+        last = evict_leaves
         others = ((1 << len(self.tiers)) - 1) & ~(1 << k)
         want = tier.size_class(size)
         chosen: list[Victim] = []
@@ -297,22 +315,24 @@ class Placer:
             ids = ids[~np.isin(ids, np.fromiter(protect, np.int64, len(protect)))]
         return ids
 
-    def apply_room(self, k: int, plan: list[Victim], protect: set[int], stuck: set[int]) -> None:
+    def apply_room(self, k: int, plan: list[Victim], protect: set[int], stuck: set[int]) -> bool:
         """Carry out a plan: demotions first; copies dropped and blocks evicted only once the
-        moves the plan counted on have landed."""
-        failed = 0
+        moves the plan counted on have landed. False if a demotion failed (nothing was evicted;
+        the block stays where it was, with its copy)."""
+        failed = False
         for v in plan:
             if v.action == DEMOTE and not self.demote(v.bid, k, protect):
                 stuck.add(v.bid)
-                failed += v.size
+                failed = True
         if failed:
-            return  # the plan falls short: evict nothing, let the next round plan again
+            return False  # the plan falls short: let the next round plan again
         for v in plan:
             if v.action == COPY:
                 self.drop_copy(v.bid, k)
             elif v.action == EVICT:
                 self.drop_block(v.bid, "capacity")
                 self.ledger.counters.evictions += 1
+        return True
 
     def demote(self, bid: int, k: int, protect: set[int]) -> bool:
         """Move ``bid`` from tier ``k`` to the next tier down, or to the first lower tier that

@@ -18,6 +18,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import (
     BlockNotFound,
     CorruptBlockError,
+    QuotaExceededError,
     TierIOError,
 )
 from kvstore.index import NO_PARENT
@@ -206,7 +207,13 @@ def recover(
             counters.foreign_blocks += 1
             continue
         if state[0] < 0:
-            state = ns_state[ns] = (namespaces.add(ns, None, config.default_ttl_s).nid, None)
+            try:
+                state = ns_state[ns] = (namespaces.add(ns, None, config.default_ttl_s).nid, None)
+            except QuotaExceededError as e:  # past max_namespaces: kept on the tier, not served
+                log.warning("blocks of namespace %s are not served: %s", ns.hex(), e)
+                ns_state[ns] = None
+                counters.foreign_blocks += 1
+                continue
         pid = (NO_PARENT if meta.parent == ns else None) if depth == 0 else id_of(meta.parent)
         if pid is None:
             drop_orphan(key, mask)
@@ -264,7 +271,12 @@ def learn_namespaces(tiers: Sequence, namespaces: NamespaceTable, digests: set[b
                     "learned namespace %s of model %r has another layout than the registered %s; "
                     "their blocks are kept apart", d.hex(), ns.model_id, other.digest.hex(),
                 )
-        namespaces.learned(d, ns, default_ttl_s)
+        try:
+            namespaces.learned(d, ns, default_ttl_s)
+        except QuotaExceededError as e:
+            log.warning("blocks of namespace %s are not served: %s", d.hex(), e)
+            foreign.add(d)
+            continue
         for t in tiers:
             t.register_namespace(d, desc)
         log.info("learned namespace %s (model %r) from a persistent tier", d.hex(), ns.model_id)

@@ -115,3 +115,46 @@ def test_tier_spec_options_are_read_only() -> None:
     spec = TierSpec("dram", "dram", {"capacity_bytes": 1})
     with pytest.raises(TypeError):
         spec.options["capacity_bytes"] = 2  # type: ignore[index]
+
+
+# ---- environment overrides: refused when wrong, and named by their variable -----------------------
+
+
+def test_misspelled_tier_in_environment_is_refused_listing_the_tiers() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(env={"KVSTORE_TIER_DRAMM_CAPACITY_BYTES": "2GiB"})
+    msg = str(err.value)
+    assert "KVSTORE_TIER_DRAMM_CAPACITY_BYTES" in msg
+    assert "known tiers: dram, nvme, object" in msg
+
+
+def test_unknown_tier_option_in_environment_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"KVSTORE_TIER_NVME_CAPACITY: tier 'nvme' \(nvme\) has no option 'capacity'"):
+        load_config(env={"KVSTORE_TIER_NVME_CAPACITY": "2GiB"})
+
+
+@pytest.mark.parametrize(
+    "var, value",
+    [
+        ("KVSTORE_TIER_DRAM_CAPACITY_BYTES", "lots"),
+        ("KVSTORE_DEFAULT_TTL", "soon"),
+        ("KVSTORE_POLICY", "densty"),
+        ("KVSTORE_EVENTS_ENABLED", "maybe"),
+    ],
+)
+def test_bad_environment_value_names_the_variable(var: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=var):
+        load_config(env={var: value})
+
+
+def test_cross_option_error_from_environment_names_the_variables() -> None:
+    with pytest.raises(ConfigError, match=r"KVSTORE_TIER_NVME_SLAB_BYTES='2GiB' from the environment"):
+        load_config(env={"KVSTORE_TIER_NVME_SLAB_BYTES": "2GiB"})
+
+
+def test_longest_tier_prefix_owns_the_variable(tmp_path: Path) -> None:
+    p = write(tmp_path, "[[tiers]]\nname='nvme'\nkind='nvme'\ncapacity_bytes='1GiB'\n"
+                        "[[tiers]]\nname='nvme_fast'\nkind='nvme'\ncapacity_bytes='1GiB'\n")
+    cfg = load_config(p, env={"KVSTORE_TIER_NVME_FAST_CAPACITY_BYTES": "2GiB"})
+    assert cfg.tiers[0].options["capacity_bytes"] == "1GiB"
+    assert cfg.tiers[1].options["capacity_bytes"] == "2GiB"

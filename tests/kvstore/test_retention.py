@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.clock import FakeClock
 from kvstore.errors import KVStoreError, RetentionError, UsageError
-from kvstore.retention import PINS_FILE
+from kvstore.retention import PINS_FILE, read_pins
 from tests.conftest import BB, SMALL_NS, chain_for, small_tiers
 from tests.kvstore.test_store import assert_payloads, assert_prefix_closed, load, put_chain
 
@@ -121,14 +121,19 @@ def test_pins_and_deadlines_survive_a_restart(make_store, clock: FakeClock) -> N
     assert s2.lookup(SMALL_NS, forever).num_blocks == 0
 
 
-def test_a_damaged_pins_file_is_reported(make_store, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_damaged_pins_file_is_moved_aside_and_the_store_opens(make_store, tmp_path) -> None:  # type: ignore[no-untyped-def]
     s = make_store()
     put_chain(s, chain_for(10, 1))
     s.pin(SMALL_NS, chain_for(10, 1))
     s.close()
-    (tmp_path / "store" / PINS_FILE).write_text("{not json")
-    with pytest.raises(KVStoreError, match="pins.json"):
-        make_store(register=False)
+    root = tmp_path / "store"
+    (root / PINS_FILE).write_text("{not json")
+    s = make_store(register=False)
+    assert s.pins() == []
+    aside = [p for p in root.iterdir() if p.name.startswith(PINS_FILE + ".corrupt-")]
+    assert len(aside) == 1 and aside[0].read_text() == "{not json"
+    with pytest.raises(KVStoreError, match="corrupt"):  # offline readers still say what is wrong
+        read_pins(aside[0])
 
 
 def test_pinned_bytes_count_each_block_once(make_store, clock: FakeClock) -> None:

@@ -307,3 +307,32 @@ def test_two_nodes_share_prefixes_and_both_treat_a_corrupt_object_as_a_miss(
         assert node_b("get", seed=4, n=4) == {"loaded": 1, "ok": True}
     finally:
         node_b.close()
+
+
+def test_a_durable_block_demoted_to_s3_is_never_only_in_the_write_queue(tmp_path: Path, clock: FakeClock) -> None:
+    """Issue 14 #1: a block whose last persistent copy is on NVMe moves to S3 only by a durable
+    (synchronous) write, never by the write-behind queue; with S3 down it stays on NVMe."""
+    with LocalS3() as server:
+        server.make_bucket("writeback")
+        options = {"url": "s3://writeback/kv", **server.tier_options(), "max_attempts": 1, "breaker_failures": 1,
+                   "breaker_retry_s": 30, "write_behind": True, "worker_interval_s": 3600}
+        tiers = (TierSpec("nvme", "nvme", {"capacity_bytes": 4 * BB, "slab_bytes": 4 * BB}),
+                 TierSpec("object", "object", {"capacity_bytes": 1 << 30, **options}))
+        with KVStore(StoreConfig(root=tmp_path / "n", tiers=tiers), clock=clock) as s:
+            s.register_namespace(SMALL_NS)
+            a, b = chain_for(1, 4), chain_for(2, 4)
+            put_chain(s, a, durable=True)
+            put_chain(s, b[:2])  # NVMe is full: a[0], a[1] go down to S3, synchronously
+            assert s.lookup(SMALL_NS, a).tiers == ("object",) * 2 + ("nvme",) * 2
+            d = s.stats()["tiers"][1]
+            assert d["queued_writes"] == 0
+            assert all(server.fs.exists(s.tiers[1].path(h)) for h in a[:2])
+            server.kill()
+            s.tiers[1].tick()
+            put_chain(s, b[:2] + [b[2]], start=2)  # room would need a[2] on S3: it is down
+            assert [r["tiers"] for r in s.iter_blocks(a)] == [["object"]] * 2 + [["nvme"]] * 2
+            assert all(s.tiers[0].contains(h) for h in a[2:])  # never dropped, never queued only
+            # The one write queued is the new block b[2] itself (not durable: write-behind is its
+            # way to the store while it is down).
+            assert s.stats()["tiers"][1]["queued_writes"] == 1
+            assert [r["tiers"] for r in s.iter_blocks(b[2:3])] == [["object"]]

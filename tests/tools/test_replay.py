@@ -201,12 +201,27 @@ def test_default_policy_not_below_lru_on_unseen_traces(kind: str, tmp_path: Path
     """Traces the policy was never tuned on: the default keeps up with LRU (a tolerance of a
     tenth of a point for noise on short traces)."""
     path = tmp_path / f"{kind}.jsonl"
-    write_trace(path, generate(kind, 700, seed=3))
+    write_trace(path, generate(kind, 150 if kind == "coding-agent" else 700, seed=3))  # its chains are long
     t = load_trace(path)
     tiers = parse_capacity("5%", t.unique_blocks, 1)
     lru = replay_store(t, tiers, "lru", block_tokens=512).hits.sum()
     ours = replay_store(t, tiers, "density", block_tokens=512).hits.sum()
     assert ours >= lru - 0.001 * t.num_blocks
+
+
+@pytest.mark.parametrize("capacity", ["1%", "5%", "20%", "50%", "t0=1%,t1=2%,t2=5%"])
+def test_long_chain_replays_never_fail_at_any_capacity(tmp_path: Path, capacity: str) -> None:
+    """Agentic chains of up to thousands of blocks, forking and idling, at capacities where a
+    single request is longer than the whole store: no put raises, and a request stores all
+    its blocks unless its own prefix fills the store."""
+    path = tmp_path / "agent.jsonl"
+    write_trace(path, generate("coding-agent", 40, seed=5))
+    t = load_trace(path)
+    assert int(np.diff(t.offsets).max()) > int(0.05 * t.unique_blocks)  # longer than the store at 1-5%
+    tiers = parse_capacity(capacity, t.unique_blocks, 1)
+    for policy in ("lru", "density"):
+        run = replay_store(t, tiers, policy, block_tokens=512)
+        assert 0 < run.hits.max() <= sum(c.blocks for c in tiers)  # the shared prompt is hit
 
 
 def test_synthetic_kinds_are_valid_traces(tmp_path: Path) -> None:

@@ -2,7 +2,9 @@
 
 Each prints one line per figure; with ``--json`` one JSON object per line with ``bench``,
 ``metric``, ``value``, ``unit``, ``baseline`` (measured in the same run) and ``ratio``.
-Exit codes: 0 ok, 2 bad arguments, 1 a benchmark failed.
+Exit codes: 0 ok, 2 bad arguments, 1 a benchmark failed; with ``--check``, 3 when a figure
+misses the goal its row states (``goal_ms``, ``goal_ratio``...: see ``_common.missed_goals``),
+for scripts and release checks (CI's tests never time anything).
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import argparse
 import importlib
 import sys
 
-from tools.bench._common import emit
+from kvstore.version import version
+from tools.bench._common import emit, missed_goals
 
 BENCHES = {
     "hash": "tools.bench.hash",
     "index": "tools.bench.index",
     "nvme": "tools.bench.nvme",
+    "restart": "tools.bench.restart",
     "s3": "tools.bench.s3",  # starts its own moto_server on loopback
     "gpu_load": "tools.bench.gpu_load",
     "ttft": "tools.bench.ttft",
@@ -27,6 +31,7 @@ BENCHES = {
     "ucx": "tools.bench.ucx",
     "rpc": "tools.bench.rpc",
     "concurrent": "tools.bench.concurrent",
+    "outage": "tools.bench.outage",  # the engine's cost while its daemon is down (issue 15)
 }
 
 
@@ -41,13 +46,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
     p.add_argument("--dir", default=None, help="directory on the disk to measure (nvme); default: a temp dir under ./")
     p.add_argument("--layer-groups", type=int, default=16, help="ttft/overlap: layer groups loaded one after another (default 16)")
+    p.add_argument("--check", action="store_true",
+                   help="exit 3 when a figure misses its goal (each miss is named on stderr)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     args = p.parse_args(argv)
     names = list(BENCHES) if args.name == "all" else [args.name]
+    missed = 0
     for name in names:
         mod = importlib.import_module(BENCHES[name])
         for row in mod.run(args):
             emit(row, args.json)
-    return 0
+            if args.check:
+                for miss in missed_goals(row):
+                    missed += 1
+                    print(f"MISSED {row['bench']}/{row['metric']}: {miss}", file=sys.stderr, flush=True)
+    if args.check:
+        print(f"--check: {missed} figure(s) missed a goal" if missed else "--check: every goal met",
+              file=sys.stderr)
+    return 3 if missed else 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,40 @@ def result(bench: str, metric: str, value: float, unit: str, baseline: float, **
     return out
 
 
+# Upper bounds on the value, by the goal's key (``goal_ms=1.0``: at most 1 ms).
+_UPPER = {"goal_ms": "ms", "goal_us": "us", "goal_s": "s", "goal_bytes": "B"}
+
+
+def missed_goals(row: dict[str, Any]) -> list[str]:
+    """What ``row`` misses of the goals it states, one sentence each (empty: every goal met).
+
+    ``goal_ms`` / ``goal_us`` / ``goal_s`` / ``goal_bytes``: the value may be at most this;
+    ``goal_speedup``: ``speedup`` at least this; ``goal_ratio``: value / baseline at least this
+    for a rate (a unit ending in ``/s``) and at most this otherwise (a time, a size). A goal of
+    None states none. An unknown ``goal_*`` key is a bug in the benchmark, not a pass.
+    """
+    out = []
+    value, unit = row["value"], row["unit"]
+    for key, goal in row.items():
+        if not key.startswith("goal_") or goal is None:
+            continue
+        if key in _UPPER:
+            if not value <= goal:
+                out.append(f"{value:g} {unit} > goal {goal:g} {_UPPER[key]}")
+        elif key == "goal_speedup":
+            if not row["speedup"] >= goal:
+                out.append(f"speedup {row['speedup']:g} < goal {goal:g}")
+        elif key == "goal_ratio":
+            rate = unit.endswith("/s")
+            ratio = row["ratio"]
+            if not (ratio >= goal if rate else ratio <= goal):
+                out.append(f"ratio {ratio:g} {'<' if rate else '>'} goal {goal:g} (value / baseline)")
+        else:
+            raise ValueError(f"{row['bench']}/{row['metric']}: unknown goal {key!r}; known: "
+                             f"{', '.join([*_UPPER, 'goal_speedup', 'goal_ratio'])}")
+    return out
+
+
 def best_of(fn: Callable[[], Any], repeat: int = 5) -> float:
     """Fastest wall time of ``repeat`` calls, in seconds (the least noisy estimate)."""
     best = float("inf")

@@ -267,6 +267,7 @@ class DirBackend:
         rows = {r["hash"]: r for r in self.snap.iter_blocks([bytes.fromhex(h) for h in blocks])}
         with self._writable_store() as store:
             removed = sum(store.delete(self._namespace(r["namespace"]), [bytes.fromhex(h)]) for h, r in rows.items())
+        self._snap = None  # the directory changed: read it again
         return {"blocks": removed}
 
     def ttl(self, ns: str, ttl_s: float | None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 from kvstore.config import load_config
 from kvstore.errors import KVStoreError, UsageError
 from kvstore.units import parse_duration
+from kvstore.version import version
 from tools.kvctl import term
 from tools.kvctl.backends import BadUsage, DaemonBackend, DirBackend, KvctlError, NotFound
 from tools.kvctl.tokens import load_tokenizer, parse_ids
@@ -72,6 +73,7 @@ def _prefix_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvctl", description=DESCRIPTION, epilog=EXIT_CODES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     _common(p, None)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parent = argparse.ArgumentParser(add_help=False)
@@ -129,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
              "from <dir>/pins.json, which a restart re-applies.")
     ps.add_argument("--ns", help="only this namespace")
     ev = cmd("evict", "delete blocks and every block that extends them",
-             "Delete blocks and every cached block that extends them (pinned or in-use ones stay).")
+             "Delete blocks and every cached block that extends them. Pinned or in-use blocks "
+             "stay; each asked block that stayed is named with the reason, and the exit code is "
+             "1 (4 when none of the blocks was cached).")
     ev.add_argument("blocks", metavar="BLOCK", nargs="+")
     tt = cmd("ttl", "show or set a namespace's TTL",
              "Show a namespace's TTL, or set it (e.g. 72h, 7d): new blocks, and every block on its "
@@ -146,10 +150,13 @@ def _backend(args: argparse.Namespace, progress: term.Progress) -> DaemonBackend
     if args.dir is not None:
         if args.url is not None:
             raise BadUsage("pass --url or --dir, not both")
+        if not args.dir.is_dir():
+            what = "is a file, not a directory" if args.dir.exists() else "does not exist"
+            raise BadUsage(f"--dir {args.dir} {what}: pass the daemon's data directory (kvstore serve --data-dir)")
         try:
             cfg = load_config(args.config, root=args.dir)
         except UsageError as e:
-            raise BadUsage(str(e)) from e
+            raise BadUsage(f"--config {args.config}: {e}" if args.config else str(e)) from e
         return DirBackend(cfg, write=bool(args.write), events=args.events, progress=progress)
     if args.write:
         raise BadUsage("--write applies to --dir only; a daemon takes changes as they are")
@@ -363,6 +370,42 @@ def _show_block(r: dict[str, Any]) -> None:
             for u in r["pin_until"]))
 
 
+def _block_or_none(backend: DaemonBackend | DirBackend, h: str) -> dict[str, Any] | None:
+    try:
+        return backend.block(h)
+    except NotFound:
+        return None
+
+
+def _kept_reason(row: dict[str, Any]) -> str:
+    h = row["hash"]
+    if row.get("pins"):
+        return (f"block {h} is pinned ({row['pins']} pin(s)): pinned blocks are never evicted; "
+                f"`kvctl unpin {h}` first (`kvctl pins` lists them)")
+    if row.get("in_use"):
+        return f"block {h} is being read ({row['in_use']} load(s) in flight); try again once they finish"
+    return f"block {h} is still cached (a pinned or in-use block extends it, or the store refused)"
+
+
+def _evict(args: argparse.Namespace, backend: DaemonBackend | DirBackend) -> int:
+    """Evict, then say why each asked block that is still there stayed: exit 0 only when every
+    asked block is gone, 4 when none of them was cached, 1 when some stayed."""
+    blocks = [_block_arg(b) for b in args.blocks]
+    before = {h: _block_or_none(backend, h) for h in blocks}
+    out = backend.evict(blocks)
+    kept = [r for h in blocks if before[h] is not None and (r := _block_or_none(backend, h)) is not None]
+    missing = [h for h in blocks if before[h] is None]
+    out = {**out, "kept": [{"block": r["hash"], "reason": _kept_reason(r)} for r in kept], "not_found": missing}
+    _print(args, out, lambda o: print(f"evicted {o['blocks']} blocks"))
+    for k in out["kept"]:
+        print(f"kvctl: not evicted: {k['reason']}", file=sys.stderr)
+    for h in missing:
+        print(f"kvctl: not evicted: block {h} is not cached (`kvctl top` shows the cached ones)", file=sys.stderr)
+    if kept:
+        return 1
+    return 4 if missing and len(missing) == len(blocks) else 0
+
+
 def run(args: argparse.Namespace, progress: term.Progress) -> int:
     backend = _backend(args, progress)
     try:
@@ -401,8 +444,7 @@ def run(args: argparse.Namespace, progress: term.Progress) -> int:
             ns = resolve_ns(backend, args.ns) if args.ns else None
             _print(args, backend.pins(ns), _show_pins)
         elif c == "evict":
-            out = backend.evict([_block_arg(b) for b in args.blocks])
-            _print(args, out, lambda o: print(f"evicted {o['blocks']} blocks"))
+            return _evict(args, backend)
         elif c == "ttl":
             ttl = None
             if args.duration is not None:

@@ -41,7 +41,13 @@ def load_tokenizer(spec: str, special_tokens: bool = True) -> Tokenize:
     Hugging Face tokenizer already on this machine (``transformers``, offline)."""
     if spec == "bytes":
         return lambda text: list(text.encode())
-    path = Path(spec)
+    path = Path(spec).expanduser()
+    looks_like_path = spec.endswith(".json") or spec.startswith(("./", "../", "/", "~")) or os.sep + os.sep in spec
+    if looks_like_path and not path.exists():
+        raise UsageError(
+            f"--tokenizer {spec}: no such file or directory ({path.absolute()}); pass an existing "
+            "tokenizer.json or tokenizer directory, or --tokenizer bytes"
+        )
     if path.is_file():
         try:
             from tokenizers import Tokenizer

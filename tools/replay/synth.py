@@ -13,6 +13,10 @@ that block into a different one).
   mean) between turns and a geometric number of turns (mean 4); each turn re-sends the history.
 * ``scan``: a hot set of 200 long documents asked about again and again, mixed with a scan of
   one-off documents that never return (the workload that flushes LRU).
+* ``coding-agent``: long agentic sessions: a shared system prompt, one of a few repositories'
+  context (100-1,500 blocks), then tool loops whose results are heavy-tailed (1-200 blocks), so
+  chains reach thousands of blocks; a step may fork a sub-agent from the current history, and
+  sessions go idle for minutes between bursts. The workload of issue 12's long chains.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-KINDS = ("zipf-prompts", "agent-loop", "multi-turn", "scan")
+KINDS = ("zipf-prompts", "agent-loop", "multi-turn", "scan", "coding-agent")
 
 
 class _Ids:
@@ -115,11 +119,36 @@ def _scan(n: int, rng: np.random.Generator, bt: int) -> Iterator[dict[str, Any]]
         yield _request(t, doc + ids.new(int(rng.integers(0, 3))), ids, rng, bt)
 
 
+def _coding_agent(n: int, rng: np.random.Generator, bt: int) -> Iterator[dict[str, Any]]:
+    ids = _Ids()
+    system = ids.new(40)
+    repos = [system + ids.new(int(rng.integers(100, 1500))) for _ in range(4)]
+    heap: list[tuple[float, int, list[int], int]] = []
+    t, sid, out = 0.0, 0, 0
+    while out < n:
+        t += rng.exponential(5_000.0)
+        heapq.heappush(heap, (t, sid, list(repos[int(rng.integers(0, len(repos)))]), int(rng.geometric(1 / 40))))
+        sid += 1
+        while heap and heap[0][0] <= t and out < n:
+            when, s, history, left = heapq.heappop(heap)
+            grow = int(min(200, rng.pareto(1.2) * 4 + 1))  # most tool results short, a few huge
+            history = history + ids.new(grow)
+            yield _request(when, history, ids, rng, bt)
+            out += 1
+            if rng.random() < 0.05:  # a sub-agent forks from here
+                heapq.heappush(heap, (when + rng.exponential(2_000.0), sid, history, int(rng.geometric(1 / 10))))
+                sid += 1
+            if left > 1:
+                idle = rng.exponential(120_000.0) if rng.random() < 0.1 else rng.exponential(4_000.0)
+                heapq.heappush(heap, (when + idle, s, history, left - 1))
+
+
 _GENERATORS = {
     "zipf-prompts": _zipf_prompts,
     "agent-loop": _agent_loop,
     "multi-turn": _multi_turn,
     "scan": _scan,
+    "coding-agent": _coding_agent,
 }
 
 

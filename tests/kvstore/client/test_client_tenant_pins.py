@@ -1,4 +1,4 @@
-"""Tenants and their pins through a real daemon: ``GET /v1/pins`` / ``Client.pins()`` shows a
+"""Tenants and their pins through a real daemon: ``GET /v1/pins`` / ``Client.pin_report()`` shows a
 tenant its own pins only, and ``pin_quota`` bounds the bytes a tenant's retention guarantees hold
 (overlapping guarantees count a block once)."""
 
@@ -55,7 +55,7 @@ def test_a_tenant_lists_its_own_pins_and_never_anothers(
         assert b.pin(SMALL_NS, chain[:1], until=t_b) == 1
         assert b.pin(OTHER_NS, chain_for(2, 2)) == 2
 
-        mine = a.pins()
+        mine = a.pin_report()
         assert _rows(mine) == [(2, None, True), (3, t_a, True)]
         assert {(r["ns"], r["model_id"], r["bytes"]) for r in mine["pins"]} == {
             (SMALL_NS.root.hex(), "test/tiny", 2 * BB), (SMALL_NS.root.hex(), "test/tiny", 3 * BB)}
@@ -64,12 +64,12 @@ def test_a_tenant_lists_its_own_pins_and_never_anothers(
             "pins": 2, "timed": 1, "untimed": 1, "pinned_blocks": 3, "next_until": None, "ended": 0}
         assert mine["summary"]["next_until"] == t_a
 
-        theirs = b.pins()
+        theirs = b.pin_report()
         assert _rows(theirs) == [(1, t_b, True), (2, None, True)]
         assert theirs["guaranteed_bytes"] == BB
-        assert _rows(b.pins(SMALL_NS)) == [(1, t_b, True)]
-        assert _rows(b.pins(OTHER_NS)) == [(2, None, True)]
-        assert a.pins(OTHER_NS)["pins"] == []  # a's own namespace id, b's pins: nothing
+        assert _rows(b.pin_report(SMALL_NS)) == [(1, t_b, True)]
+        assert _rows(b.pin_report(OTHER_NS)) == [(2, None, True)]
+        assert a.pin_report(OTHER_NS)["pins"] == []  # a's own namespace id, b's pins: nothing
 
     with _http(d, TOKEN_OPS) as h:  # the admin still sees every pin, by stored keys
         every = h.get("/v1/admin/pins").json()["pins"]
@@ -90,14 +90,14 @@ def test_a_tenant_lists_its_own_pins_and_never_anothers(
     d = start_daemon(TENANTS, root=root, clock=clock)
     with connect(d.url, token=TOKEN_A) as a, connect(d.url, token=TOKEN_B) as b:
         # Before either registers a namespace again: its pins are found by its salt.
-        assert _rows(a.pins()) == [(2, None, True)] and a.pins()["guaranteed_bytes"] == 0
-        assert _rows(b.pins()) == [(1, t_b, True), (2, None, True)]
+        assert _rows(a.pin_report()) == [(2, None, True)] and a.pin_report()["guaranteed_bytes"] == 0
+        assert _rows(b.pin_report()) == [(1, t_b, True), (2, None, True)]
         clock.set(t_b + 1)
-        assert _rows(b.pins(SMALL_NS)) == [(1, t_b, False)]  # ended, until the next expiry pass
-        assert b.pins()["guaranteed_bytes"] == 0
+        assert _rows(b.pin_report(SMALL_NS)) == [(1, t_b, False)]  # ended, until the next expiry pass
+        assert b.pin_report()["guaranteed_bytes"] == 0
         with _http(d, TOKEN_OPS) as h:
             assert h.post("/v1/maintain").status_code == 200
-        assert b.pins(SMALL_NS)["pins"] == []
+        assert b.pin_report(SMALL_NS)["pins"] == []
 
 
 def test_pin_quota_bounds_a_tenants_guarantees(start_daemon: Callable[..., ThreadedDaemon]) -> None:
@@ -120,7 +120,7 @@ def test_pin_quota_bounds_a_tenants_guarantees(start_daemon: Callable[..., Threa
         assert a.pin(SMALL_NS, chain[:3], until=until) == 3
         assert a.pin(SMALL_NS, chain[:4], until=until + H) == 4  # overlaps: 1 block more, 4 in all
         assert a.pin(SMALL_NS, chain[:2], until=until) == 2  # all held already: adds nothing
-        assert a.pins()["guaranteed_bytes"] == 4 * BB
+        assert a.pin_report()["guaranteed_bytes"] == 4 * BB
         with pytest.raises(RetentionError) as e:
             a.pin(SMALL_NS, chain[:5], until=until)
         msg = str(e.value)
@@ -128,26 +128,26 @@ def test_pin_quota_bounds_a_tenants_guarantees(start_daemon: Callable[..., Threa
         assert f"pin_quota of {4 * BB} bytes" in msg and "unpin" in msg and "raise pin_quota" in msg
         with pytest.raises(RetentionError, match="pin_quota"):
             a.pin(SMALL_NS, other, until=until)
-        assert len(a.pins()["pins"]) == 3  # the refusals pinned nothing
+        assert len(a.pin_report()["pins"]) == 3  # the refusals pinned nothing
         assert a.pin(SMALL_NS, chain) == 6  # an untimed pin is no guarantee: not counted
-        assert a.pins()["guaranteed_bytes"] == 4 * BB
+        assert a.pin_report()["guaranteed_bytes"] == 4 * BB
 
         # Only what is cached counts (and is pinned): 2 of these 5 hashes.
         longer = chain_for(5, 5)
         b.put(SMALL_NS, longer[:2], _blocks(longer[:2]))
         assert b.pin(SMALL_NS, longer, until=until) == 2
         assert b.pin(SMALL_NS, chain, until=until) == 6  # b: bounded by the store alone
-        assert b.pins()["guaranteed_bytes"] == 8 * BB and b.pins()["pin_quota_bytes"] is None
+        assert b.pin_report()["guaranteed_bytes"] == 8 * BB and b.pin_report()["pin_quota_bytes"] is None
 
         with pytest.raises(RetentionError, match="pin_quota of 0 bytes"):
             c.pin(SMALL_NS, chain[:1], until=until)
         assert c.pin(SMALL_NS, chain[:1]) == 1
 
         assert a.unpin(SMALL_NS, chain[:4]) == 4  # a guarantee undone: its room comes back
-        assert a.pins()["guaranteed_bytes"] == 3 * BB
+        assert a.pin_report()["guaranteed_bytes"] == 3 * BB
         assert a.pin(SMALL_NS, chain[:4], until=until) == 4
         clock.set(until + 1)  # these ended (before any expiry pass): they count no more
-        assert a.pins()["guaranteed_bytes"] == 0
+        assert a.pin_report()["guaranteed_bytes"] == 0
         assert a.pin(SMALL_NS, other, until=clock() + H) == 2
         assert a.stats()["usage"]["pin_quota_bytes"] == 4 * BB
 
@@ -158,7 +158,7 @@ def test_pin_quota_bounds_a_tenants_guarantees(start_daemon: Callable[..., Threa
         body = {"ns": ns_a, "tokens": tokens_for(3, 6).tolist(), "until": clock() + 2 * H}
         assert h.post("/v1/admin/pin", json=body).json()["blocks"] == 6
     with connect(d.url, token=TOKEN_A) as a:
-        assert a.pins()["guaranteed_bytes"] == 8 * BB  # 6 of the operator's, 2 of a's own
+        assert a.pin_report()["guaranteed_bytes"] == 8 * BB  # 6 of the operator's, 2 of a's own
         with _http(d, TOKEN_A) as h:
             r = h.post("/v1/pin", json={"ns": SMALL_NS.root.hex(), "hashes": [x.hex() for x in chain[:1]],
                                         "until": clock() + H})

@@ -44,7 +44,7 @@ def test_anonymous_lookup_by_hashes_and_by_tokens(start_daemon: Callable[..., Th
         ns = h.post("/v1/namespaces", json=NS_BODY).json()["ns"]
         assert ns == SMALL_NS.root.hex()
         r = h.post("/v1/lookup", json={"ns": ns, "hashes": _hex(chain)}).json()
-        assert r == {"num_blocks": 3, "num_tokens": 48, "tiers": ["dram"] * 3}
+        assert r == {"num_blocks": 3, "num_tokens": 48, "tiers": ["dram"] * 3, "unavailable": []}
         toks = tokens_for(1, 4).tolist()
         assert h.post("/v1/lookup", json={"ns": ns, "tokens": toks}).json()["num_blocks"] == 3
 
@@ -198,7 +198,7 @@ def test_openapi_documents_the_lookup_body_and_reply(start_daemon: Callable[...,
     assert schema["additionalProperties"] is False
     assert "authorization" in [p["name"] for p in op["parameters"]]
     reply = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
-    assert set(spec["components"]["schemas"][reply]["properties"]) == {"num_blocks", "num_tokens", "tiers"}
+    assert set(spec["components"]["schemas"][reply]["properties"]) == {"num_blocks", "num_tokens", "tiers", "unavailable"}
 
 
 def test_lookup_needs_the_tenants_token_and_is_timed_by_route(start_daemon: Callable[..., ThreadedDaemon]) -> None:
@@ -211,7 +211,7 @@ def test_lookup_needs_the_tenants_token_and_is_timed_by_route(start_daemon: Call
         assert r.status_code == 401 and "Bearer <token>" in r.json()["detail"]
     with _http(d, TOKEN_A) as h:
         assert h.post("/v1/namespaces", json=NS_BODY).status_code == 200
-        assert h.post("/v1/lookup", json=body).json() == {"num_blocks": 0, "num_tokens": 0, "tiers": []}
+        assert h.post("/v1/lookup", json=body).json() == {"num_blocks": 0, "num_tokens": 0, "tiers": [], "unavailable": []}
     with _http(d, TOKEN_OPS) as h:
         text = h.get("/metrics").text
     assert 'kvstore_requests_total{op="/v1/lookup",outcome="200",plane="http"} 1.0' in text

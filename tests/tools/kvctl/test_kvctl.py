@@ -249,3 +249,41 @@ def test_help_documents_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> No
     assert e.value.code == 0
     for line in ("0  ok", "2  usage", "3  the daemon cannot be reached", "4  not found", "5  busy", "6  refused"):
         assert line in out
+
+
+def test_evict_of_a_pinned_block_says_why_and_fails(start_daemon: Callable[..., ThreadedDaemon],  # noqa: F811
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    d = start_daemon()
+    hashes = hash_blocks(SMALL_NS, list(range(4 * SMALL_NS.block_tokens)))
+    with connect(d.url) as c:
+        c.put(SMALL_NS, hashes, [payload(h) for h in hashes])
+    url = ["--url", d.url]
+    assert _run(capsys, *url, "pin", hashes[1].hex())[0] == 0
+    code, out, err = _run(capsys, *url, "evict", hashes[1].hex())
+    assert code == 1 and out.strip() == "evicted 2 blocks"  # its unpinned children went
+    assert f"not evicted: block {hashes[1].hex()} is pinned (1 pin(s))" in err and "kvctl unpin" in err
+    code, out, _ = _run(capsys, *url, "evict", hashes[1].hex(), "--json")
+    assert code == 1 and json.loads(out)["kept"][0]["block"] == hashes[1].hex()
+    code, _, err = _run(capsys, *url, "evict", "ab" * 16)
+    assert code == 4 and "is not cached" in err
+    assert _run(capsys, *url, "unpin", hashes[1].hex())[0] == 0
+    assert _run(capsys, *url, "evict", hashes[0].hex()) == (0, "evicted 2 blocks\n", "")
+
+
+def test_common_mistakes_name_the_flag_and_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, "--url", "http://127.0.0.1:9", "lookup", "m", "--text", "hi",
+                        "--tokenizer", "./missing.json")
+    assert code == 2 and "--tokenizer ./missing.json: no such file or directory" in err
+    code, _, err = _run(capsys, "--dir", str(tmp_path / "nope"), "stats")
+    assert code == 2 and f"--dir {tmp_path / 'nope'} does not exist" in err
+    (tmp_path / "file").write_text("")
+    code, _, err = _run(capsys, "--dir", str(tmp_path / "file"), "stats")
+    assert code == 2 and "is a file, not a directory" in err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.version import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"kvctl {version()}"

@@ -1,0 +1,177 @@
+"""What keeps one client from taking the daemon down: connection limits and request deadlines.
+
+* :class:`ConnectionGate`: open connections of both planes together, per peer address and in
+  all, kept under the process's descriptor limit. A connection over a limit is closed as soon as
+  it is accepted, so the daemon never runs out of descriptors and the clients already connected
+  (and ``/healthz`` on their keep-alive connections) carry on.
+* :func:`gated_http_protocol`: uvicorn's HTTP protocol with the gate and a deadline on every
+  request's head and body (uvicorn times out idle keep-alive connections, but not a connection
+  that never sends a request, nor one that sends half of one).
+* :class:`InflightBytes`: payload bytes of one tenant's puts being received at once; a put over
+  the bound waits, and meanwhile its bytes stay in the client's socket (TCP backpressure).
+
+The data plane's own deadlines (a HELLO within ``handshake_timeout``, the rest of a header
+within ``request_timeout``) are in :mod:`kvstore.server.dataplane`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from collections import Counter, defaultdict
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+RESERVED_FDS = 256
+"""Descriptors kept for the store's own files (RocksDB, the slab, objects, logs) and the pool."""
+
+
+def descriptor_budget(configured: int) -> int:
+    """``configured`` connections, or fewer when RLIMIT_NOFILE would run out first. The soft
+    limit is raised to the hard one first (what a daemon may do for itself)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    room = max(16, soft - RESERVED_FDS if soft > 2 * RESERVED_FDS else soft // 2)
+    if room < configured:
+        log.warning("RLIMIT_NOFILE is %d: at most %d connections (max_connections = %d); raise "
+                    "LimitNOFILE for more", soft, room, configured)
+    return min(configured, room)
+
+
+class ConnectionGate:
+    """Counts open connections per peer and in all; not thread-safe (the event loop's)."""
+
+    def __init__(self, max_total: int, max_per_peer: int) -> None:
+        self.max_total = max_total
+        self.max_per_peer = max_per_peer
+        self.total = 0
+        self.refused = 0
+        self._peers: Counter[str] = Counter()
+        self._last_warning = 0.0
+
+    def admit(self, peer: str) -> bool:
+        """Count a new connection from ``peer``; False (and nothing counted) over a limit."""
+        if self.total >= self.max_total or self._peers[peer] >= self.max_per_peer:
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._last_warning > 10:  # one line per burst, not one per connection
+                self._last_warning = now
+                log.warning("refusing connections over the limit (%d open, %d from %s; limits %d and %d "
+                            "per peer); %d refused so far", self.total, self._peers[peer], peer,
+                            self.max_total, self.max_per_peer, self.refused)
+            return False
+        self.total += 1
+        self._peers[peer] += 1
+        return True
+
+    def leave(self, peer: str) -> None:
+        self.total -= 1
+        self._peers[peer] -= 1
+        if self._peers[peer] <= 0:
+            del self._peers[peer]
+
+
+def peer_of(transport_or_addr: Any) -> str:
+    addr = transport_or_addr
+    if hasattr(addr, "get_extra_info"):
+        addr = addr.get_extra_info("peername")
+    if isinstance(addr, tuple) and addr:
+        return str(addr[0])
+    return str(addr or "")
+
+
+def gated_http_protocol(gate: ConnectionGate, request_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with the gate and the request deadline.
+
+    The deadline is armed when the connection opens and again after each reply, and disarmed
+    when a request has fully arrived (``on_message_complete``): it bounds the head and the
+    body, never the daemon's own work on a request."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class GatedHttp(HttpToolsProtocol):  # type: ignore[misc]
+        _kv_peer: str | None = None
+        _kv_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            peer = peer_of(transport)
+            if not gate.admit(peer):
+                transport.abort()
+                return
+            self._kv_peer = peer
+            super().connection_made(transport)
+            self._kv_arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._kv_peer is None:  # refused at the gate: uvicorn never saw it
+                return
+            gate.leave(self._kv_peer)
+            self._kv_peer = None
+            self._kv_disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._kv_peer is not None:
+                super().data_received(data)
+
+        def on_message_complete(self) -> None:
+            self._kv_disarm()
+            super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._kv_arm()
+
+        def _kv_arm(self) -> None:
+            self._kv_disarm()
+            self._kv_timer = self.loop.call_later(request_timeout_s, self._kv_expired)
+
+        def _kv_disarm(self) -> None:
+            if self._kv_timer is not None:
+                self._kv_timer.cancel()
+                self._kv_timer = None
+
+        def _kv_expired(self) -> None:
+            self._kv_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return GatedHttp
+
+
+class InflightBytes:
+    """Payload bytes being received per tenant, bounded; waiters are woken in turn."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held: defaultdict[str, int] = defaultdict(int)
+        self._cond: asyncio.Condition | None = None
+
+    async def acquire(self, tenant: str, n: int) -> None:
+        """Wait until ``n`` more bytes of ``tenant`` fit (always, when it has none in flight)."""
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._held[tenant] == 0 or self._held[tenant] + n <= self.limit)
+            self._held[tenant] += n
+
+    async def release(self, tenant: str, n: int) -> None:
+        assert self._cond is not None
+        async with self._cond:
+            self._held[tenant] -= n
+            if self._held[tenant] <= 0:
+                del self._held[tenant]
+            self._cond.notify_all()
+
+    def held(self, tenant: str) -> int:
+        return self._held.get(tenant, 0)

@@ -1,0 +1,109 @@
+"""restart: seconds of warm restart per million cached blocks.
+
+A store directory is filled with chains of 64 blocks, half on an NVMe tier and half on a local
+object tier (written through the tiers, so that the figure is the store's reopening, not its
+puts), then a :class:`KVStore` is opened on it and, for the fixed cost, on an empty directory
+(best of 3 each). Baseline, in the same run: opening the same tiers and scanning them without
+a store, the part of a restart that is the tiers' own (RocksDB records, object headers); the
+difference is what the store's recovery adds (merging the scans, the index rebuild, the
+policies learning the blocks, the expiry pass). Goal: <= 10 s per million blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvstore.block import BlockMeta, payload_checksum
+from kvstore.clock import FakeClock
+from kvstore.config import StoreConfig, TierSpec
+from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
+from kvstore.registry import make_tier
+from kvstore.store import KVStore
+from tools.bench._common import result
+
+CHAIN = 64
+NS = Namespace("bench/restart", KVLayout("uint8", 16, (LayerGroup("full", 1, 1, 16),)))
+
+
+def _specs(n: int) -> tuple[TierSpec, ...]:
+    bb = NS.block_bytes
+    return (
+        TierSpec("nvme", "nvme", {"capacity_bytes": (n // 2 + 4096) * 4096, "slab_bytes": 1024 * 4096}),
+        TierSpec("object", "object", {"capacity_bytes": 2 * n * bb, "sweep_interval_s": 0}),
+    )
+
+
+def _populate(root: Path, n: int, clock: FakeClock) -> None:
+    specs = _specs(n)
+    with KVStore(StoreConfig(root=root, tiers=specs, persist_on_close=False), clock=clock) as s:
+        s.register_namespace(NS)  # namespaces.json, as a store that ran before leaves it
+    tiers = [make_tier(t.kind, t.name, dict(t.options), root, clock) for t in specs]
+    payload = bytes(range(256)) * (NS.block_bytes // 256)
+    now = clock()
+    for c in range(n // CHAIN):
+        hashes = hash_blocks(NS, list(range(c * CHAIN * 16, (c + 1) * CHAIN * 16)))
+        tier = tiers[c % 2]
+        items = [
+            (h, payload, BlockMeta(NS.root, hashes[i - 1] if i else NS.root, i, NS.block_bytes,
+                                   now + 72 * 3600, payload_checksum(payload), now))
+            for i, h in enumerate(hashes)
+        ]
+        errors = tier.write_many(items)
+        if any(e is not None for e in errors):
+            raise RuntimeError(f"populating the bench store failed: {next(e for e in errors if e)}")
+    for t in tiers:
+        t.flush()
+        t.close()
+
+
+def _open_store(root: Path, n: int, clock: FakeClock) -> float:
+    t0 = time.perf_counter()
+    s = KVStore(StoreConfig(root=root, tiers=_specs(n), persist_on_close=False), clock=clock)
+    dt = time.perf_counter() - t0
+    blocks = s.stats()["blocks"]
+    s.close()
+    if root.name == "full" and blocks != n:
+        raise RuntimeError(f"the store recovered {blocks} blocks of {n}")
+    return dt
+
+
+def _open_tiers(root: Path, n: int, clock: FakeClock) -> float:
+    t0 = time.perf_counter()
+    tiers = [make_tier(t.kind, t.name, dict(t.options), root, clock) for t in _specs(n)]
+    for t in tiers:
+        for _ in t.scan():
+            pass
+    dt = time.perf_counter() - t0
+    for t in tiers:
+        t.close()
+    return dt
+
+
+def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    n = 16_384 if args.quick else 131_072  # --quick: 16 Ki blocks
+    clock = FakeClock()
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore-bench-restart-"))
+    try:
+        full, empty = tmp / "full", tmp / "empty"
+        t0 = time.perf_counter()
+        _populate(full, n, clock)
+        populate_s = time.perf_counter() - t0
+        store_full = min(_open_store(full, n, clock) for _ in range(3))
+        store_empty = min(_open_store(empty, n, clock) for _ in range(3))
+        tiers_full = min(_open_tiers(full, n, clock) for _ in range(3))
+        tiers_empty = min(_open_tiers(empty, n, clock) for _ in range(3))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    per_m = (store_full - store_empty) / n * 1e6
+    tiers_per_m = (tiers_full - tiers_empty) / n * 1e6
+    yield result("restart", "warm_restart_s_per_million_blocks", per_m, "s", tiers_per_m,
+                 goal=10.0, blocks=n, restart_s=round(store_full, 3), empty_s=round(store_empty, 3),
+                 tiers_scan_s=round(tiers_full, 3), store_recovery_s_per_million_blocks=round(per_m - tiers_per_m, 2),
+                 populate_s=round(populate_s, 1))
+
