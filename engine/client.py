@@ -108,7 +108,7 @@ class Breaker:
             self.opened += 1
             log.warning("%s unavailable (%s): answering 'no hit' and dropping stores until it is back",
                         self._name, self.last_error)
-            if self._background and not self._stop and (self._thread is None or not self._thread.is_alive()):
+            if self._background and not self._stop and self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvstore-reconnect", daemon=True)
                 self._thread.start()
 
@@ -128,16 +128,23 @@ class Breaker:
 
     def _run(self) -> None:
         delay, cap = self._backoff
-        while not self._stop and not self.closed:
+        while True:
             self._wake.wait(delay * random.uniform(0.5, 1.0))
-            if self._stop or self.probe_now():
-                return
+            if not self._stop:
+                self.probe_now()
+            with self._lock:
+                # Leave only when closed, under the lock: a trip that comes after this starts a
+                # new prober; one that came before (closed again) keeps this one going.
+                if self.closed or self._stop:
+                    self._thread = None
+                    return
             delay = min(delay * 2, cap)
 
     def close(self) -> None:
         self._stop = True
         self._wake.set()
-        t = self._thread
+        with self._lock:
+            t = self._thread
         if t is not None:
             t.join(timeout=1.0)  # a probe stuck in a connect ends with its own timeout
 

@@ -26,10 +26,12 @@ from engine.demo_model import print_model_demo, run_model_demo
 from kvstore.config import load_config
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.store import KVStore
+from kvstore.version import version
 
-# 8 layers of 8 KV heads x 128 dims in bf16, 32-token blocks -> 1 MiB per block: enough that the
-# workload overflows the default 256 MiB DRAM tier and exercises demotion to NVMe.
-DEMO_NS = Namespace("demo/llama-8-layers", KVLayout("bfloat16", 32, (LayerGroup("full", 8, 8, 128),)))
+# 8 layers of 4 KV heads x 64 dims in bf16, 32-token blocks -> 256 KiB per block: enough that the
+# workload overflows the default 64 MiB DRAM tier and exercises demotion to NVMe, small enough
+# that the whole demo takes tens of MB.
+DEMO_NS = Namespace("demo/llama-8-layers", KVLayout("bfloat16", 32, (LayerGroup("full", 8, 4, 64),)))
 
 
 def fake_prefill(tokens: np.ndarray, block: int, ns: Namespace = DEMO_NS) -> np.ndarray:
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         "slab file + RocksDB, file:// object store; no external service): a toy engine serves "
         "multi-turn chats through the store, then the store restarts warm from disk.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--root", type=Path, default=Path(".kvstore-demo"), help="store directory (wiped first)")
     p.add_argument("--users", type=int, default=8, help="concurrent conversations (default 8)")
     p.add_argument("--turns", type=int, default=10, help="turns per conversation (default 10)")

@@ -11,10 +11,12 @@ Copies go in block order on one stream per direction; callers split a block into
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -92,13 +94,36 @@ def arena_tensor(name: str) -> torch.Tensor:
         if hit is not None:
             return hit[1]
         shm = attach_arena(name)
-        host = torch.frombuffer(shm.buf, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            # A daemon's arena is mapped read-only: the tensor is only read (copies to the
+            # device); a write would fault in this process, never reach the daemon's memory.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            host = torch.frombuffer(shm.buf, dtype=torch.uint8)
         if torch.cuda.is_available():
-            err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
+            # A daemon hands its clients the arena read-only; CUDA registers such memory only
+            # with cudaHostRegisterReadOnly (8).
+            flags = 8 if shm.buf.readonly else 0
+            err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), flags)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of arena {name} ({host.numel()} bytes) failed: {err}")
         _ARENAS[name] = (shm, host)
         return host
+
+
+def release_arenas() -> None:
+    """Unmap (and unregister) every arena mapped so far; call only when no lease is held and no
+    copy from an arena is in flight (benchmarks that close a store and open another)."""
+    with _LOCK:
+        items = list(_ARENAS.values())
+        _ARENAS.clear()
+    if torch.cuda.is_available():
+        for _, host in items:
+            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+    shms = [shm for shm, _ in items]
+    items.clear()  # the tensors export the mapping: drop them before closing it
+    for shm in shms:
+        with contextlib.suppress(BufferError):  # a tensor over it is still alive: it stays mapped
+            shm.close()
 
 
 class ArenaBlocks:
@@ -122,18 +147,29 @@ class ArenaBlocks:
         """Bytes ``lo:hi`` of every block into ``dst[i, lo:hi]`` (asynchronous on the current
         stream): one 2-D DMA per run of equally spaced blocks in the arena (one per block when
         the CUDA runtime cannot be called directly)."""
+        self.copy_into(dst[:, lo:hi], lo, hi)
+
+    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0) -> None:
+        """Bytes ``lo:hi`` of blocks ``first, first+1, ...`` into the rows of ``dst`` (``[count,
+        hi-lo]`` uint8, any row pitch), asynchronously on the current stream."""
+        count = dst.shape[0]
+        locs = self.lease.locations
+        if first + count > len(locs):
+            raise IndexError(f"blocks {first}..{first + count - 1} of a {len(locs)}-block lease")
         copy2d = _memcpy2d() if dst.is_cuda else None
-        if copy2d is None or not dst.is_contiguous():
-            for i, (off, _) in enumerate(self.lease.locations):
-                dst[i, lo:hi].copy_(self.host[off + lo : off + hi], non_blocking=True)
+        if copy2d is None or dst.stride(1) != 1:
+            for i in range(count):
+                off = locs[first + i][0]
+                dst[i].copy_(self.host[off + lo : off + hi], non_blocking=True)
             return
         stream = torch.cuda.current_stream(dst.device).cuda_stream
         base, dpitch, width = self.host.data_ptr(), dst.stride(0), hi - lo
-        for first, count, stride in self._runs:
-            off = self.lease.locations[first][0]
+        runs_ = self._runs if first == 0 and count == len(locs) else runs([off for off, _ in locs[first : first + count]])
+        for r0, n, stride in runs_:
+            off = locs[first + r0][0]
             err = copy2d(
-                dst.data_ptr() + first * dpitch + lo, dpitch, base + off + lo, stride or width,
-                width, count, 1, stream,  # 1: cudaMemcpyHostToDevice
+                dst.data_ptr() + r0 * dpitch, dpitch, base + off + lo, stride or width,
+                width, n, 1, stream,  # 1: cudaMemcpyHostToDevice
             )
             if err:
                 raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err}")
@@ -158,8 +194,11 @@ class HostBlocks:
         return self.blocks[i]
 
     def copy_range(self, dst: torch.Tensor, lo: int, hi: int) -> None:
-        for i in range(self.num_blocks):
-            dst[i, lo:hi].copy_(self.blocks[i, lo:hi], non_blocking=True)
+        self.copy_into(dst[:, lo:hi], lo, hi)
+
+    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0) -> None:
+        """As :meth:`ArenaBlocks.copy_into`: one copy for all the rows."""
+        dst.copy_(self.blocks[first : first + dst.shape[0], lo:hi], non_blocking=True)
 
     def release(self) -> None:
         pass

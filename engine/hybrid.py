@@ -18,7 +18,7 @@ sliding-window attention (Gemma 2/3, gpt-oss, Mistral with ``sliding_window``). 
 With ``everything=True`` it is the store-everything baseline instead: one namespace with every
 layer of every block (what kvstore stores for any model without this split), no replay.
 
-On CUDA with an in-process store the blocks are leased in the DRAM arena and copied to the
+On CUDA, from a store with a shared-memory arena, the blocks are leased there and copied to the
 device with one 2-D DMA per run of blocks (``engine.gpu``), then unpacked with one strided copy
 per layer; the layer-wise overlap of load and compute of ``engine/hf.py`` is not repeated here
 (both paths this module compares load the same way).
@@ -26,8 +26,10 @@ per layer; the layer-wise overlap of load and compute of ``engine/hf.py`` is not
 
 from __future__ import annotations
 
+import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,23 +39,47 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from engine.gpu import ArenaBlocks
 from engine.hf import _cache_kw, _out_cache
 from engine.kvlayout import KVShape, pack, unpack_layer
-from kvstore.errors import UsageError
-from kvstore.hybrid import CheckpointPolicy, HybridNamespaces, StoreAPI, find_checkpoint
+from kvstore.errors import MissingPrefixError, UsageError
+from kvstore.hybrid import CheckpointPolicy, HybridNamespaces, StoreAPI, lookup
 from kvstore.keys import BlockHash, KVLayout, LayerGroup, Namespace, hash_blocks
-from kvstore.store import KVStore
 
-_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
+log = logging.getLogger(__name__)
+
+_KINDS = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "linear_attention": "recurrent",  # gated delta net (Qwen3-Next): conv + recurrent state
+    "conv": "recurrent",  # short convolutions (LFM2): conv state
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StateSlot:
+    """One tensor of a recurrent layer's cache state (fixed shape, whatever the length)."""
+
+    layer: int
+    kind: str
+    """``conv`` or ``recurrent`` (the two state dicts of transformers' linear-attention layers)."""
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)
 class LayerPlan:
-    """Which model layers are full attention and which slide, and the KV shape they share."""
+    """Which model layers are full attention, which slide and which are recurrent, the KV shape
+    the attention layers share and the recurrent layers' state tensors."""
 
     kinds: tuple[str, ...]
     windows: tuple[int, ...]
-    """Per layer: the sliding window in tokens (0 for full attention)."""
+    """Per layer: the sliding window in tokens (0 for other layers)."""
     kv_heads: int
     head_dim: int
+    states: tuple[StateSlot, ...] = ()
 
     @property
     def full(self) -> list[int]:
@@ -63,19 +89,37 @@ class LayerPlan:
     def sliding(self) -> list[int]:
         return [i for i, k in enumerate(self.kinds) if k == "sliding"]
 
+    @property
+    def recurrent(self) -> list[int]:
+        return [i for i, k in enumerate(self.kinds) if k == "recurrent"]
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(s.nbytes for s in self.states)
+
     def layout(self, dtype: torch.dtype, block_tokens: int) -> KVLayout:
-        """The model's KV layout: a ``full`` group and one ``sliding`` group per window size."""
+        """The model's KV layout: a ``full`` group, one ``sliding`` group per window size and a
+        ``recurrent`` group sized by the state tensors."""
         groups = []
         if self.full:
             groups.append(LayerGroup("full", len(self.full), self.kv_heads, self.head_dim))
         for w in sorted({w for w in self.windows if w}):
             n = sum(1 for x in self.windows if x == w)
             groups.append(LayerGroup("sliding", n, self.kv_heads, self.head_dim, window=w))
+        if self.recurrent:
+            per_layer = {layer: 0 for layer in self.recurrent}
+            for slot in self.states:
+                per_layer[slot.layer] += slot.nbytes
+            sizes = set(per_layer.values())
+            if len(sizes) != 1 or 0 in sizes or next(iter(sizes)) % dtype.itemsize:
+                raise UsageError(f"recurrent layers with state sizes {sorted(sizes)} bytes: one size per model is supported")
+            groups.append(LayerGroup("recurrent", len(self.recurrent), latent_dim=sizes.pop() // dtype.itemsize))
         return KVLayout(str(dtype).removeprefix("torch."), block_tokens, tuple(groups))
 
 
 def plan_of(config: Any) -> LayerPlan:
-    """The layer plan of a Hugging Face decoder config (``layer_types`` or ``sliding_window``)."""
+    """The layer plan of a Hugging Face decoder config (``layer_types`` or ``sliding_window``),
+    without the recurrent layers' state tensors (:func:`model_plan` finds those)."""
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     _refuse_unsupported(getattr(cfg, "layer_types", None) or ())
     types, kwargs = get_layer_types_and_kwargs(cfg)
@@ -87,19 +131,39 @@ def plan_of(config: Any) -> LayerPlan:
     return LayerPlan(tuple(_KINDS[t] for t in types), windows, kv_heads, head_dim)
 
 
+def model_plan(model: Any) -> LayerPlan:
+    """:func:`plan_of` plus the state tensors of the recurrent layers, read off a one-token run."""
+    plan = plan_of(model.config)
+    if not plan.recurrent:
+        return plan
+    device = next(model.parameters()).device
+    kw = _cache_kw(model)
+    with torch.no_grad():
+        out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, **{kw: DynamicCache(config=model.config)})
+    cache = _out_cache(out)
+    slots = []
+    for layer in plan.recurrent:
+        lay = cache.layers[layer]
+        for i in range(lay.number_of_states):
+            for kind, tensors, ready in (("conv", lay.conv_states, lay.is_conv_states_initialized), ("recurrent", lay.recurrent_states, lay.is_recurrent_states_initialized)):
+                if ready[i]:
+                    slots.append(StateSlot(layer, kind, i, tuple(tensors[i].shape), tensors[i].dtype))
+    return replace(plan, states=tuple(slots))
+
+
 def _refuse_unsupported(types: Any) -> None:
     bad = sorted({t for t in types if t not in _KINDS})
     if bad:
         raise UsageError(
-            f"layer types {', '.join(bad)} are not supported by the hybrid engine (full_attention "
-            "and sliding_attention are); docs/hybrid.md says how recurrent state would fit"
+            f"layer types {', '.join(bad)} are not supported by the hybrid engine (full_attention, "
+            f"sliding_attention, linear_attention and conv are)"
         )
 
 
 def namespace_of(model: Any, model_id: str, block_tokens: int, **kw: Any) -> Namespace:
-    """The model's namespace (every layer group), from its config and parameter dtype."""
+    """The model's namespace (every layer group), from its layers and parameter dtype."""
     dtype = next(model.parameters()).dtype
-    return Namespace(model_id, plan_of(model.config).layout(dtype, block_tokens), **kw)
+    return Namespace(model_id, model_plan(model).layout(dtype, block_tokens), **kw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +184,27 @@ class HybridPrefill:
     stored_bytes: int
 
 
+@dataclass(slots=True)
+class _Loaded:
+    """A checkpoint's parts on the device."""
+
+    checkpoint: int
+    cached_blocks: int
+    """Leading blocks whose full part is cached (the hit before rounding down to a checkpoint)."""
+    full: torch.Tensor | None = None
+    window: torch.Tensor | None = None
+    state: torch.Tensor | None = None
+
+    def tokens(self, block_tokens: int) -> int:
+        return (self.checkpoint + 1) * block_tokens
+
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in (self.full, self.window, self.state) if t is not None)
+
+
 class HybridLM:
-    """A causal LM with sliding-window layers that loads the full part + a window and replays."""
+    """A causal LM with sliding-window and/or recurrent layers: loads a checkpoint's full part,
+    window pieces and state, and replays the blocks after it."""
 
     def __init__(
         self,
@@ -136,7 +219,9 @@ class HybridLM:
         self.store = store
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.plan = plan_of(model.config)
+        self.plan = model_plan(model)
+        if everything and self.plan.recurrent:
+            raise UsageError("recurrent state has no per-block form to store everything with; use the hybrid split")
         if self.plan.layout(self.dtype, ns.block_tokens) != ns.layout:
             raise UsageError(
                 f"namespace layout {ns.layout} is not this model's "
@@ -149,6 +234,8 @@ class HybridLM:
         self.bt = ns.block_tokens
         self.wn = max(self.plan.windows) - 1 if self.plan.sliding else 0
         self._kw = _cache_kw(model)
+        # Leases (zero-copy reads from the store's shared-memory arena) for a CUDA device.
+        self._leases = self.device.type == "cuda" and hasattr(store, "acquire")
         if store is not None:
             if everything:
                 store.register_namespace(ns)
@@ -162,18 +249,19 @@ class HybridLM:
 
     def _fetch(self, ns: Namespace, hashes: list[bytes], held: list[Any]) -> torch.Tensor | None:
         """All of ``hashes``' blocks of ``ns`` on the device as ``[n, block_bytes]`` uint8, or
-        None if fewer are cached. On CUDA with an in-process store the blocks are leased in the
-        DRAM arena and copied from there with one 2-D DMA per run (``engine.gpu``); the lease
-        goes into ``held`` (released once the prefill has synchronised). Otherwise they are
-        read into a host buffer (pinned on CUDA) and copied over."""
+        None if fewer are cached. On CUDA, from a store with a shared-memory arena (in process
+        or a same-node daemon), the blocks are leased in the arena and copied from there with
+        one 2-D DMA per run (``engine.gpu``); the lease goes into ``held`` (released once the
+        prefill has synchronised). Otherwise they are read into a host buffer (pinned on CUDA)
+        and copied over."""
         store = self.store
         assert store is not None
         n, bb = len(hashes), ns.block_bytes
-        if self.device.type == "cuda" and isinstance(store, KVStore):
+        if self._leases:
             try:
                 blocks = ArenaBlocks(store, store.acquire(ns, hashes))
-            except UsageError:  # no shared-memory tier first: load by copy
-                pass
+            except UsageError:  # no shared-memory tier first: load by copy from now on
+                self._leases = False
             else:
                 held.append(blocks)
                 if blocks.num_blocks != n:
@@ -186,34 +274,36 @@ class HybridLM:
             return None
         return host.to(self.device, non_blocking=True)
 
-    def _load(self, hashes: list[BlockHash], max_hit: int, held: list[Any]) -> tuple[int, torch.Tensor | None, torch.Tensor | None, int]:
-        """(checkpoint, full blocks on the device, window on the device, bytes loaded)."""
+    def _load(self, hashes: list[BlockHash], max_hit: int, held: list[Any]) -> _Loaded | None:
+        """The nearest checkpoint's parts on the device, or None (no checkpoint is cached)."""
         hyb, store = self.hyb, self.store
-        assert store is not None and hyb.window is not None
-        n = store.lookup(hyb.full, hashes[:max_hit]).num_blocks if hyb.full is not None else max_hit
-        c = find_checkpoint(store, hyb, hashes, n, self.policy)
+        assert store is not None
+        where = lookup(store, hyb, hashes[:max_hit], self.policy)
+        c = where.checkpoint
         if c < 0:
-            return -1, None, None, 0
-        # The window first: once it is read, its full part cannot leave before it (its parent),
-        # short of expiring in between; a short read of either is a miss, never a wrong hit.
-        window = self._fetch(hyb.window, [hyb.window_key(hashes[c])], held)
-        if window is None:
-            return -1, None, None, 0
-        full = None
+            return None
+        # The parts may leave between the lookup and the reads (eviction, expiry): a short read
+        # of any of them is a miss, never a wrong hit.
+        got = _Loaded(c, where.full_blocks)
+        if hyb.window is not None:
+            got.window = self._fetch(hyb.window, [hyb.window_key(hashes[j]) for j in hyb.checkpoint_blocks(c)], held)
+            if got.window is None:
+                return None
+        if hyb.state is not None:
+            got.state = self._fetch(hyb.state, [hyb.state_key(hashes[c])], held)
+            if got.state is None:
+                return None
         if hyb.full is not None:
-            full = self._fetch(hyb.full, list(hashes[: c + 1]), held)
-            if full is None:
-                return -1, None, None, 0
-        loaded = window.numel() + (full.numel() if full is not None else 0)
-        return c, full, window.view(-1), loaded
+            got.full = self._fetch(hyb.full, list(hashes[: c + 1]), held)
+            if got.full is None:
+                return None
+        return got
 
-    def _load_everything(self, hashes: list[BlockHash], max_hit: int, held: list[Any]) -> tuple[int, torch.Tensor | None, int]:
+    def _load_everything(self, hashes: list[BlockHash], max_hit: int, held: list[Any]) -> _Loaded | None:
         assert self.store is not None
         n = self.store.lookup(self.ns, hashes[:max_hit]).num_blocks
         blocks = self._fetch(self.ns, list(hashes[:n]), held) if n else None
-        if blocks is None:
-            return 0, None, 0
-        return n, blocks, blocks.numel()
+        return None if blocks is None else _Loaded(n - 1, n, full=blocks)
 
     # ---- the cache ------------------------------------------------------------------------------
 
@@ -224,32 +314,56 @@ class HybridLM:
         if self.plan.kinds[layer] == "sliding":
             lay.cumulative_length = tokens
 
-    def _build(self, blocks: torch.Tensor | None, window: torch.Tensor | None, tokens: int) -> DynamicCache:
-        """A cache holding ``tokens`` tokens: full layers from ``blocks`` (layer-major blocks of
-        the full layers, or of every layer with ``everything``), sliding layers from ``window``
-        (or from the last blocks with ``everything``)."""
+    def _build(self, got: _Loaded | None) -> DynamicCache:
+        """A cache holding the loaded checkpoint: full layers from the full part (or, with
+        ``everything``, every layer from every block), sliding layers the last ``window - 1``
+        tokens of the window pieces, recurrent layers their state."""
         cache = DynamicCache(config=self.model.config)
-        if not tokens:
+        if got is None:
             return cache
+        tokens = got.tokens(self.bt)
         keep = min(self.wn, tokens)
         if self.everything:
-            assert blocks is not None
+            assert got.full is not None
             shape = self._shape(len(self.plan.kinds), self.bt)
             for layer, kind in enumerate(self.plan.kinds):
-                k, v = unpack_layer(blocks, shape, layer)
+                k, v = unpack_layer(got.full, shape, layer)
                 if kind == "sliding":
                     k, v = k[:, :, -keep:].contiguous(), v[:, :, -keep:].contiguous()
                 self._install(cache, layer, k, v, tokens)
             return cache
-        if blocks is not None:
+        if got.full is not None:
             shape = self._shape(len(self.plan.full), self.bt)
             for j, layer in enumerate(self.plan.full):
-                self._install(cache, layer, *unpack_layer(blocks, shape, j), tokens)
-        assert window is not None
-        w = window.view(self.dtype).view(len(self.plan.sliding), 2, 1, self.plan.kv_heads, self.wn, self.plan.head_dim)
-        for j, layer in enumerate(self.plan.sliding):
-            self._install(cache, layer, w[j, 0, :, :, -keep:].contiguous(), w[j, 1, :, :, -keep:].contiguous(), tokens)
+                self._install(cache, layer, *unpack_layer(got.full, shape, j), tokens)
+        if got.window is not None:  # the pieces of the last blocks: layer-major, like the full part
+            shape = self._shape(len(self.plan.sliding), self.bt)
+            for j, layer in enumerate(self.plan.sliding):
+                k, v = unpack_layer(got.window, shape, j)
+                self._install(cache, layer, k[:, :, -keep:].contiguous(), v[:, :, -keep:].contiguous(), tokens)
+        if got.state is not None:
+            raw, off = got.state.view(-1), 0
+            for slot in self.plan.states:
+                t = raw[off : off + slot.nbytes].view(slot.dtype).view(slot.shape).clone()
+                off += slot.nbytes
+                lay = cache.layers[slot.layer]
+                if slot.kind == "conv":  # on a fresh layer: initialised, marked as having a past
+                    lay.update_conv_state(t, state_idx=slot.index, conv_kernel_size=slot.shape[-1])
+                else:
+                    lay.update_recurrent_state(t, state_idx=slot.index)
         return cache
+
+    def _snapshot(self, cache: DynamicCache) -> torch.Tensor:
+        """The recurrent layers' state now, as the bytes of a state block (on the device)."""
+        parts = []
+        for slot in self.plan.states:
+            lay = cache.layers[slot.layer]
+            t = (lay.conv_states if slot.kind == "conv" else lay.recurrent_states)[slot.index]
+            parts.append(t.contiguous().view(-1).view(torch.uint8))
+        raw = torch.cat(parts)
+        assert self.hyb.state is not None
+        pad = self.hyb.state.block_bytes - raw.numel()
+        return torch.nn.functional.pad(raw, (0, pad)) if pad else raw
 
     # ---- prefill --------------------------------------------------------------------------------
 
@@ -263,25 +377,31 @@ class HybridLM:
         cached = use_cache and self.store is not None
         hashes = (self.hyb.hashes(ids) if not self.everything else hash_blocks(self.ns, ids)) if cached or store else []
         max_hit = (ids.numel() - 1) // bt  # one token is always computed: its logits
-        c, blocks, window, loaded = -1, None, None, 0
-        n_full = 0
+        got: _Loaded | None = None
         held: list[Any] = []  # leases on the arena, until the device has copied out of it
+        states: dict[int, torch.Tensor] = {}
         try:
             if cached and max_hit:
-                if self.everything:
-                    n, blocks, loaded = self._load_everything(hashes, max_hit, held)
-                    c = n - 1
-                    n_full = n
-                else:
-                    c, blocks, window, loaded = self._load(hashes, max_hit, held)
-                    if c >= 0 and self.hyb.full is not None:
-                        n_full = self.store.lookup(self.hyb.full, hashes[:max_hit]).num_blocks  # type: ignore[union-attr]
+                load = self._load_everything if self.everything else self._load
+                got = load(hashes, max_hit, held)
+            c = got.checkpoint if got is not None else -1
             hit = (c + 1) * bt
-            cache = self._build(blocks, window, hit)
+            cache = self._build(got)
             for layer in self.plan.sliding:
                 cache.layers[layer].activate_past_recording()  # keep the suffix's window states to store
-            out = self.model(input_ids=ids[hit:].unsqueeze(0).to(self.device), use_cache=True, logits_to_keep=1, **{self._kw: cache})
-            cache = _out_cache(out)
+            # Recurrent state exists only at the end of a forward: run up to each new checkpoint.
+            want: set[int] = set()
+            if self.plan.states and store and self.store is not None:
+                want = {(p + 1) * bt for p in self.policy.new_checkpoints(c + 1, len(hashes) - 1)}
+            ends = sorted({e for e in want if hit < e < ids.numel()} | {ids.numel()})
+            pos = hit
+            for end in ends:
+                chunk = ids[pos:end].unsqueeze(0).to(self.device)
+                out = self.model(input_ids=chunk, use_cache=True, logits_to_keep=1, **{self._kw: cache})
+                cache = _out_cache(out)
+                if end in want:
+                    states[end // bt - 1] = self._snapshot(cache)
+                pos = end
             logits = out.logits[0, -1].float()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -289,15 +409,21 @@ class HybridLM:
             for lease in held:
                 lease.release()
         seconds = time.perf_counter() - t0
-        stored = self._store(cache, hashes, c, hit) if store and self.store is not None else 0
+        stored = 0
+        if store and self.store is not None:
+            try:
+                stored = self._store(cache, hashes, c, hit, states)
+            except MissingPrefixError as e:  # the loaded prefix left the store since: skip this put
+                log.info("hybrid store skipped: %s", e)
         for layer in self.plan.sliding:
             lay = cache.layers[layer]
             lay.record_past = False
             lay.keys, lay.values = lay.keys[:, :, -self.wn :], lay.values[:, :, -self.wn :]
-        replayed = max(0, n_full * bt - hit)
+        replayed = (got.cached_blocks - c - 1) * bt if got is not None else 0
+        loaded = got.nbytes() if got is not None else 0
         return HybridPrefill(logits, cache, c, hit, replayed, ids.numel() - hit, loaded, seconds, stored)
 
-    def _store(self, cache: DynamicCache, hashes: list[BlockHash], c: int, hit: int) -> int:
+    def _store(self, cache: DynamicCache, hashes: list[BlockHash], c: int, hit: int, states: dict[int, torch.Tensor]) -> int:
         """Put what this prefill computed; returns the payload bytes that were new."""
         store = self.store
         assert store is not None
@@ -310,34 +436,37 @@ class HybridLM:
         sel = list(range(len(self.plan.kinds))) if self.everything else self.plan.full
         new_bytes = 0
         if sel:
-            t0, t1 = (c + 1) * self.bt, n * self.bt
-            keys = [layers[i].keys[:, :, t0 - first.get(i, 0) : t1 - first.get(i, 0)] for i in sel]
-            values = [layers[i].values[:, :, t0 - first.get(i, 0) : t1 - first.get(i, 0)] for i in sel]
-            blocks = pack(keys, values, self._shape(len(sel), self.bt), 0, n - c - 1).cpu()
+            blocks = self._pack(layers, sel, first, c + 1, n - 1)
             ns = self.ns if self.everything else self.hyb.full
             assert ns is not None
-            new_bytes += store.put(ns, hashes, blocks.numpy(), start=c + 1) * ns.block_bytes
+            new_bytes += store.put(ns, hashes, blocks, start=c + 1) * ns.block_bytes
         if self.everything:
             return new_bytes
+        sns = self.hyb.state
+        for p, raw in states.items():
+            assert sns is not None
+            chain = self.hyb.state_chain(hashes, p)
+            new_bytes += store.put(sns, chain, raw.cpu().numpy(), start=len(chain) - 1) * sns.block_bytes
         wns = self.hyb.window
-        assert wns is not None
-        for p in self.policy.new_checkpoints(c + 1, n - 1):
-            payload = self._window(cache, first, (p + 1) * self.bt).cpu()
-            chain = self.hyb.window_chain(hashes, p)
-            new_bytes += store.put(wns, chain, payload.numpy(), start=len(chain) - 1) * wns.block_bytes
+        if wns is None:
+            return new_bytes
+        # Pieces of the new checkpoints' windows; those of blocks up to c are cached (c is a
+        # checkpoint), so only computed blocks need packing.
+        need = sorted({j for p in self.policy.new_checkpoints(c + 1, n - 1) for j in self.hyb.checkpoint_blocks(p) if j > c})
+        for a, b in _runs(need):
+            pieces = self._pack(layers, self.plan.sliding, first, a, b)
+            for j in range(a, b + 1):
+                chain = self.hyb.window_chain(hashes, j)
+                new_bytes += store.put(wns, chain, pieces[j - a], start=len(chain) - 1) * wns.block_bytes
         return new_bytes
 
-    def _window(self, cache: DynamicCache, first: dict[int, int], boundary: int) -> torch.Tensor:
-        """The window payload at a block boundary: ``[sliding layers][K, V][heads][wn][dim]``,
-        zero-padded in front when fewer than ``wn`` tokens precede the boundary."""
-        ls, h, d, wn = len(self.plan.sliding), self.plan.kv_heads, self.plan.head_dim, self.wn
-        out = torch.zeros((ls, 2, h, wn, d), dtype=self.dtype, device=self.device)
-        lo = max(0, boundary - wn)
-        for j, layer in enumerate(self.plan.sliding):
-            lay, off = cache.layers[layer], first[layer]
-            out[j, 0, :, wn - (boundary - lo) :] = lay.keys[0, :, lo - off : boundary - off]
-            out[j, 1, :, wn - (boundary - lo) :] = lay.values[0, :, lo - off : boundary - off]
-        return out.view(-1).view(torch.uint8)
+    def _pack(self, layers: Any, sel: list[int], first: dict[int, int], a: int, b: int) -> Any:
+        """Blocks ``a..b`` of layers ``sel`` as host ``[n, block_bytes]`` uint8 (numpy); a
+        layer's cached tokens start at position ``first[layer]`` (0 if absent)."""
+        t0, t1 = a * self.bt, (b + 1) * self.bt
+        keys = [layers[i].keys[:, :, t0 - first.get(i, 0) : t1 - first.get(i, 0)] for i in sel]
+        values = [layers[i].values[:, :, t0 - first.get(i, 0) : t1 - first.get(i, 0)] for i in sel]
+        return pack(keys, values, self._shape(len(sel), self.bt), 0, b - a + 1).cpu().numpy()
 
     @torch.no_grad()
     def generate(self, input_ids: Any, max_new_tokens: int, *, use_cache: bool = True) -> tuple[list[int], HybridPrefill]:
@@ -356,20 +485,34 @@ class HybridLM:
         return tokens, pre
 
 
+def _runs(sorted_ids: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive ids as (first, last)."""
+    out: list[tuple[int, int]] = []
+    for j in sorted_ids:
+        if out and out[-1][1] == j - 1:
+            out[-1] = (out[-1][0], j)
+        else:
+            out.append((j, j))
+    return out
+
+
 def window_bytes_per_token(ns: Namespace, context: int, policy: CheckpointPolicy) -> dict[str, float]:
     """Exact payload bytes per cached token of one chain of ``context`` tokens, stored once
-    (periodic checkpoints + one at the end) against storing every layer of every block."""
+    (the full part, the checkpoints' window pieces and states) against storing every layer of
+    every block (with recurrent layers: their state at every block)."""
     hyb = HybridNamespaces.of(ns)
     n = context // ns.block_tokens
-    ckpts = len(policy.new_checkpoints(0, n - 1)) if n else 0
-    full = n * hyb.full.block_bytes if hyb.full is not None else 0
-    window = ckpts * hyb.window.block_bytes if hyb.window is not None else 0
+    ckpts = policy.new_checkpoints(0, n - 1) if n else []
+    pieces = len({j for p in ckpts for j in hyb.checkpoint_blocks(p)})
+    total = n * hyb.full.block_bytes if hyb.full is not None else 0
+    total += pieces * hyb.window.block_bytes if hyb.window is not None else 0
+    total += len(ckpts) * hyb.state.block_bytes if hyb.state is not None else 0
     every = n * ns.block_bytes
     tokens = n * ns.block_tokens
     return {
-        "checkpoints": float(ckpts),
-        "hybrid_bytes_per_token": (full + window) / tokens,
+        "checkpoints": float(len(ckpts)),
+        "window_pieces": float(pieces),
+        "hybrid_bytes_per_token": total / tokens,
         "everything_bytes_per_token": every / tokens,
-        "ratio": (full + window) / every,
+        "ratio": total / every,
     }
-

@@ -7,7 +7,9 @@ one contiguous run of bytes.
 
 The engine's side is the per-layer ``[batch=1, kv_heads, tokens, head_dim]`` tensors that
 Hugging Face caches (and most engines' attention kernels) use. :func:`pack` and :func:`unpack`
-convert between the two with a few tensor ops (no per-token or per-block Python).
+convert between the two with a few tensor ops (no per-token or per-block Python). The batched
+engine (``engine.batch``) keeps token-major ``[tokens, kv_heads, head_dim]`` rows instead (the
+layout of variable-length attention kernels): :func:`layer_rows` and :func:`pack_rows`.
 """
 
 from __future__ import annotations
@@ -90,3 +92,45 @@ def unpack_layer_into(blocks: torch.Tensor, shape: KVShape, layer: int, k: torch
     part = part.view(n, 2, shape.kv_heads, shape.block_tokens, shape.head_dim)
     k.view(shape.kv_heads, n, shape.block_tokens, shape.head_dim).copy_(part[:, 0].permute(1, 0, 2, 3))
     v.view(shape.kv_heads, n, shape.block_tokens, shape.head_dim).copy_(part[:, 1].permute(1, 0, 2, 3))
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 8-byte elements along the last dim, where the layout allows (else
+    ``t``). The index kernels (``index_copy_``, ``index_select``) and strided copies move one
+    element per thread: on bf16 or uint8 elements they run several times slower than on int64."""
+    size = t.element_size()
+    if t.dtype == torch.int64 or t.stride(-1) != 1 or (t.shape[-1] * size) % 8 or (t.storage_offset() * size) % 8:
+        return t
+    if any((st * size) % 8 for st in t.stride()[:-1]):
+        return t
+    return t.view(torch.int64)
+
+
+def layer_rows(blocks: torch.Tensor, shape: KVShape, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer`` of ``[n, >=(layer+1)*layer_bytes]`` uint8 rows (any row pitch) as token-major
+    ``[n, block_tokens, kv_heads, head_dim]`` K and V views: no copy, ready to scatter into rows."""
+    n, lb = blocks.shape[0], shape.layer_bytes
+    part = blocks[:, layer * lb : (layer + 1) * lb].view(shape.dtype)
+    part = part.view(n, 2, shape.kv_heads, shape.block_tokens, shape.head_dim)
+    return part[:, 0].transpose(1, 2), part[:, 1].transpose(1, 2)
+
+
+def block_rows(rows: torch.Tensor, shape: KVShape) -> torch.Tensor:
+    """Token-major ``[rows, H, D]`` K or V (rows a multiple of ``block_tokens``) as one row per
+    block, ``[rows / block_tokens, width]``, in the units of :func:`wide` over bytes: the form the
+    HBM pages' parts have (:meth:`engine.hbm_cache.HbmCache.part`)."""
+    return wide(rows.view(torch.uint8).view(rows.shape[0] // shape.block_tokens, -1))
+
+
+def pack_rows(keys: list[torch.Tensor], values: list[torch.Tensor], shape: KVShape, blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks of per-layer token-major ``[rows, H, D]`` K/V as ``[m, block_bytes]`` uint8 payloads.
+
+    ``blocks`` (int64, on the rows' device) numbers row blocks of ``block_tokens`` rows: block b
+    is rows ``b*bt .. (b+1)*bt-1``. Two copies per layer and K/V, whatever the number of blocks."""
+    m, bt = int(blocks.numel()), shape.block_tokens
+    out = torch.empty((m, shape.num_layers, 2, shape.kv_heads, bt, shape.head_dim), dtype=shape.dtype, device=blocks.device)
+    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        for j, x in enumerate((k, v)):
+            src = wide(x.view(-1, bt, shape.kv_heads, shape.head_dim)).index_select(0, blocks)
+            wide(out[:, layer, j]).copy_(src.transpose(1, 2))
+    return out.view(m, -1).view(torch.uint8)

@@ -60,11 +60,14 @@ class TierSpec:
 
 
 def default_tiers() -> tuple[TierSpec, ...]:
-    """Embedded defaults: no external service, everything under the store's root."""
+    """Embedded defaults: no external service, everything under the store's root, and small:
+    a new store directory takes tens of MB (the NVMe slab file is preallocated), enough for
+    examples, demos and tests. Production sizes its tiers in the config file
+    (docs/operations.md, "Sizing the tiers"; deploy/kvstore.toml)."""
     return (
-        TierSpec("dram", "dram", {"capacity_bytes": "256MiB", "slab_bytes": "16MiB"}),
-        TierSpec("nvme", "nvme", {"capacity_bytes": "1GiB", "slab_bytes": "16MiB"}),
-        TierSpec("object", "object", {"capacity_bytes": "4GiB"}),
+        TierSpec("dram", "dram", {"capacity_bytes": "64MiB", "slab_bytes": "16MiB"}),
+        TierSpec("nvme", "nvme", {"capacity_bytes": "64MiB", "slab_bytes": "16MiB"}),
+        TierSpec("object", "object", {"capacity_bytes": "1GiB"}),
     )
 
 

@@ -15,6 +15,9 @@ can be read alone. Record types (``"type"``):
 * ``block``: a lifecycle event of one block, ``event`` in :data:`BLOCK_EVENTS`; ``h`` is the
   same 8-byte prefix in hex, ``tier``, ``size``, and ``reason`` for ``evicted``.
 * ``namespace``: a namespace's descriptor, its tenant and TTL.
+* ``usage``: how full each tier is (``tiers``: name -> ``used_bytes``, ``capacity_bytes``,
+  ``blocks``), written now and then (the daemon: every maintenance pass), so that a report can
+  draw tier fill over time.
 
 Writing never slows the data path: records go into a bounded queue that a background thread
 drains, formats and compresses (one zstd frame per batch, so a file that is still being written,
@@ -291,6 +294,13 @@ class EventLog:
                "descriptor": desc}
         with self._lock:
             self._namespaces[key] = rec
+        self._put(("raw", rec))
+
+    def usage(self, tiers: Iterable[Mapping[str, Any]], *, t: float | None = None) -> None:
+        """How full each tier is now: rows with ``name``, ``used_bytes``, ``capacity_bytes`` and
+        ``blocks`` (what ``KVStore.stats()["tiers"]`` lists)."""
+        rec = {"type": "usage", "t": self._t(t), "tiers": {
+            str(r["name"]): {k: int(r.get(k) or 0) for k in ("used_bytes", "capacity_bytes", "blocks")} for r in tiers}}
         self._put(("raw", rec))
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -625,6 +635,11 @@ class StoreEvents:
         else:
             why = f"{reason}:{self._policy}" if reason == "capacity" else reason
             self.log.block("evicted", key, tier=tier, reason=why)
+
+    def usage(self, tiers: Iterable[Mapping[str, Any]]) -> None:
+        """Log how full each tier is (``KVStore.stats()["tiers"]``); nothing when not logging."""
+        if self.log is not None:
+            self.log.usage(tiers)
 
     def bad_copy(self, key: bytes, k: int, corrupt: bool) -> None:
         if self.log is not None:

@@ -46,7 +46,7 @@ DTYPE_BYTES: dict[str, int] = {
     "uint8": 1,
 }
 
-ATTENTION_KINDS = ("full", "mla", "sliding")
+ATTENTION_KINDS = ("full", "mla", "sliding", "recurrent")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,9 @@ class LayerGroup:
     ``full``: K and V of ``kv_heads`` x ``head_dim`` per token and layer.
     ``mla``: one latent vector of ``latent_dim + rope_dim`` per token and layer (DeepSeek MLA).
     ``sliding``: like ``full``, but attention only reaches back ``window`` tokens, so a hit needs
-    only the blocks inside the window (recorded now so that a later store can keep only those).
+    only the blocks inside the window (``docs/hybrid.md``: the store keeps only those).
+    ``recurrent``: no per-token KV; a fixed-size state per sequence of ``latent_dim`` elements per
+    layer (Mamba, linear attention, short convolutions), stored at checkpoints only.
     """
 
     kind: str
@@ -80,11 +82,19 @@ class LayerGroup:
             raise UsageError("an 'mla' layer group needs latent_dim > 0 (kv_lora_rank)")
         if self.kind == "sliding" and self.window <= 0:
             raise UsageError("a 'sliding' layer group needs window > 0 (tokens)")
+        if self.kind == "recurrent" and self.latent_dim <= 0:
+            raise UsageError("a 'recurrent' layer group needs latent_dim > 0 (state elements per layer)")
 
     def elements_per_token(self) -> int:
+        if self.kind == "recurrent":
+            return 0
         if self.kind == "mla":
             return self.num_layers * (self.latent_dim + self.rope_dim)
         return self.num_layers * 2 * self.kv_heads * self.head_dim
+
+    def state_elements(self) -> int:
+        """Elements of fixed-size state (not per token): ``recurrent`` groups only."""
+        return self.num_layers * self.latent_dim if self.kind == "recurrent" else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +119,14 @@ class KVLayout:
         return DTYPE_BYTES[self.dtype] * sum(g.elements_per_token() for g in self.groups)
 
     @property
+    def state_bytes(self) -> int:
+        """Bytes of the fixed-size state of the ``recurrent`` groups (0 without)."""
+        return DTYPE_BYTES[self.dtype] * sum(g.state_elements() for g in self.groups)
+
+    @property
     def block_bytes(self) -> int:
-        """Payload bytes of one full block."""
-        return self.bytes_per_token * self.block_tokens
+        """Payload bytes of one full block (with the state at its end, for recurrent groups)."""
+        return self.bytes_per_token * self.block_tokens + self.state_bytes
 
     @property
     def num_layers(self) -> int:
@@ -275,19 +290,32 @@ def hash_blocks(
 def split_layout(layout: KVLayout) -> tuple[KVLayout | None, KVLayout | None]:
     """A hybrid layout as the two parts a hybrid store keeps (``docs/hybrid.md``).
 
-    The *full part*: every ``full`` and ``mla`` group, per block of ``block_tokens`` tokens
-    (every hit needs it for every block). The *window part*: every ``sliding`` group for the
-    ``window - 1`` tokens before a block boundary (all that a later token can attend to), stored
-    only at checkpoints; its ``block_tokens`` is that token count, the largest window's if the
-    groups differ. Either part is None when the layout has no group of that kind.
+    The *full part*: every ``full`` and ``mla`` group (every hit needs it for every block). The
+    *window part*: every ``sliding`` group, per block too, but stored only for the blocks inside
+    the window of a checkpoint (:func:`window_blocks` of them before each). Either part is None
+    when the layout has no group of that kind. ``recurrent`` groups are in neither: see
+    :func:`state_layout`.
     """
-    full = tuple(g for g in layout.groups if g.kind != "sliding")
+    full = tuple(g for g in layout.groups if g.kind in ("full", "mla"))
     sliding = tuple(g for g in layout.groups if g.kind == "sliding")
     full_part = KVLayout(layout.dtype, layout.block_tokens, full) if full else None
-    window_part = None
-    if sliding:
-        tokens = max(g.window for g in sliding) - 1
-        if tokens <= 0:
-            raise UsageError("a sliding window of 1 token keeps no state between blocks; nothing to store")
-        window_part = KVLayout(layout.dtype, tokens, sliding)
+    window_part = KVLayout(layout.dtype, layout.block_tokens, sliding) if sliding else None
     return full_part, window_part
+
+
+def state_layout(layout: KVLayout) -> KVLayout | None:
+    """The *state part* of a hybrid layout: its ``recurrent`` groups, one state per checkpoint
+    (``block_bytes`` is the state's size). None without recurrent groups."""
+    groups = tuple(g for g in layout.groups if g.kind == "recurrent")
+    return KVLayout(layout.dtype, layout.block_tokens, groups) if groups else None
+
+
+def window_blocks(layout: KVLayout) -> int:
+    """Blocks before a block boundary that a later token's sliding window reaches: a token
+    attends to itself and the ``window - 1`` tokens before it, so the state at a boundary is
+    the ``window - 1`` tokens before it (the largest window's, if the groups differ). 0 without
+    sliding groups."""
+    windows = [g.window for g in layout.groups if g.kind == "sliding"]
+    if not windows:
+        return 0
+    return max(1, -(-(max(windows) - 1) // layout.block_tokens))

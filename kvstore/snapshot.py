@@ -1,10 +1,10 @@
 """A read-only view of a store directory: what its persistent tiers hold, from their own metadata.
 
 For inspecting a store that no daemon serves (``kvctl --dir``), or one that a daemon serves but
-cannot be asked. Nothing under the directory is written, locked or deleted: the NVMe tier's
-RocksDB is opened read-only (``tiers.nvme.read_metadata``), the object tier is listed with its
-background work (sweeps, lifecycle rules, write-back) switched off, and ``namespaces.json`` is
-only read. Volatile tiers (DRAM, HBM) exist only inside a running process, so they look empty.
+cannot be asked. Nothing under the directory is written, locked or deleted: each persistent
+tier is read by its class's ``Tier.read_offline`` (the class comes from the tier registry: the
+NVMe tier's RocksDB opened read-only, the object tier listed with its background work, sweeps,
+lifecycle rules and write-back switched off), and ``namespaces.json`` is only read. Volatile tiers (DRAM, HBM) exist only inside a running process, so they look empty.
 
 Pins are read from ``pins.json`` (the store rewrites it atomically on every change): a block held
 by a pin that a store opened now would re-apply (no deadline, or one still ahead) does not count
@@ -15,7 +15,6 @@ memory (``hits`` comes from the event log instead, when there is one; see tools/
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,11 +27,10 @@ from kvstore.config import StoreConfig, TierSpec
 from kvstore.errors import KVStoreError, UsageError
 from kvstore.inspection import pin_deadlines, pin_report, pin_summary
 from kvstore.keys import Namespace
-from kvstore.registry import make_tier, tier_class
+from kvstore.registry import build_config, tier_class
 from kvstore.retention import PINS_FILE, PinRecord, read_pins
 from kvstore.store import read_namespaces
 from kvstore.units import parse_size
-from tiers.base import tier_dir
 
 Progress = Callable[[str, int], None]
 """``progress(what, count)``: called as a long scan advances (tools draw a bar with it)."""
@@ -42,43 +40,6 @@ Progress = Callable[[str, int], None]
 class _Block:
     meta: BlockMeta
     mask: int
-
-
-def _scan_nvme(spec: TierSpec, root: Path, clock: Clock) -> tuple[list[tuple[bytes, BlockMeta]], dict[str, Any]]:
-    from tiers.nvme import read_metadata
-
-    records = read_metadata(root, spec.name)
-    return [(k, m) for k, _, m in records], {}
-
-
-def _object_url(spec: TierSpec, root: Path) -> str:
-    return str(spec.options.get("url") or f"file://{tier_dir(root, spec.name).absolute().as_posix()}/objects")
-
-
-def _scan_object(spec: TierSpec, root: Path, clock: Clock) -> tuple[list[tuple[bytes, BlockMeta]], dict[str, Any]]:
-    url = _object_url(spec, root)
-    if url.startswith("file://") and not Path(url[len("file://"):], "blocks").is_dir():
-        return [], {}  # never written to; opening it would create its directory
-    # No background thread, no sweeper (it deletes expired objects), no bucket lifecycle rule:
-    # listing and reading headers is all this tier may do here.
-    fields = {f.name for f in dataclasses.fields(tier_class(spec.kind).Config)}
-    quiet = {k: v for k, v in {"worker_interval_s": 0, "sweep_interval_s": 0, "lifecycle_days": 0}.items() if k in fields}
-    tier = make_tier(spec.kind, spec.name, {**spec.options, **quiet}, root, clock)
-    try:
-        found = list(tier.scan())
-        extra = {"url": url, "descriptors": tier.namespaces()}
-        d = tier.describe()
-        extra.update({k: d[k] for k in ("bad_headers", "foreign_objects") if k in d})
-        return found, extra
-    finally:
-        tier.close()
-
-
-# How each persistent tier kind is read offline; other kinds are reported, not read.
-_READERS: dict[str, Callable[[TierSpec, Path, Clock], tuple[list[tuple[bytes, BlockMeta]], dict[str, Any]]]] = {
-    "nvme": _scan_nvme,
-    "object": _scan_object,
-}
 
 
 class StoreSnapshot:
@@ -110,10 +71,8 @@ class StoreSnapshot:
     # ---- loading --------------------------------------------------------------------------
 
     def _holder(self) -> int | None:
-        from tiers.nvme import lock_holder
-
         for spec in self.config.tiers:
-            if spec.kind == "nvme" and (pid := lock_holder(self.root, spec.name)) is not None:
+            if (pid := tier_class(spec.kind).holder(spec.name, self.root)) is not None:
                 return pid
         return None
 
@@ -122,19 +81,20 @@ class StoreSnapshot:
             self._ns[ns.root] = (ns, ttl_s)
 
     def _scan_tier(self, k: int, spec: TierSpec, progress: Progress | None) -> dict[str, Any]:
-        cls = tier_class(spec.kind)
+        cls = tier_class(spec.kind)  # the registry's class says how its kind is read offline
         row: dict[str, Any] = {"name": spec.name, "kind": spec.kind, "persistent": bool(cls.persistent),
                                "capacity_bytes": _capacity(spec), "used_bytes": 0, "blocks": 0}
-        reader = _READERS.get(spec.kind)
         if not cls.persistent:
             row["note"] = "volatile: its blocks live only inside a running store (use --url)"
             return row
-        if reader is None:
-            row["note"] = f"tier kind {spec.kind!r} cannot be read offline"
-            return row
         if progress:
             progress(f"reading tier {spec.name}", 0)
-        found, extra = reader(spec, self.root, self._clock)
+        config = build_config(cls.Config, dict(spec.options), f"tier {spec.name!r}")
+        scan = cls.read_offline(spec.name, config, self.root, self._clock)
+        if scan is None:
+            row["note"] = f"tier kind {spec.kind!r} cannot be read offline"
+            return row
+        found, extra = scan.blocks, dict(scan.extra)
         for key, desc in extra.pop("descriptors", {}).items():
             if key not in self._ns:
                 with contextlib.suppress(ValueError, KeyError, TypeError):

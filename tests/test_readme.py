@@ -25,6 +25,16 @@ def test_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
         monkeypatch.delenv(k)
     exec(compile(code.group(1), "README.md", "exec"), {})
     out = capsys.readouterr().out
-    assert "0 of 64 blocks cached" in out
-    assert "num_blocks=64" in out
+    assert "0 of 16 blocks cached" in out
+    assert "num_blocks=16" in out
     assert (tmp_path / "kvstore-data" / "namespaces.json").exists()
+
+
+def test_readme_shows_the_operator_path() -> None:
+    text = README.read_text()
+    for step in ("**Install**", "**Configure**", "**Run**", "**Watch**", "**Report**"):
+        assert step in text
+    root = README.parent
+    for path in re.findall(r"`((?:deploy|docs)/[\w./-]+)`", text):
+        assert (root / path).exists(), f"the README names {path}, which does not exist"
+    assert "systemd" in text and "Docker" in text and "/metrics" in text and "kvreport" in text

@@ -23,15 +23,26 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from kvstore.block import BlockMeta
 from kvstore.buffers import Buffer
 from kvstore.buffers import byte_view as byte_view  # re-exported for older imports
+from kvstore.clock import Clock
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class OfflineScan:
+    """What :meth:`Tier.read_offline` found: every block with its metadata, and what else the
+    tier can say about itself (``descriptors``: ``{namespace digest: descriptor}`` its data
+    carries; counts of damaged or foreign objects; its URL)."""
+
+    blocks: list[tuple[BlockHash, BlockMeta]]
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +151,20 @@ class Tier(ABC):
 
     def close(self) -> None:  # noqa: B027
         """Release files, mappings and handles. Idempotent."""
+
+    @classmethod
+    def read_offline(cls, name: str, config: Any, root: Path, clock: Clock) -> OfflineScan | None:
+        """What a tier of this kind named ``name`` holds under store ``root``, read without
+        writing, locking or deleting anything there (a store directory that no process
+        serves, or one a daemon holds: :mod:`kvstore.snapshot`). None: this kind cannot be
+        read so (a volatile tier's blocks live only inside its process)."""
+        return None
+
+    @classmethod
+    def holder(cls, name: str, root: Path) -> int | None:
+        """The pid of another process that holds a tier of this kind named ``name`` under
+        ``root`` open, where the kind can tell (a lock file); None otherwise."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         u = self.usage()

@@ -38,7 +38,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import BlockHash
 from kvstore.shm import attach_arena as attach_arena  # re-exported for older imports
-from kvstore.shm import disown_arena, own_arena
+from kvstore.shm import disown_arena, own_arena, reopen_readonly
 from tiers._slab import SlabAllocator, SlabMapMixin
 from tiers.base import Tier
 
@@ -175,6 +175,19 @@ class DramTier(SlabMapMixin, Tier):
     def shm_name(self) -> str:
         """The arena's shared-memory name (no leading slash), for :func:`kvstore.shm.attach_arena`."""
         return self._shm_name
+
+    def unlink_name(self) -> None:
+        """Remove the arena's name from ``/dev/shm``; the mapping stays. From then on only a
+        process handed a descriptor (:meth:`readonly_fd`) can map the arena: the daemon does
+        this once it has mapped the arena itself, so that no local process can open it by
+        name. Nothing is left behind in ``/dev/shm`` even by a crash."""
+        with contextlib.suppress(FileNotFoundError):
+            self._shm.unlink()  # also unregisters it from the resource tracker
+        disown_arena(self._shm_name)
+
+    def readonly_fd(self) -> int:
+        """A new read-only descriptor of the arena (the caller closes it)."""
+        return reopen_readonly(self._shm._fd)  # type: ignore[attr-defined]  # noqa: SLF001
 
     def location(self, key: BlockHash) -> tuple[int, int] | None:
         """``(offset, size)`` of ``key``'s payload in the arena, or None.

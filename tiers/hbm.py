@@ -101,6 +101,34 @@ class HbmTier(SlabMapMixin, Tier):
         off, meta = entry
         return self._pool[off : off + meta.size]
 
+    def reserve(self, key: BlockHash, meta: BlockMeta) -> torch.Tensor:
+        """A slot for ``key``, returned as its device bytes for the caller to fill in place (a
+        device-to-device copy on the caller's stream, which orders later reads after it).
+        :class:`TierFullError` when no slot of its class is free."""
+        with self._lock:
+            self._check_open()
+            old = self._map.pop(key, None)
+            if old is not None:
+                self._alloc.free(old[0])
+            off = self._alloc.alloc(meta.size)
+            if off is None:
+                raise TierFullError(f"hbm tier {self.name!r} has no free slot for {meta.size} bytes")
+            self._map[key] = (off, meta)
+        return self._pool[off : off + meta.size]
+
+    def offsets(self, keys: list[BlockHash]) -> list[int]:
+        """Byte offsets of the blocks in :attr:`pool` (for one gather over many blocks)."""
+        with self._lock:
+            try:
+                return [self._map[k][0] for k in keys]
+            except KeyError as e:
+                raise BlockNotFound(bytes(e.args[0]).hex()) from None
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """The whole page pool (uint8, on :attr:`device`)."""
+        return self._pool
+
     # ---- Tier -----------------------------------------------------------------------------
 
     def contains(self, key: BlockHash) -> bool:
@@ -138,17 +166,8 @@ class HbmTier(SlabMapMixin, Tier):
         data = byte_view(src)
         if len(data) != meta.size:
             raise BufferSizeError(f"payload has {len(data)} bytes, meta says {meta.size}")
-        with self._lock:
-            self._check_open()
-            old = self._map.pop(key, None)
-            if old is not None:
-                self._alloc.free(old[0])
-            off = self._alloc.alloc(meta.size)
-            if off is None:
-                raise TierFullError(f"hbm tier {self.name!r} has no free slot for {meta.size} bytes")
-            self._map[key] = (off, meta)
+        dst = self.reserve(key, meta)
         host = _readonly_tensor(data)
-        dst = self._pool[off : off + meta.size]
         if self._streams.cuda:
             bounce = self._bounce(meta.size)
             bounce.copy_(host)

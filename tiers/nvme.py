@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from kvstore.block import BlockMeta, payload_checksum
 from kvstore.buffers import Buffer, byte_view
@@ -55,7 +55,7 @@ from kvstore.errors import (
 from kvstore.keys import HASH_BYTES, BlockHash
 from tiers._direct import ALIGN, DirectFile
 from tiers._slab import SlabAllocator
-from tiers.base import Tier, TierUsage, tier_dir
+from tiers.base import OfflineScan, Tier, TierUsage, tier_dir
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,16 @@ class NvmeTier(Tier):
     persistent = True
     Config = NvmeConfig
 
+    @classmethod
+    def read_offline(cls, name: str, config: Any, root: Path, clock: Clock) -> OfflineScan:
+        """The block records in RocksDB, opened read-only (:func:`read_metadata`)."""
+        return OfflineScan([(k, m) for k, _, m in read_metadata(root, name)])
+
+    @classmethod
+    def holder(cls, name: str, root: Path) -> int | None:
+        """Who holds RocksDB's lock (:func:`lock_holder`)."""
+        return lock_holder(root, name)
+
     def __init__(
         self, name: str, config: NvmeConfig, *, root: Path, clock: Clock = system_clock
     ) -> None:
@@ -289,6 +299,15 @@ class NvmeTier(Tier):
                 self._quarantine_db(e)
                 return self._db  # type: ignore[return-value]
             msg = str(e)
+            if "No space left" in msg:
+                # A full disk: RocksDB cannot write its open-time files, but reading needs none.
+                # Serve what the tier holds; its writes fail (TierIOError) until there is room.
+                log.error("nvme tier %r: %s; opened its metadata DB read-only (reads work, writes "
+                          "fail until the disk has room)", self.name, msg)
+                try:
+                    return Rdict(str(self._db_path), Options(raw_mode=True), access_type=AccessType.read_only(False))
+                except Exception:  # rocksdict raises bare Exception; report the first error
+                    pass
             if "/LOCK" in msg or "lock hold" in msg:  # not "lock": "block checksum" has one too
                 hint = (
                     "another process, or another open tier object in this one, holds this tier: "

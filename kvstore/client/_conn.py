@@ -24,10 +24,13 @@ from kvstore.errors import (
     MissingPrefixError,
     QuotaExceededError,
     TierFullError,
+    TierIOError,
     UnknownNamespaceError,
     UsageError,
 )
 from kvstore.server import protocol as P
+from kvstore.server.fdpass import receive_fds
+from kvstore.shm import Segment, attach_arena
 from kvstore.ucxenv import apply_ucx_env
 
 
@@ -41,11 +44,27 @@ _ERRORS: dict[P.ErrorCode, type[KVStoreError]] = {
     P.ErrorCode.QUOTA: QuotaExceededError,
     P.ErrorCode.NOT_FOUND: UnknownNamespaceError,
     P.ErrorCode.CONFLICT: MissingPrefixError,
-    P.ErrorCode.UNAVAILABLE: TierFullError,
+    P.ErrorCode.FULL: TierFullError,
+    # A device or remote store failed (a disk I/O error, S3 down): the daemon is there and
+    # answered, so this is neither a full store nor a lost connection.
+    P.ErrorCode.UNAVAILABLE: TierIOError,
     P.ErrorCode.BAD_REQUEST: UsageError,
     P.ErrorCode.BAD_FRAME: UsageError,
     P.ErrorCode.TOO_LARGE: UsageError,
 }
+
+
+def open_staging(reply: str, info: dict[str, Any], timeout: float) -> Any:
+    """The staging segment a STAGING reply names: a memfd, fetched with the ticket of an
+    ``fd:<hex>`` reply from the daemon's fd socket (``info["shm_socket"]``); from an older
+    daemon, a /dev/shm name."""
+    if not reply.startswith("fd:"):
+        return attach_arena(reply)
+    try:
+        fds = receive_fds(info["shm_socket"], bytes.fromhex(reply[3:]), timeout)
+    except (OSError, KeyError, ValueError) as e:
+        raise ConnectionLost(f"cannot fetch the staging segment from the daemon: {e}") from e
+    return Segment(fds[0], writable=True, name="staging")
 
 
 class TcpTransport:

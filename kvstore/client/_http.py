@@ -25,6 +25,13 @@ from urllib.parse import urlsplit
 from kvstore.client._conn import ConnectionLost
 from kvstore.errors import UsageError
 
+DAEMON_HEADER = b"x-kvstore-daemon"
+"""Every reply of a kvstore daemon carries it (kvstore.server.app)."""
+
+
+class NotADaemonError(UsageError):
+    """Something answered on the URL, but not a kvstore daemon (a web server, another service)."""
+
 MAX_HEAD = 64 * 1024
 """Status line and headers of a reply, at most (the daemon sends a few hundred bytes)."""
 
@@ -120,6 +127,7 @@ class HttpConn:
         self._host = parts.hostname
         self._port = parts.port or (443 if self._tls else 80)
         self._prefix = parts.path.rstrip("/")
+        self.url = url
         host = f"[{self._host}]" if ":" in self._host else self._host
         if parts.port:
             host += f":{parts.port}"
@@ -181,6 +189,17 @@ class HttpConn:
         conn = headers.get(b"connection", b"").lower()
         if to_eof or self._buf or b"close" in conn or (not http11 and b"keep-alive" not in conn):
             self.close()
+        ctype = headers.get(b"content-type", b"").lower()
+        if DAEMON_HEADER not in headers and b"json" not in ctype and (status >= 300 or b"html" in ctype):
+            # Neither the daemon's mark nor JSON (a daemon older than the mark, or a proxy in
+            # front of one, still answers JSON), but an error or a page: an HTML 404 must not
+            # read as "unknown namespace".
+            self.close()
+            kind = headers.get(b"content-type", b"no content type").decode("latin-1")[:60]
+            raise NotADaemonError(
+                f"not a kvstore daemon at {self.url}: {method} {path} was answered HTTP {status} "
+                f"({kind}); check the URL and port (the daemon prints its URL when it starts)"
+            )
         return status, data
 
     def close(self) -> None:

@@ -37,8 +37,9 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from kvstore.api import LookupResult, layout_mismatch
+from kvstore.block import payload_checksum
 from kvstore.buffers import dst_views, src_views
-from kvstore.client._conn import ConnectionLost, FrameConn, TcpTransport, UcxTransport
+from kvstore.client._conn import ConnectionLost, FrameConn, TcpTransport, UcxTransport, open_staging
 from kvstore.client._http import HttpConn
 from kvstore.errors import (
     AuthError,
@@ -53,7 +54,8 @@ from kvstore.errors import (
 )
 from kvstore.keys import Namespace
 from kvstore.server import protocol as P
-from kvstore.shm import attach_arena
+from kvstore.server.fdpass import receive_fds
+from kvstore.shm import attach_arena, remember_arena
 
 T = TypeVar("T")
 PLANES = ("auto", "shm", "tcp", "ucx")
@@ -64,6 +66,7 @@ _STATUS: dict[int, type[KVStoreError]] = {
     409: LayoutMismatchError, 413: UsageError, 422: UsageError, 507: QuotaExceededError,
 }
 _STAGING_MIN = 64 << 20
+_SLOT_ALIGN = 4096  # the DRAM arena hands out slots in multiples of this (tiers/dram.py)
 
 
 # One mapping of a daemon's arena per process, shared by its clients: attaching the same segment
@@ -224,6 +227,9 @@ class Client:
         if not hello.get("arena") or hello.get("node_id") != _local_node_id():
             return None
         try:
+            if hello.get("shm_socket"):  # the arena has no name: a read-only descriptor of it
+                fds = receive_fds(hello["shm_socket"], bytes.fromhex(hello["arena_ticket"]), self.timeout)
+                remember_arena(hello["arena"], fds[0])
             shm = _attach_shared(hello["arena"])
         except OSError:  # another container's /dev/shm, say: fall back to TCP
             return None
@@ -413,7 +419,7 @@ class Client:
         def call() -> int:
             conn, ns_id = self._conn, self._ns_id(ns)
             assert conn is not None
-            if self.plane == "shm":
+            if self.plane == "shm" and self._lease_fits(len(hashes), bb):
                 return self._get_shm(conn, ns_id, hashes, bufs)
             hdr, meta = conn.call(P.Op.GET, P.encode_blocks(ns_id, hashes))
             count, got_bb = P.parse_data_meta(meta)
@@ -423,6 +429,13 @@ class Client:
             return count
 
         return self._retry(call)
+
+    def _lease_fits(self, n: int, bb: int) -> bool:
+        """Whether ``n`` blocks of ``bb`` bytes fit in the daemon's arena at once. A lease never
+        holds more than the arena, so a longer load is read by the daemon (GET) instead: a
+        lease would end the prefix where the arena is full of the chain's own blocks."""
+        slot = -(-bb // _SLOT_ALIGN) * _SLOT_ALIGN
+        return self._arena is not None and n * slot <= self._arena.size
 
     def _get_shm(self, conn: FrameConn, ns_id: bytes, hashes: list[bytes], bufs: list[memoryview]) -> int:
         _, meta = conn.call(P.Op.ACQUIRE, P.encode_blocks(ns_id, hashes))
@@ -493,7 +506,8 @@ class Client:
                 for i, s in enumerate(srcs):
                     sbuf[i * bb : (i + 1) * bb] = s
                 del sbuf
-                _, meta = conn.call(P.Op.PUT_SHM, P.encode_put(ns_id, hashes, start, durable, staging_offset=0))
+                sums = [payload_checksum(s) for s in srcs]  # the daemon verifies the staged bytes
+                _, meta = conn.call(P.Op.PUT_SHM, P.encode_put(ns_id, hashes, start, durable, 0, sums))
             else:
                 _, meta = conn.call(P.Op.PUT, P.encode_put(ns_id, hashes, start, durable), srcs)
             return P.parse_u64(meta)
@@ -507,7 +521,7 @@ class Client:
             if self._staging is not None:
                 with contextlib.suppress(BufferError):
                     self._staging.close()
-            self._staging = attach_arena(bytes(meta).decode())
+            self._staging = open_staging(bytes(meta).decode(), self.info, self.timeout)
         return self._staging
 
 

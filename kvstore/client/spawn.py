@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import selectors
 import signal
 import subprocess
@@ -73,8 +74,10 @@ def start_daemon(
     args: list[str] | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 60.0,
+    nofile: int | None = None,
 ) -> LocalDaemon:
-    """A daemon on ``data_dir`` with free ports; ``config``: optional TOML ([store], [server]...)."""
+    """A daemon on ``data_dir`` with free ports; ``config``: optional TOML ([store], [server]...).
+    ``nofile``: its RLIMIT_NOFILE (soft and hard), to test what happens at the descriptor limit."""
     cmd = [sys.executable, "-m", "kvstore.server", "serve", "--json", "--data-dir", str(data_dir),
            "--http-port", "0", "--data-port", "0", "--ucx-port", "0"]
     if config is not None:
@@ -86,7 +89,12 @@ def start_daemon(
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH", "")) if p)
     # stderr to a file, not a pipe: nobody drains a pipe, and a full one would block the daemon.
     log = tempfile.TemporaryFile()  # noqa: SIM115 (owned by the LocalDaemon, closed by stop)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=full_env)
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=full_env,
+                            preexec_fn=limit if nofile is not None else None)
     sel = selectors.DefaultSelector()
     assert proc.stdout is not None
     sel.register(proc.stdout, selectors.EVENT_READ)

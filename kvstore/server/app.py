@@ -18,12 +18,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvstore.errors import KVStoreError, UsageError, error_kind
 from kvstore.keys import Namespace
+from kvstore.server import requestlog
 from kvstore.server.admin import admin_router
 from kvstore.server.dataplane import DataContext
+from kvstore.server.docs import install_docs
 from kvstore.server.metrics import CONTENT_TYPE
 from kvstore.server.service import AuthError, ForbiddenError, Tenant, classify
 
 HEX16 = r"^[0-9a-fA-F]{32}$"
+DAEMON_HEADER = (b"x-kvstore-daemon", b"1")
+"""On every reply: how a client tells a kvstore daemon from whatever else answers on a port."""
 INLINE_LOOKUP_BODY = 64 * 1024
 """A lookup body up to this size (~1,800 hashes) is parsed and answered on the event loop (from
 memory, when the store is not busy); a larger one, up to 65,536 hashes or max_tokens token ids,
@@ -142,13 +146,17 @@ class _Timing:
             nonlocal status
             if msg["type"] == "http.response.start":
                 status = msg["status"]
+                msg = {**msg, "headers": [*msg.get("headers", ()), DAEMON_HEADER]}
             await send(msg)
 
         try:
             await self.app(scope, receive, send_status)
         finally:  # the router put the matched route into the scope
             op = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.observe("http", op, time.perf_counter() - t0, str(status))
+            spent = time.perf_counter() - t0
+            self.metrics.observe("http", op, spent, str(status))
+            if requestlog.enabled():
+                requestlog.record(scope, op, status, spent)
 
 
 def _hashes(items: list[str], limit: int) -> list[bytes]:
@@ -178,6 +186,8 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
     app = FastAPI(
         title="kvstore daemon",
         version="1",
+        docs_url=None,  # served from a packaged copy: kvstore/server/docs.py
+        redoc_url=None,
         description="Control plane of the kvstore daemon. Block payloads move on the data plane "
         "(shared memory, framed TCP, UCX), never through this API.",
     )
@@ -199,6 +209,7 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
         return JSONResponse({"detail": detail, "kind": "UsageError"}, status_code=422)
 
     app.add_middleware(_Timing, metrics=metrics)
+    install_docs(app)
 
     async def tenant(authorization: Annotated[str | None, Header()] = None) -> Tenant:
         token = None

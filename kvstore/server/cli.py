@@ -18,6 +18,8 @@ from typing import Any
 
 from kvstore.config import load_config
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.server import requestlog
+from kvstore.version import version
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -29,6 +31,10 @@ def _serve(args: argparse.Namespace) -> int:
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     store_over = {"root": args.data_dir} if args.data_dir is not None else {}
+    problem = _data_dir_problem(args.data_dir) if args.data_dir is not None else None
+    if problem:
+        print(f"kvstore serve: --data-dir {args.data_dir}: {problem}", file=sys.stderr)
+        return 2
     try:
         store_cfg = load_config(args.config, **store_over)
         server_cfg = load_server_config(args.config, **overrides)
@@ -47,9 +53,18 @@ def _serve(args: argparse.Namespace) -> int:
     # Everything the daemon writes (slab, objects, namespaces.json with tenant salts, the event
     # log, pins.json, server-secret) is for its own user alone: files 0600, directories 0700.
     os.umask(0o077)
+    _not_dumpable()
+    try:
+        requestlog.configure(args.request_log)
+    except OSError as e:
+        print(f"kvstore serve: --request-log {args.request_log}: cannot open it ({e.strerror})", file=sys.stderr)
+        return 2
     try:
         with asyncio.Runner(loop_factory=_loop_factory(server_cfg.ucx)) as runner:
             runner.run(Daemon(store_cfg, server_cfg).serve(ready))
+        # stderr: with --json, stdout carries the one ready line a parent reads.
+        print(f"kvstore daemon stopped: requests in flight finished, store {store_cfg.root} closed",
+              file=sys.stderr, flush=True)
     except ConfigError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 2
@@ -57,6 +72,35 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvstore serve: cannot run the daemon: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _not_dumpable() -> None:
+    """PR_SET_DUMPABLE 0: processes of the daemon's own user can no longer ptrace it or open its
+    /proc/<pid>/fd and /proc/<pid>/mem (only root can), so the arena and staging descriptors
+    reach only the clients the daemon hands them to. No core dumps either."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE) failed")
+    except (OSError, AttributeError) as e:
+        logging.getLogger(__name__).warning("cannot make the daemon non-dumpable (%s): processes of "
+                                            "its user can read its memory", e)
+
+
+def _data_dir_problem(path: Path) -> str | None:
+    """What keeps ``--data-dir`` from being a store directory, named by the flag (the store's
+    own message names the TOML key)."""
+    if path.exists() and not path.is_dir():
+        return "is a file, not a directory; pass a directory (it is created if missing)"
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "it" if probe == path else f"{probe}"
+        return f"{where} is not writable by this user; pass a directory it may write, or fix its permissions"
+    return None
 
 
 def _loop_factory(ucx: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -73,6 +117,7 @@ def _loop_factory(ucx: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvstore", description="kvstore: a tiered KV-cache store for LLM inference.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser(
         "serve",
@@ -90,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--ucx-port", type=int, default=None, help="UCX port (default 7072; 0 picks a free one)")
     s.add_argument("--json", action="store_true", help="print one JSON line with the bound addresses when ready")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--request-log", metavar="FILE", default=None,
+                   help="one JSON line per HTTP request to FILE ('-': stderr); default off")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return _serve(args)

@@ -33,6 +33,7 @@ from kvstore.errors import KVStoreError
 from kvstore.server.app import make_app
 from kvstore.server.config import ServerConfig
 from kvstore.server.dataplane import DataContext, TcpDataServer
+from kvstore.server.fdpass import FdServer
 from kvstore.server.limits import (
     ConnectionGate,
     InflightBytes,
@@ -107,13 +108,25 @@ class Daemon:
             pool.shutdown(wait=False)
             raise
         arena_shm = None
+        fds: FdServer | None = None
+        arena_fd = -1
         try:
             service = Service(store, cfg, load_secret(self.store_config.root), clock=self.clock)
             arena_shm = attach_arena(service.arena) if service.arena else None
+            first = store.tiers[0]
+            if arena_shm is not None and hasattr(first, "unlink_name"):
+                # From here on the arena has no name: clients granted shared memory get a
+                # read-only descriptor of it (docs/daemon.md, "Who is trusted with what").
+                arena_fd = first.readonly_fd()
+                first.unlink_name()
+                fds = FdServer()
+                fds.start()
             lim = cfg.limits
-            gate = ConnectionGate(descriptor_budget(lim.max_connections), lim.max_connections_per_peer)
-            ctx = DataContext(service, pool, Metrics(store.stats), arena_shm.buf if arena_shm else None, node_id(),
-                              gate, InflightBytes(lim.max_inflight_bytes_per_tenant))
+            metrics = Metrics(store.stats)
+            gate = ConnectionGate(descriptor_budget(lim.max_connections), lim.max_connections_per_peer,
+                                  metrics.refused.inc)
+            ctx = DataContext(service, pool, metrics, arena_shm.buf if arena_shm else None, node_id(),
+                              gate, InflightBytes(lim.max_inflight_bytes_per_tenant), fds, arena_fd)
             planes: list[Any] = []
             tcp = TcpDataServer(ctx)
             data_port = tcp.adopt(tcp_sock)
@@ -132,7 +145,8 @@ class Daemon:
             self._server = _Uvicorn(
                 uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-                               http=gated_http_protocol(gate, lim.request_timeout_s))
+                               http=gated_http_protocol(gate, lim.request_timeout_s,
+                                                        metrics.timeouts.labels("http", "request").inc))
             )
             if on_main_thread:  # an embedded daemon (ThreadedDaemon) is stopped by its owner
                 for sig in (signal.SIGTERM, signal.SIGINT):
@@ -165,6 +179,10 @@ class Daemon:
             if on_main_thread:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
+            if fds is not None:
+                fds.close()
+            if arena_fd >= 0:
+                os.close(arena_fd)
             if arena_shm is not None:
                 with contextlib.suppress(BufferError):
                     arena_shm.close()
@@ -188,9 +206,15 @@ class Daemon:
             await asyncio.sleep(self.config.maintain_interval_s)
             try:
                 await ctx.run(ctx.service.store.maintain)
+                await ctx.run(_log_usage, ctx.service.store)
                 await ctx.run(ctx.service.refresh_usage)
             except Exception:
                 log.exception("periodic maintenance failed; will retry")
+
+
+def _log_usage(store: Any) -> None:
+    """Tier fill into the event log, for kvreport's "tier fill over time"."""
+    store.events.usage(store.stats()["tiers"])
 
 
 class ThreadedDaemon:

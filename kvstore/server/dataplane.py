@@ -3,8 +3,10 @@
 A session speaks the frames of :mod:`kvstore.server.protocol`. Payloads never pass through
 JSON or HTTP, and the daemon copies no block it serves from the DRAM arena: a GET takes a lease
 on the blocks (promoting them into the arena if needed) and hands views of the arena straight to
-``sendmsg``; a same-node client instead maps the arena itself and receives offsets (ACQUIRE),
-or writes into a daemon-made staging segment that the daemon puts from (PUT_SHM).
+``sendmsg``; a same-node client instead maps the arena itself, read-only, and receives offsets
+(ACQUIRE), or writes into a daemon-made staging segment that the daemon puts from (PUT_SHM,
+each block's checksum verified first). Neither segment has a name another process could open:
+their descriptors reach the client through :mod:`kvstore.server.fdpass`.
 
 Failure containment: a malformed or oversized frame gets an error frame and that connection is
 closed; a client that dies mid-transfer only ends its own session. Whatever a session holds
@@ -30,17 +32,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any, TypeVar
 
 import numpy as np
 
 from kvstore.api import Lease
+from kvstore.block import payload_checksum
 from kvstore.server import protocol as P
 from kvstore.server.config import is_loopback
+from kvstore.server.fdpass import FdServer
 from kvstore.server.limits import ConnectionGate, InflightBytes, peer_of
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import AuthError, Service, Tenant, classify
+from kvstore.shm import Segment, memfd_segment
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -149,6 +153,10 @@ class DataContext:
     node_id: str
     gate: ConnectionGate
     inflight: InflightBytes
+    fds: FdServer | None = None
+    """Hands the arena and staging descriptors to same-node clients (None: no arena)."""
+    arena_fd: int = -1
+    """A read-only descriptor of the arena: what a client granted shared memory gets."""
 
     async def run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -161,23 +169,22 @@ class RequestError(Exception):
         self.code = code
 
 
-_LINGERING: list[SharedMemory] = []
-"""Staging segments unlinked but still mapped: a put that was in flight when its session ended
-still holds a view of the bytes. Closed at the next chance, never by ``SharedMemory.__del__``
-(which would report a BufferError as an ignored exception)."""
+_LINGERING: list[Segment] = []
+"""Staging segments of ended sessions still mapped: a put that was in flight when its session
+ended still holds a view of the bytes. Closed at the next chance."""
 
 
 @atexit.register
 def _forget_lingering() -> None:
     # At exit a view that kept a segment mapped may still be alive (held by a traceback); the
-    # process's end unmaps it anyway, so SharedMemory.__del__ must not try and report failing.
-    for shm in _LINGERING:
-        shm._buf = shm._mmap = None  # type: ignore[attr-defined]  # noqa: SLF001
+    # process's end unmaps it anyway.
+    for seg in _LINGERING:
+        seg.forget()
 
 
 def close_lingering() -> int:
     """Close the unlinked staging segments no view holds any more; returns how many remain."""
-    kept: list[SharedMemory] = []
+    kept: list[Segment] = []
     for shm in _LINGERING:
         try:
             shm.close()
@@ -198,7 +205,7 @@ class Session:
         self.tenant: Tenant | None = None
         self.leases: dict[int, tuple[Lease, float]] = {}
         """lease id -> (lease, deadline on the loop's clock)"""
-        self.staging: SharedMemory | None = None
+        self.staging: Segment | None = None
         self.busy = False
         self._unread = 0  # payload bytes of the current frame not read yet
         self._next_lease = 1
@@ -216,6 +223,7 @@ class Session:
         except ChannelClosed:
             pass
         except TimeoutError:
+            m.timeouts.labels(self.ch.plane, "handshake" if self.tenant is None else "frame").inc()
             log.info("%s client stalled (no HELLO within %.0f s, a header cut short for %.0f s, or a "
                      "frame for %.0f s); closing it", self.ch.plane, lim.handshake_timeout_s,
                      lim.request_timeout_s, FRAME_TIMEOUT_S)
@@ -330,7 +338,8 @@ class Session:
         except AuthError as e:
             raise P.ProtocolError(P.ErrorCode.UNAUTHENTICATED, str(e)) from None
         lim = self.ctx.service.limits
-        shm = self.tenant.spec.allow_shm and self.ch.local and self.ctx.arena is not None
+        fds = self.ctx.fds
+        shm = self.tenant.spec.allow_shm and self.ch.local and self.ctx.arena is not None and fds is not None
         info = {
             "version": P.VERSION,
             "tenant": self.tenant.name,
@@ -340,6 +349,11 @@ class Session:
             "max_payload_bytes": lim.max_payload_bytes,
             "max_staging_bytes": lim.max_staging_bytes,
         }
+        if shm:
+            assert fds is not None
+            # The arena has no name to open: a read-only descriptor, fetched with this ticket.
+            info["shm_socket"] = fds.address
+            info["arena_ticket"] = fds.offer([self.ctx.arena_fd]).hex()
         await self._reply(hdr.req_id, json.dumps(info).encode())
 
     def _shm_allowed(self) -> Tenant:
@@ -450,6 +464,7 @@ class Session:
             lease, _ = self.leases.pop(i)
             await self._give_back(lease)
         if due:
+            self.ctx.metrics.leases_expired.inc(len(due))
             log.info("released %d lease(s) of tenant %r not released within %.0f s", len(due),
                      self.tenant.name if self.tenant else "?", self.ctx.service.limits.lease_timeout_s)
         return len(due)
@@ -461,12 +476,15 @@ class Session:
         if not 0 < size <= limit:
             raise RequestError(P.ErrorCode.BAD_REQUEST, f"staging size must be 1..{limit} bytes, got {size}")
         self._close_staging()
-        name = f"kvs-stage-{secrets.token_hex(8)}"
+        fds = self.ctx.fds
+        if fds is None:
+            raise RequestError(P.ErrorCode.FORBIDDEN, "this daemon has no shared-memory plane; use TCP")
         try:
-            self.staging = SharedMemory(name=name, create=True, size=size)
+            self.staging = memfd_segment(size, f"kvs-stage-{secrets.token_hex(4)}")
         except OSError as e:
             raise RequestError(P.ErrorCode.UNAVAILABLE, f"cannot create a staging segment: {e}") from e
-        await self._reply(hdr.req_id, name.encode())
+        # A memfd: no name, so only this client (handed the descriptor) and the daemon map it.
+        await self._reply(hdr.req_id, b"fd:" + fds.offer([self.staging.fileno()]).hex().encode())
 
     async def _put_shm(self, hdr: P.Header, meta: bytearray) -> None:
         svc, t = self.ctx.service, self._shm_allowed()
@@ -482,6 +500,13 @@ class Session:
             )
         src = self.staging.buf[off : off + n]
         try:
+            bad = await self.ctx.run(_first_mismatch, src, req.checksums, bb)
+            if bad is not None:
+                raise RequestError(
+                    P.ErrorCode.BAD_REQUEST,
+                    f"block {req.start + bad} of this PUT_SHM does not match its checksum: the staged "
+                    "bytes are not the ones the client checksummed; nothing was stored",
+                )
             new = await self._call(svc.put, t, req.ns_id, req.hashes, src, req.start, req.durable)
         finally:
             src.release()
@@ -492,9 +517,7 @@ class Session:
 
     def _close_staging(self) -> None:
         if self.staging is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.staging.unlink()  # the name goes now; the mapping when no view holds it
-            _LINGERING.append(self.staging)
+            _LINGERING.append(self.staging)  # unmapped when no view holds it
             self.staging = None
         close_lingering()
 
@@ -504,6 +527,16 @@ class Session:
             await self._give_back(lease)
         self._close_staging()
         await self.ch.close()
+
+
+def _first_mismatch(src: memoryview, checksums: Sequence[int], bb: int) -> int | None:
+    """The first block of ``src`` whose xxh3-64 is not its checksum, or None."""
+    if len(checksums) * bb != len(src):
+        return 0
+    for i, want in enumerate(checksums):
+        if payload_checksum(src[i * bb : (i + 1) * bb]) != want:
+            return i
+    return None
 
 
 class TcpDataServer:

@@ -21,6 +21,7 @@ import logging
 import resource
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,9 @@ def descriptor_budget(configured: int) -> int:
 class ConnectionGate:
     """Counts open connections per peer and in all; not thread-safe (the event loop's)."""
 
-    def __init__(self, max_total: int, max_per_peer: int) -> None:
+    def __init__(self, max_total: int, max_per_peer: int, on_refuse: Callable[[], None] | None = None) -> None:
         self.max_total = max_total
+        self._on_refuse = on_refuse
         self.max_per_peer = max_per_peer
         self.total = 0
         self.refused = 0
@@ -63,6 +65,8 @@ class ConnectionGate:
         """Count a new connection from ``peer``; False (and nothing counted) over a limit."""
         if self.total >= self.max_total or self._peers[peer] >= self.max_per_peer:
             self.refused += 1
+            if self._on_refuse is not None:
+                self._on_refuse()
             now = time.monotonic()
             if now - self._last_warning > 10:  # one line per burst, not one per connection
                 self._last_warning = now
@@ -90,7 +94,8 @@ def peer_of(transport_or_addr: Any) -> str:
     return str(addr or "")
 
 
-def gated_http_protocol(gate: ConnectionGate, request_timeout_s: float) -> type[asyncio.Protocol]:
+def gated_http_protocol(gate: ConnectionGate, request_timeout_s: float,
+                        on_timeout: Callable[[], None] | None = None) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with the gate and the request deadline.
 
     The deadline is armed when the connection opens and again after each reply, and disarmed
@@ -144,6 +149,8 @@ def gated_http_protocol(gate: ConnectionGate, request_timeout_s: float) -> type[
         def _kv_expired(self) -> None:
             self._kv_timer = None
             if not self.transport.is_closing():
+                if on_timeout is not None:
+                    on_timeout()
                 self.transport.close()
 
     return GatedHttp

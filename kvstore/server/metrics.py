@@ -73,6 +73,14 @@ class Metrics:
         self.bytes = Counter("kvstore_bytes", "Payload bytes moved", ["plane", "direction"], registry=r)
         self.connections = Gauge("kvstore_connections", "Open data-plane connections", ["plane"], registry=r)
         self.leases = Gauge("kvstore_leases", "Shared-memory leases held by clients", registry=r)
+        self.leases_expired = Counter(
+            "kvstore_leases_expired", "Leases the daemon took back at their lease_timeout", registry=r)
+        self.refused = Counter(
+            "kvstore_connections_refused",
+            "Connections closed as accepted: over max_connections or max_connections_per_peer", registry=r)
+        self.timeouts = Counter(
+            "kvstore_connection_timeouts", "Connections closed at a deadline (handshake, frame, request)",
+            ["plane", "reason"], registry=r)
         r.register(_StoreCollector(store_stats))
 
     def observe(self, plane: str, op: str, seconds: float, outcome: str = "ok") -> None:

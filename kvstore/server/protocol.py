@@ -53,9 +53,11 @@ class Op(enum.IntEnum):
     RELEASE = 5
     """meta: u64 lease id. No reply (ordering on the connection is enough)."""
     STAGING = 6
-    """meta: u64 bytes. Reply meta: the UTF-8 name of a fresh shared-memory staging segment."""
+    """meta: u64 bytes. Reply meta: ``fd:`` and the hex ticket of a fresh memfd staging segment,
+    to be fetched from the daemon's fd socket (kvstore.server.fdpass)."""
     PUT_SHM = 7
-    """meta: ns id, u32 start, u32 n, u8 durable, u64 staging offset, n hashes. No payload."""
+    """meta: ns id, u32 start, u32 n, u8 durable, u64 staging offset, n hashes, then one u64
+    xxh3-64 checksum per block put (n - start), verified against the staged bytes. No payload."""
     REPLY = 0x80
     """A successful reply; its meta depends on the request's op."""
     ERROR = 0xFF
@@ -71,8 +73,9 @@ class ErrorCode(enum.IntEnum):
     CONFLICT = 6
     QUOTA = 7
     FORBIDDEN = 8
-    UNAVAILABLE = 9
+    UNAVAILABLE = 9  # a device or remote store failed (TierIOError): disk I/O, read-only, S3 down
     INTERNAL = 10
+    FULL = 11  # no room in the store (TierFullError); an older daemon sent UNAVAILABLE for it
 
 
 FATAL = frozenset({ErrorCode.BAD_FRAME, ErrorCode.UNAUTHENTICATED, ErrorCode.TOO_LARGE})
@@ -175,6 +178,8 @@ class BlockRequest:
     start: int = 0
     durable: bool = False
     staging_offset: int = 0
+    checksums: tuple[int, ...] = ()
+    """PUT_SHM: the client's xxh3-64 of each block it staged."""
 
 
 _U32 = struct.Struct("<I")
@@ -206,12 +211,19 @@ def parse_blocks(meta: bytes | memoryview, max_blocks: int) -> BlockRequest:
     return BlockRequest(bytes(meta[:NS_ID_BYTES]), _split_hashes(meta, fixed, n))
 
 
-def encode_put(ns_id: bytes, hashes: list[bytes], start: int, durable: bool, staging_offset: int | None = None) -> bytes:
+def encode_put(
+    ns_id: bytes, hashes: list[bytes], start: int, durable: bool, staging_offset: int | None = None,
+    checksums: list[int] | None = None,
+) -> bytes:
+    """PUT metadata; with ``staging_offset`` PUT_SHM's, which needs ``checksums`` (one per block
+    put)."""
     if staging_offset is None:
-        fixed = _PUT_FIXED.pack(start, len(hashes), durable)
-    else:
-        fixed = _SHM_FIXED.pack(start, len(hashes), durable, staging_offset)
-    return ns_id + fixed + b"".join(hashes)
+        return ns_id + _PUT_FIXED.pack(start, len(hashes), durable) + b"".join(hashes)
+    cs = checksums or []
+    if len(cs) != len(hashes) - start:
+        raise ValueError(f"a PUT_SHM of {len(hashes) - start} blocks needs as many checksums, got {len(cs)}")
+    fixed = _SHM_FIXED.pack(start, len(hashes), durable, staging_offset)
+    return ns_id + fixed + b"".join(hashes) + struct.pack(f"<{len(cs)}Q", *cs)
 
 
 def parse_put(meta: bytes | memoryview, max_blocks: int, *, shm: bool = False) -> BlockRequest:
@@ -227,12 +239,21 @@ def parse_put(meta: bytes | memoryview, max_blocks: int, *, shm: bool = False) -
         raise ProtocolError(ErrorCode.BAD_FRAME, f"put start {start} is past its {n} blocks")
     if durable > 1:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"durable must be 0 or 1, got {durable}")
+    checksums: tuple[int, ...] = ()
+    if shm:
+        k = n - start
+        end = len(meta) - 8 * k
+        if end < fixed:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"PUT_SHM metadata needs {k} checksums after its hashes")
+        checksums = struct.unpack_from(f"<{k}Q", meta, end)
+        meta = meta[:end]
     return BlockRequest(
         bytes(meta[:NS_ID_BYTES]),
         _split_hashes(meta, fixed, n),
         start=start,
         durable=bool(durable),
         staging_offset=vals[3] if shm else 0,
+        checksums=checksums,
     )
 
 

@@ -488,7 +488,7 @@ _ERRORS: tuple[tuple[type[BaseException], ErrorCode, int], ...] = (
     # a conflict with the store's state, not a malformed request.
     (RetentionError, ErrorCode.CONFLICT, 409),
     (MissingPrefixError, ErrorCode.CONFLICT, 409),
-    (TierFullError, ErrorCode.UNAVAILABLE, 507),
+    (TierFullError, ErrorCode.FULL, 507),
     # A device or remote store failed (disk full, read-only, S3 down): the request that needed
     # it fails with the tier's own message; the connection and every other client carry on.
     (TierIOError, ErrorCode.UNAVAILABLE, 503),

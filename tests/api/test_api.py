@@ -167,16 +167,7 @@ def test_every_implementation_gives_the_same_answers(open_worlds: Any) -> None:
     assert transcripts["tcp"] == transcripts["store"]
 
 
-_THROUGH_ACQUIRE = pytest.mark.xfail(strict=True, reason=(
-    "the client's shm get_into loads through KVStore.acquire: a prefix ends at the first block the DRAM arena cannot take while the "
-    "whole chain is held, so a chain longer than DRAM loads short; the in-process store reads "
-    "slower tiers straight into the caller's buffer (issue 12: the core's acquire)"
-))
-
-
-@pytest.mark.parametrize(
-    "impl", ["store", pytest.param("shm", marks=_THROUGH_ACQUIRE), "tcp"]
-)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_get_into_a_chain_longer_than_the_first_tier(impl: str, tmp_path: Any, monkeypatch: Any) -> None:
     chain = chain_for(13, DRAM_BLOCKS + 2)
     with open_world(impl, tmp_path / impl, monkeypatch) as w:

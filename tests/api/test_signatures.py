@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from kvstore.api import KVCacheAPI, Lease, LeaseLike, PinLike
-from kvstore.client import Client
-from kvstore.client.client import ClientLease, ClientPin
+from kvstore.client import Client, ClientLease, ClientPin
 from kvstore.keys import Namespace
 from kvstore.retention import PinRecord
 from kvstore.store import KVStore

@@ -108,6 +108,30 @@ def test_down_store_answers_no_hit_without_calls_and_comes_back(store: KVStore) 
     cache.close()
 
 
+def _wait_for(cond: Any, what: str, limit_s: float = 30.0) -> None:
+    """Wait (bounded) for the reconnect thread, which runs on real time."""
+    end = time.monotonic() + limit_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} did not happen within {limit_s} s")
+        time.sleep(0.005)
+
+
+def test_background_prober_closes_it_again_and_again(store: KVStore) -> None:
+    flaky = Flaky(store)
+    cache = EngineCache(flaky, SHAPE.namespace("test/breaker"), SHAPE, backoff_s=0.001, max_backoff_s=0.01)
+    hashes = cache.hashes(torch.arange(16))
+    cache.store_async(hashes, _blocks(4), 0)
+    cache.flush()
+    for outage in (1, 2, 3):  # each outage gets a prober of its own
+        flaky.down = True
+        assert _load_n(cache, hashes, 4) == 0 and cache.breaker.opened == outage
+        flaky.down = False
+        _wait_for(lambda: cache.available, f"recovery from outage {outage}")
+        assert _load_n(cache, hashes, 4) == 4
+    cache.close()
+
+
 def test_store_that_fails_in_the_background_opens_the_breaker(store: KVStore) -> None:
     flaky = Flaky(store)
     cache = EngineCache(flaky, SHAPE.namespace("test/breaker"), SHAPE, background=False)

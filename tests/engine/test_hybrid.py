@@ -1,8 +1,11 @@
 """The hybrid engine: full part + checkpoint window + bounded replay gives the uncached answer.
 
-Two small random-weight sliding-window models, float32 on the CPU: Gemma-3 (alternating local
-and global layers) and Mistral with ``sliding_window`` (every layer local). Blocks of 8 tokens,
-a 24-token window (23 tokens kept: not a multiple of the block), a checkpoint every 3 blocks.
+Small random-weight models, float32 on the CPU: Gemma-3 (alternating local and global layers),
+Mistral with ``sliding_window`` (every layer local) and Qwen3-Next (linear attention: conv and
+recurrent state) through every test; gpt-oss (windows with attention sinks, experts) and LFM2
+(short convolutions) through the hit scenarios. Blocks of 8 tokens,
+a 16-token window (15 tokens of state: not a multiple of the block, so a checkpoint needs the
+pieces of 2 blocks), a checkpoint every 4 blocks.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from kvstore.errors import UsageError  # noqa: E402
 from kvstore.hybrid import CheckpointPolicy  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
 
-BT, W, C = 8, 24, 3
+BT, W, C = 8, 16, 4
 _SIZES = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
@@ -43,7 +46,38 @@ def mistral() -> Any:
     return transformers.MistralForCausalLM(cfg).float().eval()
 
 
-MODELS: dict[str, Callable[[], Any]] = {"gemma3-alternating": gemma3, "mistral-all-swa": mistral}
+def qwen3_next() -> Any:
+    """Gated delta-net linear attention (conv + recurrent state) between full-attention layers."""
+    cfg = transformers.Qwen3NextConfig(
+        **_SIZES, layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=2,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=0,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    )
+    torch.manual_seed(2)
+    return transformers.Qwen3NextForCausalLM(cfg).float().eval()
+
+
+def lfm2() -> Any:
+    """Short convolutions (a conv state) between full-attention layers."""
+    cfg = transformers.Lfm2Config(**{k: v for k, v in _SIZES.items() if k != "head_dim"},
+                                  layer_types=["conv", "full_attention"] * 2)
+    torch.manual_seed(3)
+    return transformers.Lfm2ForCausalLM(cfg).float().eval()
+
+
+def gpt_oss() -> Any:
+    """Alternating 16-token windows and full layers with attention sinks and a mixture of experts."""
+    cfg = transformers.GptOssConfig(
+        **{**_SIZES, "intermediate_size": 64}, sliding_window=W, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+    torch.manual_seed(4)
+    return transformers.GptOssForCausalLM(cfg).float().eval()
+
+
+MODELS: dict[str, Callable[[], Any]] = {
+    "gemma3-alternating": gemma3, "mistral-all-swa": mistral, "qwen3-next-linear": qwen3_next,
+}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -80,13 +114,13 @@ def _check(lm: HybridLM, plain: HybridLM, prompt: torch.Tensor, checkpoint: int,
 
 
 def _scenarios(lm: HybridLM, plain: HybridLM, seed: int) -> None:
-    base = _tokens(seed, 100)  # 12 full blocks: checkpoints 2, 5, 8 (every 3) and 11 (the end)
+    base = _tokens(seed, 100)  # 12 full blocks: checkpoints 3, 7 and 11 (every 4, and the end)
     first = lm.prefill(base)
     assert first.checkpoint == -1 and first.hit_tokens == 0
-    # A hit that ends on a checkpoint: 49 tokens -> blocks 0..5 usable, block 5 is a checkpoint.
-    _check(lm, plain, base[:49], checkpoint=5, replayed_blocks=0)
-    # Between checkpoints: blocks 0..7 usable, nearest checkpoint 5, blocks 6 and 7 replayed.
-    _check(lm, plain, base[:65], checkpoint=5, replayed_blocks=2)
+    # A hit that ends on a checkpoint: 65 tokens -> blocks 0..7 usable, block 7 is a checkpoint.
+    _check(lm, plain, base[:65], checkpoint=7, replayed_blocks=0)
+    # Between checkpoints: blocks 0..5 usable, nearest checkpoint 3, blocks 4 and 5 replayed.
+    _check(lm, plain, base[:49], checkpoint=3, replayed_blocks=2)
     # The whole stored prompt and past it: the end checkpoint (11), then new tokens.
     _check(lm, plain, torch.cat([base, _tokens(seed + 1, 37)]), checkpoint=11, replayed_blocks=0)
 
@@ -111,16 +145,20 @@ def test_hit_past_the_last_checkpoint_replays_from_it(model: Any, tmp_path: Path
     plain = HybridLM(model, None, ns)
     try:
         base = _tokens(5, 90)
-        periodic_only.prefill(base)  # full part of 11 blocks, windows at 2, 5, 8 only
+        periodic_only.prefill(base)  # full part of 11 blocks, checkpoints 3 and 7 only
         lm = HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=C))
-        _check(lm, plain, torch.cat([base, _tokens(6, 20)]), checkpoint=8, replayed_blocks=2)
+        _check(lm, plain, torch.cat([base, _tokens(6, 20)]), checkpoint=7, replayed_blocks=3)
     finally:
         store.close()
 
 
 def test_store_everything_baseline_equals_uncached(model: Any, tmp_path: Path) -> None:
-    store = _store(tmp_path)
     ns = namespace_of(model, "test/everything", BT)
+    if "recurrent" in [g.kind for g in ns.layout.groups]:
+        with pytest.raises(UsageError, match="per-block form"):
+            HybridLM(model, None, ns, everything=True)
+        return
+    store = _store(tmp_path)
     lm = HybridLM(model, store, ns, everything=True)
     plain = HybridLM(model, None, ns)
     try:
@@ -146,7 +184,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.mark.parametrize("plane", ["shm", "tcp"])
 def test_through_the_daemon(model: Any, daemon: str, plane: str) -> None:
-    ns = namespace_of(model, f"test/hybrid-daemon-{plane}", BT)
+    ns = namespace_of(model, f"test/{model.config.model_type}-daemon-{plane}", BT)  # one id per model
     with connect(daemon, plane=plane) as client:
         lm = HybridLM(model, client, ns, policy=CheckpointPolicy(every_blocks=C))
         _scenarios(lm, HybridLM(model, None, ns), seed=11)
@@ -161,16 +199,66 @@ def test_a_window_evicted_falls_back_to_an_earlier_checkpoint(model: Any, tmp_pa
         base = _tokens(13, 100)
         lm.prefill(base)
         hashes = lm.hyb.hashes(base)
-        assert store.delete(lm.hyb.window, [lm.hyb.window_key(hashes[5])]) == 1
-        # Blocks 0..5 usable; checkpoint 5's window is gone: the hit ends at checkpoint 2.
-        blocks_after = 3 if lm.hyb.full is not None else 0
-        _check(lm, plain, base[:49], checkpoint=2, replayed_blocks=blocks_after, bounded=False)
+        # Block 7's window piece (or its recurrent state) goes: checkpoint 7 is gone, 3 and 11 stay.
+        if lm.hyb.window is not None:
+            assert store.delete(lm.hyb.window, [lm.hyb.window_key(hashes[7])]) == 1
+        else:
+            assert lm.hyb.state is not None
+            assert store.delete(lm.hyb.state, [lm.hyb.state_key(hashes[7])]) == 1
+        blocks_after = 4 if lm.hyb.full is not None else 0
+        _check(lm, plain, base[:65], checkpoint=3, replayed_blocks=blocks_after, bounded=False)
+        # The replaying prefill stored the piece again: checkpoint 7 is back.
+        _check(lm, plain, base[:65], checkpoint=7, replayed_blocks=0)
+    finally:
+        store.close()
+
+
+def test_a_put_whose_prefix_left_is_skipped(model: Any, tmp_path: Path) -> None:
+    """The put after a hit extends the loaded prefix; if that prefix left the store in between,
+    the put is skipped (the prefill's answer stands) and a later prefill starts cold."""
+    store = _store(tmp_path)
+    ns = namespace_of(model, "test/hybrid", BT)
+    lm = HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=C))
+    if lm.hyb.full is None:
+        store.close()
+        pytest.skip("no full part: every put is a chain of one block")
+    try:
+        base = _tokens(21, 100)
+        lm.prefill(base[:40])  # 5 blocks: checkpoints 3 (every 4) and 4 (the end)
+        hashes = lm.hyb.hashes(base)
+        real_put = store.put
+
+        def evict_then_put(ns: Any, chain: Any, blocks: Any, *, start: int = 0, durable: bool = False) -> int:
+            store.delete(lm.hyb.full, [hashes[0]])  # the loaded prefix leaves before the put
+            return real_put(ns, chain, blocks, start=start, durable=durable)
+
+        store.put = evict_then_put  # type: ignore[method-assign]
+        ref = HybridLM(model, None, ns).prefill(base, use_cache=False, store=False)
+        pre = lm.prefill(base)
+        assert pre.checkpoint == 4 and pre.stored_bytes == 0
+        assert rel_err(pre.logits, ref.logits) <= 1e-4
+        store.put = real_put  # type: ignore[method-assign]
+        assert lm.prefill(base).checkpoint == -1
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(("make", "kinds"), [(gpt_oss, ["full", "sliding"]), (lfm2, ["full", "recurrent"])])
+def test_more_architectures(make: Callable[[], Any], kinds: list[str], tmp_path: Path) -> None:
+    """gpt-oss (windows with sinks and experts) and LFM2 (a conv state only, no recurrent one)
+    through the hit scenarios, in process."""
+    model = make()
+    store = _store(tmp_path)
+    ns = namespace_of(model, f"test/{model.config.model_type}", BT)
+    assert [g.kind for g in ns.layout.groups] == kinds
+    try:
+        _scenarios(HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=C)), HybridLM(model, None, ns), seed=23)
     finally:
         store.close()
 
 
 def test_unsupported_layer_types_are_refused() -> None:
     cfg = transformers.Gemma3TextConfig(sliding_window=W, sliding_window_pattern=2, **_SIZES)
-    cfg.layer_types = ["sliding_attention", "linear_attention", "full_attention", "full_attention"]
-    with pytest.raises(UsageError, match="linear_attention"):
+    cfg.layer_types = ["sliding_attention", "hybrid", "full_attention", "full_attention"]
+    with pytest.raises(UsageError, match="hybrid"):
         plan_of(cfg)

@@ -82,7 +82,7 @@ def test_consecutive_blocks_on_one_tier_load_in_one_batch(s3_store: MakeStore) -
     assert batches == [8]  # into DRAM, then one batch of PUTs makes the chain durable
     node = s3_store("node", dram_blocks=16)  # cold: all eight blocks are on the bucket only
     calls = _spy_reads(node)
-    remote = node.tiers[1]._remote
+    remote = node.tiers[1].blobs.remote
     requests: list[int] = []
     run = remote.run
     remote.run = lambda batch: requests.append(len(batch)) or run(batch)  # type: ignore[method-assign]

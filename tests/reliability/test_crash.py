@@ -52,10 +52,16 @@ def _kill(d: LocalDaemon, killed: threading.Event) -> None:
     d.kill()
 
 
-def _restart(root: Path, config: Path) -> tuple[LocalDaemon, float]:
-    t0 = time.perf_counter()
-    d = start_daemon(root, config)
-    return d, time.perf_counter() - t0
+def _restart(root: Path, config: Path, times: int = 1) -> tuple[LocalDaemon, float]:
+    """The daemon of the last of ``times`` starts on ``root``, and the fastest start."""
+    best = float("inf")
+    for i in range(times):
+        t0 = time.perf_counter()
+        d = start_daemon(root, config)
+        best = min(best, time.perf_counter() - t0)
+        if i + 1 < times:
+            d.stop()
+    return d, best
 
 
 def _verify_through_daemon(url: str, seeds: list[int], tally: Tally) -> None:
@@ -148,7 +154,10 @@ def test_restart_time_per_million_blocks(tmp_path: Path, figures) -> None:
     tiers = [("nvme", "nvme", {"capacity_bytes": n // 2 * BB, "slab_bytes": 256 * BB}),
              ("object", "object", {"capacity_bytes": 2 * n * BB})]
     config = write_config(tmp_path / "kvstore.toml", tiers)
-    d, t_empty = _restart(tmp_path / "empty", config)
+    # Best of a few starts each: the short run's block count restarts within a process start's
+    # noise, and one unlucky empty start made the difference negative (-24.3 s per million).
+    starts = pick(3, 2)
+    d, t_empty = _restart(tmp_path / "empty", config, starts)
     d.stop()
     t0 = time.perf_counter()
     with KVStore(load_config(config, root=root, env={})) as s:
@@ -157,7 +166,7 @@ def test_restart_time_per_million_blocks(tmp_path: Path, figures) -> None:
             chain = chain_for(i, 64)
             s.put(SMALL_NS, chain, [payload(h) for h in chain])
     populate_s = time.perf_counter() - t0
-    d, t = _restart(root, config)
+    d, t = _restart(root, config, starts)
     try:
         with connect(d.url, plane="tcp") as c:
             stats = c.stats()["store"]
@@ -167,4 +176,18 @@ def test_restart_time_per_million_blocks(tmp_path: Path, figures) -> None:
         d.stop()
     figures(blocks=n, nvme_blocks=stats["tiers"][0]["blocks"], object_blocks=stats["tiers"][1]["blocks"],
             restart_empty_s=round(t_empty, 2), restart_s=round(t, 2), populate_s=round(populate_s, 1),
-            restart_s_per_million_blocks=round((t - t_empty) / n * 1e6, 1))
+            **_per_million(t - t_empty, n))
+
+
+def _per_million(extra_s: float, n: int) -> dict[str, object]:
+    """The restart time the blocks add, per million; never a negative figure: a difference
+    below what the run can resolve is reported as such."""
+    if extra_s <= 0:
+        return {"restart_s_per_million_blocks": None,
+                "restart_note": f"{n} blocks restart within the noise of an empty start (best of several)"}
+    return {"restart_s_per_million_blocks": round(extra_s / n * 1e6, 1)}
+
+
+def test_restart_figure_is_never_negative() -> None:
+    assert _per_million(-0.2, 8192)["restart_s_per_million_blocks"] is None
+    assert _per_million(0.2, 8192)["restart_s_per_million_blocks"] == 24.4

@@ -85,7 +85,7 @@ class TierFactory:
             _corrupt_payload(self.dir, payload, at=at)
             return
         tier = self.opened[0]
-        fs = tier._fs  # type: ignore[attr-defined]
+        fs = tier.blobs.fs  # type: ignore[attr-defined]
         hits = []
         for path in fs.find(tier._blocks):  # type: ignore[attr-defined]
             raw = bytearray(fs.cat_file(path))

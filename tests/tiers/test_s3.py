@@ -24,8 +24,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import KVLayout, LayerGroup, Namespace
 from kvstore.registry import build_config, make_tier
-from tiers import s3
-from tiers.object import ObjectConfig, ObjectTier, unpack_header
+from tiers.object import ObjectConfig, ObjectTier, s3, unpack_header
 from tiers.object.format import RAW, SHUFFLE_ZSTD
 from tools.s3server import LocalS3
 
@@ -158,10 +157,10 @@ def test_batched_reads_and_writes_are_one_concurrent_round(
     open_s3: Callable[..., ObjectTier], make_block: MakeBlock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tier = open_s3()
-    assert tier._remote is not None and tier.usage().blocks == 0  # listed (one request) first
+    assert tier.blobs.remote is not None and tier.usage().blocks == 0  # listed (one request) first
     batches: list[int] = []
-    run = tier._remote.run
-    monkeypatch.setattr(tier._remote, "run", lambda calls: batches.append(len(calls)) or run(calls))
+    run = tier.blobs.remote.run
+    monkeypatch.setattr(tier.blobs.remote, "run", lambda calls: batches.append(len(calls)) or run(calls))
     blocks = [make_block(64 * 1024 + i, seed=10 + i) for i in range(8)]
     assert tier.write_many([(b.key, b.data, b.meta) for b in blocks]) == [None] * 8
     missing = make_block(10, seed=99)
@@ -448,7 +447,7 @@ def test_a_write_to_a_hung_server_ends_at_the_request_deadline(
     not armed during that wait: without the tier's own deadline a durable write to a hung
     server never returned (seen: > 300 s with read_timeout_s = 2)."""
     tier = _outage_tier(own_s3, tmp_path, clock, read_timeout_s=0.5, connect_timeout_s=0.5, breaker_failures=1)
-    assert tier._remote is not None and tier._remote._deadline == 1.0  # 1 attempt x (0.5 + 0.5)
+    assert tier.blobs.remote._deadline == 1.0  # 1 attempt x (0.5 + 0.5)
     first, blk = make_block(1000, seed=1), make_block(1000, seed=2)
     tier.write(first.key, first.data, first.meta, durable=True)  # the tier has listed the bucket
     own_s3.pause()

@@ -1,7 +1,7 @@
 """The object-store tier: content-addressed, self-describing objects on any fsspec filesystem.
 
 ``file://`` (the embedded default, under the tier's directory) works out of the box; ``s3://``
-(AWS S3, Ceph RGW, MinIO: tiers/s3.py) and other URLs work wherever fsspec has a backend. An
+(AWS S3, Ceph RGW, MinIO: s3.py) and other URLs work wherever fsspec has a backend. An
 object is found from the block hash alone, so any node sharing the bucket finds any block::
 
     {base}/blocks/{hash[:2]}/{hash}.kvb      the block: header + payload (format.py)
@@ -21,8 +21,10 @@ written by :meth:`ObjectTier.update_expiry`), with a work cap per pass. It sees 
 the bucket, including those of other nodes, which no store's index holds (expiry.py).
 
 Modules: ``config.py`` (ObjectConfig), ``format.py`` (header, codec, touch records: bytes only),
-``remote.py`` (Remote, Breaker, WriteQueue), ``expiry.py`` (touches, sweeper), ``tier.py``
-(ObjectTier); S3 specifics in ``tiers/s3.py``. How to use it with S3, Ceph RGW or MinIO:
+``tier.py`` (ObjectTier: maps, capacity, listing, probes; it decides), ``expiry.py`` (touches,
+sweeper), and the bytes behind one small interface, ``blobs.py`` (BlobStore): ``local.py``
+(LocalBlobs: plain files) and ``remote.py`` (RemoteBlobs over Remote, Breaker, WriteQueue);
+S3 specifics in ``s3.py``. How to use it with S3, Ceph RGW or MinIO:
 ``docs/object-store.md``.
 """
 

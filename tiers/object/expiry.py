@@ -9,15 +9,15 @@ whole bucket, so it also expires blocks other nodes wrote and no index holds.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvstore.clock import Clock
-from kvstore.errors import KVStoreError, TierUnavailableError
+from kvstore.errors import KVStoreError
 from kvstore.keys import BlockHash
+from tiers.object.blobs import BlobStore
 from tiers.object.config import ObjectConfig
 from tiers.object.format import (
     SUFFIX,
@@ -27,7 +27,6 @@ from tiers.object.format import (
     pack_touch,
     unpack_touch,
 )
-from tiers.object.remote import Remote
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +38,7 @@ class ExpiryMixin:
     name: str
     config: ObjectConfig
     _clock: Clock
-    _remote: Remote | None
-    _fs: Any
+    blobs: BlobStore
     _lock: threading.Lock
     _blocks: str
     _sizes: dict[BlockHash, int]
@@ -53,12 +51,10 @@ class ExpiryMixin:
     touch_path: Callable[[BlockHash], str]
     _check_open: Callable[[], None]
     _ensure_listed: Callable[[], object]
-    _make_dir: Callable[[str], bool]
     _list: Callable[..., dict[str, int]]
     _headers: Callable[[Sequence[BlockHash]], list[Header | KVStoreError]]
     _delete_paths: Callable[[Sequence[str]], None]
     _forget: Callable[[Iterable[BlockHash]], None]
-    _run: Callable[[Sequence[Callable[[], Awaitable[Any]]]], list[Any]]
 
     def update_expiry(self, items: Iterable[tuple[BlockHash, float]]) -> None:
         """Write refreshed expiry times back as small touch objects, in one batch.
@@ -78,23 +74,8 @@ class ExpiryMixin:
         if not pending:
             return
         paths = {self.touch_path(k): pack_touch(k, e) for k, e in pending.items()}
-        written: list[BlockHash] = []
-        if self._remote is None:
-            for (p, blob), key in zip(paths.items(), pending, strict=True):
-                try:
-                    self._make_dir(p.rsplit("/", 1)[0])
-                    with open(p, "wb") as f:  # a torn touch fails its checksum: ignored
-                        f.write(blob)
-                    written.append(key)
-                except OSError as e:
-                    log.warning("object tier %r: cannot write %s: %s", self.name, p, e)
-        else:
-            fs = self._remote.fs
-            try:
-                results = self._run([functools.partial(fs._pipe_file, p, b) for p, b in paths.items()])
-            except TierUnavailableError:
-                results = [TierUnavailableError("unavailable")] * len(paths)
-            written = [k for k, r in zip(pending, results, strict=True) if not isinstance(r, BaseException)]
+        results = self.blobs.put_small(paths)
+        written = [k for k, ok in zip(pending, results, strict=True) if ok]
         with self._lock:
             for key in written:
                 if key in self._sizes:
@@ -110,22 +91,10 @@ class ExpiryMixin:
         pairs = [(k, p) for k, p in zip(keys, paths, strict=True) if k is not None]
         if not pairs:
             return {}
-        if self._remote is None:
-            blobs: list[Any] = []
-            for _, p in pairs:
-                try:
-                    blobs.append(self._fs.cat_file(p))
-                except OSError as e:
-                    blobs.append(e)
-        else:
-            fs = self._remote.fs
-            try:
-                blobs = self._run([functools.partial(fs._cat_file, p) for _, p in pairs])
-            except TierUnavailableError:
-                return {}
+        blobs = self.blobs.cat([p for _, p in pairs])
         out: dict[BlockHash, float] = {}
         for (k, _), blob in zip(pairs, blobs, strict=True):
-            if isinstance(blob, bytes) and (e := unpack_touch(blob, k)) is not None:
+            if blob is not None and (e := unpack_touch(blob, k)) is not None:
                 out[k] = e
         return out
 

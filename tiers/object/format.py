@@ -25,8 +25,8 @@ import numpy as np
 import xxhash
 import zstandard
 
-from kvstore.block import BlockMeta
-from kvstore.errors import CorruptBlockError, UsageError
+from kvstore.block import BlockMeta, payload_checksum
+from kvstore.errors import BufferSizeError, CorruptBlockError, UsageError
 from kvstore.keys import DTYPE_BYTES, HASH_BYTES, BlockHash
 
 MAGIC = b"KVSB"
@@ -216,6 +216,30 @@ def decode_into(
     if len(plain) != size:
         raise CorruptBlockError(f"{where}: payload decodes to {len(plain)} bytes, not {size}")
     _unshuffle(memoryview(plain), max(header.itemsize, 1), out[:size])
+
+
+def check_dst(key: BlockHash, out: memoryview, meta: BlockMeta) -> None:
+    """BufferSizeError unless ``out`` can hold ``key``'s payload."""
+    if out.nbytes < meta.size:
+        raise BufferSizeError(f"dst has {out.nbytes} bytes; block {key.hex()} needs {meta.size}")
+
+
+def verify_payload(where: str, out: memoryview, meta: BlockMeta) -> None:
+    """CorruptBlockError unless the decoded payload in ``out`` has ``meta``'s checksum."""
+    if payload_checksum(out[: meta.size]) != meta.checksum:
+        raise CorruptBlockError(f"{where}: payload checksum mismatch")
+
+
+def decode_object(key: BlockHash, data: bytes | memoryview, out: memoryview, where: str) -> BlockMeta:
+    """Verify a whole object (header, length, payload checksum) and write its payload into
+    ``out``; returns the header's metadata. On an error ``out``'s bytes are unspecified."""
+    h = unpack_header(data, key, where)
+    if len(data) != h.object_size:
+        raise CorruptBlockError(f"{where}: {len(data)} bytes, header says {h.object_size} (torn object)")
+    check_dst(key, out, h.meta)
+    decode_into(h, memoryview(data)[h.length :], out, where)
+    verify_payload(where, out, h.meta)
+    return h.meta
 
 
 def _shuffle(data: memoryview, itemsize: int) -> bytes | memoryview:

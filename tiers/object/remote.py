@@ -11,12 +11,18 @@ exception of that request, classified by :func:`Remote.classify`.
 request, until ``retry_s`` has passed; then exactly one call goes through as a trial. A trial
 that gets any answer from the server (a 404 included) closes the breaker. Time comes from the
 tier's injected clock, so tests move it instead of sleeping.
+
+:class:`RemoteBlobs`: the object tier's remote backend (a :class:`~tiers.object.blobs.BlobStore`)
+over the two.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import functools
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,16 +33,21 @@ from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.exceptions import FSTimeoutError
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
+from kvstore.block import BlockMeta
 from kvstore.clock import Clock
-from kvstore.errors import TierUnavailableError
+from kvstore.errors import BlockNotFound, KVStoreError, TierIOError, TierUnavailableError
 from kvstore.keys import BlockHash
+from tiers.object.blobs import Blob, BlobStore, window
+from tiers.object.config import ObjectConfig
+from tiers.object.format import PROBE_BYTES, Header, decode_object, header_length, unpack_header
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 MISS, DOWN, ERROR = "miss", "down", "error"
 
 # Errors that say the server could not be reached or did not answer in time. Backends add their
-# own transport errors (tiers/s3.py: botocore's and aiohttp's).
+# own transport errors (tiers/object/s3.py: botocore's and aiohttp's).
 TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     ConnectionError,
     TimeoutError,  # asyncio's too, since 3.11
@@ -266,3 +277,256 @@ class Remote:
                     return e
 
         return await asyncio.gather(*(one(fn) for fn in calls))
+
+
+class RemoteBlobs(BlobStore):
+    """The object tier's remote backend: objects under ``base`` of a remote fsspec filesystem
+    (S3 and S3-compatible stores, GCS, ``memory://``), every batch one concurrent round of
+    requests through a :class:`Remote`.
+
+    Writes: one PUT per object (atomic on S3-like stores). With ``wake`` (the tier's worker
+    runs) and ``write_behind``, non-durable writes are queued and sent in the background; while
+    the store is unreachable non-durable writes wait in the queue, or past
+    ``write_queue_bytes`` are dropped with TierUnavailableError. ``s3``: the
+    :mod:`tiers.object.s3` module for ``s3://`` URLs (paged LIST and DELETE, the lifecycle rule).
+    """
+
+    def __init__(
+        self,
+        fs: Any,
+        name: str,
+        base: str,
+        config: ObjectConfig,
+        clock: Clock,
+        *,
+        s3: Any = None,
+        wake: Callable[[], None] | None = None,
+    ) -> None:
+        if s3 is not None:
+            s3.configure(fs)
+        self.name = name
+        self._base = base
+        self._config = config
+        self._s3 = s3
+        self._wake = wake
+        self.remote = Remote(
+            fs,
+            name=name,
+            breaker=Breaker(clock, config.breaker_failures, config.breaker_retry_s),
+            concurrency=config.max_concurrency,
+            transport_errors=s3.transport_errors() if s3 is not None else (),
+            deadline_s=config.request_deadline_s
+            or config.max_attempts * (config.connect_timeout_s + config.read_timeout_s),
+        )
+        self.fs = self.remote.fs
+        self._queue = WriteQueue(config.write_queue_bytes)
+        if s3 is not None and config.lifecycle_days:
+            self._apply_lifecycle()
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    def _run(self, calls: Sequence[Callable[[], Awaitable[Any]]]) -> list[Any]:
+        """Run a batch through the breaker; while it is open every result is unavailable."""
+        if not calls:
+            return []
+        try:
+            return self.remote.run(calls)
+        except TierUnavailableError as e:
+            return [e] * len(calls)
+
+    def _error(self, exc: BaseException, what: str, key: BlockHash | None = None) -> KVStoreError:
+        """A request's exception as the KVStoreError the Tier contract names."""
+        if isinstance(exc, KVStoreError):
+            return exc
+        kind = self.remote.classify(exc)
+        if kind == MISS:
+            where = f"block {key.hex()}" if key is not None else what
+            return BlockNotFound(f"{where} is not in tier {self.name!r}")
+        if kind == DOWN:
+            return TierUnavailableError(f"object tier {self.name!r}: {what}: {exc!r}")
+        return TierIOError(f"object tier {self.name!r}: {what}: {exc}")
+
+    def available(self) -> bool:
+        return self.remote.breaker.available()
+
+    # ---- reads ---------------------------------------------------------------------------------
+
+    def read_into(self, items: Sequence[tuple[BlockHash, str, memoryview]]) -> list[BlockMeta | KVStoreError]:
+        out: list[BlockMeta | KVStoreError] = [_PENDING] * len(items)
+        calls: list[Callable[[], Awaitable[BlockMeta]]] = []
+        pending: list[int] = []
+        for i, (key, path, dst) in enumerate(items):
+            queued = self._queue.get(key)
+            if queued is not None:  # not in the store yet: read our own write
+                try:
+                    out[i] = decode_object(key, queued.blob, dst, queued.path)
+                except KVStoreError as e:
+                    out[i] = e
+                continue
+            pending.append(i)
+            calls.append(functools.partial(self._get, key, path, dst))
+        for i, r in zip(pending, self._run(calls), strict=True):
+            key, path, _ = items[i]
+            out[i] = r if isinstance(r, BlockMeta) else self._error(r, f"read {path}", key)
+        return out
+
+    async def _get(self, key: BlockHash, path: str, out: memoryview) -> BlockMeta:
+        data = await self.fs._cat_file(path)
+        # Decoded on the loop thread as each object arrives: the payload bytes are dropped at
+        # once, so a batch holds at most max_concurrency objects in memory.
+        return decode_object(key, data, out, path)
+
+    def headers(self, items: Sequence[tuple[BlockHash, str]]) -> list[Header | KVStoreError]:
+        calls = [functools.partial(self._head, k, p) for k, p in items]
+        return [
+            r if isinstance(r, Header) else self._error(r, f"read header {p}", k)
+            for (k, p), r in zip(items, self._run(calls), strict=True)
+        ]
+
+    async def _head(self, key: BlockHash, path: str) -> Header:
+        head = await self.fs._cat_file(path, start=0, end=PROBE_BYTES)
+        length = header_length(head, path)
+        if length > len(head):
+            head = await self.fs._cat_file(path, start=0, end=length)
+        return unpack_header(head, key, path)
+
+    def cat(self, paths: Sequence[str]) -> list[bytes | None]:
+        results = self._run([functools.partial(self.fs._cat_file, p) for p in paths])
+        return [r if isinstance(r, bytes) else None for r in results]
+
+    def queued(self, key: BlockHash) -> Blob | None:
+        q = self._queue.get(key)
+        return None if q is None else Blob(key, q.path, q.blob, q.size)
+
+    # ---- writes --------------------------------------------------------------------------------
+
+    def write(self, blobs: Sequence[Blob], *, durable: bool) -> list[KVStoreError | None]:
+        out: list[KVStoreError | None] = [None] * len(blobs)
+        sync = list(range(len(blobs)))
+        if not durable and self._config.write_behind and self._wake is not None:
+            sync = [
+                i for i in sync
+                if not self._queue.offer(blobs[i].key, Queued(blobs[i].path, blobs[i].data, blobs[i].size), count_drop=False)
+            ]
+            if len(sync) < len(blobs):
+                self._wake()
+        results = self._run([functools.partial(self.fs._pipe_file, blobs[i].path, blobs[i].data) for i in sync])
+        for i, r in zip(sync, results, strict=True):
+            b = blobs[i]
+            if not isinstance(r, BaseException):
+                self._queue.discard(b.key)  # an older queued write of the key is superseded
+                continue
+            err = self._error(r, f"write {b.path}")
+            if isinstance(err, BlockNotFound):
+                err = TierIOError(
+                    f"object tier {self.name!r}: cannot write {b.path}: the bucket does not "
+                    "exist; create it or fix the tier's url"
+                )
+            if isinstance(err, TierUnavailableError) and not durable:
+                if self._queue.offer(b.key, Queued(b.path, b.data, b.size)):
+                    continue
+                err = TierUnavailableError(
+                    f"object tier {self.name!r} is unavailable and its write queue is full "
+                    f"({self._config.write_queue_bytes} bytes): write of {b.key.hex()} dropped"
+                )
+            out[i] = err
+        return out
+
+    def put_small(self, blobs: dict[str, bytes]) -> list[bool]:
+        results = self._run([functools.partial(self.fs._pipe_file, p, b) for p, b in blobs.items()])
+        return [not isinstance(r, BaseException) for r in results]
+
+    def drain(self) -> int:
+        """Send writes queued during an outage; returns how many reached the store."""
+        items = self._queue.snapshot()
+        if not items or not self.available():
+            return 0
+        results = self._run([functools.partial(self.fs._pipe_file, q.path, q.blob) for _, q in items])
+        sent = 0
+        for (key, q), r in zip(items, results, strict=True):
+            if not isinstance(r, BaseException):
+                self._queue.done(key, q)
+                sent += 1
+        return sent
+
+    # ---- deletes and listings ------------------------------------------------------------------
+
+    def delete(self, paths: Sequence[str]) -> None:
+        if not paths:
+            return
+        if self._s3 is not None:  # DeleteObjects: 1,000 keys per request
+            calls = [functools.partial(self._s3.delete_keys, self.fs, list(paths))]
+        else:
+            calls = [functools.partial(self.fs._rm_file, p) for p in paths]
+        for r in self._run(calls):
+            if isinstance(r, BaseException) and self.remote.classify(r) != MISS:
+                raise self._error(r, f"delete {len(paths)} objects under {self._base}")
+
+    def delete_block(self, key: BlockHash, paths: Sequence[str], *, known: bool) -> bool:
+        queued = self._queue.discard(key) is not None
+        if queued and not self.available():
+            return True  # only ever queued here, as far as this node can tell now
+        return super().delete_block(key, paths, known=known or queued)
+
+    def list(self, prefix: str, *, after: str = "", limit: int | None = None) -> dict[str, int]:
+        if self._s3 is not None:  # one LIST per 1,000, resumed server-side
+            call = functools.partial(self._s3.list_prefix, self.fs, prefix, start_after=after, limit=limit)
+        else:
+            call = functools.partial(_find_sizes, self.fs, prefix)
+        (r,) = self._run([call])
+        if isinstance(r, BaseException):
+            err = self._error(r, f"list {prefix}")
+            if isinstance(err, BlockNotFound):
+                return {}
+            raise err
+        return window(r, after, limit)
+
+    # ---- background work -----------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """A trial request when the breaker is due one, then draining queued writes."""
+        breaker = self.remote.breaker
+        if breaker.state == "open" and breaker.available():
+            self._trial()
+        if len(self._queue) and breaker.available():
+            self.drain()
+
+    def _trial(self) -> None:
+        """A cheap request whose only purpose is to learn whether the store answers again."""
+        with contextlib.suppress(KVStoreError):
+            (r,) = self._run([functools.partial(self.fs._cat_file, f"{self._base}/.probe", start=0, end=1)])
+            log.info("object tier %r: trial request answered (%s)", self.name, type(r).__name__)
+
+    def _apply_lifecycle(self) -> None:
+        call = functools.partial(self._s3.apply_lifecycle, self.fs, self._base, self._config.lifecycle_days)
+        try:
+            rule = self.remote.call(call)
+            log.info("object tier %r: lifecycle rule %s installed", self.name, rule["ID"])
+        except (OSError, KVStoreError) as e:
+            log.warning("object tier %r: cannot install the lifecycle rule: %s", self.name, e)
+
+    def flush(self) -> None:
+        """Send queued writes if the store answers (acknowledged PUTs are durable already)."""
+        self.drain()
+
+    def close(self) -> None:
+        lost = self._queue.drop_all()
+        if lost:
+            log.warning("object tier %r closed with %d queued writes undelivered", self.name, lost)
+
+    def describe(self) -> dict[str, Any]:
+        b = self.remote.breaker
+        q = self._queue
+        return {
+            "queued_writes": len(q), "queued_bytes": q.bytes, "dropped_writes": q.dropped,
+            "drained_writes": q.drained, "breaker": b.state, "breaker_opened": b.opened,
+            "breaker_rejected": b.rejected,
+        }
+
+
+_PENDING = TierIOError("no answer yet")  # a placeholder every slot of a batch overwrites
+
+
+async def _find_sizes(fs: Any, path: str) -> dict[str, int]:
+    found = await fs._find(path, detail=True)
+    return {p: int(info.get("size") or 0) for p, info in found.items()}

@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
+import dataclasses
 import itertools
 import logging
-import os
-import secrets
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsspec.core import url_to_fs
-
-from kvstore.block import BlockMeta, payload_checksum
+from kvstore.block import BlockMeta
 from kvstore.buffers import Buffer, byte_view
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     BlockNotFound,
     BufferSizeError,
-    ConfigError,
     CorruptBlockError,
     KVStoreError,
     TierFullError,
@@ -33,26 +26,23 @@ from kvstore.errors import (
     UsageError,
 )
 from kvstore.keys import HASH_BYTES, BlockHash
-from tiers.base import Tier, TierUsage, tier_dir
+from tiers.base import OfflineScan, Tier, TierUsage, tier_dir
+from tiers.object.blobs import Blob, BlobStore, open_blobs
 from tiers.object.config import ObjectConfig
 from tiers.object.expiry import ExpiryMixin
 from tiers.object.format import (
     MAX_DESCRIPTOR,
-    PROBE_BYTES,
     RAW,
     SUFFIX,
     TOUCH_SUFFIX,
     ForeignObjectError,
     Header,
-    decode_into,
     descriptor_fields,
     encode,
-    header_length,
     key_of,
     pack_header,
     unpack_header,
 )
-from tiers.object.remote import DOWN, MISS, Breaker, Queued, Remote, WriteQueue
 
 log = logging.getLogger(__name__)
 
@@ -74,24 +64,14 @@ class _Counters:
     quarantined: int = 0
 
 
-def _readinto_full(f: Any, dst: memoryview) -> int:
-    """Fill ``dst`` from ``f`` unless the file ends first; returns the bytes read."""
-    got = 0
-    while got < len(dst):
-        n = f.readinto(dst[got:])
-        if not n:
-            break
-        got += n
-    return got
-
-
 class ObjectTier(ExpiryMixin, Tier):
     """Blocks as immutable objects on an fsspec filesystem.
 
     The filesystem is the truth: ``read_into`` and ``meta`` fetch the object whether or not this
     process wrote it (another node may have). The in-memory maps (``key -> payload size`` and the
     effective expiry) answer ``contains`` and ``usage`` without a request; they hold what this
-    tier wrote, scanned or probed, and are what ``capacity_bytes`` is enforced against.
+    tier wrote, scanned or probed, and are what ``capacity_bytes`` is enforced against. The
+    bytes move through :attr:`blobs`, the local or remote backend (``blobs.py``).
 
     Thread safety: ``_lock`` guards the maps and counters; requests run outside it.
     """
@@ -106,43 +86,15 @@ class ObjectTier(ExpiryMixin, Tier):
         super().__init__(name)
         self.config = config
         self._clock = clock
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # queued writes to send: the worker runs at once
         url = config.url or f"file://{tier_dir(Path(root), name).absolute().as_posix()}/objects"
-        scheme = url.split("://", 1)[0] if "://" in url else "file"
-        self._s3: Any = None
-        options = dict(config.storage_options)
-        if scheme in ("s3", "s3a"):
-            from tiers import s3  # s3fs is an optional extra: import it only when asked for
-
-            self._s3 = s3
-            options = s3.storage_options(config)
-        try:
-            self._fs, base = url_to_fs(url, **options)
-        except ImportError as e:
-            raise ConfigError(
-                f"object tier {name!r}: url {url!r} needs {e.name or 'an fsspec backend'}; "
-                "for s3:// run pip install 'kvstore[s3]'"
-            ) from e
-        except ValueError as e:
-            raise ConfigError(f"object tier {name!r}: cannot use url {url!r}: {e}") from e
-        if self._s3 is not None:
-            self._s3.configure(self._fs)
+        wake = self._wake.set if config.worker_interval_s > 0 else None
+        self.blobs: BlobStore
+        self.blobs, self._base = open_blobs(name, url, config, clock, wake=wake)
         self.url = url
-        protocol = self._fs.protocol
-        protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
-        self._local = "file" in protocols
+        self._local = self.blobs.local
         self.shared = bool(config.url) and config.discover_max_blocks > 0
-        self._remote: Remote | None = None
-        if not self._local:
-            self._remote = Remote(
-                self._fs,
-                name=name,
-                breaker=Breaker(clock, config.breaker_failures, config.breaker_retry_s),
-                concurrency=config.max_concurrency,
-                transport_errors=self._s3.transport_errors() if self._s3 else (),
-                deadline_s=config.request_deadline_s
-                or config.max_attempts * (config.connect_timeout_s + config.read_timeout_s),
-            )
-        self._base = base.rstrip("/")
         self._blocks = f"{self._base}/blocks"
         self._touches = f"{self._base}/touch"
         self._lock = threading.Lock()
@@ -158,29 +110,39 @@ class ObjectTier(ExpiryMixin, Tier):
         # right after reading it (to promote it), and a header GET per block would double the
         # requests of a load. Content addressing makes a cached header safe to reuse.
         self._recent: OrderedDict[BlockHash, BlockMeta] = OrderedDict()
-        self._queue = WriteQueue(config.write_queue_bytes)
         self._counters = _Counters()
-        self._unsynced: set[str] = set()  # local objects written with durable=False
-        self._dirs: set[str] = set()
         self._closed = False
         self._sweep_after = ""
         self._next_sweep = clock() + config.sweep_interval_s
-        if self._local:
-            self._make_base()
         # The store is listed once, on first use: the maps need it, and a store opening this
         # tier scans it at once (cold rebuild), so that scan is the listing.
         self._listed = False
         self._list_lock = threading.Lock()
-        if self._s3 is not None and config.lifecycle_days and self._remote is not None:
-            self._apply_lifecycle()
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # queued writes to send: the worker runs at once
         self._worker: threading.Thread | None = None
-        if config.worker_interval_s > 0 and (self._remote is not None or self.shared):
+        if config.worker_interval_s > 0 and (not self._local or self.shared):
             self._worker = threading.Thread(
                 target=self._work, name=f"kvstore-object-{name}", daemon=True
             )
             self._worker.start()
+
+    @classmethod
+    def read_offline(cls, name: str, config: ObjectConfig, root: Path, clock: Clock) -> OfflineScan:
+        """List the objects and read their headers with the background work switched off (no
+        worker, no sweeper, which deletes expired objects, no bucket lifecycle rule): listing
+        and reading headers is all the tier does here."""
+        url = config.url or f"file://{tier_dir(Path(root), name).absolute().as_posix()}/objects"
+        if url.startswith("file://") and not Path(url[len("file://") :], "blocks").is_dir():
+            return OfflineScan([])  # never written to; opening it would create its directory
+        quiet = dataclasses.replace(config, worker_interval_s=0, sweep_interval_s=0, lifecycle_days=0)
+        tier = cls(name, quiet, root=Path(root), clock=clock)
+        try:
+            found = list(tier.scan())
+            d = tier.describe()
+            extra = {"url": url, "descriptors": tier.namespaces(), "bad_headers": d["bad_headers"],
+                     "foreign_objects": d["foreign_objects"]}
+            return OfflineScan(found, extra)
+        finally:
+            tier.close()
 
     # ---- object-store surface ----------------------------------------------------------------
 
@@ -217,7 +179,7 @@ class ObjectTier(ExpiryMixin, Tier):
             return {**self._seen, **self._descriptors}
 
     def available(self) -> bool:
-        return self._remote is None or self._remote.breaker.available()
+        return self.blobs.available()
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -229,10 +191,6 @@ class ObjectTier(ExpiryMixin, Tier):
 
     def read_into(self, key: BlockHash, dst: memoryview) -> int:
         """Copy the verified payload into ``dst``. On an error ``dst``'s bytes are unspecified."""
-        if self._remote is None:
-            self._check_open()
-            out = byte_view(dst, writable=True)
-            return self._read_local(key, self.path(key), out)
         (r,) = self.read_many([key], [dst])
         if isinstance(r, KVStoreError):
             raise r
@@ -242,49 +200,27 @@ class ObjectTier(ExpiryMixin, Tier):
         self, keys: Sequence[BlockHash], dsts: Sequence[memoryview]
     ) -> list[int | KVStoreError]:
         """Batched reads: one concurrent batch of GETs on a remote store."""
-        if self._remote is None:
-            return super().read_many(keys, dsts)
         if len(keys) != len(dsts):
             raise UsageError(f"{len(keys)} keys but {len(dsts)} destination buffers")
         out: list[int | KVStoreError] = [0] * len(keys)
-        calls: list[Callable[[], Awaitable[int]]] = []
+        items: list[tuple[BlockHash, str, memoryview]] = []
         pending: list[int] = []
         for i, (key, dst) in enumerate(zip(keys, dsts, strict=True)):
             try:
                 self._check_open()
-                view = byte_view(dst, writable=True)
-                queued = self._queue.get(key)
-                if queued is not None:  # not in the store yet: read our own write
-                    out[i] = self._decode(key, queued.path, queued.blob, view)
-                    continue
+                items.append((key, self.path(key), byte_view(dst, writable=True)))
             except KVStoreError as e:
                 out[i] = e
                 continue
             pending.append(i)
-            calls.append(functools.partial(self._get, key, self.path(key), view))
-        for i, r in zip(pending, self._run(calls), strict=True):
-            out[i] = r if isinstance(r, int) else self._error(r, f"read {self.path(keys[i])}", keys[i])
+        for i, (key, _, _), r in zip(pending, items, self.blobs.read_into(items), strict=True):
+            if isinstance(r, KVStoreError):
+                out[i] = r
+                continue
+            if not self._local:
+                self._remember(key, r)
+            out[i] = r.size
         return out
-
-    async def _get(self, key: BlockHash, path: str, out: memoryview) -> int:
-        assert self._remote is not None
-        data = await self._remote.fs._cat_file(path)
-        # Decoded on the loop thread as each object arrives: the payload bytes are dropped at
-        # once, so a batch holds at most max_concurrency objects in memory.
-        return self._decode(key, path, data, out)
-
-    def _decode(self, key: BlockHash, path: str, data: bytes, out: memoryview) -> int:
-        """Verify a whole object and write its payload into ``out``."""
-        h = unpack_header(data, key, path)
-        if len(data) != h.object_size:
-            raise CorruptBlockError(
-                f"{path}: {len(data)} bytes, header says {h.object_size} (torn object)"
-            )
-        self._check_dst(key, out, h.meta)
-        decode_into(h, memoryview(data)[h.length :], out, path)
-        size = self._verified(path, out, h.meta)
-        self._remember(key, h.meta)
-        return size
 
     def _remember(self, key: BlockHash, meta: BlockMeta) -> None:
         with self._lock:
@@ -293,63 +229,15 @@ class ObjectTier(ExpiryMixin, Tier):
             if len(self._recent) > _RECENT:
                 self._recent.popitem(last=False)
 
-    @staticmethod
-    def _verified(path: str, out: memoryview, meta: BlockMeta) -> int:
-        if payload_checksum(out[: meta.size]) != meta.checksum:
-            raise CorruptBlockError(f"{path}: payload checksum mismatch")
-        return meta.size
-
-    def _read_local(self, key: BlockHash, path: str, out: memoryview) -> int:
-        try:
-            f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
-        except FileNotFoundError:
-            raise BlockNotFound(f"block {key.hex()} is not in tier {self.name!r}") from None
-        except OSError as e:
-            raise TierIOError(f"{path}: {e}") from e
-        with f:
-            try:
-                head = bytearray(PROBE_BYTES)
-                got = _readinto_full(f, memoryview(head))
-                length = header_length(memoryview(head)[:got], path)
-                if length > got:
-                    head.extend(bytes(length - got))
-                    got += _readinto_full(f, memoryview(head)[got:])
-                h = unpack_header(memoryview(head)[:got], key, path)
-                total = os.fstat(f.fileno()).st_size
-                if total != h.object_size:
-                    raise CorruptBlockError(
-                        f"{path}: {total} bytes, header says {h.object_size} (torn object)"
-                    )
-                self._check_dst(key, out, h.meta)
-                f.seek(h.length)
-                if h.codec == RAW:  # straight into the caller's buffer
-                    if _readinto_full(f, out[: h.meta.size]) != h.meta.size:
-                        raise CorruptBlockError(f"{path}: truncated payload")
-                else:
-                    stored = bytearray(h.stored)
-                    if _readinto_full(f, memoryview(stored)) != h.stored:
-                        raise CorruptBlockError(f"{path}: truncated payload")
-                    decode_into(h, memoryview(stored), out, path)
-            except OSError as e:
-                raise TierIOError(f"{path}: {e}") from e
-        return self._verified(path, out, h.meta)
-
-    @staticmethod
-    def _check_dst(key: BlockHash, out: memoryview, meta: BlockMeta) -> None:
-        if out.nbytes < meta.size:
-            raise BufferSizeError(
-                f"dst has {out.nbytes} bytes; block {key.hex()} needs {meta.size}"
-            )
-
     def meta(self, key: BlockHash) -> BlockMeta | None:
         """The header's metadata (with a later refreshed expiry, if this tier knows one), read
         from the store; None when there is no such object. CorruptBlockError when the header is
         damaged, TierUnavailableError while the store is unreachable."""
-        queued = self._queue.get(key)
+        queued = self.blobs.queued(key)
         with self._lock:
             recent = self._recent.get(key)
         if queued is not None:
-            meta = unpack_header(queued.blob, key, queued.path).meta
+            meta = unpack_header(queued.data, key, queued.path).meta
         elif recent is not None:
             meta = recent
         else:
@@ -365,48 +253,7 @@ class ObjectTier(ExpiryMixin, Tier):
 
     def _headers(self, keys: Sequence[BlockHash]) -> list[Header | KVStoreError]:
         """The headers of ``keys``' objects: ranged reads, one concurrent batch when remote."""
-        paths = [self.path(k) for k in keys]
-        if self._remote is None:
-            out: list[Header | KVStoreError] = []
-            for k, p in zip(keys, paths, strict=True):
-                try:
-                    out.append(self._read_header_local(k, p))
-                except KVStoreError as e:
-                    out.append(e)
-            return out
-        calls = [functools.partial(self._head, k, p) for k, p in zip(keys, paths, strict=True)]
-        return [
-            r if isinstance(r, Header) else self._error(r, f"read header {p}", k)
-            for k, p, r in zip(keys, paths, self._run(calls), strict=True)
-        ]
-
-    def _read_header_local(self, key: BlockHash, path: str) -> Header:
-        try:
-            # A local object tier is plain files: os calls, not fsspec's per-call overhead
-            # (a warm restart reads every header: 57 -> ~10 us an object), and a bare fd with
-            # pread rather than a buffered file object (6.5 -> 3.2 us an open + read).
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                head = os.pread(fd, PROBE_BYTES, 0)
-                length = header_length(head, path)
-                if length > len(head):
-                    head += os.pread(fd, length - len(head), len(head))
-            finally:
-                os.close(fd)
-        except FileNotFoundError:
-            raise BlockNotFound(f"block {key.hex()} is not in tier {self.name!r}") from None
-        except OSError as e:
-            raise TierIOError(f"{path}: {e}") from e
-        return unpack_header(head, key, path)
-
-    async def _head(self, key: BlockHash, path: str) -> Header:
-        assert self._remote is not None
-        fs = self._remote.fs
-        head = await fs._cat_file(path, start=0, end=PROBE_BYTES)
-        length = header_length(head, path)
-        if length > len(head):
-            head = await fs._cat_file(path, start=0, end=length)
-        return unpack_header(head, key, path)
+        return self.blobs.headers([(k, self.path(k)) for k in keys])
 
     # ---- writes ------------------------------------------------------------------------------
 
@@ -426,36 +273,26 @@ class ObjectTier(ExpiryMixin, Tier):
         """Batched writes (one concurrent batch of PUTs when remote); each result is None or
         that block's error, as :meth:`write` would raise it."""
         out: list[KVStoreError | None] = [None] * len(items)
-        staged: list[tuple[int, BlockHash, str, bytes, BlockMeta, int]] = []
+        staged: list[tuple[int, Blob, BlockMeta, int]] = []
         try:
             for i, (key, src, meta) in enumerate(items):
                 try:
-                    blob_parts = self._encode(key, src, meta)
+                    blob = Blob(key, self.path(key), self._encode(key, src, meta), meta.size)
                     grow = self._reserve(key, meta)
                 except KVStoreError as e:
                     out[i] = e
                     continue
-                staged.append((i, key, self.path(key), blob_parts, meta, grow))
-            if self._remote is None:
-                for i, _, path, blob, _, _ in staged:
-                    try:
-                        self._write_local(path, blob, durable)
-                    except TierIOError as e:
-                        out[i] = e
-            elif staged:
-                sync = staged
-                if not durable and self.config.write_behind and self._worker is not None:
-                    sync = [s for s in staged if not self._queue.offer(s[1], Queued(s[2], s[3], s[4].size), count_drop=False)]
-                    if len(sync) < len(staged):
-                        self._wake.set()
-                if sync:
-                    self._write_remote(sync, durable, out)
+                staged.append((i, blob, meta, grow))
+            if staged:
+                results = self.blobs.write([s[1] for s in staged], durable=durable)
+                for (i, _, _, _), err in zip(staged, results, strict=True):
+                    out[i] = err
         finally:
             with self._lock:
-                self._reserved -= sum(s[5] for s in staged)
-        for i, key, path, _, meta, _ in staged:
+                self._reserved -= sum(s[3] for s in staged)
+        for i, blob, meta, _ in staged:
             if out[i] is None:
-                self._commit(key, meta, path, durable)
+                self._commit(blob.key, meta)
         return out
 
     def _encode(self, key: BlockHash, src: Buffer, meta: BlockMeta) -> bytes:
@@ -493,166 +330,32 @@ class ObjectTier(ExpiryMixin, Tier):
             self._reserved += grow
             return grow
 
-    def _commit(self, key: BlockHash, meta: BlockMeta, path: str, durable: bool) -> None:
+    def _commit(self, key: BlockHash, meta: BlockMeta) -> None:
         self._remember(key, meta)
         with self._lock:
             self._used += meta.size - self._sizes.get(key, 0)
             self._sizes[key] = meta.size
             self._expiry[key] = meta.expiry
-            if self._local and not durable:
-                self._unsynced.add(path)
-            else:
-                self._unsynced.discard(path)
-
-    def _write_remote(
-        self,
-        staged: list[tuple[int, BlockHash, str, bytes, BlockMeta, int]],
-        durable: bool,
-        out: list[KVStoreError | None],
-    ) -> None:
-        # One PUT is atomic on S3-like stores: a reader sees the old object or the new one.
-        assert self._remote is not None
-        fs = self._remote.fs
-        calls = [functools.partial(fs._pipe_file, path, blob) for _, _, path, blob, _, _ in staged]
-        results = self._run(calls)
-        for (i, key, path, blob, meta, _), r in zip(staged, results, strict=True):
-            if not isinstance(r, BaseException):
-                self._queue.discard(key)  # an older queued write of the key is superseded
-                continue
-            err = self._error(r, f"write {path}")
-            if isinstance(err, BlockNotFound):
-                err = TierIOError(
-                    f"object tier {self.name!r}: cannot write {path}: the bucket does not "
-                    "exist; create it or fix the tier's url"
-                )
-            if isinstance(err, TierUnavailableError) and not durable:
-                if self._queue.offer(key, Queued(path, blob, meta.size)):
-                    continue
-                err = TierUnavailableError(
-                    f"object tier {self.name!r} is unavailable and its write queue is full "
-                    f"({self.config.write_queue_bytes} bytes): write of {key.hex()} dropped"
-                )
-            out[i] = err
-
-    def _write_local(self, path: str, blob: bytes, durable: bool) -> None:
-        directory = path.rsplit("/", 1)[0]
-        tmp = f"{path}.tmp-{secrets.token_hex(8)}"  # no .kvb suffix: scan never sees it
-        try:
-            new_dir = self._make_dir(directory)
-            with open(tmp, "xb") as f:
-                f.write(blob)
-                if durable:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-            if durable:
-                _fsync_dir(directory)
-                if new_dir:
-                    _fsync_dir(self._blocks)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise TierIOError(f"object tier {self.name!r}: cannot write {path}: {e}") from e
-
-    def _make_base(self) -> None:
-        """Create ``blocks/`` at open, so that a durable write only has to sync its own prefix
-        directory and ``blocks/`` (the chain above is synced here, once)."""
-        if os.path.isdir(self._blocks):
-            return
-        try:
-            os.makedirs(self._blocks, exist_ok=True)
-            _fsync_dir(self._base)
-            _fsync_dir(os.path.dirname(self._base) or "/")
-        except OSError as e:
-            raise TierIOError(
-                f"object tier {self.name!r}: cannot create {self._blocks}: {e}"
-            ) from e
-
-    def _make_dir(self, directory: str) -> bool:
-        """Create ``directory`` once per process; returns whether this call created it."""
-        if directory in self._dirs:
-            return False
-        created = not os.path.isdir(directory)
-        os.makedirs(directory, exist_ok=True)
-        self._dirs.add(directory)
-        return created
 
     def drain(self) -> int:
         """Send writes queued during an outage; returns how many reached the store."""
-        items = self._queue.snapshot()
-        if not items or self._remote is None or not self._remote.breaker.available():
-            return 0
-        fs = self._remote.fs
-        try:
-            results = self._run([functools.partial(fs._pipe_file, q.path, q.blob) for _, q in items])
-        except TierUnavailableError:
-            return 0
-        sent = 0
-        for (key, q), r in zip(items, results, strict=True):
-            if not isinstance(r, BaseException):
-                self._queue.done(key, q)
-                sent += 1
-        return sent
+        return self.blobs.drain()
 
     # ---- deletes -------------------------------------------------------------------------------
 
     def delete(self, key: BlockHash) -> bool:
         self._check_open()
         self._ensure_listed()
-        path = self.path(key)
-        queued = self._queue.discard(key) is not None
         with self._lock:
             known = key in self._sizes
             touched = key in self._touched
-        if self._local:
-            try:
-                os.unlink(path)
-                existed = True
-            except FileNotFoundError:
-                existed = False
-            except OSError as e:
-                raise TierIOError(f"object tier {self.name!r}: cannot delete {path}: {e}") from e
-            if touched:
-                with contextlib.suppress(OSError):
-                    os.unlink(self.touch_path(key))
-        elif queued and not self.available():
-            existed = True  # only ever queued here, as far as this node can tell now
-        else:
-            existed = queued or known or self._exists(key)
-            if existed:
-                self._delete_paths([path, self.touch_path(key)] if touched else [path])
+        paths = [self.path(key), self.touch_path(key)] if touched else [self.path(key)]
+        existed = self.blobs.delete_block(key, paths, known=known)
         self._forget([key])
         return existed
 
-    def _exists(self, key: BlockHash) -> bool:
-        """S3 deletes succeed for missing keys, so ask first when the map cannot answer."""
-        (h,) = self._headers([key])
-        if isinstance(h, BlockNotFound):
-            return False
-        if isinstance(h, TierIOError):
-            raise h
-        return True  # a header, or a damaged object: either way something is there
-
     def _delete_paths(self, paths: Sequence[str]) -> None:
-        if not paths:
-            return
-        if self._remote is None:
-            for p in paths:
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    continue
-                except OSError as e:
-                    raise TierIOError(f"object tier {self.name!r}: cannot delete {p}: {e}") from e
-            return
-        fs = self._remote.fs
-        if self._s3 is not None:  # DeleteObjects: 1,000 keys per request
-            calls = [functools.partial(self._s3.delete_keys, fs, list(paths))]
-        else:
-            calls = [functools.partial(fs._rm_file, p) for p in paths]
-        for r in self._run(calls):
-            if isinstance(r, BaseException) and self._remote.classify(r) != MISS:
-                raise self._error(r, f"delete {len(paths)} objects under {self._base}")
+        self.blobs.delete(paths)
 
     def _forget(self, keys: Iterable[BlockHash]) -> None:
         with self._lock:
@@ -663,7 +366,6 @@ class ObjectTier(ExpiryMixin, Tier):
                 self._expiry.pop(key, None)
                 self._recent.pop(key, None)
                 self._touched.discard(key)
-                self._unsynced.discard(self.path(key))
 
     def usage(self) -> TierUsage:
         """``used_bytes``: payload bytes of the blocks in the map (headers not counted)."""
@@ -756,15 +458,13 @@ class ObjectTier(ExpiryMixin, Tier):
         """Whether a temp file can only be left over from a crash: at the first listing of a
         private tier (its store opening) nothing writes to it yet; otherwise a write may be in
         flight (another node's, on a shared directory), so only one untouched for an hour
-        counts (file times are the OS's wall clock)."""
+        counts. Remote writes are single PUTs: they leave no temp files."""
         if not self._local:
-            return False  # remote writes are single PUTs: no temp files
+            return False
         if not self.config.url and not self._listed:
             return True
-        try:
-            return time.time() - os.stat(path).st_mtime > _STALE_TEMP_S
-        except OSError:
-            return False
+        age = self.blobs.age_s(path)
+        return age is not None and age > _STALE_TEMP_S
 
     def _quarantine(self, paths: list[str]) -> int:
         """Move damaged objects and stale temp files out of ``blocks/`` into ``quarantine/``
@@ -775,15 +475,7 @@ class ObjectTier(ExpiryMixin, Tier):
         if not paths or not self._local or not self.config.sweep_interval_s:
             return 0
         qdir = f"{self._base}/quarantine"
-        moved = 0
-        try:
-            os.makedirs(qdir, exist_ok=True)
-            for p in paths:
-                with contextlib.suppress(FileNotFoundError):  # gone since the listing
-                    os.replace(p, f"{qdir}/{p.rsplit('/', 1)[-1]}")
-                    moved += 1
-        except OSError as e:
-            log.warning("object tier %r: cannot quarantine damaged objects in %s: %s", self.name, qdir, e)
+        moved = self.blobs.quarantine(paths, qdir)
         if moved:
             log.warning("object tier %r: moved %d damaged objects or temp files of cut-short writes to %s",
                         self.name, moved, qdir)
@@ -841,57 +533,22 @@ class ObjectTier(ExpiryMixin, Tier):
     def _list(self, path: str, *, after: str = "", limit: int | None = None) -> dict[str, int]:
         """``{path: size}`` of the objects under ``path`` in name order, those after ``after``,
         at most ``limit`` (on S3: one LIST per 1,000, resumed server-side)."""
-        if self._remote is None:
-            try:
-                listed = _walk_files(path)
-            except OSError as e:
-                raise TierIOError(f"object tier {self.name!r}: cannot list {path}: {e}") from e
-        else:
-            fs = self._remote.fs
-            if self._s3 is not None:
-                call = functools.partial(self._s3.list_prefix, fs, path, start_after=after, limit=limit)
-            else:
-                call = functools.partial(self._find_sizes, fs, path)
-            (r,) = self._run([call])
-            if isinstance(r, BaseException):
-                err = self._error(r, f"list {path}")
-                if isinstance(err, BlockNotFound):
-                    return {}
-                raise err
-            listed = r
-        names = sorted(p for p in listed if p > after)[:limit]
-        return {p: listed[p] for p in names}
-
-    @staticmethod
-    async def _find_sizes(fs: Any, path: str) -> dict[str, int]:
-        found = await fs._find(path, detail=True)
-        return {p: int(info.get("size") or 0) for p, info in found.items()}
+        return self.blobs.list(path, after=after, limit=limit)
 
     # ---- background work -----------------------------------------------------------------------
 
     def tick(self) -> None:
-        """One round of background work: a trial request when the breaker is due one, draining
-        queued writes, and a sweep when ``sweep_interval_s`` has passed (on the injected clock).
-        The worker thread calls it every ``worker_interval_s``; tests call it directly."""
+        """One round of background work: the backend's (a trial request when the breaker is
+        due one, draining queued writes), and a sweep when ``sweep_interval_s`` has passed (on
+        the injected clock). The worker thread calls it every ``worker_interval_s``; tests call
+        it directly."""
         if self._closed:
             return
-        if self._remote is not None:
-            breaker = self._remote.breaker
-            if breaker.state == "open" and breaker.available():
-                self._trial()
-            if len(self._queue) and breaker.available():
-                self.drain()
+        self.blobs.tick()
         now = self._clock()
         if self.config.sweep_interval_s and now >= self._next_sweep and self.available():
             self._next_sweep = now + self.config.sweep_interval_s
             self.sweep()
-
-    def _trial(self) -> None:
-        """A cheap request whose only purpose is to learn whether the store answers again."""
-        assert self._remote is not None
-        with contextlib.suppress(KVStoreError):
-            (r,) = self._run([functools.partial(self._remote.fs._cat_file, f"{self._base}/.probe", start=0, end=1)])
-            log.info("object tier %r: trial request answered (%s)", self.name, type(r).__name__)
 
     def _work(self) -> None:
         while not self._stop.is_set():
@@ -904,63 +561,10 @@ class ObjectTier(ExpiryMixin, Tier):
             except Exception:  # the thread must outlive any one failure; the next tick retries
                 log.exception("object tier %r: background work failed", self.name)
 
-    def _apply_lifecycle(self) -> None:
-        assert self._remote is not None and self._s3 is not None
-        call = functools.partial(self._s3.apply_lifecycle, self._remote.fs, self._base, self.config.lifecycle_days)
-        try:
-            rule = self._remote.call(call)
-            log.info("object tier %r: lifecycle rule %s installed", self.name, rule["ID"])
-        except (OSError, KVStoreError) as e:
-            log.warning("object tier %r: cannot install the lifecycle rule: %s", self.name, e)
-
-    # ---- plumbing --------------------------------------------------------------------------------
-
-    def _run(self, calls: Sequence[Callable[[], Awaitable[Any]]]) -> list[Any]:
-        """Run a batch through the breaker; while it is open every result is unavailable."""
-        assert self._remote is not None
-        if not calls:
-            return []
-        try:
-            return self._remote.run(calls)
-        except TierUnavailableError as e:
-            return [e] * len(calls)
-
-    def _error(self, exc: BaseException, what: str, key: BlockHash | None = None) -> KVStoreError:
-        """A request's exception as the KVStoreError the Tier contract names."""
-        if isinstance(exc, KVStoreError):
-            return exc
-        kind = self._remote.classify(exc) if self._remote else ("miss" if isinstance(exc, FileNotFoundError) else "error")
-        if kind == MISS:
-            where = f"block {key.hex()}" if key is not None else what
-            return BlockNotFound(f"{where} is not in tier {self.name!r}")
-        if kind == DOWN:
-            return TierUnavailableError(f"object tier {self.name!r}: {what}: {exc!r}")
-        return TierIOError(f"object tier {self.name!r}: {what}: {exc}")
-
     def flush(self) -> None:
         """fsync local objects written with ``durable=False``; send queued remote writes if the
         store answers (remote PUTs themselves are durable when acknowledged)."""
-        self.drain()
-        with self._lock:
-            pending, self._unsynced = self._unsynced, set()
-        dirs: set[str] = set()
-        for path in pending:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                raise TierIOError(f"object tier {self.name!r}: cannot flush {path}: {e}") from e
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            dirs.add(path.rsplit("/", 1)[0])
-        try:
-            for d in dirs:
-                _fsync_dir(d)
-        except OSError as e:
-            raise TierIOError(f"object tier {self.name!r}: cannot flush {self._blocks}: {e}") from e
+        self.blobs.flush()
 
     def close(self) -> None:
         """Stop the background thread, flush; writes still queued (the store is unreachable)
@@ -972,9 +576,7 @@ class ObjectTier(ExpiryMixin, Tier):
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join()
         self.flush()
-        lost = self._queue.drop_all()
-        if lost:
-            log.warning("object tier %r closed with %d queued writes undelivered", self.name, lost)
+        self.blobs.close()
         with self._lock:
             self._closed = True
 
@@ -999,40 +601,7 @@ class ObjectTier(ExpiryMixin, Tier):
             touches_dropped=c.touches_dropped,
             compressed_writes=c.compressed_writes,
             probed_blocks=c.probed_blocks,
-            queued_writes=len(self._queue),
-            queued_bytes=self._queue.bytes,
-            dropped_writes=self._queue.dropped,
-            drained_writes=self._queue.drained,
         )
-        if self._remote is not None:
-            b = self._remote.breaker
-            d.update(breaker=b.state, breaker_opened=b.opened, breaker_rejected=b.rejected)
+        d.update(self.blobs.describe())
         return d
 
-
-def _fsync_dir(directory: str) -> None:
-    """Make a rename or a new entry in ``directory`` survive a crash of the machine."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _walk_files(root: str) -> dict[str, int]:
-    """``{path: size}`` of the files under ``root`` (none if it does not exist):
-    what ``fs.find(root, detail=True)`` gives on a local filesystem, with os.scandir."""
-    out: dict[str, int] = {}
-    stack = [root]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as it:
-                entries = list(it)
-        except FileNotFoundError:
-            continue
-        for e in entries:
-            if e.is_dir(follow_symlinks=False):
-                stack.append(e.path)
-            elif e.is_file(follow_symlinks=False):
-                out[e.path] = e.stat(follow_symlinks=False).st_size
-    return out

@@ -25,6 +25,8 @@ BENCHES = {
     "gpu_load": "tools.bench.gpu_load",
     "ttft": "tools.bench.ttft",
     "overlap": "tools.bench.overlap",
+    "throughput": "tools.bench.throughput",  # batched prefill, hits from DRAM and HBM
+    "hybrid": "tools.bench.hybrid",  # sliding-window models: bytes, replay; TTFT on CUDA
     # the daemon (issue 5): each starts its own daemon on loopback
     "shm": "tools.bench.shm",
     "tcp": "tools.bench.tcp",
@@ -46,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
     p.add_argument("--dir", default=None, help="directory on the disk to measure (nvme); default: a temp dir under ./")
     p.add_argument("--layer-groups", type=int, default=16, help="ttft/overlap: layer groups loaded one after another (default 16)")
+    p.add_argument("--smoke", action="store_true", help="throughput: a tiny CPU model (plumbing check, figures meaningless)")
+    p.add_argument("--hit", type=float, action="append", help="throughput: hit rate(s) to run (default 0.5 0.8 0.96 0.99)")
+    p.add_argument("--attention", default="varlen", choices=["varlen", "loop"], help="throughput: attention backend on CUDA")
+    p.add_argument("--hbm-gib", type=float, default=0.0, help="throughput: HBM cache budget (default: the stream's blocks)")
+    p.add_argument("--conversations", type=int, default=0, help="throughput: concurrent conversations (default 16)")
+    p.add_argument("--repeat", type=int, default=1, help="throughput: run the hit rates this many times (the spread)")
+    p.add_argument("--no-compare-attention", dest="compare_attention", action="store_false",
+                   help="throughput: skip timing the ideal with the per-request attention loop")
     p.add_argument("--check", action="store_true",
                    help="exit 3 when a figure misses its goal (each miss is named on stderr)")
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")

@@ -63,7 +63,7 @@ def run(args: Any) -> Iterator[dict[str, Any]]:
 
 
 def _throughput(tier: ObjectTier, total: int) -> Iterator[dict[str, Any]]:
-    fs = tier._fs  # the tier's own s3fs instance: the same client and connection pool
+    fs = tier.blobs.fs  # the tier's own s3fs instance: the same client and connection pool
     raw_base = "bench/raw"
     rng = np.random.default_rng(0)
     sizes = [SIZES[i % len(SIZES)] for i in range(total * len(SIZES) // sum(SIZES))]
@@ -117,7 +117,7 @@ def _rebuild_and_probe(tier: ObjectTier, cfg: ObjectConfig, root: Path, n: int) 
     meta = BlockMeta(b"\x01" * 16, b"\x02" * 16, 0, size, 2e9, payload_checksum(data), 0.0)
     for i in range(0, n, BATCH):
         tier.write_many([(k, data, meta) for k in keys[i : i + BATCH]])
-    fs = tier._fs
+    fs = tier.blobs.fs
 
     def tier_scan() -> None:
         fresh = ObjectTier("cold", cfg, root=root)

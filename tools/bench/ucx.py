@@ -53,9 +53,13 @@ asyncio.run(main())
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     try:
-        from kvstore.client._conn import import_ucxx
+        from kvstore.ucxenv import apply_ucx_env
 
-        ucxx = import_ucxx()
+        apply_ucx_env()  # the client's UCX settings, before ucxx is imported
+        import ucxx
+    except ImportError as e:
+        print(f"ucx: skipped: ucxx is not installed ({e}): pip install 'kvstore[ucx]'", file=sys.stderr)
+        return
     except Exception as e:
         print(f"ucx: skipped: {e}", file=sys.stderr)
         return

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,7 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
     namespaces: dict[str, Mapping[str, Any]] = {}
     tiers: list[str] = []
     timed: list[tuple[float, int, Mapping[str, Any]]] = []
+    usage: list[Mapping[str, Any]] = []
     for seq, rec in enumerate(records):
         kind = rec.get("type")
         if kind == "namespace":
@@ -87,6 +88,8 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
             tiers.extend(t for t in rec.get("tiers", []) if t not in tiers)
         elif kind in ("request", "block"):
             timed.append((float(rec["t"]), seq, rec))
+        elif kind == "usage":
+            usage.append(rec)
     timed.sort(key=lambda x: (x[0], x[1]))
     requests = [r for _, _, r in timed if r["type"] == "request"]
     if not requests:
@@ -118,6 +121,11 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
     lookup_s: list[float] = []
     load_per_block: dict[str, list[float]] = defaultdict(list)
     no_hashes = 0
+    leaving: dict[str, list[int]] = {"evicted": [0] * nb, "expired": [0] * nb}  # blocks per bucket
+
+    def bucket(t: float) -> int | None:
+        b = int((t - t0) // width)
+        return b if 0 <= b < nb else None
 
     for t, _, rec in timed:
         if rec["type"] == "block":
@@ -132,8 +140,12 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
                 fate[k] = "cached"
             elif ev == "evicted":
                 fate[k] = "deleted" if rec.get("reason", "").startswith("deleted") else "evicted"
+                if fate[k] == "evicted" and (b := bucket(t)) is not None:
+                    leaving["evicted"][b] += 1
             elif ev == "expired":
                 fate[k] = "expired"
+                if (b := bucket(t)) is not None:
+                    leaving["expired"][b] += 1
             elif ev == "corrupt" and fate.get(k) != "evicted":
                 fate[k] = "corrupt"
             continue
@@ -203,7 +215,9 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
         "retention": _retention(gaps, total.prompt, total.hit),
         "latency": _latency(lookup_s, load_per_block),
         "tenants": {name: _summary(tl, cfg) for name, tl in sorted(tenants.items())},
-        "timeseries": _series(buckets, tenant_buckets, t0, width),
+        "timeseries": {**_series(buckets, tenant_buckets, t0, width, tiers),
+                       "tier_fill": _fill(usage, tiers, bucket, nb),
+                       "leaving_blocks_per_hour": {k: [round(n * 3600 / width, 3) for n in v] for k, v in leaving.items()}},
         "namespaces": [{"ns": k, "tenant": v.get("tenant", ""), "model_id": v.get("descriptor", {}).get("model_id"),
                         "siblings": sorted(siblings.get(k, ()))} for k, v in namespaces.items()],
     }
@@ -282,16 +296,35 @@ def _latency(lookup_s: list[float], per_block: Mapping[str, list[float]]) -> dic
     return {"lookup_s": q(lookup_s), "load_s_per_block_by_tier": {k: q(v) for k, v in sorted(per_block.items())}}
 
 
-def _series(buckets: list[_Tally], tenant_buckets: Mapping[str, list[_Tally]], t0: float, width: float) -> dict[str, Any]:
-    tiers = sorted({k for b in buckets for k in b.by_tier})
+def _fill(usage: list[Mapping[str, Any]], tiers: list[str], bucket: Any, nb: int) -> dict[str, list[float | None]]:
+    """Each tier's fill (used / capacity) at the last usage record of each bucket; None where
+    a bucket has none (a gap, not an empty tier)."""
+    out: dict[str, list[float | None]] = {}
+    for rec in sorted(usage, key=lambda r: float(r["t"])):
+        b = bucket(float(rec["t"]))
+        if b is None:
+            continue
+        for name, u in rec.get("tiers", {}).items():
+            cap = u.get("capacity_bytes") or 0
+            if cap > 0:
+                out.setdefault(name, [None] * nb)[b] = round(u.get("used_bytes", 0) / cap, 5)
+    order = {name: i for i, name in enumerate(tiers)}
+    return dict(sorted(out.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
+
+
+def _series(buckets: list[_Tally], tenant_buckets: Mapping[str, list[_Tally]], t0: float, width: float,
+            tier_order: Sequence[str] = ()) -> dict[str, Any]:
+    order = {name: i for i, name in enumerate(tier_order)}  # fastest first, as the log's header lists them
+    tiers = sorted({k for b in buckets for k in b.by_tier}, key=lambda k: (order.get(k, len(order)), k))
     return {
         "t": [t0 + i * width for i in range(len(buckets))],
         "requests": [b.requests for b in buckets],
         "prompt_tokens": [b.prompt for b in buckets],
         "hit_tokens": [b.hit for b in buckets],
-        "token_hit_rate": [_rate(b.hit, b.prompt) for b in buckets],
-        "request_hit_rate": [_rate(b.hit_requests, b.requests) for b in buckets],
-        "ideal_token_hit_rate": [_rate(b.ideal, b.prompt) for b in buckets],
+        # None in a bucket without requests: idle is no data (a gap), not a 0% hit rate.
+        "token_hit_rate": [_rate(b.hit, b.prompt) if b.requests else None for b in buckets],
+        "request_hit_rate": [_rate(b.hit_requests, b.requests) if b.requests else None for b in buckets],
+        "ideal_token_hit_rate": [_rate(b.ideal, b.prompt) if b.requests else None for b in buckets],
         "hit_tokens_by_tier": {k: [b.by_tier.get(k, 0) for b in buckets] for k in tiers},
         "tenant_token_hit_rate": {name: [_rate(b.hit, b.prompt) if b.prompt else None for b in bs]
                                   for name, bs in sorted(tenant_buckets.items())},

@@ -16,6 +16,7 @@ from pathlib import Path
 from kvstore.errors import UsageError
 from kvstore.events import read_events
 from kvstore.units import parse_duration
+from kvstore.version import version
 from tools.kvreport.analyze import ReportConfig, analyze
 from tools.kvreport.html import render
 
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         "script, no network); --json prints the same numbers.",
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("logs", nargs="*", type=Path, default=[Path("kvstore-data/events")],
                    help="event log directories or files (default ./kvstore-data/events)")
     p.add_argument("-o", "--output", type=Path, help="HTML file to write (default kvreport.html; with --json only if given)")

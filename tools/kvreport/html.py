@@ -32,6 +32,16 @@ svg .g{stroke:#f3f4f6}svg .ax{stroke:#9ca3af}svg .m{stroke:#9ca3af;stroke-dashar
 """
 
 
+# Tiers and tenants get colours of their own (none is red, which marks lost hits and
+# evictions), so that no tenant is mistaken for a tier.
+TIER_PALETTE = ("#2563eb", "#16a34a", "#f59e0b", "#0d9488", "#92400e", "#1e3a8a", "#4d7c0f", "#9ca3af")
+TENANT_PALETTE = ("#7c3aed", "#0891b2", "#db2777", "#65a30d", "#b45309", "#4338ca", "#0f766e", "#be123c")
+
+
+def _values(series: list[tuple[str, list[float | None]]]) -> list[float]:
+    return [v for _, ys in series for v in ys if v is not None]
+
+
 def _p(v: float) -> str:
     return f"{100 * v:.1f}%"
 
@@ -65,18 +75,43 @@ def render(r: dict[str, Any], title: str = "kvstore cache report", sources: list
              ("saved", _money(cur, r["savings"]["money"]))]
     out.append("<div class='cards'>" + "".join(f"<div class='card'><b>{v}</b><span>{k}</span></div>" for k, v in cards) + "</div>")
 
+    # One colour per tier and per tenant, the same in every chart.
+    tier_color = svg.Colors([*r["log"]["tiers"], *ts["hit_tokens_by_tier"], *r["hit_tokens_by_tier"]], palette=TIER_PALETTE)
+    tenant_color = svg.Colors(sorted(r["tenants"]), palette=TENANT_PALETTE)
+    bucket = f"per {svg.duration(span['bucket_s'])}"
+
     out.append("<h2 id='hit-rate'>Hit rate over time</h2>")
-    out.append(svg.line_chart("Hit rate: tokens, requests, and the unlimited-cache ideal", ts["t"], [
-        ("tokens", ts["token_hit_rate"]), ("requests", ts["request_hit_rate"]), ("ideal (tokens)", ts["ideal_token_hit_rate"])],
-        ymax=1.0))
+    rates = [("tokens", ts["token_hit_rate"]), ("requests", ts["request_hit_rate"]), ("ideal (tokens)", ts["ideal_token_hit_rate"])]
+    out.append(svg.line_chart("Hit rate: tokens, requests, and the unlimited-cache ideal", ts["t"], rates,
+                              yrange=svg.band(_values(rates)), ylabel=f"hit rate (% {bucket})",
+                              colors=["#111827", "#94a3b8", "#111827"], dashed=["ideal (tokens)"]))
     tiers = ts["hit_tokens_by_tier"]
-    out.append(svg.stacked_area("Hit tokens by the tier that served them", ts["t"], list(tiers.items())))
-    out.append(svg.line_chart("Token hit rate by tenant", ts["t"], list(ts["tenant_token_hit_rate"].items()), ymax=1.0))
-    out.append(f"<p class='note'>One point per {svg.num(span['bucket_s'])} s.</p>")
+    out.append(svg.stacked_area("Hit tokens by the tier that served them", ts["t"], list(tiers.items()),
+                                ylabel=f"hit tokens {bucket}", colors=[tier_color(k) for k in tiers]))
+    tenants = list(ts["tenant_token_hit_rate"].items())
+    out.append(svg.line_chart("Token hit rate by tenant", ts["t"], tenants, yrange=svg.band(_values(tenants)),
+                              ylabel="token hit rate", colors=[tenant_color(k) for k, _ in tenants]))
+    out.append(f"<p class='note'>One point {bucket}; a gap is a time without requests (no data, not a 0% hit "
+               "rate), a dot a time with requests on both sides idle. Y axes show the band the data lies in.</p>")
+
+    out.append("<h2 id='tiers'>Tier fill and blocks leaving the store</h2>")
+    fill = ts.get("tier_fill") or {}
+    if fill:
+        out.append(svg.line_chart("Tier fill: bytes used of each tier's capacity", ts["t"], list(fill.items()),
+                                  yrange=(0.0, 1.05), ylabel="used / capacity", colors=[tier_color(k) for k in fill]))
+    else:
+        out.append("<p class='note'>No tier fill: this log has no usage records (the daemon writes one per "
+                   "maintenance pass; an in-process store when its owner calls <code>store.events.usage(store."
+                   "stats()['tiers'])</code>).</p>")
+    leaving = ts.get("leaving_blocks_per_hour") or {}
+    if leaving:
+        out.append(svg.line_chart("Blocks leaving the store: evicted for capacity, expired", ts["t"],
+                                  list(leaving.items()), yfmt=svg.num, ylabel=f"blocks per hour ({bucket})",
+                                  colors=["#dc2626", "#f59e0b"]))
 
     out.append("<h2 id='ideal'>Achieved vs ideal: where the prompt tokens went</h2>")
     total = r["prompt_tokens"]
-    bars: list[tuple[str, float, str | None]] = [(f"hit: {k}", v, svg.PALETTE[i % 8]) for i, (k, v) in enumerate(r["hit_tokens_by_tier"].items())]
+    bars: list[tuple[str, float, str | None]] = [(f"hit: {k}", v, tier_color(k)) for k, v in r["hit_tokens_by_tier"].items()]
     bars += [(f"lost: {REASONS.get(k, k)}", v, "#dc2626") for k, v in r["misses"]["lost"].items()]
     bars += [("miss: namespace mismatch", r["misses"]["namespace_mismatch"], "#f97316"),
              ("miss: never seen before", r["misses"]["never_seen"], "#9ca3af")]
@@ -92,7 +127,7 @@ def render(r: dict[str, Any], title: str = "kvstore cache report", sources: list
 
     out.append("<h2 id='ages'>What retention buys: the age of hits</h2>")
     ages = r["ages"]
-    out.append(svg.bar_chart("Hit tokens by the age of the block that served them", [(k, v, None) for k, v in ages["tokens"].items()],
+    out.append(svg.bar_chart("Hit tokens by the age of the block that served them", [(k, v, "#64748b") for k, v in ages["tokens"].items()],
                              total=r["hit_tokens"]))
     older = ages["share_older_than"]
     out.append(f"<p>Share of hit tokens served by blocks older than 1 h: <b>{_p(older['1h'])}</b>, "
@@ -101,6 +136,7 @@ def render(r: dict[str, Any], title: str = "kvstore cache report", sources: list
     if ret["ttl_hours"]:
         out.append(svg.line_chart("Token hit rate a TTL would reach (capacity aside)", ret["ttl_hours"],
                                   [("token hit rate", ret["token_hit_rate"])], time_axis=False, xlabel="TTL (hours)",
+                                  ylabel="token hit rate", yrange=svg.band(ret["token_hit_rate"]), colors=["#111827"],
                                   marks=[(1, "1 h"), (24, "24 h"), (72, "72 h")]))
         at = ret["at"]
         out.append(f"<p>With a TTL of 1 h the store could have served {_p(at['1h'])} of prompt tokens, 24 h {_p(at['24h'])}, "

@@ -16,8 +16,10 @@ import json
 import math
 import shutil
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -45,8 +47,34 @@ def _config(root: Path) -> StoreConfig:
     )
 
 
-def run(root: Path, days: float = 4.0, seed: int = 0, rate_per_hour: float = 60.0) -> dict[str, Any]:
-    """Simulate ``days`` of traffic into a store at ``root``; returns a few totals."""
+def progress_bar(stream: TextIO | None = None, width: int = 30) -> Callable[[float, int], None]:
+    """``bar(done_fraction, requests)``: one updating line on ``stream`` (stderr), at most ten
+    updates a second; a final newline at 1.0. Drawn only on a terminal unless ``stream`` is
+    given."""
+    out = stream or sys.stderr
+    shown = stream is not None or bool(getattr(out, "isatty", lambda: False)())
+    last = [0.0]
+
+    def bar(frac: float, requests: int) -> None:
+        if not shown:
+            return
+        now = time.monotonic()
+        if frac < 1.0 and now - last[0] < 0.1:
+            return
+        last[0] = now
+        filled = int(round(width * min(frac, 1.0)))
+        out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {frac:6.1%} simulated, {requests:,} requests")
+        if frac >= 1.0:
+            out.write("\n")
+        out.flush()
+
+    return bar
+
+
+def run(root: Path, days: float = 4.0, seed: int = 0, rate_per_hour: float = 60.0,
+        progress: Callable[[float, int], None] | None = None) -> dict[str, Any]:
+    """Simulate ``days`` of traffic into a store at ``root``; returns a few totals.
+    ``progress(fraction of the simulated time done, requests so far)`` is called as it goes."""
     rng = np.random.default_rng(seed)
     clock = FakeClock(1_735_689_600.0)  # 2025-01-01 00:00 UTC
     systems = {t: [rng.integers(0, 32_000, int(rng.integers(20, 60)) * 16) for _ in range(3)] for t in "ab"}
@@ -59,8 +87,10 @@ def run(root: Path, days: float = 4.0, seed: int = 0, rate_per_hour: float = 60.
         store.register_namespace(NS_A)
         store.register_namespace(NS_B, ttl_s=12 * H)
         store.register_namespace(NS_B_BAD, ttl_s=12 * H)
-        end = clock() + days * H * 24
+        start = clock()
+        end = start + days * H * 24
         next_maintain = clock()
+        requests = 0
         while clock() < end:
             hour = (clock() % 86400) / H
             daily = 0.35 + 0.65 * math.sin(math.pi * (hour - 6) / 16) ** 2 if 6 <= hour <= 22 else 0.35
@@ -68,6 +98,7 @@ def run(root: Path, days: float = 4.0, seed: int = 0, rate_per_hour: float = 60.
             clock.advance(float(rng.exponential(H / rate)))
             if clock() >= next_maintain:
                 store.maintain()
+                store.events.usage(store.stats()["tiers"])  # tier fill over time, as the daemon logs it
                 next_maintain = clock() + 600
             # A returning user (more likely the more there are), or a new conversation.
             if users and rng.random() < 0.7:
@@ -92,9 +123,14 @@ def run(root: Path, days: float = 4.0, seed: int = 0, rate_per_hour: float = 60.
             store.put(ns, hashes, buf[hit * ns.block_bytes :], start=hit)
             served += hit
             total += len(hashes)
+            requests += 1
+            if progress is not None:
+                progress((clock() - start) / (end - start), requests)
             if len(users) > 400:
                 users.pop(0)
         stats = store.stats()
+    if progress is not None:
+        progress(1.0, requests)
     return {"root": str(root), "events": str(root / "events"), "blocks_served": served, "blocks_asked": total,
             "evictions": stats["evictions"], "expirations": stats["expirations"]}
 
@@ -109,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     root = args.dir / "store"
     if root.exists():
         shutil.rmtree(root)
-    print(json.dumps(run(root, args.days, args.seed, args.rate)))
+    print(json.dumps(run(root, args.days, args.seed, args.rate, progress=progress_bar())))
     return 0
 
 

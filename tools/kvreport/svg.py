@@ -1,7 +1,9 @@
 """Small inline-SVG charts for a self-contained HTML report (no library, no script, no network).
 
-Each function returns one ``<svg class="plot">`` element with a ``<title>``, axes, a legend
-and the data drawn as paths or rectangles.
+Each function returns one ``<svg class="plot">`` element with a ``<title>``, axes with their
+titles and units, a legend and the data drawn as paths, dots or rectangles. Colours are given by
+the caller (one per tier, one per tenant, the same in every chart: :class:`Colors`). A None value
+is a gap (a bucket with no data), never a zero; a point with no neighbour is drawn as a dot.
 """
 
 from __future__ import annotations
@@ -18,6 +20,35 @@ L, R, T, B = 64, 16, 46, 46  # margins; the legend has its own row under the tit
 Fmt = Callable[[float], str]
 
 
+class Colors:
+    """One colour per name, kept for the whole report: ``colors("dram")`` is the same in every
+    chart. Names met first take the palette in order."""
+
+    def __init__(self, names: Sequence[str] = (), palette: Sequence[str] = PALETTE) -> None:
+        self._palette = tuple(palette)
+        self._of: dict[str, str] = {}
+        for n in names:
+            self(n)
+
+    def __call__(self, name: str) -> str:
+        if name not in self._of:
+            self._of[name] = self._palette[len(self._of) % len(self._palette)]
+        return self._of[name]
+
+
+def band(vals: Sequence[float], lo: float = 0.0, hi: float = 1.0) -> tuple[float, float]:
+    """A y range that shows where ``vals`` lie (a 92-97% hit rate is not drawn on 0-100%),
+    widened to whole ticks and kept within ``lo``..``hi``."""
+    if not vals:
+        return lo, hi
+    a, b = min(vals), max(vals)
+    pad = max((b - a) * 0.15, (hi - lo) * 0.02)
+    a, b = max(lo, a - pad), min(hi, b + pad)
+    ticks = _ticks(a, b)
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else (hi - lo) / 5
+    return max(lo, math.floor(a / step + 1e-9) * step), min(hi, math.ceil(b / step - 1e-9) * step)
+
+
 def pct(v: float) -> str:
     return f"{100 * v:.0f}%"
 
@@ -27,6 +58,14 @@ def num(v: float) -> str:
         if abs(v) >= div:
             return f"{v / div:.1f}{unit}".replace(".0" + unit, unit)
     return f"{v:.0f}" if v == int(v) else f"{v:.2f}"
+
+
+def duration(seconds: float) -> str:
+    for unit, div in (("day", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= div and seconds % div == 0:
+            n = int(seconds // div)
+            return f"{n} {unit}" + ("s" if unit == "day" and n > 1 else "")
+    return f"{seconds:g} s"
 
 
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -67,7 +106,7 @@ class _Frame:
     def y(self, v: float) -> float:
         return H - B - (v - self.y0) / (self.y1 - self.y0) * (H - T - B)
 
-    def axes(self, yfmt: Fmt, xticks: Sequence[tuple[float, str]], xlabel: str = "") -> None:
+    def axes(self, yfmt: Fmt, xticks: Sequence[tuple[float, str]], xlabel: str = "", ylabel: str = "") -> None:
         p = self.parts
         for v in _ticks(self.y0, self.y1):
             if v <= self.y1 + 1e-9:
@@ -82,6 +121,10 @@ class _Frame:
         p.append(f'<line x1="{L}" x2="{L}" y1="{T}" y2="{H - B}" class="ax"/>')
         if xlabel:
             p.append(f'<text x="{(L + W - R) / 2}" y="{H - 8}" class="a" text-anchor="middle">{escape(xlabel)}</text>')
+        if ylabel:
+            cy = (T + H - B) / 2
+            p.append(f'<text x="14" y="{cy:.1f}" class="a" text-anchor="middle" '
+                     f'transform="rotate(-90 14 {cy:.1f})">{escape(ylabel)}</text>')
 
     def legend(self, names: Sequence[str], colors: Sequence[str]) -> None:
         x = W - R
@@ -100,27 +143,44 @@ def _xticks(xs: Sequence[float], time_axis: bool) -> list[tuple[float, str]]:
     return [(v, num(v)) for v in _ticks(xs[0], xs[-1], 8)]
 
 
+TIME_LABEL = "time (UTC)"
+
+
+def _runs(xs: Sequence[float], ys: Sequence[float | None]) -> list[list[tuple[float, float]]]:
+    """The runs of consecutive points that have a value (a None splits them)."""
+    runs: list[list[tuple[float, float]]] = [[]]
+    for x, v in zip(xs, ys, strict=True):
+        if v is None:
+            if runs[-1]:
+                runs.append([])
+        else:
+            runs[-1].append((x, float(v)))
+    return [r for r in runs if r]
+
+
 def line_chart(title: str, xs: Sequence[float], series: Sequence[tuple[str, Sequence[float | None]]], *,
-               yfmt: Fmt = pct, ymax: float | None = None, time_axis: bool = True, xlabel: str = "",
+               yfmt: Fmt = pct, ymax: float | None = None, yrange: tuple[float, float] | None = None,
+               time_axis: bool = True, xlabel: str = "", ylabel: str = "",
+               colors: Sequence[str] | None = None, dashed: Sequence[str] = (),
                marks: Sequence[tuple[float, str]] = ()) -> str:
-    """Lines over ``xs`` (epoch seconds when ``time_axis``); None leaves a gap."""
+    """Lines over ``xs`` (epoch seconds when ``time_axis``); None leaves a gap, and a point
+    with no neighbour is a dot. ``yrange``: the y axis (default 0 to ``ymax`` or the data's top);
+    ``dashed``: names of series drawn dashed (a reference line beside measured ones)."""
     vals = [v for _, ys in series for v in ys if v is not None]
-    top = ymax if ymax is not None else max(vals, default=1.0) * 1.1 or 1.0
-    f = _Frame(title, xs[0], xs[-1], 0.0, top)
-    f.axes(yfmt, _xticks(xs, time_axis), xlabel)
-    colors = [PALETTE[i % len(PALETTE)] for i in range(len(series))]
-    for (_, ys), color in zip(series, colors, strict=True):
-        d, pen = [], "M"
-        for x, v in zip(xs, ys, strict=True):
-            if v is None:
-                pen = "M"
-                continue
-            d.append(f"{pen}{f.x(x):.1f},{f.y(v):.1f}")
-            pen = "L"
-        f.parts.append(f'<path d="{" ".join(d)}" fill="none" stroke="{color}" stroke-width="2" class="series"/>')
-        if len(d) == 1:  # a single point draws no line: show it
-            x, y = d[0][1:].split(",")
-            f.parts.append(f'<circle cx="{x}" cy="{y}" r="3" fill="{color}"/>')
+    y0, y1 = yrange if yrange is not None else (0.0, ymax if ymax is not None else max(vals, default=1.0) * 1.1 or 1.0)
+    f = _Frame(title, xs[0], xs[-1], y0, y1)
+    f.axes(yfmt, _xticks(xs, time_axis), xlabel or (TIME_LABEL if time_axis else ""), ylabel)
+    colors = list(colors) if colors is not None else [PALETTE[i % len(PALETTE)] for i in range(len(series))]
+    for (name, ys), color in zip(series, colors, strict=True):
+        runs = _runs(xs, ys)
+        d = " ".join("M" + " L".join(f"{f.x(x):.1f},{f.y(v):.1f}" for x, v in run) for run in runs if len(run) > 1)
+        dash = ' stroke-dasharray="5 3"' if name in dashed else ""
+        if d:
+            f.parts.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="2"{dash} class="series"/>')
+        for run in runs:
+            if len(run) == 1:  # no neighbour to draw a line to: a dot
+                (x, v), = run
+                f.parts.append(f'<circle cx="{f.x(x):.1f}" cy="{f.y(v):.1f}" r="3" fill="{color}" class="series"/>')
     for x, label in marks:
         xx = f.x(x)
         f.parts.append(f'<line x1="{xx:.1f}" x2="{xx:.1f}" y1="{T}" y2="{H - B}" class="m"/>'
@@ -130,7 +190,8 @@ def line_chart(title: str, xs: Sequence[float], series: Sequence[tuple[str, Sequ
 
 
 def stacked_area(title: str, xs: Sequence[float], series: Sequence[tuple[str, Sequence[float]]], *,
-                 yfmt: Fmt = num, time_axis: bool = True) -> str:
+                 yfmt: Fmt = num, time_axis: bool = True, ylabel: str = "",
+                 colors: Sequence[str] | None = None) -> str:
     """Areas stacked bottom-up in the order given (e.g. hit tokens by tier, fastest first)."""
     acc = [0.0] * len(xs)
     layers = []
@@ -139,8 +200,8 @@ def stacked_area(title: str, xs: Sequence[float], series: Sequence[tuple[str, Se
         acc = [a + float(v) for a, v in zip(acc, ys, strict=True)]
         layers.append((lower, acc[:]))
     f = _Frame(title, xs[0], xs[-1], 0.0, max(acc, default=1.0) * 1.1 or 1.0)
-    f.axes(yfmt, _xticks(xs, time_axis))
-    colors = [PALETTE[i % len(PALETTE)] for i in range(len(series))]
+    f.axes(yfmt, _xticks(xs, time_axis), TIME_LABEL if time_axis else "", ylabel)
+    colors = list(colors) if colors is not None else [PALETTE[i % len(PALETTE)] for i in range(len(series))]
     if len(xs) == 1:  # one bucket: a bar, so that the area is visible
         xs = [xs[0] - 0.5, xs[0] + 0.5]
         f.x0, f.x1 = xs[0], xs[1]

@@ -20,6 +20,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, KVStoreError, UsageError
 from kvstore.registry import POLICIES, build_config, policy_class
 from kvstore.units import parse_duration
+from kvstore.version import version
 from tools.replay.bounds import EXTRA_FEATURES, belady, class_bound, class_segments, unlimited
 from tools.replay.plot import write_svg
 from tools.replay.sim import TierCapacity, parse_capacity, replay_store, summarize
@@ -47,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("trace", help="Mooncake-format JSONL trace file")
     p.add_argument("--capacity", action="append", metavar="SPEC", help="tier capacities (default 5%%)")
     p.add_argument("--sweep", action="store_true", help="capacities 1%%, 5%%, 10%% and 25%%")

@@ -29,6 +29,7 @@ from kvstore.errors import (
     LayoutMismatchError,
     QuotaExceededError,
     RetentionError,
+    TierFullError,
     TierIOError,
     TierUnavailableError,
     UnknownNamespaceError,
@@ -226,3 +227,24 @@ def test_without_a_known_kind_the_status_decides(
             c.pin(SMALL_NS, chain_for(6, 1), until=1e12)
         if exc is KVStoreError:
             assert type(e.value) is KVStoreError
+
+
+@pytest.mark.parametrize(
+    ("fault", "exc"),
+    [(TierIOError(errno.EIO, "Input/output error"), TierIOError),
+     (TierFullError("the nvme tier has no free slot"), TierFullError)],
+)
+def test_a_data_plane_disk_error_is_a_tier_io_error_and_a_full_tier_a_tier_full_error(
+    world: World, fault: KVStoreError, exc: type[KVStoreError]
+) -> None:
+    """Both used to arrive as UNAVAILABLE frames that the client raised as TierFullError: a
+    failing disk looked like a full one (issue 14, item 14)."""
+    world.nvme.inject("write", fault, times=None)
+    chain = chain_for(11, 2)
+    with pytest.raises(KVStoreError) as e:
+        world.a.put(SMALL_NS, chain, _blocks(chain), durable=True)  # durable: NVMe must take it
+    assert type(e.value) is exc, repr(e.value)
+    assert "Input/output error" in str(e.value) if exc is TierIOError else "no room" in str(e.value)
+    world.nvme.clear()
+    fresh = chain_for(12, 2)
+    assert world.a.put(SMALL_NS, fresh, _blocks(fresh), durable=True) == 2  # the connection stays

@@ -128,25 +128,23 @@ def test_leases_of_a_closed_connection_are_released(start_daemon: Callable[..., 
         assert eventually(lambda: other.delete(SMALL_NS, chain) == 3)
 
 
-def test_a_staging_segment_still_viewed_at_session_end_is_closed_later_not_in_del() -> None:
+def test_a_staging_segment_still_viewed_at_session_end_is_closed_later() -> None:
     """A put in flight when its session ends still holds a view of the staging bytes: the
-    segment is unlinked at once and closed once the view is gone, never left to
-    ``SharedMemory.__del__`` (which reports the BufferError as an ignored exception)."""
-    from multiprocessing.shared_memory import SharedMemory
-
+    segment (a memfd, which no other process can open by any name) is closed once the view is
+    gone, never while it is alive."""
     from kvstore.server import dataplane
+    from kvstore.shm import Segment, memfd_segment
 
     class Ended:
-        staging: SharedMemory | None = SharedMemory(create=True, size=4096)
+        staging: Segment | None = memfd_segment(4096, "test-staging")
 
     session = Ended()
-    shm = session.staging
-    assert shm is not None
-    view = shm.buf[0:16]  # what an in-flight put holds
+    seg = session.staging
+    assert seg is not None
+    view = seg.buf[0:16]  # what an in-flight put holds
     dataplane.Session._close_staging(session)  # type: ignore[arg-type]
-    assert session.staging is None and shm in dataplane._LINGERING
-    with pytest.raises(FileNotFoundError):
-        SharedMemory(name=shm.name)  # unlinked already: no other process can map it
+    assert session.staging is None and seg in dataplane._LINGERING
     view.release()
-    assert dataplane.close_lingering() == 0 and shm not in dataplane._LINGERING
-    assert shm.buf is None  # closed
+    assert dataplane.close_lingering() == 0 and seg not in dataplane._LINGERING
+    with pytest.raises(ValueError, match="closed"):
+        seg.buf  # noqa: B018 (closed)

@@ -54,8 +54,9 @@ def test_put_metadata_round_trips(ns: bytes, hashes: list[bytes], start: int, du
     start = min(start, len(hashes))
     r = P.parse_put(P.encode_put(ns, hashes, start, durable), 64)
     assert (r.ns_id, r.hashes, r.start, r.durable) == (ns, hashes, start, durable)
-    r = P.parse_put(P.encode_put(ns, hashes, start, durable, off), 64, shm=True)
-    assert (r.hashes, r.staging_offset) == (hashes, off)
+    sums = [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(len(hashes) - start)]
+    r = P.parse_put(P.encode_put(ns, hashes, start, durable, off, sums), 64, shm=True)
+    assert (r.hashes, r.staging_offset, r.checksums) == (hashes, off, tuple(sums))
 
 
 @given(locs=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)), max_size=32),

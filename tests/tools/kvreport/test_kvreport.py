@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+import io
 import json
 import os
 import re
@@ -15,9 +17,10 @@ from kvstore.clock import FakeClock
 from kvstore.events import EventLog, read_events
 from kvstore.keys import KVLayout, LayerGroup, Namespace
 from tests.conftest import SMALL_NS
-from tools.kvreport import sample
+from tools.kvreport import sample, svg
 from tools.kvreport.analyze import ReportConfig, analyze
 from tools.kvreport.cli import main
+from tools.kvreport.html import render
 
 OTHER = Namespace(SMALL_NS.model_id, KVLayout("bfloat16", 32, (LayerGroup("full", 1, 1, 64),)))
 H = 3600.0
@@ -45,6 +48,10 @@ def _log(path: Path) -> Path:
         log.request(ns=ns, hashes=[50], hit_blocks=0, block_tokens=16, tenant="x", t=t0 + 2 * H + 1)
         log.request(ns=other, hashes=[100, 101], hit_blocks=0, block_tokens=32, tenant="y",
                     t=t0 + 2 * H + 2)                            # a sibling layout had traffic: mismatch
+        log.usage([{"name": "dram", "used_bytes": 3 * 4096, "capacity_bytes": 4 * 4096, "blocks": 3},
+                   {"name": "nvme", "used_bytes": 0, "capacity_bytes": 8 * 4096, "blocks": 0}], t=t0 + 15)
+        log.usage([{"name": "dram", "used_bytes": 4096, "capacity_bytes": 4 * 4096, "blocks": 1},
+                   {"name": "nvme", "used_bytes": 4096, "capacity_bytes": 8 * 4096, "blocks": 1}], t=t0 + 2 * H)
     return path
 
 
@@ -67,7 +74,18 @@ def test_the_numbers_of_a_known_log(tmp_path: Path) -> None:
     x, y = r["tenants"]["x"], r["tenants"]["y"]
     assert x["usage"] == {"prompt_cache_hit_tokens": 96, "prompt_cache_miss_tokens": 16 * 13 - 96}
     assert y["usage"] == {"prompt_cache_hit_tokens": 0, "prompt_cache_miss_tokens": 64}
-    assert sum(r["timeseries"]["hit_tokens"]) == 96
+    ts = r["timeseries"]
+    assert sum(ts["hit_tokens"]) == 96
+    # Idle buckets are gaps (None), not 0%: requests came at t0..t0+30 s and at t0+2 h only.
+    busy = [i for i, n in enumerate(ts["requests"]) if n]
+    assert busy == [0, len(ts["t"]) - 1] and all(v is None for v in ts["token_hit_rate"][1:-1])
+    assert ts["token_hit_rate"][0] == pytest.approx(5 / 10)
+    # Tier fill from the usage records; blocks leaving the store per hour, by why.
+    assert ts["tier_fill"]["dram"][0] == 0.75 and ts["tier_fill"]["dram"][-1] == 0.25
+    assert ts["tier_fill"]["nvme"][-1] == 0.125 and ts["tier_fill"]["dram"][1] is None
+    per_hour = 3600 / r["span"]["bucket_s"]
+    assert ts["leaving_blocks_per_hour"]["evicted"][0] == per_hour and sum(ts["leaving_blocks_per_hour"]["evicted"]) == per_hour
+    assert ts["leaving_blocks_per_hour"]["expired"][-1] == per_hour
 
 
 def test_the_cli_writes_html_and_json_and_says_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -96,6 +114,24 @@ def test_a_sample_run_through_a_real_store(tmp_path: Path) -> None:
     assert set(r["tenants"]) == {"team-a", "team-b"}
 
 
+_LAYOUT_PROBE = """
+const plots = [...document.querySelectorAll('svg.plot')].map(svg => {
+  const series = [...svg.querySelectorAll('.series')];
+  const drawn = series.filter(e => { const b = e.getBBox(); return b.width > 0 || b.height > 0; });
+  const legend = {};
+  svg.querySelectorAll('rect[y="26"]').forEach(r => {
+    legend[r.nextElementSibling.textContent] = getComputedStyle(r).fill; });
+  return {title: svg.querySelector('title').textContent, series: series.length, drawn: drawn.length,
+          dots: svg.querySelectorAll('circle.series').length, legend,
+          width: svg.getBoundingClientRect().width};
+});
+const pre = document.createElement('pre');
+pre.id = 'layout';
+pre.textContent = JSON.stringify(plots);
+document.body.appendChild(pre);
+"""
+
+
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -110,13 +146,76 @@ def test_the_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert main([str(_log(tmp_path / "events")), "-o", str(page)]) == 0
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
              "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"]
-    dom = subprocess.run([browser, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
-    plots = re.findall(r'<svg class="plot".*?</svg>', dom, flags=re.S)
-    assert len(plots) >= 6
-    for svg in plots:  # every plot drew something: a series path or bar
-        assert re.search(r'class="series"', svg), svg[:200]
+    # The report has no script; a copy gets one that asks the laid-out page what it drew.
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.read_text().replace("</body>", f"<script>{_LAYOUT_PROBE}</script></body>"))
+    dom = subprocess.run([browser, *flags, "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    m = re.search(r'<pre id="layout">(.*?)</pre>', dom, flags=re.S)
+    assert m, dom[-500:]
+    plots = json.loads(html.unescape(m.group(1)))
+    assert len(plots) >= 8
+    for p in plots:  # every series of every chart is on screen: a line, a dot, an area or a bar
+        assert p["series"] and p["drawn"] == p["series"], p
+        assert p["width"] > 600, p
+    tenants = next(p for p in plots if p["title"] == "Token hit rate by tenant")
+    assert tenants["dots"] >= 1  # tenant y's one busy bucket, which a path alone would not draw
+    fill = next(p for p in plots if p["title"].startswith("Tier fill"))
+    by_tier = next(p for p in plots if p["title"].startswith("Hit tokens by the tier"))
+    assert set(fill["legend"].items()) >= {("dram", by_tier["legend"]["dram"])}  # one colour per tier
     shot = tmp_path / "shot.png"
     subprocess.run([browser, *flags, "--hide-scrollbars", "--window-size=860,2400", f"--screenshot={shot}", page.as_uri()],
                    capture_output=True, timeout=120, check=True)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+# ---- charts that do not mislead ------------------------------------------------------------------
+
+
+def test_isolated_points_are_dots_and_gaps_are_gaps() -> None:
+    chart = svg.line_chart("t", [0.0, 1.0, 2.0, 3.0, 4.0], [("a", [0.5, None, 0.7, 0.8, None])], time_axis=False)
+    paths = re.findall(r'<path d="([^"]*)"[^>]*class="series"', chart)
+    assert len(paths) == 1 and paths[0].count("M") == 1 and paths[0].count("L") == 1  # 0.7 -> 0.8 only
+    assert chart.count("<circle") == 1  # 0.5 has no neighbour
+    assert "<circle" not in svg.line_chart("t", [0.0, 1.0], [("a", [0.2, 0.3])], time_axis=False)
+
+
+def test_y_range_is_the_band_of_the_data() -> None:
+    lo, hi = svg.band([0.91, 0.93, 0.97])
+    assert 0.8 <= lo < 0.91 and 0.97 < hi <= 1.0
+    lo0, hi0 = svg.band([0.0, 0.3])
+    assert lo0 == 0.0 and 0.3 < hi0 <= 0.5
+    assert svg.band([]) == (0.0, 1.0)
+    chart = svg.line_chart("t", [0.0, 1.0], [("a", [0.91, 0.97])], yrange=(lo, hi), time_axis=False)
+    assert ">0%<" not in chart and ">90%<" in chart
+
+
+def test_one_colour_per_tier_and_tenant_across_charts_with_axis_titles(tmp_path: Path) -> None:
+    r = analyze(read_events(_log(tmp_path / "events")))
+    page = render(r)
+    plots = re.findall(r'<svg class="plot".*?</svg>', page, flags=re.S)
+    legend: dict[str, set[str]] = {}
+    for p in plots:
+        for color, name in re.findall(r'<rect x="[^"]*" y="26" width="10" height="10" fill="([^"]+)"/><text[^>]*>([^<]+)</text>', p):
+            legend.setdefault(name, set()).add(color)
+        for name, color in re.findall(r'class="a" text-anchor="end">hit: ([^<]+)</text><rect [^>]*fill="([^"]+)"', p):
+            legend.setdefault(name, set()).add(color)
+    assert {"dram", "nvme", "x", "y"} <= set(legend)
+    assert all(len(c) == 1 for c in legend.values()), legend  # the same colour wherever it appears
+    assert len({next(iter(legend[n])) for n in ("dram", "nvme", "x", "y")}) == 4  # and all apart
+    time_charts = [p for p in plots if "time (UTC)" in p]
+    assert len(time_charts) >= 5  # hit rate, by tier, by tenant, tier fill, leaving
+    assert all('transform="rotate(-90' in p for p in time_charts)  # every one has a y-axis title
+    assert "Tier fill" in page and "Blocks leaving the store" in page
+
+
+def test_sample_reports_its_progress(tmp_path: Path) -> None:
+    seen: list[tuple[float, int]] = []
+    sample.run(tmp_path / "store", days=0.05, seed=2, rate_per_hour=120, progress=lambda f, n: seen.append((f, n)))
+    fracs = [f for f, _ in seen]
+    assert fracs == sorted(fracs) and fracs[-1] == 1.0 and seen[-1][1] == len(seen) - 1
+    out = io.StringIO()
+    bar = sample.progress_bar(out, width=10)
+    bar(0.5, 7)
+    bar(1.0, 9)
+    assert "[#####.....]" in out.getvalue() and out.getvalue().endswith("9 requests\n")

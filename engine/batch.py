@@ -1,0 +1,429 @@
+"""Batched prefill: many requests, each with its own cached prefix and new suffix, in one pass.
+
+:class:`BatchedLM` is what a serving engine's chunked prefill does with a prefix cache. For each
+request it finds the leading cached blocks (first in the :class:`engine.hbm_cache.HbmCache` when
+there is one, then in the store's DRAM arena), then runs the model *once* over the concatenated
+new tokens of all requests. Every linear layer sees the whole batch (thousands of rows: the GPU
+runs near its matrix rate even when each request adds only a few hundred tokens); attention is
+variable-length: each request's new tokens attend to its own prefix and, causally, to its own
+new tokens.
+
+KV layout: per layer, token-major rows ``[rows, kv_heads, head_dim]`` holding every request's
+prompt one after another, each starting at a multiple of ``block_tokens`` (so that a cached block
+is one ``block_tokens``-row slot: all DRAM blocks of a layer are scattered into place with one
+``index_copy_``, and the HBM pages, which hold blocks in this same layout, are gathered with one
+``index_select`` per request). The cached rows are filled by the loader, the new rows by the
+model's cache ``update``; attention reads them in place. Index kernels run on 8-byte views of the
+bytes (:func:`engine.kvlayout.wide`).
+
+Attention backends (``attention=``):
+
+- ``"varlen"`` (CUDA): one FlashAttention-2 variable-length call per layer for the whole batch
+  (``aten._flash_attention_forward`` with ``cu_seqlens`` and ``seqused_k``; causal masks align
+  bottom-right per request, which is what a cached prefix needs).
+- ``"loop"``: one SDPA call per request with a lower-right causal bias (flash on CUDA, an exact
+  masked SDPA on the CPU). The reference; the CPU tests run it.
+
+Loads overlap compute as in :class:`engine.hf.CachedLM`: on CUDA a side stream copies the DRAM
+blocks of *all* requests layer group by layer group (one 2-D DMA per run of equally spaced
+blocks and group), scatters each layer into the rows, gathers the HBM-resident blocks of that
+layer from the page pool (device to device, no host transfer), promotes the DRAM blocks into HBM
+pages, and records one event per layer; the model's layer i waits on the device for event i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface, DynamicCache
+
+from engine.client import EngineCache
+from engine.gpu import ArenaBlocks, HostBlocks
+from engine.hbm_cache import HbmCache, Reservation
+from engine.hf import _cache_kw
+from engine.kvlayout import KVShape, block_rows, layer_rows, pack_rows, shape_of, wide
+from kvstore.keys import BlockHash
+
+_ATTN = "kvstore_batched"
+
+
+@dataclass(slots=True)
+class _Layout:
+    """Where each request of a batch lives: its new tokens in the packed query, its prompt in
+    the KV rows."""
+
+    q_starts: list[int]
+    k_starts: list[int]
+    k_lens: list[int]
+    varlen: bool
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+    used_k: torch.Tensor | None = None
+    max_q: int = 0
+    max_k: int = 0
+
+
+_BATCH: ContextVar[_Layout | None] = ContextVar("kvstore_batch", default=None)
+
+
+def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+               scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: ``query`` ``[1, Hq, S, D]`` (packed new tokens), ``key``
+    and ``value`` the KV rows as ``[1, Hkv, rows, D]`` views; returns ``[1, S, Hq, D]``."""
+    lay = _BATCH.get()
+    if lay is None:
+        raise RuntimeError(f"attention implementation {_ATTN!r} runs only inside BatchedLM.prefill")
+    if lay.varlen:
+        q = query[0].transpose(0, 1)  # [S, Hq, D]
+        out = torch.ops.aten._flash_attention_forward(
+            q, key[0].transpose(0, 1), value[0].transpose(0, 1), lay.cu_q, lay.cu_k, lay.max_q, lay.max_k,
+            0.0, True, False, scale=scaling, seqused_k=lay.used_k,
+        )[0]
+        return out.unsqueeze(0), None
+    s_total, hq, d = query.shape[2], query.shape[1], query.shape[3]
+    out = query.new_empty((1, s_total, hq, d))
+    gqa = hq != key.shape[1]
+    for i, k0 in enumerate(lay.k_starts):
+        q0, q1 = lay.q_starts[i], lay.q_starts[i + 1]
+        n = lay.k_lens[i]
+        qi = query[:, :, q0:q1]
+        ki, vi = key[:, :, k0 : k0 + n], value[:, :, k0 : k0 + n]
+        oi = torch.nn.functional.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=causal_lower_right(q1 - q0, n), scale=scaling, enable_gqa=gqa
+        )
+        out[0, q0:q1] = oi[0].transpose(0, 1)
+    return out, None
+
+
+AttentionInterface.register(_ATTN, _attention)
+
+
+class _RowsCache(DynamicCache):
+    """The model's cache for one batch: ``update`` writes the new K/V into the rows (after the
+    layer's load event) and hands back the whole rows of that layer."""
+
+    def __init__(self, config: Any, kv: torch.Tensor, new_rows: torch.Tensor, events: list[Any]) -> None:
+        super().__init__(config=config)
+        self._kv = kv  # [layers, 2, rows, H, D]
+        self._new = new_rows
+        self._events = events
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        ev = self._events[layer_idx]
+        if ev is not None:
+            torch.cuda.current_stream(key_states.device).wait_event(ev)
+        k, v = self._kv[layer_idx, 0], self._kv[layer_idx, 1]
+        wide(k).index_copy_(0, self._new, wide(key_states[0].transpose(0, 1)))
+        wide(v).index_copy_(0, self._new, wide(value_states[0].transpose(0, 1)))
+        return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    logits: torch.Tensor
+    """Next-token logits after the prompt, float32, ``[vocab]``."""
+    hit_tokens: int
+    hbm_tokens: int
+    """Of the hit tokens, those served from HBM (no host transfer)."""
+    computed_tokens: int
+
+
+@dataclass(slots=True, eq=False)
+class _Plan:
+    ids: torch.Tensor
+    hashes: list[BlockHash] = field(default_factory=list)
+    n_hbm: int = 0
+    hbm_keys: list[BlockHash] = field(default_factory=list)
+    hbm_slots: torch.Tensor | None = None
+    dram: ArenaBlocks | HostBlocks | None = None
+    n_dram: int = 0
+    """Blocks loaded from the store, after the HBM-resident ones."""
+    promote: Reservation | None = None
+
+    @property
+    def hit_blocks(self) -> int:
+        return self.n_hbm + self.n_dram
+
+
+def batches(requests: Sequence[tuple[int, int]], max_tokens: int, max_rows: int, block_tokens: int = 64) -> list[list[int]]:
+    """Greedy FIFO batching of ``(computed tokens, prompt tokens)`` requests: consecutive
+    requests (by index) while the batch's computed tokens stay within ``max_tokens`` and its KV
+    rows (prompts rounded up to blocks) within ``max_rows``; a request over a limit runs alone."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    tok = rows = 0
+    for i, (c, n) in enumerate(requests):
+        p = -(-n // block_tokens) * block_tokens
+        if cur and (tok + c > max_tokens or rows + p > max_rows):
+            out.append(cur)
+            cur, tok, rows = [], 0, 0
+        cur.append(i)
+        tok += c
+        rows += p
+    if cur:
+        out.append(cur)
+    return out
+
+
+class BatchedLM:
+    """A causal LM that prefills many prompts per forward pass, skipping their cached prefixes."""
+
+    def __init__(self, model: Any, cache: EngineCache | None, *, hbm: HbmCache | None = None,
+                 layer_groups: int = 16, attention: str = "auto", block_tokens: int = 64) -> None:
+        self.model = model.eval()
+        self.cache = cache
+        self.hbm = hbm
+        if hbm is not None and cache is None:
+            raise ValueError("an HbmCache needs the EngineCache it writes through to")
+        self.device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.shape: KVShape = cache.shape if cache is not None else shape_of(model.config, dtype, block_tokens)
+        if attention == "auto":
+            attention = "varlen" if self.device.type == "cuda" else "loop"
+        if attention not in ("varlen", "loop"):
+            raise ValueError(f"attention must be 'auto', 'varlen' or 'loop', not {attention!r}")
+        if attention == "varlen" and self.device.type != "cuda":
+            raise ValueError("attention='varlen' needs a CUDA model (FlashAttention-2); use 'loop' on the CPU")
+        self.attention = attention
+        self.layer_groups = max(1, layer_groups)
+        self._kw = _cache_kw(model)
+        self._base = model.base_model
+        self._head = model.get_output_embeddings()
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._rows_buf = torch.empty(0, dtype=self.shape.dtype, device=self.device)
+        self._staging_buf = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    # ---- the batch --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[Any], *, use_cache: bool = True, store: bool = True) -> list[BatchResult]:
+        """One forward pass over all ``prompts``; results in order. Each equals running the
+        prompt alone (:class:`engine.hf.CachedLM`) up to float rounding."""
+        ids = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+        if not ids:
+            return []
+        if any(x.numel() == 0 for x in ids):
+            raise ValueError("a prompt is empty")
+        plans = [self._plan(x, use_cache) for x in ids]
+        try:
+            return self._run(plans, store)
+        finally:
+            # _run synchronised the compute stream, which waited for every load: the copies out of
+            # the arena and the pages are done.
+            for p in plans:
+                if p.dram is not None:
+                    p.dram.release()
+                if self.hbm is not None:
+                    self.hbm.release(p.hbm_keys)
+                    if p.promote is not None:
+                        self.hbm.release(p.promote.keys)
+
+    def _plan(self, ids: torch.Tensor, use_cache: bool) -> _Plan:
+        p = _Plan(ids)
+        if self.cache is None or not use_cache:
+            return p
+        p.hashes = self.cache.hashes(ids)
+        limit = min(len(p.hashes), (ids.numel() - 1) // self.shape.block_tokens)
+        if self.hbm is not None:
+            p.n_hbm = self.hbm.match(p.hashes, limit)
+            if p.n_hbm:
+                p.hbm_keys = list(p.hashes[: p.n_hbm])
+                p.hbm_slots = self.hbm.acquire(p.hbm_keys)
+        if p.n_hbm < limit:
+            loaded = self.cache.load(p.hashes, limit)
+            if loaded.num_blocks > p.n_hbm:
+                p.dram, p.n_dram = loaded, loaded.num_blocks - p.n_hbm
+                if self.hbm is not None:
+                    p.promote = self.hbm.reserve(p.hashes, p.n_hbm, p.n_dram, promoted=True)
+            else:
+                loaded.release()
+        return p
+
+    def _run(self, plans: list[_Plan], store: bool) -> list[BatchResult]:
+        dev, bt = self.device, self.shape.block_tokens
+        q_starts, k_starts, k_lens = [0], [], []
+        rows = 0
+        for p in plans:
+            n = p.ids.numel()
+            k_starts.append(rows)
+            k_lens.append(n)
+            q_starts.append(q_starts[-1] + n - p.hit_blocks * bt)
+            rows += -(-n // bt) * bt
+        kv = self._rows(rows)
+        events = self._load(plans, kv, k_starts)
+        hits = [p.hit_blocks * bt for p in plans]
+        new_rows = torch.cat([torch.arange(k + h, k + n) for k, h, n in zip(k_starts, hits, k_lens, strict=True)])
+        positions = torch.cat([torch.arange(h, n) for h, n in zip(hits, k_lens, strict=True)])
+        tokens = torch.cat([p.ids[h:] for p, h in zip(plans, hits, strict=True)])
+        lay = _Layout(q_starts, k_starts, k_lens, self.attention == "varlen")
+        if lay.varlen:
+            lay.cu_q = torch.tensor(q_starts, dtype=torch.int32).to(dev, non_blocking=True)
+            lay.cu_k = torch.tensor([*k_starts, rows], dtype=torch.int32).to(dev, non_blocking=True)
+            lay.used_k = torch.tensor(k_lens, dtype=torch.int32).to(dev, non_blocking=True)
+            lay.max_q = max(b - a for a, b in zip(q_starts, q_starts[1:], strict=False))
+            lay.max_k = max(k_lens)
+        kv_cache = _RowsCache(self.model.config, kv, new_rows.to(dev, non_blocking=True), events)
+        with self._batched(lay):
+            out = self._base(
+                input_ids=tokens.unsqueeze(0).to(dev, non_blocking=True),
+                position_ids=positions.unsqueeze(0).to(dev, non_blocking=True),
+                use_cache=True, **{self._kw: kv_cache},
+            )
+        last = torch.tensor(q_starts[1:], dtype=torch.long) - 1
+        logits = self._head(out.last_hidden_state[0].index_select(0, last.to(dev, non_blocking=True))).float()
+        if store and self.cache is not None:
+            self._store_new(plans, kv, k_starts)
+        if dev.type == "cuda":
+            # The compute stream only: it waited for every layer's load, so the leases and pages
+            # are free to go; the stores' device-to-host copies carry on on their own stream.
+            torch.cuda.current_stream(dev).synchronize()
+        return [
+            BatchResult(logits[i], h, p.n_hbm * bt, n - h)
+            for i, (p, h, n) in enumerate(zip(plans, hits, k_lens, strict=True))
+        ]
+
+    @contextmanager
+    def _batched(self, lay: _Layout) -> Iterator[None]:
+        cfg = self.model.config
+        prev = cfg._attn_implementation
+        token = _BATCH.set(lay)
+        cfg._attn_implementation = _ATTN
+        try:
+            yield
+        finally:
+            cfg._attn_implementation = prev
+            _BATCH.reset(token)
+
+    # ---- loads ------------------------------------------------------------------------------
+
+    def _rows(self, rows: int) -> torch.Tensor:
+        """``[layers, 2, rows, H, D]`` KV rows, reused across batches (grown when short)."""
+        s = self.shape
+        need = s.num_layers * 2 * rows * s.kv_heads * s.head_dim
+        if self._rows_buf.numel() < need:
+            self._rows_buf = torch.empty(0, dtype=s.dtype, device=self.device)  # free before growing
+            self._rows_buf = torch.empty(need, dtype=s.dtype, device=self.device)
+        return self._rows_buf[:need].view(s.num_layers, 2, rows, s.kv_heads, s.head_dim)
+
+    def _staging(self, n: int, width: int) -> torch.Tensor:
+        if self._staging_buf.numel() < n * width:
+            self._staging_buf = torch.empty(0, dtype=torch.uint8, device=self.device)
+            self._staging_buf = torch.empty(n * width, dtype=torch.uint8, device=self.device)
+        return self._staging_buf[: n * width].view(n, width)
+
+    def _load(self, plans: list[_Plan], kv: torch.Tensor, k_starts: list[int]) -> list[Any]:
+        """Fill the cached rows of every request; returns one event per layer (None on the CPU:
+        the rows are filled when this returns)."""
+        shape, dev = self.shape, self.device
+        bt, n_layers, lb = shape.block_tokens, shape.num_layers, shape.layer_bytes
+        events: list[Any] = [None] * n_layers
+        dram = [p for p in plans if p.n_dram]
+        hbm = [p for p in plans if p.n_hbm]
+        if not dram and not hbm:
+            return events
+
+        starts = {id(p): k // bt for p, k in zip(plans, k_starts, strict=True)}
+        # HBM hits: per request its pages and the row blocks they fill (a contiguous run).
+        hbm_runs = [(p.hbm_slots, starts[id(p)], p.n_hbm) for p in hbm if p.hbm_slots is not None]
+        dram_dst = torch.cat([torch.arange(starts[id(p)] + p.n_hbm, starts[id(p)] + p.hit_blocks) for p in dram]).to(
+            dev, non_blocking=True) if dram else None
+        promo_slots, promo_dst = self._promotions(dram, starts)
+        n_dram = sum(p.n_dram for p in dram)
+        per_group = -(-n_layers // self.layer_groups)
+        staging = self._staging(n_dram, per_group * lb) if dram else None
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            for t in (dram_dst, promo_slots, promo_dst):
+                if t is not None:  # made on the compute stream, read on this one: not reused early
+                    t.record_stream(stream)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for g0 in range(0, n_layers, per_group):
+                g1 = min(n_layers, g0 + per_group)
+                if staging is not None:
+                    r = 0
+                    for p in dram:
+                        assert p.dram is not None
+                        p.dram.copy_into(staging[r : r + p.n_dram, : (g1 - g0) * lb], g0 * lb, g1 * lb, first=p.n_hbm)
+                        r += p.n_dram
+                for layer in range(g0, g1):
+                    for j in (0, 1):
+                        self._fill_layer(kv, layer, j, g0, staging, dram_dst, hbm_runs, promo_slots, promo_dst)
+                    if stream is not None:
+                        ev = torch.cuda.Event()
+                        ev.record(stream)
+                        events[layer] = ev
+        return events
+
+    def _fill_layer(self, kv: torch.Tensor, layer: int, j: int, g0: int, staging: torch.Tensor | None,
+                    dram_dst: torch.Tensor | None, hbm_runs: list[tuple[torch.Tensor, int, int]],
+                    promo_slots: torch.Tensor | None, promo_dst: torch.Tensor | None) -> None:
+        """K (j=0) or V of one layer: DRAM blocks scattered from the staging (the store's layout
+        transposed to token-major rows), then promoted from those rows into their pages; HBM
+        blocks gathered from their pages (already token-major) straight into the rows."""
+        shape = self.shape
+        rows = kv[layer, j]
+        if staging is not None and dram_dst is not None:
+            src = layer_rows(staging, shape, layer - g0)[j]
+            wide(rows.view(-1, shape.block_tokens, shape.kv_heads, shape.head_dim)).index_copy_(0, dram_dst, wide(src))
+        if self.hbm is None:
+            return
+        pages, blocks = self.hbm.part(layer, j), block_rows(rows, shape)
+        if promo_slots is not None and promo_dst is not None:
+            pages.index_copy_(0, promo_slots, blocks.index_select(0, promo_dst))
+        for slots, b0, n in hbm_runs:
+            torch.index_select(pages, 0, slots, out=blocks[b0 : b0 + n])
+
+    def _promotions(self, dram: list[_Plan], starts: dict[int, int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Pages of the DRAM blocks being promoted, and the row blocks they are copied from."""
+        slots, dst = [], []
+        for p in dram:
+            if p.promote is not None:
+                k = len(p.promote.keys)
+                slots.append(p.promote.slots)
+                lo = starts[id(p)] + p.n_hbm
+                dst.append(torch.arange(lo, lo + k))
+        if not slots:
+            return None, None
+        return torch.cat(slots), torch.cat(dst).to(self.device, non_blocking=True)
+
+    # ---- stores -----------------------------------------------------------------------------
+
+    def _store_new(self, plans: list[_Plan], kv: torch.Tensor, k_starts: list[int]) -> None:
+        """The new full blocks of every request: packed once for the batch, admitted into HBM
+        (device to device) and stored in the background."""
+        assert self.cache is not None
+        bt = self.shape.block_tokens
+        spans = []
+        for i, p in enumerate(plans):
+            full = len(p.hashes)
+            if full > p.hit_blocks:
+                spans.append((i, p.hit_blocks, full))
+        if not spans:
+            return
+        idx = torch.cat([torch.arange(k_starts[i] // bt + a, k_starts[i] // bt + b) for i, a, b in spans])
+        packed = pack_rows(list(kv[:, 0]), list(kv[:, 1]), self.shape, idx.to(self.device, non_blocking=True))
+        r = 0
+        slots, src = [], []
+        for i, a, b in spans:
+            p = plans[i]
+            blocks = packed[r : r + b - a]
+            r += b - a
+            if self.hbm is not None:
+                res = self.hbm.reserve(p.hashes, a, b - a, promoted=False)
+                if res is not None:
+                    slots.append(res.slots)
+                    src.append(torch.arange(k_starts[i] // bt + a, k_starts[i] // bt + a + len(res.keys)))
+                    self.hbm.release(res.keys)  # filled below, on this stream, before any read
+            self.cache.store_async(p.hashes, blocks, a)
+        if self.hbm is not None and slots:
+            dst, rows = torch.cat(slots), torch.cat(src).to(self.device, non_blocking=True)
+            for layer in range(self.shape.num_layers):
+                for j in (0, 1):
+                    self.hbm.part(layer, j).index_copy_(0, dst, block_rows(kv[layer, j], self.shape).index_select(0, rows))

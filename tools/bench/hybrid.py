@@ -1,0 +1,255 @@
+"""hybrid: sliding-window and hybrid models stored as full part + checkpoint windows.
+
+Three parts, each with its baseline from the same run (``docs/hybrid.md``):
+
+- **bytes**: payload bytes stored per cached token for one 32K-token chain, against storing
+  every layer of every block, for the layer plans of gpt-oss (half SWA, W = 128), Gemma-2
+  (half SWA, W = 4096), Gemma-3 (5 of 6 SWA, W = 1024), Mistral-7B-v0.1 (all SWA,
+  W = 4096) and Qwen3-Next (3 of 4 layers gated delta-net linear attention, a fixed-size state;
+  its baseline stores that state at every block), at several checkpoint intervals C. Exact from the layouts, and checked by a real
+  store run: the chain put through a :class:`KVStore` over a null tier (bookkeeping only, the
+  same layouts with 1 KV head x 8 dims so the payloads stay small), bytes read back from
+  ``namespace_usage``. Goal: <= 0.55x for a half-SWA model at W << context.
+- **replay**: replayed tokens per hit through the engine (a small random Gemma-3 on the CPU)
+  for hits ending at random places in a stored chain, against the bound (C - 1) x block tokens;
+  the logits of every hit are compared with the store-everything engine's.
+- **ttft** (CUDA only, or a CPU smoke run with ``--quick``): time to first token with a 32K
+  prefix cached, a Gemma-3-architecture model of Llama-3-8B size with every other layer sliding
+  (W = 128), bf16: the hybrid engine (hit on a checkpoint; hit between checkpoints) against the
+  store-everything engine on the same prompts, and against full prefill. Goal: within 10% of
+  store-everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.hybrid import HybridLM, namespace_of, window_bytes_per_token
+from kvstore.config import StoreConfig, TierSpec
+from kvstore.hybrid import CheckpointPolicy, HybridNamespaces
+from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
+from kvstore.store import KVStore
+from tools.bench._common import best_of, result
+
+CONTEXT = 32_768
+BT = 64
+
+# Layer plans of public models (bf16, 64-token blocks): (full layers, sliding layers, window,
+# kv heads, head dim, recurrent layers, state elements per recurrent layer).
+PLANS: dict[str, tuple[int, int, int, int, int, int, int]] = {
+    "gpt-oss-120b": (18, 18, 128, 8, 64, 0, 0),
+    "gemma-2-27b": (23, 23, 4096, 16, 128, 0, 0),
+    "gemma-3-27b": (10, 52, 1024, 16, 128, 0, 0),
+    "mistral-7b-v0.1": (0, 32, 4096, 8, 128, 0, 0),
+    # Gated delta net: conv state 8192 channels x kernel 4, recurrent state 32 heads x 128 x 128.
+    "qwen3-next-80b": (12, 0, 0, 2, 256, 36, 8192 * 4 + 32 * 128 * 128),
+}
+INTERVALS = (16, 32, 64, 0)  # blocks between periodic checkpoints; 0: only the end of the prompt
+
+
+def _ns(name: str, scale: int = 1) -> Namespace:
+    """``scale`` > 1: the same plan with 1 KV head x 8 dims and the state / scale (small payloads)."""
+    full, sliding, w, h, d, rec, state = PLANS[name]
+    if scale > 1:
+        h, d, state = 1, 8, max(1, state // scale)
+    groups = []
+    if full:
+        groups.append(LayerGroup("full", full, h, d))
+    if sliding:
+        groups.append(LayerGroup("sliding", sliding, h, d, window=w))
+    if rec:
+        groups.append(LayerGroup("recurrent", rec, latent_dim=state))
+    return Namespace(f"bench/{name}", KVLayout("bfloat16", BT, tuple(groups)))
+
+
+def _policy(c: int) -> CheckpointPolicy:
+    return CheckpointPolicy(every_blocks=c or 1 << 30)
+
+
+def _store_run(ns: Namespace, context: int, policy: CheckpointPolicy) -> tuple[int, int]:
+    """(hybrid bytes, store-everything bytes) that a real store holds after one chain."""
+    hyb = HybridNamespaces.of(ns)
+    n = context // ns.block_tokens
+    with tempfile.TemporaryDirectory() as d:
+        tiers = (TierSpec("null", "null", {"capacity_bytes": 1 << 40}),)
+        store = KVStore(StoreConfig(root=Path(d), tiers=tiers, persist_on_close=False))
+        try:
+            store.register_namespace(ns)
+            hyb.register(store)
+            tokens = np.random.default_rng(0).integers(0, 50_000, n * ns.block_tokens)
+            every = ns.block_bytes
+            store.put(ns, hash_blocks(ns, tokens), [memoryview(bytearray(every))] * n)
+            hashes = hyb.hashes(tokens)
+            if hyb.full is not None:
+                store.put(hyb.full, hashes, [memoryview(bytearray(hyb.full.block_bytes))] * n)
+            ckpts = policy.new_checkpoints(0, n - 1)
+            if hyb.window is not None:
+                wbuf = memoryview(bytearray(hyb.window.block_bytes))
+                for j in sorted({j for i in ckpts for j in hyb.checkpoint_blocks(i)}):
+                    chain = hyb.window_chain(hashes, j)
+                    store.put(hyb.window, chain, [wbuf], start=len(chain) - 1)
+            if hyb.state is not None:
+                sbuf = memoryview(bytearray(hyb.state.block_bytes))
+                for i in ckpts:
+                    chain = hyb.state_chain(hashes, i)
+                    store.put(hyb.state, chain, [sbuf], start=len(chain) - 1)
+            usage = store.namespace_usage()
+            hybrid = sum(usage.get(p.root, (0, 0))[1] for p in hyb.parts())
+            return hybrid, usage[ns.root][1]
+        finally:
+            store.close()
+
+
+def bytes_rows(quick: bool) -> Iterator[dict[str, Any]]:
+    context = 8192 if quick else CONTEXT
+    for name in PLANS:
+        ns = _ns(name)
+        small = _ns(name, scale=64)
+        for c in INTERVALS:
+            policy = _policy(c)
+            exact = window_bytes_per_token(ns, context, policy)
+            hybrid, everything = _store_run(small, context, policy)
+            yield result(
+                "hybrid", f"bytes_per_token_{name}_C{c or 'end'}", exact["hybrid_bytes_per_token"], "B",
+                exact["everything_bytes_per_token"], context=context, window=PLANS[name][2] or None,
+                checkpoints=int(exact["checkpoints"]), window_pieces=int(exact["window_pieces"]), every_blocks=c, store_run_ratio=round(hybrid / everything, 4),
+                replay_bound_tokens=(c - 1) * BT if c else None,
+                goal_ratio=0.55 if PLANS[name][0] == PLANS[name][1] else None,
+            )
+
+
+def _tiny_gemma3(window: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, sliding_window=window,
+        sliding_window_pattern=2,
+    )
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def _dram_store(root: str, capacity: int) -> KVStore:
+    tiers = (TierSpec("dram", "dram", {"capacity_bytes": capacity, "slab_bytes": 64 << 20}),)
+    return KVStore(StoreConfig(root=Path(root), tiers=tiers, persist_on_close=False))
+
+
+def replay_rows(quick: bool) -> Iterator[dict[str, Any]]:
+    bt, c, w = 16, 8, 48
+    model = _tiny_gemma3(w)
+    g = torch.Generator().manual_seed(1)
+    stored = torch.randint(0, 256, (1024,), generator=g)
+    hits = 8 if quick else 40
+    with tempfile.TemporaryDirectory() as d:
+        store = _dram_store(d, 256 << 20)
+        try:
+            lm = HybridLM(model, store, namespace_of(model, "bench/tiny-gemma3", bt), policy=CheckpointPolicy(every_blocks=c))
+            every = HybridLM(model, store, namespace_of(model, "bench/tiny-gemma3-all", bt), everything=True)
+            lm.prefill(stored)
+            every.prefill(stored)
+            replayed, hit, worst_err = [], [], 0.0
+            rng = np.random.default_rng(2)
+            for _ in range(hits):
+                cut = int(rng.integers(bt * 2, stored.numel()))
+                prompt = torch.cat([stored[:cut], torch.randint(0, 256, (bt,), generator=g)])
+                a = lm.prefill(prompt, store=False)
+                b = every.prefill(prompt, store=False)
+                replayed.append(a.replayed_tokens)
+                hit.append(a.hit_tokens)
+                worst_err = max(worst_err, float((a.logits - b.logits).abs().max() / b.logits.abs().max()))
+        finally:
+            store.close()
+    yield result(
+        "hybrid", "replayed_tokens_per_hit", float(np.mean(replayed)), "tokens", float((c - 1) * bt),
+        max_replayed=int(max(replayed)), mean_hit_tokens=float(np.mean(hit)), hits=hits, every_blocks=c,
+        block_tokens=bt, window=w, logits_rel_err_vs_everything=float(f"{worst_err:.2e}"),
+        note="baseline = the bound (C-1) x block_tokens",
+    )
+
+
+def _gpu_model(quick: bool) -> Any:
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4 if quick else 32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        sliding_window=128, sliding_window_pattern=2, attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.Gemma3ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not quick:
+        print("hybrid ttft: skipped, needs a CUDA device (--quick runs a CPU smoke test)", flush=True)
+        return
+    suffix = 512
+    if on_gpu:
+        model, prefix_len, repeat = _gpu_model(quick), (4096 if quick else CONTEXT), 3
+    else:
+        model, prefix_len, repeat, suffix = _tiny_gemma3(128), 2048, 1, 64
+    intervals = (16,) if quick else (16, 32)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (prefix_len,), generator=g)
+    tail = torch.randint(0, vocab, (suffix,), generator=g)
+    ns = namespace_of(model, "bench/gemma3-8b-shape" + ("-quick" if quick else ""), BT)
+    n_blocks = prefix_len // BT
+    cap = (n_blocks + 8) * ns.block_bytes * (1 + len(intervals))  # every layer, and each split
+    with tempfile.TemporaryDirectory() as d:
+        store = _dram_store(d, -(-cap // (64 << 20)) * (64 << 20) + (128 << 20))
+        try:
+            every = HybridLM(model, store, replace(ns, model_id=ns.model_id + "-all"), everything=True)
+            plain = HybridLM(model, None, ns)
+            every.prefill(prefix)
+            plain.prefill(prefix[:1024], use_cache=False, store=False)  # kernels warm
+            full_t = best_of(lambda: plain.prefill(torch.cat([prefix, tail]), use_cache=False, store=False), repeat)
+            for c in intervals:
+                lm = HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}"), policy=CheckpointPolicy(every_blocks=c))
+                lm.prefill(prefix)
+                # A hit on a checkpoint (the stored prompt's end), and hits that leave the chain
+                # r blocks after a periodic checkpoint, so that r blocks replay (at most C - 1).
+                prompts = {0: torch.cat([prefix, tail])}
+                for r in (c // 4, c // 2, c - 1):
+                    prompts[r] = torch.cat([prefix[: prefix_len - (c - r) * BT], tail])
+                for r, prompt in prompts.items():
+                    a = lm.prefill(prompt, store=False)
+                    b = every.prefill(prompt, store=False)
+                    assert a.replayed_tokens == r * BT, (r, a.replayed_tokens)
+                    t_h = min(lm.prefill(prompt, store=False).seconds for _ in range(repeat))
+                    t_e = min(every.prefill(prompt, store=False).seconds for _ in range(repeat))
+                    rel = float((a.logits - b.logits).abs().max() / b.logits.abs().max())
+                    case = "on_checkpoint" if r == 0 else f"replay_{r}_blocks"
+                    yield result(
+                        "hybrid", f"ttft_{prefix_len}_C{c}_{case}_{suffix}_new", t_h * 1e3, "ms", t_e * 1e3,
+                        baseline_is="store-everything", goal_ratio=1.1, full_prefill_ms=round(full_t * 1e3, 2),
+                        speedup_vs_full=round(full_t / t_h, 2), every_blocks=c, replayed_tokens=a.replayed_tokens,
+                        hit_tokens=a.hit_tokens, loaded_bytes=a.loaded_bytes, everything_loaded_bytes=b.loaded_bytes,
+                        same_next_token=bool(a.logits.argmax() == b.logits.argmax()), logits_rel_err=round(rel, 4),
+                        device=torch.cuda.get_device_name() if on_gpu else "cpu (smoke)",
+                    )
+        finally:
+            store.close()
+
+
+def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    yield from bytes_rows(args.quick)
+    yield from replay_rows(args.quick)
+    yield from ttft_rows(args.quick)

@@ -1,0 +1,357 @@
+"""throughput: prefill tokens/s counting hits, a batching engine with and without the store.
+
+A stream of multi-turn conversations (shared system prompts, histories of 4K-32K tokens) at a
+target token hit rate h: every turn's prompt is the conversation's history (cached) plus new
+tokens making up a fraction 1-h of the prompt (rounded to whole blocks, so the next turn finds
+the whole prompt cached). Requests go through :class:`engine.batch.BatchedLM` in batches of at
+most ``--max-batch-tokens`` computed tokens (and a KV-row budget), one forward pass each.
+
+Figures (tokens/s counting hits: prompt tokens served per second), each against (a) the same
+batching engine without the store (every prompt computed in full), measured in the same run:
+
+- (b) ``dram``: hits loaded from the store's DRAM arena (leases, layer-wise 2-D DMAs
+  overlapped with compute, new blocks stored in the background);
+- (c) ``hbm``: the same with an :class:`engine.hbm_cache.HbmCache` in front (hot blocks
+  gathered from device memory; DRAM hits promoted, computed blocks admitted);
+- (d) ``ideal``: the HBM-resident ideal, the same batches with each prompt's cached prefix
+  already in the KV rows (no lookup, load or store): the compute-only bound.
+
+The first round of each engine is a warm-up (kernels; the HBM cache fills by promotion); the
+rest are timed. The wait for the last background stores after each round is reported
+(``store_wait_s``) but not timed: in a server a conversation's next turn comes after decode.
+
+Llama-3-8B shape with random bf16 weights on the GPU. ``--smoke``: a tiny float32 model on the
+CPU with short prompts, to check the plumbing (figures meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.batch import BatchedLM, BatchResult, _Plan, batches
+from engine.client import EngineCache
+from engine.gpu import arena_tensor, release_arenas
+from engine.hbm_cache import HbmCache
+from engine.hf import CachedLM
+from engine.kvlayout import KVShape, shape_of
+from kvstore.config import StoreConfig, TierSpec
+from kvstore.store import KVStore
+from tools.bench._common import result
+from tools.bench._gpu import SLAB, llama_8b, need_cuda
+
+HIT_RATES = (0.5, 0.8, 0.96, 0.99)
+GOALS = {"hbm": 20.0, "dram": 15.0}
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    conversations: int
+    rounds: int
+    min_len: int
+    max_len: int
+    system_prompts: int
+    system_len: int
+    block_tokens: int
+    max_batch_tokens: int
+    max_rows: int
+    max_kv_bytes: int
+    """Distinct KV of the stream at most (fewer conversations at low hit rates, whose histories
+    grow faster): what the DRAM arena and the HBM budget must hold."""
+
+
+H200 = Workload(16, 3, 4096, 32768, 4, 2048, 64, 65536, 262_144, 32 << 30)
+QUICK = Workload(8, 3, 4096, 16384, 2, 2048, 64, 65536, 262_144, 8 << 30)
+SMOKE = Workload(4, 3, 64, 256, 2, 32, 16, 512, 4096, 1 << 30)
+
+
+def conversations(w: Workload, h: float, vocab: int, seed: int = 0) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Initial histories (cached before the stream) and each round's prompts, per conversation.
+
+    History lengths start log-uniform in ``[min_len, max_len * h**rounds]`` (at least
+    ``min_len``) so that the last round stays near ``max_len``; each turn adds
+    ``(1-h)/h`` of the history in whole blocks (at least one block)."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    bt = w.block_tokens
+    systems = [torch.randint(0, vocab, (w.system_len,), generator=g) for _ in range(w.system_prompts)]
+    top = max(w.min_len, w.max_len * h**w.rounds)
+    histories, turns = [], []
+    for c in range(w.conversations):
+        n0 = int(math.exp(rng.uniform(math.log(w.min_len), math.log(top)))) // bt * bt
+        own = torch.randint(0, vocab, (max(bt, n0 - w.system_len),), generator=g)
+        hist = torch.cat([systems[c % w.system_prompts], own])[: max(n0, bt)]
+        histories.append(hist)
+        conv = []
+        for _ in range(w.rounds):
+            new = max(1, round(hist.numel() * (1 - h) / h / bt)) * bt
+            hist = torch.cat([hist, torch.randint(0, vocab, (new,), generator=g)])
+            conv.append(hist)
+        turns.append(conv)
+    return histories, turns
+
+
+def flop_bound(config: Any, histories: list[torch.Tensor], turns: list[list[torch.Tensor]]) -> float:
+    """Compute of the timed rounds without the store over that with every cached prefix free:
+    the speedup at equal MFU. Hits are not free: each new token still attends to the whole
+    prefix (``4 * heads * head_dim`` FLOPs per layer and earlier token), so this is below
+    ``1/(1-h)`` for long prompts. Linear layers: 2 FLOPs per weight of a decoder layer."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * hd
+    per_token = 2 * cfg.num_hidden_layers * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
+    per_pair = 4 * q * cfg.num_hidden_layers
+    full = cached = 0.0
+    for conv in turns:
+        for r in range(1, len(conv)):
+            n, c = conv[r].numel(), conv[r - 1].numel()
+            full += n * per_token + per_pair * n * n / 2
+            cached += (n - c) * per_token + per_pair * (n * n - c * c) / 2
+    return full / cached if cached else 0.0
+
+
+def _populate(cache: EngineCache, histories: list[torch.Tensor], chunk: np.ndarray) -> int:
+    """Put every history's full blocks into the store (random KV bytes, 'earlier turns')."""
+    lease = cache.store.acquire(cache.ns, [])
+    arena_tensor(lease.arena)  # pins (and so faults in) the fresh arena once, before the copies
+    cache.store.release(lease)
+    per = chunk.shape[0] // cache.shape.block_bytes
+    n = 0
+    for hist in histories:
+        hashes = cache.hashes(hist)
+        for s in range(0, len(hashes), per):
+            e = min(len(hashes), s + per)
+            n += cache.store.put(cache.ns, hashes[:e], chunk[: (e - s) * cache.shape.block_bytes], start=s)
+    return n
+
+
+class _Resident(BatchedLM):
+    """The HBM-resident ideal: each prompt's cached prefix is taken to be in the KV rows already
+    (nothing looked up, loaded or stored; the rows hold whatever the last batch left)."""
+
+    hits: list[int]
+
+    def _plan(self, ids: torch.Tensor, use_cache: bool) -> _Plan:
+        p = _Plan(ids)
+        p.n_hbm = self.hits.pop(0)
+        return p
+
+    def _load(self, plans: list[_Plan], kv: torch.Tensor, k_starts: list[int]) -> list[Any]:
+        return [None] * self.shape.num_layers
+
+
+@dataclass(slots=True)
+class _Run:
+    tokens: int = 0
+    hit: int = 0
+    hbm: int = 0
+    seconds: float = 0.0
+    batches: int = 0
+    store_wait: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _sync(dev: torch.device) -> None:
+    """The compute stream (the stores' copies to the host are waited for by ``flush``)."""
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
+
+
+def _stream(lm: BatchedLM, turns: list[list[torch.Tensor]], histories: list[torch.Tensor], w: Workload,
+            kind: str, cache: EngineCache | None) -> _Run:
+    """Run every round; rounds after the first are timed. The first round only warms the store
+    engines (kernels, HBM promotion); the others skip it after one small warm-up batch."""
+    run = _Run()
+    prev = [h.numel() for h in histories]
+    for r in range(w.rounds):
+        if r == 0 and kind in ("none", "ideal"):
+            if isinstance(lm, _Resident):
+                lm.hits = [0]
+            lm.prefill([turns[0][0][: 4 * w.block_tokens]], store=False)
+            prev = [conv[0].numel() for conv in turns]
+            continue
+        prompts = [conv[r] for conv in turns]
+        cached = [0 if kind == "none" else p for p in prev]
+        reqs = [(p.numel() - c, p.numel()) for p, c in zip(prompts, cached, strict=True)]
+        plan = batches(reqs, w.max_batch_tokens, w.max_rows, w.block_tokens)
+        _sync(lm.device)
+        t0 = time.perf_counter()
+        out: list[BatchResult] = []
+        for idx in plan:
+            if isinstance(lm, _Resident):
+                lm.hits = [min(cached[i], prompts[i].numel() - 1) // w.block_tokens for i in idx]
+            out += lm.prefill([prompts[i] for i in idx], store=kind != "ideal")
+        _sync(lm.device)
+        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if cache is not None:
+            cache.flush()
+        wait = time.perf_counter() - t1
+        if r:
+            run.seconds += dt
+            run.store_wait += wait
+            run.tokens += sum(p.numel() for p in prompts)
+            run.hit += sum(x.hit_tokens for x in out)
+            run.hbm += sum(x.hbm_tokens for x in out)
+            run.batches += len(plan)
+        prev = [p.numel() for p in prompts]
+    return run
+
+
+def _store(root: Path, n_blocks: int, block_bytes: int) -> KVStore:
+    per_slab = SLAB // (-(-block_bytes // 4096) * 4096)
+    cap = (-(-int(n_blocks * 1.05) // per_slab) + 2) * SLAB
+    tiers = (TierSpec("dram", "dram", {"capacity_bytes": cap, "slab_bytes": SLAB}),)
+    return KVStore(StoreConfig(root=root, tiers=tiers, persist_on_close=False))
+
+
+def _model(smoke: bool, quick: bool) -> Any:
+    if not smoke:
+        return llama_8b(quick)
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).float().eval()
+
+
+def _blocks_of(turns: list[list[torch.Tensor]], histories: list[torch.Tensor], bt: int) -> int:
+    """Distinct blocks of the stream (every conversation's last prompt holds all of its own)."""
+    return sum(conv[-1].numel() // bt for conv in turns) + len(histories)
+
+
+def _check(lm: BatchedLM, model: Any, cache: EngineCache, prompts: list[torch.Tensor]) -> dict[str, Any]:
+    """The batch against each request alone (CachedLM, same store): same greedy token."""
+    alone = CachedLM(model, cache)
+    want = [alone.prefill(p, store=False) for p in prompts]
+    got = lm.prefill(prompts, store=False)
+    same = sum(int(a.logits.argmax() == b.logits.argmax()) for a, b in zip(want, got, strict=True))
+    err = max(float((a.logits - b.logits).abs().max() / a.logits.abs().max()) for a, b in zip(want, got, strict=True))
+    return {"checked_requests": len(prompts), "same_greedy_token": same, "logits_rel_err": round(err, 5),
+            "hit_tokens_alone": [a.hit_tokens for a in want], "hit_tokens_batched": [b.hit_tokens for b in got]}
+
+
+def measure(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    smoke = args.smoke
+    if not smoke and not need_cuda("throughput"):
+        return
+    w = SMOKE if smoke else QUICK if args.quick else H200
+    if args.conversations:
+        w = replace(w, conversations=args.conversations)
+    model = _model(smoke, args.quick)
+    dev = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    shape: KVShape = shape_of(model.config, dtype, w.block_tokens)
+    vocab = model.config.vocab_size
+    rates = tuple(args.hit) if args.hit else ((0.8,) if smoke else HIT_RATES)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    chunk_blocks = 8 if smoke else 64
+    chunk = torch.randn(chunk_blocks * shape.block_bytes // dtype.itemsize, dtype=dtype, device=dev, generator=gen)
+    chunk_np = chunk.view(torch.uint8).cpu().numpy()
+    del chunk
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        for h in [r for _ in range(args.repeat) for r in rates]:
+            wh = w
+            while True:
+                histories, turns = conversations(wh, h, vocab)
+                n_blocks = _blocks_of(turns, histories, w.block_tokens)
+                if n_blocks * shape.block_bytes <= w.max_kv_bytes or wh.conversations <= 2:
+                    break
+                wh = replace(wh, conversations=wh.conversations - 1)
+            runs: dict[str, _Run] = {}
+            extra: dict[str, Any] = {"conversations": wh.conversations, "kv_gib": round(n_blocks * shape.block_bytes / (1 << 30), 1),
+                                     "flop_bound": round(flop_bound(model.config, histories, turns), 2)}
+            for kind in ("none", "ideal", "dram", "hbm"):
+                runs[kind] = _engine_run(kind, h, args, model, shape, wh, histories, turns, n_blocks, chunk_np,
+                                         Path(d) / f"{kind}-{h}", extra, last=h == rates[-1], smoke=smoke)
+                shutil.rmtree(Path(d) / f"{kind}-{h}", ignore_errors=True)
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            yield from _rows(h, runs, extra, shape, smoke)
+
+
+def _engine_run(kind: str, h: float, args: argparse.Namespace, model: Any, shape: KVShape, w: Workload,
+                histories: list[torch.Tensor], turns: list[list[torch.Tensor]], n_blocks: int, chunk: np.ndarray,
+                root: Path, extra: dict[str, Any], *, last: bool, smoke: bool) -> _Run:
+    """One engine over the stream, with its own store (a fresh DRAM arena) when it has one."""
+    dev = next(model.parameters()).device
+    attention = "loop" if smoke else args.attention
+    if kind == "none":
+        return _stream(BatchedLM(model, None, attention=attention, block_tokens=w.block_tokens), turns, histories, w, kind, None)
+    if kind == "ideal":
+        run = _stream(_Resident(model, None, attention=attention, block_tokens=w.block_tokens), turns, histories, w, kind, None)
+        if not smoke and args.compare_attention:
+            alt = _Resident(model, None, attention="loop", block_tokens=w.block_tokens)
+            extra["ideal_loop_tokens_per_s"] = round(_stream(alt, turns, histories, w, kind, None).rate)
+        return run
+    store = _store(root, n_blocks, shape.block_bytes)
+    cache = EngineCache(store, shape.namespace(f"bench/throughput-{kind}-{h}"), shape, max_pending=1 << 16)
+    hbm = None
+    try:
+        t0 = time.perf_counter()
+        _populate(cache, histories, chunk)
+        extra[f"{kind}_populate_s"] = round(time.perf_counter() - t0, 2)
+        if kind == "hbm":
+            budget = int(args.hbm_gib * (1 << 30)) or int(n_blocks * 1.1 + 64) * shape.block_bytes
+            hbm = HbmCache(cache, budget, device=dev)
+            extra["hbm_budget_gib"] = round(hbm.budget_bytes / (1 << 30), 2)
+        lm = BatchedLM(model, cache, hbm=hbm, attention=attention, layer_groups=args.layer_groups, block_tokens=w.block_tokens)
+        run = _stream(lm, turns, histories, w, kind, cache)
+        if hbm is not None:
+            extra["hbm_counters"] = {k: getattr(hbm.counters, k) for k in hbm.counters.__slots__}
+        if kind == "dram" and last:
+            extra["check"] = _check(lm, model, cache, [conv[-1] for conv in turns[:2]])
+        return run
+    finally:
+        cache.close()
+        if hbm is not None:
+            hbm.close()
+        store.close()
+        release_arenas()
+
+
+def _rows(h: float, runs: dict[str, _Run], extra: dict[str, Any], shape: KVShape, smoke: bool) -> Iterator[dict[str, Any]]:
+    base = runs["none"]
+    tag = f"hit{round(h * 100)}"
+    common = {"target_hit": h, "bound_1_over_1_minus_h": round(1 / (1 - h), 1), "smoke": smoke}
+    for kind in ("dram", "hbm", "ideal"):
+        r = runs[kind]
+        row = result(
+            "throughput", f"{kind}_{tag}_tokens_per_s", r.rate, "tok/s", base.rate,
+            speedup=round(r.rate / base.rate, 2) if base.rate else 0.0,
+            measured_hit=round(r.hit / r.tokens, 4) if kind != "ideal" else None,
+            hbm_share_of_hits=round(r.hbm / r.hit, 4) if r.hit else 0.0,
+            tokens=r.tokens, seconds=round(r.seconds, 3), batches=r.batches,
+            store_wait_s=round(r.store_wait, 3), baseline_batches=base.batches,
+            hit_gb_per_s=round((r.hit - r.hbm) * shape.block_bytes / shape.block_tokens / r.seconds / 1e9, 2) if r.seconds else 0,
+            **common,
+        )
+        if kind in GOALS and h == 0.96:
+            row["goal_speedup"] = GOALS[kind]
+        yield row
+    ideal = runs["ideal"]
+    yield result("throughput", f"hbm_vs_ideal_{tag}", runs["hbm"].rate, "tok/s", ideal.rate,
+                 dram_vs_ideal=round(runs["dram"].rate / ideal.rate, 4) if ideal.rate else None,
+                 goal_ratio=0.9 if h == 0.96 else None, **common, **extra)
+
+
+def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    yield from measure(args)

@@ -1,0 +1,1 @@
+"""``python -m tools.configdoc``: docs/config.md, generated from the config dataclasses."""
