@@ -55,8 +55,10 @@ class StorePlan:
 
 
 def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes]) -> None:
-    """UsageError unless ``hashes`` can be one prefix chain of ``info``'s namespace: distinct
-    hashes, and each cached one under the previous hash of the chain, at its position."""
+    """UsageError unless ``hashes`` can be one prefix chain: distinct hashes, and each cached
+    one under the previous hash of the chain, at its position. (A chain may run through blocks
+    of another namespace: a hybrid model's window pieces hang under its full blocks,
+    ``kvstore/hybrid.py``; the daemon keys each tenant's namespaces apart.)"""
     if len(set(hashes)) != len(hashes):
         seen: dict[bytes, int] = {}
         for i, h in enumerate(hashes):
@@ -72,10 +74,10 @@ def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes]) -> Non
         bid = idx.id_of(h)
         if bid is None:
             return  # the rest is new to the index (a node's parent is always in it)
-        if int(idx.parent[bid]) != prev or int(idx.depth[bid]) != i or int(idx.ns[bid]) != info.nid:
+        if int(idx.parent[bid]) != prev or int(idx.depth[bid]) != i:
             raise UsageError(
                 f"block {i} of the chain ({bytes(h).hex()}) is cached at another place (another "
-                "parent, depth or namespace); send the chain's hashes as hash_blocks computes them"
+                "parent or depth); send the chain's hashes as hash_blocks computes them"
             )
         prev = bid
 
