@@ -80,6 +80,11 @@ class StoreConfig:
     """Eviction policy of every tier (eviction/; docs/eviction.md has the measurements)."""
     policy_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Options of the policy's own ``Config`` (e.g. ``{ghost_factor = 4}``); see eviction/."""
+    admission: str = "all"
+    """Which demoted blocks are written into the last tier (the paid object store): ``all`` or
+    ``reuse`` (eviction/admission.py; docs/eviction.md, "Tier economics")."""
+    admission_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Options of the admission rule's ``Config`` (e.g. ``{hit_loss_budget = 0.01}``)."""
     promote_on_hit: bool = True
     persist_on_close: bool = True
     """On a clean close, write blocks that live only in volatile tiers down to a persistent one."""
@@ -100,6 +105,7 @@ class StoreConfig:
         object.__setattr__(self, "root", Path(self.root))
         object.__setattr__(self, "tiers", tuple(self.tiers))
         object.__setattr__(self, "policy_options", MappingProxyType(dict(self.policy_options)))
+        object.__setattr__(self, "admission_options", MappingProxyType(dict(self.admission_options)))
         if not self.tiers:
             raise ConfigError("the store needs at least one tier; add a [[tiers]] table")
         if len(self.tiers) > MAX_TIERS:
@@ -124,6 +130,8 @@ _STORE_KEYS = {
     "default_ttl_s": ("default_ttl_s", None),
     "policy": ("policy", str),
     "policy_options": ("policy_options", dict),
+    "admission": ("admission", str),
+    "admission_options": ("admission_options", dict),
     "promote_on_hit": ("promote_on_hit", bool),
     "persist_on_close": ("persist_on_close", bool),
     "expire_work_cap": ("expire_work_cap", int),

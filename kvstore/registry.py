@@ -29,6 +29,10 @@ POLICIES: dict[str, str] = {
     "density": "eviction.density:DensityPolicy",
     "cost": "eviction.costaware:CostAwarePolicy",
 }
+ADMISSIONS: dict[str, str] = {
+    "all": "eviction.admission:Admission",  # write every demoted block
+    "reuse": "eviction.admission:ReuseAdmission",  # skip blocks unlikely to be read again
+}
 _INSTALL_HINTS = {
     "s3fs": "pip install 'kvstore[s3]'",
     "torch": "pip install torch (see README: CI pins torch==2.13.0)",
@@ -58,6 +62,23 @@ def _load(table: dict[str, str], name: str, what: str) -> Any:
         if hint:
             raise ConfigError(f"{what} {name!r} needs {e.name}: {hint}") from e
         raise
+
+
+def register_admission(name: str, target: str) -> None:
+    ADMISSIONS[name] = target
+
+
+def admission_class(name: str) -> Any:
+    return _load(ADMISSIONS, name, "admission rule")
+
+
+def make_admission(name: str, options: dict[str, Any], view: Any, hits: Any) -> Any:
+    """The admission rule of the slow tiers, ``Class(Class.Config(**options))``, bound to the
+    index view and to ``hits`` (a callable: the store's hit blocks so far)."""
+    cls = admission_class(name)
+    adm = cls(build_config(cls.Config, options, f"admission {name!r}"))
+    adm.bind(view, hits)
+    return adm
 
 
 def tier_class(kind: str) -> Any:

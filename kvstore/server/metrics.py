@@ -48,6 +48,10 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily("kvstore_demotions", "Blocks written down a tier under pressure", value=s["demotions"])
         yield CounterMetricFamily("kvstore_promotions", "Blocks copied up to the first tier on a hit", value=s["promotions"])
         yield CounterMetricFamily("kvstore_put_blocks", "New blocks stored", value=s["put_blocks"])
+        yield CounterMetricFamily(
+            "kvstore_skipped_writes", "Demotions into the last tier that admission refused", value=s["skipped_writes"])
+        yield CounterMetricFamily(
+            "kvstore_skipped_bytes", "Bytes admission kept out of the last tier", value=s["skipped_bytes"])
         cap = GaugeMetricFamily("kvstore_tier_capacity_bytes", "Capacity per tier", labels=["tier"])
         used = GaugeMetricFamily("kvstore_tier_used_bytes", "Bytes used per tier", labels=["tier"])
         blocks = GaugeMetricFamily("kvstore_tier_blocks", "Blocks per tier", labels=["tier"])

@@ -65,6 +65,9 @@ class StoreCounters:
     corrupt_blocks: int = 0
     tier_errors: int = 0
     tier_writes: int = 0
+    skipped_writes: int = 0
+    """Demotions into the last tier that admission refused (the block's copy went instead)."""
+    skipped_bytes: int = 0
     """Block writes into any tier (placement, promotion, demotion, durable copies)."""
     orphans_dropped: int = 0
     recovered_blocks: int = 0

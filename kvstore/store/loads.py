@@ -83,16 +83,11 @@ class Loader:
     # ---- the plan -------------------------------------------------------------------------------
 
     def match(self, info: NsInfo, hashes: Sequence[bytes], now: float) -> tuple[np.ndarray, np.ndarray]:
-        """Under the lock: the matched prefix of ``hashes`` in ``info``'s namespace (a block cached
-        under another namespace ends it)."""
+        """Under the lock: the matched prefix of ``hashes`` (ids and tier masks). A chain may run
+        through blocks of another namespace (a hybrid model's window pieces hang under its full
+        blocks); the daemon keys each tenant's namespaces apart."""
         m = self.index.match(hashes, now)
-        ids, masks = m.ids, m.tiers
-        if ids.size:
-            other = self.index.ns[ids] != info.nid
-            if other.any():
-                n = int(np.argmax(other))
-                ids, masks = ids[:n], masks[:n]
-        return ids, masks
+        return m.ids, m.tiers
 
     def prepare_load(self, info: NsInfo, hashes: Sequence[bytes]) -> LoadPlan:
         with self.lock:

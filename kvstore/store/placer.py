@@ -38,6 +38,7 @@ from kvstore.errors import (
 )
 from kvstore.index import NO_PARENT
 from kvstore.keys import BlockHash
+from kvstore.registry import make_admission
 from kvstore.retention import PinBook
 from kvstore.store._common import Scratch
 from kvstore.store.ledger import Ledger, bits
@@ -87,6 +88,12 @@ class Placer:
         # k+1 while tier k's buffer still holds the block in flight. The last is for copies
         # made by the durable path and on close.
         self.scratch = [Scratch() for _ in range(len(self.tiers) + 1)]
+        # Admission to the last tier (eviction/admission.py): a demotion into it may drop a
+        # block that could leave anyway instead of writing it. Never a durable put's block.
+        self.admission = make_admission(
+            config.admission, dict(config.admission_options), self.index, lambda: ledger.counters.hit_blocks)
+        self.durable: set[bytes] = set()
+        """Keys of blocks a durable put stored: admission never drops them."""
 
     # ---- the one write routine ------------------------------------------------------------------
 
@@ -271,6 +278,18 @@ class Placer:
             taken.add(bid)
             return bsize
 
+        candidates = self.ledger.policies[k].candidates()
+        # The usual case first: the policy's first offer is a victim big enough on its own.
+        first = next(candidates, None)
+        if first is not None and first not in protect and not in_use[first]:
+            bsize = int(sizes[first])
+            if bsize >= size and tier.size_class(bsize) == want:
+                if int(masks[first]) & others:
+                    return [Victim(first, bsize, COPY)]
+                if not last:
+                    return [Victim(first, bsize, DEMOTE)]
+                if not pins[first] and not children[first]:
+                    return [Victim(first, bsize, EVICT)]
         for same_class in (True, False):
             for scanned, bid in enumerate(self.ledger.policies[k].candidates()):
                 if scanned >= cap:
@@ -334,6 +353,14 @@ class Placer:
         is still in tier ``k`` (no lower tier could take it, or its copy could not be read)."""
         idx, tier = self.index, self.tiers[k]
         key = idx.hash_of(bid)
+        if k + 1 == self.last and self._not_admitted(bid, key):
+            self.ledger.counters.skipped_writes += 1
+            self.ledger.counters.skipped_bytes += int(idx.size[bid])
+            if idx.children[bid]:
+                self.drop_copy(bid, k)  # hollow: its cached descendants are unreachable from now
+            else:
+                self.drop_block(bid, "not admitted")
+            return True
         mask = int(idx.tiers[bid])
         durable = bool(mask & self.persistent_mask) and not (mask & self.persistent_mask & ~(1 << k))
         self.ledger.hold([bid])  # nothing below may expire or evict it while it moves
@@ -365,6 +392,23 @@ class Placer:
         self.drop_copy(bid, k)
         return True
 
+    def _not_admitted(self, bid: int, key: bytes) -> bool:
+        """Whether the last tier's admission refuses ``bid``, asked only of a block no guarantee
+        holds: unpinned, unused, stored by no durable put; and a leaf, unless the rule asks for
+        inner blocks too (``admission.inner``). A refused leaf leaves the store; a refused inner
+        block loses its copy and stays as a hollow node (a lookup stops there): that costs hits
+        only if a descendant would have been read again, and then the block itself would have
+        been too. A pin or a durable put covers a whole prefix, so no descendant of a block that
+        may be refused is pinned or durable."""
+        idx = self.index
+        if idx.pins[bid] or idx.in_use[bid] or key in self.durable:
+            return False
+        if idx.children[bid] and not self.admission.inner:
+            return False
+        if not self.tiers[self.last].available():
+            return False  # the upper tier keeps its leaves' normal fate
+        return not self.admission.admit(bid, self.clock())
+
     # ---- dropping ---------------------------------------------------------------------------------
 
     def _delete(self, key: BlockHash, mask: int) -> None:
@@ -384,6 +428,7 @@ class Placer:
 
     def drop_block(self, bid: int, reason: str) -> None:
         key, mask = self.ledger.drop_block(bid, reason)
+        self.durable.discard(key)
         self._delete(key, mask)
 
     def expire(self, now: float, cap: int) -> int:

@@ -21,6 +21,7 @@ from kvstore.errors import ConfigError, KVStoreError, UsageError
 from kvstore.registry import POLICIES, build_config, policy_class
 from kvstore.units import parse_duration
 from kvstore.version import version
+from tools.replay import economics
 from tools.replay.bounds import EXTRA_FEATURES, belady, class_bound, class_segments, unlimited
 from tools.replay.plot import write_svg
 from tools.replay.sim import TierCapacity, parse_capacity, replay_store, summarize
@@ -64,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--class-bound", action="store_true", help="also the best hit rate of any policy that ranks by block class and age with perfect statistics (an upper bound for learned policies; slower)")
     p.add_argument("--class-features", default="", metavar="F,F", help=f"with --class-bound: request features added to the class ({', '.join(EXTRA_FEATURES)}); finer classes are partly memorised, see docs/eviction.md")
     p.add_argument("--opt-ties", choices=("deep", "shallow"), default="deep", help="Belady tie-break (shallow reproduces traces/README.md exactly; deep is the prefix-closed optimum)")
+    p.add_argument("--admission", default="all", help="admission rule of the last tier (all, reuse; eviction/admission.py)")
+    p.add_argument("--admission-option", action="append", default=[], metavar="KEY=VALUE", help="an option of the admission rule's Config")
+    p.add_argument("--economics", action="store_true", help="also hits and writes by tier, with Belady-first-tier and admission-oracle references (tools/replay/economics.py)")
     p.add_argument("--json", action="store_true", help="one JSON object per (policy, capacity) on stdout")
     p.add_argument("--plot", metavar="FILE.svg", help="write hit rate against capacity, one line per policy")
     p.add_argument("--events", metavar="DIR", help="write each replay's store event log under DIR/<policy>-<capacity> (for python -m tools.kvreport)")
@@ -151,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         names = sorted(POLICIES)
     given = _options(args.policy_option)
     options = {name: _policy_options(name, given, args) for name in names}
-    capacities = [(spec, parse_capacity(spec, trace.unique_blocks, cost.block_bytes)) for spec in specs]
+    capacities = [(spec, parse_capacity(economics.expand_unlimited(spec, trace.unique_blocks), trace.unique_blocks,
+                                        cost.block_bytes)) for spec in specs]
     progress = _Progress(not args.no_progress)
     features = tuple(f.strip() for f in args.class_features.split(",") if f.strip())
     if features and not args.class_bound:
@@ -166,12 +171,15 @@ def run(args: argparse.Namespace) -> int:
         total = sum(t.blocks for t in tiers)
         share = total / trace.unique_blocks
 
-        def replay(name: str, tiers: list[TierCapacity] = tiers, spec: str = spec) -> Any:
+        def replay(name: str, tiers: list[TierCapacity] = tiers, spec: str = spec, admission: str = args.admission,
+                   admission_options: dict[str, Any] | None = None) -> Any:
             progress.start(f"{name} @ {spec}", trace.num_requests)
             events = Path(args.events) / f"{name}-{spec.replace('%', 'pct').replace(',', '+')}" if args.events else None
             return replay_store(
                 trace, tiers, name, block_tokens=args.block_tokens,
                 policy_options=options.get(name, {}), ttl_s=ttl, progress=progress, events_dir=events,
+                admission=admission,
+                admission_options=_options(args.admission_option) if admission_options is None else admission_options,
             )
 
         lru = replay("lru") if "lru" not in names else None
@@ -190,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
             row = _row(trace, spec, tiers, name, r, metrics, bounds)
             _emit(row, args.json)
             plot.setdefault(name, []).append((share, metrics["block_hit_rate"]))
+        if args.economics:
+            economics.report(trace, spec, tiers, runs, replay, args.admission, cost.block_bytes, args.json)
         yardsticks = [("opt_block_hit_rate", "~OPT"), ("infinite_block_hit_rate", "~unlimited")]
         if "lru" not in names:
             yardsticks.append(("lru_block_hit_rate", "lru"))

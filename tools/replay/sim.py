@@ -93,6 +93,8 @@ def replay_store(
     ttl_s: float | None = None,
     progress: Callable[[int], None] | None = None,
     events_dir: Path | None = None,
+    admission: str = "all",
+    admission_options: dict[str, Any] | None = None,
 ) -> StoreRun:
     """Run ``trace`` through a KVStore with null tiers of the given capacities; with
     ``events_dir`` the store writes its event log there (for ``tools.kvreport``)."""
@@ -109,6 +111,8 @@ def replay_store(
             tiers=tuple(TierSpec(t.name, "null", {"capacity_blocks": t.blocks}) for t in tiers),
             policy=policy,
             policy_options=policy_options or {},
+            admission=admission,
+            admission_options=admission_options or {},
             persist_on_close=False,
             # A replay outruns the log writer: a deep queue, so that no record is dropped.
             events=EventsConfig(enabled=True, dir=events_dir, queue=1 << 22) if events_dir else EventsConfig(),
@@ -129,8 +133,11 @@ def replay_store(
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = store.stats()
         store.close()
-    keep = ("evictions", "expirations", "demotions", "promotions", "hits_by_tier")
-    return StoreRun(policy, hits, seconds, cpu, {k: stats[k] for k in keep if k in stats})
+    keep = ("evictions", "expirations", "demotions", "promotions", "hits_by_tier", "skipped_writes", "admission")
+    out = {k: stats[k] for k in keep if k in stats}
+    # Writes per tier, in blocks (every replay block has the same size).
+    out["writes_by_tier"] = {t["name"]: t.get("bytes_in", 0) // ns.block_bytes for t in stats["tiers"]}
+    return StoreRun(policy, hits, seconds, cpu, out)
 
 
 def summarize(trace: Trace, hits: np.ndarray, block_tokens: int, cost: CostModel) -> dict[str, float]:

@@ -1,0 +1,247 @@
+"""Admission to the slow, paid tiers: which demoted blocks are worth writing at all.
+
+The store asks :meth:`Admission.admit` once per demotion into a tier the admission governs (by
+default the last one, the object store, where every byte written is paid for and most blocks are
+never read again), and only for a block no guarantee holds (unpinned, unused, stored by no
+durable put) and, unless the rule sets ``inner``, a leaf; a refused block is dropped instead
+of written (a leaf leaves the store, an inner block stays as a hollow node). So admission can lose hits (a skipped block read again misses)
+but never a durable or pinned block.
+
+* ``all``: write everything (the behaviour without admission).
+* ``reuse`` (:class:`ReuseAdmission`): learns, per block class, the share of demoted blocks that
+  are read again, from the store's own history, and skips the classes least likely to be read
+  again while the hit loss stays inside a budget (``hit_loss_budget``, a share of the store's
+  hits). Class: hits so far (0, 1, 2, 3+) x depth (log2) x idle time at demotion (log2 seconds).
+  Outcomes are read from the index, without hooks on the hit path: a stored block whose hit
+  count rose was read again; a skipped block whose hash is back in the index was put again,
+  i.e. a lost hit (a ghost, as in eviction/density.py); a decision with neither within
+  ``horizon_s`` counts as not reused. Decisions are polled every ``poll`` decisions.
+
+Admission objects see block ids and the index's columns, never payloads; the store calls them
+under its lock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class IndexView(Protocol):
+    """What admission reads from the radix index (``kvstore.index.RadixIndex`` satisfies it)."""
+
+    parent: np.ndarray
+    depth: np.ndarray
+    children: np.ndarray
+    tiers: np.ndarray
+    hits: np.ndarray
+    last_access: np.ndarray
+
+    def hash_of(self, bid: int) -> bytes: ...
+
+    def id_of(self, key: bytes) -> int | None: ...
+
+
+class Admission:
+    """Admit everything; the base of every admission rule.
+
+    ``bind`` is called once: ``view`` is the index, ``hits`` returns the store's hit blocks so
+    far (the denominator of a hit-loss budget). ``admit(bid, now)`` is asked before a demotion
+    writes ``bid`` into a governed tier, and only for a block the store may drop (unpinned,
+    unused, stored by no durable put; a leaf unless ``inner``): a refusal is always honoured, so the rule learns from
+    exactly the blocks it decides on.
+    """
+
+    name = "all"
+    inner = False
+    """Whether the rule may refuse a block with cached children (the store then keeps it as a
+    hollow node, cutting its descendants off); otherwise it is asked about leaves only."""
+
+    @dataclass(frozen=True, slots=True)
+    class Config:
+        pass
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = config
+
+    def bind(self, view: IndexView, hits: Callable[[], int]) -> None:
+        self.view, self.hits = view, hits
+
+    def admit(self, bid: int, now: float) -> bool:
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {"admission": self.name}
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseConfig:
+    hit_loss_budget: float = 0.01
+    """Hits that skipped writes may cost, as a share of the store's hits (0.01: 1%; 0: skip
+    nothing)."""
+    margin: float = 0.5
+    """Share of the budget the *expected* loss of the skipped classes may use; the rest absorbs
+    estimation error. Measured loss past the full budget stops all skipping until it is back."""
+    min_samples: int = 64
+    """Decisions a class needs before it may be skipped."""
+    window: int = 1 << 16
+    """Decisions remembered (stored and skipped) to learn outcomes from."""
+    poll: int = 512
+    """Decisions between two polls of the index for outcomes and two re-plans."""
+    decay: float = 0.9
+    """Per re-plan, old class statistics fade by this factor."""
+    horizon_s: float = 600.0
+    """A decision not followed by a reuse within this long (store clock) counts as not reused;
+    a skipped block that comes back later still counts as a lost hit."""
+    inner: bool = False
+    """Also decide about blocks with cached children (a refused one stays hollow, cutting its
+    descendants off; its own return is all the rule sees of the hits that cost)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.hit_loss_budget < 1.0:
+            raise ValueError(f"hit_loss_budget must be in [0, 1), got {self.hit_loss_budget}")
+        if not 0.0 < self.margin <= 1.0:
+            raise ValueError(f"margin must be in (0, 1], got {self.margin}")
+        if self.horizon_s <= 0:
+            raise ValueError(f"horizon_s must be positive, got {self.horizon_s}")
+        if self.min_samples < 1 or self.window < 1 or self.poll < 1:
+            raise ValueError("min_samples, window and poll must be positive")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+
+
+_HITS, _DEPTHS, _IDLE = 4, 8, 16
+
+
+def block_class(hits: int, depth: int, idle_s: float, shape: int) -> int:
+    """The class a demoted block is learned in: hits so far, depth and idle time (bucketed),
+    and its shape: 0 a leaf that never lost a child to admission (a request's partial last
+    block never gets a child and is almost never read again), 1 a leaf whose child admission
+    skipped, 2 a block with cached children."""
+    h = min(hits, _HITS - 1)
+    d = min(int(math.log2(depth + 1)), _DEPTHS - 1)
+    i = min(int(math.log2(max(idle_s, 0.0) + 1.0)), _IDLE - 1)
+    return ((shape * _HITS + h) * _DEPTHS + d) * _IDLE + i
+
+
+class ReuseAdmission(Admission):
+    """Skip the classes least likely to be read again, within a hit-loss budget."""
+
+    name = "reuse"
+    Config = ReuseConfig  # type: ignore[assignment]
+
+    def __init__(self, config: ReuseConfig | None = None) -> None:
+        super().__init__(config or ReuseConfig())
+        self.inner = self.config.inner
+        n = 3 * _HITS * _DEPTHS * _IDLE
+        self.seen = np.zeros(n)  # decisions per class whose outcome is known (decayed)
+        self.reused = np.zeros(n)  # of them, read (or put) again within the horizon
+        self.skip = np.zeros(n, dtype=bool)  # the classes skipped now
+        # (time, key, class, hits at decision, stored), oldest first; outcome not known yet
+        self.pending: deque[tuple[float, bytes, int, int, bool]] = deque()
+        self.ghosts: dict[bytes, None] = {}  # skipped past the horizon: a return is still a loss
+        self.parents: dict[bytes, None] = {}  # blocks whose child was skipped, oldest first
+        self.decisions = 0
+        self.lost = 0
+        """Skipped blocks put again later: hits the skipping cost (an upper bound: a block put
+        again would have hit only if its whole prefix was still cached)."""
+
+    def admit(self, bid: int, now: float) -> bool:
+        v = self.view
+        key = bytes(v.hash_of(bid))
+        shape = 2 if int(v.children[bid]) else int(key in self.parents)
+        c = block_class(int(v.hits[bid]), int(v.depth[bid]), now - float(v.last_access[bid]), shape)
+        self.decisions += 1
+        if self.decisions % self.config.poll == 0:
+            self._poll(now)
+        stored = not self.skip[c]
+        self.pending.append((now, key, c, int(v.hits[bid]), stored))
+        if len(self.pending) > self.config.window:
+            self._expire(self.pending.popleft())
+        self.parents.pop(key, None)
+        if not stored and int(v.parent[bid]) >= 0:
+            self._remember(self.parents, bytes(v.hash_of(int(v.parent[bid]))))
+        return stored
+
+    def _remember(self, table: dict[bytes, None], key: bytes) -> None:
+        table[key] = None
+        if len(table) > self.config.window:
+            del table[next(iter(table))]
+
+    def _back(self, key: bytes) -> bool:
+        """A skipped block is back: put again, with a copy (a hollow node has none)."""
+        bid = self.view.id_of(key)
+        return bid is not None and int(self.view.tiers[bid]) != 0
+
+    def _expire(self, record: tuple[float, bytes, int, int, bool]) -> None:
+        """Past the horizon without a reuse: counted as not reused."""
+        _, key, c, _, stored = record
+        self.seen[c] += 1
+        if not stored:
+            self._remember(self.ghosts, key)
+
+    def _poll(self, now: float) -> None:
+        """Learn the outcomes known now, then choose the classes to skip."""
+        horizon = now - self.config.horizon_s
+        keep: deque[tuple[float, bytes, int, int, bool]] = deque()
+        for record in self.pending:
+            t, key, c, hits, stored = record
+            if stored:
+                bid = self.view.id_of(key)
+                again = bid is not None and int(self.view.hits[bid]) > hits
+            else:
+                again = self._back(key)
+                self.lost += int(again)
+            if again:
+                self.seen[c] += 1
+                self.reused[c] += 1
+            elif t < horizon:
+                self._expire(record)
+            else:
+                keep.append(record)
+        self.pending = keep
+        back = [k for k in self.ghosts if self._back(k)]
+        for k in back:
+            del self.ghosts[k]
+        self.lost += len(back)
+        self._plan()
+        self.seen *= self.config.decay
+        self.reused *= self.config.decay
+
+    def _plan(self) -> None:
+        """Greedy by reuse rate: skip the least reused classes while their expected lost hits
+        (rate x decisions) stay within the budget's share; none while the measured loss is past
+        the budget."""
+        cfg = self.config
+        hits = max(self.hits(), 1)
+        self.skip[:] = False
+        if cfg.hit_loss_budget == 0 or self.lost > cfg.hit_loss_budget * hits:
+            return
+        ready = np.flatnonzero(self.seen >= cfg.min_samples)
+        if not ready.size:
+            return
+        rate = self.reused[ready] / self.seen[ready]
+        order = np.argsort(rate, kind="stable")
+        # The budget is scaled to the hits the store earns over as many decisions as the
+        # statistics hold.
+        per_decision_hits = hits / max(self.decisions, 1)
+        allowance = cfg.margin * cfg.hit_loss_budget * per_decision_hits * float(self.seen.sum())
+        spent = 0.0
+        for j in order.tolist():
+            cost = float(self.reused[ready[j]])
+            if spent + cost > allowance:
+                break
+            spent += cost
+            self.skip[ready[j]] = True
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "admission": self.name,
+            "skipping_classes": int(self.skip.sum()),
+            "admission_lost_hits": self.lost,
+        }

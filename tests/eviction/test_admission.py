@@ -1,0 +1,200 @@
+"""Admission to the last tier: what a refusal may drop, and the reuse rule's hit-loss budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from eviction.admission import Admission, ReuseAdmission, ReuseConfig, block_class
+from kvstore.clock import FakeClock
+from kvstore.config import StoreConfig, TierSpec
+from kvstore.registry import ADMISSIONS, admission_class, register_admission
+from kvstore.store import KVStore
+from tests.conftest import BB, SMALL_NS
+
+
+class Never(Admission):
+    """Refuses every block it is asked about."""
+
+    name = "never"
+    asked: list[int] = []
+
+    def admit(self, bid: int, now: float) -> bool:
+        Never.asked.append(bid)
+        return False
+
+
+@pytest.fixture(autouse=True)
+def _never() -> Any:
+    register_admission("never", "tests.eviction.test_admission:Never")
+    Never.asked = []
+    yield
+    ADMISSIONS.pop("never", None)
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def _store(tmp_path: Path, tiers: tuple[TierSpec, ...], admission: str = "never") -> KVStore:
+    config = StoreConfig(root=tmp_path, tiers=tiers, admission=admission, persist_on_close=False)
+    s = KVStore(config, clock=FakeClock(1_000.0))
+    s.register_namespace(SMALL_NS)
+    return s
+
+
+NULL3 = (
+    TierSpec("dram", "null", {"capacity_blocks": 2}),
+    TierSpec("nvme", "null", {"capacity_blocks": 2}),
+    TierSpec("object", "null", {"capacity_blocks": 100}),
+)
+
+
+def _put(s: KVStore, ids: list[int], **kw: Any) -> None:
+    src = memoryview(bytearray(BB))
+    s.put(SMALL_NS, [_key(i) for i in ids], [src] * len(ids), **kw)
+
+
+def _in_last(s: KVStore, ids: list[int]) -> int:
+    return s.lookup(SMALL_NS, [_key(i) for i in ids]).num_blocks
+
+
+def test_registered_rules() -> None:
+    assert admission_class("all") is Admission
+    assert admission_class("reuse") is ReuseAdmission
+
+
+def test_refused_leaves_leave_and_are_counted(tmp_path: Path) -> None:
+    s = _store(tmp_path, NULL3)
+    for i in range(6):  # six one-block chains: four pass through the middle tier, two refused
+        _put(s, [i])
+    st = s.stats()
+    assert st["skipped_writes"] == 2
+    assert st["skipped_bytes"] == 2 * BB
+    assert st["tiers"][2]["bytes_in"] == 0
+    assert [_in_last(s, [i]) for i in range(6)] == [0, 0, 1, 1, 1, 1]
+    s.close()
+
+
+def test_inner_blocks_are_never_asked_by_a_leaf_rule(tmp_path: Path) -> None:
+    s = _store(tmp_path, NULL3)
+    _put(s, [0, 1, 2, 3, 4, 5])  # one chain: only its leaves may be refused
+    _put(s, [10, 11])
+    st = s.stats()
+    index = s.index
+    assert all(int(index.children[b]) == 0 for b in Never.asked)
+    assert st["skipped_writes"] == len(Never.asked)
+    s.close()
+
+
+def test_pinned_prefix_is_always_stored(tmp_path: Path) -> None:
+    s = _store(tmp_path, NULL3)
+    _put(s, [0])
+    assert s.pin(SMALL_NS, [_key(0)]) == 1
+    for i in range(1, 6):
+        _put(s, [i])
+    assert s.lookup(SMALL_NS, [_key(0)]).tiers == ("object",)  # demoted, written although refused
+    assert s.stats()["skipped_writes"] == 1  # block 1, the other block pushed out of the upper tiers
+    assert _in_last(s, [1]) == 0
+    s.close()
+
+
+def test_durable_puts_are_always_stored(tmp_path: Path) -> None:
+    tiers = (
+        TierSpec("dram", "null", {"capacity_blocks": 1}),
+        TierSpec("nvme", "nvme", {"capacity_bytes": 2 * 65536, "slab_bytes": 65536}),
+        TierSpec("object", "null", {"capacity_blocks": 100}),
+    )
+    s = _store(tmp_path, tiers)
+    _put(s, [0], durable=True)
+    for i in range(1, 2 * 65536 // BB + 6):  # past both upper tiers
+        _put(s, [i])
+    assert s.lookup(SMALL_NS, [_key(0)]).tiers == ("object",)  # refused, written all the same
+    st = s.stats()
+    assert st["tiers"][2]["bytes_in"] == BB  # it alone: every other block leaving was skipped
+    assert st["skipped_writes"] == 4  # the upper tiers hold all but five blocks; block 0 stored
+    s.close()
+
+
+class FakeView:
+    """Index columns for a handful of blocks, with keys ``b"k<bid>"``."""
+
+    def __init__(self, n: int) -> None:
+        self.parent = np.full(n, -1, np.int32)
+        self.depth = np.zeros(n, np.int32)
+        self.children = np.zeros(n, np.int32)
+        self.tiers = np.ones(n, np.uint8)
+        self.hits = np.zeros(n, np.uint32)
+        self.last_access = np.zeros(n)
+        self.live: set[int] = set(range(n))
+
+    def hash_of(self, bid: int) -> bytes:
+        return b"k%d" % bid
+
+    def id_of(self, key: bytes) -> int | None:
+        bid = int(key[1:])
+        return bid if bid in self.live else None
+
+
+class Rule(ReuseAdmission):
+    """The reuse rule over a fake view, dropping what it refuses (as the store does); every
+    block asked about was last read at ``now`` (idle 0 s: one class per depth)."""
+
+    def admit(self, bid: int, now: float) -> bool:
+        self.view.last_access[bid] = now  # type: ignore[attr-defined]
+        ok = super().admit(bid, now)
+        if not ok:
+            self.view.live.discard(bid)  # type: ignore[attr-defined]
+        return ok
+
+
+def _rule(view: FakeView, hits_per_decision: float, **kw: Any) -> ReuseAdmission:
+    adm = Rule(ReuseConfig(min_samples=4, poll=10, decay=1.0, horizon_s=5.0, **kw))
+    adm.bind(view, lambda: int(hits_per_decision * adm.decisions))
+    return adm
+
+
+def test_a_class_never_read_again_is_skipped_and_a_reread_one_stored() -> None:
+    view = FakeView(400)
+    view.depth[200:] = 8  # class B: deeper; its blocks are all read again
+    adm = _rule(view, 0.5, hit_loss_budget=0.01, margin=1.0)
+    for b in range(100):  # one second a pair: a decision resolves 5 s later, or at a reuse
+        adm.admit(b, float(b))
+        adm.admit(200 + b, float(b))
+        view.hits[200 + b] += 1  # read again right after
+    a, b = block_class(0, 0, 0.0, 0), block_class(0, 8, 0.0, 0)
+    assert adm.skip[a] and not adm.skip[b]
+    assert adm.admit(150, 100.0) is False
+    assert adm.admit(350, 100.0) is True
+    assert adm.lost == 0
+
+
+def test_measured_loss_past_the_budget_stops_skipping() -> None:
+    view = FakeView(400)
+    adm = _rule(view, 5.0, hit_loss_budget=0.01, margin=1.0)  # 1% of hits: 0.05 per decision
+    for b in range(40):
+        adm.admit(b, float(b))
+    assert adm.admit(40, 40.0) is False  # never read again so far: skipped
+    refused = [b for b in range(41, 80) if not adm.admit(b, float(b))]
+    view.live |= set(refused[:11])  # 11 refused blocks are put again: past 1% of 5 x 100 hits
+    for b in range(80, 100):
+        adm.admit(b, float(b))
+    assert adm.lost == 11
+    assert not adm.skip.any()
+    assert all(adm.admit(b, float(b)) for b in range(100, 120))
+
+
+def test_budget_zero_skips_nothing() -> None:
+    view = FakeView(100)
+    adm = _rule(view, 1.0, hit_loss_budget=0.0)
+    assert all(adm.admit(b, float(b)) for b in range(100))
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="hit_loss_budget"):
+        ReuseConfig(hit_loss_budget=1.5)
+    with pytest.raises(ValueError, match="horizon_s"):
+        ReuseConfig(horizon_s=0)

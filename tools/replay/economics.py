@@ -1,0 +1,191 @@
+"""Tier economics of a replay: which tier serves the hits, and what is written for them.
+
+With several tiers (``--capacity dram=5%,nvme=25%,object=inf``) a 72-hour cache keeps close to
+the unlimited cache's hit rate; what placement decides is how many hits the fast tier serves
+(latency), and what admission decides is how many blocks are written into the paid last tier for
+each hit (cost). Per (policy, capacity) the replay reports:
+
+* hits by tier: the share of hit blocks (and bytes: every block is one KV block of the model's
+  layout, so the byte shares equal the block shares) served from each tier;
+* writes per tier, in blocks, and the last tier's writes per hit block (= bytes per hit byte);
+* with an admission rule other than ``all``: the hits it lost against the same policy storing
+  everything, and the writes it saved (``skipped_writes``);
+* offline references: Belady on the first tier (deepest-first ties, as bounds.belady) for the
+  share of hits the fast tier could serve, and an admission oracle (:class:`OracleAdmission`)
+  that writes into the last tier only blocks read again, which loses no hit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from eviction.admission import Admission
+from kvstore.registry import register_admission
+from tools.replay.bounds import next_use, unlimited
+from tools.replay.sim import _EPOCH, StoreRun, TierCapacity
+from tools.replay.trace import Trace
+
+_INF = re.compile(r"(^|[=,])\s*(inf|unlimited)\s*(?=,|$)", re.IGNORECASE)
+
+
+def expand_unlimited(spec: str, unique_blocks: int) -> str:
+    """``object=inf`` (or ``unlimited``) as room for every unique block of the trace."""
+    return _INF.sub(lambda m: f"{m.group(1)}{unique_blocks}", spec)
+
+
+# ---- the admission oracle ---------------------------------------------------------------------------
+
+_FUTURES: dict[str, np.ndarray] = {}
+"""Per registered trace, the last access time (store clock, seconds) of every block id."""
+
+
+def register_future(name: str, last_access_s: np.ndarray) -> None:
+    """Make ``last_access_s`` (per block id) known to :class:`OracleAdmission` as ``name``."""
+    _FUTURES[name] = last_access_s
+    register_admission("oracle", "tools.replay.economics:OracleAdmission")
+
+
+class OracleAdmission(Admission):
+    """Knows the future: admits a block into the last tier only if the trace reads it again.
+    Keys are the replay's (a block id, little-endian, as tools/replay/sim.py makes them)."""
+
+    name = "oracle"
+    inner = True  # a block never read again has no descendant read again either: lossless
+
+    @dataclass(frozen=True, slots=True)
+    class Config:
+        future: str = ""
+        inner: bool = True
+        """False: asked about leaves only, like the store's online rules (a bound for them)."""
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(config)
+        self.inner = bool(getattr(config, "inner", True))
+        try:
+            self.last = _FUTURES[config.future]
+        except (KeyError, AttributeError):
+            raise ValueError(f"no future registered as {getattr(config, 'future', None)!r}; call register_future") from None
+
+    def admit(self, bid: int, now: float) -> bool:
+        b = int.from_bytes(self.view.hash_of(bid), "little")
+        return bool(self.last[b] >= now)
+
+
+def last_access_s(trace: Trace, epoch: float) -> np.ndarray:
+    """Per block id, the store-clock time of its last access in the trace."""
+    req = np.repeat(np.arange(trace.num_requests), np.diff(trace.offsets))
+    out = np.full(trace.unique_blocks, -np.inf)
+    np.maximum.at(out, trace.block_ids, epoch + trace.timestamps_ms[req] / 1000.0)
+    return out
+
+
+# ---- Belady on the fast tier --------------------------------------------------------------------------
+
+
+def belady_tier_hits(trace: Trace, capacity: int, served: np.ndarray) -> np.ndarray:
+    """Per request, how many of its first ``served[r]`` blocks (the hits of the whole store) a
+    first tier of ``capacity`` blocks under Belady (deepest-first ties) holds at lookup; every
+    block of a request enters the tier after the lookup, as a promotion or a put does."""
+    nxt = next_use(trace).tolist()
+    offsets, ids = trace.offsets.tolist(), trace.block_ids.tolist()
+    cached: dict[int, int] = {}
+    heap: list[tuple[int, int, int]] = []
+    out = np.zeros(trace.num_requests, dtype=np.int64)
+    push, pop = heapq.heappush, heapq.heappop
+    for r in range(trace.num_requests):
+        lo, hi = offsets[r], offsets[r + 1]
+        out[r] = sum(1 for i in range(lo, lo + int(served[r])) if ids[i] in cached)
+        for d, i in enumerate(range(lo, hi)):
+            cached[ids[i]] = nxt[i]
+            push(heap, (-nxt[i], -d, ids[i]))
+        while len(cached) > capacity:
+            n, _, b = pop(heap)
+            if cached.get(b) == -n:
+                del cached[b]
+    return out
+
+
+# ---- the report ---------------------------------------------------------------------------------------
+
+
+def tier_figures(tiers: list[TierCapacity], run: StoreRun, block_bytes: int) -> dict[str, Any]:
+    """Hits and writes by tier of one store run."""
+    by_tier = run.stats.get("hits_by_tier", {})
+    hits = int(run.hits.sum())
+    writes = run.stats.get("writes_by_tier", {})
+    last = tiers[-1].name
+    return {
+        "hit_blocks": hits,
+        "hit_share_by_tier": {t.name: round(by_tier.get(t.name, 0) / max(hits, 1), 6) for t in tiers},
+        "hit_bytes_by_tier": {t.name: by_tier.get(t.name, 0) * block_bytes for t in tiers},
+        "writes_by_tier": {t.name: int(writes.get(t.name, 0)) for t in tiers},
+        "last_tier_writes_per_hit": round(writes.get(last, 0) / max(hits, 1), 6),
+        "skipped_writes": int(run.stats.get("skipped_writes", 0)),
+    }
+
+
+def report(
+    trace: Trace,
+    spec: str,
+    tiers: list[TierCapacity],
+    runs: dict[str, StoreRun],
+    replay: Callable[..., StoreRun],
+    admission: str,
+    block_bytes: int,
+    as_json: bool,
+) -> list[dict[str, Any]]:
+    """The economics rows of one capacity: one per policy run, then the offline references.
+    ``replay(policy, admission=..., admission_options=...)`` runs the store again when a comparison
+    needs it (the same policy storing everything; the oracle)."""
+    rows = []
+    for name, run in runs.items():
+        row = {"trace": trace.name, "capacity": spec, "policy": name, "admission": admission,
+               **tier_figures(tiers, run, block_bytes)}
+        if admission != "all":
+            base = replay(name, admission="all", admission_options={})
+            b = tier_figures(tiers, base, block_bytes)
+            row["hit_loss"] = round(1 - row["hit_blocks"] / max(b["hit_blocks"], 1), 6)
+            row["store_all_last_tier_writes_per_hit"] = b["last_tier_writes_per_hit"]
+        rows.append(row)
+    first = next(iter(runs))
+    key = f"{trace.name}@{spec}"
+    register_future(key, last_access_s(trace, _EPOCH))
+    oracle = tier_figures(tiers, replay(first, admission="oracle", admission_options={"future": key}), block_bytes)
+    served = unlimited(trace) if len(tiers) > 1 else runs[first].hits
+    dram = belady_tier_hits(trace, tiers[0].blocks, served)
+    rows.append({
+        "trace": trace.name, "capacity": spec, "policy": "reference",
+        "belady_first_tier_hit_share": round(float(dram.sum() / max(served.sum(), 1)), 6),
+        "oracle_policy": first,
+        "oracle_last_tier_writes_per_hit": oracle["last_tier_writes_per_hit"],
+        "oracle_hit_blocks": oracle["hit_blocks"],
+    })
+    for row in rows:
+        emit(row, as_json)
+    return rows
+
+
+def emit(row: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(row), flush=True)
+        return
+    head = f"{row['trace']:<14} {row['capacity']:>10} {row['policy']:<9}"
+    if row["policy"] == "reference":
+        print(f"{head} Belady first-tier hit share {row['belady_first_tier_hit_share']:.3f}  oracle admission "
+              f"({row['oracle_policy']}) last-tier writes/hit {row['oracle_last_tier_writes_per_hit']:.3f}", flush=True)
+        return
+    shares = " ".join(f"{k} {v:.3f}" for k, v in row["hit_share_by_tier"].items())
+    writes = " ".join(f"{k} {v}" for k, v in row["writes_by_tier"].items())
+    extra = ""
+    if "hit_loss" in row:
+        extra = (f"  hit loss {100 * row['hit_loss']:.2f}% (store-all writes/hit "
+                 f"{row['store_all_last_tier_writes_per_hit']:.3f}), skipped {row['skipped_writes']}")
+    print(f"{head} [{row['admission']}] hits by tier: {shares}  writes: {writes}  last-tier writes/hit "
+          f"{row['last_tier_writes_per_hit']:.3f}{extra}", flush=True)
