@@ -195,6 +195,8 @@ class KVStore:
                 info.lookup_hit_blocks += n
         names = tuple(self.tiers[lowest_bit(b)].name for b in masks[:n])
         down = tuple(t.name for k, t in enumerate(self.tiers) if not avail >> k & 1)
+        if count:
+            self.events.lookup(info.namespace, hashes, names)  # type: ignore[arg-type]
         return LookupResult(n, info.namespace.block_tokens, names, down)  # type: ignore[union-attr]
 
     def get_into(self, ns: Namespace, hashes: Sequence[bytes], dst: Any | Sequence[Any]) -> int:

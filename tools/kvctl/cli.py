@@ -261,8 +261,9 @@ def _show_stats(s: dict[str, Any]) -> None:
         return
     print(f"  blocks {s['blocks']:,}  index {term.size(s.get('index_bytes'))}  namespaces {s['namespaces']}")
     # Lookups (what is cached?) and loads (serve it) apart: their hit rates differ by design.
-    lb, lh, ld, hb = s["lookup_blocks"], s["lookup_hit_blocks"], s["load_blocks"], s["hit_blocks"]
-    lt, lht, rt, ht = s["lookup_tokens"], s["lookup_hit_tokens"], s["requested_tokens"], s["hit_tokens"]
+    lb, lh, ld, hb, lt, lht, rt, ht = (s.get(k, 0) for k in (  # an older daemon lacks some
+        "lookup_blocks", "lookup_hit_blocks", "load_blocks", "hit_blocks",
+        "lookup_tokens", "lookup_hit_tokens", "requested_tokens", "hit_tokens"))
     print(f"  lookups {s['lookups']:,}: blocks asked {lb:,}, found {lh:,} ({term.pct(lh, lb)}); "
           f"tokens asked {lt:,}, found {lht:,} ({term.pct(lht, lt)})")
     print(f"  loads {s['loads']:,}: blocks asked {ld:,}, served {hb:,} ({term.pct(hb, ld)}); "

@@ -2,7 +2,7 @@
 
 One daemon, known traffic (lookups that hit all, part and none of a prompt; loads the same;
 two tenants): ``kvctl stats --json``, ``/metrics`` and kvreport's analysis of the daemon's event
-log give the same counts and rates, lookups apart from loads. A registration of another layout
+log give the same counts and rates, lookups apart from loads, per tier and per tenant. A registration of another layout
 of a registered deployment is named in the reply, logged, counted and shown by ``kvctl stats``.
 """
 
@@ -108,6 +108,12 @@ def test_kvctl_metrics_and_kvreport_agree_on_one_daemons_traffic(tmp_path: Path,
     assert r["hit_tokens_by_tier"] == s["hit_tokens_by_tier"]
     assert {t: (v["prompt_tokens"], v["hit_tokens"]) for t, v in r["tenants"].items()} == {
         t: tenant[(t, "load")] for t in ("a", "b")}
+    lk = r["lookups"]  # and the lookups apart, the daemon's own probes not among them
+    assert lk["requests"] == s["lookups"] == r["log"]["lookups"] == 5
+    assert (lk["prompt_tokens"], lk["hit_tokens"]) == (s["lookup_tokens"], s["lookup_hit_tokens"])
+    assert lk["token_hit_rate"] == pytest.approx(s["lookup_hit_rate"])
+    assert {t: (v["prompt_tokens"], v["hit_tokens"]) for t, v in lk["tenants"].items()} == {
+        t: tenant[(t, "lookup")] for t in ("a", "b")}
 
 
 def test_a_conflicting_registration_is_named_in_the_reply_logged_counted_and_shown(
