@@ -364,8 +364,9 @@ class DensityPolicy(EvictionPolicy):
             return
         # A parent already resident when its child came (before the run, or earlier in it) is
         # now extended.
-        order = {b: j for j, b in enumerate(run)}
-        came = ok & (before | np.array([order.get(p, m) < j for j, p in enumerate(parent.tolist())], bool))
+        at = np.full(self._cap, m, np.int64)  # each block's place in the run (m: not in it)
+        at[ids] = np.arange(m)
+        came = ok & (before | (at[np.where(ok, parent, 0)] < np.arange(m)))
         for p in dict.fromkeys(parent[came].tolist()):
             if not extended[p]:
                 extended[p] = True

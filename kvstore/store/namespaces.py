@@ -18,8 +18,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from kvstore.api import field_diffs
 from kvstore.config import MAX_NAMESPACES
 from kvstore.errors import (
     KVStoreError,
@@ -182,7 +182,7 @@ class NamespaceTable:
             if other.namespace is not None and other.namespace.model_key() == ns.model_key():
                 diffs = [
                     f"{k}: registered {a!r}, asked {b!r}"
-                    for k, a, b in _diff(other.namespace.to_dict(), ns.to_dict())
+                    for k, a, b in field_diffs(other.namespace.to_dict(), ns.to_dict())
                 ]
                 raise LayoutMismatchError(
                     f"namespace for model {ns.model_id!r} differs from the registered one "
@@ -215,11 +215,3 @@ class NamespaceTable:
             self._write(self._path, data)
             self._saved = version
 
-
-def _diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            yield from _diff(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            yield f"{prefix}{k}", va, vb

@@ -271,6 +271,18 @@ class Placer:
             taken.add(bid)
             return bsize
 
+        candidates = self.ledger.policies[k].candidates()
+        # The usual case first: the policy's first offer is a victim big enough on its own.
+        first = next(candidates, None)
+        if first is not None and first not in protect and not in_use[first]:
+            bsize = int(sizes[first])
+            if bsize >= size and tier.size_class(bsize) == want:
+                if int(masks[first]) & others:
+                    return [Victim(first, bsize, COPY)]
+                if not last:
+                    return [Victim(first, bsize, DEMOTE)]
+                if not pins[first] and not children[first]:
+                    return [Victim(first, bsize, EVICT)]
         for same_class in (True, False):
             for scanned, bid in enumerate(self.ledger.policies[k].candidates()):
                 if scanned >= cap:

@@ -159,7 +159,7 @@ def setups(draw: st.DrawFn) -> tuple[list[tuple[float, list[int]]], list[int], s
     return trace, caps, draw(st.sampled_from(POLICIES))
 
 
-EXAMPLES = 300
+EXAMPLES = 150
 """Examples per property: with the shrinker's runs, a few minutes of CI for both together."""
 _SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
