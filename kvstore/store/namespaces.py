@@ -18,12 +18,12 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from kvstore.api import field_diffs
+from kvstore.api import layout_mismatch
 from kvstore.config import MAX_NAMESPACES
 from kvstore.errors import (
     KVStoreError,
-    LayoutMismatchError,
     QuotaExceededError,
     UnknownNamespaceError,
 )
@@ -180,15 +180,7 @@ class NamespaceTable:
             return info
         for other in self.by_id:
             if other.namespace is not None and other.namespace.model_key() == ns.model_key():
-                diffs = [
-                    f"{k}: registered {a!r}, asked {b!r}"
-                    for k, a, b in field_diffs(other.namespace.to_dict(), ns.to_dict())
-                ]
-                raise LayoutMismatchError(
-                    f"namespace for model {ns.model_id!r} differs from the registered one "
-                    f"({'; '.join(diffs)}); its blocks are not interchangeable. Register this "
-                    "namespace explicitly if both layouts are meant to be cached."
-                )
+                raise layout_mismatch(other.namespace, ns)
         raise UnknownNamespaceError(
             f"namespace {ns.root.hex()} (model {ns.model_id!r}) is not registered; "
             "call store.register_namespace(ns) first"
