@@ -12,6 +12,8 @@ can be read alone. Record types (``"type"``):
   ``hit_tokens_by_tier``, ``lookup_s``, ``load_s`` and ``h``: the 8-byte prefixes of the
   request's block hashes (base64 of little-endian u64s), so that a report can replay the requests
   through an unlimited cache and tell which misses a bigger or longer-lived cache would have hit.
+  A lookup (what is cached? nothing moves) is a ``request`` with ``op: "lookup"``, without
+  ``h`` (its prefix is its load's) and with zero timings: reports count it apart from loads.
 * ``block``: a lifecycle event of one block, ``event`` in :data:`BLOCK_EVENTS`; ``h`` is the
   same 8-byte prefix in hex, ``tier``, ``size``, and ``reason`` for ``evicted``.
 * ``namespace``: a namespace's descriptor, its tenant and TTL.
@@ -416,7 +418,7 @@ class EventLog:
                 "hit_tokens_by_tier": {k: v * bt for k, v in tiers.items() if v},
                 "lookup_s": round(lookup_s, 7), "load_s": round(load_s, 7),
             }
-            if self.config.hashes:
+            if self.config.hashes and op != "lookup":  # a lookup's prefix is its load's
                 rec["h"] = encode_hashes(hashes)
         else:
             _, t, event, key, tier, size, reason, depth = item
@@ -609,6 +611,14 @@ class StoreEvents:
         if self.log is not None and bytes(ns.root) not in self._known:
             self.namespace(ns, None)  # loaded from namespaces.json, not registered this run
         return RequestTrace(self, ns, hashes, op)
+
+    def lookup(self, ns: Namespace, hashes: Sequence[bytes], hit_tiers: Sequence[str]) -> None:
+        """A lookup (counted apart from loads): an ``op: "lookup"`` request record, without
+        hashes or timings; ``hit_tiers``: the fastest tier of each cached leading block."""
+        if self.log is not None:
+            self.log.request(ns=ns.root, hashes=hashes, hit_blocks=len(hit_tiers), block_tokens=ns.block_tokens,
+                             hit_tiers=Counter(hit_tiers), tenant=self._tenants.get(bytes(ns.root), ""),
+                             op="lookup")
 
     def _request_done(self, trace: RequestTrace, served: Sequence[int], t_end: float) -> None:
         ns = trace.ns

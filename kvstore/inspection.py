@@ -71,6 +71,14 @@ def layout_warnings(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def layout_conflicts(ns: Namespace, registered: Iterable[Namespace]) -> list[dict[str, Any]]:
+    """:func:`layout_warnings` of ``ns`` against each of ``registered`` (namespaces of its model
+    deployment with another layout): what a registration that conflicts reports. Each warning's
+    ``namespaces`` is ``[ns, the registered one]`` and its differences read ``ns``'s value first."""
+    new = namespace_row(ns, None)
+    return [w for other in registered for w in layout_warnings([new, namespace_row(other, None)])]
+
+
 def _diff(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any, Any]]:
     for k in sorted(set(a) | set(b)):
         va, vb = a.get(k), b.get(k)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -59,6 +60,7 @@ from kvstore.shm import attach_arena, remember_arena
 
 T = TypeVar("T")
 PLANES = ("auto", "shm", "tcp", "ucx")
+log = logging.getLogger("kvstore.client")
 # What an error reply without a known ``kind`` (an older daemon, a proxy) raises, by status. The
 # body's ``kind`` says more: a 409 is a missing prefix, a layout mismatch or a refused guarantee.
 _STATUS: dict[int, type[KVStoreError]] = {
@@ -187,6 +189,9 @@ class Client:
         self._ns: dict[bytes, tuple[Namespace, float | None]] = {}
         self._leases: weakref.WeakSet[ClientLease] = weakref.WeakSet()
         self.info: dict[str, Any] = {}
+        self.layout_conflicts: list[dict[str, Any]] = []
+        """Layout conflicts the daemon reported for this client's registrations (the latest
+        per namespace): another layout of the same model deployment is registered there."""
         self._retry(self._connect)
 
     # ---- connection ---------------------------------------------------------------------------
@@ -319,8 +324,13 @@ class Client:
             raise KVStoreError(f"daemon: HTTP {status} with a body that is not JSON: {data[:200]!r}") from e
 
     def _register(self, ns: Namespace, ttl_s: float | None) -> None:
-        self._json("POST", "/v1/namespaces", {"namespace": ns.to_dict(), "ttl_s": ttl_s})
+        r = self._json("POST", "/v1/namespaces", {"namespace": ns.to_dict(), "ttl_s": ttl_s})
         self._ns[bytes(ns.root)] = (ns, ttl_s)
+        conflicts = r.get("layout_conflicts") or []  # an older daemon sends none
+        mine = ns.root.hex()
+        self.layout_conflicts = [w for w in self.layout_conflicts if w["namespaces"][0] != mine] + conflicts
+        for w in conflicts:
+            log.warning("kvstore daemon %s: layout conflict: %s", self.url, w["message"])
 
     def register_namespace(self, ns: Namespace, ttl_s: float | None = None) -> None:
         self._retry(lambda: self._register(ns, ttl_s))
@@ -400,7 +410,10 @@ class Client:
         return self._blocks_call("/v1/evict", ns, hashes, idempotent=True)
 
     def stats(self) -> dict[str, Any]:
-        return self._retry(lambda: self._json("GET", "/v1/stats"))
+        """The daemon's view (``usage``; ``store`` for an admin) and this client's
+        ``layout_conflicts`` (see the attribute)."""
+        out = self._retry(lambda: self._json("GET", "/v1/stats"))
+        return {**out, "layout_conflicts": list(self.layout_conflicts)}
 
     def health(self) -> dict[str, Any]:
         """The daemon's liveness answer (``GET /healthz``): ``{"status": "ok"}``."""

@@ -130,7 +130,7 @@ def _namespaces(svc: Service) -> dict[str, Any]:
 
 def _lookup(svc: Service, body: PrefixIn) -> dict[str, Any]:
     ns, keys = _prefix(svc, body)
-    r = svc.store.lookup(ns, keys)
+    r = svc.store.peek(ns, keys)  # an operator's question: not engine traffic
     return {"ns": ns.root.hex(), "blocks": len(keys), "num_blocks": r.num_blocks, "num_tokens": r.num_tokens,
             "block_tokens": ns.block_tokens, "tiers": list(r.tiers), "unavailable": list(r.unavailable),
             "hashes": [k.hex() for k in keys]}

@@ -307,8 +307,12 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
         except (TypeError, KeyError, AttributeError, ValueError) as e:
             raise UsageError(f"not a namespace descriptor ({e}); send Namespace.to_dict()") from e
         _check_leaves(ns.to_dict(), "namespace")
-        ns_id = await ctx.run(svc.register, t, ns, body.ttl_s)
-        return {"ns": ns_id.hex(), "block_bytes": ns.block_bytes, "block_tokens": ns.block_tokens}
+        """Register a namespace. ``layout_conflicts``: this tenant's registered namespaces of
+        the same model deployment with another layout (block size, dtype, ...), each with the
+        differing fields; both stay usable, but their blocks never hit each other."""
+        ns_id, conflicts = await ctx.run(svc.register, t, ns, body.ttl_s)
+        return {"ns": ns_id.hex(), "block_bytes": ns.block_bytes, "block_tokens": ns.block_tokens,
+                "layout_conflicts": conflicts}
 
     @app.get("/v1/namespaces")
     async def namespaces(t: Auth) -> list[dict[str, Any]]:

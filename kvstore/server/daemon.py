@@ -125,7 +125,7 @@ class Daemon:
                 fds = FdServer()
                 fds.start()
             lim = cfg.limits
-            metrics = Metrics(store.stats)
+            metrics = Metrics(store.stats, service.namespace_tenants)
             gate = ConnectionGate(descriptor_budget(lim.max_connections), lim.max_connections_per_peer,
                                   metrics.refused.inc)
             ctx = DataContext(service, pool, metrics, arena_shm.buf if arena_shm else None, node_id(),

@@ -373,7 +373,7 @@ class Session:
         lease = None
         if self.ctx.arena is not None:
             lease = await self._call(svc.acquire, t, req.ns_id, hashes, for_client=False)
-            if lease.num_blocks < len(hashes) and (await self._call(svc.lookup, t, req.ns_id, hashes)).num_blocks > lease.num_blocks:
+            if lease.num_blocks < len(hashes) and (await self._call(svc.peek, t, req.ns_id, hashes)).num_blocks > lease.num_blocks:
                 # The arena could not take the whole prefix (full of blocks in use): serve it
                 # from where it is, through a buffer, rather than a shorter hit.
                 await self.ctx.run(svc.release, lease)

@@ -49,7 +49,7 @@ from kvstore.errors import (
     UnknownNamespaceError,
     UsageError,
 )
-from kvstore.inspection import pin_summary
+from kvstore.inspection import layout_conflicts, pin_summary
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.retention import PinRecord
 from kvstore.server.config import ANONYMOUS, ServerConfig, TenantSpec
@@ -157,6 +157,12 @@ class Service:
     def tenants(self) -> list[Tenant]:
         return list(self._tenants.values())
 
+    def namespace_tenants(self) -> dict[str, str]:
+        """``{stored namespace digest (hex): tenant name}`` of every namespace a tenant registered
+        (the labels of the per-tenant metrics)."""
+        with self._lock:
+            return {ns.root.hex(): t.name for t in self._tenants.values() for ns in t.namespaces.values()}
+
     def store_keys(self, t: Tenant, ns: Namespace, hashes: Sequence[bytes]) -> list[bytes]:
         """The stored keys of a tenant's client hashes in its (stored) namespace ``ns``."""
         if not t.key:
@@ -171,10 +177,12 @@ class Service:
 
     # ---- namespaces ---------------------------------------------------------------------------
 
-    def register(self, t: Tenant, ns: Namespace, ttl_s: float | None = None) -> bytes:
-        """Register ``ns`` for tenant ``t``; returns its id (the client's namespace root).
-        Everything is checked before the store sees it: a refused registration is never
-        written."""
+    def register(self, t: Tenant, ns: Namespace, ttl_s: float | None = None) -> tuple[bytes, list[dict[str, Any]]]:
+        """Register ``ns`` for tenant ``t``; returns its id (the client's namespace root) and
+        the layout conflicts it met: the tenant's registered namespaces of the same model
+        deployment with another layout, in the tenant's own namespace ids (the store logs and
+        counts them too). Everything is checked before the store sees it: a refused
+        registration is never written."""
         if ns.tenant_salt:
             raise UsageError("tenant_salt is chosen by the server; leave it empty in the namespace")
         if ttl_s is not None and not (math.isfinite(ttl_s) and ttl_s > 0):
@@ -193,7 +201,9 @@ class Service:
             self.store.register_namespace(stored, ttl_s)
             with self._lock:
                 t.namespaces[bytes(ns.root)] = stored
-        return bytes(ns.root)
+            # In the tenant's view: the unsalted namespaces, whose roots are its namespace ids.
+            others = [replace(o, tenant_salt="") for o in self.store.layout_conflicts(stored)]
+        return bytes(ns.root), layout_conflicts(ns, others)
 
     def _check_namespace_limit(self, t: Tenant, stored: Namespace) -> None:
         """QuotaExceededError when a new namespace would take the tenant past
@@ -231,6 +241,10 @@ class Service:
 
     def lookup(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> LookupResult:
         return self.store.lookup(*self._resolve(t, ns_id, hashes))
+
+    def peek(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> LookupResult:
+        """:meth:`lookup` for the daemon's own checks: not counted (KVStore.peek)."""
+        return self.store.peek(*self._resolve(t, ns_id, hashes))
 
     def lookup_nowait(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> LookupResult | None:
         """:meth:`lookup` answered from memory without waiting, or None (see KVStore.lookup_nowait)."""
@@ -388,7 +402,7 @@ class Service:
         reachable tier, unexpired or pinned), through the store's public lookup. Passing only
         those to the store keeps a put that extends the chain meanwhile out of a pin whose bytes
         were already counted."""
-        return self.store.lookup(ns, keys).num_blocks
+        return self.store.peek(ns, keys).num_blocks
 
     def _check_pin_quota(self, t: Tenant, ns: Namespace, keys: Sequence[bytes]) -> None:
         """RetentionError unless the tenant's guarantees, with these blocks, fit its pin_quota

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -133,7 +134,18 @@ class KVStore:
                 t.register_namespace(ns.root, ns.canonical_bytes())
             snap = self._namespaces.snapshot()
             self.events.namespace(ns, info.ttl_s)
+            conflicts = self._namespaces.note_conflicts(ns)
         self._namespaces.save(snap)
+        for w in conflicts:  # allowed (both layouts stay usable), never silent
+            log.warning("layout conflict on registration: %s", w["message"])
+
+    def layout_conflicts(self, ns: Namespace) -> list[Namespace]:
+        """Registered namespaces of ``ns``'s model deployment (model id, revision, rank, LoRA,
+        salt) with another layout (block size, dtype, layers, ...): blocks of one never hit the
+        other. :meth:`register_namespace` logs and counts them (``layout_conflicts`` in
+        :meth:`stats`, the recent ones in ``layout_conflict_warnings``)."""
+        with self._lock:
+            return self._namespaces.conflicts(ns)
 
     def namespaces(self) -> list[tuple[Namespace, float]]:
         with self._lock:
@@ -159,6 +171,14 @@ class KVStore:
         """How many leading blocks of ``hashes`` are cached and where, counting only tiers that
         can be reached now. Changes nothing, except that blocks other nodes wrote to a shared
         tier may be learned. Counted apart from loads (``lookup_blocks`` / ``lookup_hit_blocks``)."""
+        return self._lookup(ns, hashes, True)
+
+    def peek(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
+        """:meth:`lookup`, not counted: for the daemon's own checks (a pin's quota, a get's
+        fallback), so that the lookup counters hold only what engines asked."""
+        return self._lookup(ns, hashes, False)
+
+    def _lookup(self, ns: Namespace, hashes: Sequence[bytes], count: bool) -> LookupResult:
         info = self._ns(ns)
         self._loader.discover(info, hashes)
         avail = self._placer.available_mask()
@@ -166,12 +186,17 @@ class KVStore:
             _, tiers = self._loader.match(info, hashes, self._clock())
             masks = [int(b) & avail for b in tiers.tolist()]
             n = masks.index(0) if 0 in masks else len(masks)
-            c = self.counters
-            c.lookups += 1
-            c.lookup_blocks += len(hashes)
-            c.lookup_hit_blocks += n
+            if count:
+                c = self.counters
+                c.lookups += 1
+                c.lookup_blocks += len(hashes)
+                c.lookup_hit_blocks += n
+                info.lookup_blocks += len(hashes)
+                info.lookup_hit_blocks += n
         names = tuple(self.tiers[lowest_bit(b)].name for b in masks[:n])
         down = tuple(t.name for k, t in enumerate(self.tiers) if not avail >> k & 1)
+        if count:
+            self.events.lookup(info.namespace, hashes, names)  # type: ignore[arg-type]
         return LookupResult(n, info.namespace.block_tokens, names, down)  # type: ignore[union-attr]
 
     def get_into(self, ns: Namespace, hashes: Sequence[bytes], dst: Any | Sequence[Any]) -> int:
@@ -446,6 +471,12 @@ class KVStore:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             c = self.counters
+            traffic = [i.traffic() for i in self._namespaces if i.lookup_blocks or i.load_blocks]
+            tokens = {k: sum(t[k] * t["block_tokens"] for t in traffic)
+                      for k in ("lookup_blocks", "lookup_hit_blocks", "load_blocks", "hit_blocks")}
+            by_tier: Counter[str] = Counter()
+            for t in traffic:
+                by_tier.update(t["hit_tokens_by_tier"])
             return {
                 "blocks": len(self.index),
                 "index_bytes": self.index.memory_bytes(),
@@ -462,6 +493,17 @@ class KVStore:
                 "hit_blocks": c.hit_blocks,
                 "block_hit_rate": c.hit_blocks / c.load_blocks if c.load_blocks else 0.0,
                 "hits_by_tier": dict(c.per_tier_hits),
+                # Tokens, as LMCache reports them: asked for and found by lookups, requested
+                # and served by loads, and the served ones by the tier that served them.
+                "lookup_tokens": tokens["lookup_blocks"],
+                "lookup_hit_tokens": tokens["lookup_hit_blocks"],
+                "requested_tokens": tokens["load_blocks"],
+                "hit_tokens": tokens["hit_blocks"],
+                "token_hit_rate": tokens["hit_blocks"] / tokens["load_blocks"] if tokens["load_blocks"] else 0.0,
+                "hit_tokens_by_tier": dict(by_tier),
+                "namespace_traffic": traffic,
+                "layout_conflicts": self._namespaces.layout_conflicts,
+                "layout_conflict_warnings": list(self._namespaces.recent_conflicts),
                 "put_blocks": c.put_blocks,
                 "dedup_blocks": c.dedup_blocks,
                 "truncated_puts": c.truncated_puts,

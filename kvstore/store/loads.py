@@ -96,6 +96,7 @@ class Loader:
             c = self.ledger.counters
             c.loads += 1
             c.load_blocks += len(hashes)
+            info.load_blocks += len(hashes)
             if ids.size:
                 self.ledger.hold(ids)
             return LoadPlan(info, hashes, ids, masks.tolist(), now)
@@ -204,12 +205,15 @@ class Loader:
         c = self.ledger.counters
         c.hit_blocks += n
         c.loaded_blocks += n
+        plan.info.hit_blocks += n
         if not n:
             return
         hit = plan.ids[:n]
         self.ledger.touch_hits(hit, plan.now, plan.now + plan.info.ttl_s)
         for k in plan.served[:n]:
-            c.per_tier_hits[self.tiers[k].name] += 1
+            name = self.tiers[k].name
+            c.per_tier_hits[name] += 1
+            plan.info.hits_by_tier[name] += 1
 
     # ---- shared tiers -----------------------------------------------------------------------------
 

@@ -14,18 +14,20 @@ import json
 import logging
 import threading
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from kvstore.api import field_diffs
+from kvstore.api import layout_mismatch
 from kvstore.config import MAX_NAMESPACES
 from kvstore.errors import (
     KVStoreError,
-    LayoutMismatchError,
     QuotaExceededError,
     UnknownNamespaceError,
 )
+from kvstore.inspection import layout_conflicts
 from kvstore.keys import Namespace
 
 log = logging.getLogger("kvstore.store")
@@ -55,6 +57,24 @@ class NsInfo:
     digest: bytes
     namespace: Namespace | None  # None: seen on a persistent tier, not registered yet
     ttl_s: float
+    # Traffic of this namespace since the store opened (per-namespace and token counters).
+    lookup_blocks: int = 0
+    lookup_hit_blocks: int = 0
+    load_blocks: int = 0
+    hit_blocks: int = 0
+    hits_by_tier: Counter[str] = field(default_factory=Counter)
+
+    def traffic(self) -> dict[str, Any]:
+        bt = self.namespace.block_tokens if self.namespace is not None else 0
+        return {
+            "ns": self.digest.hex(), "model_id": self.namespace.model_id if self.namespace else None,
+            "block_tokens": bt, "lookup_blocks": self.lookup_blocks, "lookup_hit_blocks": self.lookup_hit_blocks,
+            "load_blocks": self.load_blocks, "hit_blocks": self.hit_blocks,
+            "hit_tokens_by_tier": {k: v * bt for k, v in self.hits_by_tier.items()},
+        }
+
+
+_RECENT_CONFLICTS = 16
 
 
 class NamespaceTable:
@@ -71,6 +91,8 @@ class NamespaceTable:
         self.by_digest: dict[bytes, NsInfo] = {}
         self.by_id: list[NsInfo] = []
         self.quarantined = 0
+        self.layout_conflicts = 0  # registrations that met another layout of their deployment
+        self.recent_conflicts: deque[dict[str, Any]] = deque(maxlen=_RECENT_CONFLICTS)
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -126,6 +148,22 @@ class NamespaceTable:
             self._version += 1
         return info, changed
 
+    def conflicts(self, ns: Namespace) -> list[Namespace]:
+        """Registered namespaces of ``ns``'s model deployment (model id, revision, rank, LoRA,
+        salt) with another layout: their blocks and ``ns``'s never hit each other."""
+        key = ns.model_key()
+        return [i.namespace for i in self.by_id
+                if i.namespace is not None and i.digest != ns.root and i.namespace.model_key() == key]
+
+    def note_conflicts(self, ns: Namespace) -> list[dict[str, Any]]:
+        """After registering ``ns``: count and remember its layout conflicts, as warnings
+        (:func:`kvstore.inspection.layout_conflicts`); empty when there are none."""
+        warnings = layout_conflicts(ns, self.conflicts(ns))
+        if warnings:
+            self.layout_conflicts += 1
+            self.recent_conflicts.extend(warnings)
+        return warnings
+
     def learned(self, digest: bytes, ns: Namespace, ttl_s: float) -> NsInfo:
         """A namespace found in a persistent tier's own data (a cold rebuild)."""
         info = self.by_digest.get(digest)
@@ -142,15 +180,7 @@ class NamespaceTable:
             return info
         for other in self.by_id:
             if other.namespace is not None and other.namespace.model_key() == ns.model_key():
-                diffs = [
-                    f"{k}: registered {a!r}, asked {b!r}"
-                    for k, a, b in field_diffs(other.namespace.to_dict(), ns.to_dict())
-                ]
-                raise LayoutMismatchError(
-                    f"namespace for model {ns.model_id!r} differs from the registered one "
-                    f"({'; '.join(diffs)}); its blocks are not interchangeable. Register this "
-                    "namespace explicitly if both layouts are meant to be cached."
-                )
+                raise layout_mismatch(other.namespace, ns)
         raise UnknownNamespaceError(
             f"namespace {ns.root.hex()} (model {ns.model_id!r}) is not registered; "
             "call store.register_namespace(ns) first"

@@ -260,11 +260,22 @@ def _show_stats(s: dict[str, Any]) -> None:
               f"{s['expired_blocks']:,} already expired, {s['namespaces']} namespaces")
         _show_pin_summary(s)
         return
-    lb = s.get("lookup_blocks", 0)
     print(f"  blocks {s['blocks']:,}  index {term.size(s.get('index_bytes'))}  namespaces {s['namespaces']}")
-    print(f"  lookups {s['lookups']:,}  blocks asked {lb:,}  served {s['hit_blocks']:,} ({term.pct(s['hit_blocks'], lb)})")
-    if s.get("hits_by_tier"):
-        print("  hits by tier: " + ", ".join(f"{k} {v:,}" for k, v in s["hits_by_tier"].items()))
+    # Lookups (what is cached?) and loads (serve it) apart: their hit rates differ by design.
+    lb, lh, ld, hb, lt, lht, rt, ht = (s.get(k, 0) for k in (  # an older daemon lacks some
+        "lookup_blocks", "lookup_hit_blocks", "load_blocks", "hit_blocks",
+        "lookup_tokens", "lookup_hit_tokens", "requested_tokens", "hit_tokens"))
+    print(f"  lookups {s['lookups']:,}: blocks asked {lb:,}, found {lh:,} ({term.pct(lh, lb)}); "
+          f"tokens asked {lt:,}, found {lht:,} ({term.pct(lht, lt)})")
+    print(f"  loads {s['loads']:,}: blocks asked {ld:,}, served {hb:,} ({term.pct(hb, ld)}); "
+          f"tokens requested {rt:,}, hit {ht:,} ({term.pct(ht, rt)})")
+    if s.get("hit_tokens_by_tier"):
+        print("  hit tokens by tier: " + ", ".join(f"{k} {v:,}" for k, v in s["hit_tokens_by_tier"].items()))
+    if s.get("layout_conflicts"):
+        print(f"  layout conflicts {s['layout_conflicts']:,} (registrations that met another layout of their "
+              "model deployment; `kvctl namespaces` lists them):")
+        for w in s.get("layout_conflict_warnings", [])[-3:]:
+            print(f"    {w['message']}")
     print(f"  puts {s['put_blocks']:,} (+{s['dedup_blocks']:,} deduplicated)  promotions {s['promotions']:,}  "
           f"demotions {s['demotions']:,}")
     print(f"  evictions {s['evictions']:,}  expirations {s['expirations']:,}  corrupt {s['corrupt_blocks']:,}  "

@@ -2,6 +2,7 @@
 
 One pass over the records in time order:
 
+* lookups apart (``lookups``: what engines asked was cached; nothing served), the rest is loads;
 * achieved: what the store served (``hit_tokens`` by tier and tenant, over time);
 * ideal: the same requests replayed through an *unlimited* cache that never forgets (a set of
   every block hash seen so far; a request hits its longest prefix in the set, then adds all its
@@ -91,10 +92,11 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
         elif kind == "usage":
             usage.append(rec)
     timed.sort(key=lambda x: (x[0], x[1]))
-    requests = [r for _, _, r in timed if r["type"] == "request"]
-    if not requests:
+    everything = [r for _, _, r in timed if r["type"] == "request"]
+    if not everything:
         raise ValueError("the event log holds no request records: nothing to report (is [events] enabled?)")
-    t0, t1 = requests[0]["t"], requests[-1]["t"]
+    requests = [r for r in everything if r.get("op") != "lookup"]  # loads; lookups count apart
+    t0, t1 = everything[0]["t"], everything[-1]["t"]
     width = next((b for b in _BUCKETS if (t1 - t0) / b < cfg.max_buckets), _BUCKETS[-1])
     nb = int((t1 - t0) // width) + 1
     fastest = tiers[0] if tiers else None
@@ -111,6 +113,7 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
     fate: dict[int, str] = {}
     block_events = 0
     total, tenants = _Tally(), defaultdict(_Tally)
+    lookups, tenant_lookups = _Tally(), defaultdict(_Tally)
     buckets = [_Tally() for _ in range(nb)]
     tenant_buckets: dict[str, list[_Tally]] = defaultdict(lambda: [_Tally() for _ in range(nb)])
     lost: Counter[str] = Counter()
@@ -154,6 +157,11 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
         hit_b = int(rec["hit_blocks"])
         by_tier = {k or "?": int(v) for k, v in rec.get("hit_tokens_by_tier", {}).items()}
         ns = rec["ns"]
+        if rec.get("op") == "lookup":
+            tenant = rec.get("tenant") or namespaces.get(ns, {}).get("tenant") or "-"
+            for tally in (lookups, tenant_lookups[tenant]):
+                tally.add(prompt, hit_b * bt, hit_b * bt, by_tier)
+            continue
         if "h" in rec:
             keys = decode_hashes(rec["h"]).tolist()
             n = len(keys)
@@ -203,7 +211,7 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
     return {
         "span": {"start": t0, "end": t1, "seconds": t1 - t0, "bucket_s": width},
         "config": {"prefill_tps": cfg.prefill_tps, "gpu_price": cfg.gpu_price, "currency": cfg.currency},
-        "log": {"requests": len(requests), "block_events": block_events, "requests_without_hashes": no_hashes,
+        "log": {"requests": len(requests), "lookups": len(everything) - len(requests), "block_events": block_events, "requests_without_hashes": no_hashes,
                 "namespaces": len(namespaces), "tiers": tiers},
         **_summary(total, cfg),
         "ideal": {"hit_tokens": total.ideal, "token_hit_rate": _rate(total.ideal, total.prompt),
@@ -214,6 +222,7 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
         "ages": _ages(ages, total.hit),
         "retention": _retention(gaps, total.prompt, total.hit),
         "latency": _latency(lookup_s, load_per_block),
+        "lookups": {**_lookups(lookups), "tenants": {n: _lookups(tl) for n, tl in sorted(tenant_lookups.items())}},
         "tenants": {name: _summary(tl, cfg) for name, tl in sorted(tenants.items())},
         "timeseries": {**_series(buckets, tenant_buckets, t0, width, tiers),
                        "tier_fill": _fill(usage, tiers, bucket, nb),
@@ -250,6 +259,13 @@ def _summary(t: _Tally, cfg: ReportConfig) -> dict[str, Any]:
         "usage": {"prompt_cache_hit_tokens": t.hit, "prompt_cache_miss_tokens": t.prompt - t.hit},
         "savings": {"tokens": t.hit, "gpu_seconds": gpu_s, "money": gpu_s / 3600 * cfg.gpu_price},
     }
+
+
+def _lookups(t: _Tally) -> dict[str, Any]:
+    """Lookups: asked what is cached, served nothing (the rest of the report is about loads)."""
+    return {"requests": t.requests, "prompt_tokens": t.prompt, "hit_tokens": t.hit,
+            "token_hit_rate": _rate(t.hit, t.prompt), "request_hit_rate": _rate(t.hit_requests, t.requests),
+            "hit_tokens_by_tier": dict(t.by_tier.most_common())}
 
 
 def _ages(ages: Counter[str], hit: int) -> dict[str, Any]:

@@ -101,8 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out is not None:
         out.write_text(render(report, args.title, sources))
         if not args.json:
-            print(f"kvreport: wrote {out}: {report['requests']:,} requests, token hit rate "
+            lk = report["lookups"]
+            print(f"kvreport: wrote {out}: {report['requests']:,} loads, token hit rate "
                   f"{100 * report['token_hit_rate']:.1f}% (unlimited cache {100 * report['ideal']['token_hit_rate']:.1f}%), "
+                  f"{lk['requests']:,} lookups, token hit rate {100 * lk['token_hit_rate']:.1f}%, "
                   f"{report['savings']['gpu_seconds'] / 3600:,.2f} GPU-hours saved")
     return 0
 
