@@ -83,11 +83,18 @@ class Loader:
     # ---- the plan -------------------------------------------------------------------------------
 
     def match(self, info: NsInfo, hashes: Sequence[bytes], now: float) -> tuple[np.ndarray, np.ndarray]:
-        """Under the lock: the matched prefix of ``hashes`` (ids and tier masks). A chain may run
-        through blocks of another namespace (a hybrid model's window pieces hang under its full
-        blocks); the daemon keys each tenant's namespaces apart."""
+        """Under the lock: the matched prefix of ``hashes`` in ``info``'s namespace (ids and tier
+        masks). A block cached under another namespace ends it: its bytes have that namespace's
+        layout (a put may hang blocks under another namespace's prefix, as a hybrid model's
+        window pieces hang under its full blocks, but a load never crosses)."""
         m = self.index.match(hashes, now)
-        return m.ids, m.tiers
+        ids, masks = m.ids, m.tiers
+        if ids.size:
+            other = self.index.ns[ids] != info.nid
+            if other.any():
+                n = int(np.argmax(other))
+                ids, masks = ids[:n], masks[:n]
+        return ids, masks
 
     def prepare_load(self, info: NsInfo, hashes: Sequence[bytes]) -> LoadPlan:
         with self.lock:

@@ -147,7 +147,7 @@ def test_namespace_and_tenant_labels_are_capped_and_overflow_into_other() -> Non
                 "load_blocks": 2, "hit_blocks": 1} for i in range(5)]
     stats = {"lookup_blocks": 5, "lookup_hit_blocks": 5, "load_blocks": 10, "hit_blocks": 5, "hits_by_tier": {},
              "lookup_tokens": 80, "lookup_hit_tokens": 80, "requested_tokens": 160, "hit_tokens": 80,
-             "hit_tokens_by_tier": {}, "namespace_traffic": traffic, "evictions": 0, "expirations": 0,
+             "hit_tokens_by_tier": {}, "namespace_traffic": traffic, "evictions": 0, "expirations": 0, "skipped_writes": 0, "skipped_bytes": 0,
              "corrupt_blocks": 0, "tier_errors": 0, "tiers": [], "demotions": 0, "promotions": 0,
              "put_blocks": 0, "layout_conflicts": 0, "blocks": 0}
     owners = {f"{i:032x}": f"t{i}" for i in range(5)}
