@@ -5,10 +5,12 @@ prefill node to a decode node (``docs/routing.md``).
   (vLLM's ``KVEventBatch`` over ZeroMQ, ``wire.py``, one :class:`~kvstore.route.feed.Feed` per
   stream) into one compact :class:`~kvstore.route.index.PrefixIndex`;
 * :func:`offer` / :func:`receive` (``handoff.py``): the two sides of a handoff;
-* ``python -m kvstore.route``: a router process answering over HTTP (``kvctl route`` too).
+* ``python -m kvstore.route``: a router process answering over HTTP (``kvctl route`` too);
+* :func:`control`: one call to a daemon's control plane (the handoff endpoints, benchmarks).
 """
 
+from kvstore.route._http import control
 from kvstore.route.handoff import Received, offer, receive
 from kvstore.route.router import Route, Router
 
-__all__ = ["Received", "Route", "Router", "offer", "receive"]
+__all__ = ["Received", "Route", "Router", "control", "offer", "receive"]

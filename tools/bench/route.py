@@ -47,8 +47,7 @@ from kvstore.client.spawn import LocalDaemon, start_daemon
 from kvstore.config import StoreConfig, TierSpec
 from kvstore.events import EventLog, EventsConfig
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
-from kvstore.route import Router, offer, receive
-from kvstore.route._http import control
+from kvstore.route import Router, control, offer, receive
 from kvstore.route.wire import BlockStored
 from kvstore.server.kvevents import KVEventPublisher
 from kvstore.store import KVStore
