@@ -37,8 +37,8 @@ from kvstore.errors import (
     TierIOError,
 )
 from kvstore.keys import BlockHash
+from kvstore.shm import Prefault, disown_arena, own_arena, reopen_readonly
 from kvstore.shm import attach_arena as attach_arena  # re-exported for older imports
-from kvstore.shm import disown_arena, own_arena, reopen_readonly
 from tiers._slab import SlabAllocator, SlabMapMixin
 from tiers.base import Tier
 
@@ -84,8 +84,10 @@ class DramConfig:
             )
 
 
-def _release_segment(shm: SharedMemory, name: str) -> None:
+def _release_segment(shm: SharedMemory, name: str, prefault: list[Prefault]) -> None:
     """Unmap and unlink ``shm`` once; the finalizer of a tier (it must not reference the tier)."""
+    for p in prefault:
+        p.stop()  # its thread holds a view of the arena
     # BufferError: a view of the arena is still alive somewhere (a caller kept a slice); the
     # mapping goes when that view does. Unlinking the name is what keeps /dev/shm clean.
     with contextlib.suppress(BufferError):
@@ -133,12 +135,16 @@ class DramTier(SlabMapMixin, Tier):
         # The creator stays registered with the resource tracker on purpose: if this process is
         # killed, the tracker unlinks the arena instead of leaving gigabytes in /dev/shm.
         own_arena(shm_name)
-        self._finalizer = weakref.finalize(self, _release_segment, shm, shm_name)
+        prefault: list[Prefault] = []
+        self._finalizer = weakref.finalize(self, _release_segment, shm, shm_name, prefault)
         try:
             self._reserve(shm)
+            # The pages are reserved now but not mapped: fault them in off the put path.
+            prefault.append(Prefault(shm.buf, write=True, name=f"kvstore-prefault-{name}"))
         except BaseException:
             self._finalizer()
             raise
+        self.prefault = prefault[0]
         self._shm = shm
         self._buf: memoryview = shm.buf
         self._shm_name = shm_name

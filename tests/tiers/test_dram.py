@@ -17,6 +17,7 @@ from kvstore.clock import FakeClock
 from kvstore.errors import ConfigError, TierFullError, TierIOError, UsageError
 from kvstore.registry import build_config, make_tier
 from kvstore.shm import attach_arena
+from tests.kvstore.test_shm import resident_bytes
 from tiers.dram import DramConfig, DramTier
 
 KiB = 1024
@@ -74,6 +75,28 @@ def test_garbage_collected_tier_unlinks_its_arena(tmp_path: Path) -> None:
     name = tier.shm_name
     del tier
     gc.collect()
+    assert not (SHM / name).exists()
+
+
+def test_the_arena_is_faulted_in_off_the_put_path(tmp_path: Path, make_block: MakeBlock) -> None:
+    tier = DramTier("d", DramConfig(8 * MiB, slab_bytes=1 * MiB), root=tmp_path)
+    try:
+        block = make_block(300 * KiB, seed=1)
+        tier.write(block.key, block.data, block.meta)  # puts need not wait for the prefault
+        assert tier.prefault.done.wait(600)  # a bound for a wedged thread only
+        assert tier.prefault.faulted_bytes == 8 * MiB
+        assert resident_bytes(tier._buf) >= 8 * MiB  # noqa: SLF001 - the tier's own mapping
+        out = bytearray(300 * KiB)
+        assert tier.read_into(block.key, memoryview(out)) == len(out) and bytes(out) == bytes(block.data)
+    finally:
+        tier.close()
+
+
+def test_a_tier_closed_while_it_faults_its_arena_in_unlinks_it(tmp_path: Path) -> None:
+    tier = DramTier("d", DramConfig(256 * MiB, slab_bytes=1 * MiB), root=tmp_path)
+    name = tier.shm_name
+    tier.close()  # the prefault thread is stopped first: it holds a view of the arena
+    assert tier.prefault.done.is_set()
     assert not (SHM / name).exists()
 
 
