@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from eviction.base import EvictionPolicy
-from kvstore.block import BlockMeta, payload_checksum
+from kvstore.block import CHECKSUM_DEFERRED, BlockMeta, payload_checksum
 from kvstore.errors import KVStoreError, MissingPrefixError, TierFullError, UsageError
 from kvstore.index import NO_PARENT
 from kvstore.keys import BlockHash
@@ -94,12 +94,11 @@ class Storer:
         self.persistent = [k for k, t in enumerate(self.tiers) if t.persistent]
         self.persistent_mask = placer.persistent_mask
 
-    def meta(self, plan: StorePlan, i: int) -> BlockMeta:
+    def meta(self, plan: StorePlan, i: int, bb: int) -> BlockMeta:
+        """Block ``i``'s metadata; its checksum is computed when a persistent copy is written."""
         info, hashes = plan.info, plan.hashes
-        src = plan.srcs[i - plan.start]
         parent = hashes[i - 1] if i else info.digest
-        bb = info.namespace.block_bytes  # type: ignore[union-attr]
-        return BlockMeta(info.digest, parent, i, bb, plan.now + info.ttl_s, payload_checksum(src), plan.now)
+        return BlockMeta(info.digest, parent, i, bb, plan.now + info.ttl_s, CHECKSUM_DEFERRED, plan.now)
 
     # ---- the plan ---------------------------------------------------------------------------------
 
@@ -134,15 +133,15 @@ class Storer:
         first = self.ledger.policies[0]
         if p is None and plan.fresh < len(plan.hashes) - 1 and type(first).admit is EvictionPolicy.admit:
             # Room for the whole new suffix at once in the first tier (which admits all).
-            bb = plan.info.namespace.block_bytes  # type: ignore[union-attr]
-            self.placer.reserve(0, len(plan.hashes) - plan.fresh, bb, set(plan.ids))
+            self.placer.reserve(0, len(plan.hashes) - plan.fresh, plan.info.namespace.block_bytes, set(plan.ids))  # type: ignore[union-attr]
+        bb = plan.info.namespace.block_bytes  # type: ignore[union-attr]
         for i in range(plan.start, len(plan.hashes)):
             bid = plan.ids[i]
             if idx.tiers[bid]:
                 c.dedup_blocks += 1
                 plan.stored_to = i + 1
                 continue
-            meta = self.meta(plan, i)
+            meta = self.meta(plan, i, bb)
             if i in plan.prewritten:
                 self.ledger.add_copy(bid, p, meta.size, meta.created, plan.placed)  # type: ignore[arg-type]
                 ok: bool | None = True
