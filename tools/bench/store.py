@@ -34,7 +34,7 @@ FILL_ROUNDS = 4
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    tokens = 1024 if args.quick else 4096
+    tokens = 512 if args.quick else 4096
     rounds = FILL_ROUNDS + (2 if args.quick else 4)
     for block_tokens in (256, 16):
         yield from _measure(tokens, block_tokens, rounds)

@@ -28,7 +28,7 @@ from tools.bench._daemon import BENCH_NS, TOKEN, bench_daemon, chain
 
 _RAW_SENDER = """
 import asyncio, sys
-from kvstore.ucxenv import apply_ucx_env
+from kvstore.ucxenv import apply_ucx_env, transfer_all
 apply_ucx_env()  # the same UCX settings as the daemon and the client
 import numpy as np, ucxx
 n, bb = int(sys.argv[1]), int(sys.argv[2])
@@ -40,8 +40,7 @@ async def main():
         try:
             while True:
                 await ep.recv(req)
-                for _ in range(n):
-                    await ep.send(src)
+                await transfer_all([ep.send(src) for _ in range(n)])  # as the daemon sends
         except Exception:
             done.set()
     lf = ucxx.create_listener(handler, port=0, endpoint_error_handling=True)
@@ -53,7 +52,7 @@ asyncio.run(main())
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     try:
-        from kvstore.ucxenv import apply_ucx_env
+        from kvstore.ucxenv import apply_ucx_env, transfer_all
 
         apply_ucx_env()  # the client's UCX settings, before ucxx is imported
         import ucxx
@@ -80,8 +79,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
         async def raw_round() -> None:
             await ep.send(np.zeros(1, np.uint8))
-            for v in views:
-                await ep.recv(v)
+            await transfer_all([ep.recv(v) for v in views])  # as the client receives
 
         sock_sender = subprocess.Popen([sys.executable, "-c", tcp.RAW_SENDER, str(n * bb)], stdout=subprocess.PIPE, text=True)
         assert sock_sender.stdout is not None
