@@ -20,19 +20,20 @@ import re
 import secrets
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 from typing import Any
 
 from kvstore.block import BlockMeta
-from kvstore.buffers import Buffer, byte_view
+from kvstore.buffers import Buffer, address, byte_view, span
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     BlockNotFound,
     BufferSizeError,
     ConfigError,
+    KVStoreError,
     TierFullError,
     TierIOError,
 )
@@ -222,6 +223,50 @@ class DramTier(SlabMapMixin, Tier):
             raise BufferSizeError(f"dst has {out.nbytes} bytes; block {key.hex()} needs {n}")
         out[:n] = self._buf[off : off + n]
         return n
+
+    def read_many(self, keys: Sequence[BlockHash], dsts: Sequence[memoryview]) -> list[int | KVStoreError]:
+        """Batched reads: blocks that lie back to back in the arena and are due back to back in
+        one caller buffer (a load's run into one destination) move in one copy."""
+        with self._lock:
+            entries = [self._map.get(k) for k in keys]
+        out: list[int | KVStoreError] = []
+        run: list[tuple[memoryview, int]] = []  # (dst view, size) of the run being gathered
+        run_off = run_end = run_addr = -1
+        for key, dst, entry in zip(keys, dsts, entries, strict=True):
+            if entry is None:
+                out.append(BlockNotFound(f"block {key.hex()} is not in tier {self.name!r}"))
+                self._copy_run(run, run_off)
+                run = []
+                continue
+            off, meta = entry
+            view, n = byte_view(dst, writable=True), meta.size
+            if view.nbytes < n:
+                out.append(BufferSizeError(f"dst has {view.nbytes} bytes; block {key.hex()} needs {n}"))
+                self._copy_run(run, run_off)
+                run = []
+                continue
+            out.append(n)
+            a = address(view)
+            if run and off == run_end and a == run_addr and view.obj is run[0][0].obj:
+                run.append((view, n))
+            else:
+                self._copy_run(run, run_off)
+                run, run_off = [(view, n)], off
+            run_end, run_addr = off + n, a + n
+        self._copy_run(run, run_off)
+        return out
+
+    def _copy_run(self, run: list[tuple[memoryview, int]], off: int) -> None:
+        if not run:
+            return
+        total = sum(n for _, n in run)
+        whole = span(run[0][0], total) if len(run) > 1 else None
+        if whole is not None:
+            whole[:] = self._buf[off : off + total]
+            return
+        for view, n in run:
+            view[:n] = self._buf[off : off + n]
+            off += n
 
     def write(self, key: BlockHash, src: Buffer, meta: BlockMeta, *, durable: bool = False) -> None:
         data = byte_view(src)

@@ -11,10 +11,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvstore.clock import FakeClock
-from kvstore.errors import ConfigError, TierFullError, TierIOError, UsageError
+from kvstore.errors import BlockNotFound, BufferSizeError, ConfigError, TierFullError, TierIOError, UsageError
 from kvstore.registry import build_config, make_tier
 from kvstore.shm import attach_arena
 from tests.kvstore.test_shm import resident_bytes
@@ -98,6 +99,34 @@ def test_a_tier_closed_while_it_faults_its_arena_in_unlinks_it(tmp_path: Path) -
     tier.close()  # the prefault thread is stopped first: it holds a view of the arena
     assert tier.prefault.done.is_set()
     assert not (SHM / name).exists()
+
+
+def test_read_many_moves_a_run_back_to_back_in_one_copy(dram: DramTier, make_block: MakeBlock, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocks = [make_block(64 * KiB, seed=i) for i in range(6)]
+    for b in blocks:
+        dram.write(b.key, b.data, b.meta)
+    assert [dram.location(b.key)[0] for b in blocks] == [i * 64 * KiB for i in range(6)]  # type: ignore[index]
+    copies: list[int] = []
+    real = dram._copy_run  # noqa: SLF001
+
+    def counting(run: list[tuple[memoryview, int]], off: int) -> None:
+        copies.append(len(run))
+        real(run, off)
+
+    monkeypatch.setattr(dram, "_copy_run", counting)
+    dst = np.zeros(6 * 64 * KiB, np.uint8)
+    views = [memoryview(dst)[i * 64 * KiB : (i + 1) * 64 * KiB] for i in range(6)]
+    other = bytearray(64 * KiB)  # block 4 goes elsewhere: the run breaks there
+    keys = [b.key for b in blocks]
+    out = dram.read_many([*keys[:4], make_block(10, seed=99).key, *keys[4:]], [*views[:4], views[4], other, views[5]])
+    assert out[:4] == [64 * KiB] * 4 and isinstance(out[4], BlockNotFound)
+    assert out[5:] == [64 * KiB] * 2
+    assert bytes(dst[: 4 * 64 * KiB]) == b"".join(bytes(b.data) for b in blocks[:4])
+    assert bytes(other) == bytes(blocks[4].data) and bytes(views[5]) == bytes(blocks[5].data)
+    assert [c for c in copies if c] == [4, 1, 1]  # one copy for the run, then the strays
+    small = [bytearray(10), bytearray(64 * KiB)]
+    out = dram.read_many(keys[:2], small)
+    assert isinstance(out[0], BufferSizeError) and out[1] == 64 * KiB and bytes(small[1]) == bytes(blocks[1].data)
 
 
 def test_explicit_name_and_collision(tmp_path: Path) -> None:
