@@ -98,7 +98,8 @@ def run(root: Path, days: float = 4.0, seed: int = 0, rate_per_hour: float = 60.
             clock.advance(float(rng.exponential(H / rate)))
             if clock() >= next_maintain:
                 store.maintain()
-                store.events.usage(store.stats()["tiers"])  # tier fill over time, as the daemon logs it
+                stats = store.stats()
+                store.events.usage(stats["tiers"], store=stats)  # tier fill and admission, as the daemon logs them
                 next_maintain = clock() + 600
             # A returning user (more likely the more there are), or a new conversation.
             if users and rng.random() < 0.7:
