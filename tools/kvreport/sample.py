@@ -28,6 +28,7 @@ from kvstore.config import StoreConfig, TierSpec
 from kvstore.events import EventsConfig
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.store import KVStore
+from kvstore.version import version
 
 _LAYOUT = KVLayout("bfloat16", 16, (LayerGroup("full", 1, 1, 64),))  # 4 KiB blocks: fast to move
 NS_A = Namespace("sample/chat-7b", _LAYOUT)
@@ -138,6 +139,7 @@ def run(root: Path, days: float = 4.0, seed: int = 0, rate_per_hour: float = 60.
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.kvreport.sample", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("dir", type=Path, help="output directory (its store/ is replaced)")
     p.add_argument("--days", type=float, default=4.0)
     p.add_argument("--rate", type=float, default=60.0, help="requests per hour at the daily peak")
