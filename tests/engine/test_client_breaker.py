@@ -167,6 +167,7 @@ def test_slow_store_is_given_up_and_a_late_lease_given_back(store: KVStore) -> N
     cache._io.submit(lambda: None).result()
     assert flaky.calls["acquire"] == 1 and flaky.calls["release"] == 1
     flaky.hold = None
+    cache._timeout = 60.0  # a healthy load on a loaded machine may take longer than 0.05 s
     assert cache.breaker.probe_now()
     assert _load_n(cache, hashes, 4) == 4
     cache.close()
@@ -228,13 +229,15 @@ def test_daemon_killed_and_restarted_under_an_engine_loop(tmp_path: Path) -> Non
     ports = ["--http-port", str(d.info["http_port"]), "--data-port", str(d.info["data_port"])]
     client = connect(d.url, timeout=5.0)
     flaky = Flaky(client, d.url)
-    cache = EngineCache(flaky, ns, shape, backoff_s=0.05, max_backoff_s=0.5)
+    # A long timeout: a slow healthy load on a loaded machine must not count as an outage, and a
+    # dead daemon is found by its refused connection, not by a timeout.
+    cache = EngineCache(flaky, ns, shape, timeout_s=60.0, backoff_s=0.05, max_backoff_s=0.5)
     engine = CachedLM(model, cache)
     try:
         _until_hit(engine, prompt, 64)
         cache.flush()
         d.kill()  # SIGKILL: what the DRAM tier held is gone with it
-        assert engine.prefill(prompt).hit_tokens == 0  # finds it down (the one slow call)
+        assert engine.prefill(prompt).hit_tokens == 0  # finds it down: its connection is refused
         assert not cache.available
         calls = flaky.data_calls()
         for _ in range(20):
@@ -264,7 +267,7 @@ def test_a_dead_daemon_costs_one_refused_connect_and_no_retries(tmp_path: Path, 
     ports = ["--http-port", str(d.info["http_port"]), "--data-port", str(d.info["data_port"])]
     client = connect(d.url)  # the default retries: a refusal must not use them
     flaky = Flaky(client, d.url)
-    cache = EngineCache(flaky, shape.namespace("test/refused"), shape, background=False)
+    cache = EngineCache(flaky, shape.namespace("test/refused"), shape, timeout_s=60.0, background=False)
     engine = CachedLM(model, cache)
     connects: list[tuple[str, int]] = []
     real = socket.create_connection
