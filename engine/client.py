@@ -8,9 +8,10 @@ flight the newest is dropped and counted (the cache is an optimisation; backpres
 engine would be worse than a miss later).
 
 The cache never breaks the engine. A call that finds the store unreachable (the daemon down or
-restarting) or slow (a load past ``timeout_s``) opens a :class:`Breaker`: from then on a load
-answers "no hit" and a store is dropped and counted, both at once and without touching the
-network, while a background thread reconnects with exponential backoff. The first probe that
+restarting: its refused connection is found at once, the client does not retry a refusal) or
+slow (a load past ``timeout_s``: a daemon that accepts and hangs) opens a :class:`Breaker`: from
+then on a load answers "no hit" and a store is dropped and counted, both at once and without
+touching the network, while a background thread reconnects with exponential backoff. The first probe that
 succeeds closes the breaker and hits resume by themselves.
 """
 
