@@ -128,7 +128,8 @@ class Ledger:
         idx = self.index
         parent = int(idx.parent[bid])
         idx.remove(bid)
-        self.dirty_expiry.discard(bid)
+        if self.dirty_expiry:
+            self.dirty_expiry.discard(bid)
         if parent != NO_PARENT and not idx.children[parent] and int(idx.tiers[parent]) & self._last_bit:
             self.policies[self.last].offer(parent)
 
@@ -174,15 +175,22 @@ class Ledger:
         key = idx.hash_of(bid)
         mask = int(idx.tiers[bid])
         self.events.dropped(key, mask, reason)
-        for k in bits(mask):
-            self.policies[k].remove(bid)
+        if mask & (mask - 1):
+            for k in bits(mask):
+                self.policies[k].remove(bid)
+        elif mask:
+            self.policies[mask.bit_length() - 1].remove(bid)
         self._unlink(bid)
         return key, mask
 
     def drop_hollow_leaves(self, bids: Sequence[int]) -> None:
         """Hollow leaves (no copy anywhere, no children, unused) leave the index, upwards."""
+        if not len(bids):
+            return
         idx = self.index
-        for bid in sorted(set(bids), key=lambda b: -int(idx.depth[b])):
+        ids = np.unique(np.asarray(bids, np.int64))
+        ids = ids[(idx.flags[ids] != 0) & (idx.tiers[ids] == 0)]  # the usual case: none is hollow
+        for bid in sorted(ids.tolist(), key=lambda b: -int(idx.depth[b])):
             while (
                 bid != NO_PARENT
                 and idx.hash_of_or_none(bid) is not None

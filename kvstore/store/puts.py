@@ -21,6 +21,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from eviction.base import EvictionPolicy
 from kvstore.block import BlockMeta, payload_checksum
 from kvstore.errors import KVStoreError, MissingPrefixError, TierFullError, UsageError
@@ -54,9 +56,11 @@ class StorePlan:
     """Positions before this are cached after the fill."""
 
 
-def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes], start: int) -> None:
+def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes], start: int) -> list[int]:
     """UsageError unless ``hashes`` can be one prefix chain of ``info``'s namespace: distinct
-    hashes, and each cached one under the previous hash of the chain, at its position.
+    hashes, and each cached one under the previous hash of the chain, at its position. Returns
+    the ids of the leading blocks the index knows (a node's parent is always in it, so the rest
+    of the chain is new to it).
 
     The blocks a put writes (from ``start`` on) must be this namespace's. The cached prefix it
     extends may be another namespace's: a hybrid model's window pieces hang under the blocks of
@@ -72,17 +76,28 @@ def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes], start:
                 )
             seen[h] = i
     idx = ledger.index
-    prev = NO_PARENT
-    for i, h in enumerate(hashes):
-        bid = idx.id_of(h)
-        if bid is None:
-            return  # the rest is new to the index (a node's parent is always in it)
-        if int(idx.parent[bid]) != prev or int(idx.depth[bid]) != i or (i >= start and int(idx.ns[bid]) != info.nid):
+    known = idx.known_prefix(hashes)
+    if known:
+        ids = np.array(known, np.int64)
+        parents = np.empty_like(ids)
+        parents[0], parents[1:] = NO_PARENT, ids[:-1]
+        bad = (idx.parent[ids] != parents) | (idx.depth[ids] != np.arange(ids.size))
+        bad[start:] |= idx.ns[ids[start:]] != info.nid
+        if bad.any():
+            i = int(np.argmax(bad))
             raise UsageError(
-                f"block {i} of the chain ({bytes(h).hex()}) is cached at another place (another "
+                f"block {i} of the chain ({bytes(hashes[i]).hex()}) is cached at another place (another "
                 "parent, depth or namespace); send the chain's hashes as hash_blocks computes them"
             )
-        prev = bid
+    return known
+
+
+def _cached(ledger: Ledger, known: list[int]) -> int:
+    """How many leading blocks of ``known`` are cached (not hollow)."""
+    if not known:
+        return 0
+    hollow = ledger.index.tiers[np.array(known, np.int64)] == 0
+    return int(np.argmax(hollow)) if hollow.any() else len(known)
 
 
 class Storer:
@@ -94,67 +109,62 @@ class Storer:
         self.persistent = [k for k, t in enumerate(self.tiers) if t.persistent]
         self.persistent_mask = placer.persistent_mask
 
-    def meta(self, plan: StorePlan, i: int) -> BlockMeta:
-        info, hashes = plan.info, plan.hashes
-        src = plan.srcs[i - plan.start]
-        parent = hashes[i - 1] if i else info.digest
-        bb = info.namespace.block_bytes  # type: ignore[union-attr]
-        return BlockMeta(info.digest, parent, i, bb, plan.now + info.ttl_s, payload_checksum(src), plan.now)
-
     # ---- the plan ---------------------------------------------------------------------------------
 
     def prepare_store(self, info: NsInfo, hashes: Sequence[bytes], start: int, srcs: list[memoryview], now: float) -> StorePlan:
         """Under the lock: validate, insert the hollow suffix, pin the chain."""
-        idx = self.index
-        validate_chain(self.ledger, info, hashes, start)
-        present = idx.match(hashes).num_blocks
+        known = validate_chain(self.ledger, info, hashes, start)
+        present = _cached(self.ledger, known)
         if present < start:
             raise MissingPrefixError(
                 f"block {present} of the chain is not cached, but the put starts at {start}: "
                 f"pass blocks from {present} on (start={present})"
             )
-        n = len(hashes)
-        fresh = start
-        while fresh < n and hashes[fresh] in idx:
-            fresh += 1
-        known = [idx.id_of(h) for h in hashes[:fresh]]
-        ids: list[int] = known  # type: ignore[assignment]
+        n, fresh = len(hashes), len(known)
+        ids = known
         if fresh < n:
             pid = ids[fresh - 1] if fresh else NO_PARENT
-            bb = info.namespace.block_bytes  # type: ignore[union-attr]
+            bb = info.block_bytes
             ids = ids + self.ledger.insert_chain(hashes[fresh:], pid, fresh, bb, info.nid, 0, now, now + info.ttl_s)
         self.ledger.pin(ids)
         return StorePlan(info, hashes, start, srcs, now, ids, list(ids), fresh)
 
     def fill(self, plan: StorePlan, durable: bool) -> None:
         """Under the lock: place each new block; the first that finds no room ends the chain."""
-        idx, c = self.index, self.ledger.counters
+        idx, c, placer = self.index, self.ledger.counters, self.placer
         p = self.persistent[0] if durable and self.persistent else None
         plan.stored_to = plan.start
-        first = self.ledger.policies[0]
-        if p is None and plan.fresh < len(plan.hashes) - 1 and type(first).admit is EvictionPolicy.admit:
-            # Room for the whole new suffix at once in the first tier (which admits all).
-            bb = plan.info.namespace.block_bytes  # type: ignore[union-attr]
-            self.placer.reserve(0, len(plan.hashes) - plan.fresh, bb, set(plan.ids))
-        for i in range(plan.start, len(plan.hashes)):
-            bid = plan.ids[i]
+        # The usual put: not durable, and a first tier that admits all. Room for the whole new
+        # suffix is made at once; each block then goes straight to tier 0 while it fits.
+        direct = p is None and type(self.ledger.policies[0]).admit is EvictionPolicy.admit
+        info, hashes, ids, srcs, start, now = plan.info, plan.hashes, plan.ids, plan.srcs, plan.start, plan.now
+        bb, digest, expiry = info.block_bytes, info.digest, plan.now + info.ttl_s
+        if direct and plan.fresh < len(hashes) - 1:
+            placer.reserve(0, len(hashes) - plan.fresh, bb, set(ids))
+        first, placed = self.tiers[0], plan.placed
+        for i in range(start, len(hashes)):
+            bid = ids[i]
             if idx.tiers[bid]:
                 c.dedup_blocks += 1
                 plan.stored_to = i + 1
                 continue
-            meta = self.meta(plan, i)
+            src = srcs[i - start]
+            meta = BlockMeta(digest, hashes[i - 1] if i else digest, i, bb, expiry, payload_checksum(src), now)
+            ok: bool | None
             if i in plan.prewritten:
-                self.ledger.add_copy(bid, p, meta.size, meta.created, plan.placed)  # type: ignore[arg-type]
-                ok: bool | None = True
+                self.ledger.add_copy(bid, p, bb, now, placed)  # type: ignore[arg-type]
+                ok = True
             elif p is not None:
-                ok = self.placer.place(bid, p, plan.srcs[i - plan.start], meta, {bid}, durable=True, deferred=plan.placed)
+                ok = placer.place(bid, p, src, meta, {bid}, durable=True, deferred=placed)
                 if not ok:
                     raise TierFullError(
                         f"tier {self.tiers[p].name!r} has no room for a durable copy of block {i}: "
                         "everything on it is pinned or in use; add capacity or unpin prefixes"
                     )
+            elif direct and first.fits(bb) and placer.write_copy(bid, 0, src, meta, deferred=placed):
+                ok = True
             else:
-                ok = self.placer.place_new(bid, plan.srcs[i - plan.start], meta, {bid}, plan.placed)
+                ok = placer.place_new(bid, src, meta, {bid}, placed)
             if not ok:
                 if ok is False:
                     c.truncated_puts += 1  # no room: the put keeps the leading blocks that fit
@@ -176,7 +186,7 @@ class Storer:
         persistent tier in one ``write_many``. Content addressing makes the early copy safe;
         :meth:`fill` records it under the lock. Returns the error of a failed write."""
         tier = self.tiers[self.persistent[0]]
-        bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        bb = info.block_bytes
         items = [
             (BlockHash(hashes[i]), srcs[i - start],
              BlockMeta(info.digest, hashes[i - 1] if i else info.digest, i, bb, now + info.ttl_s,
@@ -197,13 +207,12 @@ class Storer:
         if not self.persistent:
             return []
         idx = self.index
-        validate_chain(self.ledger, info, hashes, start)
-        if idx.match(hashes).num_blocks < start:
+        if _cached(self.ledger, validate_chain(self.ledger, info, hashes, start)) < start:
             return []
         todo = [i for i in range(start, len(hashes))
                 if (bid := idx.id_of(hashes[i])) is None or not int(idx.tiers[bid]) & self.persistent_mask]
         u = self.tiers[self.persistent[0]].usage()
-        bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        bb = info.block_bytes
         if len(todo) < 1 or u.capacity_bytes - u.used_bytes < len(todo) * bb:
             return []
         return todo
