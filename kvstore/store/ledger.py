@@ -151,11 +151,16 @@ class Ledger:
 
     def enter_deferred(self, placed: list[tuple[int, int, int]], now: float) -> None:
         # Leaves first, as after a restart: a last-tier policy that orders by arrival then meets
-        # a chain's leaf before its parents.
-        idx = self.index
-        for k, bid, size in reversed(placed):
-            if idx.hash_of_or_none(bid) is not None and int(idx.tiers[bid]) & (1 << k):
-                self.policies[k].insert(bid, size, now)
+        # a chain's leaf before its parents. One insert_many (every entry is of the last tier).
+        if not placed:
+            return
+        idx, k = self.index, self.last
+        ids = np.fromiter((bid for _, bid, _ in reversed(placed)), np.int64, len(placed))
+        sizes = np.fromiter((size for _, _, size in reversed(placed)), np.int64, len(placed))
+        here = (idx.flags[ids] != 0) & ((idx.tiers[ids] >> k) & 1 != 0)  # still there
+        if not here.all():
+            ids, sizes = ids[here], sizes[here]
+        self.policies[k].insert_many(ids, sizes, now)
 
     def learn(self, bid: int, k: int, size: int, created: float) -> None:
         """A copy the tier already held (found by a probe) enters tier ``k``'s policy."""
@@ -188,9 +193,11 @@ class Ledger:
         if not len(bids):
             return
         idx = self.index
-        ids = np.unique(np.asarray(bids, np.int64))
+        ids = np.asarray(bids, np.int64)
         ids = ids[(idx.flags[ids] != 0) & (idx.tiers[ids] == 0)]  # the usual case: none is hollow
-        for bid in sorted(ids.tolist(), key=lambda b: -int(idx.depth[b])):
+        if not ids.size:
+            return
+        for bid in sorted(set(ids.tolist()), key=lambda b: -int(idx.depth[b])):
             while (
                 bid != NO_PARENT
                 and idx.hash_of_or_none(bid) is not None

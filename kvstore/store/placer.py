@@ -457,8 +457,7 @@ class Placer:
 
     def drop_block(self, bid: int, reason: str) -> None:
         key, mask = self.ledger.drop_block(bid, reason)
-        if self.durable:
-            self.durable.discard(key)
+        self.durable.discard(key)
         self._delete(key, mask)
 
     def expire(self, now: float, cap: int) -> int:
