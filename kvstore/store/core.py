@@ -330,6 +330,20 @@ class KVStore:
             try:
                 if todo:
                     storer.adopt_prewritten(plan, todo)
+                if not durable:
+                    storer.stage(plan)  # room in the first tier, made now; the bytes move below
+            except BaseException:
+                storer.complete_store(plan)
+                raise
+        try:
+            if plan.staged:
+                storer.write_staged(plan)  # the payload copies, without the store lock
+        except BaseException:
+            with self._lock:
+                storer.complete_store(plan)
+            raise
+        with self._lock:
+            try:
                 storer.fill(plan, durable)
                 if durable:
                     if early is not None:

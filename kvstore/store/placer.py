@@ -231,7 +231,8 @@ class Placer:
         Stops at the first victim it cannot find; the placements that follow decide."""
         tier = self.tiers[k]
         u = tier.usage()
-        room = (u.capacity_bytes - u.used_bytes) // max(tier.size_class(size), 1)
+        # A slab tier's slot of this size class, else the block itself (size_class 0).
+        room = (u.capacity_bytes - u.used_bytes) // max(tier.size_class(size) or size, 1)
         if count <= room:
             return
         self.expire(self.clock(), self.config.expire_work_cap)
@@ -447,6 +448,12 @@ class Placer:
             except TierIOError as e:
                 self.ledger.counters.tier_errors += 1
                 log.error("delete of %s from tier %s failed: %s", key.hex(), self.tiers[k].name, e)
+
+    def delete_unpublished(self, k: int, keys: list[BlockHash]) -> None:
+        """Delete copies a put wrote to tier ``k`` but did not publish (the ledger never
+        recorded them)."""
+        for key in keys:
+            self._delete(key, 1 << k)
 
     def drop_copy(self, bid: int, k: int) -> None:
         """Remove tier ``k``'s copy; a block left with no copy stays in the index only as a

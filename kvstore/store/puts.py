@@ -9,6 +9,16 @@ the chain there: the put stores the leading blocks that fit and says how many. `
 enters the chain into the last tier's policy leaves first, unpins it and removes the hollow
 suffix a short put left.
 
+The bytes of a put move outside the store lock (vLLM's offloading manager: prepare, transfer,
+complete). Under the lock, :meth:`Storer.stage` makes room in the first tier for the new suffix
+(choose, then apply) and marks its blocks as being written; then, without the lock, one
+``write_many`` copies their payloads into the first tier; under the lock again, :meth:`fill`
+publishes each copy that landed and places the rest the old way (make room, write), a block that
+finds no room ending the chain. Until then the blocks are hollow (a lookup stops there) and
+pinned; another put of the same chain stops at them. A copy that landed past the end of the
+chain is deleted by :meth:`complete_store`. A put whose first tier refuses some blocks (a
+policy's ``admit``) writes under the lock, as do demotions that make room.
+
 Durable puts write each block once: new blocks go straight to the first persistent tier, synced
 (before the store lock is taken when the tier has room for them all, so that a slow disk holds
 up this put only), and blocks of the chain cached earlier without a persistent copy are copied
@@ -54,6 +64,12 @@ class StorePlan:
     new: int = 0
     stored_to: int = 0
     """Positions before this are cached after the fill."""
+    staged: list[int] = field(default_factory=list)
+    """Positions whose payloads go to the first tier outside the lock (:meth:`Storer.stage`)."""
+    metas: dict[int, BlockMeta] = field(default_factory=dict)
+    """The metadata written with each staged position."""
+    written: dict[int, KVStoreError | None] = field(default_factory=dict)
+    """Staged positions not yet published: None when the copy landed, else the error."""
 
 
 def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes], start: int) -> list[int]:
@@ -108,6 +124,8 @@ class Storer:
         self.tiers = placer.tiers
         self.persistent = [k for k, t in enumerate(self.tiers) if t.persistent]
         self.persistent_mask = placer.persistent_mask
+        self.writing: set[int] = set()
+        """Blocks a put is writing outside the lock: hollow until it publishes them."""
 
     # ---- the plan ---------------------------------------------------------------------------------
 
@@ -129,42 +147,82 @@ class Storer:
         self.ledger.pin(ids)
         return StorePlan(info, hashes, start, srcs, now, ids, list(ids), fresh)
 
+    def _direct(self) -> bool:
+        """Whether a put that is not durable writes straight to the first tier (its policy
+        admits every block)."""
+        return type(self.ledger.policies[0]).admit is EvictionPolicy.admit
+
+    def stage(self, plan: StorePlan) -> None:
+        """Under the lock, for a put that is not durable: make room in the first tier for the
+        new suffix at once and mark its blocks as being written (:meth:`write_staged`)."""
+        if not self._direct() or plan.fresh >= len(plan.hashes):
+            return
+        ids = plan.ids
+        if plan.fresh < len(plan.hashes) - 1:
+            self.placer.reserve(0, len(plan.hashes) - plan.fresh, plan.info.block_bytes, set(ids))
+        plan.staged = list(range(plan.fresh, len(plan.hashes)))
+        self.writing.update(ids[plan.fresh :])
+
+    def write_staged(self, plan: StorePlan) -> None:
+        """Outside the lock: the staged payloads into the first tier, one ``write_many``."""
+        info, hashes, srcs, start, now = plan.info, plan.hashes, plan.srcs, plan.start, plan.now
+        bb, digest, expiry = info.block_bytes, info.digest, now + info.ttl_s
+        metas = plan.metas
+        items = []
+        for i in plan.staged:
+            src = srcs[i - start]
+            metas[i] = meta = BlockMeta(digest, hashes[i - 1] if i else digest, i, bb, expiry, payload_checksum(src), now)
+            items.append((BlockHash(hashes[i]), src, meta))
+        try:
+            results = self.tiers[0].write_many(items)
+        except BaseException:
+            plan.written = dict.fromkeys(plan.staged)  # not known which landed: all are deleted
+            raise
+        plan.written = dict(zip(plan.staged, results, strict=True))
+
     def fill(self, plan: StorePlan, durable: bool) -> None:
-        """Under the lock: place each new block; the first that finds no room ends the chain."""
+        """Under the lock: publish the staged copies that landed and place the other new
+        blocks; the first block that finds no room ends the chain."""
         idx, c, placer = self.index, self.ledger.counters, self.placer
         p = self.persistent[0] if durable and self.persistent else None
         plan.stored_to = plan.start
-        # The usual put: not durable, and a first tier that admits all. Room for the whole new
-        # suffix is made at once; each block then goes straight to tier 0 while it fits.
-        direct = p is None and type(self.ledger.policies[0]).admit is EvictionPolicy.admit
+        direct = p is None and self._direct()
         info, hashes, ids, srcs, start, now = plan.info, plan.hashes, plan.ids, plan.srcs, plan.start, plan.now
         bb, digest, expiry = info.block_bytes, info.digest, plan.now + info.ttl_s
-        if direct and plan.fresh < len(hashes) - 1:
-            placer.reserve(0, len(hashes) - plan.fresh, bb, set(ids))
-        first, placed = self.tiers[0], plan.placed
+        first, placed, written, writing = self.tiers[0], plan.placed, plan.written, self.writing
         for i in range(start, len(hashes)):
             bid = ids[i]
             if idx.tiers[bid]:
                 c.dedup_blocks += 1
                 plan.stored_to = i + 1
                 continue
-            src = srcs[i - start]
-            meta = BlockMeta(digest, hashes[i - 1] if i else digest, i, bb, expiry, payload_checksum(src), now)
             ok: bool | None
-            if i in plan.prewritten:
-                self.ledger.add_copy(bid, p, bb, now, placed)  # type: ignore[arg-type]
-                ok = True
-            elif p is not None:
-                ok = placer.place(bid, p, src, meta, {bid}, durable=True, deferred=placed)
-                if not ok:
-                    raise TierFullError(
-                        f"tier {self.tiers[p].name!r} has no room for a durable copy of block {i}: "
-                        "everything on it is pinned or in use; add capacity or unpin prefixes"
-                    )
-            elif direct and first.fits(bb) and placer.write_copy(bid, 0, src, meta, deferred=placed):
-                ok = True
+            if i in written:
+                err = written.pop(i)
+                if err is None:  # landed outside the lock: publish it
+                    self.ledger.add_copy(bid, 0, bb, now, placed)
+                    ok = True
+                else:  # the first tier refused it (room taken meanwhile, or an error): as below
+                    ok = placer.place_new(bid, srcs[i - start], plan.metas[i], {bid}, placed)
+            elif bid in writing:
+                break  # another put is writing this block now: its chain goes on from there
             else:
-                ok = placer.place_new(bid, src, meta, {bid}, placed)
+                src = srcs[i - start]
+                meta = BlockMeta(digest, hashes[i - 1] if i else digest, i, bb, expiry, payload_checksum(src), now)
+                if i in plan.prewritten:
+                    self.ledger.add_copy(bid, p, bb, now, placed)  # type: ignore[arg-type]
+                    ok = True
+                elif p is not None:
+                    ok = placer.place(bid, p, src, meta, {bid}, durable=True, deferred=placed)
+                    if not ok:
+                        raise TierFullError(
+                            f"tier {self.tiers[p].name!r} has no room for a durable copy of block {i}: "
+                            "everything on it is pinned or in use; add capacity or unpin prefixes"
+                        )
+                elif direct and first.fits(bb) and placer.write_copy(bid, 0, src, meta, deferred=placed):
+                    ok = True
+                else:
+                    ok = placer.place_new(bid, src, meta, {bid}, placed)
             if not ok:
                 if ok is False:
                     c.truncated_puts += 1  # no room: the put keeps the leading blocks that fit
@@ -174,7 +232,13 @@ class Storer:
             c.put_blocks += 1
 
     def complete_store(self, plan: StorePlan) -> None:
-        """Under the lock: policies learn the chain leaves first; unpin; drop the hollow rest."""
+        """Under the lock: delete staged copies that were not published (past the end of a
+        short chain); policies learn the chain leaves first; unpin; drop the hollow rest."""
+        if plan.staged:
+            leftover = [BlockHash(plan.hashes[i]) for i, err in plan.written.items() if err is None]
+            self.writing.difference_update(plan.ids[plan.fresh :])
+            if leftover:
+                self.placer.delete_unpublished(0, leftover)
         self.ledger.enter_deferred(plan.placed, plan.now)
         self.ledger.unpin(plan.pinned)
         self.ledger.drop_hollow_leaves(plan.pinned)
