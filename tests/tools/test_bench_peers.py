@@ -113,6 +113,26 @@ def test_comparisons_state_the_goals_of_the_issue() -> None:
     assert rows["kvstore-tcp_vs_mooncake_4k_store"]["goal_ratio"] is None
 
 
+def test_table_shows_spreads_and_goal_counts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tools.bench._peers.table import load, spread, tables
+
+    assert spread([1.0, 2.5], 2) == "1.00–2.50" and spread([3.0], 2) == "3.00 (1 of 2 runs)" and spread([], 1) == "—"
+    w = Workload(tokens=4096, fit=4)
+    paths = []
+    for i, kv in enumerate((6.5, 5.5)):
+        figs = {"kvstore": _res(kv, 6.0), "lmcache-cpu": _res(5.0, 4.0)}
+        rows = [r for p, res in figs.items() for r in peer_rows(p, w, res)]
+        rows += compare(w, {p: res["figures"] for p, res in figs.items()})
+        rows += peer_rows("mooncake", w, {"unavailable": "not installed"})
+        path = tmp_path / f"run{i}.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+        paths.append(str(path))
+    text = tables(load(paths))
+    assert "| kvstore | 5.50–6.50 | 6.00 | 10.00 |" in text
+    assert "| mooncake | unavailable: not installed |" in text
+    assert "| kvstore vs lmcache-cpu | 1.10–1.30 | 1.50 | ≥ 1.2 | 1, 2 of 2 |" in text
+
+
 # ---- the adapter contract, against kvstore and the baselines ---------------------------------
 
 

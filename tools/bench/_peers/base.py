@@ -16,6 +16,10 @@ class PeerUnavailable(Exception):
 
 
 class Adapter(ABC):
+    serial = False
+    """The store serves one call at a time (its handles share one lock): the concurrent phase
+    would only measure a queue, so it is skipped and says so."""
+
     """One store under the workload.
 
     Lifecycle: :meth:`open` once, then any number of :meth:`store`, :meth:`lookup` and
