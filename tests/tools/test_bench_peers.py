@@ -33,7 +33,8 @@ def tiny(tmp_path, **kw) -> Workload:  # type: ignore[no-untyped-def]
 
 
 def test_only_selects_peers_and_families_in_run_order() -> None:
-    assert select("kvstore") == ["kvstore", "kvstore-shm", "kvstore-tcp"]
+    assert select("kvstore*") == ["kvstore", "kvstore-shm", "kvstore-tcp"]
+    assert select("kvstore") == ["kvstore"]
     assert select("mooncake,memcpy") == ["memcpy", "mooncake"]
     assert select("lmcache") == ["lmcache-cpu", "lmcache-disk", "lmcache-redis"]
     assert select("kvstore-tcp") == ["kvstore-tcp"]
@@ -207,7 +208,7 @@ def test_child_spec_round_trips_the_workload(tmp_path) -> None:  # type: ignore[
 @pytest.mark.slow
 def test_quick_run_of_kvstore_and_the_baselines(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     code = bench_main(["peers", "--json", "--quick", "--layers", "2", "--clients", "4",
-                       "--only", "kvstore,memcpy,socket", "--dir", str(tmp_path)])
+                       "--only", "kvstore*,memcpy,socket", "--dir", str(tmp_path)])
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     peers = {"memcpy", "socket", "kvstore", "kvstore-shm", "kvstore-tcp"}

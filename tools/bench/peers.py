@@ -57,15 +57,22 @@ def label(tokens: int) -> str:
 
 
 def select(only: str | None) -> list[str]:
-    """Peers named by ``--only`` (a name, or a family: ``kvstore``, ``lmcache``), in run order."""
+    """Peers named by ``--only``, in run order: a peer's name, or a family (``lmcache``, or a
+    prefix ending in ``*``: ``kvstore*`` is kvstore in process and through its daemon)."""
     if not only:
         return list(PEERS)
+
+    def picks(item: str, peer: str) -> bool:
+        if item.endswith("*"):
+            return peer.startswith(item[:-1])
+        return peer == item or (item not in PEERS and peer.startswith(item + "-"))
+
     want = [x.strip() for x in only.split(",") if x.strip()]
-    unknown = [x for x in want if not any(p == x or p.startswith(x + "-") for p in PEERS)]
+    unknown = [x for x in want if not any(picks(x, p) for p in PEERS)]
     if unknown:
         raise SystemExit(f"--only: unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEERS)} "
-                         "(or a family: kvstore, lmcache)")
-    return [p for p in PEERS if any(p == x or p.startswith(x + "-") for x in want)]
+                         "(or a family: lmcache, kvstore*)")
+    return [p for p in PEERS if any(picks(x, p) for x in want)]
 
 
 def workload(args: argparse.Namespace, tokens: int) -> Workload:
@@ -193,7 +200,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {label(QUICK_SIZES[0])}-token requests, 2 rounds")
-    p.add_argument("--only", metavar="NAMES", help="comma-separated peers or families to run (default: all)")
+    p.add_argument("--only", metavar="NAMES", help="comma-separated peers or families to run (lmcache, kvstore*: "
+                   "in process and through the daemon; default: all)")
     p.add_argument("--sizes", type=lambda s: tuple(int(x) for x in s.split(",")), metavar="TOKENS,...",
                    help=f"request sizes in tokens (default {','.join(map(str, SIZES))})")
     p.add_argument("--fit", type=int, default=0, help="requests the capacity holds (default 4 up to 8K tokens, else 1)")
