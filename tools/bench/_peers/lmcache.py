@@ -50,9 +50,13 @@ def _connector_class() -> type:
     import torch
     from lmcache.v1.gpu_connector import GPUConnectorInterface
 
+    def _bytes(memory_obj: Any) -> np.ndarray:
+        return memory_obj.tensor.view(torch.uint8).view(-1).numpy()
+
     class CpuCopyConnector(GPUConnectorInterface):
         """LMCache's connector contract on the CPU: the caller's buffer is ``kv`` (flat bytes,
-        ``token_bytes`` a token, chunks contiguous); one copy each way."""
+        ``token_bytes`` a token, chunks contiguous); one ``np.copyto`` each way (torch's
+        ``copy_`` of bytes ran at half its speed here: 1.1 against 1.9-2.4 GB/s)."""
 
         def __init__(self, kv_shape: tuple[int, ...], token_bytes: int) -> None:
             self.kv_shape, self.token_bytes = kv_shape, token_bytes
@@ -62,10 +66,10 @@ def _connector_class() -> type:
             return torch.Size([layers, kv, num_tokens, heads, dim])
 
         def from_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
-            memory_obj.tensor.view(torch.uint8).view(-1).copy_(kw["kv"][start * self.token_bytes : end * self.token_bytes])
+            np.copyto(_bytes(memory_obj), kw["kv"][start * self.token_bytes : end * self.token_bytes])
 
         def to_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
-            kw["kv"][start * self.token_bytes : end * self.token_bytes].copy_(memory_obj.tensor.view(torch.uint8).view(-1))
+            np.copyto(kw["kv"][start * self.token_bytes : end * self.token_bytes], _bytes(memory_obj))
 
         def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
             for m, s, e in zip(memory_objs, starts, ends, strict=True):
@@ -119,7 +123,7 @@ class _LMCache(Adapter):
     def store(self, req: Request, src: np.ndarray) -> None:
         tokens = self._tokens(req)
         with self._lock:
-            self.engine.store(tokens, kv=self._torch.from_numpy(src))
+            self.engine.store(tokens, kv=src)
         if self.backend != "LocalCPUBackend":
             deadline = time.monotonic() + SETTLE_TIMEOUT_S
             while self.engine.lookup(tokens, search_range=[self.backend]) < len(tokens):
@@ -132,7 +136,7 @@ class _LMCache(Adapter):
 
     def retrieve(self, req: Request, dst: np.ndarray) -> int:
         with self._lock:
-            mask = self.engine.retrieve(self._tokens(req), kv=self._torch.from_numpy(dst))
+            mask = self.engine.retrieve(self._tokens(req), kv=dst)
         return int(mask.sum())
 
     def close(self) -> None:
