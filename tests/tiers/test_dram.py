@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 
 from kvstore.clock import FakeClock
-from kvstore.errors import BlockNotFound, BufferSizeError, ConfigError, TierFullError, TierIOError, UsageError
+from kvstore.errors import (
+    BlockNotFound,
+    BufferSizeError,
+    ConfigError,
+    TierFullError,
+    TierIOError,
+    UsageError,
+)
 from kvstore.registry import build_config, make_tier
 from kvstore.shm import attach_arena
 from tests.kvstore.test_shm import resident_bytes
