@@ -91,13 +91,13 @@ def address(mv: memoryview) -> int:
 
 
 
-def span(first: memoryview, nbytes: int) -> memoryview | None:
-    """A writable view of ``nbytes`` from ``first``'s first byte on, of the exporter ``first``
-    was cut from (so that views lying back to back in it move in one copy: a copy of many MiB
-    runs with the non-temporal stores that one of 2 MiB does not get); None when that memory is
-    not one flat writable buffer of that size."""
+def span(first: memoryview, nbytes: int, *, writable: bool = True) -> memoryview | None:
+    """A view of ``nbytes`` from ``first``'s first byte on, of the exporter ``first`` was cut
+    from (so that views lying back to back in it move in one copy: a copy of many MiB runs with
+    the non-temporal stores that one of 2 MiB does not get); None when that memory is not one
+    flat buffer of that size (writable, with ``writable``)."""
     try:
-        whole = byte_view(first.obj, writable=True)
+        whole = byte_view(first.obj, writable=writable)
     except (UsageError, TypeError, ValueError):
         return None
     at = address(first) - address(whole)

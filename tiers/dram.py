@@ -270,6 +270,44 @@ class DramTier(SlabMapMixin, Tier):
 
     def write(self, key: BlockHash, src: Buffer, meta: BlockMeta, *, durable: bool = False) -> None:
         data = byte_view(src)
+        off, fresh = self._slot(key, data, meta)
+        self._buf[off : off + data.nbytes] = data
+        self._publish(key, off, meta, fresh)
+
+    def write_many(
+        self, items: Sequence[tuple[BlockHash, Buffer, BlockMeta]], *, durable: bool = False
+    ) -> list[KVStoreError | None]:
+        """Batched writes: slots for every block first, then payloads that lie back to back in
+        one caller buffer and land in consecutive slots (a put's run into a fresh or evenly
+        emptied arena) move in one copy."""
+        out: list[KVStoreError | None] = []
+        taken: list[tuple[BlockHash, memoryview, BlockMeta, int, bool]] = []
+        for key, src, meta in items:
+            try:
+                data = byte_view(src)
+                taken.append((key, data, meta, *self._slot(key, data, meta)))
+                out.append(None)
+            except KVStoreError as e:
+                out.append(e)
+        i = 0
+        while i < len(taken):
+            data, off = taken[i][1], taken[i][3]
+            end, at, j = off + data.nbytes, address(data) + data.nbytes, i + 1
+            while j < len(taken) and taken[j][3] == end and address(taken[j][1]) == at and taken[j][1].obj is data.obj:
+                end, at, j = end + taken[j][1].nbytes, at + taken[j][1].nbytes, j + 1
+            whole = span(data, end - off, writable=False) if j - i > 1 else None
+            if whole is not None:
+                self._buf[off:end] = whole
+            else:
+                for _, d, _, o, _ in taken[i:j]:
+                    self._buf[o : o + d.nbytes] = d
+            i = j
+        for key, _, meta, off, fresh in taken:
+            self._publish(key, off, meta, fresh)
+        return out
+
+    def _slot(self, key: BlockHash, data: memoryview, meta: BlockMeta) -> tuple[int, bool]:
+        """The offset ``key``'s payload goes to, and whether it is a fresh slot."""
         n = data.nbytes
         if n != meta.size:
             raise BufferSizeError(f"src has {n} bytes but meta.size says {meta.size}")
@@ -280,15 +318,15 @@ class DramTier(SlabMapMixin, Tier):
             old = self._map.get(key)
             if old is not None and self._alloc.slot_bytes(old[1].size) == slot:
                 # Rewrite in place: a full arena can still replace a block with one of its class.
-                off, fresh = old[0], False
-            else:
-                got = self._alloc.alloc(n)
-                if got is None:
-                    raise TierFullError(
-                        f"dram tier {self.name!r} has no free {slot}-byte slot for block {key.hex()}"
-                    )
-                off, fresh = got, True
-        self._buf[off : off + n] = data
+                return old[0], False
+            got = self._alloc.alloc(n)
+            if got is None:
+                raise TierFullError(
+                    f"dram tier {self.name!r} has no free {slot}-byte slot for block {key.hex()}"
+                )
+            return got, True
+
+    def _publish(self, key: BlockHash, off: int, meta: BlockMeta, fresh: bool) -> None:
         with self._lock:
             prev = self._map.get(key)
             self._map[key] = (off, meta)

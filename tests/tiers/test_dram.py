@@ -136,6 +136,32 @@ def test_read_many_moves_a_run_back_to_back_in_one_copy(dram: DramTier, make_blo
     assert isinstance(out[0], BufferSizeError) and out[1] == 64 * KiB and bytes(small[1]) == bytes(blocks[1].data)
 
 
+def test_write_many_moves_a_run_back_to_back_in_one_copy(dram: DramTier, make_block: MakeBlock, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiers.dram as dram_module
+
+    spans: list[int] = []
+    real_span = dram_module.span
+
+    def counting(first: memoryview, nbytes: int, *, writable: bool = True) -> memoryview | None:
+        spans.append(nbytes)
+        return real_span(first, nbytes, writable=writable)
+
+    monkeypatch.setattr(dram_module, "span", counting)
+    blocks = [make_block(64 * KiB, seed=i) for i in range(5)]
+    src = memoryview(b"".join(bytes(b.data) for b in blocks[:3]))  # one caller buffer, read-only
+    bad = blocks[4].meta.with_expiry(0.0)
+    items = [(b.key, src[i * 64 * KiB : (i + 1) * 64 * KiB], b.meta) for i, b in enumerate(blocks[:3])]
+    items += [(blocks[3].key, bytes(blocks[3].data), blocks[3].meta), (blocks[4].key, b"short", bad)]
+    out = dram.write_many(items)
+    assert out[:4] == [None] * 4 and isinstance(out[4], BufferSizeError)
+    assert spans == [3 * 64 * KiB]  # the run of three in one copy; block 3 (its own buffer) alone
+    assert [dram.location(b.key) for b in blocks[:4]] == [(i * 64 * KiB, 64 * KiB) for i in range(4)]
+    for b in blocks[:4]:
+        dst = bytearray(64 * KiB)
+        assert dram.read_into(b.key, memoryview(dst)) == 64 * KiB and bytes(dst) == bytes(b.data)
+    assert not dram.contains(blocks[4].key)
+
+
 def test_explicit_name_and_collision(tmp_path: Path) -> None:
     cfg = DramConfig(1 * MiB, slab_bytes=1 * MiB, shm_name=f"kvs-test-{id(tmp_path):x}")
     tier = DramTier("d", cfg, root=tmp_path)
