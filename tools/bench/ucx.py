@@ -3,8 +3,8 @@
 Figure: ``Client.get_into`` with ``plane="ucx"`` of 64 blocks of 1 MiB from a daemon on
 loopback (listener endpoints with peer error handling: see docs/daemon.md for why). Two
 baselines, same run, interleaved: a raw ucxx listener process sending the same number of 1 MiB
-messages per request to a ucxx endpoint of this process (the same kind of endpoint: what UCX
-itself reaches here), and a raw socket ``recv_into`` of the same bytes from a sender process
+messages per request to a ucxx endpoint of this process, all posted at once on both sides as
+the daemon and the client do (the same kind of endpoint: what UCX itself reaches here), and a raw socket ``recv_into`` of the same bytes from a sender process
 (the issue's yardstick, as for ``tcp``). Goal: >= 80% of each.
 Needs ucxx (``pip install 'kvstore[ucx]'``); without it the benchmark prints why and no rows.
 """
