@@ -101,7 +101,7 @@ def test_the_arena_is_faulted_in_off_the_put_path(tmp_path: Path, make_block: Ma
 
 
 def test_a_tier_closed_while_it_faults_its_arena_in_unlinks_it(tmp_path: Path) -> None:
-    tier = DramTier("d", DramConfig(256 * MiB, slab_bytes=1 * MiB), root=tmp_path)
+    tier = DramTier("d", DramConfig(64 * MiB, slab_bytes=1 * MiB), root=tmp_path)
     name = tier.shm_name
     tier.close()  # the prefault thread is stopped first: it holds a view of the arena
     assert tier.prefault.done.is_set()
