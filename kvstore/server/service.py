@@ -343,17 +343,18 @@ class Service:
 
     def put(
         self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], blocks: Any, start: int = 0,
-        durable: bool = False, *, reserved: int | None = None,
+        durable: bool = False, *, reserved: int | None = None, tokens: Any | None = None,
     ) -> int:
         """Put blocks ``start..`` of ``hashes``. ``reserved``: the bytes :meth:`reserve` admitted
-        for it (given back here); None reserves now."""
+        for it (given back here); None reserves now. ``tokens``: the token ids of the blocks
+        put, for the KV event publisher (``KVStore.put``)."""
         if reserved is None:
             reserved = self.reserve(t, ns_id, len(hashes), start)
         try:
             ns, keys = self._resolve(t, ns_id, hashes)
             if self.kv_events is not None:  # names the put's blocks for the KV event publisher
                 self.kv_events.names(ns, hashes, keys, start)
-            new = self.store.put(ns, keys, blocks, start=start, durable=durable)
+            new = self.store.put(ns, keys, blocks, start=start, durable=durable, tokens=tokens)
             with self._lock:
                 t.used_bytes += new * ns.block_bytes
             return new

@@ -3,14 +3,20 @@
 Figures, each with a same-run baseline:
 
 * ``publish_block_events``: block events per second the publisher turns into ``KVEventBatch``
-  batches on a PUB socket with a subscriber reading (hooks called directly, chains of 32);
-  baseline: the event log (``EventLog.block``) writing the same events, the other sink of the
-  same hooks.
+  batches on a PUB socket with a subscriber reading (one hook call per chain of 32, as the store
+  makes one per put); baseline: the event log (``EventLog.block``) writing the same events, the
+  other sink of the same hooks.
 * ``datapath_with_publish``: put + get rounds per second through a daemon (TCP, 8 new blocks of
-  1 MiB a round as in the other daemon benchmarks, DRAM small enough to evict) with ``[events]
-  publish`` on; baseline: the same rounds on an identical daemon with it off, interleaved round
-  by round. Goal: ratio >= 0.99. ``events_per_s``: block events it published meanwhile.
-  ``datapath_with_publish_16k``: the same with 32 blocks of 16 KiB, the most events per byte.
+  1 MiB a round as in the other daemon benchmarks, DRAM small enough to evict: each block is
+  stored and later removed) with ``[events] publish`` on; baseline: the same rounds on an
+  identical daemon with it off, interleaved round by round. Goal: ratio >= 0.99.
+  ``events_per_s``: block events it published meanwhile. Wall time on a shared box moves by
+  more than 1% from run to run, so the row also carries what does not: ``cpu_ratio``, the
+  daemon's CPU time per round (every thread, ``/proc/PID/task/*/schedstat``) with publishing
+  over without, and ``publisher_cpu_share``, the publisher thread's own CPU time over the
+  data path's wall time (the daemon is Python: what that thread runs, the data path waits
+  for, at most). ``datapath_with_publish_16k``: the same with 32 blocks of 16 KiB, the most
+  events per byte.
 * ``router_lookup_128k``: ``Router.route_hashes`` for a 128K-token prompt (8,192 blocks of 16
   tokens) against an index of 1M blocks on 3 nodes, median; baseline: ``hash_blocks`` of the same
   prompt (what the engine pays to hash it anyway). ``with_hashing_ms``: ``Router.route`` from
@@ -113,8 +119,7 @@ def publish_capacity(n: int) -> dict[str, Any]:
             for i in range(0, n, 32):
                 chain = keys[i:i + 32]
                 pub.names(SMALL, chain, chain, 0)
-                for k in chain:
-                    pub.placed(k, 0, 0, None)
+                pub.blocks([("p", k, 0) for k in chain], None)
             hooks_s = time.perf_counter() - t0
             pub.flush(60.0)
             ours = time.perf_counter() - t0
@@ -135,6 +140,15 @@ def publish_capacity(n: int) -> dict[str, Any]:
             "batches": stats["batches"], "dropped": stats["dropped"], "received": got[0]}
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU time of every thread of ``pid`` so far (nanosecond schedstat, not 10 ms ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
 def datapath(rounds: int, ns: Namespace, per: int, dram: str) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     with _daemon(True, dram) as on, _daemon(False, dram) as off, \
@@ -143,19 +157,29 @@ def datapath(rounds: int, ns: Namespace, per: int, dram: str) -> dict[str, Any]:
             c.register_namespace(ns)
         dst = np.empty(per * ns.block_bytes, np.uint8)
         times = {"on": 0.0, "off": 0.0}
+        cpu = {"on": 0.0, "off": 0.0}
+        pids = {"on": on.pid, "off": off.pid}
+        pub_cpu0 = 0.0
         for r in range(rounds + 5):
+            if r == 5:  # the first rounds warm both up
+                pub_cpu0 = control(on.url, "GET", "/v1/events")["stats"]["cpu_s"]
+                events0 = control(on.url, "GET", "/v1/events")["stats"]["block_events"]
             hashes = [bytes(h) for h in rng.integers(0, 256, (per, 16), dtype=np.uint8)]
             blocks = rng.integers(0, 256, per * ns.block_bytes, dtype=np.uint8)
             order = (("on", c_on), ("off", c_off)) if r % 2 else (("off", c_off), ("on", c_on))
             for name, c in order:
+                c0 = _cpu_s(pids[name])
                 t0 = time.perf_counter()
                 c.put(ns, hashes, blocks)
                 c.get_into(ns, hashes, dst)
-                if r >= 5:  # the first rounds warm both up
-                    times[name] += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                if r >= 5:
+                    times[name] += t1 - t0
+                    cpu[name] += _cpu_s(pids[name]) - c0
         stats = control(on.url, "GET", "/v1/events")["stats"]
-    return {"on": rounds / times["on"], "off": rounds / times["off"],
-            "events": stats["events"], "dropped": stats["dropped"], "seconds": times["on"]}
+    return {"on": rounds / times["on"], "off": rounds / times["off"], "cpu_ratio": cpu["on"] / cpu["off"],
+            "publisher_cpu_share": (stats["cpu_s"] - pub_cpu0) / times["on"],
+            "events": stats["block_events"] - events0, "dropped": stats["dropped"], "seconds": times["on"]}
 
 
 def router_lookup(total_blocks: int, repeat: int) -> dict[str, Any]:
@@ -245,13 +269,15 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     yield result("route", "publish_block_events", p["ours"], "events/s", p["base"],
                  baseline_is="the event log writing the same events", hook_us=round(p["hook_us"], 3),
                  batches=p["batches"], dropped=p["dropped"])
-    dp = datapath(10 if quick else 150, BENCH_NS, 8, "128MiB")
+    dp = datapath(10 if quick else 300, BENCH_NS, 8, "128MiB")
     yield result("route", "datapath_with_publish", dp["on"], "rounds/s", dp["off"], goal_ratio=0.99,
                  events_per_s=round(dp["events"] / dp["seconds"]), dropped=dp["dropped"],
+                 cpu_ratio=round(dp["cpu_ratio"], 4), publisher_cpu_share=round(dp["publisher_cpu_share"], 5),
                  round="put + get of 8 new 1 MiB blocks over TCP (the daemon benchmarks' block)")
-    dp = datapath(20 if quick else 300, SMALL, 32, "32MiB")
+    dp = datapath(20 if quick else 600, SMALL, 32, "32MiB")
     yield result("route", "datapath_with_publish_16k", dp["on"], "rounds/s", dp["off"],
                  events_per_s=round(dp["events"] / dp["seconds"]), dropped=dp["dropped"],
+                 cpu_ratio=round(dp["cpu_ratio"], 4), publisher_cpu_share=round(dp["publisher_cpu_share"], 5),
                  round="put + get of 32 new 16 KiB blocks over TCP (the worst case: events per byte)")
     lk = router_lookup(100_000 if quick else 1_000_000, 20 if quick else 200)
     yield result("route", "router_lookup_128k", lk["lookup_ms"], "ms", lk["hash_ms"],
