@@ -267,3 +267,26 @@ def test_a_snapshot_carries_the_token_ids_too(start: Callable[..., ThreadedDaemo
     assert [h for e in stored for h in e.block_hashes] == hs
     assert [t for e in stored for t in e.token_ids] == tokens_of(3)
     tap.close()
+
+
+def test_the_engine_cache_sends_the_token_ids_of_what_it_stores(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from engine.client import EngineCache
+    from engine.kvlayout import KVShape
+
+    shape = KVShape(num_layers=2, kv_heads=2, head_dim=8, block_tokens=4, dtype=torch.float32)
+    with KVStore(StoreConfig(root=tmp_path / "s", tiers=small_tiers())) as store:
+        ns = shape.namespace("test/engine-tokens")
+        cache = EngineCache(store, ns, shape, background=False)
+        sink = Recorder()
+        store.events.sinks.append(sink)
+        ids = torch.arange(5 * 4, dtype=torch.long) + 7
+        hashes = cache.hashes(ids)
+        blocks = torch.zeros((3, shape.block_bytes), dtype=torch.uint8)
+        first = cache.store_async(hashes, blocks[:2], 0)  # blocks 0..1, without their tokens
+        assert first is not None and first.result() == 2
+        fut = cache.store_async(hashes, blocks, 2, tokens=ids[8:20].numpy())  # blocks 2..4
+        assert fut is not None and fut.result() == 3
+        assert [t for _, t in sink.calls[:1]] == [None]
+        (_, toks), = sink.calls[1:]
+        assert toks is not None and toks.keys == tuple(hashes[2:5]) and toks.tokens.tolist() == list(range(15, 27))
