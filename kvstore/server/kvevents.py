@@ -31,13 +31,14 @@ Never in the way of the data path: the store calls the sink once per operation (
 load, a maintenance pass: :meth:`kvstore.events.StoreEvents.batch`), never once per block, and
 that call only appends the operation's list of changes to a bounded queue (full: dropped and
 counted; the mirror is then rebuilt from the store and every stream is sent
-``AllBlocksCleared`` and a snapshot, so a drop costs a resync, never a wrong route). It wakes
-the thread (one ``eventfd`` write) only when the thread sleeps for want of work; while changes
-keep coming the thread publishes every ``PERIOD_MS`` and the hooks make no system call, so a
-busy daemon pays ``1000 / PERIOD_MS`` wake-ups a second and an idle one about one (the
-heartbeat). One thread encodes, publishes (PUB drops at
-its high-water mark rather than wait for a slow subscriber), answers replays and sends an empty
-batch after a second of quiet, so a subscriber that lost the last batch notices the gap.
+``AllBlocksCleared`` and a snapshot, so a drop costs a resync, never a wrong route). The
+service then calls :meth:`KVEventPublisher.pump` after the put or load, outside the store's
+lock: it applies and publishes on the request's own thread, a few microseconds a block, with
+no thread to wake (on this 2-core box a wake-up cost 100-400 µs of CPU, cold caches included:
+more than the work). The thread is for the rest: replay requests, the heartbeat (an empty
+batch after a second of quiet, so a subscriber that lost the last batch notices the gap),
+changes no pump took (a maintenance pass: within ``IDLE_PERIOD_MS``), flushes and rebuilds.
+PUB drops at its high-water mark rather than wait for a slow subscriber.
 
 Token ids. A put that carries the token ids of its blocks (``KVStore.put(tokens=)``, the
 client's ``put(tokens=)``; 4 bytes a token on the wire) gets them in its ``BlockStored``, as
@@ -85,14 +86,11 @@ from kvstore.store import KVStore
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
-PERIOD_MS = 50
-"""While block changes keep coming, the thread publishes every PERIOD_MS: the most an event
-waits in the queue then, and the least time between two wake-ups (each costs the box tens of
-microseconds of CPU, which at one a put would be ~1% of a put of small blocks)."""
+IDLE_PERIOD_MS = 50
+"""The most a change no pump took (a maintenance pass's expiry) waits for the thread."""
 SNAPSHOT_CHUNK = 4096
 """Blocks per batch of a snapshot (and of the announcement at start)."""
 REBUILD_EVERY_S = 5.0
-_STOP = ("stop",)
 
 
 class _Rec:
@@ -177,7 +175,12 @@ class KVEventPublisher:
         self._qlock = threading.Lock()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._asleep = False
+        self._stopping = threading.Event()
+        self._drain_lock = threading.Lock()
+        """Held by whoever applies and publishes (the thread, or a :meth:`pump`)."""
+        self._pump_enc = msgspec.msgpack.Encoder()
         self._cpu_s = 0.0
+        self._pump_cpu_s = 0.0
         self._counts = {"dropped": 0, "batches": 0, "events": 0, "block_events": 0, "replays": 0, "snapshots": 0,
                         "unnamed": 0, "rebuilds": 0, "wakeups": 0}
         self._lost = threading.Event()
@@ -256,21 +259,25 @@ class KVEventPublisher:
 
     def stats(self) -> dict[str, Any]:
         """Counters; ``events``: events published, ``block_events``: block hashes they carried,
-        ``cpu_s``: the thread's CPU time (what publishing costs the daemon besides the hooks)."""
-        return {**self._counts, "queued": self._queued, "mirrored": len(self._recs), "cpu_s": self._cpu_s,
+        ``cpu_s``: the CPU time publishing took (the thread's, ``thread_cpu_s``, and the pumps'),
+        what it costs the daemon besides the hooks."""
+        return {**self._counts, "queued": self._queued, "mirrored": len(self._recs),
+                "cpu_s": self._cpu_s + self._pump_cpu_s, "thread_cpu_s": self._cpu_s,
                 "streams": {s.name: s.seq for s in self.streams}}
 
     # ---- hooks (any thread; blocks() with the store's lock held) ---------------------------------
 
-    def _put(self, item: tuple[Any, ...], n: int) -> None:
+    def _put(self, item: tuple[Any, ...], n: int, *, wake: bool = True) -> None:
         with self._qlock:
             if self._queued + n > self._cap:
                 self._counts["dropped"] += n
                 self._lost.set()  # (the nudge below brings the rebuild as soon as it may run)
+                wake = True
             else:
                 self._queued += n
                 self._q.append(item)
-        self._nudge()
+        if wake:
+            self._nudge()
 
     def _nudge(self) -> None:
         # The thread sets _asleep, then looks at the queue once more before it sleeps; we
@@ -280,14 +287,29 @@ class KVEventPublisher:
             os.eventfd_write(self._wake, 1)
 
     def blocks(self, changes: list[BlockChange], tokens: PutTokens | None) -> None:
-        """The changes of one store operation (see :class:`kvstore.events.BlockSink`)."""
-        self._put(("b", changes, tokens), len(changes))
+        """The changes of one store operation (see :class:`kvstore.events.BlockSink`). No
+        wake-up: the service's :meth:`pump` publishes them right after the operation; what
+        no pump takes (maintenance), the thread publishes within ``IDLE_PERIOD_MS``."""
+        self._put(("b", changes, tokens), len(changes), wake=False)
+
+    def pump(self) -> None:
+        """Publish what is queued, on the caller's thread: the service calls it after each
+        put and load, outside the store's lock. There the work is cheapest: no thread to wake
+        (each wake-up costs the box tens of microseconds of CPU and cold caches), a few
+        microseconds a block. Never waits: while the thread publishes, it is left to it."""
+        if self._q and self._drain_lock.acquire(blocking=False):
+            try:
+                c0 = time.thread_time()
+                self._drain(self._pump_enc)
+                self._pump_cpu_s += time.thread_time() - c0
+            finally:
+                self._drain_lock.release()
 
     def names(self, ns: Namespace, hashes: Sequence[bytes], keys: Sequence[bytes], start: int) -> None:
         """The client hashes of a put's chain (``keys``: what the store is given), called before
         the put: its ``placed`` events then publish under these names."""
         if self._keyed or start < len(hashes):
-            self._put(("n", ns, tuple(hashes), tuple(keys)), len(hashes))
+            self._put(("n", ns, tuple(hashes), tuple(keys)), len(hashes), wake=False)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything hooked before this call is published (tests, shutdown)."""
@@ -298,7 +320,8 @@ class KVEventPublisher:
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._q.append(_STOP)
+            self._stopping.set()
+            self._asleep = True
             self._nudge()
             self._thread.join(10.0)
         with contextlib.suppress(ValueError):
@@ -560,82 +583,70 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         enc = msgspec.msgpack.Encoder()
-        # Deep sleep: replay requests and the hooks' eventfd wake the thread, which publishes at
-        # once. When changes came again less than PERIOD_MS after the last wake-up: a timed
-        # sleep of PERIOD_MS that only replay requests cut short (the hooks do not wake it). A
-        # put now and then costs one wake-up; a steady stream, 1000 / PERIOD_MS a second and
-        # no system call in the hooks.
-        deep, timed = zmq.Poller(), zmq.Poller()
+        # Asleep until a replay request, a flush, a drop or close (the eventfd), the heartbeat,
+        # or IDLE_PERIOD_MS while changes wait that no pump took.
+        poller = zmq.Poller()
         for s in self.streams:
-            deep.register(s.replay, zmq.POLLIN)
-            timed.register(s.replay, zmq.POLLIN)
-        deep.register(self._wake, zmq.POLLIN)
+            poller.register(s.replay, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
         replays = {s.replay: s for s in self.streams}
         self._last_send = time.monotonic()
         self._last_rebuild = 0.0
         cpu0 = time.thread_time()
-        last_wake = 0.0
-        stop = False
-        while not stop:
+        while not self._stopping.is_set():
             try:
-                if self._snapshot_pending:
-                    self._snapshot_pending = False
-                    self._publish_snapshots(enc)
-                    self._last_send = time.monotonic()
-                stop, found = self._drain(enc)
+                with self._drain_lock:
+                    if self._snapshot_pending:
+                        self._snapshot_pending = False
+                        self._publish_snapshots(enc)
+                        self._last_send = time.monotonic()
+                    self._drain(enc)
                 self._cpu_s = time.thread_time() - cpu0
-                if stop:
-                    break
-                now = time.monotonic()
-                if found and now - last_wake < PERIOD_MS / 1000:
-                    ready = timed.poll(PERIOD_MS)  # changes come faster than PERIOD_MS apart
-                    last_wake = time.monotonic()
-                else:
-                    last_wake = now
-                    ready = deep.poll(self._sleep_ms())
-                    self._asleep = False
-                    if any(sock == self._wake for sock, _ in ready):
+                ready = poller.poll(self._sleep_ms())
+                self._asleep = False
+                for sock, _ in ready:
+                    if sock == self._wake:
                         self._counts["wakeups"] += 1
                         with contextlib.suppress(BlockingIOError):
                             os.eventfd_read(self._wake)
-                        ready = [r for r in ready if r[0] != self._wake]
-                for sock, _ in ready:
+                        continue
                     # A replay covers every hook that ran before it was asked for: what was
                     # queued is published first (the router's refresh() relies on it).
-                    stop = self._drain(enc)[0] or stop
-                    self._serve_replay(replays[sock], enc)
+                    with self._drain_lock:
+                        self._drain(enc)
+                        self._serve_replay(replays[sock], enc)
             except zmq.ZMQError as e:
                 log.warning("kv events: replay failed: %s", e)
+        with self._drain_lock:
+            self._drain(enc)  # what was hooked before close
 
     def _sleep_ms(self) -> int:
-        """How long the deep sleep may last: until the heartbeat is due, or a rebuild may run;
-        0 when something was queued since the last drain. Sets ``_asleep`` first (see
-        :meth:`_nudge`)."""
+        """How long the thread may sleep: until the heartbeat is due, or a rebuild may run;
+        IDLE_PERIOD_MS while changes wait. Sets ``_asleep`` first (see :meth:`_nudge`)."""
         self._asleep = True
         now = time.monotonic()
         due = self._last_send + HEARTBEAT_S
         if self._lost.is_set():
             due = min(due, self._last_rebuild + REBUILD_EVERY_S)
-        if self._q or self._snapshot_pending:
+        if self._snapshot_pending or self._stopping.is_set():
             return 0
+        if self._q:
+            due = min(due, now + IDLE_PERIOD_MS / 1000)
         return max(0, int((due - now) * 1000)) + 1
 
-    def _drain(self, enc: msgspec.msgpack.Encoder) -> tuple[bool, bool]:
-        """Apply what is queued and publish it; (the stop marker came, anything came)."""
+    def _drain(self, enc: msgspec.msgpack.Encoder) -> None:
+        """Apply what is queued and publish it (``_drain_lock`` held)."""
         q = self._q
         items: list[tuple[Any, ...]] = []
         with contextlib.suppress(IndexError):
             while len(items) < 1024:
                 items.append(q.popleft())
         waiters = []
-        stop = False
         taken = 0
         for item in items:
             kind = item[0]
             if kind == "f":
                 waiters.append(item[1])
-            elif kind == "stop":
-                stop = True
             else:
                 taken += len(item[1]) if kind == "b" else len(item[2])
                 self._apply(item)
@@ -668,4 +679,3 @@ class KVEventPublisher:
             self._last_send = now
         for w in waiters:
             w.set()
-        return stop, bool(items)

@@ -261,7 +261,14 @@ class Service:
         return self.namespace(t, ns_id).block_bytes
 
     def get_into(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], dst: Any) -> int:
-        return self.store.get_into(*self._resolve(t, ns_id, hashes), dst)
+        n = self.store.get_into(*self._resolve(t, ns_id, hashes), dst)
+        self._pump()
+        return n
+
+    def _pump(self) -> None:
+        """The KV event publisher publishes what the call just changed, here (kvevents.pump)."""
+        if self.kv_events is not None:
+            self.kv_events.pump()
 
     def acquire(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], *, for_client: bool = True) -> Lease:
         """A lease on the blocks in the arena. ``for_client=False``: the daemon itself sends them
@@ -278,7 +285,9 @@ class Service:
             )
         ns, keys = self._resolve(t, ns_id, hashes)
         if not for_client:
-            return self.store.acquire(ns, keys)
+            lease = self.store.acquire(ns, keys)
+            self._pump()
+            return lease
         cap = self.lease_cap_bytes
         with self._lock:
             room = max(0, cap - t.leased_bytes) // ns.block_bytes
@@ -296,6 +305,7 @@ class Service:
                 t.leased_bytes -= len(keys) * ns.block_bytes
         with self._lock:
             t.leased_bytes += sum(size for _, size in lease.locations)
+        self._pump()
         return lease
 
     def release(self, lease: Lease, t: Tenant | None = None) -> None:
@@ -357,6 +367,7 @@ class Service:
             new = self.store.put(ns, keys, blocks, start=start, durable=durable, tokens=tokens)
             with self._lock:
                 t.used_bytes += new * ns.block_bytes
+            self._pump()
             return new
         finally:
             self.unreserve(t, reserved)

@@ -60,7 +60,7 @@ class Tap:
     every hook that ran before a replay request, then answers it)."""
 
     def __init__(self, replay: str, username: str | None = None, password: str | None = None,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 60.0) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
