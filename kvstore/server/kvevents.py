@@ -37,7 +37,8 @@ lock: it applies and publishes on the request's own thread, a few microseconds a
 no thread to wake (on this 2-core box a wake-up cost 100-400 µs of CPU, cold caches included:
 more than the work). The thread is for the rest: replay requests, the heartbeat (an empty
 batch after a second of quiet, so a subscriber that lost the last batch notices the gap),
-changes no pump took (a maintenance pass: within ``IDLE_PERIOD_MS``), flushes and rebuilds.
+changes no pump took (a maintenance pass's expiry: with the next heartbeat), flushes and
+rebuilds.
 PUB drops at its high-water mark rather than wait for a slow subscriber.
 
 Token ids. A put that carries the token ids of its blocks (``KVStore.put(tokens=)``, the
@@ -87,7 +88,8 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 IDLE_PERIOD_MS = 50
-"""The most a change no pump took (a maintenance pass's expiry) waits for the thread."""
+"""How soon the thread comes back for changes it finds queued as it goes to sleep (a pump
+skipped them while the thread held the lock)."""
 SNAPSHOT_CHUNK = 4096
 """Blocks per batch of a snapshot (and of the announcement at start)."""
 REBUILD_EVERY_S = 5.0
@@ -289,7 +291,8 @@ class KVEventPublisher:
     def blocks(self, changes: list[BlockChange], tokens: PutTokens | None) -> None:
         """The changes of one store operation (see :class:`kvstore.events.BlockSink`). No
         wake-up: the service's :meth:`pump` publishes them right after the operation; what
-        no pump takes (maintenance), the thread publishes within ``IDLE_PERIOD_MS``."""
+        no pump takes (a maintenance pass's expiry), the thread publishes with its next
+        heartbeat, within a second."""
         self._put(("b", changes, tokens), len(changes), wake=False)
 
     def pump(self) -> None:

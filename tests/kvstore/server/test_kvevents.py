@@ -18,7 +18,14 @@ from kvstore.errors import ConfigError, ForbiddenError, UsageError  # noqa: E402
 from kvstore.events import BlockChange, PutTokens, events_config  # noqa: E402
 from kvstore.keys import hash_blocks  # noqa: E402
 from kvstore.route._http import control  # noqa: E402
-from kvstore.route.wire import AllBlocksCleared, BlockRemoved, BlockStored, masked, tenant_mask  # noqa: E402
+from kvstore.route.wire import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    decoder,
+    masked,
+    tenant_mask,
+)
 from kvstore.server import kvevents  # noqa: E402
 from kvstore.server.daemon import ThreadedDaemon  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
@@ -290,3 +297,31 @@ def test_the_engine_cache_sends_the_token_ids_of_what_it_stores(tmp_path: Path) 
         assert [t for _, t in sink.calls[:1]] == [None]
         (_, toks), = sink.calls[1:]
         assert toks is not None and toks.keys == tuple(hashes[2:5]) and toks.tokens.tolist() == list(range(15, 27))
+
+
+def test_a_pump_publishes_on_the_callers_thread(tmp_path: Path) -> None:
+    """What the service does after each put: with the publisher's thread stopped, the pump
+    alone turns the put's changes into a batch on the stream."""
+    with KVStore(StoreConfig(root=tmp_path / "s", tiers=small_tiers())) as store:
+        store.register_namespace(SMALL_NS)
+        pub = kvevents.KVEventPublisher(store, events_config({"publish": "tcp://127.0.0.1:0"}))
+        try:
+            assert pub.flush(60.0)  # the start's AllBlocksCleared is out
+            pub._stopping.set()
+            pub._asleep = True
+            pub._nudge()
+            pub._thread.join(60.0)
+            assert not pub._thread.is_alive()
+            seq = pub.streams[0].seq
+            hs = chain(3)
+            pub.names(SMALL_NS, hs, hs, 0)
+            store.put(SMALL_NS, hs, payloads(3), tokens=tokens_of(3))
+            assert pub.stats()["queued"] == 6  # names and changes, nothing published yet
+            pub.pump()
+            s = pub.streams[0]
+            assert s.seq == seq + 1 and pub.stats()["queued"] == 0
+            (batch,) = [decoder().decode(p) for q, p in s.buffer if q == s.seq]
+            (stored,) = batch.events
+            assert isinstance(stored, BlockStored) and stored.block_hashes == hs and stored.token_ids == tokens_of(3)
+        finally:
+            pub.close()
