@@ -27,8 +27,9 @@ knows the daemon restarted and resynchronises. On the stream of every tenant eac
 prompt of two tenants is two blocks there, and a replayed batch, which has no topic, still says
 whose it is); a tenant's own stream carries its hashes as its clients compute them.
 
-Never in the way of the data path: the store calls the sink once per operation (a put, a
-load, a maintenance pass: :meth:`kvstore.events.StoreEvents.batch`), never once per block, and
+Never in the way of the data path: the store calls the sink once per locked part of an
+operation (a load, a maintenance pass; a put has two, room then copies:
+:meth:`kvstore.events.StoreEvents.batch`), never once per block, and
 that call only appends the operation's list of changes to a bounded queue (full: dropped and
 counted; the mirror is then rebuilt from the store and every stream is sent
 ``AllBlocksCleared`` and a snapshot, so a drop costs a resync, never a wrong route). The

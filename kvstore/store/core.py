@@ -209,7 +209,7 @@ class KVStore:
         Blocks served from a slower tier are promoted into the first tier (``promote_on_hit``).
         """
         info = self._ns(ns)
-        bufs = dst_views(dst, info.namespace.block_bytes)  # type: ignore[union-attr]
+        bufs = dst_views(dst, info.block_bytes)
         trace = self.events.request(info.namespace, hashes)  # type: ignore[arg-type]
         hashes = hashes[: len(bufs)]
         self._loader.discover(info, hashes)
@@ -242,7 +242,7 @@ class KVStore:
             )
         a = self._arena
         arena = self.tiers[a]
-        bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        bb = info.block_bytes
         trace = self.events.request(info.namespace, hashes, "acquire")  # type: ignore[arg-type]
         self._loader.discover(info, hashes)
         plan = self._loader.prepare_load(info, hashes)
@@ -317,7 +317,7 @@ class KVStore:
             raise UsageError(f"start={start} is outside the chain of {n} blocks")
         bt = info.namespace.block_tokens  # type: ignore[union-attr]
         put_tokens = None if tokens is None else put_tokens_of(hashes[start:], tokens, bt)
-        srcs = src_views(blocks, info.namespace.block_bytes, n - start)  # type: ignore[union-attr]
+        srcs = src_views(blocks, info.block_bytes, n - start)
         storer = self._storer
         early: KVStoreError | None = None
         todo: list[int] = []
@@ -330,11 +330,25 @@ class KVStore:
                 if early is not None:
                     with self._lock:
                         self.counters.tier_errors += 1
-        with self._lock, self.events.batch(put_tokens):
+        with self._lock, self.events.batch():  # (making room: copies moved down or dropped)
             plan = storer.prepare_store(info, hashes, start, srcs, self._clock())
             try:
                 if todo:
                     storer.adopt_prewritten(plan, todo)
+                if not durable:
+                    storer.stage(plan)  # room in the first tier, made now; the bytes move below
+            except BaseException:
+                storer.complete_store(plan)
+                raise
+        try:
+            if plan.staged:
+                storer.write_staged(plan)  # the payload copies, without the store lock
+        except BaseException:
+            with self._lock:
+                storer.complete_store(plan)
+            raise
+        with self._lock, self.events.batch(put_tokens):  # (the new copies)
+            try:
                 storer.fill(plan, durable)
                 if durable:
                     if early is not None:
