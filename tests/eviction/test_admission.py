@@ -119,6 +119,27 @@ def test_durable_puts_are_always_stored(tmp_path: Path) -> None:
     s.close()
 
 
+def test_durable_puts_are_stored_after_a_restart(tmp_path: Path) -> None:
+    """A restart forgets which puts were durable: every recovered block is kept."""
+    tiers = (
+        TierSpec("dram", "null", {"capacity_blocks": 1}),
+        TierSpec("nvme", "nvme", {"capacity_bytes": 2 * 65536, "slab_bytes": 65536}),
+        TierSpec("object", "null", {"capacity_blocks": 100}),
+    )
+    s = _store(tmp_path, tiers)
+    _put(s, [0], durable=True)
+    s.close()
+    s = _store(tmp_path, tiers)
+    assert s.stats()["recovered_blocks"] == 1
+    for i in range(1, 2 * 65536 // BB + 6):
+        _put(s, [i])
+    assert s.lookup(SMALL_NS, [_key(0)]).tiers == ("object",)
+    st = s.stats()
+    assert st["tiers"][2]["bytes_in"] == BB
+    assert st["skipped_writes"] == 4
+    s.close()
+
+
 class FakeView:
     """Index columns for a handful of blocks, with keys ``b"k<bid>"``."""
 
