@@ -53,6 +53,13 @@ NULL3 = (
 )
 
 
+NVME3 = (  # a persistent middle tier: durable puts land there
+    TierSpec("dram", "null", {"capacity_blocks": 1}),
+    TierSpec("nvme", "nvme", {"capacity_bytes": 2 * 65536, "slab_bytes": 65536}),
+    TierSpec("object", "null", {"capacity_blocks": 100}),
+)
+
+
 def _put(s: KVStore, ids: list[int], **kw: Any) -> None:
     src = memoryview(bytearray(BB))
     s.put(SMALL_NS, [_key(i) for i in ids], [src] * len(ids), **kw)
@@ -103,11 +110,7 @@ def test_pinned_prefix_is_always_stored(tmp_path: Path) -> None:
 
 
 def test_durable_puts_are_always_stored(tmp_path: Path) -> None:
-    tiers = (
-        TierSpec("dram", "null", {"capacity_blocks": 1}),
-        TierSpec("nvme", "nvme", {"capacity_bytes": 2 * 65536, "slab_bytes": 65536}),
-        TierSpec("object", "null", {"capacity_blocks": 100}),
-    )
+    tiers = NVME3
     s = _store(tmp_path, tiers)
     _put(s, [0], durable=True)
     for i in range(1, 2 * 65536 // BB + 6):  # past both upper tiers
@@ -121,11 +124,7 @@ def test_durable_puts_are_always_stored(tmp_path: Path) -> None:
 
 def test_durable_puts_are_stored_after_a_restart(tmp_path: Path) -> None:
     """A restart forgets which puts were durable: every recovered block is kept."""
-    tiers = (
-        TierSpec("dram", "null", {"capacity_blocks": 1}),
-        TierSpec("nvme", "nvme", {"capacity_bytes": 2 * 65536, "slab_bytes": 65536}),
-        TierSpec("object", "null", {"capacity_blocks": 100}),
-    )
+    tiers = NVME3
     s = _store(tmp_path, tiers)
     _put(s, [0], durable=True)
     s.close()
