@@ -8,7 +8,7 @@ of written (a leaf leaves the store, an inner block stays as a hollow node). So 
 but never a durable or pinned block.
 
 * ``all``: write everything (the behaviour without admission).
-* ``reuse`` (:class:`ReuseAdmission`): learns, per block class, the share of demoted blocks that
+* ``reuse`` (:class:`ReuseAdmission`, the store's default, leaves only): learns, per block class, the share of demoted blocks that
   are read again, from the store's own history, and skips the classes least likely to be read
   again while the hit loss stays inside a budget (``hit_loss_budget``, a share of the store's
   hits). Class: hits so far (0, 1, 2, 3+) x depth (log2) x idle time at demotion (log2 seconds).
@@ -242,6 +242,8 @@ class ReuseAdmission(Admission):
     def describe(self) -> dict[str, Any]:
         return {
             "admission": self.name,
+            "hit_loss_budget": self.config.hit_loss_budget,
+            "inner": self.inner,
             "skipping_classes": int(self.skip.sum()),
             "admission_lost_hits": self.lost,
         }

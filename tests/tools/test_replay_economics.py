@@ -95,6 +95,8 @@ def test_cli_prints_economics_and_references(three: Path, capsys: pytest.Capture
     econ = [r for r in rows if "writes_by_tier" in r]
     ref = [r for r in rows if r.get("policy") == "reference"]
     assert econ[0]["last_tier_writes_per_hit"] == 2.0
+    assert econ[0]["admission"] == "reuse"  # the store's default, compared with storing everything
+    assert econ[0]["hit_loss"] == 0.0
     assert ref[0]["oracle_last_tier_writes_per_hit"] == 1.0
     assert ref[0]["belady_first_tier_hit_share"] == 1.0  # block 0 stays: used again, 1 and 2 never
     # Blocks 0 and 1 reach the object tier in one class (never hit, depth 0, idle 20 s), one of
