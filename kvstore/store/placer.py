@@ -411,7 +411,7 @@ class Placer:
 
     def _not_admitted(self, bid: int) -> bool:
         """Whether the last tier's admission refuses ``bid``, asked only of a block no guarantee
-        holds: unpinned, unused, stored by no durable put; and a leaf, unless the rule asks for
+        holds: unpinned, unused, stored by no durable put, not recovered at open; and a leaf, unless the rule asks for
         inner blocks too (``admission.inner``). A refused leaf leaves the store; a refused inner
         block loses its copy and stays as a hollow node (a lookup stops there): that costs hits
         only if a descendant would have been read again, and then the block itself would have
