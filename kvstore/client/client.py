@@ -348,6 +348,16 @@ class Client:
             self._disconnect()
             self._http.close()
 
+    def _settle(self) -> None:
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                return
+            try:
+                conn.settle()
+            except (ConnectionLost, OSError):
+                self._disconnect()  # the daemon gives a closed connection's leases back itself
+
     def __enter__(self) -> Client:
         return self
 
@@ -357,6 +367,7 @@ class Client:
     # ---- control plane ------------------------------------------------------------------------
 
     def _json(self, method: str, path: str, body: Any = None) -> Any:
+        self._settle()  # the daemon has this client's releases before its control calls
         status, data = self._http.request(method, path, None if body is None else json.dumps(body).encode())
         if status >= 400:
             text = data.decode(errors="replace")
@@ -508,7 +519,7 @@ class Client:
                 bufs[i][:size] = arena[off : off + size]
             del arena
         finally:
-            conn.call(P.Op.RELEASE, P.encode_u64(lease_id))
+            conn.release(lease_id)  # its reply is read with the next call's
         return len(locs)
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> ClientLease:
@@ -530,7 +541,7 @@ class Client:
                 with self._lock:
                     if self._conn is conn:  # after a reconnect the daemon has dropped it already
                         with contextlib.suppress(ConnectionLost):
-                            conn.call(P.Op.RELEASE, P.encode_u64(lease_id))
+                            conn.release(lease_id)
 
             lease = ClientLease(views, release, self._arena_name, tuple(locs))
             self._leases.add(lease)

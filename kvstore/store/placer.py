@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.block import BlockMeta
+from kvstore.block import CHECKSUM_DEFERRED, BlockMeta, payload_checksum
 from kvstore.clock import Clock
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -117,6 +117,8 @@ class Placer:
         unreachable tier raises too when the write was to be durable."""
         tier = self.tiers[k]
         key = self.index.hash_of(bid)
+        if meta.checksum == CHECKSUM_DEFERRED and tier.persistent:
+            meta = meta.with_checksum(payload_checksum(src))
         try:
             tier.write(key, src, meta, durable=durable)
         except TierFullError:
