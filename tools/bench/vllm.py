@@ -241,7 +241,8 @@ def _rows(res: dict[str, dict[str, Any]], w: dict[str, Any], threads: int) -> It
                          hit_rate=round(r["ttft_hit_rate"], 4), baseline_hit_rate=round(ref["ttft_hit_rate"], 4),
                          ttft_mean_ms=round(statistics.mean(r["ttft_ms"]), 2), **shape)
         yield result("vllm", f"ttft_cpu_ms_median_{engine}", med(r["ttft_cpu_ms"]), "ms", med(ref["ttft_cpu_ms"]),
-                     note="CPU time per TTFT request: the engine's process (+ the daemon's)", **shape)
+                     note="CPU time per TTFT request: the engine's process (+ the daemon's)",
+                     engine_threads=r["threads"], **shape)
         if engine != "vllm":
             yield result("vllm", f"prefill_tokens_per_s_{engine}", r["batch_tokens"] / r["batch_s"], "tok/s",
                          ref["batch_tokens"] / ref["batch_s"], hit_rate=round(r["batch_hit_rate"], 4),
