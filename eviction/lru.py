@@ -64,18 +64,25 @@ class LRUPolicy(EvictionPolicy):
 
     def insert_many(self, ids: np.ndarray, sizes: np.ndarray, now: np.ndarray | float) -> None:
         if self._leaf_mode:
-            # One heapify for the whole batch (a warm restart learns every block at once).
+            # A big batch (a warm restart learns every block at once) is heapified once; a
+            # small one (a put's new chain) is pushed.
             order = np.asarray(ids).tolist()
             held = self._view.children[np.asarray(ids, np.int64)].tolist() if self._view is not None else [0] * len(order)
+            heap, stamp, held_set = self._heap, self._stamp, self._held
+            bulk = 8 * len(order) > len(heap)
+            add = heap.append if bulk else lambda e: heapq.heappush(heap, e)
+            seq = self._seq
             for bid, kids in zip(order, held, strict=True):
-                self._seq += 1
-                self._stamp[bid] = self._seq
+                seq += 1
+                stamp[bid] = seq
                 if kids:
-                    self._held.add(bid)
+                    held_set.add(bid)
                 else:
-                    self._held.discard(bid)
-                    self._heap.append((self._seq, bid))
-            heapq.heapify(self._heap)
+                    held_set.discard(bid)
+                    add((seq, bid))
+            self._seq = seq
+            if bulk:
+                heapq.heapify(heap)
             return
         # Each insert moves its id to the end: the ids end in the order of their last occurrence.
         last = list(dict.fromkeys(reversed(np.asarray(ids).tolist())))

@@ -209,7 +209,7 @@ class KVStore:
         Blocks served from a slower tier are promoted into the first tier (``promote_on_hit``).
         """
         info = self._ns(ns)
-        bufs = dst_views(dst, info.namespace.block_bytes)  # type: ignore[union-attr]
+        bufs = dst_views(dst, info.block_bytes)
         trace = self.events.request(info.namespace, hashes)  # type: ignore[arg-type]
         hashes = hashes[: len(bufs)]
         self._loader.discover(info, hashes)
@@ -242,7 +242,7 @@ class KVStore:
             )
         a = self._arena
         arena = self.tiers[a]
-        bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        bb = info.block_bytes
         trace = self.events.request(info.namespace, hashes, "acquire")  # type: ignore[arg-type]
         self._loader.discover(info, hashes)
         plan = self._loader.prepare_load(info, hashes)
@@ -312,7 +312,7 @@ class KVStore:
         n = len(hashes)
         if not 0 <= start <= n:
             raise UsageError(f"start={start} is outside the chain of {n} blocks")
-        srcs = src_views(blocks, info.namespace.block_bytes, n - start)  # type: ignore[union-attr]
+        srcs = src_views(blocks, info.block_bytes, n - start)
         storer = self._storer
         early: KVStoreError | None = None
         todo: list[int] = []
@@ -330,6 +330,20 @@ class KVStore:
             try:
                 if todo:
                     storer.adopt_prewritten(plan, todo)
+                if not durable:
+                    storer.stage(plan)  # room in the first tier, made now; the bytes move below
+            except BaseException:
+                storer.complete_store(plan)
+                raise
+        try:
+            if plan.staged:
+                storer.write_staged(plan)  # the payload copies, without the store lock
+        except BaseException:
+            with self._lock:
+                storer.complete_store(plan)
+            raise
+        with self._lock:
+            try:
                 storer.fill(plan, durable)
                 if durable:
                     if early is not None:

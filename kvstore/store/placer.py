@@ -142,8 +142,10 @@ class Placer:
     ) -> bool:
         """Make room in tier ``k`` and write ``bid`` there; False if no room could be made."""
         tier = self.tiers[k]
+        if bid not in protect:
+            protect = protect | {bid}
         for _ in range(WRITE_ATTEMPTS):
-            if not tier.fits(meta.size) and not self.make_room(k, meta.size, protect | {bid}):
+            if not tier.fits(meta.size) and not self.make_room(k, meta.size, protect):
                 return False
             if self.write_copy(bid, k, src, meta, durable=durable, deferred=deferred):
                 return True
@@ -196,17 +198,20 @@ class Placer:
         for _ in range(MAKE_ROOM_ROUNDS):
             if tier.fits(size):
                 return True
-            plan = self.choose_room(k, size, protect | stuck, evict_leaves)
-            if plan is None:
-                if not evict_leaves and not tier.persistent:
-                    # Nothing can move down: a volatile tier's leaves may leave (those whose
-                    # demotion failed too: they could not move, but they may go).
-                    evict_leaves = True
-                    stuck.clear()
-                    continue
-                self.ledger.counters.failed_room += 1
-                return False
-            if not self.apply_room(k, plan, protect, stuck) and not tier.persistent:
+            applied = self._take_first(k, size, protect, stuck, evict_leaves)
+            if applied is None:
+                plan = self.choose_room(k, size, protect, evict_leaves, stuck)
+                if plan is None:
+                    if not evict_leaves and not tier.persistent:
+                        # Nothing can move down: a volatile tier's leaves may leave (those whose
+                        # demotion failed too: they could not move, but they may go).
+                        evict_leaves = True
+                        stuck.clear()
+                        continue
+                    self.ledger.counters.failed_room += 1
+                    return False
+                applied = self.apply_room(k, plan, protect, stuck)
+            if not applied and not tier.persistent:
                 evict_leaves = True
                 stuck.clear()
         return tier.fits(size)
@@ -226,26 +231,63 @@ class Placer:
         Stops at the first victim it cannot find; the placements that follow decide."""
         tier = self.tiers[k]
         u = tier.usage()
-        room = (u.capacity_bytes - u.used_bytes) // max(tier.size_class(size), 1)
+        # A slab tier's slot of this size class, else the block itself (size_class 0).
+        room = (u.capacity_bytes - u.used_bytes) // max(tier.size_class(size) or size, 1)
         if count <= room:
             return
         self.expire(self.clock(), self.config.expire_work_cap)
         stuck: set[int] = set()
         evict_leaves = self._evicts_leaves(k)
+        take = self._take_first
         for _ in range(count - room):
-            plan = self.choose_room(k, size, protect | stuck, evict_leaves)
-            if plan is None:
-                return
-            if not self.apply_room(k, plan, protect, stuck) and not tier.persistent:
+            applied = take(k, size, protect, stuck, evict_leaves)
+            if applied is None:
+                plan = self.choose_room(k, size, protect, evict_leaves, stuck)
+                if plan is None:
+                    return
+                applied = self.apply_room(k, plan, protect, stuck)
+            if not applied and not tier.persistent:
                 evict_leaves = True
                 stuck.clear()
 
-    def choose_room(self, k: int, size: int, protect: set[int], evict_leaves: bool) -> list[Victim] | None:
+    def _take_first(self, k: int, size: int, protect: set[int], stuck: set[int], evict_leaves: bool) -> bool | None:
+        """The usual case of a make-room, without a plan: the policy's first offer is a victim
+        big enough on its own, and is applied at once (what :meth:`choose_room` would choose
+        and :meth:`apply_room` apply). True: applied; False: its demotion failed (it is now in
+        ``stuck``); None: the first offer is no such victim (plan with :meth:`choose_room`)."""
+        bid = next(self.ledger.policies[k].candidates(), None)
+        if bid is None or bid in protect or bid in stuck:
+            return None
+        idx = self.index
+        if idx.in_use[bid]:
+            return None
+        bsize = int(idx.size[bid])
+        if bsize != size:
+            tier = self.tiers[k]
+            if bsize < size or tier.size_class(bsize) != tier.size_class(size):
+                return None
+        if int(idx.tiers[bid]) & ~(1 << k):
+            self.drop_copy(bid, k)
+        elif not evict_leaves:
+            if not self.demote(bid, k, protect):
+                stuck.add(bid)
+                return False
+        elif idx.pins[bid] or idx.children[bid]:
+            return None
+        else:
+            self.drop_block(bid, "capacity")
+            self.ledger.counters.evictions += 1
+        return True
+
+    def choose_room(
+        self, k: int, size: int, protect: set[int], evict_leaves: bool, stuck: set[int] | None = None
+    ) -> list[Victim] | None:
         """Victims that free ``size`` bytes of tier ``k`` (same size class first), in policy
         order, or None when that much cannot move or leave. With ``evict_leaves`` a victim with
         no other copy is a leaf that leaves the store (the last tier), else it moves down.
-        Changes nothing."""
+        Changes nothing. ``stuck``: blocks protected too (their demotion failed)."""
         idx, tier = self.index, self.tiers[k]
+        stuck = stuck or set()
         last = evict_leaves
         others = ((1 << len(self.tiers)) - 1) & ~(1 << k)
         want = tier.size_class(size)
@@ -258,7 +300,7 @@ class Placer:
 
         def consider(bid: int, same_class: bool) -> int:
             """The bytes ``bid`` frees if it may be a victim (0 if not); records it."""
-            if bid in protect or bid in taken or in_use[bid]:
+            if bid in protect or bid in taken or bid in stuck or in_use[bid]:
                 return 0
             bsize = int(sizes[bid])
             if same_class and tier.size_class(bsize) != want:
@@ -278,18 +320,6 @@ class Placer:
             taken.add(bid)
             return bsize
 
-        candidates = self.ledger.policies[k].candidates()
-        # The usual case first: the policy's first offer is a victim big enough on its own.
-        first = next(candidates, None)
-        if first is not None and first not in protect and not in_use[first]:
-            bsize = int(sizes[first])
-            if bsize >= size and tier.size_class(bsize) == want:
-                if int(masks[first]) & others:
-                    return [Victim(first, bsize, COPY)]
-                if not last:
-                    return [Victim(first, bsize, DEMOTE)]
-                if not pins[first] and not children[first]:
-                    return [Victim(first, bsize, EVICT)]
         for same_class in (True, False):
             for scanned, bid in enumerate(self.ledger.policies[k].candidates()):
                 if scanned >= cap:
@@ -306,7 +336,7 @@ class Placer:
                 if freed >= size:
                     return chosen
         # The policy walk hit the work cap (or offered too little): ask the index directly.
-        for bid in self._movable(k, protect | taken, last).tolist():
+        for bid in self._movable(k, protect | taken | stuck, last).tolist():
             freed += consider(bid, False)
             if freed >= size:
                 return chosen
@@ -412,12 +442,18 @@ class Placer:
     # ---- dropping ---------------------------------------------------------------------------------
 
     def _delete(self, key: BlockHash, mask: int) -> None:
-        for k in bits(mask):
+        for k in bits(mask) if mask & (mask - 1) else (mask.bit_length() - 1,) if mask else ():
             try:
                 self.tiers[k].delete(key)
             except TierIOError as e:
                 self.ledger.counters.tier_errors += 1
                 log.error("delete of %s from tier %s failed: %s", key.hex(), self.tiers[k].name, e)
+
+    def delete_unpublished(self, k: int, keys: list[BlockHash]) -> None:
+        """Delete copies a put wrote to tier ``k`` but did not publish (the ledger never
+        recorded them)."""
+        for key in keys:
+            self._delete(key, 1 << k)
 
     def drop_copy(self, bid: int, k: int) -> None:
         """Remove tier ``k``'s copy; a block left with no copy stays in the index only as a
