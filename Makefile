@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-vllm lint bench reliability-long clean
+.PHONY: demo test test-vllm lint bench bench-peers reliability-long clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,9 +48,31 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m tools.bench all --json
 
+# kvstore beside LMCache and Mooncake Store in one run (issue 20; docs/benchmarks.md "Against the
+# peers"), in its own venv (~2 GB: LMCache 0.5.6 pulls CUDA-less torch 2.13.0 and its own deps).
+# Debian's redis-server and libibverbs1 (Mooncake's transfer engine links it) via apt-get when
+# missing (as root). Never part of `make test`. PEERS_ARGS: e.g. --quick, --only kvstore,lmcache.
+PEERS_VENV  ?= .venv-peers
+PEERS_PY    := $(PEERS_VENV)/bin/python
+PEERS_STAMP := $(PEERS_VENV)/.installed
+PEERS_ARGS  ?=
+
+$(PEERS_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install -q --upgrade pip
+	$(PEERS_PY) -m pip install -q torch==2.13.0
+	$(PEERS_PY) -m pip install -q lmcache==0.5.6 mooncake-transfer-engine-non-cuda==0.3.13.post1
+	$(PEERS_PY) -m pip install -q -e '.[server]'
+	command -v redis-server >/dev/null && ldconfig -p | grep -q libibverbs.so.1 || \
+		(apt-get update -q && apt-get install -y -q redis-server libibverbs1)
+	touch $(PEERS_STAMP)
+
+bench-peers: $(PEERS_STAMP)
+	PYTHONPATH=$(CURDIR) $(PEERS_PY) -m tools.bench peers --json $(PEERS_ARGS)
+
 # The long reliability run (docs/reliability.md): ~8 minutes; figures to reliability-figures.json.
 reliability-long: $(STAMP)
 	KVSTORE_RELIABILITY=long KVSTORE_RELIABILITY_OUT=reliability-figures.json $(PY) -m pytest tests/reliability -q
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) .pytest_cache build *.egg-info

@@ -67,6 +67,9 @@ KEY_BYTES = 8
 distinct blocks) at half the size, and replay traces' integer ids fit whole."""
 BLOCK_EVENTS = ("stored", "promoted", "demoted", "evicted", "expired", "corrupt")
 EVICT_REASONS = ("capacity", "deleted")
+USAGE_COUNTERS = ("skipped_writes", "skipped_bytes")
+"""Store counters a usage record carries (``KVStore.stats()``): admission's skipped writes to
+the last tier and their bytes."""
 _NAME = re.compile(r"^events-(\d{8}T\d{6})-(\d+)-(\d{4,})\.jsonl\.zst$")
 _MiB = 1 << 20
 
@@ -317,11 +320,18 @@ class EventLog:
             self._namespaces[key] = rec
         self._put(("raw", rec))
 
-    def usage(self, tiers: Iterable[Mapping[str, Any]], *, t: float | None = None) -> None:
+    def usage(self, tiers: Iterable[Mapping[str, Any]], *, t: float | None = None,
+              store: Mapping[str, Any] | None = None) -> None:
         """How full each tier is now: rows with ``name``, ``used_bytes``, ``capacity_bytes`` and
-        ``blocks`` (what ``KVStore.stats()["tiers"]`` lists)."""
-        rec = {"type": "usage", "t": self._t(t), "tiers": {
+        ``blocks`` (what ``KVStore.stats()["tiers"]`` lists). ``store``: the store's stats, whose
+        admission counters (:data:`USAGE_COUNTERS`, since the store opened, and the admission
+        rule's name) the record carries too."""
+        rec: dict[str, Any] = {"type": "usage", "t": self._t(t), "tiers": {
             str(r["name"]): {k: int(r.get(k) or 0) for k in ("used_bytes", "capacity_bytes", "blocks")} for r in tiers}}
+        if store is not None:
+            adm = store.get("admission")
+            rec["store"] = {**{k: int(store.get(k) or 0) for k in USAGE_COUNTERS},
+                            "admission": str(adm.get("admission", "")) if isinstance(adm, Mapping) else ""}
         self._put(("raw", rec))
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -676,10 +686,11 @@ class StoreEvents:
         for sink in self.sinks:
             sink.copy_dropped(key, k)
 
-    def usage(self, tiers: Iterable[Mapping[str, Any]]) -> None:
-        """Log how full each tier is (``KVStore.stats()["tiers"]``); nothing when not logging."""
+    def usage(self, tiers: Iterable[Mapping[str, Any]], *, store: Mapping[str, Any] | None = None) -> None:
+        """Log how full each tier is (``KVStore.stats()["tiers"]``) and, given the store's
+        stats, its admission counters; nothing when not logging."""
         if self.log is not None:
-            self.log.usage(tiers)
+            self.log.usage(tiers, store=store)
 
     def bad_copy(self, key: bytes, k: int, corrupt: bool) -> None:
         if self.log is not None:

@@ -38,6 +38,19 @@ class ConnectionLost(ConnectionError):
     """The data connection broke; the client reconnects (and retries idempotent calls)."""
 
 
+class ConnectionRefused(ConnectionLost):
+    """Nothing listens where the daemon should (the connection was refused, or its socket file
+    is missing): it is down, or between a stop and its next start. A refusal is instant, so the
+    client does not retry it within a call (an engine's circuit breaker reconnects in the
+    background); a daemon that hangs is what the timeouts are for."""
+
+
+def lost(what: str, e: OSError) -> ConnectionLost:
+    """``ConnectionRefused`` when ``e`` says nothing listens there, else ``ConnectionLost``."""
+    cls = ConnectionRefused if isinstance(e, (ConnectionRefusedError, FileNotFoundError)) else ConnectionLost
+    return cls(f"{what}: {e}")
+
+
 _ERRORS: dict[P.ErrorCode, type[KVStoreError]] = {
     P.ErrorCode.UNAUTHENTICATED: AuthError,
     P.ErrorCode.FORBIDDEN: ForbiddenError,
@@ -72,7 +85,7 @@ class TcpTransport:
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as e:
-            raise ConnectionLost(f"cannot reach the data plane at {host}:{port}: {e}") from e
+            raise lost(f"cannot reach the data plane at {host}:{port}", e) from e
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def send(self, bufs: Sequence[bytes | memoryview]) -> None:
@@ -215,4 +228,4 @@ class FrameConn:
         self.t.close()
 
 
-__all__ = ["ConnectionLost", "DaemonUnavailableError", "FrameConn", "TcpTransport", "UcxTransport"]
+__all__ = ["ConnectionLost", "ConnectionRefused", "DaemonUnavailableError", "FrameConn", "TcpTransport", "UcxTransport"]

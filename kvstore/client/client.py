@@ -14,7 +14,9 @@
 
 Control calls (lookup, pin, stats) use HTTP over one keep-alive connection (``_http.HttpConn``:
 a plain socket, a lookup costs ~0.1 ms of client CPU where httpx took ~0.5 ms). Idempotent calls
-are retried after a reconnect (a daemon restart, a dropped connection); ``put`` is idempotent
+are retried after a reconnect (a daemon restart, a dropped connection), the first at once and
+then with back-off; a refused connection (nothing listens: the daemon is down) raises
+:class:`DaemonUnavailableError` at once, without retries. ``put`` is idempotent
 too (blocks are content-addressed and deduplicated). ``pin`` and ``unpin`` count, so they are
 not retried. A refusal raises the kvstore.errors class the daemon's error body names (``kind``),
 as the in-process store would (an older daemon's: the class its HTTP status maps to), and is
@@ -28,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
@@ -40,7 +43,14 @@ from urllib.parse import urlsplit
 from kvstore.api import LookupResult, layout_mismatch
 from kvstore.block import payload_checksum
 from kvstore.buffers import dst_views, src_views
-from kvstore.client._conn import ConnectionLost, FrameConn, TcpTransport, UcxTransport, open_staging
+from kvstore.client._conn import (
+    ConnectionLost,
+    ConnectionRefused,
+    FrameConn,
+    TcpTransport,
+    UcxTransport,
+    open_staging,
+)
 from kvstore.client._http import HttpConn
 from kvstore.errors import (
     AuthError,
@@ -96,6 +106,33 @@ def _detach_shared(name: str) -> None:
             del _ARENAS[name]
             with contextlib.suppress(BufferError):
                 entry[0].close()
+
+
+def _unmap(arena: str | None, staging: SharedMemory | None) -> None:
+    if arena is not None:
+        _detach_shared(arena)
+    if staging is not None:
+        with contextlib.suppress(BufferError):
+            staging.close()
+
+
+# What lost connections let go of, unmapped by one thread per process. It is started when a
+# client first maps an arena, not by the call that finds the daemon gone: on a loaded machine a
+# new thread can take tens of milliseconds to be scheduled, and that call is an engine's.
+_UNMAPS: queue.SimpleQueue[tuple[str | None, SharedMemory | None]] = queue.SimpleQueue()
+_UNMAPPER: list[threading.Thread] = []
+
+
+def _start_unmapper() -> None:
+    with _ARENAS_LOCK:
+        if not _UNMAPPER:
+            _UNMAPPER.append(threading.Thread(target=_unmap_forever, name="kvstore-unmap", daemon=True))
+            _UNMAPPER[0].start()
+
+
+def _unmap_forever() -> None:
+    while True:
+        _unmap(*_UNMAPS.get())
 
 
 def _local_node_id() -> str:
@@ -239,9 +276,13 @@ class Client:
         except OSError:  # another container's /dev/shm, say: fall back to TCP
             return None
         self._arena_name = hello["arena"]
+        _start_unmapper()
         return shm
 
-    def _disconnect(self) -> None:
+    def _disconnect(self, *, later: bool = False) -> None:
+        """Close the data connection and let go of the arena and the staging segment.
+        ``later``: unmap them on a thread of their own (a lost connection: unmapping tens of
+        MiB takes milliseconds that the failing call, an engine's, should not wait for)."""
         # A lease's views pin the arena mapping; the daemon releases the leases of a closed
         # connection itself.
         for lease in list(self._leases):
@@ -251,12 +292,15 @@ class Client:
             with contextlib.suppress(OSError, ConnectionLost):
                 self._conn.close()
             self._conn = None
-        if self._arena is not None:
-            _detach_shared(self._arena_name)
-        if self._staging is not None:
-            with contextlib.suppress(BufferError):
-                self._staging.close()
+        arena = self._arena_name if self._arena is not None else None
+        staging = self._staging
         self._arena = self._staging = None
+        if arena is None and staging is None:
+            return
+        if later and _UNMAPPER:
+            _UNMAPS.put((arena, staging))
+        else:
+            _unmap(arena, staging)
 
     def _retry(self, fn: Callable[[], T], idempotent: bool = True) -> T:
         delay = 0.05
@@ -284,15 +328,19 @@ class Client:
                 raise
             except (ConnectionLost, OSError) as e:
                 with self._lock:
-                    self._disconnect()
-                if not idempotent or attempt == self.retries:
+                    self._disconnect(later=True)
+                # A refused connection is instant and says the daemon is not there: no retry
+                # and no back-off, so that an engine's first call after a daemon died costs
+                # a connect attempt, not the retries' sleeps (its breaker reconnects later).
+                if not idempotent or attempt == self.retries or isinstance(e, ConnectionRefused):
                     raise DaemonUnavailableError(
                         f"kvstore daemon at {self.url} is unreachable ({e}); is it running? "
                         "(`kvstore serve`)"
                     ) from e
                 attempt += 1
-                time.sleep(delay)  # back off before reconnecting (a restarting daemon)
-                delay = min(delay * 2, 1.0)
+                if attempt > 1:  # a dropped connection is reconnected at once, then with back-off
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
 
     def close(self) -> None:
         with self._lock:

@@ -39,15 +39,22 @@ BENCHES = {
     # KV events, the router and the handoff (issue 17); starts its own daemons
     "route": "tools.bench.route",
 }
+# Benchmarks with their own arguments (``python -m tools.bench NAME --help``), not in ``all``:
+# kvstore beside LMCache and Mooncake Store (issue 20); needs .venv-peers (make bench-peers).
+OWN_CLI = {"peers": "tools.bench.peers"}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in OWN_CLI:
+        return importlib.import_module(OWN_CLI[argv[0]]).main(argv[1:])
     p = argparse.ArgumentParser(
         prog="python -m tools.bench",
         description="kvstore benchmarks. Each figure is printed with a baseline measured in the "
         "same run (ratio = value / baseline), so results survive a noisy machine.",
     )
-    p.add_argument("name", choices=[*BENCHES, "all"], help="which benchmark to run")
+    p.add_argument("name", choices=[*BENCHES, "all", *OWN_CLI], help="which benchmark to run "
+                   f"({', '.join(OWN_CLI)}: own arguments, see NAME --help)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
     p.add_argument("--dir", default=None, help="directory on the disk to measure (nvme); default: a temp dir under ./")

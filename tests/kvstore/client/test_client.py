@@ -65,9 +65,20 @@ def test_shm_lease_views_are_zero_copy_and_read_only(start_daemon: Callable[...,
         c.acquire(SMALL_NS, chain)
 
 
-def test_unreachable_daemon_raises_after_retries() -> None:
-    with pytest.raises(DaemonUnavailableError, match="unreachable"):
-        connect("http://127.0.0.1:9", retries=1, timeout=2)
+def test_a_refused_connection_raises_at_once_without_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing listens on port 9: the refusal is the answer. No retry, no back-off sleep (an
+    engine's first call after its daemon died must not wait for them)."""
+    import socket
+
+    from kvstore.client import client as client_module
+
+    attempts: list[object] = []
+    real = socket.create_connection
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: attempts.append(a) or real(*a, **k))
+    monkeypatch.setattr(client_module.time, "sleep", lambda s: pytest.fail(f"slept {s} s before retrying a refusal"))
+    with pytest.raises(DaemonUnavailableError, match="unreachable .*Connection refused"):
+        connect("http://127.0.0.1:9", retries=5, timeout=2)
+    assert len(attempts) == 1
 
 
 def test_bad_plane_name() -> None:

@@ -1,0 +1,233 @@
+"""peers: kvstore side by side with LMCache and Mooncake Store, one workload, one run.
+
+``python -m tools.bench peers [--json] [--quick] [--only NAMES] ...`` (``--help`` explains;
+``make bench-peers`` builds ``.venv-peers`` with the peers and runs it).
+
+Every store gets the same workload (``tools/bench/_peers/workload.py``): Llama-3-8B geometry
+(32 layers, 8 KV heads, head_dim 128, bf16), 256-token chunks, requests of 4,096 and 32,768
+tokens, a DRAM capacity equal for all with LRU eviction, bytes checked equal on every load.
+Figures per store and request size, each with a baseline measured in the same process:
+
+* ``{peer}_{size}_store`` / ``_retrieve``: GB/s; baseline: a memcpy of the same bytes;
+* ``{peer}_{size}_lookup``: median ms of a lookup of a cached request; baseline: hashing its
+  tokens (``kvstore.keys.hash_blocks``);
+* ``{peer}_{size}_retrieve_p99_8_clients``: p99 ms of one retrieve while 8 clients retrieve;
+  baseline: the median ms of one retrieve alone.
+
+Then, across stores: ``{kvstore}_vs_{peer}_{size}_{store|retrieve}`` (value: kvstore's GB/s,
+baseline: the peer's), with the goal ratio where the issue states one (kvstore in process
+>= 1.2x LMCache's CPU backend, >= 1x Mooncake Store). A peer that cannot be installed or
+started prints a row with ``status: unavailable`` and the error, and the others go on.
+
+Each store runs in its own process (its memory is freed before the next; a crash stays
+there), one after another, so they never share the two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tools.bench._common import emit, missed_goals, result
+from tools.bench._peers import PEERS
+from tools.bench._peers.workload import Geometry, Workload
+
+SIZES = (4096, 32768)
+QUICK_SIZES = (1024,)
+KVSTORES = ("kvstore", "kvstore-shm", "kvstore-tcp")
+# The issue's goals: kvstore (in process) against each peer, store and retrieve alike.
+GOALS = {"lmcache-cpu": 1.2, "mooncake": 1.0}
+OTHERS = ("lmcache-cpu", "lmcache-disk", "lmcache-redis", "mooncake")
+PRIVATE_NETNS = ("mooncake",)  # its client binds every interface: run it where only loopback is
+TIMEOUT_S, QUICK_TIMEOUT_S = 1800, 600
+
+
+def label(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def select(only: str | None) -> list[str]:
+    """Peers named by ``--only``, in run order: a peer's name, or a family (``lmcache``, or a
+    prefix ending in ``*``: ``kvstore*`` is kvstore in process and through its daemon)."""
+    if not only:
+        return list(PEERS)
+
+    def picks(item: str, peer: str) -> bool:
+        if item.endswith("*"):
+            return peer.startswith(item[:-1])
+        return peer == item or (item not in PEERS and peer.startswith(item + "-"))
+
+    want = [x.strip() for x in only.split(",") if x.strip()]
+    unknown = [x for x in want if not any(picks(x, p) for p in PEERS)]
+    if unknown:
+        raise SystemExit(f"--only: unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEERS)} "
+                         "(or a family: lmcache, kvstore*)")
+    return [p for p in PEERS if any(picks(x, p) for x in want)]
+
+
+def workload(args: argparse.Namespace, tokens: int) -> Workload:
+    g = Geometry(layers=args.layers) if args.layers else Geometry()
+    # A 32K-token request is 4 GiB: one fits (the box has 23 GiB for everyone), 2 rounds, and
+    # one retrieve per client at once (8 x 4 GiB moved) keep a run in minutes.
+    small = tokens <= 8192
+    fit = args.fit or (2 if args.quick else 4 if small else 1)
+    rounds = args.rounds or (2 if args.quick or not small else 3)
+    return Workload(tokens=tokens, fit=fit, rounds=rounds, lookups=3 if args.quick else 10,
+                    clients=args.clients, per_client=2 if small and not args.quick else 1,
+                    geometry=g, scratch=args.dir)
+
+
+def peer_rows(peer: str, w: Workload, res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of one peer at one size from its child's result (the result math)."""
+    size = label(w.tokens)
+    if "figures" not in res:
+        status = "unavailable" if "unavailable" in res else "failed"
+        return [{"bench": "peers", "metric": f"{peer}_{size}_{status}", "peer": peer, "tokens": w.tokens,
+                 "status": status, "error": res.get(status, "no result")}]
+    f = res["figures"]
+    common = {"peer": peer, "tokens": w.tokens, "request_bytes": w.request_bytes,
+              "capacity_bytes": w.capacity_bytes, "chunk_tokens": w.geometry.chunk_tokens,
+              "verified": res["wrong_chunks"] == 0 and res["missing_tokens"] == 0,
+              "wrong_chunks": res["wrong_chunks"], "missing_tokens": res["missing_tokens"],
+              **({"errors": res["errors"], "error_count": res["error_count"]} if res["errors"] else {}),
+              **res["info"]}
+    return [
+        result("peers", f"{peer}_{size}_store", f["store_gbps"], "GB/s", f["memcpy_gbps"],
+               first_round_gbps=round(f["first_round_gbps"], 4), **common),
+        result("peers", f"{peer}_{size}_retrieve", f["retrieve_gbps"], "GB/s", f["memcpy_gbps"], **common),
+        result("peers", f"{peer}_{size}_lookup", f["lookup_ms"], "ms", f["hash_ms"], peer=peer, tokens=w.tokens),
+        result("peers", f"{peer}_{size}_retrieve_p99_{w.clients}_clients", f["concurrent_p99_ms"], "ms",
+               f["retrieve_p50_ms"], p50_ms=round(f["concurrent_p50_ms"], 3),
+               samples=res["samples"]["concurrent"], peer=peer, tokens=w.tokens)
+        if res["samples"]["concurrent"] else
+        {"bench": "peers", "metric": f"{peer}_{size}_retrieve_p99_{w.clients}_clients_skipped", "peer": peer,
+         "tokens": w.tokens, "status": "skipped",
+         "error": "serves one call at a time here (tools/bench/_peers/lmcache.py): a p99 would be the queue"},
+    ]
+
+
+def compare(w: Workload, figures: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    """kvstore against each peer that ran at this size: store and retrieve GB/s."""
+    size = label(w.tokens)
+    out = []
+    for kv in KVSTORES:
+        if kv not in figures:
+            continue
+        peers = OTHERS if kv == "kvstore" else ("lmcache-cpu", "mooncake")
+        for peer in peers:
+            if peer not in figures:
+                continue
+            for op in ("store", "retrieve"):
+                goal = GOALS.get(peer) if kv == "kvstore" else None
+                out.append(result("peers", f"{kv}_vs_{peer}_{size}_{op}", figures[kv][f"{op}_gbps"], "GB/s",
+                                  figures[peer][f"{op}_gbps"], goal_ratio=goal, tokens=w.tokens))
+    return out
+
+
+def _command(peer: str, spec: Path) -> tuple[list[str], dict[str, str]]:
+    cmd = [sys.executable, "-m", "tools.bench._peers.child", str(spec)]
+    env = dict(os.environ)
+    if peer in PRIVATE_NETNS and os.geteuid() == 0 and shutil.which("unshare") and shutil.which("ip"):
+        env["PEERS_NETNS"] = "private"
+        cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *cmd]
+    return cmd, env
+
+
+def run_child(peer: str, w: Workload, tmp: Path, timeout: float) -> dict[str, Any]:
+    """One peer in its own process group (its servers too); killed as a group on timeout."""
+    spec, out, log = tmp / f"{peer}.json", tmp / f"{peer}.out.json", tmp / f"{peer}.log"
+    wd = asdict(w)
+    spec.write_text(json.dumps({"peer": peer, "workload": wd, "out": str(out)}))
+    cmd, env = _command(peer, spec)
+    with log.open("wb") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {"failed": f"timed out after {timeout:.0f} s; log: {_tail(log)}"}
+        finally:  # this process interrupted: the child and its servers go too
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if not out.exists():
+        return {"failed": f"exit {rc} without a result; log: {_tail(log)}"}
+    res = json.loads(out.read_text())
+    if "failed" in res:
+        res["failed"] += f"; log: {_tail(log)}"
+    return res
+
+
+def _tail(log: Path, n: int = 800) -> str:
+    return log.read_text(errors="replace")[-n:].strip() if log.exists() else ""
+
+
+def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    peers = select(getattr(args, "only", None))
+    sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
+    timeout = args.timeout or (QUICK_TIMEOUT_S if args.quick else TIMEOUT_S)
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="peers-run-", dir=args.dir) as d:
+        for tokens in sizes:
+            w = workload(args, tokens)
+            figures: dict[str, dict[str, float]] = {}
+            for peer in peers:
+                res = run_child(peer, w, Path(d), timeout)
+                if "figures" in res:
+                    figures[peer] = res["figures"]
+                yield from peer_rows(peer, w, res)
+            yield from compare(w, figures)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tools.bench peers",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n", 1)[1],
+        epilog=f"peers: {', '.join(PEERS)}. Needs .venv-peers (make bench-peers) for LMCache and Mooncake; "
+               "without it those print 'unavailable' rows.",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--quick", action="store_true", help=f"a smoke run: {label(QUICK_SIZES[0])}-token requests, 2 rounds")
+    p.add_argument("--only", metavar="NAMES", help="comma-separated peers or families to run (lmcache, kvstore*: "
+                   "in process and through the daemon; default: all)")
+    p.add_argument("--sizes", type=lambda s: tuple(int(x) for x in s.split(",")), metavar="TOKENS,...",
+                   help=f"request sizes in tokens (default {','.join(map(str, SIZES))})")
+    p.add_argument("--fit", type=int, default=0, help="requests the capacity holds (default 4 up to 8K tokens, else 1)")
+    p.add_argument("--rounds", type=int, default=0, help="store and retrieve rounds (default 3; 2 past 8K tokens)")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
+    p.add_argument("--layers", type=int, default=0, help="layers of the geometry (default 32; fewer for smoke tests)")
+    p.add_argument("--dir", default=".", help="scratch directory on the disk (stores' files, LMCache's disk backend)")
+    p.add_argument("--timeout", type=float, default=0, help="seconds one peer at one size may take")
+    p.add_argument("--check", action="store_true", help="exit 3 when a figure misses its goal")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    missed = 0
+    for row in run(args):
+        if "value" in row:
+            emit(row, args.json)
+            if args.check:
+                for miss in missed_goals(row):
+                    missed += 1
+                    print(f"MISSED {row['metric']}: {miss}", file=sys.stderr, flush=True)
+        else:
+            print(json.dumps(row) if args.json else f" peers {row['metric']:<28} {row['error']}", flush=True)
+    return 3 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
