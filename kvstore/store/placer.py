@@ -262,7 +262,7 @@ class Placer:
         big enough on its own, and is applied at once (what :meth:`choose_room` would choose
         and :meth:`apply_room` apply). True: applied; False: its demotion failed (it is now in
         ``stuck``); None: the first offer is no such victim (plan with :meth:`choose_room`)."""
-        bid = next(self.ledger.policies[k].candidates(), None)
+        bid = self.ledger.policies[k].first()
         if bid is None or bid in protect or bid in stuck:
             return None
         idx = self.index
