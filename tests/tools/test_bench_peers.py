@@ -90,6 +90,20 @@ def test_peer_rows_carry_figure_baseline_and_ratio() -> None:
     assert (p99["value"], p99["baseline"], p99["ratio"], p99["p50_ms"]) == (200.0, 40.0, 5.0, 100.0)
 
 
+def test_long_requests_skip_the_concurrent_phase_and_say_so() -> None:
+    args = parser().parse_args([])
+    from tools.bench.peers import workload
+
+    long, short = workload(args, 32768), workload(args, 4096)
+    assert (long.fit, long.rounds, long.concurrent) == (1, 2, False)
+    assert (short.fit, short.rounds, short.concurrent, short.per_client) == (4, 3, True, 2)
+    assert workload(parser().parse_args(["--concurrent-long"]), 32768).concurrent
+    res = _res(1.0, 1.0)
+    res["samples"]["concurrent"] = 0
+    rows = peer_rows("kvstore", long, res)
+    assert rows[-1]["status"] == "skipped" and "--concurrent-long" in rows[-1]["error"]
+
+
 def test_a_peer_that_cannot_run_is_one_row_with_the_error() -> None:
     w = Workload(tokens=32768, fit=1)
     (row,) = peer_rows("mooncake", w, {"unavailable": "mooncake is not installed"})
