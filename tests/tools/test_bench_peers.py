@@ -126,6 +126,10 @@ def test_comparisons_state_the_goals_of_the_issue() -> None:
     assert missed_goals(rows["kvstore_vs_mooncake_4k_store"]) == ["ratio 0.8571 < goal 1 (value / baseline)"]
     assert missed_goals(rows["kvstore_vs_mooncake_4k_retrieve"]) == []
     assert rows["kvstore-tcp_vs_mooncake_4k_store"]["goal_ratio"] is None
+    figs["mooncake"] = {**figs["mooncake"], "retrieve_gbps": 0.0, "verified": False}
+    rows = {r["metric"]: r for r in compare(w, figs)}
+    lost = rows["kvstore_vs_mooncake_4k_retrieve"]
+    assert lost["status"] == "not comparable" and "mooncake did not hold" in lost["error"] and "ratio" not in lost
 
 
 def test_table_shows_spreads_and_goal_counts(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -145,7 +149,7 @@ def test_table_shows_spreads_and_goal_counts(tmp_path) -> None:  # type: ignore[
     text = tables(load(paths))
     assert "| kvstore | 5.50–6.50 | 6.00 | 10.00 |" in text
     assert "| mooncake | unavailable: not installed |" in text
-    assert "| kvstore vs lmcache-cpu | 1.10–1.30 | 1.50 | ≥ 1.2 | 1, 2 of 2 |" in text
+    assert "| kvstore vs lmcache-cpu | 1.10–1.30 | 1.50 | ≥ 1.2 | 1 of 2, 2 of 2 |" in text
 
 
 # ---- the adapter contract, against kvstore and the baselines ---------------------------------

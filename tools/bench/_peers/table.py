@@ -64,10 +64,13 @@ def tables(runs: list[list[dict[str, Any]]]) -> str:
             if not k.endswith(f"_{size}_store") or "_vs_" not in k:
                 continue
             pair = k[: -len(f"_{size}_store")]
-            s, r = by[k], by.get(f"{pair}_{size}_retrieve", [])
-            goal = s[0].get("goal_ratio")
-            met = f"{sum(x['ratio'] >= goal for x in s)}, {sum(x['ratio'] >= goal for x in r)} of {len(s)}" if goal else ""
-            out.append(f"| {pair.replace('_vs_', ' vs ')} | {spread([x['ratio'] for x in s], n)} | "
+            s_all, r_all = by[k], by.get(f"{pair}_{size}_retrieve", [])
+            s, r = [x for x in s_all if "ratio" in x], [x for x in r_all if "ratio" in x]
+            goal = s_all[0].get("goal_ratio")
+            met = f"{sum(x['ratio'] >= goal for x in s)} of {len(s)}, {sum(x['ratio'] >= goal for x in r)} of {len(r)}" if goal else ""
+            lost = len(s_all) + len(r_all) - len(s) - len(r)
+            note = f" ({lost} not comparable: a store lost cached requests)" if lost else ""
+            out.append(f"| {pair.replace('_vs_', ' vs ')}{note} | {spread([x['ratio'] for x in s], n)} | "
                        f"{spread([x['ratio'] for x in r], n)} | {'≥ ' + str(goal) if goal else ''} | {met} |")
     return "\n".join(out)
 
