@@ -148,7 +148,7 @@ def test_table_shows_spreads_and_goal_counts(tmp_path) -> None:  # type: ignore[
         paths.append(str(path))
     text = tables(load(paths))
     assert "| kvstore | 5.50–6.50 | 6.00 | 10.00 |" in text
-    assert "| mooncake | unavailable: not installed |" in text
+    assert "| mooncake | unavailable (2 of 2 runs): not installed |" in text
     assert "| kvstore vs lmcache-cpu | 1.10–1.30 | 1.50 | ≥ 1.2 | 1 of 2, 2 of 2 |" in text
 
 

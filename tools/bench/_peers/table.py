@@ -49,7 +49,8 @@ def tables(runs: list[list[dict[str, Any]]]) -> str:
             if not st:
                 gone = [r for k, v in by.items() if k.startswith(f"{peer}_{size}_") and k.endswith(("unavailable", "failed")) for r in v]
                 if gone:
-                    out.append(f"| {peer} | {gone[0]['status']}: {gone[0]['error'][:120]} | | | | | |")
+                    why = gone[0]["error"].split("; log:")[0].splitlines()[0][:160].replace("|", "/")
+                    out.append(f"| {peer} | {gone[0]['status']} ({len(gone)} of {n} runs): {why} | | | | | |")
                 continue
             lk = by.get(f"{peer}_{size}_lookup", [])
             p99 = [r for k, v in by.items() if k.startswith(f"{peer}_{size}_retrieve_p99_") and not k.endswith("skipped") for r in v]
@@ -59,7 +60,7 @@ def tables(runs: list[list[dict[str, Any]]]) -> str:
             name = peer + (" (lost cached requests: missing tokens)" if any(r["missing_tokens"] for r in bad) else "")
             name += " (WRONG BYTES)" if any(r["wrong_chunks"] for r in bad) else ""
             out.append(f"| {name} | {spread([r['value'] for r in st], n)} | {spread([r['value'] for r in rt], n)} | "
-                       f"{spread([r['baseline'] for r in st + rt], 2 * n)} | {spread([r['value'] for r in lk], n, 3)} | "
+                       f"{spread([r['baseline'] for r in st + rt], 2 * len(st))} | {spread([r['value'] for r in lk], n, 3)} | "
                        f"{spread([r['value'] for r in p99], n, 0) if p99 else why} | "
                        f"{spread([r['baseline'] for r in p99], n, 0) if p99 else '—'} |")
         out.append("\n| kvstore against | store: ratio | retrieve: ratio | goal | runs meeting it (store, retrieve) |")
