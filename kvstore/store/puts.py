@@ -295,7 +295,7 @@ class Storer:
         by earlier puts) to the first persistent tier, synced."""
         if not self.persistent:
             raise UsageError("durable=True needs a persistent tier (nvme or object) in the config")
-        self.placer.durable.update(bytes(h) for h in plan.hashes[: plan.stored_to])  # never skipped by admission
+        self.placer.keep_always(plan.ids[: plan.stored_to])  # never skipped by admission
         self.copy_durable(plan.ids[: plan.stored_to], plan.hashes)
 
     def copy_durable(self, ids: Sequence[int], hashes: Sequence[bytes]) -> None:
