@@ -8,9 +8,10 @@ flight the newest is dropped and counted (the cache is an optimisation; backpres
 engine would be worse than a miss later).
 
 The cache never breaks the engine. A call that finds the store unreachable (the daemon down or
-restarting) or slow (a load past ``timeout_s``) opens a :class:`Breaker`: from then on a load
-answers "no hit" and a store is dropped and counted, both at once and without touching the
-network, while a background thread reconnects with exponential backoff. The first probe that
+restarting: its refused connection is found at once, the client does not retry a refusal) or
+slow (a load past ``timeout_s``: a daemon that accepts and hangs) opens a :class:`Breaker`: from
+then on a load answers "no hit" and a store is dropped and counted, both at once and without
+touching the network, while a background thread reconnects with exponential backoff. The first probe that
 succeeds closes the breaker and hits resume by themselves.
 """
 
@@ -67,6 +68,8 @@ class Breaker:
     and skip the store, so an open breaker costs a callers no network round trip and no retry
     delay. A prober thread runs ``probe`` after ``backoff_s``, doubling the wait (with jitter)
     up to ``max_backoff_s`` after each failure; the first probe that returns closes the breaker.
+    The thread is started with the breaker and waits for a trip: the call that trips it (an
+    engine's) starts nothing, which on a loaded machine could cost milliseconds.
     With ``background=False`` nothing probes by itself: :meth:`probe_now` does one probe
     (tests step it that way instead of waiting).
     """
@@ -84,12 +87,12 @@ class Breaker:
             raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {backoff_s} and {max_backoff_s}")
         self._probe = probe
         self._backoff = (backoff_s, max_backoff_s)
-        self._background = background
         self._name = name
         self._lock = threading.Lock()
+        self._tripped = threading.Event()
         self._wake = threading.Event()
+        """Set by :meth:`close`: ends the prober's back-off wait."""
         self._stop = False
-        self._thread: threading.Thread | None = None
         self.closed = True
         """Calls may go out. Read without the lock: a stale read costs one call or one miss."""
         self.opened = 0
@@ -97,20 +100,22 @@ class Breaker:
         self.probes = 0
         """Probes made (each one a connection attempt)."""
         self.last_error = ""
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="kvstore-reconnect", daemon=True)
+            self._thread.start()
 
     def trip(self, exc: BaseException) -> None:
-        """Open the breaker (idempotent) and start reconnecting in the background."""
+        """Open the breaker (idempotent); the prober starts reconnecting."""
         with self._lock:
             self.last_error = f"{type(exc).__name__}: {exc}"
             if not self.closed:
                 return
             self.closed = False
             self.opened += 1
-            log.warning("%s unavailable (%s): answering 'no hit' and dropping stores until it is back",
-                        self._name, self.last_error)
-            if self._background and not self._stop and self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvstore-reconnect", daemon=True)
-                self._thread.start()
+            self._tripped.set()
+        log.warning("%s unavailable (%s): answering 'no hit' and dropping stores until it is back",
+                    self._name, self.last_error)
 
     def probe_now(self) -> bool:
         """One probe; closes the breaker when it succeeds. Returns whether the breaker is closed."""
@@ -127,26 +132,30 @@ class Breaker:
         return True
 
     def _run(self) -> None:
-        delay, cap = self._backoff
+        base, cap = self._backoff
         while True:
-            self._wake.wait(delay * random.uniform(0.5, 1.0))
-            if not self._stop:
-                self.probe_now()
-            with self._lock:
-                # Leave only when closed, under the lock: a trip that comes after this starts a
-                # new prober; one that came before (closed again) keeps this one going.
-                if self.closed or self._stop:
-                    self._thread = None
+            self._tripped.wait()
+            delay = base
+            while not self._stop and not self.closed:
+                self._wake.wait(delay * random.uniform(0.5, 1.0))
+                if self._stop:
                     return
-            delay = min(delay * 2, cap)
+                self.probe_now()
+                delay = min(delay * 2, cap)
+            if self._stop:
+                return
+            with self._lock:
+                # Wait for the next trip only while closed, under the lock: a trip that came
+                # after the probe that closed it keeps this round going.
+                if self.closed:
+                    self._tripped.clear()
 
     def close(self) -> None:
         self._stop = True
         self._wake.set()
-        with self._lock:
-            t = self._thread
-        if t is not None:
-            t.join(timeout=1.0)  # a probe stuck in a connect ends with its own timeout
+        self._tripped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)  # a probe stuck in a connect ends with its own timeout
 
 
 _AUTO: Any = object()
@@ -287,11 +296,13 @@ class EngineCache:
             fut.add_done_callback(_release_late)
             raise TimeoutError(f"a load of {len(hashes)} blocks took longer than {limit:.3g} s") from e
 
-    def store_async(self, hashes: list[BlockHash], blocks: torch.Tensor, start: int) -> Future[int] | None:
+    def store_async(self, hashes: list[BlockHash], blocks: torch.Tensor, start: int,
+                    tokens: Any | None = None) -> Future[int] | None:
         """Store ``blocks`` (``[m, block_bytes]`` uint8, blocks ``start..start+m-1`` of
         ``hashes``) in the background. Device tensors are copied to pinned host memory on a side
         stream first; the store thread waits for that copy, the engine does not. While the
-        store is unavailable the blocks are dropped and counted (``stores_skipped``)."""
+        store is unavailable the blocks are dropped and counted (``stores_skipped``).
+        ``tokens``: those blocks' token ids (CPU), sent along for the daemon's KV events."""
         if blocks.shape[0] == 0:
             return None
         if not self.breaker.closed:
@@ -317,16 +328,16 @@ class EngineCache:
             blocks = blocks.clone()  # the engine may reuse its buffer
         chain = list(hashes[: start + blocks.shape[0]])
         self.counters.stores_submitted += 1
-        return self._pool.submit(self._store, chain, blocks, start, ready)
+        return self._pool.submit(self._store, chain, blocks, start, ready, tokens)
 
-    def _store(self, chain: list[BlockHash], blocks: torch.Tensor, start: int, ready: Any) -> int:
+    def _store(self, chain: list[BlockHash], blocks: torch.Tensor, start: int, ready: Any, tokens: Any = None) -> int:
         try:
             if ready is not None:
                 ready.synchronize()
             if not self.breaker.closed:  # it opened while this store waited its turn
                 self.counters.stores_skipped += 1
                 return 0
-            n = self.store.put(self.ns, chain, blocks.view(-1).numpy(), start=start)
+            n = self.store.put(self.ns, chain, blocks.view(-1).numpy(), start=start, tokens=tokens)
             self.counters.stores_done += 1
             return n
         except (KVStoreError, OSError) as e:

@@ -23,6 +23,7 @@ import numpy as np
 from engine.demo import DEMO_NS, serve, workload
 from kvstore.client import connect
 from kvstore.errors import DaemonUnavailableError
+from kvstore.version import version
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Serve the demo's multi-turn chats through a kvstore daemon (load cached "
         "prefixes, prefill the rest, store it) and check every loaded block.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--url", default=None, help="daemon URL (default $KVSTORE_URL or http://127.0.0.1:7070)")
     p.add_argument("--token", default=None, help="bearer token (default $KVSTORE_TOKEN)")
     p.add_argument("--plane", default="auto", choices=["auto", "shm", "tcp", "ucx"], help="data plane")

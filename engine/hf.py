@@ -20,10 +20,12 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from engine.client import EngineCache
 from engine.gpu import ArenaBlocks, HostBlocks
 from engine.kvlayout import KVShape, pack, unpack_layer, unpack_layer_into
+from kvstore.errors import UsageError
 
 
 def _cache_kw(model: Any) -> str:
@@ -69,10 +71,30 @@ class Prefill:
     seconds: float
 
 
+def refuse_non_full_attention(config: Any) -> None:
+    """UsageError for a model with any layer that is not full attention (sliding windows,
+    chunked attention, linear attention, convolutions): :class:`CachedLM` stores and loads
+    every layer's K/V for every token, which such a layer does not keep."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types, _ = get_layer_types_and_kwargs(cfg)
+    other = sorted({t for t in types if t != "full_attention"})
+    if other:
+        name = getattr(cfg, "model_type", type(cfg).__name__)
+        raise UsageError(
+            f"CachedLM serves full-attention models only; this {name} model has "
+            f"{', '.join(other)} layers ({sum(t != 'full_attention' for t in types)} of {len(types)}). "
+            "Use engine.hybrid.HybridLM, which stores a full part, checkpoint windows and state "
+            "(docs/hybrid.md)"
+        )
+
+
 class CachedLM:
-    """Wraps a causal LM so that cached prompt prefixes are loaded instead of computed."""
+    """Wraps a causal LM so that cached prompt prefixes are loaded instead of computed.
+    Full-attention models only: a sliding-window, hybrid or recurrent model is refused here
+    (:class:`engine.hybrid.HybridLM` serves those)."""
 
     def __init__(self, model: Any, cache: EngineCache | None, *, layer_groups: int = 4) -> None:
+        refuse_non_full_attention(model.config)
         self.model = model.eval()
         self.cache = cache
         self.device = next(model.parameters()).device
@@ -120,7 +142,9 @@ class CachedLM:
             if full > start:
                 keys = [lay.keys for lay in kv_cache.layers]
                 values = [lay.values for lay in kv_cache.layers]
-                self.cache.store_async(hashes, pack(keys, values, self.shape, start, full), start)
+                bt = self.shape.block_tokens
+                self.cache.store_async(hashes, pack(keys, values, self.shape, start, full), start,
+                                       tokens=ids[start * bt:full * bt].numpy())
         logits = out.logits[0, -1].float()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -64,18 +64,25 @@ class LRUPolicy(EvictionPolicy):
 
     def insert_many(self, ids: np.ndarray, sizes: np.ndarray, now: np.ndarray | float) -> None:
         if self._leaf_mode:
-            # One heapify for the whole batch (a warm restart learns every block at once).
+            # A big batch (a warm restart learns every block at once) is heapified once; a
+            # small one (a put's new chain) is pushed.
             order = np.asarray(ids).tolist()
             held = self._view.children[np.asarray(ids, np.int64)].tolist() if self._view is not None else [0] * len(order)
+            heap, stamp, held_set = self._heap, self._stamp, self._held
+            bulk = 8 * len(order) > len(heap)
+            add = heap.append if bulk else lambda e: heapq.heappush(heap, e)
+            seq = self._seq
             for bid, kids in zip(order, held, strict=True):
-                self._seq += 1
-                self._stamp[bid] = self._seq
+                seq += 1
+                stamp[bid] = seq
                 if kids:
-                    self._held.add(bid)
+                    held_set.add(bid)
                 else:
-                    self._held.discard(bid)
-                    self._heap.append((self._seq, bid))
-            heapq.heapify(self._heap)
+                    held_set.discard(bid)
+                    add((seq, bid))
+            self._seq = seq
+            if bulk:
+                heapq.heapify(heap)
             return
         # Each insert moves its id to the end: the ids end in the order of their last occurrence.
         last = list(dict.fromkeys(reversed(np.asarray(ids).tolist())))
@@ -103,7 +110,8 @@ class LRUPolicy(EvictionPolicy):
             return
         if self._stamp.pop(bid, None) is not None:
             self._held.discard(bid)
-            self._compact()
+            if len(self._heap) > 2 * len(self._stamp) + _COMPACT_SLACK:
+                self._compact()
 
     # ---- the last tier: leaves only ---------------------------------------------------------------
 
@@ -124,6 +132,17 @@ class LRUPolicy(EvictionPolicy):
         if len(self._heap) > 2 * len(self._stamp) + _COMPACT_SLACK:
             self._heap = [e for e in self._heap if self._valid(e)]
             heapq.heapify(self._heap)
+
+    def first(self) -> int | None:
+        if not self._leaf_mode:
+            return next(iter(self._order), None)
+        heap, stamp, held = self._heap, self._stamp, self._held
+        while heap:
+            seq, bid = heap[0]
+            if stamp.get(bid) == seq and bid not in held:
+                return bid
+            heapq.heappop(heap)  # stale
+        return None
 
     def candidates(self) -> Iterator[int]:
         if not self._leaf_mode:

@@ -136,6 +136,17 @@ class RadixIndex:
 
         Never writes (a lookup changes nothing; the store touches what it then reads).
         """
+        ids = np.array(self.known_prefix(hashes), dtype=np.int64)
+        if ids.size:
+            dead = self.tiers[ids] == 0
+            if now is not None:
+                dead |= (self.expiry[ids] <= now) & (self.pins[ids] == 0)
+            if dead.any():
+                ids = ids[: int(np.argmax(dead))]
+        return Match(ids, self.tiers[ids])
+
+    def known_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """Ids of the leading ``hashes`` the index knows, hollow or expired ones included."""
         get = self._ids.get
         found: list[int] = []
         append = found.append
@@ -144,14 +155,7 @@ class RadixIndex:
             if i is None:
                 break
             append(i)
-        ids = np.array(found, dtype=np.int64)
-        if ids.size:
-            dead = self.tiers[ids] == 0
-            if now is not None:
-                dead |= (self.expiry[ids] <= now) & (self.pins[ids] == 0)
-            if dead.any():
-                ids = ids[: int(np.argmax(dead))]
-        return Match(ids, self.tiers[ids])
+        return found
 
     def evictable_leaf(self, bid: int) -> bool:
         """May ``bid`` leave the store entirely? (no cached children, not pinned, not in use)."""
@@ -290,16 +294,20 @@ class RadixIndex:
 
     def remove(self, bid: int) -> BlockHash:
         """Drop a leaf. Raises if it still has cached children (the store stays prefix-closed)."""
-        if self.children[bid]:
-            raise RuntimeError(f"block id {bid} has {self.children[bid]} cached children")
+        children = self.children
+        if children[bid]:
+            raise RuntimeError(f"block id {bid} has {children[bid]} cached children")
         h = self._hashes[bid]
         if h is None:
             raise KeyError(f"block id {bid} is not live")
         p = int(self.parent[bid])
         if p != NO_PARENT:
-            self.children[p] -= 1
-            if not self.children[p]:
-                self._lower_floor(p)
+            left = int(children[p]) - 1
+            children[p] = left
+            if not left:
+                e = float(self.expiry[p])
+                if e < self._expiry_floor:
+                    self._expiry_floor = e
         del self._ids[h]
         self._hashes[bid] = None
         self.flags[bid] = 0

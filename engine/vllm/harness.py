@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kvstore.client.spawn import LocalDaemon, start_daemon
+from kvstore.errors import UsageError
 
 CONNECTOR = "KVStoreConnector"
 MODULE = "engine.vllm.connector"
@@ -29,6 +30,45 @@ slab_bytes = "16MiB"
 [server]
 max_payload = "512MiB"
 """
+
+
+WORKER_EXTENSION = "engine.vllm.harness.KVStoreWorkerExtension"
+
+
+class KVStoreWorkerExtension:
+    """Methods added to every vLLM worker (``worker_extension_cls``) for ``llm.collective_rpc``:
+    they reach the connector wherever vLLM runs its workers (in process, or one process per
+    tensor-parallel rank)."""
+
+    def kvstore_flush(self) -> None:
+        """Wait until this worker's submitted saves have run."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        flush = getattr(get_kv_transfer_group(), "flush", None) if has_kv_transfer_group() else None
+        if flush is not None:  # kvstore's connector (vLLM's own connectors have none)
+            flush()
+
+    def kvstore_counters(self) -> dict[str, int]:
+        """This worker's connector counters (empty without a kvstore connector), with its rank."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        if not has_kv_transfer_group():
+            return {}
+        counters = getattr(get_kv_transfer_group(), "counters", None)
+        if counters is None:  # another connector (the ExampleConnector)
+            return {}
+        return {**asdict(counters), "rank": get_tensor_model_parallel_rank()}
+
+
+def flush_saves(llm: Any) -> None:
+    """Wait until every worker's submitted saves are in the daemon (tests, benchmarks)."""
+    llm.collective_rpc("kvstore_flush")
+
+
+def worker_counters(llm: Any) -> list[dict[str, int]]:
+    """Each worker's connector counters, by tensor-parallel rank."""
+    return sorted((c for c in llm.collective_rpc("kvstore_counters") if c), key=lambda c: c["rank"])
 
 
 def small_daemon(root: str | Path, dram: str = "256MiB") -> LocalDaemon:
@@ -69,7 +109,7 @@ def make_llm(model: str | Path, *, kv_transfer_config: Any = None, prefix_cachin
     args: dict[str, Any] = dict(
         model=str(model), skip_tokenizer_init=True, enforce_eager=True, block_size=BLOCK_SIZE,
         max_model_len=max_model_len, dtype=dtype, enable_prefix_caching=prefix_caching,
-        kv_transfer_config=kv_transfer_config, seed=0,
+        kv_transfer_config=kv_transfer_config, seed=0, worker_extension_cls=WORKER_EXTENSION,
     )
     if num_gpu_blocks_override is not None:
         args["num_gpu_blocks_override"] = num_gpu_blocks_override
@@ -91,16 +131,29 @@ class Completion:
 
 def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[Completion]:
     """Greedy completions of token-id prompts, in order."""
+    return [_completion(o) for o in _raw_generate(llm, prompts, max_tokens)]
+
+
+def _raw_generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
-    result = []
-    for o in outs:
-        c = o.outputs[0]
-        lps = tuple(float(step[t].logprob) for step, t in zip(c.logprobs or (), c.token_ids, strict=False))
-        params = o.kv_transfer_params or {}
-        result.append(Completion(tuple(c.token_ids), lps, int(o.num_cached_tokens or 0),
-                                 int(params.get("kvstore_hit_tokens", 0))))
-    return result
+    return list(llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False))
+
+
+def _completion(o: Any) -> Completion:
+    c = o.outputs[0]
+    lps = tuple(float(step[t].logprob) for step, t in zip(c.logprobs or (), c.token_ids, strict=False))
+    params = o.kv_transfer_params or {}
+    return Completion(tuple(c.token_ids), lps, int(o.num_cached_tokens or 0), int(params.get("kvstore_hit_tokens", 0)))
+
+
+def generate_timed(llm: Any, prompt: Sequence[int], max_tokens: int) -> tuple[Completion, float]:
+    """One greedy completion and vLLM's own time to its first token (seconds from the request's
+    arrival). Needs an engine built with ``disable_log_stats=False``."""
+    (out,) = _raw_generate(llm, [prompt], max_tokens)
+    metrics = out.metrics
+    if metrics is None or not metrics.first_token_latency:
+        raise UsageError("generate_timed needs vLLM's request stats: build the LLM with disable_log_stats=False")
+    return _completion(out), float(metrics.first_token_latency)

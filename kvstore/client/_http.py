@@ -22,7 +22,7 @@ import socket
 import ssl
 from urllib.parse import urlsplit
 
-from kvstore.client._conn import ConnectionLost
+from kvstore.client._conn import ConnectionLost, lost
 from kvstore.errors import UsageError
 
 DAEMON_HEADER = b"x-kvstore-daemon"
@@ -144,7 +144,7 @@ class HttpConn:
         try:
             sock = socket.create_connection((self._host, self._port), timeout=self.timeout)
         except OSError as e:
-            raise ConnectionLost(f"cannot reach the control plane at {self._host}:{self._port}: {e}") from e
+            raise lost(f"cannot reach the control plane at {self._host}:{self._port}", e) from e
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:

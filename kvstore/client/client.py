@@ -14,7 +14,9 @@
 
 Control calls (lookup, pin, stats) use HTTP over one keep-alive connection (``_http.HttpConn``:
 a plain socket, a lookup costs ~0.1 ms of client CPU where httpx took ~0.5 ms). Idempotent calls
-are retried after a reconnect (a daemon restart, a dropped connection); ``put`` is idempotent
+are retried after a reconnect (a daemon restart, a dropped connection), the first at once and
+then with back-off; a refused connection (nothing listens: the daemon is down) raises
+:class:`DaemonUnavailableError` at once, without retries. ``put`` is idempotent
 too (blocks are content-addressed and deduplicated). ``pin`` and ``unpin`` count, so they are
 not retried. A refusal raises the kvstore.errors class the daemon's error body names (``kind``),
 as the in-process store would (an older daemon's: the class its HTTP status maps to), and is
@@ -28,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
@@ -40,7 +43,14 @@ from urllib.parse import urlsplit
 from kvstore.api import LookupResult, layout_mismatch
 from kvstore.block import payload_checksum
 from kvstore.buffers import dst_views, src_views
-from kvstore.client._conn import ConnectionLost, FrameConn, TcpTransport, UcxTransport, open_staging
+from kvstore.client._conn import (
+    ConnectionLost,
+    ConnectionRefused,
+    FrameConn,
+    TcpTransport,
+    UcxTransport,
+    open_staging,
+)
 from kvstore.client._http import HttpConn
 from kvstore.errors import (
     AuthError,
@@ -53,6 +63,7 @@ from kvstore.errors import (
     UsageError,
     error_class,
 )
+from kvstore.events import put_tokens_of
 from kvstore.keys import Namespace
 from kvstore.server import protocol as P
 from kvstore.server.fdpass import receive_fds
@@ -96,6 +107,33 @@ def _detach_shared(name: str) -> None:
             del _ARENAS[name]
             with contextlib.suppress(BufferError):
                 entry[0].close()
+
+
+def _unmap(arena: str | None, staging: SharedMemory | None) -> None:
+    if arena is not None:
+        _detach_shared(arena)
+    if staging is not None:
+        with contextlib.suppress(BufferError):
+            staging.close()
+
+
+# What lost connections let go of, unmapped by one thread per process. It is started when a
+# client first maps an arena, not by the call that finds the daemon gone: on a loaded machine a
+# new thread can take tens of milliseconds to be scheduled, and that call is an engine's.
+_UNMAPS: queue.SimpleQueue[tuple[str | None, SharedMemory | None]] = queue.SimpleQueue()
+_UNMAPPER: list[threading.Thread] = []
+
+
+def _start_unmapper() -> None:
+    with _ARENAS_LOCK:
+        if not _UNMAPPER:
+            _UNMAPPER.append(threading.Thread(target=_unmap_forever, name="kvstore-unmap", daemon=True))
+            _UNMAPPER[0].start()
+
+
+def _unmap_forever() -> None:
+    while True:
+        _unmap(*_UNMAPS.get())
 
 
 def _local_node_id() -> str:
@@ -239,9 +277,13 @@ class Client:
         except OSError:  # another container's /dev/shm, say: fall back to TCP
             return None
         self._arena_name = hello["arena"]
+        _start_unmapper()
         return shm
 
-    def _disconnect(self) -> None:
+    def _disconnect(self, *, later: bool = False) -> None:
+        """Close the data connection and let go of the arena and the staging segment.
+        ``later``: unmap them on a thread of their own (a lost connection: unmapping tens of
+        MiB takes milliseconds that the failing call, an engine's, should not wait for)."""
         # A lease's views pin the arena mapping; the daemon releases the leases of a closed
         # connection itself.
         for lease in list(self._leases):
@@ -251,12 +293,15 @@ class Client:
             with contextlib.suppress(OSError, ConnectionLost):
                 self._conn.close()
             self._conn = None
-        if self._arena is not None:
-            _detach_shared(self._arena_name)
-        if self._staging is not None:
-            with contextlib.suppress(BufferError):
-                self._staging.close()
+        arena = self._arena_name if self._arena is not None else None
+        staging = self._staging
         self._arena = self._staging = None
+        if arena is None and staging is None:
+            return
+        if later and _UNMAPPER:
+            _UNMAPS.put((arena, staging))
+        else:
+            _unmap(arena, staging)
 
     def _retry(self, fn: Callable[[], T], idempotent: bool = True) -> T:
         delay = 0.05
@@ -284,20 +329,34 @@ class Client:
                 raise
             except (ConnectionLost, OSError) as e:
                 with self._lock:
-                    self._disconnect()
-                if not idempotent or attempt == self.retries:
+                    self._disconnect(later=True)
+                # A refused connection is instant and says the daemon is not there: no retry
+                # and no back-off, so that an engine's first call after a daemon died costs
+                # a connect attempt, not the retries' sleeps (its breaker reconnects later).
+                if not idempotent or attempt == self.retries or isinstance(e, ConnectionRefused):
                     raise DaemonUnavailableError(
                         f"kvstore daemon at {self.url} is unreachable ({e}); is it running? "
                         "(`kvstore serve`)"
                     ) from e
                 attempt += 1
-                time.sleep(delay)  # back off before reconnecting (a restarting daemon)
-                delay = min(delay * 2, 1.0)
+                if attempt > 1:  # a dropped connection is reconnected at once, then with back-off
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
 
     def close(self) -> None:
         with self._lock:
             self._disconnect()
             self._http.close()
+
+    def _settle(self) -> None:
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                return
+            try:
+                conn.settle()
+            except (ConnectionLost, OSError):
+                self._disconnect()  # the daemon gives a closed connection's leases back itself
 
     def __enter__(self) -> Client:
         return self
@@ -308,6 +367,7 @@ class Client:
     # ---- control plane ------------------------------------------------------------------------
 
     def _json(self, method: str, path: str, body: Any = None) -> Any:
+        self._settle()  # the daemon has this client's releases before its control calls
         status, data = self._http.request(method, path, None if body is None else json.dumps(body).encode())
         if status >= 400:
             text = data.decode(errors="replace")
@@ -459,7 +519,7 @@ class Client:
                 bufs[i][:size] = arena[off : off + size]
             del arena
         finally:
-            conn.call(P.Op.RELEASE, P.encode_u64(lease_id))
+            conn.release(lease_id)  # its reply is read with the next call's
         return len(locs)
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> ClientLease:
@@ -481,7 +541,7 @@ class Client:
                 with self._lock:
                     if self._conn is conn:  # after a reconnect the daemon has dropped it already
                         with contextlib.suppress(ConnectionLost):
-                            conn.call(P.Op.RELEASE, P.encode_u64(lease_id))
+                            conn.release(lease_id)
 
             lease = ClientLease(views, release, self._arena_name, tuple(locs))
             self._leases.add(lease)
@@ -501,28 +561,39 @@ class Client:
         *,
         start: int = 0,
         durable: bool = False,
+        tokens: Any | None = None,
     ) -> int:
-        """Store blocks ``start..`` of a chain (as :meth:`KVStore.put`); returns how many were new."""
+        """Store blocks ``start..`` of a chain (as :meth:`KVStore.put`); returns how many were new.
+        ``tokens`` (the blocks' token ids) travel with them, 4 bytes a token, to a daemon that
+        takes them (its KV events carry them); an older daemon is sent none."""
         bb = ns.block_bytes
         hashes = list(hashes)
         if not 0 <= start <= len(hashes):
             raise UsageError(f"start={start} is outside the chain of {len(hashes)} blocks")
         srcs = src_views(blocks, bb, len(hashes) - start)
+        tok = None if tokens is None else put_tokens_of(hashes[start:], tokens, ns.block_tokens).tokens
 
         def call() -> int:
             conn, ns_id = self._conn, self._ns_id(ns)
             assert conn is not None
+            send = tok if tok is not None and tok.size and self.info.get("put_tokens") else None
+            extra = [memoryview(send).cast("B")] if send is not None else []
             need = len(srcs) * bb
-            if self.plane == "shm" and 0 < need <= int(self.info.get("max_staging_bytes", 0)):
-                staging = self._staging_for(conn, need)
+            tok_bytes = send.nbytes if send is not None else 0
+            if self.plane == "shm" and 0 < need + tok_bytes <= int(self.info.get("max_staging_bytes", 0)):
+                staging = self._staging_for(conn, need + tok_bytes)
                 sbuf = staging.buf
                 for i, s in enumerate(srcs):
                     sbuf[i * bb : (i + 1) * bb] = s
+                if extra:
+                    sbuf[need : need + tok_bytes] = extra[0]
                 del sbuf
                 sums = [payload_checksum(s) for s in srcs]  # the daemon verifies the staged bytes
-                _, meta = conn.call(P.Op.PUT_SHM, P.encode_put(ns_id, hashes, start, durable, 0, sums))
+                meta_out = P.encode_put(ns_id, hashes, start, durable, 0, sums, tokens=bool(extra))
+                _, meta = conn.call(P.Op.PUT_SHM, meta_out)
             else:
-                _, meta = conn.call(P.Op.PUT, P.encode_put(ns_id, hashes, start, durable), srcs)
+                meta_out = P.encode_put(ns_id, hashes, start, durable, tokens=bool(extra))
+                _, meta = conn.call(P.Op.PUT, meta_out, [*srcs, *extra])
             return P.parse_u64(meta)
 
         return self._retry(call)

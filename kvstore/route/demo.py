@@ -28,6 +28,7 @@ from kvstore.client.spawn import LocalDaemon, start_daemon
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.route._http import control
 from kvstore.route.handoff import offer, receive
+from kvstore.version import version
 
 NS = Namespace("demo/route-tiny", KVLayout("bfloat16", 32, (LayerGroup("full", 2, 2, 32),)))
 """32 tokens a block, 16 KiB of KV: small enough for a laptop's loopback, chained like a model's."""
@@ -75,7 +76,8 @@ def serve_request(client: Any, prompt: np.ndarray) -> tuple[int, int]:
             raise AssertionError(f"loaded block {b} differs from its prefill")
     for b in range(hit, len(hashes)):
         kv[b * bb:(b + 1) * bb] = fake_prefill(prompt, b, NS)
-    client.put(NS, hashes, kv[hit * bb:], start=hit)
+    bt = NS.block_tokens  # the token ids go along: the daemons' KV events carry them
+    client.put(NS, hashes, kv[hit * bb:], start=hit, tokens=prompt[hit * bt:len(hashes) * bt])
     return hit, len(hashes)
 
 
@@ -156,6 +158,7 @@ def run(nodes: int, users: int, turns: int, seed: int, root: Path) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvstore.route.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--users", type=int, default=8)
     p.add_argument("--turns", type=int, default=3)

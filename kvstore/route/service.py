@@ -24,6 +24,7 @@ from typing import Any
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.route.router import Router
+from kvstore.version import version
 
 
 def parse_nodes(items: list[str]) -> list[tuple[str, str]]:
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvstore.route",
                                 description="A router process: follows the daemons' KV events and "
                                 "answers which node holds a prompt's longest cached prefix.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--node", action="append", required=True, metavar="NAME=URL",
                    help="a daemon (http://...) or its event stream (tcp://...); repeat per node")
     p.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1 (default: any free one)")

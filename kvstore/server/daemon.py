@@ -233,8 +233,10 @@ class Daemon:
 
 
 def _log_usage(store: Any) -> None:
-    """Tier fill into the event log, for kvreport's "tier fill over time"."""
-    store.events.usage(store.stats()["tiers"])
+    """Tier fill and admission counters into the event log, for kvreport's "tier fill over
+    time" and "admission"."""
+    stats = store.stats()
+    store.events.usage(stats["tiers"], store=stats)
 
 
 class ThreadedDaemon:

@@ -128,7 +128,8 @@ class Ledger:
         idx = self.index
         parent = int(idx.parent[bid])
         idx.remove(bid)
-        self.dirty_expiry.discard(bid)
+        if self.dirty_expiry:
+            self.dirty_expiry.discard(bid)
         if parent != NO_PARENT and not idx.children[parent] and int(idx.tiers[parent]) & self._last_bit:
             self.policies[self.last].offer(parent)
 
@@ -150,11 +151,16 @@ class Ledger:
 
     def enter_deferred(self, placed: list[tuple[int, int, int]], now: float) -> None:
         # Leaves first, as after a restart: a last-tier policy that orders by arrival then meets
-        # a chain's leaf before its parents.
-        idx = self.index
-        for k, bid, size in reversed(placed):
-            if idx.hash_of_or_none(bid) is not None and int(idx.tiers[bid]) & (1 << k):
-                self.policies[k].insert(bid, size, now)
+        # a chain's leaf before its parents. One insert_many (every entry is of the last tier).
+        if not placed:
+            return
+        idx, k = self.index, self.last
+        ids = np.fromiter((bid for _, bid, _ in reversed(placed)), np.int64, len(placed))
+        sizes = np.fromiter((size for _, _, size in reversed(placed)), np.int64, len(placed))
+        here = (idx.flags[ids] != 0) & ((idx.tiers[ids] >> k) & 1 != 0)  # still there
+        if not here.all():
+            ids, sizes = ids[here], sizes[here]
+        self.policies[k].insert_many(ids, sizes, now)
 
     def learn(self, bid: int, k: int, size: int, created: float) -> None:
         """A copy the tier already held (found by a probe) enters tier ``k``'s policy."""
@@ -174,15 +180,24 @@ class Ledger:
         key = idx.hash_of(bid)
         mask = int(idx.tiers[bid])
         self.events.dropped(key, mask, reason)
-        for k in bits(mask):
-            self.policies[k].remove(bid)
+        if mask & (mask - 1):
+            for k in bits(mask):
+                self.policies[k].remove(bid)
+        elif mask:
+            self.policies[mask.bit_length() - 1].remove(bid)
         self._unlink(bid)
         return key, mask
 
     def drop_hollow_leaves(self, bids: Sequence[int]) -> None:
         """Hollow leaves (no copy anywhere, no children, unused) leave the index, upwards."""
+        if not len(bids):
+            return
         idx = self.index
-        for bid in sorted(set(bids), key=lambda b: -int(idx.depth[b])):
+        ids = np.asarray(bids, np.int64)
+        ids = ids[(idx.flags[ids] != 0) & (idx.tiers[ids] == 0)]  # the usual case: none is hollow
+        if not ids.size:
+            return
+        for bid in sorted(set(ids.tolist()), key=lambda b: -int(idx.depth[b])):
             while (
                 bid != NO_PARENT
                 and idx.hash_of_or_none(bid) is not None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -217,10 +218,10 @@ class Loader:
             return
         hit = plan.ids[:n]
         self.ledger.touch_hits(hit, plan.now, plan.now + plan.info.ttl_s)
-        for k in plan.served[:n]:
+        for k, hits in Counter(plan.served[:n]).items():
             name = self.tiers[k].name
-            c.per_tier_hits[name] += 1
-            plan.info.hits_by_tier[name] += 1
+            c.per_tier_hits[name] += hits
+            plan.info.hits_by_tier[name] += hits
 
     # ---- shared tiers -----------------------------------------------------------------------------
 
@@ -270,7 +271,7 @@ class Loader:
                 meta.ns != info.digest
                 or meta.parent != parent
                 or meta.depth != d
-                or meta.size != info.namespace.block_bytes  # type: ignore[union-attr]
+                or meta.size != info.block_bytes
                 or meta.expiry <= now
                 or hashes[d] in idx
             ):

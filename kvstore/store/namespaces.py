@@ -63,6 +63,19 @@ class NsInfo:
     load_blocks: int = 0
     hit_blocks: int = 0
     hits_by_tier: Counter[str] = field(default_factory=Counter)
+    _bb_of: Namespace | None = None
+    _bb: int = 0
+
+    @property
+    def block_bytes(self) -> int:
+        """The registered namespace's block bytes, computed once (the layout's property sums
+        its groups at every call; the data path asks per request)."""
+        ns = self.namespace
+        if ns is not self._bb_of:
+            if ns is None:
+                raise RuntimeError(f"namespace {self.digest.hex()} is not registered")
+            self._bb_of, self._bb = ns, ns.block_bytes
+        return self._bb
 
     def traffic(self) -> dict[str, Any]:
         bt = self.namespace.block_tokens if self.namespace is not None else 0

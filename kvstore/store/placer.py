@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.block import BlockMeta
+from kvstore.block import CHECKSUM_DEFERRED, BlockMeta, payload_checksum
 from kvstore.clock import Clock
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -92,8 +92,13 @@ class Placer:
         # block that could leave anyway instead of writing it. Never a durable put's block.
         self.admission = make_admission(
             config.admission, dict(config.admission_options), self.index, lambda: ledger.counters.hit_blocks)
-        self.durable: set[bytes] = set()
-        """Keys of blocks a durable put stored: admission never drops them."""
+        self.kept = np.zeros(0, dtype=bool)
+        """Per block id: admission never refuses it. Set for a durable put's blocks and for every
+        block recovered at open (the persistent tiers' metadata does not say which blocks a
+        durable put wrote, so after a restart all of them are kept: nothing to persist, and a
+        durable block is never dropped for admission across restarts); cleared when the block
+        leaves. An id recycled without passing through :meth:`drop_block` stays kept (the safe
+        side: it is written)."""
 
     # ---- the one write routine ------------------------------------------------------------------
 
@@ -112,6 +117,8 @@ class Placer:
         unreachable tier raises too when the write was to be durable."""
         tier = self.tiers[k]
         key = self.index.hash_of(bid)
+        if meta.checksum == CHECKSUM_DEFERRED and tier.persistent:
+            meta = meta.with_checksum(payload_checksum(src))
         try:
             tier.write(key, src, meta, durable=durable)
         except TierFullError:
@@ -142,8 +149,10 @@ class Placer:
     ) -> bool:
         """Make room in tier ``k`` and write ``bid`` there; False if no room could be made."""
         tier = self.tiers[k]
+        if bid not in protect:
+            protect = protect | {bid}
         for _ in range(WRITE_ATTEMPTS):
-            if not tier.fits(meta.size) and not self.make_room(k, meta.size, protect | {bid}):
+            if not tier.fits(meta.size) and not self.make_room(k, meta.size, protect):
                 return False
             if self.write_copy(bid, k, src, meta, durable=durable, deferred=deferred):
                 return True
@@ -196,17 +205,20 @@ class Placer:
         for _ in range(MAKE_ROOM_ROUNDS):
             if tier.fits(size):
                 return True
-            plan = self.choose_room(k, size, protect | stuck, evict_leaves)
-            if plan is None:
-                if not evict_leaves and not tier.persistent:
-                    # Nothing can move down: a volatile tier's leaves may leave (those whose
-                    # demotion failed too: they could not move, but they may go).
-                    evict_leaves = True
-                    stuck.clear()
-                    continue
-                self.ledger.counters.failed_room += 1
-                return False
-            if not self.apply_room(k, plan, protect, stuck) and not tier.persistent:
+            applied = self._take_first(k, size, protect, stuck, evict_leaves)
+            if applied is None:
+                plan = self.choose_room(k, size, protect, evict_leaves, stuck)
+                if plan is None:
+                    if not evict_leaves and not tier.persistent:
+                        # Nothing can move down: a volatile tier's leaves may leave (those whose
+                        # demotion failed too: they could not move, but they may go).
+                        evict_leaves = True
+                        stuck.clear()
+                        continue
+                    self.ledger.counters.failed_room += 1
+                    return False
+                applied = self.apply_room(k, plan, protect, stuck)
+            if not applied and not tier.persistent:
                 evict_leaves = True
                 stuck.clear()
         return tier.fits(size)
@@ -226,26 +238,63 @@ class Placer:
         Stops at the first victim it cannot find; the placements that follow decide."""
         tier = self.tiers[k]
         u = tier.usage()
-        room = (u.capacity_bytes - u.used_bytes) // max(tier.size_class(size), 1)
+        # A slab tier's slot of this size class, else the block itself (size_class 0).
+        room = (u.capacity_bytes - u.used_bytes) // max(tier.size_class(size) or size, 1)
         if count <= room:
             return
         self.expire(self.clock(), self.config.expire_work_cap)
         stuck: set[int] = set()
         evict_leaves = self._evicts_leaves(k)
+        take = self._take_first
         for _ in range(count - room):
-            plan = self.choose_room(k, size, protect | stuck, evict_leaves)
-            if plan is None:
-                return
-            if not self.apply_room(k, plan, protect, stuck) and not tier.persistent:
+            applied = take(k, size, protect, stuck, evict_leaves)
+            if applied is None:
+                plan = self.choose_room(k, size, protect, evict_leaves, stuck)
+                if plan is None:
+                    return
+                applied = self.apply_room(k, plan, protect, stuck)
+            if not applied and not tier.persistent:
                 evict_leaves = True
                 stuck.clear()
 
-    def choose_room(self, k: int, size: int, protect: set[int], evict_leaves: bool) -> list[Victim] | None:
+    def _take_first(self, k: int, size: int, protect: set[int], stuck: set[int], evict_leaves: bool) -> bool | None:
+        """The usual case of a make-room, without a plan: the policy's first offer is a victim
+        big enough on its own, and is applied at once (what :meth:`choose_room` would choose
+        and :meth:`apply_room` apply). True: applied; False: its demotion failed (it is now in
+        ``stuck``); None: the first offer is no such victim (plan with :meth:`choose_room`)."""
+        bid = self.ledger.policies[k].first()
+        if bid is None or bid in protect or bid in stuck:
+            return None
+        idx = self.index
+        if idx.in_use[bid]:
+            return None
+        bsize = int(idx.size[bid])
+        if bsize != size:
+            tier = self.tiers[k]
+            if bsize < size or tier.size_class(bsize) != tier.size_class(size):
+                return None
+        if int(idx.tiers[bid]) & ~(1 << k):
+            self.drop_copy(bid, k)
+        elif not evict_leaves:
+            if not self.demote(bid, k, protect):
+                stuck.add(bid)
+                return False
+        elif idx.pins[bid] or idx.children[bid]:
+            return None
+        else:
+            self.drop_block(bid, "capacity")
+            self.ledger.counters.evictions += 1
+        return True
+
+    def choose_room(
+        self, k: int, size: int, protect: set[int], evict_leaves: bool, stuck: set[int] | None = None
+    ) -> list[Victim] | None:
         """Victims that free ``size`` bytes of tier ``k`` (same size class first), in policy
         order, or None when that much cannot move or leave. With ``evict_leaves`` a victim with
         no other copy is a leaf that leaves the store (the last tier), else it moves down.
-        Changes nothing."""
+        Changes nothing. ``stuck``: blocks protected too (their demotion failed)."""
         idx, tier = self.index, self.tiers[k]
+        stuck = stuck or set()
         last = evict_leaves
         others = ((1 << len(self.tiers)) - 1) & ~(1 << k)
         want = tier.size_class(size)
@@ -258,7 +307,7 @@ class Placer:
 
         def consider(bid: int, same_class: bool) -> int:
             """The bytes ``bid`` frees if it may be a victim (0 if not); records it."""
-            if bid in protect or bid in taken or in_use[bid]:
+            if bid in protect or bid in taken or bid in stuck or in_use[bid]:
                 return 0
             bsize = int(sizes[bid])
             if same_class and tier.size_class(bsize) != want:
@@ -278,18 +327,6 @@ class Placer:
             taken.add(bid)
             return bsize
 
-        candidates = self.ledger.policies[k].candidates()
-        # The usual case first: the policy's first offer is a victim big enough on its own.
-        first = next(candidates, None)
-        if first is not None and first not in protect and not in_use[first]:
-            bsize = int(sizes[first])
-            if bsize >= size and tier.size_class(bsize) == want:
-                if int(masks[first]) & others:
-                    return [Victim(first, bsize, COPY)]
-                if not last:
-                    return [Victim(first, bsize, DEMOTE)]
-                if not pins[first] and not children[first]:
-                    return [Victim(first, bsize, EVICT)]
         for same_class in (True, False):
             for scanned, bid in enumerate(self.ledger.policies[k].candidates()):
                 if scanned >= cap:
@@ -306,7 +343,7 @@ class Placer:
                 if freed >= size:
                     return chosen
         # The policy walk hit the work cap (or offered too little): ask the index directly.
-        for bid in self._movable(k, protect | taken, last).tolist():
+        for bid in self._movable(k, protect | taken | stuck, last).tolist():
             freed += consider(bid, False)
             if freed >= size:
                 return chosen
@@ -353,7 +390,7 @@ class Placer:
         is still in tier ``k`` (no lower tier could take it, or its copy could not be read)."""
         idx, tier = self.index, self.tiers[k]
         key = idx.hash_of(bid)
-        if k + 1 == self.last and self._not_admitted(bid, key):
+        if k + 1 == self.last and self._not_admitted(bid):
             self.ledger.counters.skipped_writes += 1
             self.ledger.counters.skipped_bytes += int(idx.size[bid])
             if idx.children[bid]:
@@ -392,16 +429,28 @@ class Placer:
         self.drop_copy(bid, k)
         return True
 
-    def _not_admitted(self, bid: int, key: bytes) -> bool:
+    def keep_always(self, ids: Sequence[int] | np.ndarray) -> None:
+        """Never let admission refuse these blocks (a durable put's, or those recovered at open)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not ids.size:
+            return
+        need = int(ids.max()) + 1
+        if need > self.kept.size:
+            grown = np.zeros(max(need, 2 * self.kept.size), dtype=bool)
+            grown[: self.kept.size] = self.kept
+            self.kept = grown
+        self.kept[ids] = True
+
+    def _not_admitted(self, bid: int) -> bool:
         """Whether the last tier's admission refuses ``bid``, asked only of a block no guarantee
-        holds: unpinned, unused, stored by no durable put; and a leaf, unless the rule asks for
-        inner blocks too (``admission.inner``). A refused leaf leaves the store; a refused inner
+        holds: unpinned, unused, stored by no durable put, not recovered at open; and a leaf,
+        unless the rule asks for inner blocks too (``admission.inner``). A refused leaf leaves the store; a refused inner
         block loses its copy and stays as a hollow node (a lookup stops there): that costs hits
         only if a descendant would have been read again, and then the block itself would have
         been too. A pin or a durable put covers a whole prefix, so no descendant of a block that
         may be refused is pinned or durable."""
         idx = self.index
-        if idx.pins[bid] or idx.in_use[bid] or key in self.durable:
+        if idx.pins[bid] or idx.in_use[bid] or (bid < self.kept.size and self.kept[bid]):
             return False
         if idx.children[bid] and not self.admission.inner:
             return False
@@ -412,12 +461,18 @@ class Placer:
     # ---- dropping ---------------------------------------------------------------------------------
 
     def _delete(self, key: BlockHash, mask: int) -> None:
-        for k in bits(mask):
+        for k in bits(mask) if mask & (mask - 1) else (mask.bit_length() - 1,) if mask else ():
             try:
                 self.tiers[k].delete(key)
             except TierIOError as e:
                 self.ledger.counters.tier_errors += 1
                 log.error("delete of %s from tier %s failed: %s", key.hex(), self.tiers[k].name, e)
+
+    def delete_unpublished(self, k: int, keys: list[BlockHash]) -> None:
+        """Delete copies a put wrote to tier ``k`` but did not publish (the ledger never
+        recorded them)."""
+        for key in keys:
+            self._delete(key, 1 << k)
 
     def drop_copy(self, bid: int, k: int) -> None:
         """Remove tier ``k``'s copy; a block left with no copy stays in the index only as a
@@ -427,8 +482,9 @@ class Placer:
             self.ledger.drop_hollow_leaves([bid])
 
     def drop_block(self, bid: int, reason: str) -> None:
+        if bid < self.kept.size:
+            self.kept[bid] = False
         key, mask = self.ledger.drop_block(bid, reason)
-        self.durable.discard(key)
         self._delete(key, mask)
 
     def expire(self, now: float, cap: int) -> int:

@@ -9,6 +9,16 @@ the chain there: the put stores the leading blocks that fit and says how many. `
 enters the chain into the last tier's policy leaves first, unpins it and removes the hollow
 suffix a short put left.
 
+The bytes of a put move outside the store lock (vLLM's offloading manager: prepare, transfer,
+complete). Under the lock, :meth:`Storer.stage` makes room in the first tier for the new suffix
+(choose, then apply) and marks its blocks as being written; then, without the lock, one
+``write_many`` copies their payloads into the first tier; under the lock again, :meth:`fill`
+publishes each copy that landed and places the rest the old way (make room, write), a block that
+finds no room ending the chain. Until then the blocks are hollow (a lookup stops there) and
+pinned; another put of the same chain stops at them. A copy that landed past the end of the
+chain is deleted by :meth:`complete_store`. A put whose first tier refuses some blocks (a
+policy's ``admit``) writes under the lock, as do demotions that make room.
+
 Durable puts write each block once: new blocks go straight to the first persistent tier, synced
 (before the store lock is taken when the tier has room for them all, so that a slow disk holds
 up this put only), and blocks of the chain cached earlier without a persistent copy are copied
@@ -21,8 +31,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from eviction.base import EvictionPolicy
-from kvstore.block import BlockMeta, payload_checksum
+from kvstore.block import CHECKSUM_DEFERRED, BlockMeta, payload_checksum
 from kvstore.errors import KVStoreError, MissingPrefixError, TierFullError, UsageError
 from kvstore.index import NO_PARENT
 from kvstore.keys import BlockHash
@@ -52,11 +64,19 @@ class StorePlan:
     new: int = 0
     stored_to: int = 0
     """Positions before this are cached after the fill."""
+    staged: list[int] = field(default_factory=list)
+    """Positions whose payloads go to the first tier outside the lock (:meth:`Storer.stage`)."""
+    metas: dict[int, BlockMeta] = field(default_factory=dict)
+    """The metadata written with each staged position."""
+    written: dict[int, KVStoreError | None] = field(default_factory=dict)
+    """Staged positions not yet published: None when the copy landed, else the error."""
 
 
-def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes], start: int) -> None:
+def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes], start: int) -> list[int]:
     """UsageError unless ``hashes`` can be one prefix chain of ``info``'s namespace: distinct
-    hashes, and each cached one under the previous hash of the chain, at its position.
+    hashes, and each cached one under the previous hash of the chain, at its position. Returns
+    the ids of the leading blocks the index knows (a node's parent is always in it, so the rest
+    of the chain is new to it).
 
     The blocks a put writes (from ``start`` on) must be this namespace's. The cached prefix it
     extends may be another namespace's: a hybrid model's window pieces hang under the blocks of
@@ -72,17 +92,28 @@ def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes], start:
                 )
             seen[h] = i
     idx = ledger.index
-    prev = NO_PARENT
-    for i, h in enumerate(hashes):
-        bid = idx.id_of(h)
-        if bid is None:
-            return  # the rest is new to the index (a node's parent is always in it)
-        if int(idx.parent[bid]) != prev or int(idx.depth[bid]) != i or (i >= start and int(idx.ns[bid]) != info.nid):
+    known = idx.known_prefix(hashes)
+    if known:
+        ids = np.array(known, np.int64)
+        parents = np.empty_like(ids)
+        parents[0], parents[1:] = NO_PARENT, ids[:-1]
+        bad = (idx.parent[ids] != parents) | (idx.depth[ids] != np.arange(ids.size))
+        bad[start:] |= idx.ns[ids[start:]] != info.nid
+        if bad.any():
+            i = int(np.argmax(bad))
             raise UsageError(
-                f"block {i} of the chain ({bytes(h).hex()}) is cached at another place (another "
+                f"block {i} of the chain ({bytes(hashes[i]).hex()}) is cached at another place (another "
                 "parent, depth or namespace); send the chain's hashes as hash_blocks computes them"
             )
-        prev = bid
+    return known
+
+
+def _cached(ledger: Ledger, known: list[int]) -> int:
+    """How many leading blocks of ``known`` are cached (not hollow)."""
+    if not known:
+        return 0
+    hollow = ledger.index.tiers[np.array(known, np.int64)] == 0
+    return int(np.argmax(hollow)) if hollow.any() else len(known)
 
 
 class Storer:
@@ -93,68 +124,108 @@ class Storer:
         self.tiers = placer.tiers
         self.persistent = [k for k, t in enumerate(self.tiers) if t.persistent]
         self.persistent_mask = placer.persistent_mask
-
-    def meta(self, plan: StorePlan, i: int) -> BlockMeta:
-        info, hashes = plan.info, plan.hashes
-        src = plan.srcs[i - plan.start]
-        parent = hashes[i - 1] if i else info.digest
-        bb = info.namespace.block_bytes  # type: ignore[union-attr]
-        return BlockMeta(info.digest, parent, i, bb, plan.now + info.ttl_s, payload_checksum(src), plan.now)
+        self.writing: set[int] = set()
+        """Blocks a put is writing outside the lock: hollow until it publishes them."""
 
     # ---- the plan ---------------------------------------------------------------------------------
 
     def prepare_store(self, info: NsInfo, hashes: Sequence[bytes], start: int, srcs: list[memoryview], now: float) -> StorePlan:
         """Under the lock: validate, insert the hollow suffix, pin the chain."""
-        idx = self.index
-        validate_chain(self.ledger, info, hashes, start)
-        present = idx.match(hashes).num_blocks
+        known = validate_chain(self.ledger, info, hashes, start)
+        present = _cached(self.ledger, known)
         if present < start:
             raise MissingPrefixError(
                 f"block {present} of the chain is not cached, but the put starts at {start}: "
                 f"pass blocks from {present} on (start={present})"
             )
-        n = len(hashes)
-        fresh = start
-        while fresh < n and hashes[fresh] in idx:
-            fresh += 1
-        known = [idx.id_of(h) for h in hashes[:fresh]]
-        ids: list[int] = known  # type: ignore[assignment]
+        n, fresh = len(hashes), len(known)
+        ids = known
         if fresh < n:
             pid = ids[fresh - 1] if fresh else NO_PARENT
-            bb = info.namespace.block_bytes  # type: ignore[union-attr]
+            bb = info.block_bytes
             ids = ids + self.ledger.insert_chain(hashes[fresh:], pid, fresh, bb, info.nid, 0, now, now + info.ttl_s)
         self.ledger.pin(ids)
         return StorePlan(info, hashes, start, srcs, now, ids, list(ids), fresh)
 
+    def _direct(self) -> bool:
+        """Whether a put that is not durable writes straight to the first tier (its policy
+        admits every block)."""
+        return type(self.ledger.policies[0]).admit is EvictionPolicy.admit
+
+    def stage(self, plan: StorePlan) -> None:
+        """Under the lock, for a put that is not durable: make room in the first tier for the
+        new suffix at once and mark its blocks as being written (:meth:`write_staged`)."""
+        if not self._direct() or plan.fresh >= len(plan.hashes):
+            return
+        ids = plan.ids
+        if plan.fresh < len(plan.hashes) - 1:
+            self.placer.reserve(0, len(plan.hashes) - plan.fresh, plan.info.block_bytes, set(ids))
+        plan.staged = list(range(plan.fresh, len(plan.hashes)))
+        self.writing.update(ids[plan.fresh :])
+
+    def write_staged(self, plan: StorePlan) -> None:
+        """Outside the lock: the staged payloads into the first tier, one ``write_many``."""
+        info, hashes, srcs, start, now = plan.info, plan.hashes, plan.srcs, plan.start, plan.now
+        bb, digest, expiry = info.block_bytes, info.digest, now + info.ttl_s
+        metas = plan.metas
+        items = []
+        hashed = self.tiers[0].persistent  # a volatile tier's copies defer theirs (CHECKSUM_DEFERRED)
+        for i in plan.staged:
+            src = srcs[i - start]
+            checksum = payload_checksum(src) if hashed else CHECKSUM_DEFERRED
+            metas[i] = meta = BlockMeta(digest, hashes[i - 1] if i else digest, i, bb, expiry, checksum, now)
+            items.append((BlockHash(hashes[i]), src, meta))
+        try:
+            results = self.tiers[0].write_many(items)
+        except BaseException:
+            plan.written = dict.fromkeys(plan.staged)  # not known which landed: all are deleted
+            raise
+        plan.written = dict(zip(plan.staged, results, strict=True))
+
     def fill(self, plan: StorePlan, durable: bool) -> None:
-        """Under the lock: place each new block; the first that finds no room ends the chain."""
-        idx, c = self.index, self.ledger.counters
+        """Under the lock: publish the staged copies that landed and place the other new
+        blocks; the first block that finds no room ends the chain."""
+        idx, c, placer = self.index, self.ledger.counters, self.placer
         p = self.persistent[0] if durable and self.persistent else None
         plan.stored_to = plan.start
-        first = self.ledger.policies[0]
-        if p is None and plan.fresh < len(plan.hashes) - 1 and type(first).admit is EvictionPolicy.admit:
-            # Room for the whole new suffix at once in the first tier (which admits all).
-            bb = plan.info.namespace.block_bytes  # type: ignore[union-attr]
-            self.placer.reserve(0, len(plan.hashes) - plan.fresh, bb, set(plan.ids))
-        for i in range(plan.start, len(plan.hashes)):
-            bid = plan.ids[i]
+        direct = p is None and self._direct()
+        info, hashes, ids, srcs, start, now = plan.info, plan.hashes, plan.ids, plan.srcs, plan.start, plan.now
+        bb, digest, expiry = info.block_bytes, info.digest, plan.now + info.ttl_s
+        first, placed, written, writing = self.tiers[0], plan.placed, plan.written, self.writing
+        for i in range(start, len(hashes)):
+            bid = ids[i]
             if idx.tiers[bid]:
                 c.dedup_blocks += 1
                 plan.stored_to = i + 1
                 continue
-            meta = self.meta(plan, i)
-            if i in plan.prewritten:
-                self.ledger.add_copy(bid, p, meta.size, meta.created, plan.placed)  # type: ignore[arg-type]
-                ok: bool | None = True
-            elif p is not None:
-                ok = self.placer.place(bid, p, plan.srcs[i - plan.start], meta, {bid}, durable=True, deferred=plan.placed)
-                if not ok:
-                    raise TierFullError(
-                        f"tier {self.tiers[p].name!r} has no room for a durable copy of block {i}: "
-                        "everything on it is pinned or in use; add capacity or unpin prefixes"
-                    )
+            ok: bool | None
+            if i in written:
+                err = written.pop(i)
+                if err is None:  # landed outside the lock: publish it
+                    self.ledger.add_copy(bid, 0, bb, now, placed)
+                    ok = True
+                else:  # the first tier refused it (room taken meanwhile, or an error): as below
+                    ok = placer.place_new(bid, srcs[i - start], plan.metas[i], {bid}, placed)
+            elif bid in writing:
+                break  # another put is writing this block now: its chain goes on from there
             else:
-                ok = self.placer.place_new(bid, plan.srcs[i - plan.start], meta, {bid}, plan.placed)
+                src = srcs[i - start]
+                # The checksum is computed when a persistent copy is written (Placer.write_copy).
+                meta = BlockMeta(digest, hashes[i - 1] if i else digest, i, bb, expiry, CHECKSUM_DEFERRED, now)
+                if i in plan.prewritten:
+                    self.ledger.add_copy(bid, p, bb, now, placed)  # type: ignore[arg-type]
+                    ok = True
+                elif p is not None:
+                    ok = placer.place(bid, p, src, meta, {bid}, durable=True, deferred=placed)
+                    if not ok:
+                        raise TierFullError(
+                            f"tier {self.tiers[p].name!r} has no room for a durable copy of block {i}: "
+                            "everything on it is pinned or in use; add capacity or unpin prefixes"
+                        )
+                elif direct and first.fits(bb) and placer.write_copy(bid, 0, src, meta, deferred=placed):
+                    ok = True
+                else:
+                    ok = placer.place_new(bid, src, meta, {bid}, placed)
             if not ok:
                 if ok is False:
                     c.truncated_puts += 1  # no room: the put keeps the leading blocks that fit
@@ -164,7 +235,13 @@ class Storer:
             c.put_blocks += 1
 
     def complete_store(self, plan: StorePlan) -> None:
-        """Under the lock: policies learn the chain leaves first; unpin; drop the hollow rest."""
+        """Under the lock: delete staged copies that were not published (past the end of a
+        short chain); policies learn the chain leaves first; unpin; drop the hollow rest."""
+        if plan.staged:
+            leftover = [BlockHash(plan.hashes[i]) for i, err in plan.written.items() if err is None]
+            self.writing.difference_update(plan.ids[plan.fresh :])
+            if leftover:
+                self.placer.delete_unpublished(0, leftover)
         self.ledger.enter_deferred(plan.placed, plan.now)
         self.ledger.unpin(plan.pinned)
         self.ledger.drop_hollow_leaves(plan.pinned)
@@ -176,7 +253,7 @@ class Storer:
         persistent tier in one ``write_many``. Content addressing makes the early copy safe;
         :meth:`fill` records it under the lock. Returns the error of a failed write."""
         tier = self.tiers[self.persistent[0]]
-        bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        bb = info.block_bytes
         items = [
             (BlockHash(hashes[i]), srcs[i - start],
              BlockMeta(info.digest, hashes[i - 1] if i else info.digest, i, bb, now + info.ttl_s,
@@ -197,13 +274,12 @@ class Storer:
         if not self.persistent:
             return []
         idx = self.index
-        validate_chain(self.ledger, info, hashes, start)
-        if idx.match(hashes).num_blocks < start:
+        if _cached(self.ledger, validate_chain(self.ledger, info, hashes, start)) < start:
             return []
         todo = [i for i in range(start, len(hashes))
                 if (bid := idx.id_of(hashes[i])) is None or not int(idx.tiers[bid]) & self.persistent_mask]
         u = self.tiers[self.persistent[0]].usage()
-        bb = info.namespace.block_bytes  # type: ignore[union-attr]
+        bb = info.block_bytes
         if len(todo) < 1 or u.capacity_bytes - u.used_bytes < len(todo) * bb:
             return []
         return todo
@@ -219,7 +295,7 @@ class Storer:
         by earlier puts) to the first persistent tier, synced."""
         if not self.persistent:
             raise UsageError("durable=True needs a persistent tier (nvme or object) in the config")
-        self.placer.durable.update(bytes(h) for h in plan.hashes[: plan.stored_to])  # never skipped by admission
+        self.placer.keep_always(plan.ids[: plan.stored_to])  # never skipped by admission
         self.copy_durable(plan.ids[: plan.stored_to], plan.hashes)
 
     def copy_durable(self, ids: Sequence[int], hashes: Sequence[bytes]) -> None:

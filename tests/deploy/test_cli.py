@@ -17,13 +17,25 @@ ROOT = Path(__file__).resolve().parents[2]
     "module, prog",
     [("kvstore.server", "kvstore"), ("tools.kvctl", "kvctl"), ("tools.kvreport", "kvreport"),
      ("engine.demo", "python -m engine.demo"), ("tools.replay", "python -m tools.replay"),
-     ("tools.bench", "python -m tools.bench")],
+     ("tools.bench", "python -m tools.bench"), ("kvstore.route", "python -m kvstore.route")],
 )
 def test_version(module: str, prog: str) -> None:
     out = subprocess.run([sys.executable, "-m", module, "--version"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"{prog} {version()}"
+
+
+def test_every_command_line_parser_has_version() -> None:
+    """Each module that builds an argparse parser (a command: the ones above, the demos, the
+    replay helpers, kvreport's sample) offers --version."""
+    missing = []
+    for pkg in ("kvstore", "engine", "tools", "tiers", "eviction"):
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            text = f.read_text()
+            if "argparse.ArgumentParser(" in text and '"--version", action="version"' not in text:
+                missing.append(str(f.relative_to(ROOT)))
+    assert not missing, f"no --version: {missing}"
 
 
 def test_version_is_the_pyproject_one() -> None:

@@ -5,6 +5,7 @@ under a reference-engine loop."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import Counter
@@ -166,6 +167,7 @@ def test_slow_store_is_given_up_and_a_late_lease_given_back(store: KVStore) -> N
     cache._io.submit(lambda: None).result()
     assert flaky.calls["acquire"] == 1 and flaky.calls["release"] == 1
     flaky.hold = None
+    cache._timeout = 60.0  # a healthy load on a loaded machine may take longer than 0.05 s
     assert cache.breaker.probe_now()
     assert _load_n(cache, hashes, 4) == 4
     cache.close()
@@ -227,13 +229,15 @@ def test_daemon_killed_and_restarted_under_an_engine_loop(tmp_path: Path) -> Non
     ports = ["--http-port", str(d.info["http_port"]), "--data-port", str(d.info["data_port"])]
     client = connect(d.url, timeout=5.0)
     flaky = Flaky(client, d.url)
-    cache = EngineCache(flaky, ns, shape, backoff_s=0.05, max_backoff_s=0.5)
+    # A long timeout: a slow healthy load on a loaded machine must not count as an outage, and a
+    # dead daemon is found by its refused connection, not by a timeout.
+    cache = EngineCache(flaky, ns, shape, timeout_s=60.0, backoff_s=0.05, max_backoff_s=0.5)
     engine = CachedLM(model, cache)
     try:
         _until_hit(engine, prompt, 64)
         cache.flush()
         d.kill()  # SIGKILL: what the DRAM tier held is gone with it
-        assert engine.prefill(prompt).hit_tokens == 0  # finds it down (the one slow call)
+        assert engine.prefill(prompt).hit_tokens == 0  # finds it down: its connection is refused
         assert not cache.available
         calls = flaky.data_calls()
         for _ in range(20):
@@ -245,6 +249,57 @@ def test_daemon_killed_and_restarted_under_an_engine_loop(tmp_path: Path) -> Non
         _until_hit(engine, prompt, 64)  # reconnects, stores again, then hits: by itself
         assert cache.breaker.opened == 1 and cache.breaker.probes >= 1
     finally:
+        cache.close()
+        client.close()
+        d.stop()
+
+
+def test_a_dead_daemon_costs_one_refused_connect_and_no_retries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call that first meets a SIGKILLed daemon makes one connection attempt, which is
+    refused, and opens the breaker (the client's retries and their back-off are for dropped
+    connections, not for a daemon that is not there); while it is open no call connects; each
+    probe is one attempt. The latency this buys: ``python -m tools.bench outage``
+    (``first_call_after_kill``)."""
+    model = llama()
+    shape = shape_of(model.config, torch.float32, 16)
+    prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(5))
+    d = start_daemon(tmp_path / "store")
+    ports = ["--http-port", str(d.info["http_port"]), "--data-port", str(d.info["data_port"])]
+    client = connect(d.url)  # the default retries: a refusal must not use them
+    flaky = Flaky(client, d.url)
+    cache = EngineCache(flaky, shape.namespace("test/refused"), shape, timeout_s=60.0, background=False)
+    engine = CachedLM(model, cache)
+    connects: list[tuple[str, int]] = []
+    real = socket.create_connection
+
+    def counting(address: tuple[str, int], *args: Any, **kwargs: Any) -> socket.socket:
+        connects.append(address)
+        return real(address, *args, **kwargs)
+
+    try:
+        engine.prefill(prompt)
+        cache.flush()
+        assert engine.prefill(prompt).hit_tokens == 64
+        d.kill()
+        monkeypatch.setattr(socket, "create_connection", counting)
+        assert engine.prefill(prompt).hit_tokens == 0  # no raise: a miss
+        assert not cache.available and cache.breaker.opened == 1
+        assert connects == [("127.0.0.1", d.info["http_port"])]  # one attempt, refused
+        assert "refused" in cache.breaker.last_error
+        calls = flaky.data_calls()
+        for _ in range(10):
+            assert engine.prefill(prompt).hit_tokens == 0
+        assert len(connects) == 1 and flaky.data_calls() == calls  # open: no socket touched
+        assert not cache.breaker.probe_now() and len(connects) == 2  # a probe: one attempt
+
+        d = start_daemon(tmp_path / "store", args=ports)
+        assert cache.breaker.probe_now() and cache.available
+        engine.prefill(prompt)  # the restarted daemon lost its DRAM copy: stored again
+        cache.flush()
+        assert engine.prefill(prompt).hit_tokens == 64
+        assert cache.counters.load_errors == 1 and cache.breaker.opened == 1
+    finally:
+        monkeypatch.undo()
         cache.close()
         client.close()
         d.stop()

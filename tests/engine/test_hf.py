@@ -18,6 +18,7 @@ from engine.client import EngineCache  # noqa: E402
 from engine.hf import CachedLM  # noqa: E402
 from engine.kvlayout import pack, shape_of, unpack_layer  # noqa: E402
 from kvstore.config import StoreConfig, TierSpec  # noqa: E402
+from kvstore.errors import UsageError  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
 
 BT = 16
@@ -144,3 +145,30 @@ def test_reference_engine_through_a_daemon(tmp_path: Path, plane: str) -> None:
             cache.close()
         finally:
             client.close()
+
+
+
+_SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+SLIDING: dict[str, Callable[[], torch.nn.Module]] = {
+    "gemma3-alternating": lambda: transformers.Gemma3ForCausalLM(
+        transformers.Gemma3TextConfig(sliding_window=16, sliding_window_pattern=2, **_SIZES)),
+    "mistral-sliding-window": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=16, **_SIZES)),
+    "gpt-oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        **_SIZES, sliding_window=16, num_local_experts=2, num_experts_per_tok=1,
+        layer_types=["sliding_attention", "full_attention"])),
+}
+
+
+@pytest.mark.parametrize("name", list(SLIDING))
+def test_sliding_window_models_are_refused_with_a_pointer_to_the_hybrid_engine(name: str) -> None:
+    """Issue 16: CachedLM stored and loaded every token of every layer, which a sliding-window
+    layer does not keep. It refuses such a model at construction, naming the engine that
+    serves it."""
+    with pytest.raises(UsageError, match=r"sliding_attention layers .*engine\.hybrid\.HybridLM.*docs/hybrid\.md"):
+        CachedLM(SLIDING[name](), None)
+
+
+def test_mistral_without_a_window_is_served() -> None:
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**{**_SIZES, "sliding_window": None}))
+    assert CachedLM(model, None).prefill(torch.arange(5)).computed_tokens == 5

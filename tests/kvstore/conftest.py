@@ -24,7 +24,7 @@ TENANTS = (
 )
 
 
-def eventually(check: Callable[[], bool], timeout: float = 10.0) -> bool:
+def eventually(check: Callable[[], bool], timeout: float = 30.0) -> bool:
     """Poll ``check`` until true (bounded): for what the daemon does on its own loop, like
     noticing that a client's connection closed. Not a way to make time pass."""
     deadline = time.monotonic() + timeout

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import connect
-from kvstore.errors import KVStoreError, QuotaExceededError
+from kvstore.errors import KVStoreError, QuotaExceededError, UsageError
 from kvstore.keys import KVLayout, LayerGroup, Namespace
 from kvstore.server import app as app_module
 from kvstore.server.config import Limits, TenantSpec
@@ -53,16 +53,21 @@ def test_a_tenant_registers_at_most_its_limit_of_namespaces(start_daemon: Callab
         assert len(rows) == 3
 
 
+@pytest.mark.parametrize("tenant", ["configured", "anonymous"])
 @pytest.mark.parametrize("plane", ["tcp", "shm"])
 def test_a_hash_put_under_one_namespace_is_never_served_under_another(
-    start_daemon: Callable[..., ThreadedDaemon], plane: str
+    start_daemon: Callable[..., ThreadedDaemon], plane: str, tenant: str
 ) -> None:
     """Item 10: a hash put under one of a tenant's namespaces was served under another with
-    another block size (shm: half a buffer never written; tcp: 'daemon unreachable')."""
-    d = start_daemon((TenantSpec("a", TOKEN_A, allow_shm=True),))
+    another block size (shm: half a buffer never written; tcp: 'daemon unreachable'). A
+    configured tenant's keys include the namespace digest; the anonymous tenant's are the
+    client's hashes (a store written in process reads the same through the daemon), and the
+    store ends every load at a block of another namespace, so neither serves it."""
+    configured = tenant == "configured"
+    d = start_daemon((TenantSpec("a", TOKEN_A, allow_shm=True),) if configured else ())
     big = _ns(9, block_tokens=32)
     chain = chain_for(5, 3)
-    with connect(d.url, token=TOKEN_A, plane=plane) as a:
+    with connect(d.url, token=TOKEN_A if configured else None, plane=plane) as a:
         a.register_namespace(SMALL_NS)
         a.register_namespace(big)
         assert a.put(SMALL_NS, chain, _blocks(chain)) == 3
@@ -71,6 +76,16 @@ def test_a_hash_put_under_one_namespace_is_never_served_under_another(
         assert a.get_into(big, chain, out) == 0
         assert not out.any()
         back = np.zeros(3 * BB, np.uint8)
+        assert a.get_into(SMALL_NS, chain, back) == 3 and back.tobytes() == _blocks(chain).tobytes()
+        # The same hashes put under the other namespace: a configured tenant's are other keys
+        # (stored apart); the anonymous tenant's put is refused, saying why, and stores nothing.
+        if configured:
+            assert a.put(big, chain, _blocks(chain, big.block_bytes)) == 3
+            assert a.get_into(big, chain, out) == 3 and out.tobytes() == _blocks(chain, big.block_bytes).tobytes()
+        else:
+            with pytest.raises(UsageError, match="cached at another place"):
+                a.put(big, chain, _blocks(chain, big.block_bytes))
+            assert a.lookup(big, chain).num_blocks == 0
         assert a.get_into(SMALL_NS, chain, back) == 3 and back.tobytes() == _blocks(chain).tobytes()
 
 
@@ -109,7 +124,7 @@ def test_leases_have_a_deadline_and_a_tenant_holds_at_most_its_share_of_the_aren
             return int(r.json()["usage"]["leased_bytes"])
 
         assert leased() == held * BB
-        assert eventually(lambda: leased() == 0, timeout=20), "the daemon never took the leases back"
+        assert eventually(lambda: leased() == 0, timeout=60), "the daemon never took the leases back"
         for lease in leases:
             lease.release()  # already taken back: a no-op for the daemon
         again = a.acquire(SMALL_NS, theirs[0])

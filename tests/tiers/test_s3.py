@@ -5,6 +5,7 @@ hung and restarted). The Tier contract on S3 is in test_conformance.py (kind "s3
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import struct
 from collections.abc import Callable, Iterator
@@ -344,10 +345,8 @@ def _healthy(tier: ObjectTier, clock: FakeClock, blk: Any) -> None:
     longer and open the breaker before the outage starts (CI stop 21). That is not what these
     tests are about, so a slow healthy phase is retried after the breaker's interval."""
     for _ in range(5):
-        try:
+        with contextlib.suppress(TierUnavailableError):  # a slow healthy write: tried again
             tier.write(blk.key, blk.data, blk.meta, durable=True)
-        except TierUnavailableError:
-            pass
         if tier.available() and tier.contains(blk.key):
             return
         clock.advance(30)

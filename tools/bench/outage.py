@@ -2,8 +2,9 @@
 
 A real daemon, an :class:`engine.client.EngineCache` over it, and an engine loop of
 ``load`` + ``store_async`` per request (a 64-block prompt of 64 KiB blocks). The daemon is
-SIGKILLed: the first call finds it down (bounded by the cache's ``timeout_s``), and from then on
-every call answers "no hit" without touching the network. Figures: the p50/p99 of one request's
+SIGKILLed: the first call finds it down (its reconnect is refused: one connection attempt, no
+retries; only a hung daemon would cost the cache's ``timeout_s``), and from then on every call
+answers "no hit" without touching the network. Figures: the p50/p99 of one request's
 cache calls while the daemon is down (goal: p99 <= 1 ms, "under a few ms"), baseline the same
 calls with the daemon up (a full hit over shared memory, measured in the same run); the first
 call after the kill; and how long after a restart on the same ports the first hit comes back.
@@ -85,6 +86,6 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                      goal_us=1000.0 if q == 99 else None, lookups_skipped=cache.counters.lookups_skipped,
                      stores_skipped=cache.counters.stores_skipped)
     yield result("outage", "first_call_after_kill", first * 1e3, "ms", _percentile(up_s, 50) * 1e3,
-                 note="bounded by EngineCache timeout_s (1 s)")
+                 goal_ms=5.0, note="one refused reconnect, no retries (a hung daemon: EngineCache timeout_s, 1 s)")
     yield result("outage", "hits_back_after_restart", (resumed - t_ready) * 1e3, "ms", (t_ready - t_restart) * 1e3,
                  baseline_kind="daemon start to ready", probes=cache.breaker.probes)

@@ -38,6 +38,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvstore.version import version
 from tools.bench._common import emit, missed_goals, result
 from tools.bench._peers import PEERS
 from tools.bench._peers.workload import Geometry, Workload
@@ -209,6 +210,7 @@ def parser() -> argparse.ArgumentParser:
         epilog=f"peers: {', '.join(PEERS)}. Needs .venv-peers (make bench-peers) for LMCache and Mooncake; "
                "without it those print 'unavailable' rows.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {label(QUICK_SIZES[0])}-token requests, 2 rounds")
     p.add_argument("--only", metavar="NAMES", help="comma-separated peers or families to run (lmcache, kvstore*: "

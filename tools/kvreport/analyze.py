@@ -16,7 +16,9 @@ One pass over the records in time order:
   them too), or a possible *namespace mismatch* when another namespace of the same model (a
   different layout) had traffic: the same prompts there could not hit here;
 * ages: each hit block's age since it was stored and its idle time since its last use; the
-  idle times of hits and of expired lost hits give the hit rate each TTL would have reached.
+  idle times of hits and of expired lost hits give the hit rate each TTL would have reached;
+* admission: the writes to the last tier that admission skipped, and their bytes, from the
+  store counters of the usage records.
 """
 
 from __future__ import annotations
@@ -224,6 +226,7 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
         "latency": _latency(lookup_s, load_per_block),
         "lookups": {**_lookups(lookups), "tenants": {n: _lookups(tl) for n, tl in sorted(tenant_lookups.items())}},
         "tenants": {name: _summary(tl, cfg) for name, tl in sorted(tenants.items())},
+        "admission": _admission(usage),
         "timeseries": {**_series(buckets, tenant_buckets, t0, width, tiers),
                        "tier_fill": _fill(usage, tiers, bucket, nb),
                        "leaving_blocks_per_hour": {k: [round(n * 3600 / width, 3) for n in v] for k, v in leaving.items()}},
@@ -326,6 +329,22 @@ def _fill(usage: list[Mapping[str, Any]], tiers: list[str], bucket: Any, nb: int
                 out.setdefault(name, [None] * nb)[b] = round(u.get("used_bytes", 0) / cap, 5)
     order = {name: i for i, name in enumerate(tiers)}
     return dict(sorted(out.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
+
+
+def _admission(usage: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Admission to the last tier (``[store] admission``) from the store counters of usage
+    records: what the counters grew by between the first and the last record (a count that
+    fell, a restart, grows from zero again), and the rule the last record names."""
+    recs = sorted((r for r in usage if "store" in r), key=lambda r: float(r["t"]))
+    out: dict[str, Any] = {"logged": bool(recs), "admission": recs[-1]["store"].get("admission", "") if recs else "",
+                           "skipped_writes": 0, "skipped_bytes": 0, "seconds": 0.0}
+    for prev, cur in zip(recs, recs[1:], strict=False):
+        for k in ("skipped_writes", "skipped_bytes"):
+            a, b = int(prev["store"].get(k, 0)), int(cur["store"].get(k, 0))
+            out[k] += b - a if b >= a else b
+    if recs:
+        out["seconds"] = float(recs[-1]["t"]) - float(recs[0]["t"])
+    return out
 
 
 def _series(buckets: list[_Tally], tenant_buckets: Mapping[str, list[_Tally]], t0: float, width: float,

@@ -50,6 +50,13 @@ def _n(v: float) -> str:
     return f"{v:,.0f}"
 
 
+def _bytes(v: float) -> str:
+    for unit, div in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if v >= div:
+            return f"{v / div:,.1f} {unit}"
+    return f"{v:,.0f} B"
+
+
 def _money(cur: str, v: float) -> str:
     return f"{cur}{v:,.2f}"
 
@@ -58,6 +65,44 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _lookups(lk: dict[str, Any], r: dict[str, Any]) -> str:
+    """Lookups (an engine asking what is cached, served nothing) beside loads: two rates that
+    differ when engines look up prompts they then do not load, or load without a lookup."""
+    out = ["<h2 id='lookups'>Lookups and loads</h2>"]
+    if not lk["requests"]:
+        return out[0] + ("<p class='note'>No lookup records in this log: the engines loaded without asking first "
+                         "(or their lookups went to another daemon). The rest of the report is about loads.</p>")
+    rows = [["lookups (asked what is cached)", _n(lk["requests"]), _n(lk["prompt_tokens"]), _n(lk["hit_tokens"]),
+             _p(lk["token_hit_rate"]), _p(lk["request_hit_rate"])],
+            ["loads (served blocks)", _n(r["requests"]), _n(r["prompt_tokens"]), _n(r["hit_tokens"]),
+             _p(r["token_hit_rate"]), _p(r["request_hit_rate"])]]
+    rows += [[f"lookups of tenant {name}", _n(t["requests"]), _n(t["prompt_tokens"]), _n(t["hit_tokens"]),
+              _p(t["token_hit_rate"]), _p(t["request_hit_rate"])] for name, t in lk["tenants"].items()]
+    out.append(_table(["", "requests", "prompt tokens", "hit tokens", "token hit rate", "requests with a hit"], rows))
+    out.append("<p class='note'>A lookup counts what was cached when an engine asked; a load what the store then "
+               "served. The same figures: <code>kvctl stats</code> (lookup and load hit rates) and <code>/metrics</code> "
+               "(<code>kvstore_lookup_*</code>, <code>kvstore_hit_*</code>).</p>")
+    return "".join(out)
+
+
+def _admission(a: dict[str, Any]) -> str:
+    """Admission to the last tier: the writes it skipped and the bytes they would have taken."""
+    out = ["<h2 id='admission'>Admission to the last tier</h2>"]
+    if not a["logged"]:
+        return out[0] + ("<p class='note'>No admission counters in this log: its usage records come from a "
+                         "daemon that did not log them (they are written once per maintenance pass).</p>")
+    rule = a["admission"] or "?"
+    per_h = a["skipped_writes"] * 3600 / a["seconds"] if a["seconds"] > 0 else 0.0
+    out.append(_table(["admission rule", "writes skipped", "bytes kept out", "skipped per hour"],
+                      [[rule, _n(a["skipped_writes"]), _bytes(a["skipped_bytes"]), f"{per_h:,.1f}"]]))
+    what = ("every demotion into the last tier is written" if rule == "all" else
+            "demotions of blocks unlikely to return are skipped within a hit-loss budget")
+    out.append(f"<p class='note'><code>[store] admission = \"{escape(rule)}\"</code>: {what}. Counted between the "
+               f"first and last usage record of the log ({a['seconds'] / 3600:,.1f} h); the same counters: "
+               "<code>kvstore_skipped_writes_total</code>, <code>kvstore_skipped_bytes_total</code>.</p>")
+    return "".join(out)
 
 
 def render(r: dict[str, Any], title: str = "kvstore cache report", sources: list[str] | None = None) -> str:
@@ -69,7 +114,9 @@ def render(r: dict[str, Any], title: str = "kvstore cache report", sources: list
            f"<style>{_CSS}</style></head><body>",
            f"<h1>{escape(title)}</h1><div class='sub'>{start} to {end} &middot; {r['log']['requests']:,} requests"
            + (f" &middot; from {escape(', '.join(sources))}" if sources else "") + "</div>"]
-    cards = [("token hit rate", _p(r["token_hit_rate"])), ("unlimited cache would hit", _p(r["ideal"]["token_hit_rate"])),
+    lk = r["lookups"]
+    cards = [("token hit rate (loads)", _p(r["token_hit_rate"])), ("unlimited cache would hit", _p(r["ideal"]["token_hit_rate"])),
+             ("lookup token hit rate", _p(lk["token_hit_rate"]) if lk["requests"] else "no lookups"),
              ("requests with a hit", _p(r["request_hit_rate"])), ("prompt tokens", _n(r["prompt_tokens"])),
              ("GPU-hours saved", f"{r['savings']['gpu_seconds'] / 3600:,.2f}"),
              ("saved", _money(cur, r["savings"]["money"]))]
@@ -94,6 +141,8 @@ def render(r: dict[str, Any], title: str = "kvstore cache report", sources: list
     out.append(f"<p class='note'>One point {bucket}; a gap is a time without requests (no data, not a 0% hit "
                "rate), a dot a time with requests on both sides idle. Y axes show the band the data lies in.</p>")
 
+    out.append(_lookups(lk, r))
+
     out.append("<h2 id='tiers'>Tier fill and blocks leaving the store</h2>")
     fill = ts.get("tier_fill") or {}
     if fill:
@@ -108,6 +157,8 @@ def render(r: dict[str, Any], title: str = "kvstore cache report", sources: list
         out.append(svg.line_chart("Blocks leaving the store: evicted for capacity, expired", ts["t"],
                                   list(leaving.items()), yfmt=svg.num, ylabel=f"blocks per hour ({bucket})",
                                   colors=["#dc2626", "#f59e0b"]))
+
+    out.append(_admission(r["admission"]))
 
     out.append("<h2 id='ideal'>Achieved vs ideal: where the prompt tokens went</h2>")
     total = r["prompt_tokens"]

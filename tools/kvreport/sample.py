@@ -28,6 +28,7 @@ from kvstore.config import StoreConfig, TierSpec
 from kvstore.events import EventsConfig
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.store import KVStore
+from kvstore.version import version
 
 _LAYOUT = KVLayout("bfloat16", 16, (LayerGroup("full", 1, 1, 64),))  # 4 KiB blocks: fast to move
 NS_A = Namespace("sample/chat-7b", _LAYOUT)
@@ -98,7 +99,8 @@ def run(root: Path, days: float = 4.0, seed: int = 0, rate_per_hour: float = 60.
             clock.advance(float(rng.exponential(H / rate)))
             if clock() >= next_maintain:
                 store.maintain()
-                store.events.usage(store.stats()["tiers"])  # tier fill over time, as the daemon logs it
+                stats = store.stats()
+                store.events.usage(stats["tiers"], store=stats)  # tier fill and admission, as the daemon logs them
                 next_maintain = clock() + 600
             # A returning user (more likely the more there are), or a new conversation.
             if users and rng.random() < 0.7:
@@ -137,6 +139,7 @@ def run(root: Path, days: float = 4.0, seed: int = 0, rate_per_hour: float = 60.
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.kvreport.sample", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("dir", type=Path, help="output directory (its store/ is replaced)")
     p.add_argument("--days", type=float, default=4.0)
     p.add_argument("--rate", type=float, default=60.0, help="requests per hour at the daily peak")

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
+from kvstore.version import version
 from tools.replay.bounds import EXTRA_FEATURES, belady, class_segments, holdout_class_hits
 from tools.replay.sim import parse_capacity, replay_store
 from tools.replay.trace import TraceError, load_trace
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tools.replay.holdout",
         description=__doc__.split("\n\n")[1].replace("\n", " ") if __doc__ else None,
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("trace", help="Mooncake-format JSONL trace file")
     p.add_argument("--capacity", action="append", metavar="SPEC", help="a share of unique blocks or a block count (default: 1%%, 5%%, 10%%; repeatable)")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per block of the trace's hash ids (default 512)")

@@ -93,15 +93,20 @@ def replay_store(
     ttl_s: float | None = None,
     progress: Callable[[int], None] | None = None,
     events_dir: Path | None = None,
-    admission: str = "all",
+    admission: str | None = None,
     admission_options: dict[str, Any] | None = None,
 ) -> StoreRun:
     """Run ``trace`` through a KVStore with null tiers of the given capacities; with
-    ``events_dir`` the store writes its event log there (for ``tools.kvreport``)."""
+    ``events_dir`` the store writes its event log there (for ``tools.kvreport``). ``admission``
+    is the last tier's rule (default: the store's)."""
     # A namespace whose blocks are as small as the store allows: the null tiers check sizes
     # and keep none of the bytes, so only the per-call overhead is left.
     ns = Namespace("replay/" + trace.name, KVLayout("uint8", block_tokens, (LayerGroup("full", 1, 1, 1),)))
-    src = memoryview(bytearray(ns.block_bytes))
+    bb = ns.block_bytes
+    longest = int(np.diff(trace.offsets).max()) if trace.num_requests else 0
+    # One buffer for every request: a load lands in it and a put reads from it (a null tier
+    # checks sizes only), passed whole so that the store cuts it into blocks itself.
+    buf = memoryview(bytearray(max(longest, 1) * bb))
     keys = [i.to_bytes(16, "little") for i in range(trace.unique_blocks)]
     clock = FakeClock(_EPOCH)
     hits = np.zeros(trace.num_requests, dtype=np.int64)
@@ -111,7 +116,7 @@ def replay_store(
             tiers=tuple(TierSpec(t.name, "null", {"capacity_blocks": t.blocks}) for t in tiers),
             policy=policy,
             policy_options=policy_options or {},
-            admission=admission,
+            admission=admission or StoreConfig().admission,
             admission_options=admission_options or {},
             persist_on_close=False,
             # A replay outruns the log writer: a deep queue, so that no record is dropped.
@@ -125,8 +130,8 @@ def replay_store(
         for r in range(trace.num_requests):
             clock.set(_EPOCH + stamps[r] / 1000.0)
             chain = [keys[i] for i in ids[offsets[r] : offsets[r + 1]]]
-            n = get_into(ns, chain, [src] * len(chain))
-            put(ns, chain, [src] * (len(chain) - n), start=n)
+            n = get_into(ns, chain, buf[: len(chain) * bb])
+            put(ns, chain, buf[: (len(chain) - n) * bb], start=n)
             hits[r] = n
             if progress is not None:
                 progress(r)
@@ -136,7 +141,7 @@ def replay_store(
     keep = ("evictions", "expirations", "demotions", "promotions", "hits_by_tier", "skipped_writes", "admission")
     out = {k: stats[k] for k in keep if k in stats}
     # Writes per tier, in blocks (every replay block has the same size).
-    out["writes_by_tier"] = {t["name"]: t.get("bytes_in", 0) // ns.block_bytes for t in stats["tiers"]}
+    out["writes_by_tier"] = {t["name"]: t.get("bytes_in", 0) // bb for t in stats["tiers"]}
     return StoreRun(policy, hits, seconds, cpu, out)
 
 

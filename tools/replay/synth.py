@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.version import version
+
 KINDS = ("zipf-prompts", "agent-loop", "multi-turn", "scan", "coding-agent")
 
 
@@ -171,6 +173,7 @@ def write_trace(path: str | Path, records: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.replay.synth", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("kind", choices=KINDS)
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)

@@ -73,8 +73,11 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDaemon]:
 
 
 def _dynamic(url: str, **extra: Any) -> dict[str, Any]:
+    # A generous call timeout: a healthy daemon on a loaded 2-core CI box can take seconds to
+    # answer, and a timeout would open the breaker (a miss where the test expects a hit). The
+    # kill test's dead daemon refuses connections at once, whatever the timeout.
     return {"backend_name": "kvstore", "module_path": "engine.sglang.storage", "class_name": "KVStoreHiCache",
-            "url": url, **extra}
+            "url": url, "timeout_s": 60, **extra}
 
 
 @pytest.fixture

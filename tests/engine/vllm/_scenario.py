@@ -2,8 +2,11 @@
 
 SPEC names the model, the connector settings (or none), the engine settings and the rounds to
 run; the results (per round, per prompt: tokens, logprobs, cached and kvstore-hit tokens) go to
-SPEC's ``out`` as JSON. A round may kill or restart the test's daemon first (``daemon`` in the
-spec: its data dir and ports), so a run can lose its daemon mid-way and get it back.
+SPEC's ``out`` as JSON, and each round's connector counters per tensor-parallel rank beside it
+(``out.counters.json``; read by ``conftest.counters``). Each round's saves are awaited before
+the next (``flush_saves``), so a round's lookups see every block the previous ones stored. A
+round may kill or restart the test's daemon first (``daemon`` in the spec: its data dir and
+ports), so a run can lose its daemon mid-way and get it back.
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from engine.vllm.harness import generate, kvstore_transfer, make_llm, small_daemon
+from engine.vllm.harness import (
+    flush_saves,
+    generate,
+    kvstore_transfer,
+    make_llm,
+    small_daemon,
+    worker_counters,
+)
 
 
 def _restart(spec: dict[str, Any]) -> Any:
@@ -41,6 +51,7 @@ def main(path: str) -> None:
     llm = make_llm(spec["model"], kv_transfer_config=transfer, **spec.get("engine", {}))
     print(f"scenario: engine up in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     results = []
+    counters: list[list[dict[str, int]]] = []  # per round, per TP rank (cumulative)
     try:
         for rnd in spec["rounds"]:
             action = rnd.get("daemon")
@@ -57,16 +68,23 @@ def main(path: str) -> None:
             print(f"scenario: round {len(results)} in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
             if killer is not None:
                 killer.join()
+            if transfer is not None:
+                flush_saves(llm)
             results.append([asdict(o) for o in outs])
+            counters.append(worker_counters(llm))
             if rnd.get("until_hit") and not any(o.kvstore_hit_tokens for o in outs):
                 # The connector reconnects in the background: repeat (bounded) until it has.
                 for _ in range(rnd["until_hit"]):
                     outs = generate(llm, rnd["prompts"], rnd.get("max_tokens", 8))
+                    if transfer is not None:
+                        flush_saves(llm)
                     results[-1] = [asdict(o) for o in outs]
+                    counters[-1] = worker_counters(llm)
                     if any(o.kvstore_hit_tokens for o in outs):
                         break
     finally:
         Path(spec["out"]).write_text(json.dumps(results))
+        Path(spec["out"]).with_suffix(".counters.json").write_text(json.dumps(counters))
         if daemon is not None and daemon.proc.poll() is None:
             daemon.stop()
 

@@ -32,7 +32,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDaemon]:
         yield d
 
 
-def run_scenario(spec: dict[str, Any], tmp: Path, timeout: float = 480, inproc: bool = True) -> list[list[dict[str, Any]]]:
+def run_scenario(spec: dict[str, Any], tmp: Path, timeout: float = 1200, inproc: bool = True,
+                 env: dict[str, str] | None = None) -> list[list[dict[str, Any]]]:
     """Run one vLLM process on ``spec`` (see _scenario.py); its per-round results.
 
     ``inproc``: the engine core and the worker run in the test's process (vLLM's
@@ -46,13 +47,19 @@ def run_scenario(spec: dict[str, Any], tmp: Path, timeout: float = 480, inproc: 
     path = tmp / "spec.json"
     path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if inproc else "1"}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if inproc else "1", **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "tests.engine.vllm._scenario", str(path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not (tmp / "out.json").exists():
         raise AssertionError(f"vLLM scenario failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
     (tmp / "stderr.log").write_text(proc.stderr)
     return json.loads((tmp / "out.json").read_text())
+
+
+def counters(tmp: Path) -> list[list[dict[str, int]]]:
+    """The connector counters of the scenario run under ``tmp``: per round, per TP rank
+    (cumulative; ``ConnectorCounters`` fields and ``rank``)."""
+    return json.loads((tmp / "out.counters.json").read_text())
 
 
 def prompts(seed: int, lengths: list[int], prefix: int = 0, vocab: int = 2000) -> list[list[int]]:

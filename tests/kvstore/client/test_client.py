@@ -65,9 +65,39 @@ def test_shm_lease_views_are_zero_copy_and_read_only(start_daemon: Callable[...,
         c.acquire(SMALL_NS, chain)
 
 
-def test_unreachable_daemon_raises_after_retries() -> None:
-    with pytest.raises(DaemonUnavailableError, match="unreachable"):
-        connect("http://127.0.0.1:9", retries=1, timeout=2)
+def test_a_release_reaches_the_daemon_before_the_next_call(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    """A shared-memory load gives its lease back without waiting for the reply; the reply is
+    read before the next call on either plane, so nothing the client sends next finds the
+    blocks still in use (a delete keeps in-use blocks)."""
+    d = start_daemon()
+    chain = chain_for(6, 4)
+    with connect(d.url, plane="shm") as c:
+        c.put(SMALL_NS, chain, _blocks(chain))
+        out = np.zeros(4 * BB, np.uint8)
+        for _ in range(3):  # data-plane calls after a release read its reply first
+            assert c.get_into(SMALL_NS, chain, out) == 4
+        assert np.array_equal(out, _blocks(chain))
+        assert c.delete(SMALL_NS, chain[:1]) == 4  # a control call: every lease is back
+        c.put(SMALL_NS, chain, _blocks(chain))
+        lease = c.acquire(SMALL_NS, chain)
+        lease.release()
+        assert c.delete(SMALL_NS, chain[:1]) == 4
+
+
+def test_a_refused_connection_raises_at_once_without_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing listens on port 9: the refusal is the answer. No retry, no back-off sleep (an
+    engine's first call after its daemon died must not wait for them)."""
+    import socket
+
+    from kvstore.client import client as client_module
+
+    attempts: list[object] = []
+    real = socket.create_connection
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: attempts.append(a) or real(*a, **k))
+    monkeypatch.setattr(client_module.time, "sleep", lambda s: pytest.fail(f"slept {s} s before retrying a refusal"))
+    with pytest.raises(DaemonUnavailableError, match="unreachable .*Connection refused"):
+        connect("http://127.0.0.1:9", retries=5, timeout=2)
+    assert len(attempts) == 1
 
 
 def test_bad_plane_name() -> None:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from kvstore.clock import FakeClock
 from kvstore.config import StoreConfig, TierSpec
 from kvstore.store import KVStore
+from tests.conftest import hypothesis_examples
 from tests.kvstore.store.conftest import BLOCK, NS
 
 POLICIES = ("lru", "density", "arc", "cost")
@@ -159,8 +160,9 @@ def setups(draw: st.DrawFn) -> tuple[list[tuple[float, list[int]]], list[int], s
     return trace, caps, draw(st.sampled_from(POLICIES))
 
 
-EXAMPLES = 150
-"""Examples per property: with the shrinker's runs, a few minutes of CI for both together."""
+EXAMPLES = hypothesis_examples(150)
+"""Examples per property: 150 in CI (with the shrinker's runs, a few minutes for both
+together); thousands with ``KVSTORE_HYPOTHESIS=long`` (``tests/conftest.py``)."""
 _SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

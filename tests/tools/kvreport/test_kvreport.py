@@ -48,10 +48,17 @@ def _log(path: Path) -> Path:
         log.request(ns=ns, hashes=[50], hit_blocks=0, block_tokens=16, tenant="x", t=t0 + 2 * H + 1)
         log.request(ns=other, hashes=[100, 101], hit_blocks=0, block_tokens=32, tenant="y",
                     t=t0 + 2 * H + 2)                            # a sibling layout had traffic: mismatch
+        log.request(ns=ns, hashes=[1, 2, 3, 4], hit_blocks=3, block_tokens=16, hit_tiers={"dram": 3},
+                    tenant="x", op="lookup", t=t0 + 9)           # a lookup: 3 of 4 cached
+        log.request(ns=ns, hashes=[60, 61], hit_blocks=0, block_tokens=16, tenant="x", op="lookup", t=t0 + 11)
+        # Admission counters since the store opened: +2 writes, then a restart (from zero), +3.
+        admitted = {"skipped_writes": 5, "skipped_bytes": 5 * 4096, "admission": {"admission": "reuse"}}
         log.usage([{"name": "dram", "used_bytes": 3 * 4096, "capacity_bytes": 4 * 4096, "blocks": 3},
-                   {"name": "nvme", "used_bytes": 0, "capacity_bytes": 8 * 4096, "blocks": 0}], t=t0 + 15)
+                   {"name": "nvme", "used_bytes": 0, "capacity_bytes": 8 * 4096, "blocks": 0}], t=t0 + 15, store=admitted)
+        log.usage([], t=t0 + H, store={**admitted, "skipped_writes": 7, "skipped_bytes": 7 * 4096})
         log.usage([{"name": "dram", "used_bytes": 4096, "capacity_bytes": 4 * 4096, "blocks": 1},
-                   {"name": "nvme", "used_bytes": 4096, "capacity_bytes": 8 * 4096, "blocks": 1}], t=t0 + 2 * H)
+                   {"name": "nvme", "used_bytes": 4096, "capacity_bytes": 8 * 4096, "blocks": 1}], t=t0 + 2 * H,
+                  store={**admitted, "skipped_writes": 3, "skipped_bytes": 3 * 4096})
     return path
 
 
@@ -86,6 +93,49 @@ def test_the_numbers_of_a_known_log(tmp_path: Path) -> None:
     per_hour = 3600 / r["span"]["bucket_s"]
     assert ts["leaving_blocks_per_hour"]["evicted"][0] == per_hour and sum(ts["leaving_blocks_per_hour"]["evicted"]) == per_hour
     assert ts["leaving_blocks_per_hour"]["expired"][-1] == per_hour
+    # Lookups apart from loads; admission from the usage records' store counters.
+    lk = r["lookups"]
+    assert (lk["requests"], lk["prompt_tokens"], lk["hit_tokens"]) == (2, 16 * 6, 16 * 3)
+    assert lk["token_hit_rate"] == pytest.approx(0.5) and lk["tenants"]["x"]["requests"] == 2
+    assert r["admission"] == {"logged": True, "admission": "reuse", "skipped_writes": 5, "skipped_bytes": 5 * 4096,
+                              "seconds": 2 * H - 15}
+
+
+def test_the_page_shows_the_lookup_hit_rate_and_admission(tmp_path: Path) -> None:
+    page = render(analyze(read_events(_log(tmp_path / "events"))))
+    text = re.sub(r"<[^>]+>", " ", page)
+    assert re.search(r"50\.0%\s+lookup token hit rate", text)  # the card
+    lookups = text[text.index("Lookups and loads"):text.index("Tier fill and blocks")]
+    assert re.search(r"lookups \(asked what is cached\)\s+2\s+96\s+48\s+50\.0%\s+50\.0%", lookups)
+    assert re.search(r"loads \(served blocks\)\s+6\s+272\s+96\s+35\.3%", lookups)
+    admission = text[text.index("Admission to the last tier"):text.index("Achieved vs ideal")]
+    assert re.search(r"reuse\s+5\s+20\.0 KiB\s+2\.5", admission)  # 5 writes in 2 h less 15 s
+
+
+def test_a_log_without_lookups_or_admission_counters_says_so(tmp_path: Path) -> None:
+    with EventLog(tmp_path / "events", clock=FakeClock(1_735_689_600.0), tiers=["dram"]) as log:
+        log.namespace(SMALL_NS, tenant="x")
+        log.request(ns=SMALL_NS.root, hashes=[1], hit_blocks=0, block_tokens=16, tenant="x")
+        log.usage([{"name": "dram", "used_bytes": 0, "capacity_bytes": 4096, "blocks": 0}])  # an older daemon's
+    r = analyze(read_events(tmp_path / "events"))
+    assert r["admission"]["logged"] is False and r["lookups"]["requests"] == 0
+    page = render(r)
+    assert "No lookup records in this log" in page and "No admission counters in this log" in page
+
+
+def test_the_daemons_usage_record_carries_the_admission_counters(tmp_path: Path) -> None:
+    from kvstore.config import EventsConfig, StoreConfig, TierSpec
+    from kvstore.server.daemon import _log_usage
+    from kvstore.store import KVStore
+
+    tiers = (TierSpec("dram", "null", {"capacity_blocks": 2}), TierSpec("object", "null", {"capacity_blocks": 100}))
+    cfg = StoreConfig(root=tmp_path / "store", tiers=tiers, admission="reuse", persist_on_close=False,
+                      events=EventsConfig(enabled=True))
+    with KVStore(cfg, clock=FakeClock(1_000.0)) as store:
+        _log_usage(store)
+        store.events.flush()
+    [rec] = [r for r in read_events(tmp_path / "store" / "events") if r["type"] == "usage"]
+    assert rec["store"] == {"skipped_writes": 0, "skipped_bytes": 0, "admission": "reuse"}
 
 
 def test_the_cli_writes_html_and_json_and_says_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
