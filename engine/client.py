@@ -296,11 +296,13 @@ class EngineCache:
             fut.add_done_callback(_release_late)
             raise TimeoutError(f"a load of {len(hashes)} blocks took longer than {limit:.3g} s") from e
 
-    def store_async(self, hashes: list[BlockHash], blocks: torch.Tensor, start: int) -> Future[int] | None:
+    def store_async(self, hashes: list[BlockHash], blocks: torch.Tensor, start: int,
+                    tokens: Any | None = None) -> Future[int] | None:
         """Store ``blocks`` (``[m, block_bytes]`` uint8, blocks ``start..start+m-1`` of
         ``hashes``) in the background. Device tensors are copied to pinned host memory on a side
         stream first; the store thread waits for that copy, the engine does not. While the
-        store is unavailable the blocks are dropped and counted (``stores_skipped``)."""
+        store is unavailable the blocks are dropped and counted (``stores_skipped``).
+        ``tokens``: those blocks' token ids (CPU), sent along for the daemon's KV events."""
         if blocks.shape[0] == 0:
             return None
         if not self.breaker.closed:
@@ -326,16 +328,16 @@ class EngineCache:
             blocks = blocks.clone()  # the engine may reuse its buffer
         chain = list(hashes[: start + blocks.shape[0]])
         self.counters.stores_submitted += 1
-        return self._pool.submit(self._store, chain, blocks, start, ready)
+        return self._pool.submit(self._store, chain, blocks, start, ready, tokens)
 
-    def _store(self, chain: list[BlockHash], blocks: torch.Tensor, start: int, ready: Any) -> int:
+    def _store(self, chain: list[BlockHash], blocks: torch.Tensor, start: int, ready: Any, tokens: Any = None) -> int:
         try:
             if ready is not None:
                 ready.synchronize()
             if not self.breaker.closed:  # it opened while this store waited its turn
                 self.counters.stores_skipped += 1
                 return 0
-            n = self.store.put(self.ns, chain, blocks.view(-1).numpy(), start=start)
+            n = self.store.put(self.ns, chain, blocks.view(-1).numpy(), start=start, tokens=tokens)
             self.counters.stores_done += 1
             return n
         except (KVStoreError, OSError) as e:

@@ -142,7 +142,9 @@ class CachedLM:
             if full > start:
                 keys = [lay.keys for lay in kv_cache.layers]
                 values = [lay.values for lay in kv_cache.layers]
-                self.cache.store_async(hashes, pack(keys, values, self.shape, start, full), start)
+                bt = self.shape.block_tokens
+                self.cache.store_async(hashes, pack(keys, values, self.shape, start, full), start,
+                                       tokens=ids[start * bt:full * bt].numpy())
         logits = out.logits[0, -1].float()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

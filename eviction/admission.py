@@ -3,19 +3,22 @@
 The store asks :meth:`Admission.admit` once per demotion into a tier the admission governs (by
 default the last one, the object store, where every byte written is paid for and most blocks are
 never read again), and only for a block no guarantee holds (unpinned, unused, stored by no
-durable put) and, unless the rule sets ``inner``, a leaf; a refused block is dropped instead
-of written (a leaf leaves the store, an inner block stays as a hollow node). So admission can lose hits (a skipped block read again misses)
-but never a durable or pinned block.
+durable put, not recovered at open) and, unless the rule sets ``inner``, a leaf; a refused block
+is dropped instead of written (a leaf leaves the store, an inner block stays as a hollow node).
+So admission can lose hits (a skipped block read again misses) but never a durable or pinned
+block.
 
 * ``all``: write everything (the behaviour without admission).
-* ``reuse`` (:class:`ReuseAdmission`): learns, per block class, the share of demoted blocks that
-  are read again, from the store's own history, and skips the classes least likely to be read
-  again while the hit loss stays inside a budget (``hit_loss_budget``, a share of the store's
-  hits). Class: hits so far (0, 1, 2, 3+) x depth (log2) x idle time at demotion (log2 seconds).
-  Outcomes are read from the index, without hooks on the hit path: a stored block whose hit
-  count rose was read again; a skipped block whose hash is back in the index was put again,
-  i.e. a lost hit (a ghost, as in eviction/density.py); a decision with neither within
-  ``horizon_s`` counts as not reused. Decisions are polled every ``poll`` decisions.
+* ``reuse`` (:class:`ReuseAdmission`; the store's default, asked about leaves only): learns,
+  per block class, the share of demoted blocks that are read again, from the store's own
+  history, and skips the classes least likely to be read again while the hit loss stays inside
+  a budget (``hit_loss_budget``, a share of the store's hits). Class: hits so far (0, 1, 2, 3+)
+  x depth (log2) x idle time at demotion (log2 seconds). Outcomes are read from the index,
+  without hooks on the hit path: a stored block whose hit count rose was read again; a skipped
+  block whose hash is back in the index was put again, i.e. a lost hit (a ghost, as in
+  eviction/density.py); a decision with neither within ``horizon_s`` counts as not reused.
+  Decisions are polled every ``poll`` decisions. The rule's statistics live in memory: after a
+  restart it learns again (and skips nothing before ``poll`` decisions).
 
 Admission objects see block ids and the index's columns, never payloads; the store calls them
 under its lock.
@@ -242,6 +245,8 @@ class ReuseAdmission(Admission):
     def describe(self) -> dict[str, Any]:
         return {
             "admission": self.name,
+            "hit_loss_budget": self.config.hit_loss_budget,
+            "inner": self.inner,
             "skipping_classes": int(self.skip.sum()),
             "admission_lost_hits": self.lost,
         }

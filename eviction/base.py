@@ -107,6 +107,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def candidates(self) -> Iterator[int]: ...
 
+    def first(self) -> int | None:
+        """The first of :meth:`candidates` (None: no block), for the usual make-room that takes
+        the first offer; a policy may answer it without building an iterator."""
+        return next(self.candidates(), None)
+
     @abstractmethod
     def __len__(self) -> int: ...
 

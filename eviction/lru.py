@@ -110,7 +110,8 @@ class LRUPolicy(EvictionPolicy):
             return
         if self._stamp.pop(bid, None) is not None:
             self._held.discard(bid)
-            self._compact()
+            if len(self._heap) > 2 * len(self._stamp) + _COMPACT_SLACK:
+                self._compact()
 
     # ---- the last tier: leaves only ---------------------------------------------------------------
 
@@ -131,6 +132,17 @@ class LRUPolicy(EvictionPolicy):
         if len(self._heap) > 2 * len(self._stamp) + _COMPACT_SLACK:
             self._heap = [e for e in self._heap if self._valid(e)]
             heapq.heapify(self._heap)
+
+    def first(self) -> int | None:
+        if not self._leaf_mode:
+            return next(iter(self._order), None)
+        heap, stamp, held = self._heap, self._stamp, self._held
+        while heap:
+            seq, bid = heap[0]
+            if stamp.get(bid) == seq and bid not in held:
+                return bid
+            heapq.heappop(heap)  # stale
+        return None
 
     def candidates(self) -> Iterator[int]:
         if not self._leaf_mode:

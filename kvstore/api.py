@@ -148,10 +148,12 @@ class KVCacheAPI(Protocol[L]):
         *,
         start: int = 0,
         durable: bool = False,
+        tokens: Any | None = None,
     ) -> int:
         """Store the payloads of ``hashes[start:]`` (blocks before ``start`` must be cached:
         MissingPrefixError); returns how many were new. ``durable``: on a persistent tier,
-        synced, when it returns."""
+        synced, when it returns. ``tokens``: the token ids of those blocks (``block_tokens``
+        each), for KV event subscribers only (a daemon's ``BlockStored.token_ids``)."""
         ...
 
     def pin(self, ns: Namespace, hashes: Sequence[bytes], *, until: float | None = None) -> int:

@@ -22,6 +22,13 @@ def payload_checksum(data: memoryview | bytes | bytearray) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+CHECKSUM_DEFERRED = -1
+"""``BlockMeta.checksum`` of a put's block until a copy goes to a persistent tier: volatile tiers
+never verify checksums, so a put computes none (hashing every payload cost a third of an
+in-process put); the store computes it from the payload when it writes the first persistent
+copy (``Placer.write_copy``). It cannot be packed (``pack`` raises), so it never reaches a disk."""
+
+
 @dataclass(frozen=True, slots=True)
 class BlockMeta:
     ns: bytes
@@ -46,6 +53,8 @@ class BlockMeta:
             raise ValueError("BlockMeta.ns and .parent must be 16-byte hashes")
 
     def pack(self) -> bytes:
+        if self.checksum == CHECKSUM_DEFERRED:
+            raise ValueError("BlockMeta.pack: the checksum was deferred; compute it (with_checksum) first")
         return _META.pack(
             self.ns, self.parent, self.depth, self.size, self.expiry, self.created, self.checksum
         )
@@ -62,3 +71,6 @@ class BlockMeta:
 
     def with_expiry(self, expiry: float) -> BlockMeta:
         return replace(self, expiry=expiry)
+
+    def with_checksum(self, checksum: int) -> BlockMeta:
+        return replace(self, checksum=checksum)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvstore.errors import BufferSizeError, UsageError
 
 Buffer = memoryview | bytes | bytearray
@@ -81,3 +83,24 @@ def src_views(blocks: Any, bb: int, count: int) -> list[memoryview]:
                 raise BufferSizeError(f"payload {i} has {len(v)} bytes; a block of this namespace has {bb}")
         return views
     return _split(blocks, bb, False, count)
+
+
+def address(mv: memoryview) -> int:
+    """The memory address of ``mv``'s first byte (read-only views too)."""
+    return int(np.frombuffer(mv, np.uint8).__array_interface__["data"][0])
+
+
+
+def span(first: memoryview, nbytes: int, *, writable: bool = True) -> memoryview | None:
+    """A view of ``nbytes`` from ``first``'s first byte on, of the exporter ``first`` was cut
+    from (so that views lying back to back in it move in one copy: a copy of many MiB runs with
+    the non-temporal stores that one of 2 MiB does not get); None when that memory is not one
+    flat buffer of that size (writable, with ``writable``)."""
+    try:
+        whole = byte_view(first.obj, writable=writable)
+    except (UsageError, TypeError, ValueError):
+        return None
+    at = address(first) - address(whole)
+    if at < 0 or at + nbytes > whole.nbytes:
+        return None
+    return whole[at : at + nbytes]

@@ -80,9 +80,11 @@ class StoreConfig:
     """Eviction policy of every tier (eviction/; docs/eviction.md has the measurements)."""
     policy_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Options of the policy's own ``Config`` (e.g. ``{ghost_factor = 4}``); see eviction/."""
-    admission: str = "all"
-    """Which demoted blocks are written into the last tier (the paid object store): ``all`` or
-    ``reuse`` (eviction/admission.py; docs/eviction.md, "Tier economics")."""
+    admission: str = "reuse"
+    """Which demoted blocks are written into the last tier (the paid object store): ``reuse``
+    (skip blocks unlikely to be read again, within a hit-loss budget of 1%; never a pinned,
+    durably put or recovered block) or ``all`` (eviction/admission.py; docs/eviction.md, "Tier
+    economics")."""
     admission_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Options of the admission rule's ``Config`` (e.g. ``{hit_loss_budget = 0.01}``)."""
     promote_on_hit: bool = True

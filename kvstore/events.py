@@ -55,8 +55,8 @@ import numpy as np
 import zstandard
 
 from kvstore.clock import Clock, system_clock
-from kvstore.errors import ConfigError
-from kvstore.keys import Namespace
+from kvstore.errors import ConfigError, UsageError
+from kvstore.keys import Namespace, _token_bytes
 from kvstore.units import parse_duration, parse_size
 
 log = logging.getLogger(__name__)
@@ -593,7 +593,11 @@ class StoreEvents:
         self._tenants: dict[bytes, str] = {}
         self._known: set[bytes] = set()
         self.sinks: list[BlockSink] = []
-        """Also told of every change of a block's place (the daemon's KV event publisher)."""
+        """Also told of every change of a block's place (the daemon's KV event publisher), one
+        call per :meth:`batch` (a put, a load, a maintenance pass), never one per block."""
+        self._changes: list[BlockChange] | None = None
+        self._depth = 0
+        self._tokens: PutTokens | None = None
 
     @classmethod
     def open(cls, config: EventsConfig, root: Path, clock: Clock, tier_names: Sequence[str],
@@ -647,6 +651,19 @@ class StoreEvents:
 
     # ---- blocks ---------------------------------------------------------------------------
 
+    def batch(self, tokens: PutTokens | None = None) -> _Batch:
+        """``with events.batch():`` around a store operation (under the store's lock): the
+        sinks hear of every block it changed in one call as it ends. Nested batches join the
+        outermost. ``tokens``: the token ids of a put's blocks, handed to the sinks with it."""
+        return _Batch(self, tokens)
+
+    def _change(self, change: BlockChange) -> None:
+        if self._changes is not None:
+            self._changes.append(change)
+        else:  # outside a batch (a path no batch wraps): a batch of one
+            for sink in self.sinks:
+                sink.blocks([change], None)
+
     def placed(self, key: bytes, k: int, prior_mask: int, size: int, depth: int | None = None) -> None:
         """A copy of ``key`` was written into tier ``k``; ``prior_mask``: tiers holding it before.
 
@@ -655,8 +672,8 @@ class StoreEvents:
         """
         with self._lock:
             self._in[k] += size
-        for sink in self.sinks:
-            sink.placed(key, k, prior_mask, depth)
+        if self.sinks:
+            self._change(("p", key, k))
         if self.log is None:
             return
         if not prior_mask:
@@ -670,8 +687,8 @@ class StoreEvents:
     def dropped(self, key: bytes, mask: int, reason: str) -> None:
         """``key`` left the store: ``reason`` "capacity" (evicted by policy), "expired" or
         "deleted" (an operator's evict)."""
-        for sink in self.sinks:
-            sink.dropped(key, mask)
+        if self.sinks:
+            self._change(("d", key, mask))
         if self.log is None:
             return
         tier = self._tiers[(mask & -mask).bit_length() - 1] if mask else ""
@@ -683,8 +700,8 @@ class StoreEvents:
 
     def copy_dropped(self, key: bytes, k: int) -> None:
         """Tier ``k`` no longer holds ``key`` (it moved down, or the copy was bad); other tiers may."""
-        for sink in self.sinks:
-            sink.copy_dropped(key, k)
+        if self.sinks:
+            self._change(("c", key, k))
 
     def usage(self, tiers: Iterable[Mapping[str, Any]], *, store: Mapping[str, Any] | None = None) -> None:
         """Log how full each tier is (``KVStore.stats()["tiers"]``) and, given the store's
@@ -716,15 +733,66 @@ class StoreEvents:
             self.log.close()
 
 
+BlockChange = tuple[str, bytes, int]
+"""``("p", key, k)``: tier ``k`` took a copy of ``key``; ``("c", key, k)``: tier ``k`` lost
+its copy (others may hold one); ``("d", key, mask)``: ``key`` left the store (``mask``: the tiers
+that held it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PutTokens:
+    """The token ids of a put's blocks: ``tokens[i * block_tokens:(i + 1) * block_tokens]``
+    are those of the block stored under ``keys[i]`` (the keys of ``hashes[start:]``)."""
+
+    keys: Sequence[bytes]
+    tokens: np.ndarray
+    block_tokens: int
+
+
+def put_tokens_of(keys: Sequence[bytes], tokens: Any, block_tokens: int) -> PutTokens:
+    """A put's :class:`PutTokens`; UsageError unless ``tokens`` holds ``block_tokens`` ids for
+    each of ``keys`` (a list, numpy array or torch tensor of integers)."""
+    arr = _token_bytes(tokens)
+    if arr.size != len(keys) * block_tokens:
+        raise UsageError(
+            f"tokens holds {arr.size} token ids, but the put stores {len(keys)} blocks of {block_tokens} "
+            f"tokens: pass the token ids of the blocks put (hashes[start:]), {len(keys) * block_tokens} of them"
+        )
+    return PutTokens(tuple(bytes(k) for k in keys), arr, block_tokens)
+
+
 class BlockSink(Protocol):
     """A listener on block placement (:attr:`StoreEvents.sinks`); called under the store's
     lock, so it must only enqueue."""
 
-    def placed(self, key: bytes, k: int, prior_mask: int, depth: int | None) -> None: ...
+    def blocks(self, changes: list[BlockChange], tokens: PutTokens | None) -> None:
+        """The changes of one store operation, in order; ``tokens``: a put's token ids (None
+        when its caller sent none). Every sink is given the same list: keep it, never change it."""
+        ...
 
-    def dropped(self, key: bytes, mask: int) -> None: ...
 
-    def copy_dropped(self, key: bytes, k: int) -> None: ...
+class _Batch:
+    __slots__ = ("events", "tokens")
+
+    def __init__(self, events: StoreEvents, tokens: PutTokens | None) -> None:
+        self.events, self.tokens = events, tokens
+
+    def __enter__(self) -> None:
+        ev = self.events
+        if not ev._depth:
+            ev._changes = [] if ev.sinks else None
+            ev._tokens = self.tokens
+        ev._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        ev = self.events
+        ev._depth -= 1
+        if ev._depth:
+            return
+        changes, tokens, ev._changes, ev._tokens = ev._changes, ev._tokens, None, None
+        if changes:
+            for sink in ev.sinks:
+                sink.blocks(changes, tokens)
 
 
 class RequestTrace:

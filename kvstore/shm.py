@@ -15,12 +15,16 @@ use: ``buf``, ``size``, ``name``, ``close``).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import sys
 import threading
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
 
 # Segments created by this process. attach_arena() must not unregister these from the resource
 # tracker: in-process the tracker entry is shared with the creator, and removing it twice makes
@@ -133,3 +137,77 @@ def attach_arena(shm_name: str) -> SharedMemory | Segment:
     if shm_name not in _OWNED:
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     return shm
+
+
+# madvise(2) advice values (Linux >= 5.14); Python 3.11's mmap module does not name them.
+MADV_POPULATE_READ = 22
+MADV_POPULATE_WRITE = 23
+PREFAULT_CHUNK = 32 * 1024 * 1024
+"""Bytes faulted in per madvise call: small enough that :meth:`Prefault.stop` returns quickly,
+large enough that the calls cost nothing."""
+
+_libc: ctypes.CDLL | None = None
+
+
+def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """libc's madvise through ctypes, which releases the GIL during the call (mmap.madvise
+    holds it: a background populate would stall every other thread); None off Linux."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return None
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.madvise.restype = ctypes.c_int
+    return _libc.madvise
+
+
+class Prefault:
+    """Fault in every page of a mapping ahead of use, in a background thread.
+
+    A fresh tmpfs arena has no page mapped: the first write to each 4 KiB page takes a page
+    fault that also zeroes it (and, in a VM, may fault on the host too), so a store's first
+    rounds ran at a fraction of memcpy speed. ``madvise(MADV_POPULATE_WRITE)`` (or ``_READ`` for
+    a read-only mapping) maps the pages in the kernel in large batches, several times faster
+    than taking the faults one by one, and off the store's path. It never changes a byte, so
+    it may run while the owner already writes to the mapping. Kernels before 5.14 lack the
+    advice: the thread then reads one byte of each page (a read fault maps a shmem page as
+    well). The thread holds an export of ``buf``, so :meth:`stop` must run before the mapping
+    is closed.
+    """
+
+    def __init__(self, buf: memoryview, *, write: bool, name: str = "kvstore-prefault") -> None:
+        self._arr: np.ndarray | None = np.frombuffer(buf, np.uint8)
+        self._advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+        self._stop = threading.Event()
+        self.done = threading.Event()
+        """Set once every page was faulted in (or the thread stopped)."""
+        self.faulted_bytes = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        arr = self._arr
+        assert arr is not None
+        try:
+            madvise = _madvise()
+            addr, size = arr.ctypes.data, arr.size
+            for off in range(0, size, PREFAULT_CHUNK):
+                if self._stop.is_set():
+                    return
+                n = min(PREFAULT_CHUNK, size - off)
+                if madvise is None or madvise(addr + off, n, self._advice) != 0:
+                    if madvise is not None and ctypes.get_errno() not in (errno.EINVAL, errno.ENOSYS):
+                        return  # EFAULT/ENOMEM: the pages cannot be backed; a write reports it
+                    madvise = None  # no such advice here: touch the pages instead
+                    int(arr[off : off + n : mmap.PAGESIZE].sum())
+                self.faulted_bytes = off + n
+        finally:
+            self._arr = None  # the export goes with the thread
+            self.done.set()
+
+    def stop(self) -> None:
+        """Stop early and wait for the thread (at most one chunk's madvise). Idempotent."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()

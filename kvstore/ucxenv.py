@@ -1,9 +1,12 @@
 """UCX settings the daemon and the client set before ucxx is imported (an operator's own
-environment wins: only unset variables are filled in)."""
+environment wins: only unset variables are filled in), and how both sides post transfers."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Coroutine
+from typing import Any
 
 UCX_ENV_DEFAULTS: dict[str, str] = {
     # A blocking progress thread: no core busy-polling on a small machine.
@@ -21,3 +24,19 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
 def apply_ucx_env() -> None:
     for key, value in UCX_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
+
+
+async def transfer_all(ops: list[Coroutine[Any, Any, Any]]) -> None:
+    """Run ucxx sends or receives of one endpoint concurrently; the first failure is raised once
+    every one has ended.
+
+    Each posts its request at its first step, in list order, and messages of one tag match in
+    the order they were posted, so the bytes land as if awaited one by one. Awaited one by one,
+    every 1 MiB message waited for its own rendezvous round trips (a wake-up of both processes
+    each): on a loaded 2-core machine that ran at a tenth of a raw socket."""
+    if len(ops) == 1:
+        await ops[0]
+        return
+    for r in await asyncio.gather(*ops, return_exceptions=True):
+        if isinstance(r, BaseException):
+            raise r

@@ -20,25 +20,26 @@ import re
 import secrets
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 from typing import Any
 
 from kvstore.block import BlockMeta
-from kvstore.buffers import Buffer, byte_view
+from kvstore.buffers import Buffer, address, byte_view, span
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     BlockNotFound,
     BufferSizeError,
     ConfigError,
+    KVStoreError,
     TierFullError,
     TierIOError,
 )
 from kvstore.keys import BlockHash
+from kvstore.shm import Prefault, disown_arena, own_arena, reopen_readonly
 from kvstore.shm import attach_arena as attach_arena  # re-exported for older imports
-from kvstore.shm import disown_arena, own_arena, reopen_readonly
 from tiers._slab import SlabAllocator, SlabMapMixin
 from tiers.base import Tier
 
@@ -84,8 +85,10 @@ class DramConfig:
             )
 
 
-def _release_segment(shm: SharedMemory, name: str) -> None:
+def _release_segment(shm: SharedMemory, name: str, prefault: list[Prefault]) -> None:
     """Unmap and unlink ``shm`` once; the finalizer of a tier (it must not reference the tier)."""
+    for p in prefault:
+        p.stop()  # its thread holds a view of the arena
     # BufferError: a view of the arena is still alive somewhere (a caller kept a slice); the
     # mapping goes when that view does. Unlinking the name is what keeps /dev/shm clean.
     with contextlib.suppress(BufferError):
@@ -133,12 +136,16 @@ class DramTier(SlabMapMixin, Tier):
         # The creator stays registered with the resource tracker on purpose: if this process is
         # killed, the tracker unlinks the arena instead of leaving gigabytes in /dev/shm.
         own_arena(shm_name)
-        self._finalizer = weakref.finalize(self, _release_segment, shm, shm_name)
+        prefault: list[Prefault] = []
+        self._finalizer = weakref.finalize(self, _release_segment, shm, shm_name, prefault)
         try:
             self._reserve(shm)
+            # The pages are reserved now but not mapped: fault them in off the put path.
+            prefault.append(Prefault(shm.buf, write=True, name=f"kvstore-prefault-{name}"))
         except BaseException:
             self._finalizer()
             raise
+        self.prefault = prefault[0]
         self._shm = shm
         self._buf: memoryview = shm.buf
         self._shm_name = shm_name
@@ -217,8 +224,90 @@ class DramTier(SlabMapMixin, Tier):
         out[:n] = self._buf[off : off + n]
         return n
 
+    def read_many(self, keys: Sequence[BlockHash], dsts: Sequence[memoryview]) -> list[int | KVStoreError]:
+        """Batched reads: blocks that lie back to back in the arena and are due back to back in
+        one caller buffer (a load's run into one destination) move in one copy."""
+        with self._lock:
+            entries = [self._map.get(k) for k in keys]
+        out: list[int | KVStoreError] = []
+        run: list[tuple[memoryview, int]] = []  # (dst view, size) of the run being gathered
+        run_off = run_end = run_addr = -1
+        for key, dst, entry in zip(keys, dsts, entries, strict=True):
+            if entry is None:
+                out.append(BlockNotFound(f"block {key.hex()} is not in tier {self.name!r}"))
+                self._copy_run(run, run_off)
+                run = []
+                continue
+            off, meta = entry
+            view, n = byte_view(dst, writable=True), meta.size
+            if view.nbytes < n:
+                out.append(BufferSizeError(f"dst has {view.nbytes} bytes; block {key.hex()} needs {n}"))
+                self._copy_run(run, run_off)
+                run = []
+                continue
+            out.append(n)
+            a = address(view)
+            if run and off == run_end and a == run_addr and view.obj is run[0][0].obj:
+                run.append((view, n))
+            else:
+                self._copy_run(run, run_off)
+                run, run_off = [(view, n)], off
+            run_end, run_addr = off + n, a + n
+        self._copy_run(run, run_off)
+        return out
+
+    def _copy_run(self, run: list[tuple[memoryview, int]], off: int) -> None:
+        if not run:
+            return
+        total = sum(n for _, n in run)
+        whole = span(run[0][0], total) if len(run) > 1 else None
+        if whole is not None:
+            whole[:] = self._buf[off : off + total]
+            return
+        for view, n in run:
+            view[:n] = self._buf[off : off + n]
+            off += n
+
     def write(self, key: BlockHash, src: Buffer, meta: BlockMeta, *, durable: bool = False) -> None:
         data = byte_view(src)
+        off, fresh = self._slot(key, data, meta)
+        self._buf[off : off + data.nbytes] = data
+        self._publish(key, off, meta, fresh)
+
+    def write_many(
+        self, items: Sequence[tuple[BlockHash, Buffer, BlockMeta]], *, durable: bool = False
+    ) -> list[KVStoreError | None]:
+        """Batched writes: slots for every block first, then payloads that lie back to back in
+        one caller buffer and land in consecutive slots (a put's run into a fresh or evenly
+        emptied arena) move in one copy."""
+        out: list[KVStoreError | None] = []
+        taken: list[tuple[BlockHash, memoryview, BlockMeta, int, bool]] = []
+        for key, src, meta in items:
+            try:
+                data = byte_view(src)
+                taken.append((key, data, meta, *self._slot(key, data, meta)))
+                out.append(None)
+            except KVStoreError as e:
+                out.append(e)
+        i = 0
+        while i < len(taken):
+            data, off = taken[i][1], taken[i][3]
+            end, at, j = off + data.nbytes, address(data) + data.nbytes, i + 1
+            while j < len(taken) and taken[j][3] == end and address(taken[j][1]) == at and taken[j][1].obj is data.obj:
+                end, at, j = end + taken[j][1].nbytes, at + taken[j][1].nbytes, j + 1
+            whole = span(data, end - off, writable=False) if j - i > 1 else None
+            if whole is not None:
+                self._buf[off:end] = whole
+            else:
+                for _, d, _, o, _ in taken[i:j]:
+                    self._buf[o : o + d.nbytes] = d
+            i = j
+        for key, _, meta, off, fresh in taken:
+            self._publish(key, off, meta, fresh)
+        return out
+
+    def _slot(self, key: BlockHash, data: memoryview, meta: BlockMeta) -> tuple[int, bool]:
+        """The offset ``key``'s payload goes to, and whether it is a fresh slot."""
         n = data.nbytes
         if n != meta.size:
             raise BufferSizeError(f"src has {n} bytes but meta.size says {meta.size}")
@@ -229,15 +318,15 @@ class DramTier(SlabMapMixin, Tier):
             old = self._map.get(key)
             if old is not None and self._alloc.slot_bytes(old[1].size) == slot:
                 # Rewrite in place: a full arena can still replace a block with one of its class.
-                off, fresh = old[0], False
-            else:
-                got = self._alloc.alloc(n)
-                if got is None:
-                    raise TierFullError(
-                        f"dram tier {self.name!r} has no free {slot}-byte slot for block {key.hex()}"
-                    )
-                off, fresh = got, True
-        self._buf[off : off + n] = data
+                return old[0], False
+            got = self._alloc.alloc(n)
+            if got is None:
+                raise TierFullError(
+                    f"dram tier {self.name!r} has no free {slot}-byte slot for block {key.hex()}"
+                )
+            return got, True
+
+    def _publish(self, key: BlockHash, off: int, meta: BlockMeta, fresh: bool) -> None:
         with self._lock:
             prev = self._map.get(key)
             self._map[key] = (off, meta)

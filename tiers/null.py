@@ -12,7 +12,7 @@ Not persistent; ``meta``/``scan`` work so that the store's metadata paths stay e
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,14 @@ from typing import Any
 from kvstore.block import BlockMeta
 from kvstore.buffers import Buffer, byte_view
 from kvstore.clock import Clock, system_clock
-from kvstore.errors import BlockNotFound, BufferSizeError, ConfigError, TierFullError, TierIOError
+from kvstore.errors import (
+    BlockNotFound,
+    BufferSizeError,
+    ConfigError,
+    KVStoreError,
+    TierFullError,
+    TierIOError,
+)
 from kvstore.keys import BlockHash
 from tiers.base import Tier, TierUsage
 
@@ -87,6 +94,32 @@ class NullTier(Tier):
                 raise TierFullError(f"null tier {self.name!r} is full (block {key.hex()})")
             self._map[key] = meta
             self._used = used
+
+    def write_many(
+        self, items: Sequence[tuple[BlockHash, Buffer, BlockMeta]], *, durable: bool = False
+    ) -> list[KVStoreError | None]:
+        """:meth:`write` of each item under one lock (a replay's put writes its chain at once)."""
+        out: list[KVStoreError | None] = []
+        with self._lock:
+            if self._closed:
+                raise TierIOError(f"null tier {self.name!r} is closed")
+            blocks, used, limit_blocks, limit_bytes, m = len(self._map), self._used, self._max_blocks, self._max_bytes, self._map
+            for key, src, meta in items:
+                n = byte_view(src).nbytes
+                if n != meta.size:
+                    out.append(BufferSizeError(f"src has {n} bytes but meta.size says {meta.size}"))
+                    continue
+                old = m.get(key)
+                grown = used - (old.size if old is not None else 0) + n
+                count = blocks + (old is None)
+                if count > limit_blocks or grown > limit_bytes:
+                    out.append(TierFullError(f"null tier {self.name!r} is full (block {key.hex()})"))
+                    continue
+                m[key] = meta
+                used, blocks = grown, count
+                out.append(None)
+            self._used = used
+        return out
 
     def delete(self, key: BlockHash) -> bool:
         with self._lock:

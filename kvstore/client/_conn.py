@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import threading
 from collections.abc import Coroutine, Sequence
@@ -31,7 +32,9 @@ from kvstore.errors import (
 from kvstore.server import protocol as P
 from kvstore.server.fdpass import receive_fds
 from kvstore.shm import Segment, attach_arena
-from kvstore.ucxenv import apply_ucx_env
+from kvstore.ucxenv import apply_ucx_env, transfer_all
+
+log = logging.getLogger("kvstore.client")
 
 
 class ConnectionLost(ConnectionError):
@@ -157,14 +160,10 @@ class UcxTransport:
         return np.frombuffer(b, dtype=np.uint8)
 
     async def _send(self, bufs: Sequence[bytes | memoryview]) -> None:
-        for b in bufs:
-            if len(b):
-                await self.ep.send(self._arr(b))
+        await transfer_all([self.ep.send(self._arr(b)) for b in bufs if len(b)])
 
     async def _recv(self, bufs: Sequence[memoryview]) -> None:
-        for b in bufs:
-            if len(b):
-                await self.ep.recv(self._arr(b))
+        await transfer_all([self.ep.recv(self._arr(b)) for b in bufs if len(b)])
 
     def send(self, bufs: Sequence[bytes | memoryview]) -> None:
         self._run(self._send(list(bufs)))
@@ -186,22 +185,28 @@ class UcxTransport:
 
 
 class FrameConn:
-    """Frame exchange over a transport: one request, one reply (RELEASE has none)."""
+    """Frame exchange over a transport: one request, one reply.
+
+    :meth:`release` sends a RELEASE without waiting for its reply: the reply is read before
+    the next request's (:meth:`settle`), so a release costs no round trip on the path of the
+    load that made it, and the daemon has handled it before anything this client sends next.
+    """
 
     def __init__(self, transport: TcpTransport | UcxTransport) -> None:
         self.t = transport
         self._req = 0
+        self._owed: list[int] = []
+        """Request ids of RELEASEs whose replies are still to be read, oldest first."""
         # Until HELLO says otherwise: room for the largest reply this client could ask for.
         self.limits = P.WireLimits(max_meta_bytes=64 + 16 * 65_536, max_payload_bytes=1 << 40)
 
-    def call(
-        self, op: P.Op, meta: bytes, payload: Sequence[memoryview] = (), *, reply: bool = True
-    ) -> tuple[P.Header, bytearray]:
+    def _send(self, op: P.Op, meta: bytes, payload: Sequence[memoryview] = ()) -> int:
         self._req = (self._req + 1) & 0xFFFFFFFF
         n = sum(len(v) for v in payload)
         self.t.send([P.encode_header(op, self._req, meta, n), meta, *payload])
-        if not reply:
-            return P.Header(op, self._req, 0, 0, 0), bytearray()
+        return self._req
+
+    def _reply(self, req: int) -> tuple[P.Header, bytearray]:
         head = bytearray(P.HEADER_BYTES)
         self.t.recv_into(memoryview(head))
         try:
@@ -210,8 +215,8 @@ class FrameConn:
             if hdr.meta_len:
                 self.t.recv_into(memoryview(rmeta))
             P.check_crc(head, rmeta, hdr.crc)
-            if hdr.req_id != self._req:
-                raise P.ProtocolError(P.ErrorCode.BAD_FRAME, f"reply to request {hdr.req_id}, expected {self._req}")
+            if hdr.req_id != req:
+                raise P.ProtocolError(P.ErrorCode.BAD_FRAME, f"reply to request {hdr.req_id}, expected {req}")
         except P.ProtocolError as e:
             raise ConnectionLost(f"malformed reply from the daemon: {e}") from e
         if hdr.op is P.Op.ERROR:
@@ -220,6 +225,24 @@ class FrameConn:
                 self.close()  # the daemon closes its end too
             raise _ERRORS.get(code, KVStoreError)(f"daemon: {msg}")
         return hdr, rmeta
+
+    def call(self, op: P.Op, meta: bytes, payload: Sequence[memoryview] = ()) -> tuple[P.Header, bytearray]:
+        self.settle()
+        return self._reply(self._send(op, meta, payload))
+
+    def release(self, lease_id: int) -> None:
+        """Give lease ``lease_id`` back; its reply is read by the next :meth:`settle`."""
+        self._owed.append(self._send(P.Op.RELEASE, P.encode_u64(lease_id)))
+
+    def settle(self) -> None:
+        """Read the replies owed to earlier :meth:`release` calls: once it returns, the daemon
+        has every lease back (what a control call that follows may rely on)."""
+        while self._owed:
+            req = self._owed.pop(0)
+            try:
+                self._reply(req)
+            except KVStoreError as e:  # the daemon had no such lease: nothing is held
+                log.debug("release (request %d) answered: %s", req, e)
 
     def recv_payload(self, bufs: Sequence[memoryview]) -> None:
         self.t.recv_many(bufs)

@@ -63,6 +63,7 @@ from kvstore.errors import (
     UsageError,
     error_class,
 )
+from kvstore.events import put_tokens_of
 from kvstore.keys import Namespace
 from kvstore.server import protocol as P
 from kvstore.server.fdpass import receive_fds
@@ -347,6 +348,16 @@ class Client:
             self._disconnect()
             self._http.close()
 
+    def _settle(self) -> None:
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                return
+            try:
+                conn.settle()
+            except (ConnectionLost, OSError):
+                self._disconnect()  # the daemon gives a closed connection's leases back itself
+
     def __enter__(self) -> Client:
         return self
 
@@ -356,6 +367,7 @@ class Client:
     # ---- control plane ------------------------------------------------------------------------
 
     def _json(self, method: str, path: str, body: Any = None) -> Any:
+        self._settle()  # the daemon has this client's releases before its control calls
         status, data = self._http.request(method, path, None if body is None else json.dumps(body).encode())
         if status >= 400:
             text = data.decode(errors="replace")
@@ -507,7 +519,7 @@ class Client:
                 bufs[i][:size] = arena[off : off + size]
             del arena
         finally:
-            conn.call(P.Op.RELEASE, P.encode_u64(lease_id))
+            conn.release(lease_id)  # its reply is read with the next call's
         return len(locs)
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> ClientLease:
@@ -529,7 +541,7 @@ class Client:
                 with self._lock:
                     if self._conn is conn:  # after a reconnect the daemon has dropped it already
                         with contextlib.suppress(ConnectionLost):
-                            conn.call(P.Op.RELEASE, P.encode_u64(lease_id))
+                            conn.release(lease_id)
 
             lease = ClientLease(views, release, self._arena_name, tuple(locs))
             self._leases.add(lease)
@@ -549,28 +561,39 @@ class Client:
         *,
         start: int = 0,
         durable: bool = False,
+        tokens: Any | None = None,
     ) -> int:
-        """Store blocks ``start..`` of a chain (as :meth:`KVStore.put`); returns how many were new."""
+        """Store blocks ``start..`` of a chain (as :meth:`KVStore.put`); returns how many were new.
+        ``tokens`` (the blocks' token ids) travel with them, 4 bytes a token, to a daemon that
+        takes them (its KV events carry them); an older daemon is sent none."""
         bb = ns.block_bytes
         hashes = list(hashes)
         if not 0 <= start <= len(hashes):
             raise UsageError(f"start={start} is outside the chain of {len(hashes)} blocks")
         srcs = src_views(blocks, bb, len(hashes) - start)
+        tok = None if tokens is None else put_tokens_of(hashes[start:], tokens, ns.block_tokens).tokens
 
         def call() -> int:
             conn, ns_id = self._conn, self._ns_id(ns)
             assert conn is not None
+            send = tok if tok is not None and tok.size and self.info.get("put_tokens") else None
+            extra = [memoryview(send).cast("B")] if send is not None else []
             need = len(srcs) * bb
-            if self.plane == "shm" and 0 < need <= int(self.info.get("max_staging_bytes", 0)):
-                staging = self._staging_for(conn, need)
+            tok_bytes = send.nbytes if send is not None else 0
+            if self.plane == "shm" and 0 < need + tok_bytes <= int(self.info.get("max_staging_bytes", 0)):
+                staging = self._staging_for(conn, need + tok_bytes)
                 sbuf = staging.buf
                 for i, s in enumerate(srcs):
                     sbuf[i * bb : (i + 1) * bb] = s
+                if extra:
+                    sbuf[need : need + tok_bytes] = extra[0]
                 del sbuf
                 sums = [payload_checksum(s) for s in srcs]  # the daemon verifies the staged bytes
-                _, meta = conn.call(P.Op.PUT_SHM, P.encode_put(ns_id, hashes, start, durable, 0, sums))
+                meta_out = P.encode_put(ns_id, hashes, start, durable, 0, sums, tokens=bool(extra))
+                _, meta = conn.call(P.Op.PUT_SHM, meta_out)
             else:
-                _, meta = conn.call(P.Op.PUT, P.encode_put(ns_id, hashes, start, durable), srcs)
+                meta_out = P.encode_put(ns_id, hashes, start, durable, tokens=bool(extra))
+                _, meta = conn.call(P.Op.PUT, meta_out, [*srcs, *extra])
             return P.parse_u64(meta)
 
         return self._retry(call)

@@ -76,7 +76,8 @@ def serve_request(client: Any, prompt: np.ndarray) -> tuple[int, int]:
             raise AssertionError(f"loaded block {b} differs from its prefill")
     for b in range(hit, len(hashes)):
         kv[b * bb:(b + 1) * bb] = fake_prefill(prompt, b, NS)
-    client.put(NS, hashes, kv[hit * bb:], start=hit)
+    bt = NS.block_tokens  # the token ids go along: the daemons' KV events carry them
+    client.put(NS, hashes, kv[hit * bb:], start=hit, tokens=prompt[hit * bt:len(hashes) * bt])
     return hit, len(hashes)
 
 

@@ -40,13 +40,15 @@ class Received:
 
 
 def offer(client: Client, ns: Namespace, hashes: Sequence[bytes], blocks: Any, request_id: str, *,
-          ttl_s: float = 30.0, durable: bool = False, start: int = 0, token: str | None = None) -> dict[str, Any]:
+          ttl_s: float = 30.0, durable: bool = False, start: int = 0, token: str | None = None,
+          timeout: float = 30.0) -> dict[str, Any]:
     """Put ``blocks`` (``hashes[start:]``) and hold the chain for a decode node. ``durable``:
-    synced to a persistent tier and kept through a daemon restart."""
+    synced to a persistent tier and kept through a daemon restart (the hold's call waits up to
+    ``timeout`` for that copy)."""
     client.put(ns, hashes, blocks, start=start, durable=durable)
     body = {"ns": bytes(ns.root).hex(), "hashes": [bytes(h).hex() for h in hashes],
             "request_id": request_id, "ttl_s": ttl_s, "durable": durable}
-    return control(client.url, "POST", "/v1/handoffs", body, token=token)
+    return control(client.url, "POST", "/v1/handoffs", body, token=token, timeout=timeout)
 
 
 def receive(url: str, ns: Namespace, hashes: Sequence[bytes], dst: Any, request_id: str, *,

@@ -55,19 +55,8 @@ class PrefixIndex:
 
     def get(self, keys: np.ndarray) -> np.ndarray:
         """The value of each key (0: no node holds it)."""
-        keys = _nonzero(keys)
-        out = np.zeros(keys.size, dtype=np.uint64)
-        mask = np.uint64(self._keys.size - 1)
-        slot = self._home(keys)
-        pending = np.arange(keys.size)
-        while pending.size:
-            cur = self._keys[slot]
-            hit = cur == keys[pending]
-            out[pending[hit]] = self._vals[slot[hit]]
-            go = ~hit & (cur != 0)  # occupied by another key: probe on; empty: a miss
-            pending = pending[go]
-            slot = (slot[go] + np.uint64(1)) & mask
-        return out
+        slots = self._find(_nonzero(keys))
+        return np.where(slots >= 0, self._vals[slots], np.uint64(0))
 
     def __len__(self) -> int:
         """Blocks held by some node."""
@@ -117,7 +106,7 @@ class PrefixIndex:
             cur = self._keys[slot]
             hit = cur == keys[pending]
             out[pending[hit]] = slot[hit].astype(np.int64)
-            go = ~hit & (cur != 0)
+            go = ~hit & (cur != 0)  # occupied by another key: probe on; empty: a miss
             pending = pending[go]
             slot = (slot[go] + np.uint64(1)) & mask
         return out

@@ -8,8 +8,9 @@ built from vLLM's own classes decodes what kvstore sends (``tests/kvstore/route/
 
 kvstore's meaning of the fields: ``block_hashes`` are the 16-byte block hashes a client computes
 (``kvstore.keys.hash_blocks``), never the salted keys the daemon stores; ``parent_block_hash`` is
-the hash of the block before the first one (None for a chain's first block); ``token_ids`` is
-empty (the store is given hashes and payloads, never tokens); ``block_size`` is the namespace's
+the hash of the block before the first one (None for a chain's first block); ``token_ids``
+holds the tokens of every block of the event when the put sent them (``put(tokens=)``), else
+it is empty (a ``BlockStored`` never mixes the two); ``block_size`` is the namespace's
 tokens per block; ``lora_name`` the namespace's LoRA id; ``medium`` the tier's name
 (``dram``, ``nvme``, ...): a block on two tiers is stored once per medium.
 """

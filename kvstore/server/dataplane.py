@@ -348,6 +348,7 @@ class Session:
             "max_blocks": lim.max_blocks,
             "max_payload_bytes": lim.max_payload_bytes,
             "max_staging_bytes": lim.max_staging_bytes,
+            "put_tokens": True,  # PUT / PUT_SHM may carry their blocks' token ids (protocol.PUT_TOKENS)
         }
         if shm:
             assert fds is not None
@@ -402,10 +403,12 @@ class Session:
         req = P.parse_put(meta, svc.limits.max_blocks)
         bb = await self._call(svc.block_bytes, t, req.ns_id)
         count = len(req.hashes) - req.start
-        if hdr.payload_len != count * bb:
+        tok_bytes = count * 4 * (await self._call(svc.namespace, t, req.ns_id)).block_tokens if req.tokens else 0
+        if hdr.payload_len != count * bb + tok_bytes:
             raise RequestError(
                 P.ErrorCode.BAD_REQUEST,
-                f"payload of {hdr.payload_len} bytes is not {count} blocks of {bb} bytes",
+                f"payload of {hdr.payload_len} bytes is not {count} blocks of {bb} bytes"
+                + (f" and {tok_bytes} bytes of their token ids" if tok_bytes else ""),
             )
         assert t is not None
         # Quota and the bound on bytes in flight before a byte of payload is read: a refused
@@ -414,13 +417,18 @@ class Session:
         try:
             await self.ctx.inflight.acquire(t.name, hdr.payload_len)
             try:
-                buf = np.empty(hdr.payload_len, np.uint8)
+                buf = np.empty(count * bb, np.uint8)
                 mv = memoryview(buf)
                 for i in range(count):  # one receive per block: UCX messages are blocks
                     await self.ch.recv_into(mv[i * bb : (i + 1) * bb])
                     self._unread -= bb
+                tokens = None
+                if tok_bytes:  # one more message: the token ids
+                    tokens = np.empty(tok_bytes // 4, "<i4")
+                    await self.ch.recv_into(memoryview(tokens).cast("B"))
+                    self._unread -= tok_bytes
                 new = await self._call(svc.put, t, req.ns_id, req.hashes, buf, req.start, req.durable,
-                                       reserved=reserved)
+                                       reserved=reserved, tokens=tokens)
                 reserved = 0  # given back by the put
             finally:
                 await self.ctx.inflight.release(t.name, hdr.payload_len)
@@ -493,12 +501,17 @@ class Session:
             raise RequestError(P.ErrorCode.BAD_REQUEST, "no staging segment: send STAGING first")
         bb = await self._call(svc.block_bytes, t, req.ns_id)
         n = (len(req.hashes) - req.start) * bb
+        bt = (await self._call(svc.namespace, t, req.ns_id)).block_tokens if req.tokens else 0
+        tok_bytes = (len(req.hashes) - req.start) * 4 * bt
         off = req.staging_offset
-        if off + n > self.staging.size:
+        if off + n + tok_bytes > self.staging.size:
             raise RequestError(
-                P.ErrorCode.BAD_REQUEST, f"bytes {off}..{off + n} are outside the {self.staging.size}-byte staging segment"
+                P.ErrorCode.BAD_REQUEST,
+                f"bytes {off}..{off + n + tok_bytes} are outside the {self.staging.size}-byte staging segment",
             )
         src = self.staging.buf[off : off + n]
+        # The token ids are copied out: the client may reuse its staging once we reply.
+        tokens = np.frombuffer(self.staging.buf[off + n : off + n + tok_bytes], "<i4").copy() if tok_bytes else None
         try:
             bad = await self.ctx.run(_first_mismatch, src, req.checksums, bb)
             if bad is not None:
@@ -507,7 +520,7 @@ class Session:
                     f"block {req.start + bad} of this PUT_SHM does not match its checksum: the staged "
                     "bytes are not the ones the client checksummed; nothing was stored",
                 )
-            new = await self._call(svc.put, t, req.ns_id, req.hashes, src, req.start, req.durable)
+            new = await self._call(svc.put, t, req.ns_id, req.hashes, src, req.start, req.durable, tokens=tokens)
         finally:
             src.release()
         self.ctx.metrics.bytes.labels(self.ch.plane + "+shm", "in").inc(n)

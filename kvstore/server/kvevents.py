@@ -27,12 +27,27 @@ knows the daemon restarted and resynchronises. On the stream of every tenant eac
 prompt of two tenants is two blocks there, and a replayed batch, which has no topic, still says
 whose it is); a tenant's own stream carries its hashes as its clients compute them.
 
-Never in the way of the data path: the hooks only ``put_nowait`` into a bounded queue (full:
-dropped and counted; the mirror is then rebuilt from the store and every stream is sent
-``AllBlocksCleared`` and a snapshot, so a drop costs a resync, never a wrong route). One thread
-encodes, publishes (PUB drops at its high-water mark rather than wait for a slow subscriber),
-answers replays and sends an empty batch after a second of quiet, so a subscriber that lost
-the last batch notices the gap.
+Never in the way of the data path: the store calls the sink once per locked part of an
+operation (a load, a maintenance pass; a put has two, room then copies:
+:meth:`kvstore.events.StoreEvents.batch`), never once per block, and
+that call only appends the operation's list of changes to a bounded queue (full: dropped and
+counted; the mirror is then rebuilt from the store and every stream is sent
+``AllBlocksCleared`` and a snapshot, so a drop costs a resync, never a wrong route). The
+service then calls :meth:`KVEventPublisher.pump` after the put or load, outside the store's
+lock: it applies and publishes on the request's own thread, a few microseconds a block, with
+no thread to wake (on this 2-core box a wake-up cost 100-400 µs of CPU, cold caches included:
+more than the work). The thread is for the rest: replay requests, the heartbeat (an empty
+batch after a second of quiet, so a subscriber that lost the last batch notices the gap),
+changes no pump took (a maintenance pass's expiry: with the next heartbeat), flushes and
+rebuilds.
+PUB drops at its high-water mark rather than wait for a slow subscriber.
+
+Token ids. A put that carries the token ids of its blocks (``KVStore.put(tokens=)``, the
+client's ``put(tokens=)``; 4 bytes a token on the wire) gets them in its ``BlockStored``, as
+vLLM's engines send them (Dynamo's router hashes tokens itself); the mirror keeps them
+(``4 * block_tokens`` bytes a block) so promotions, demotions, snapshots and replays carry them
+too. A block put without tokens, or recovered at a restart, has ``token_ids == []``; a
+``BlockStored`` never mixes the two.
 
 A replay request for a sequence number the buffer no longer holds is answered with a snapshot:
 ``AllBlocksCleared`` and every block the stream may see, all tagged with the last sequence
@@ -43,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import threading
 import time
@@ -52,9 +68,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 import zmq
 
-from kvstore.events import EventsConfig
+from kvstore.events import BlockChange, EventsConfig, PutTokens
 from kvstore.keys import Namespace
 from kvstore.route.wire import (
     END_SEQ,
@@ -71,25 +88,25 @@ from kvstore.store import KVStore
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
-POLL_MS = 5
-"""The thread's wake-up period: the most an event waits in the queue (a hook never wakes it:
-that would cost the data path a system call per block)."""
+IDLE_PERIOD_MS = 50
+"""How soon the thread comes back for changes it finds queued as it goes to sleep (a pump
+skipped them while the thread held the lock)."""
 SNAPSHOT_CHUNK = 4096
 """Blocks per batch of a snapshot (and of the announcement at start)."""
 REBUILD_EVERY_S = 5.0
-_STOP = ("stop",)
 
 
 class _Rec:
     """The mirror's entry of one stored block."""
 
-    __slots__ = ("client", "parent", "ns", "mask")
+    __slots__ = ("client", "parent", "ns", "mask", "tokens")
 
-    def __init__(self, client: bytes | None, parent: bytes | None, ns: int, mask: int) -> None:
+    def __init__(self, client: bytes | None, parent: bytes | None, ns: _NsInfo, mask: int) -> None:
         self.client = client  # None: a keyed tenant's block recovered at start, not named yet
         self.parent = parent
         self.ns = ns
         self.mask = mask
+        self.tokens: bytes | None = None  # its token ids (int32), when a put carried them
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +114,8 @@ class _NsInfo:
     tenant: int  # index into the publisher's tenant names
     block_size: int
     lora: str | None
+    fan: list[tuple[_Stream, int]]
+    """The streams its blocks go to, each with the mask its hashes carry there."""
 
 
 @dataclass(slots=True)
@@ -148,23 +167,35 @@ class KVEventPublisher:
         self.config = config
         self._tiers = [t.name for t in store.tiers]
         self._tier_bit = {n: 1 << k for k, n in enumerate(self._tiers)}
+        self._bits = [tuple(k for k in range(len(self._tiers)) if m & (1 << k)) for m in range(1 << len(self._tiers))]
+        """The tier positions of each mask, fastest first."""
         self._epoch = f"{time.time_ns():x}"
-        # A deque, not a queue.Queue: append and popleft are atomic under the GIL and take no
-        # lock, which is what a hook called under the store's lock for every block can afford.
+        # One entry per store operation (a list of block changes) or put naming; ``_queued``
+        # counts the blocks they hold against ``publish_queue``.
         self._q: deque[tuple[Any, ...]] = deque()
         self._cap = config.publish_queue
-        self._counts = {"dropped": 0, "batches": 0, "events": 0, "replays": 0, "snapshots": 0,
-                        "unnamed": 0, "rebuilds": 0}
+        self._queued = 0
+        self._qlock = threading.Lock()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._asleep = False
+        self._stopping = threading.Event()
+        self._drain_lock = threading.Lock()
+        """Held by whoever applies and publishes (the thread, or a :meth:`pump`)."""
+        self._pump_enc = msgspec.msgpack.Encoder()
+        self._cpu_s = 0.0
+        self._pump_cpu_s = 0.0
+        self._counts = {"dropped": 0, "batches": 0, "events": 0, "block_events": 0, "replays": 0, "snapshots": 0,
+                        "unnamed": 0, "rebuilds": 0, "wakeups": 0}
         self._lost = threading.Event()
         self._recs: dict[bytes, _Rec] = {}
-        self._ns_index: dict[bytes, int] = {}
-        self._ns: list[_NsInfo] = []
+        self._ns_index: dict[bytes, _NsInfo] = {}
         self._tenant_names = [t[0] for t in tenants] or [""]
         self._salts = {t[1]: i for i, t in enumerate(tenants)}
         self._keyed = bool(tenants)
         self._masks = [tenant_mask(n) for n in self._tenant_names] if self._keyed else [0]
+        self._fan: list[list[tuple[_Stream, int]]] = []
+        """Per tenant: the streams its blocks go to, each with the mask its hashes carry there."""
         self._snapshot_pending = False
-        self._drop_lock = threading.Lock()
         self._last_send = self._last_rebuild = 0.0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._auth: Any = None
@@ -188,10 +219,15 @@ class KVEventPublisher:
                 self.streams.append(self._stream("all", None, host, port, rport, hwm, None))
         except zmq.ZMQError as e:
             self._close_sockets()
+            os.close(self._wake)
             raise OSError(
                 f"[events] publish: cannot bind {config.publish} (replay port {rport}): {e}; pick free "
                 "ports or port 0 for any"
             ) from e
+        self._fan = [
+            [(st, self._masks[t] if st.tenant is None else 0) for st in self.streams if st.tenant in (None, t)]
+            for t in range(len(self._tenant_names))
+        ]
         self._load()
         store.events.sinks.append(self)
         self._thread = threading.Thread(target=self._run, name="kvstore-kvevents", daemon=True)
@@ -225,47 +261,77 @@ class KVEventPublisher:
         raise KeyError(tenant)
 
     def stats(self) -> dict[str, Any]:
-        return {**self._counts, "queued": len(self._q), "blocks": len(self._recs),
+        """Counters; ``events``: events published, ``block_events``: block hashes they carried,
+        ``cpu_s``: the CPU time publishing took (the thread's, ``thread_cpu_s``, and the pumps'),
+        what it costs the daemon besides the hooks."""
+        return {**self._counts, "queued": self._queued, "mirrored": len(self._recs),
+                "cpu_s": self._cpu_s + self._pump_cpu_s, "thread_cpu_s": self._cpu_s,
                 "streams": {s.name: s.seq for s in self.streams}}
 
-    # ---- hooks (any thread, the store's lock held) ----------------------------------------------
+    # ---- hooks (any thread; blocks() with the store's lock held) ---------------------------------
 
-    def _put(self, item: tuple[Any, ...]) -> None:
-        if len(self._q) < self._cap:
-            self._q.append(item)
-        else:
-            with self._drop_lock:
-                self._counts["dropped"] += 1
-            self._lost.set()
+    def _put(self, item: tuple[Any, ...], n: int, *, wake: bool = True) -> None:
+        with self._qlock:
+            if self._queued + n > self._cap:
+                self._counts["dropped"] += n
+                self._lost.set()  # (the nudge below brings the rebuild as soon as it may run)
+                wake = True
+            else:
+                self._queued += n
+                self._q.append(item)
+        if wake:
+            self._nudge()
 
-    def placed(self, key: bytes, k: int, prior_mask: int, depth: int | None) -> None:
-        self._put(("p", key, k))
+    def _nudge(self) -> None:
+        # The thread sets _asleep, then looks at the queue once more before it sleeps; we
+        # append, then look at _asleep: one of the two sees the other (the GIL orders them).
+        if self._asleep:
+            self._asleep = False
+            os.eventfd_write(self._wake, 1)
 
-    def dropped(self, key: bytes, mask: int) -> None:
-        self._put(("d", key, mask))
+    def blocks(self, changes: list[BlockChange], tokens: PutTokens | None) -> None:
+        """The changes of one store operation (see :class:`kvstore.events.BlockSink`). No
+        wake-up: the service's :meth:`pump` publishes them right after the operation; what
+        no pump takes (a maintenance pass's expiry), the thread publishes with its next
+        heartbeat, within a second."""
+        self._put(("b", changes, tokens), len(changes), wake=False)
 
-    def copy_dropped(self, key: bytes, k: int) -> None:
-        self._put(("c", key, k))
+    def pump(self) -> None:
+        """Publish what is queued, on the caller's thread: the service calls it after each
+        put and load, outside the store's lock. There the work is cheapest: no thread to wake
+        (each wake-up costs the box tens of microseconds of CPU and cold caches), a few
+        microseconds a block. Never waits: while the thread publishes, it is left to it."""
+        if self._q and self._drain_lock.acquire(blocking=False):
+            try:
+                c0 = time.thread_time()
+                self._drain(self._pump_enc)
+                self._pump_cpu_s += time.thread_time() - c0
+            finally:
+                self._drain_lock.release()
 
     def names(self, ns: Namespace, hashes: Sequence[bytes], keys: Sequence[bytes], start: int) -> None:
         """The client hashes of a put's chain (``keys``: what the store is given), called before
         the put: its ``placed`` events then publish under these names."""
         if self._keyed or start < len(hashes):
-            self._put(("n", ns, tuple(hashes), tuple(keys)))
+            self._put(("n", ns, tuple(hashes), tuple(keys)), len(hashes), wake=False)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything hooked before this call is published (tests, shutdown)."""
         done = threading.Event()
         self._q.append(("f", done))  # a marker is never dropped
+        self._nudge()
         return done.wait(timeout)
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._q.append(_STOP)
+            self._stopping.set()
+            self._asleep = True
+            self._nudge()
             self._thread.join(10.0)
         with contextlib.suppress(ValueError):
             self.store.events.sinks.remove(self)
         self._close_sockets()
+        os.close(self._wake)
 
     def _close_sockets(self) -> None:
         for s in self.streams:
@@ -277,14 +343,13 @@ class KVEventPublisher:
 
     # ---- the mirror -----------------------------------------------------------------------------
 
-    def _ns_of(self, ns: Namespace) -> int:
+    def _ns_of(self, ns: Namespace) -> _NsInfo:
         digest = bytes(ns.root)
-        i = self._ns_index.get(digest)
-        if i is None:
+        info = self._ns_index.get(digest)
+        if info is None:
             tenant = self._salts.get(ns.tenant_salt, 0)
-            i = self._ns_index[digest] = len(self._ns)
-            self._ns.append(_NsInfo(tenant, ns.block_tokens, ns.lora_id or None))
-        return i
+            info = self._ns_index[digest] = _NsInfo(tenant, ns.block_tokens, ns.lora_id or None, self._fan[tenant])
+        return info
 
     def _load(self) -> None:
         """The mirror from the store's index (start, and after dropped events); queues
@@ -315,93 +380,135 @@ class KVEventPublisher:
         self._snapshot_pending = True
 
     def _apply(self, item: tuple[Any, ...]) -> None:
-        kind = item[0]
-        recs = self._recs
-        if kind == "p":
-            _, key, k = item
+        """One queue entry: a store operation's changes, or a put's names."""
+        if item[0] == "b":
+            self._apply_changes(item[1], item[2])
+            return
+        _, ns, hashes, keys = item
+        recs, info, parent = self._recs, self._ns_of(ns), None
+        for client, key in zip(hashes, keys, strict=True):
             rec = recs.get(key)
             if rec is None:
-                self._counts["unnamed"] += 1
-                return
-            rec.mask |= 1 << k
-            if rec.client is not None:
-                self._stored(rec, k)
-        elif kind == "c":
-            _, key, k = item
+                recs[key] = _Rec(client, parent, info, 0)
+            elif rec.client is None:  # recovered at start: now it has a name to publish
+                rec.client, rec.parent = client, parent
+                for k in range(len(self._tiers)):
+                    if rec.mask & (1 << k):
+                        self._stored([rec], k, info.fan)
+            parent = client
+
+    def _apply_changes(self, changes: list[BlockChange], tokens: PutTokens | None) -> None:
+        """A store operation's changes into the mirror and the pending events. Consecutive
+        copies of one chain on one tier become one run (one list extend per stream), as do
+        consecutive removals from one tier: a put costs a few operations per block here."""
+        recs = self._recs
+        at = {key: i for i, key in enumerate(tokens.keys)} if tokens is not None else None
+        run: list[_Rec] = []  # stored: one chain, one tier, one namespace, tokens or none
+        run_k = -1
+        gone: list[_Rec] = []  # removed from one tier
+        gone_k = -1
+        for kind, key, k in changes:
             rec = recs.get(key)
-            if rec is None or not rec.mask & (1 << k):
-                return
-            rec.mask &= ~(1 << k)
-            if rec.client is not None:
-                self._removed(rec, k)
-            if not rec.mask:
+            if rec is None:
+                if kind == "p":
+                    self._counts["unnamed"] += 1
+                continue
+            if kind == "p":
+                rec.mask |= 1 << k
+                if at is not None and rec.tokens is None and (i := at.get(key)) is not None:
+                    bt = tokens.block_tokens  # type: ignore[union-attr]
+                    rec.tokens = tokens.tokens[i * bt:(i + 1) * bt].tobytes()  # type: ignore[union-attr]
+                if rec.client is None:
+                    continue
+                if gone:
+                    self._removed(gone, gone_k)
+                    gone = []
+                if run:
+                    tail = run[-1]
+                    if (k != run_k or rec.parent != tail.client or rec.ns is not tail.ns
+                            or (rec.tokens is None) != (tail.tokens is None)):
+                        self._stored(run, run_k, tail.ns.fan)
+                        run = []
+                run.append(rec)
+                run_k = k
+                continue
+            if kind == "c":
+                if not rec.mask & (1 << k):
+                    continue
+                rec.mask &= ~(1 << k)
+                if not rec.mask:
+                    del recs[key]
+                ks = (k,)
+            else:  # "d": k is the mask of the tiers that held it
                 del recs[key]
-        elif kind == "d":
-            _, key, mask = item
-            rec = recs.pop(key, None)
-            if rec is None or rec.client is None:
-                return
-            mask |= rec.mask
-            for k in range(len(self._tiers)):
-                if mask & (1 << k):
-                    self._removed(rec, k)
-        elif kind == "n":
-            _, ns, hashes, keys = item
-            nsi = self._ns_of(ns)
-            parent = None
-            for client, key in zip(hashes, keys, strict=True):
-                rec = recs.get(key)
-                if rec is None:
-                    recs[key] = _Rec(client, parent, nsi, 0)
-                elif rec.client is None:  # recovered at start: now it has a name to publish
-                    rec.client, rec.parent = client, parent
-                    for k in range(len(self._tiers)):
-                        if rec.mask & (1 << k):
-                            self._stored(rec, k)
-                parent = client
+                mask = k | rec.mask
+                ks = self._bits[mask]
+            if rec.client is None:
+                continue
+            if run:
+                self._stored(run, run_k, run[-1].ns.fan)
+                run = []
+            for t in ks:
+                if gone and t != gone_k:
+                    self._removed(gone, gone_k)
+                    gone = []
+                gone.append(rec)
+                gone_k = t
+        if run:
+            self._stored(run, run_k, run[-1].ns.fan)
+        if gone:
+            self._removed(gone, gone_k)
 
     # ---- events into the streams' batches ---------------------------------------------------------
 
-    def _targets(self, tenant: int) -> Iterator[tuple[list[Any], int]]:
-        """The event lists of this cycle that a block of ``tenant`` goes into, each with the
-        mask its hashes carry (a stream of several tenants keeps them apart)."""
-        for s in self.streams:
-            if s.tenant is None:
-                yield s.pending.setdefault(tenant, []), self._masks[tenant]
-            elif s.tenant == tenant:
-                yield s.pending.setdefault(tenant, []), 0
-
-    def _stored(self, rec: _Rec, k: int) -> None:
-        info = self._ns[rec.ns]
-        medium = self._tiers[k]
-        if not self._keyed:  # one stream, hashes as they are: the common case, kept short
-            events = self.streams[0].pending.setdefault(0, [])
+    def _stored(self, run: list[_Rec], k: int, fan: list[tuple[_Stream, int]]) -> None:
+        """A run of copies on tier ``k`` (one chain of one namespace, each block after the one
+        before it, all with tokens or none) into the pending events of each stream of ``fan``:
+        it extends the last ``BlockStored`` when it continues that one's chain."""
+        first = run[0]
+        info = first.ns
+        medium, tenant = self._tiers[k], info.tenant
+        hashes = [r.client for r in run]
+        toks = [r.tokens for r in run] if first.tokens is not None else None
+        for s, m in fan:
+            events = s.pending.get(tenant)
+            if events is None:
+                events = s.pending[tenant] = []
+            hs = [masked(h, m) for h in hashes] if m else list(hashes)  # type: ignore[arg-type]
+            parent = masked(first.parent, m) if m and first.parent is not None else first.parent
             last = events[-1] if events else None
-            if (type(last) is BlockStored and last.block_hashes[-1] == rec.parent and last.medium == medium
-                    and last.block_size == info.block_size and last.lora_name == info.lora):
-                last.block_hashes.append(rec.client)
-                return
-        for events, m in self._targets(info.tenant):
-            h = masked(rec.client, m)  # type: ignore[arg-type]
-            parent = masked(rec.parent, m) if rec.parent is not None else None
-            last = events[-1] if events else None
-            if (type(last) is BlockStored and last.medium == medium and last.block_size == info.block_size
-                    and last.lora_name == info.lora and last.block_hashes[-1] == parent):
-                last.block_hashes.append(h)
+            if (type(last) is BlockStored and last.block_hashes[-1] == parent and last.medium == medium
+                    and last.block_size == info.block_size and last.lora_name == info.lora
+                    and (toks is None) == (not last.token_ids)):
+                last.block_hashes.extend(hs)
+                if toks is not None:
+                    last.token_ids.extend(toks)  # type: ignore[arg-type]  # bytes until _encode
             else:
-                events.append(BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=[],
+                events.append(BlockStored(block_hashes=hs, parent_block_hash=parent,
+                                          token_ids=[] if toks is None else list(toks),  # type: ignore[arg-type]
                                           block_size=info.block_size, lora_id=None, medium=medium,
                                           lora_name=info.lora))
 
-    def _removed(self, rec: _Rec, k: int) -> None:
+    def _removed(self, gone: list[_Rec], k: int) -> None:
+        """Copies that left tier ``k`` into the pending ``BlockRemoved`` of each stream."""
         medium = self._tiers[k]
-        for events, m in self._targets(self._ns[rec.ns].tenant):
-            h = masked(rec.client, m)  # type: ignore[arg-type]
-            last = events[-1] if events else None
-            if type(last) is BlockRemoved and last.medium == medium:
-                last.block_hashes.append(h)
-            else:
-                events.append(BlockRemoved(block_hashes=[h], medium=medium))
+        by_tenant: dict[int, tuple[list[tuple[_Stream, int]], list[bytes]]] = {}
+        for r in gone:
+            group = by_tenant.get(r.ns.tenant)
+            if group is None:
+                group = by_tenant[r.ns.tenant] = (r.ns.fan, [])
+            group[1].append(r.client)  # type: ignore[arg-type]
+        for tenant, (fan, hashes) in by_tenant.items():
+            for s, m in fan:
+                events = s.pending.get(tenant)
+                if events is None:
+                    events = s.pending[tenant] = []
+                hs = [masked(h, m) for h in hashes] if m else list(hashes)
+                last = events[-1] if events else None
+                if type(last) is BlockRemoved and last.medium == medium:
+                    last.block_hashes.extend(hs)
+                else:
+                    events.append(BlockRemoved(block_hashes=hs, medium=medium))
 
     def _snapshot(self, stream: _Stream) -> Iterator[tuple[int, list[Any]]]:
         """(tenant, events) chunks: AllBlocksCleared, then every named block the stream may see."""
@@ -410,14 +517,15 @@ class KVEventPublisher:
             yield t, [AllBlocksCleared()]
         saved = stream.pending
         for t in tenants:
+            fan = [(stream, self._masks[t] if stream.tenant is None else 0)]
             stream.pending = {}
             n = 0
             for rec in self._recs.values():
-                if rec.client is None or self._ns[rec.ns].tenant != t:
+                if rec.client is None or rec.ns.tenant != t:
                     continue
                 for k in range(len(self._tiers)):
                     if rec.mask & (1 << k):
-                        self._stored_into(stream, rec, k)
+                        self._stored([rec], k, fan)
                 n += 1
                 if n >= SNAPSHOT_CHUNK:
                     yield t, stream.pending.pop(t, [])
@@ -426,21 +534,26 @@ class KVEventPublisher:
                 yield t, stream.pending.pop(t)
         stream.pending = saved
 
-    def _stored_into(self, stream: _Stream, rec: _Rec, k: int) -> None:
-        streams, self.streams = self.streams, [stream]
-        try:
-            self._stored(rec, k)
-        finally:
-            self.streams = streams
-
     # ---- the thread -------------------------------------------------------------------------------
 
     def _topic(self, tenant: int) -> bytes:
         return f"{self._tenant_names[tenant]}@{self._epoch}".encode()
 
+    def _encode(self, events: list[Any], enc: msgspec.msgpack.Encoder) -> bytes:
+        """The batch's msgpack; a ``BlockStored``'s tokens, kept as one int32 ``bytes`` per
+        block while it grows, become its ``token_ids`` here."""
+        n = 0
+        for e in events:
+            if type(e) is not AllBlocksCleared:
+                n += len(e.block_hashes)
+            if type(e) is BlockStored and e.token_ids:
+                e.token_ids = np.frombuffer(b"".join(e.token_ids), "<i4").tolist()  # type: ignore[arg-type]
+        self._counts["block_events"] += n
+        return enc.encode(KVEventBatch(ts=time.time(), events=events))
+
     def _send(self, stream: _Stream, tenant: int, events: list[Any], enc: msgspec.msgpack.Encoder) -> None:
         stream.seq += 1
-        payload = enc.encode(KVEventBatch(ts=time.time(), events=events))
+        payload = self._encode(events, enc)
         with contextlib.suppress(zmq.Again):
             stream.pub.send_multipart((self._topic(tenant), seq_bytes(stream.seq), payload), flags=zmq.NOBLOCK)
         stream.buffer.append((stream.seq, payload))
@@ -469,49 +582,81 @@ class KVEventPublisher:
             # One batch, so that a subscriber that applies a seq once (vLLM's example) takes it all.
             self._counts["snapshots"] += 1
             events = [e for _, chunk in self._snapshot(s) for e in chunk]
-            payload = enc.encode(KVEventBatch(ts=time.time(), events=events))
-            s.replay.send_multipart((client, b"", seq_bytes(s.seq), payload))
+            s.replay.send_multipart((client, b"", seq_bytes(s.seq), self._encode(events, enc)))
         s.replay.send_multipart((client, b"", END_SEQ, b""))
 
     def _run(self) -> None:
         enc = msgspec.msgpack.Encoder()
+        # Asleep until a replay request, a flush, a drop or close (the eventfd), the heartbeat,
+        # or IDLE_PERIOD_MS while changes wait that no pump took.
         poller = zmq.Poller()
         for s in self.streams:
             poller.register(s.replay, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
         replays = {s.replay: s for s in self.streams}
         self._last_send = time.monotonic()
         self._last_rebuild = 0.0
-        stop = False
-        while not stop:
-            if self._snapshot_pending:
-                self._snapshot_pending = False
-                self._publish_snapshots(enc)
-                self._last_send = time.monotonic()
+        cpu0 = time.thread_time()
+        while not self._stopping.is_set():
             try:
-                ready = poller.poll(POLL_MS)  # a replay request wakes the thread at once
-                stop = self._drain([], enc)
-                # A replay covers every hook that ran before it was asked for: what was queued
-                # is published first (the router's refresh() relies on it).
+                with self._drain_lock:
+                    if self._snapshot_pending:
+                        self._snapshot_pending = False
+                        self._publish_snapshots(enc)
+                        self._last_send = time.monotonic()
+                    self._drain(enc)
+                self._cpu_s = time.thread_time() - cpu0
+                ready = poller.poll(self._sleep_ms())
+                self._asleep = False
                 for sock, _ in ready:
-                    self._serve_replay(replays[sock], enc)
+                    if sock == self._wake:
+                        self._counts["wakeups"] += 1
+                        with contextlib.suppress(BlockingIOError):
+                            os.eventfd_read(self._wake)
+                        continue
+                    # A replay covers every hook that ran before it was asked for: what was
+                    # queued is published first (the router's refresh() relies on it).
+                    with self._drain_lock:
+                        self._drain(enc)
+                        self._serve_replay(replays[sock], enc)
             except zmq.ZMQError as e:
                 log.warning("kv events: replay failed: %s", e)
+        with self._drain_lock:
+            self._drain(enc)  # what was hooked before close
 
-    def _drain(self, items: list[tuple[Any, ...]], enc: msgspec.msgpack.Encoder) -> bool:
-        """Apply what is queued (after ``items``) and publish it; True on the stop marker."""
+    def _sleep_ms(self) -> int:
+        """How long the thread may sleep: until the heartbeat is due, or a rebuild may run;
+        IDLE_PERIOD_MS while changes wait. Sets ``_asleep`` first (see :meth:`_nudge`)."""
+        self._asleep = True
+        now = time.monotonic()
+        due = self._last_send + HEARTBEAT_S
+        if self._lost.is_set():
+            due = min(due, self._last_rebuild + REBUILD_EVERY_S)
+        if self._snapshot_pending or self._stopping.is_set():
+            return 0
+        if self._q:
+            due = min(due, now + IDLE_PERIOD_MS / 1000)
+        return max(0, int((due - now) * 1000)) + 1
+
+    def _drain(self, enc: msgspec.msgpack.Encoder) -> None:
+        """Apply what is queued and publish it (``_drain_lock`` held)."""
         q = self._q
+        items: list[tuple[Any, ...]] = []
         with contextlib.suppress(IndexError):
-            while len(items) < 8192:
+            while len(items) < 1024:
                 items.append(q.popleft())
         waiters = []
-        stop = False
+        taken = 0
         for item in items:
-            if item[0] == "f":
+            kind = item[0]
+            if kind == "f":
                 waiters.append(item[1])
-            elif item[0] == "stop":
-                stop = True
             else:
+                taken += len(item[1]) if kind == "b" else len(item[2])
                 self._apply(item)
+        if taken:
+            with self._qlock:
+                self._queued -= taken
         now = time.monotonic()
         if self._lost.is_set() and now - self._last_rebuild >= REBUILD_EVERY_S:
             # Hooks were dropped: the mirror may be wrong. Rebuild it from the store and tell
@@ -538,4 +683,3 @@ class KVEventPublisher:
             self._last_send = now
         for w in waiters:
             w.set()
-        return stop

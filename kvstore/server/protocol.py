@@ -47,7 +47,8 @@ class Op(enum.IntEnum):
     GET = 2
     """meta: ns id, u32 n, n hashes. Reply meta: u32 count, u32 block_bytes; payload: blocks."""
     PUT = 3
-    """meta: ns id, u32 start, u32 n, u8 durable, n hashes; payload: blocks start..n-1."""
+    """meta: ns id, u32 start, u32 n, u8 flags (PUT_DURABLE, PUT_TOKENS), n hashes; payload:
+    blocks start..n-1, then with PUT_TOKENS their token ids (int32, block_tokens a block)."""
     ACQUIRE = 4
     """meta: as GET. Reply meta: u64 lease id, u32 count, count x (u64 offset, u64 size)."""
     RELEASE = 5
@@ -56,8 +57,9 @@ class Op(enum.IntEnum):
     """meta: u64 bytes. Reply meta: ``fd:`` and the hex ticket of a fresh memfd staging segment,
     to be fetched from the daemon's fd socket (kvstore.server.fdpass)."""
     PUT_SHM = 7
-    """meta: ns id, u32 start, u32 n, u8 durable, u64 staging offset, n hashes, then one u64
-    xxh3-64 checksum per block put (n - start), verified against the staged bytes. No payload."""
+    """meta: ns id, u32 start, u32 n, u8 flags, u64 staging offset, n hashes, then one u64
+    xxh3-64 checksum per block put (n - start), verified against the staged bytes. No payload;
+    with PUT_TOKENS the token ids are staged right after the blocks."""
     REPLY = 0x80
     """A successful reply; its meta depends on the request's op."""
     ERROR = 0xFF
@@ -180,12 +182,18 @@ class BlockRequest:
     staging_offset: int = 0
     checksums: tuple[int, ...] = ()
     """PUT_SHM: the client's xxh3-64 of each block it staged."""
+    tokens: bool = False
+    """PUT / PUT_SHM: the token ids of the blocks follow them (PUT_TOKENS)."""
 
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_PUT_FIXED = struct.Struct("<IIB")  # start, n, durable
-_SHM_FIXED = struct.Struct("<IIBQ")  # start, n, durable, staging offset
+_PUT_FIXED = struct.Struct("<IIB")  # start, n, flags
+_SHM_FIXED = struct.Struct("<IIBQ")  # start, n, flags, staging offset
+PUT_DURABLE = 1
+PUT_TOKENS = 2
+"""The put carries its blocks' token ids (4 bytes a token, after the blocks): a daemon that
+says ``"put_tokens": true`` in its HELLO reply takes them (an older one refuses the flag)."""
 
 
 def _split_hashes(meta: bytes | memoryview, off: int, n: int) -> list[bytes]:
@@ -213,16 +221,17 @@ def parse_blocks(meta: bytes | memoryview, max_blocks: int) -> BlockRequest:
 
 def encode_put(
     ns_id: bytes, hashes: list[bytes], start: int, durable: bool, staging_offset: int | None = None,
-    checksums: list[int] | None = None,
+    checksums: list[int] | None = None, *, tokens: bool = False,
 ) -> bytes:
     """PUT metadata; with ``staging_offset`` PUT_SHM's, which needs ``checksums`` (one per block
-    put)."""
+    put). ``tokens``: the token ids follow the blocks (PUT_TOKENS)."""
+    flags = (PUT_DURABLE if durable else 0) | (PUT_TOKENS if tokens else 0)
     if staging_offset is None:
-        return ns_id + _PUT_FIXED.pack(start, len(hashes), durable) + b"".join(hashes)
+        return ns_id + _PUT_FIXED.pack(start, len(hashes), flags) + b"".join(hashes)
     cs = checksums or []
     if len(cs) != len(hashes) - start:
         raise ValueError(f"a PUT_SHM of {len(hashes) - start} blocks needs as many checksums, got {len(cs)}")
-    fixed = _SHM_FIXED.pack(start, len(hashes), durable, staging_offset)
+    fixed = _SHM_FIXED.pack(start, len(hashes), flags, staging_offset)
     return ns_id + fixed + b"".join(hashes) + struct.pack(f"<{len(cs)}Q", *cs)
 
 
@@ -232,13 +241,13 @@ def parse_put(meta: bytes | memoryview, max_blocks: int, *, shm: bool = False) -
     if len(meta) < fixed:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"put metadata needs at least {fixed} bytes")
     vals = st.unpack_from(meta, NS_ID_BYTES)
-    start, n, durable = vals[0], vals[1], vals[2]
+    start, n, flags = vals[0], vals[1], vals[2]
     if n > max_blocks:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} blocks exceed the limit of {max_blocks} per request")
     if start > n:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"put start {start} is past its {n} blocks")
-    if durable > 1:
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"durable must be 0 or 1, got {durable}")
+    if flags & ~(PUT_DURABLE | PUT_TOKENS):
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"unknown put flags {flags:#x}")
     checksums: tuple[int, ...] = ()
     if shm:
         k = n - start
@@ -251,9 +260,10 @@ def parse_put(meta: bytes | memoryview, max_blocks: int, *, shm: bool = False) -
         bytes(meta[:NS_ID_BYTES]),
         _split_hashes(meta, fixed, n),
         start=start,
-        durable=bool(durable),
+        durable=bool(flags & PUT_DURABLE),
         staging_offset=vals[3] if shm else 0,
         checksums=checksums,
+        tokens=bool(flags & PUT_TOKENS),
     )
 
 

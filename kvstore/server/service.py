@@ -261,7 +261,14 @@ class Service:
         return self.namespace(t, ns_id).block_bytes
 
     def get_into(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], dst: Any) -> int:
-        return self.store.get_into(*self._resolve(t, ns_id, hashes), dst)
+        n = self.store.get_into(*self._resolve(t, ns_id, hashes), dst)
+        self._pump()
+        return n
+
+    def _pump(self) -> None:
+        """The KV event publisher publishes what the call just changed, here (kvevents.pump)."""
+        if self.kv_events is not None:
+            self.kv_events.pump()
 
     def acquire(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], *, for_client: bool = True) -> Lease:
         """A lease on the blocks in the arena. ``for_client=False``: the daemon itself sends them
@@ -278,7 +285,9 @@ class Service:
             )
         ns, keys = self._resolve(t, ns_id, hashes)
         if not for_client:
-            return self.store.acquire(ns, keys)
+            lease = self.store.acquire(ns, keys)
+            self._pump()
+            return lease
         cap = self.lease_cap_bytes
         with self._lock:
             room = max(0, cap - t.leased_bytes) // ns.block_bytes
@@ -296,6 +305,7 @@ class Service:
                 t.leased_bytes -= len(keys) * ns.block_bytes
         with self._lock:
             t.leased_bytes += sum(size for _, size in lease.locations)
+        self._pump()
         return lease
 
     def release(self, lease: Lease, t: Tenant | None = None) -> None:
@@ -343,19 +353,21 @@ class Service:
 
     def put(
         self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], blocks: Any, start: int = 0,
-        durable: bool = False, *, reserved: int | None = None,
+        durable: bool = False, *, reserved: int | None = None, tokens: Any | None = None,
     ) -> int:
         """Put blocks ``start..`` of ``hashes``. ``reserved``: the bytes :meth:`reserve` admitted
-        for it (given back here); None reserves now."""
+        for it (given back here); None reserves now. ``tokens``: the token ids of the blocks
+        put, for the KV event publisher (``KVStore.put``)."""
         if reserved is None:
             reserved = self.reserve(t, ns_id, len(hashes), start)
         try:
             ns, keys = self._resolve(t, ns_id, hashes)
             if self.kv_events is not None:  # names the put's blocks for the KV event publisher
                 self.kv_events.names(ns, hashes, keys, start)
-            new = self.store.put(ns, keys, blocks, start=start, durable=durable)
+            new = self.store.put(ns, keys, blocks, start=start, durable=durable, tokens=tokens)
             with self._lock:
                 t.used_bytes += new * ns.block_bytes
+            self._pump()
             return new
         finally:
             self.unreserve(t, reserved)

@@ -36,7 +36,7 @@ from kvstore.buffers import dst_views, src_views
 from kvstore.clock import Clock, system_clock
 from kvstore.config import StoreConfig
 from kvstore.errors import KVStoreError, RetentionError, TierFullError, TierIOError, UsageError
-from kvstore.events import StoreEvents
+from kvstore.events import StoreEvents, put_tokens_of
 from kvstore.index import NO_PARENT, RadixIndex
 from kvstore.keys import BlockHash, Namespace
 from kvstore.registry import make_policies, make_tier
@@ -219,7 +219,7 @@ class KVStore:
             if plan.ids.size:
                 self._loader.read(plan, bufs)
         finally:
-            with self._lock:
+            with self._lock, self.events.batch():
                 n = self._loader.complete_load(plan, 0 if self.config.promote_on_hit else None)
         trace.done(plan.served[:n])
         return n
@@ -259,7 +259,7 @@ class KVStore:
                 bufs = [memoryview(b"") if m & (1 << a) else memoryview(np.empty(bb, np.uint8)) for m in plan.masks]
                 self._loader.read(plan, bufs, in_place=1 << a)
         finally:
-            with self._lock:
+            with self._lock, self.events.batch():
                 try:
                     self._loader.settle(plan)
                     n = len(plan.served)
@@ -296,6 +296,7 @@ class KVStore:
         *,
         start: int = 0,
         durable: bool = False,
+        tokens: Any | None = None,
     ) -> int:
         """Store blocks ``start..len(hashes)-1`` of a prefix chain; returns how many were new.
 
@@ -306,12 +307,16 @@ class KVStore:
         return value counts them); a put never fails for room while some block may leave.
         With ``durable=True`` each new block is written once, synced, to the first persistent
         tier, and the chain's earlier blocks are copied there; TierFullError if that tier
-        cannot take them.
+        cannot take them. ``tokens``: the token ids of the blocks put (``block_tokens`` for
+        each of ``hashes[start:]``), for the block event sinks only (a router that hashes
+        tokens itself reads them in the daemon's KV events); the store keeps none.
         """
         info = self._ns(ns)
         n = len(hashes)
         if not 0 <= start <= n:
             raise UsageError(f"start={start} is outside the chain of {n} blocks")
+        bt = info.namespace.block_tokens  # type: ignore[union-attr]
+        put_tokens = None if tokens is None else put_tokens_of(hashes[start:], tokens, bt)
         srcs = src_views(blocks, info.block_bytes, n - start)
         storer = self._storer
         early: KVStoreError | None = None
@@ -325,7 +330,7 @@ class KVStore:
                 if early is not None:
                     with self._lock:
                         self.counters.tier_errors += 1
-        with self._lock:
+        with self._lock, self.events.batch():  # (making room: copies moved down or dropped)
             plan = storer.prepare_store(info, hashes, start, srcs, self._clock())
             try:
                 if todo:
@@ -342,7 +347,7 @@ class KVStore:
             with self._lock:
                 storer.complete_store(plan)
             raise
-        with self._lock:
+        with self._lock, self.events.batch(put_tokens):  # (the new copies)
             try:
                 storer.fill(plan, durable)
                 if durable:
@@ -426,7 +431,7 @@ class KVStore:
         Pinned or in-use blocks (and so their ancestors) are kept.
         """
         self._ns(ns)
-        with self._lock:
+        with self._lock, self.events.batch():
             idx = self.index
             roots = [i for h in hashes if (i := idx.id_of(h)) is not None]
             if not roots:
@@ -441,7 +446,7 @@ class KVStore:
 
     def maintain(self) -> dict[str, int]:
         """Periodic work: expire (with the work cap) and persist refreshed expiry times."""
-        with self._lock:
+        with self._lock, self.events.batch():
             expired = self._placer.expire(self._clock(), self.config.expire_work_cap)
             updates, persisted = restart.take_expiry(self._ledger, self._persistent)
         restart.write_expiry(self.tiers, updates)  # tier I/O (maybe a remote one) without the store lock

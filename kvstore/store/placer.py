@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.block import BlockMeta
+from kvstore.block import CHECKSUM_DEFERRED, BlockMeta, payload_checksum
 from kvstore.clock import Clock
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -92,8 +92,13 @@ class Placer:
         # block that could leave anyway instead of writing it. Never a durable put's block.
         self.admission = make_admission(
             config.admission, dict(config.admission_options), self.index, lambda: ledger.counters.hit_blocks)
-        self.durable: set[bytes] = set()
-        """Keys of blocks a durable put stored: admission never drops them."""
+        self.kept = np.zeros(0, dtype=bool)
+        """Per block id: admission never refuses it. Set for a durable put's blocks and for every
+        block recovered at open (the persistent tiers' metadata does not say which blocks a
+        durable put wrote, so after a restart all of them are kept: nothing to persist, and a
+        durable block is never dropped for admission across restarts); cleared when the block
+        leaves. An id recycled without passing through :meth:`drop_block` stays kept (the safe
+        side: it is written)."""
 
     # ---- the one write routine ------------------------------------------------------------------
 
@@ -112,6 +117,8 @@ class Placer:
         unreachable tier raises too when the write was to be durable."""
         tier = self.tiers[k]
         key = self.index.hash_of(bid)
+        if meta.checksum == CHECKSUM_DEFERRED and tier.persistent:
+            meta = meta.with_checksum(payload_checksum(src))
         try:
             tier.write(key, src, meta, durable=durable)
         except TierFullError:
@@ -255,7 +262,7 @@ class Placer:
         big enough on its own, and is applied at once (what :meth:`choose_room` would choose
         and :meth:`apply_room` apply). True: applied; False: its demotion failed (it is now in
         ``stuck``); None: the first offer is no such victim (plan with :meth:`choose_room`)."""
-        bid = next(self.ledger.policies[k].candidates(), None)
+        bid = self.ledger.policies[k].first()
         if bid is None or bid in protect or bid in stuck:
             return None
         idx = self.index
@@ -383,7 +390,7 @@ class Placer:
         is still in tier ``k`` (no lower tier could take it, or its copy could not be read)."""
         idx, tier = self.index, self.tiers[k]
         key = idx.hash_of(bid)
-        if k + 1 == self.last and self._not_admitted(bid, key):
+        if k + 1 == self.last and self._not_admitted(bid):
             self.ledger.counters.skipped_writes += 1
             self.ledger.counters.skipped_bytes += int(idx.size[bid])
             if idx.children[bid]:
@@ -422,16 +429,28 @@ class Placer:
         self.drop_copy(bid, k)
         return True
 
-    def _not_admitted(self, bid: int, key: bytes) -> bool:
+    def keep_always(self, ids: Sequence[int] | np.ndarray) -> None:
+        """Never let admission refuse these blocks (a durable put's, or those recovered at open)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not ids.size:
+            return
+        need = int(ids.max()) + 1
+        if need > self.kept.size:
+            grown = np.zeros(max(need, 2 * self.kept.size), dtype=bool)
+            grown[: self.kept.size] = self.kept
+            self.kept = grown
+        self.kept[ids] = True
+
+    def _not_admitted(self, bid: int) -> bool:
         """Whether the last tier's admission refuses ``bid``, asked only of a block no guarantee
-        holds: unpinned, unused, stored by no durable put; and a leaf, unless the rule asks for
-        inner blocks too (``admission.inner``). A refused leaf leaves the store; a refused inner
+        holds: unpinned, unused, stored by no durable put, not recovered at open; and a leaf,
+        unless the rule asks for inner blocks too (``admission.inner``). A refused leaf leaves the store; a refused inner
         block loses its copy and stays as a hollow node (a lookup stops there): that costs hits
         only if a descendant would have been read again, and then the block itself would have
         been too. A pin or a durable put covers a whole prefix, so no descendant of a block that
         may be refused is pinned or durable."""
         idx = self.index
-        if idx.pins[bid] or idx.in_use[bid] or key in self.durable:
+        if idx.pins[bid] or idx.in_use[bid] or (bid < self.kept.size and self.kept[bid]):
             return False
         if idx.children[bid] and not self.admission.inner:
             return False
@@ -463,8 +482,9 @@ class Placer:
             self.ledger.drop_hollow_leaves([bid])
 
     def drop_block(self, bid: int, reason: str) -> None:
+        if bid < self.kept.size:
+            self.kept[bid] = False
         key, mask = self.ledger.drop_block(bid, reason)
-        self.durable.discard(key)
         self._delete(key, mask)
 
     def expire(self, now: float, cap: int) -> int:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eviction.base import EvictionPolicy
-from kvstore.block import BlockMeta, payload_checksum
+from kvstore.block import CHECKSUM_DEFERRED, BlockMeta, payload_checksum
 from kvstore.errors import KVStoreError, MissingPrefixError, TierFullError, UsageError
 from kvstore.index import NO_PARENT
 from kvstore.keys import BlockHash
@@ -169,9 +169,11 @@ class Storer:
         bb, digest, expiry = info.block_bytes, info.digest, now + info.ttl_s
         metas = plan.metas
         items = []
+        hashed = self.tiers[0].persistent  # a volatile tier's copies defer theirs (CHECKSUM_DEFERRED)
         for i in plan.staged:
             src = srcs[i - start]
-            metas[i] = meta = BlockMeta(digest, hashes[i - 1] if i else digest, i, bb, expiry, payload_checksum(src), now)
+            checksum = payload_checksum(src) if hashed else CHECKSUM_DEFERRED
+            metas[i] = meta = BlockMeta(digest, hashes[i - 1] if i else digest, i, bb, expiry, checksum, now)
             items.append((BlockHash(hashes[i]), src, meta))
         try:
             results = self.tiers[0].write_many(items)
@@ -208,7 +210,8 @@ class Storer:
                 break  # another put is writing this block now: its chain goes on from there
             else:
                 src = srcs[i - start]
-                meta = BlockMeta(digest, hashes[i - 1] if i else digest, i, bb, expiry, payload_checksum(src), now)
+                # The checksum is computed when a persistent copy is written (Placer.write_copy).
+                meta = BlockMeta(digest, hashes[i - 1] if i else digest, i, bb, expiry, CHECKSUM_DEFERRED, now)
                 if i in plan.prewritten:
                     self.ledger.add_copy(bid, p, bb, now, placed)  # type: ignore[arg-type]
                     ok = True
@@ -292,7 +295,7 @@ class Storer:
         by earlier puts) to the first persistent tier, synced."""
         if not self.persistent:
             raise UsageError("durable=True needs a persistent tier (nvme or object) in the config")
-        self.placer.durable.update(bytes(h) for h in plan.hashes[: plan.stored_to])  # never skipped by admission
+        self.placer.keep_always(plan.ids[: plan.stored_to])  # never skipped by admission
         self.copy_durable(plan.ids[: plan.stored_to], plan.hashes)
 
     def copy_durable(self, ids: Sequence[int], hashes: Sequence[bytes]) -> None:

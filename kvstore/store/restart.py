@@ -235,6 +235,7 @@ def recover(
             on_k = (all_masks & (1 << k)) != 0
             if on_k.any():
                 ledger.policies[k].insert_many(all_ids[on_k], all_sizes[on_k], all_created[on_k])
+        placer.keep_always(all_ids)  # admission never refuses a block that was stored before
     counters.recovered_blocks += n_recovered
     for record in pins:  # before expiry: a pinned block must not expire at open
         if record.until is None or record.until > now:

@@ -53,6 +53,13 @@ NULL3 = (
 )
 
 
+NVME3 = (  # a persistent middle tier: durable puts land there
+    TierSpec("dram", "null", {"capacity_blocks": 1}),
+    TierSpec("nvme", "nvme", {"capacity_bytes": 2 * 65536, "slab_bytes": 65536}),
+    TierSpec("object", "null", {"capacity_blocks": 100}),
+)
+
+
 def _put(s: KVStore, ids: list[int], **kw: Any) -> None:
     src = memoryview(bytearray(BB))
     s.put(SMALL_NS, [_key(i) for i in ids], [src] * len(ids), **kw)
@@ -65,6 +72,16 @@ def _in_last(s: KVStore, ids: list[int]) -> int:
 def test_registered_rules() -> None:
     assert admission_class("all") is Admission
     assert admission_class("reuse") is ReuseAdmission
+
+
+def test_reuse_is_the_default_and_reported(tmp_path: Path) -> None:
+    assert StoreConfig().admission == "reuse"
+    s = KVStore(StoreConfig(root=tmp_path, tiers=NULL3, persist_on_close=False), clock=FakeClock(1_000.0))
+    st = s.stats()
+    assert st["admission"] == {"admission": "reuse", "hit_loss_budget": 0.01, "inner": False,
+                               "skipping_classes": 0, "admission_lost_hits": 0}
+    assert (st["skipped_writes"], st["skipped_bytes"]) == (0, 0)
+    s.close()
 
 
 def test_refused_leaves_leave_and_are_counted(tmp_path: Path) -> None:
@@ -103,11 +120,7 @@ def test_pinned_prefix_is_always_stored(tmp_path: Path) -> None:
 
 
 def test_durable_puts_are_always_stored(tmp_path: Path) -> None:
-    tiers = (
-        TierSpec("dram", "null", {"capacity_blocks": 1}),
-        TierSpec("nvme", "nvme", {"capacity_bytes": 2 * 65536, "slab_bytes": 65536}),
-        TierSpec("object", "null", {"capacity_blocks": 100}),
-    )
+    tiers = NVME3
     s = _store(tmp_path, tiers)
     _put(s, [0], durable=True)
     for i in range(1, 2 * 65536 // BB + 6):  # past both upper tiers
@@ -116,6 +129,23 @@ def test_durable_puts_are_always_stored(tmp_path: Path) -> None:
     st = s.stats()
     assert st["tiers"][2]["bytes_in"] == BB  # it alone: every other block leaving was skipped
     assert st["skipped_writes"] == 4  # the upper tiers hold all but five blocks; block 0 stored
+    s.close()
+
+
+def test_durable_puts_are_stored_after_a_restart(tmp_path: Path) -> None:
+    """A restart forgets which puts were durable: every recovered block is kept."""
+    tiers = NVME3
+    s = _store(tmp_path, tiers)
+    _put(s, [0], durable=True)
+    s.close()
+    s = _store(tmp_path, tiers)
+    assert s.stats()["recovered_blocks"] == 1
+    for i in range(1, 2 * 65536 // BB + 6):
+        _put(s, [i])
+    assert s.lookup(SMALL_NS, [_key(0)]).tiers == ("object",)
+    st = s.stats()
+    assert st["tiers"][2]["bytes_in"] == BB
+    assert st["skipped_writes"] == 4
     s.close()
 
 

@@ -11,12 +11,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvstore.clock import FakeClock
-from kvstore.errors import ConfigError, TierFullError, TierIOError, UsageError
+from kvstore.errors import (
+    BlockNotFound,
+    BufferSizeError,
+    ConfigError,
+    TierFullError,
+    TierIOError,
+    UsageError,
+)
 from kvstore.registry import build_config, make_tier
 from kvstore.shm import attach_arena
+from tests.kvstore.test_shm import resident_bytes
 from tiers.dram import DramConfig, DramTier
 
 KiB = 1024
@@ -75,6 +84,82 @@ def test_garbage_collected_tier_unlinks_its_arena(tmp_path: Path) -> None:
     del tier
     gc.collect()
     assert not (SHM / name).exists()
+
+
+def test_the_arena_is_faulted_in_off_the_put_path(tmp_path: Path, make_block: MakeBlock) -> None:
+    tier = DramTier("d", DramConfig(8 * MiB, slab_bytes=1 * MiB), root=tmp_path)
+    try:
+        block = make_block(300 * KiB, seed=1)
+        tier.write(block.key, block.data, block.meta)  # puts need not wait for the prefault
+        assert tier.prefault.done.wait(600)  # a bound for a wedged thread only
+        assert tier.prefault.faulted_bytes == 8 * MiB
+        assert resident_bytes(tier._buf) >= 8 * MiB  # noqa: SLF001 - the tier's own mapping
+        out = bytearray(300 * KiB)
+        assert tier.read_into(block.key, memoryview(out)) == len(out) and bytes(out) == bytes(block.data)
+    finally:
+        tier.close()
+
+
+def test_a_tier_closed_while_it_faults_its_arena_in_unlinks_it(tmp_path: Path) -> None:
+    tier = DramTier("d", DramConfig(64 * MiB, slab_bytes=1 * MiB), root=tmp_path)
+    name = tier.shm_name
+    tier.close()  # the prefault thread is stopped first: it holds a view of the arena
+    assert tier.prefault.done.is_set()
+    assert not (SHM / name).exists()
+
+
+def test_read_many_moves_a_run_back_to_back_in_one_copy(dram: DramTier, make_block: MakeBlock, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocks = [make_block(64 * KiB, seed=i) for i in range(6)]
+    for b in blocks:
+        dram.write(b.key, b.data, b.meta)
+    assert [dram.location(b.key)[0] for b in blocks] == [i * 64 * KiB for i in range(6)]  # type: ignore[index]
+    copies: list[int] = []
+    real = dram._copy_run  # noqa: SLF001
+
+    def counting(run: list[tuple[memoryview, int]], off: int) -> None:
+        copies.append(len(run))
+        real(run, off)
+
+    monkeypatch.setattr(dram, "_copy_run", counting)
+    dst = np.zeros(6 * 64 * KiB, np.uint8)
+    views = [memoryview(dst)[i * 64 * KiB : (i + 1) * 64 * KiB] for i in range(6)]
+    other = bytearray(64 * KiB)  # block 4 goes elsewhere: the run breaks there
+    keys = [b.key for b in blocks]
+    out = dram.read_many([*keys[:4], make_block(10, seed=99).key, *keys[4:]], [*views[:4], views[4], other, views[5]])
+    assert out[:4] == [64 * KiB] * 4 and isinstance(out[4], BlockNotFound)
+    assert out[5:] == [64 * KiB] * 2
+    assert bytes(dst[: 4 * 64 * KiB]) == b"".join(bytes(b.data) for b in blocks[:4])
+    assert bytes(other) == bytes(blocks[4].data) and bytes(views[5]) == bytes(blocks[5].data)
+    assert [c for c in copies if c] == [4, 1, 1]  # one copy for the run, then the strays
+    small = [bytearray(10), bytearray(64 * KiB)]
+    out = dram.read_many(keys[:2], small)
+    assert isinstance(out[0], BufferSizeError) and out[1] == 64 * KiB and bytes(small[1]) == bytes(blocks[1].data)
+
+
+def test_write_many_moves_a_run_back_to_back_in_one_copy(dram: DramTier, make_block: MakeBlock, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiers.dram as dram_module
+
+    spans: list[int] = []
+    real_span = dram_module.span
+
+    def counting(first: memoryview, nbytes: int, *, writable: bool = True) -> memoryview | None:
+        spans.append(nbytes)
+        return real_span(first, nbytes, writable=writable)
+
+    monkeypatch.setattr(dram_module, "span", counting)
+    blocks = [make_block(64 * KiB, seed=i) for i in range(5)]
+    src = memoryview(b"".join(bytes(b.data) for b in blocks[:3]))  # one caller buffer, read-only
+    bad = blocks[4].meta.with_expiry(0.0)
+    items = [(b.key, src[i * 64 * KiB : (i + 1) * 64 * KiB], b.meta) for i, b in enumerate(blocks[:3])]
+    items += [(blocks[3].key, bytes(blocks[3].data), blocks[3].meta), (blocks[4].key, b"short", bad)]
+    out = dram.write_many(items)
+    assert out[:4] == [None] * 4 and isinstance(out[4], BufferSizeError)
+    assert spans == [3 * 64 * KiB]  # the run of three in one copy; block 3 (its own buffer) alone
+    assert [dram.location(b.key) for b in blocks[:4]] == [(i * 64 * KiB, 64 * KiB) for i in range(4)]
+    for b in blocks[:4]:
+        dst = bytearray(64 * KiB)
+        assert dram.read_into(b.key, memoryview(dst)) == 64 * KiB and bytes(dst) == bytes(b.data)
+    assert not dram.contains(blocks[4].key)
 
 
 def test_explicit_name_and_collision(tmp_path: Path) -> None:

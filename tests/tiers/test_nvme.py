@@ -158,6 +158,51 @@ def test_read_many_reports_errors_per_block(tier: NvmeTier) -> None:
     assert out[0] == 3000 and isinstance(out[1], BlockNotFound)
 
 
+def test_read_many_of_a_run_reads_every_block_and_verifies_each(tmp_path: Path) -> None:
+    sizes = [MiB, 600_001, 3000, MiB + 3, 2 * MiB]
+    blocks = {key(i): payload(n, seed=i) for i, n in enumerate(sizes)}
+    with open_tier(tmp_path) as t:
+        for k, data in blocks.items():
+            t.write(k, data, make_meta(data), durable=True)
+    path = tier_dir(tmp_path, "nvme") / "data.slab"
+    raw = bytearray(path.read_bytes())
+    at = raw.find(blocks[key(3)][:64])
+    raw[at + MiB] ^= 0x01  # block 3's last bytes: only its own checksum can tell
+    path.write_bytes(raw)
+    keys = [*blocks, key(99)]
+    dsts = [aligned(n) for n in sizes] + [aligned(10)]
+    dsts[1] = unaligned(sizes[1])
+    dsts[2] = aligned(100)  # too small
+    with open_tier(tmp_path) as t:
+        out = t.read_many(keys, dsts)
+    assert out[0] == MiB and dsts[0][:MiB] == blocks[key(0)]
+    assert out[1] == 600_001 and dsts[1][:600_001] == blocks[key(1)]
+    assert isinstance(out[2], BufferSizeError)
+    assert isinstance(out[3], CorruptBlockError) and key(3).hex() in str(out[3])
+    assert out[4] == 2 * MiB and dsts[4][: 2 * MiB] == blocks[key(4)]
+    assert isinstance(out[5], BlockNotFound)
+
+
+def test_read_many_reports_a_device_error_for_its_block_only(tier: NvmeTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = [payload(MiB, seed=i) for i in range(3)]
+    for i, d in enumerate(data):
+        tier.write(key(i), d, make_meta(d))
+    real_read = DirectFile.read_into
+    calls = []
+
+    def eio_on_the_second_block(self: DirectFile, dst: memoryview, n: int, offset: int) -> None:
+        calls.append(n)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        real_read(self, dst, n, offset)
+
+    monkeypatch.setattr(DirectFile, "read_into", eio_on_the_second_block)
+    dsts = [aligned(MiB) for _ in data]
+    out = tier.read_many([key(i) for i in range(3)], dsts)
+    assert out[0] == MiB and out[2] == MiB and dsts[2][:MiB] == data[2]
+    assert isinstance(out[1], TierIOError) and out[1].errno == errno.EIO
+
+
 # ---- persistence --------------------------------------------------------------------------------
 
 
@@ -497,7 +542,9 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-    assert {r["metric"] for r in rows} == {"write_1MiB", "read_1MiB", "write_8MiB", "read_8MiB"}
+    assert {r["metric"] for r in rows} == {
+        f"{op}_{size}" for op in ("write", "read", "read_many") for size in ("1MiB", "8MiB")
+    }
     for r in rows:
         assert {"bench", "metric", "value", "unit", "baseline", "ratio"} <= set(r)
         assert r["bench"] == "nvme" and r["unit"] == "GB/s" and r["value"] > 0 and r["baseline"] > 0

@@ -90,6 +90,20 @@ def test_peer_rows_carry_figure_baseline_and_ratio() -> None:
     assert (p99["value"], p99["baseline"], p99["ratio"], p99["p50_ms"]) == (200.0, 40.0, 5.0, 100.0)
 
 
+def test_long_requests_skip_the_concurrent_phase_and_say_so() -> None:
+    args = parser().parse_args([])
+    from tools.bench.peers import workload
+
+    long, short = workload(args, 32768), workload(args, 4096)
+    assert (long.fit, long.rounds, long.concurrent) == (1, 2, False)
+    assert (short.fit, short.rounds, short.concurrent, short.per_client) == (4, 3, True, 2)
+    assert workload(parser().parse_args(["--concurrent-long"]), 32768).concurrent
+    res = _res(1.0, 1.0)
+    res["samples"]["concurrent"] = 0
+    rows = peer_rows("kvstore", long, res)
+    assert rows[-1]["status"] == "skipped" and "--concurrent-long" in rows[-1]["error"]
+
+
 def test_a_peer_that_cannot_run_is_one_row_with_the_error() -> None:
     w = Workload(tokens=32768, fit=1)
     (row,) = peer_rows("mooncake", w, {"unavailable": "mooncake is not installed"})
@@ -112,6 +126,10 @@ def test_comparisons_state_the_goals_of_the_issue() -> None:
     assert missed_goals(rows["kvstore_vs_mooncake_4k_store"]) == ["ratio 0.8571 < goal 1 (value / baseline)"]
     assert missed_goals(rows["kvstore_vs_mooncake_4k_retrieve"]) == []
     assert rows["kvstore-tcp_vs_mooncake_4k_store"]["goal_ratio"] is None
+    figs["mooncake"] = {**figs["mooncake"], "retrieve_gbps": 0.0, "verified": False}
+    rows = {r["metric"]: r for r in compare(w, figs)}
+    lost = rows["kvstore_vs_mooncake_4k_retrieve"]
+    assert lost["status"] == "not comparable" and "mooncake did not hold" in lost["error"] and "ratio" not in lost
 
 
 def test_table_shows_spreads_and_goal_counts(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -130,8 +148,8 @@ def test_table_shows_spreads_and_goal_counts(tmp_path) -> None:  # type: ignore[
         paths.append(str(path))
     text = tables(load(paths))
     assert "| kvstore | 5.50–6.50 | 6.00 | 10.00 |" in text
-    assert "| mooncake | unavailable: not installed |" in text
-    assert "| kvstore vs lmcache-cpu | 1.10–1.30 | 1.50 | ≥ 1.2 | 1, 2 of 2 |" in text
+    assert "| mooncake | unavailable (2 of 2 runs): not installed |" in text
+    assert "| kvstore vs lmcache-cpu | 1.10–1.30 | 1.50 | ≥ 1.2 | 1 of 2, 2 of 2 |" in text
 
 
 # ---- the adapter contract, against kvstore and the baselines ---------------------------------

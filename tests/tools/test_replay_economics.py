@@ -67,6 +67,17 @@ def test_oracle_writes_only_what_is_read_again(three: Path) -> None:
     assert f["skipped_writes"] == 1
 
 
+def test_admission_class_bound() -> None:
+    classes = np.array([0, 0, 1, 1, 2])
+    reused = np.array([False, False, True, False, True])
+    assert E.admission_class_bound(classes, reused, 0) == 3  # class 0 (never read again) skipped
+    assert E.admission_class_bound(classes, reused, 0.5) == 3  # class 1 would lose a whole hit
+    assert E.admission_class_bound(classes, reused, 1) == 1  # classes 0 and 1
+    leaf = np.array([True, False, True, True, True])  # block 1 must be written
+    assert E.admission_class_bound(classes, reused, 0, leaf) == 4
+    assert E.admission_class_bound(classes[:0], reused[:0], 1) == 0
+
+
 def test_belady_first_tier(tmp_path: Path) -> None:
     trace = load_trace(_write(tmp_path / "b_trace.jsonl", [(0, [0, 1]), (1, [2]), (2, [0, 1]), (3, [2]), (4, [0, 3])]))
     served = unlimited(trace)
@@ -84,8 +95,14 @@ def test_cli_prints_economics_and_references(three: Path, capsys: pytest.Capture
     econ = [r for r in rows if "writes_by_tier" in r]
     ref = [r for r in rows if r.get("policy") == "reference"]
     assert econ[0]["last_tier_writes_per_hit"] == 2.0
+    assert econ[0]["admission"] == "reuse"  # the store's default, compared with storing everything
+    assert econ[0]["hit_loss"] == 0.0
     assert ref[0]["oracle_last_tier_writes_per_hit"] == 1.0
     assert ref[0]["belady_first_tier_hit_share"] == 1.0  # block 0 stays: used again, 1 and 2 never
+    # Blocks 0 and 1 reach the object tier in one class (never hit, depth 0, idle 20 s), one of
+    # them read again: skipping the class would lose the only hit.
+    assert ref[0]["class_bound_last_tier_writes_per_hit"] == 2.0
+    assert ref[0]["class_bound_leaves_only_last_tier_writes_per_hit"] == 2.0
 
 
 def test_admission_rule_reports_its_hit_loss(three: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,6 +20,7 @@ BENCHES = {
     "hash": "tools.bench.hash",
     "index": "tools.bench.index",
     "nvme": "tools.bench.nvme",
+    "store": "tools.bench.store",  # the in-process put / get_into path (issue 20)
     "restart": "tools.bench.restart",
     "s3": "tools.bench.s3",  # starts its own moto_server on loopback
     "gpu_load": "tools.bench.gpu_load",

@@ -3,14 +3,22 @@
 Figures, each with a same-run baseline:
 
 * ``publish_block_events``: block events per second the publisher turns into ``KVEventBatch``
-  batches on a PUB socket with a subscriber reading (hooks called directly, chains of 32);
-  baseline: the event log (``EventLog.block``) writing the same events, the other sink of the
-  same hooks.
+  batches on a PUB socket with a subscriber reading (one hook call per chain of 32, as the store
+  makes one per put); baseline: the event log (``EventLog.block``) writing the same events, the
+  other sink of the same hooks.
 * ``datapath_with_publish``: put + get rounds per second through a daemon (TCP, 8 new blocks of
-  1 MiB a round as in the other daemon benchmarks, DRAM small enough to evict) with ``[events]
-  publish`` on; baseline: the same rounds on an identical daemon with it off, interleaved round
-  by round. Goal: ratio >= 0.99. ``events_per_s``: block events it published meanwhile.
-  ``datapath_with_publish_16k``: the same with 32 blocks of 16 KiB, the most events per byte.
+  1 MiB a round as in the other daemon benchmarks, DRAM small enough to evict: each block is
+  stored and later removed) with ``[events] publish`` on; baseline: the same rounds on an
+  identical daemon with it off, interleaved round by round. Goal: ratio >= 0.99.
+  ``events_per_s``: block events it published meanwhile. Wall time on a shared box moves by
+  more than 1% between two daemons, so a third one, also off, gives the noise floor
+  (``noise_ratio``: off2 / off, which a perfect publisher would match), and the row also
+  carries ``cpu_ratio``, the daemon's CPU time per round (every thread,
+  ``/proc/PID/task/*/schedstat``) with publishing over without (``cpu_noise_ratio``: the same
+  for off2), and ``publisher_cpu_share``, the publisher thread's own CPU time over the data
+  path's wall time (the daemon is Python: what that thread runs, the data path waits for, at
+  most). ``datapath_with_publish_16k``: the same with 32 blocks of 16 KiB, the most events per
+  byte.
 * ``router_lookup_128k``: ``Router.route_hashes`` for a 128K-token prompt (8,192 blocks of 16
   tokens) against an index of 1M blocks on 3 nodes, median; baseline: ``hash_blocks`` of the same
   prompt (what the engine pays to hash it anyway). ``with_hashing_ms``: ``Router.route`` from
@@ -113,8 +121,7 @@ def publish_capacity(n: int) -> dict[str, Any]:
             for i in range(0, n, 32):
                 chain = keys[i:i + 32]
                 pub.names(SMALL, chain, chain, 0)
-                for k in chain:
-                    pub.placed(k, 0, 0, None)
+                pub.blocks([("p", k, 0) for k in chain], None)
             hooks_s = time.perf_counter() - t0
             pub.flush(60.0)
             ours = time.perf_counter() - t0
@@ -135,27 +142,52 @@ def publish_capacity(n: int) -> dict[str, Any]:
             "batches": stats["batches"], "dropped": stats["dropped"], "received": got[0]}
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU time of every thread of ``pid`` so far (nanosecond schedstat, not 10 ms ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
 def datapath(rounds: int, ns: Namespace, per: int, dram: str) -> dict[str, Any]:
+    """Rounds on three identical daemons, interleaved (the order rotates): ``on`` publishes,
+    ``off`` and ``off2`` do not; ``off2`` / ``off`` is the noise floor of every ratio."""
     rng = np.random.default_rng(1)
-    with _daemon(True, dram) as on, _daemon(False, dram) as off, \
-            connect(on.url, plane="tcp") as c_on, connect(off.url, plane="tcp") as c_off:
-        for c in (c_on, c_off):
+    with _daemon(True, dram) as on, _daemon(False, dram) as off, _daemon(False, dram) as off2, \
+            connect(on.url, plane="tcp") as c_on, connect(off.url, plane="tcp") as c_off, \
+            connect(off2.url, plane="tcp") as c_off2:
+        clients = {"on": c_on, "off": c_off, "off2": c_off2}
+        pids = {"on": on.pid, "off": off.pid, "off2": off2.pid}
+        for c in clients.values():
             c.register_namespace(ns)
         dst = np.empty(per * ns.block_bytes, np.uint8)
-        times = {"on": 0.0, "off": 0.0}
+        times = dict.fromkeys(clients, 0.0)
+        cpu = dict.fromkeys(clients, 0.0)
+        names = list(clients)
+        start = control(on.url, "GET", "/v1/events")["stats"]
         for r in range(rounds + 5):
+            if r == 5:  # the first rounds warm them up
+                start = control(on.url, "GET", "/v1/events")["stats"]
             hashes = [bytes(h) for h in rng.integers(0, 256, (per, 16), dtype=np.uint8)]
             blocks = rng.integers(0, 256, per * ns.block_bytes, dtype=np.uint8)
-            order = (("on", c_on), ("off", c_off)) if r % 2 else (("off", c_off), ("on", c_on))
-            for name, c in order:
+            for name in names[r % 3:] + names[:r % 3]:
+                c = clients[name]
+                c0 = _cpu_s(pids[name])
                 t0 = time.perf_counter()
                 c.put(ns, hashes, blocks)
                 c.get_into(ns, hashes, dst)
-                if r >= 5:  # the first rounds warm both up
-                    times[name] += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                if r >= 5:
+                    times[name] += t1 - t0
+                    cpu[name] += _cpu_s(pids[name]) - c0
         stats = control(on.url, "GET", "/v1/events")["stats"]
-    return {"on": rounds / times["on"], "off": rounds / times["off"],
-            "events": stats["events"], "dropped": stats["dropped"], "seconds": times["on"]}
+    return {"on": rounds / times["on"], "off": rounds / times["off"], "off2": rounds / times["off2"],
+            "cpu_ratio": cpu["on"] / cpu["off"], "cpu_noise": cpu["off2"] / cpu["off"],
+            "publisher_cpu_share": (stats["cpu_s"] - start["cpu_s"]) / times["on"],
+            "events": stats["block_events"] - start["block_events"], "dropped": stats["dropped"],
+            "wakeups": stats["wakeups"] - start["wakeups"], "seconds": times["on"]}
 
 
 def router_lookup(total_blocks: int, repeat: int) -> dict[str, Any]:
@@ -245,14 +277,20 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     yield result("route", "publish_block_events", p["ours"], "events/s", p["base"],
                  baseline_is="the event log writing the same events", hook_us=round(p["hook_us"], 3),
                  batches=p["batches"], dropped=p["dropped"])
-    dp = datapath(10 if quick else 150, BENCH_NS, 8, "128MiB")
-    yield result("route", "datapath_with_publish", dp["on"], "rounds/s", dp["off"], goal_ratio=0.99,
-                 events_per_s=round(dp["events"] / dp["seconds"]), dropped=dp["dropped"],
-                 round="put + get of 8 new 1 MiB blocks over TCP (the daemon benchmarks' block)")
-    dp = datapath(20 if quick else 300, SMALL, 32, "32MiB")
-    yield result("route", "datapath_with_publish_16k", dp["on"], "rounds/s", dp["off"],
-                 events_per_s=round(dp["events"] / dp["seconds"]), dropped=dp["dropped"],
-                 round="put + get of 32 new 16 KiB blocks over TCP (the worst case: events per byte)")
+    for metric, rounds, ns, per, dram, what in (
+        ("datapath_with_publish", 10 if quick else 300, BENCH_NS, 8, "128MiB",
+         "put + get of 8 new 1 MiB blocks over TCP (the daemon benchmarks' block)"),
+        ("datapath_with_publish_16k", 20 if quick else 600, SMALL, 32, "32MiB",
+         "put + get of 32 new 16 KiB blocks over TCP (the worst case: events per byte)"),
+    ):
+        dp = datapath(rounds, ns, per, dram)
+        yield result("route", metric, dp["on"], "rounds/s", dp["off"],
+                     goal_ratio=0.99 if metric == "datapath_with_publish" else None,
+                     noise_ratio=round(dp["off2"] / dp["off"], 4),
+                     cpu_ratio=round(dp["cpu_ratio"], 4), cpu_noise_ratio=round(dp["cpu_noise"], 4),
+                     publisher_cpu_share=round(dp["publisher_cpu_share"], 5),
+                     events_per_s=round(dp["events"] / dp["seconds"]), wakeups=dp["wakeups"],
+                     dropped=dp["dropped"], round=what)
     lk = router_lookup(100_000 if quick else 1_000_000, 20 if quick else 200)
     yield result("route", "router_lookup_128k", lk["lookup_ms"], "ms", lk["hash_ms"],
                  baseline_is="hash_blocks of the same 128K tokens", with_hashing_ms=round(lk["full_ms"], 4),

@@ -3,8 +3,8 @@
 Figure: ``Client.get_into`` with ``plane="ucx"`` of 64 blocks of 1 MiB from a daemon on
 loopback (listener endpoints with peer error handling: see docs/daemon.md for why). Two
 baselines, same run, interleaved: a raw ucxx listener process sending the same number of 1 MiB
-messages per request to a ucxx endpoint of this process (the same kind of endpoint: what UCX
-itself reaches here), and a raw socket ``recv_into`` of the same bytes from a sender process
+messages per request to a ucxx endpoint of this process, all posted at once on both sides as
+the daemon and the client do (the same kind of endpoint: what UCX itself reaches here), and a raw socket ``recv_into`` of the same bytes from a sender process
 (the issue's yardstick, as for ``tcp``). Goal: >= 80% of each.
 Needs ucxx (``pip install 'kvstore[ucx]'``); without it the benchmark prints why and no rows.
 """
@@ -28,7 +28,7 @@ from tools.bench._daemon import BENCH_NS, TOKEN, bench_daemon, chain
 
 _RAW_SENDER = """
 import asyncio, sys
-from kvstore.ucxenv import apply_ucx_env
+from kvstore.ucxenv import apply_ucx_env, transfer_all
 apply_ucx_env()  # the same UCX settings as the daemon and the client
 import numpy as np, ucxx
 n, bb = int(sys.argv[1]), int(sys.argv[2])
@@ -40,8 +40,7 @@ async def main():
         try:
             while True:
                 await ep.recv(req)
-                for _ in range(n):
-                    await ep.send(src)
+                await transfer_all([ep.send(src) for _ in range(n)])  # as the daemon sends
         except Exception:
             done.set()
     lf = ucxx.create_listener(handler, port=0, endpoint_error_handling=True)
@@ -53,7 +52,7 @@ asyncio.run(main())
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     try:
-        from kvstore.ucxenv import apply_ucx_env
+        from kvstore.ucxenv import apply_ucx_env, transfer_all
 
         apply_ucx_env()  # the client's UCX settings, before ucxx is imported
         import ucxx
@@ -80,8 +79,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
         async def raw_round() -> None:
             await ep.send(np.zeros(1, np.uint8))
-            for v in views:
-                await ep.recv(v)
+            await transfer_all([ep.recv(v) for v in views])  # as the client receives
 
         sock_sender = subprocess.Popen([sys.executable, "-c", tcp.RAW_SENDER, str(n * bb)], stdout=subprocess.PIPE, text=True)
         assert sock_sender.stdout is not None

@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--class-bound", action="store_true", help="also the best hit rate of any policy that ranks by block class and age with perfect statistics (an upper bound for learned policies; slower)")
     p.add_argument("--class-features", default="", metavar="F,F", help=f"with --class-bound: request features added to the class ({', '.join(EXTRA_FEATURES)}); finer classes are partly memorised, see docs/eviction.md")
     p.add_argument("--opt-ties", choices=("deep", "shallow"), default="deep", help="Belady tie-break (shallow reproduces traces/README.md exactly; deep is the prefix-closed optimum)")
-    p.add_argument("--admission", default="all", help="admission rule of the last tier (all, reuse; eviction/admission.py)")
+    p.add_argument("--admission", default=StoreConfig().admission,
+                   help="admission rule of the last tier (all, reuse; eviction/admission.py; default: the store's default, %(default)s)")
     p.add_argument("--admission-option", action="append", default=[], metavar="KEY=VALUE", help="an option of the admission rule's Config")
     p.add_argument("--economics", action="store_true", help="also hits and writes by tier, with Belady-first-tier and admission-oracle references (tools/replay/economics.py)")
     p.add_argument("--json", action="store_true", help="one JSON object per (policy, capacity) on stdout")

@@ -11,8 +11,11 @@ each hit (cost). Per (policy, capacity) the replay reports:
 * with an admission rule other than ``all``: the hits it lost against the same policy storing
   everything, and the writes it saved (``skipped_writes``);
 * offline references: Belady on the first tier (deepest-first ties, as bounds.belady) for the
-  share of hits the fast tier could serve, and an admission oracle (:class:`OracleAdmission`)
-  that writes into the last tier only blocks read again, which loses no hit.
+  share of hits the fast tier could serve, an admission oracle (:class:`OracleAdmission`)
+  that writes into the last tier only blocks read again, which loses no hit, and the class
+  bound of admission (:func:`admission_class_bound`): the fewest last-tier writes per hit of any
+  rule that decides by the classes the online ``reuse`` rule learns (hits so far x depth x idle
+  time x shape), given every class's exact share of blocks read again, at a hit loss within 1%.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from eviction.admission import Admission
+from eviction.admission import Admission, block_class
 from kvstore.registry import register_admission
 from tools.replay.bounds import next_use, unlimited
 from tools.replay.sim import _EPOCH, StoreRun, TierCapacity
@@ -50,6 +53,7 @@ def register_future(name: str, last_access_s: np.ndarray) -> None:
     """Make ``last_access_s`` (per block id) known to :class:`OracleAdmission` as ``name``."""
     _FUTURES[name] = last_access_s
     register_admission("oracle", "tools.replay.economics:OracleAdmission")
+    register_admission("record", "tools.replay.economics:ClassRecorder")
 
 
 class OracleAdmission(Admission):
@@ -76,6 +80,54 @@ class OracleAdmission(Admission):
     def admit(self, bid: int, now: float) -> bool:
         b = int.from_bytes(self.view.hash_of(bid), "little")
         return bool(self.last[b] >= now)
+
+
+_RECORDS: dict[str, ClassRecorder] = {}
+
+
+class ClassRecorder(OracleAdmission):
+    """Admits everything (the store-all run) and records, per decision, the class the ``reuse``
+    rule would learn it in and whether the trace reads the block again."""
+
+    name = "record"
+    inner = True
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(config)
+        self.inner = True
+        self.classes: list[int] = []
+        self.reused: list[bool] = []
+        self.leaf: list[bool] = []
+        _RECORDS[config.future] = self
+
+    def admit(self, bid: int, now: float) -> bool:
+        v = self.view
+        leaf = not int(v.children[bid])
+        self.classes.append(block_class(int(v.hits[bid]), int(v.depth[bid]), now - float(v.last_access[bid]), 0 if leaf else 2))
+        self.reused.append(super().admit(bid, now))
+        self.leaf.append(leaf)
+        return True
+
+
+def admission_class_bound(classes: np.ndarray, reused: np.ndarray, lost_allowed: float, may_skip: np.ndarray | None = None) -> int:
+    """The fewest writes of a rule that skips whole classes (by their exact share of blocks read
+    again, least read first) while the skipped blocks read again stay within ``lost_allowed``;
+    ``may_skip`` limits which decisions it may skip (leaves only). Each skipped block read again
+    counts as one lost hit (a hollow inner block can cost more: optimistic, so a bound)."""
+    if may_skip is not None:
+        forced = int((~may_skip).sum())
+        classes, reused = classes[may_skip], reused[may_skip]
+    else:
+        forced = 0
+    if not classes.size:
+        return forced
+    _, inv = np.unique(classes, return_inverse=True)
+    n = np.bincount(inv)
+    r = np.bincount(inv, weights=reused.astype(np.float64))
+    order = np.argsort(r / n, kind="stable")  # least read again first: skipped first
+    lost, skipped = np.cumsum(r[order]), np.cumsum(n[order])
+    k = int(np.searchsorted(lost, lost_allowed, side="right"))  # classes skipped within the budget
+    return forced + int(n.sum() - (skipped[k - 1] if k else 0))
 
 
 def last_access_s(trace: Trace, epoch: float) -> np.ndarray:
@@ -144,20 +196,25 @@ def report(
     """The economics rows of one capacity: one per policy run, then the offline references.
     ``replay(policy, admission=..., admission_options=...)`` runs the store again when a comparison
     needs it (the same policy storing everything; the oracle)."""
+    first = next(iter(runs))
+    key = f"{trace.name}@{spec}"
+    register_future(key, last_access_s(trace, _EPOCH))
+    # The first policy storing everything, recording each last-tier decision for the class bound.
+    recorded = tier_figures(tiers, replay(first, admission="record", admission_options={"future": key}), block_bytes)
+    rec = _RECORDS.pop(key)
     rows = []
     for name, run in runs.items():
         row = {"trace": trace.name, "capacity": spec, "policy": name, "admission": admission,
                **tier_figures(tiers, run, block_bytes)}
         if admission != "all":
-            base = replay(name, admission="all", admission_options={})
-            b = tier_figures(tiers, base, block_bytes)
+            b = recorded if name == first else tier_figures(tiers, replay(name, admission="all", admission_options={}), block_bytes)
             row["hit_loss"] = round(1 - row["hit_blocks"] / max(b["hit_blocks"], 1), 6)
             row["store_all_last_tier_writes_per_hit"] = b["last_tier_writes_per_hit"]
         rows.append(row)
-    first = next(iter(runs))
-    key = f"{trace.name}@{spec}"
-    register_future(key, last_access_s(trace, _EPOCH))
     oracle = tier_figures(tiers, replay(first, admission="oracle", admission_options={"future": key}), block_bytes)
+    classes, reused, leaf = (np.array(c) for c in (rec.classes, rec.reused, rec.leaf))
+    allowed = 0.01 * recorded["hit_blocks"]
+    per_hit = max(recorded["hit_blocks"], 1)
     served = unlimited(trace) if len(tiers) > 1 else runs[first].hits
     dram = belady_tier_hits(trace, tiers[0].blocks, served)
     rows.append({
@@ -166,6 +223,9 @@ def report(
         "oracle_policy": first,
         "oracle_last_tier_writes_per_hit": oracle["last_tier_writes_per_hit"],
         "oracle_hit_blocks": oracle["hit_blocks"],
+        "class_bound_last_tier_writes_per_hit": round(admission_class_bound(classes, reused, allowed) / per_hit, 6),
+        "class_bound_leaves_only_last_tier_writes_per_hit": round(
+            admission_class_bound(classes, reused, allowed, leaf if leaf.size else None) / per_hit, 6),
     })
     for row in rows:
         emit(row, as_json)
@@ -179,7 +239,9 @@ def emit(row: dict[str, Any], as_json: bool) -> None:
     head = f"{row['trace']:<14} {row['capacity']:>10} {row['policy']:<9}"
     if row["policy"] == "reference":
         print(f"{head} Belady first-tier hit share {row['belady_first_tier_hit_share']:.3f}  oracle admission "
-              f"({row['oracle_policy']}) last-tier writes/hit {row['oracle_last_tier_writes_per_hit']:.3f}", flush=True)
+              f"({row['oracle_policy']}) last-tier writes/hit {row['oracle_last_tier_writes_per_hit']:.3f}  class bound "
+              f"at 1% hit loss {row['class_bound_last_tier_writes_per_hit']:.3f} (leaves only "
+              f"{row['class_bound_leaves_only_last_tier_writes_per_hit']:.3f})", flush=True)
         return
     shares = " ".join(f"{k} {v:.3f}" for k, v in row["hit_share_by_tier"].items())
     writes = " ".join(f"{k} {v}" for k, v in row["writes_by_tier"].items())

@@ -93,11 +93,12 @@ def replay_store(
     ttl_s: float | None = None,
     progress: Callable[[int], None] | None = None,
     events_dir: Path | None = None,
-    admission: str = "all",
+    admission: str | None = None,
     admission_options: dict[str, Any] | None = None,
 ) -> StoreRun:
     """Run ``trace`` through a KVStore with null tiers of the given capacities; with
-    ``events_dir`` the store writes its event log there (for ``tools.kvreport``)."""
+    ``events_dir`` the store writes its event log there (for ``tools.kvreport``). ``admission``
+    is the last tier's rule (default: the store's)."""
     # A namespace whose blocks are as small as the store allows: the null tiers check sizes
     # and keep none of the bytes, so only the per-call overhead is left.
     ns = Namespace("replay/" + trace.name, KVLayout("uint8", block_tokens, (LayerGroup("full", 1, 1, 1),)))
@@ -115,7 +116,7 @@ def replay_store(
             tiers=tuple(TierSpec(t.name, "null", {"capacity_blocks": t.blocks}) for t in tiers),
             policy=policy,
             policy_options=policy_options or {},
-            admission=admission,
+            admission=admission or StoreConfig().admission,
             admission_options=admission_options or {},
             persist_on_close=False,
             # A replay outruns the log writer: a deep queue, so that no record is dropped.

@@ -65,6 +65,25 @@ def test_shm_lease_views_are_zero_copy_and_read_only(start_daemon: Callable[...,
         c.acquire(SMALL_NS, chain)
 
 
+def test_a_release_reaches_the_daemon_before_the_next_call(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    """A shared-memory load gives its lease back without waiting for the reply; the reply is
+    read before the next call on either plane, so nothing the client sends next finds the
+    blocks still in use (a delete keeps in-use blocks)."""
+    d = start_daemon()
+    chain = chain_for(6, 4)
+    with connect(d.url, plane="shm") as c:
+        c.put(SMALL_NS, chain, _blocks(chain))
+        out = np.zeros(4 * BB, np.uint8)
+        for _ in range(3):  # data-plane calls after a release read its reply first
+            assert c.get_into(SMALL_NS, chain, out) == 4
+        assert np.array_equal(out, _blocks(chain))
+        assert c.delete(SMALL_NS, chain[:1]) == 4  # a control call: every lease is back
+        c.put(SMALL_NS, chain, _blocks(chain))
+        lease = c.acquire(SMALL_NS, chain)
+        lease.release()
+        assert c.delete(SMALL_NS, chain[:1]) == 4
+
+
 def test_a_refused_connection_raises_at_once_without_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing listens on port 9: the refusal is the answer. No retry, no back-off sleep (an
     engine's first call after its daemon died must not wait for them)."""

@@ -36,13 +36,13 @@ def daemon_config(root: Path, *, tiers: tuple[TierSpec, ...] | None = None, **ev
 
 @contextmanager
 def daemons(tmp: Path) -> Iterator[Callable[..., ThreadedDaemon]]:
-    """``start(name, tenants=(), tiers=None, clock=..., **events)``: publishing daemons, each
+    """``start(name, tenants=(), tiers=None, clock=..., ucx=False, **events)``: publishing daemons, each
     on ``tmp/name``, stopped at the end (one already stopped is skipped)."""
     started: list[ThreadedDaemon] = []
 
     def start(name: str, tenants: tuple[TenantSpec, ...] = (), tiers: tuple[TierSpec, ...] | None = None,
-              clock: Clock = system_clock, **events: Any) -> ThreadedDaemon:
-        cfg = ServerConfig(http_port=0, data_port=0, ucx_port=0, tenants=tenants)
+              clock: Clock = system_clock, ucx: bool = False, **events: Any) -> ThreadedDaemon:
+        cfg = ServerConfig(http_port=0, data_port=0, ucx_port=0, tenants=tenants, ucx=ucx)
         d = ThreadedDaemon(daemon_config(tmp / name, tiers=tiers, **events), cfg, clock=clock)
         started.append(d)
         return d
@@ -60,7 +60,7 @@ class Tap:
     every hook that ran before a replay request, then answers it)."""
 
     def __init__(self, replay: str, username: str | None = None, password: str | None = None,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 60.0) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -164,7 +164,7 @@ def test_the_router_resyncs_after_a_daemon_restart(start: Callable[..., Threaded
             serve(c, SMALL_NS, other)
         # The live stream (a heartbeat a second at least) shows the new epoch; the feed forgets
         # what a said and replays its new stream from 0.
-        assert eventually(lambda: router.poll(0.2) >= 0 and router.stats()["nodes"]["a"]["restarts"] == 1)
+        assert eventually(lambda: router.poll(0.2) >= 0 and router.stats()["nodes"]["a"]["restarts"] == 1, 60.0)
         router.refresh()
         r = router.route(SMALL_NS, prompt)
         assert (r.node, r.blocks, r.tiers) == ("a", 6, {"nvme": 6})

@@ -29,10 +29,11 @@ def daemon(tmp_path: Path) -> Iterator[ThreadedDaemon]:
 
 
 def test_a_subscriber_built_from_vllm_classes_decodes_the_stream(daemon: ThreadedDaemon) -> None:
-    hs = hash_blocks(SMALL_NS, np.arange(20 * SMALL_NS.block_tokens, dtype=np.int32))
+    tokens = np.arange(20 * SMALL_NS.block_tokens, dtype=np.int32)
+    hs = hash_blocks(SMALL_NS, tokens)
     with connect(daemon.url) as c:  # 20 blocks into a 16-block DRAM: demotions and removals too
         c.register_namespace(SMALL_NS)
-        c.put(SMALL_NS, hs, [bytes(BB)] * len(hs))
+        c.put(SMALL_NS, hs, [bytes(BB)] * len(hs), tokens=tokens)
         c.delete(SMALL_NS, hs[18:])
     ep = daemon.info["events"]
     decoder = msgspec.msgpack.Decoder(type=vllm_events.KVEventBatch)
@@ -56,7 +57,9 @@ def test_a_subscriber_built_from_vllm_classes_decodes_the_stream(daemon: Threade
         for ev in batch.events:
             kinds.append(type(ev).__name__)
             if isinstance(ev, vllm_events.BlockStored):
-                assert ev.block_size == SMALL_NS.block_tokens and ev.token_ids == []
+                # vLLM's layout: the tokens of every block of the event, in order.
+                want = [int(t) for h in ev.block_hashes for t in tokens[hs.index(h) * 16:][:16]]
+                assert ev.block_size == SMALL_NS.block_tokens and ev.token_ids == want
                 for h in ev.block_hashes:
                     stored.setdefault(h, set()).add(ev.medium)
             elif isinstance(ev, vllm_events.BlockRemoved):

@@ -159,7 +159,7 @@ def test_metrics_report_hits_tiers_and_latencies(start_daemon: Callable[..., Thr
     assert 'kvstore_hit_blocks_total{tier="dram"} 3.0' in text
     assert 'kvstore_tier_capacity_bytes{tier="nvme"}' in text
     assert 'kvstore_evictions_total{reason="expiry"}' in text
-    assert "kvstore_skipped_writes_total 0.0" in text  # admission is "all" by default
+    assert "kvstore_skipped_writes_total 0.0" in text  # nothing for admission to skip yet
     assert 'kvstore_request_seconds_count{op="get",plane="tcp"} 1.0' in text
     assert 'kvstore_bytes_total{direction="out",plane="tcp"} 12288.0' in text
 

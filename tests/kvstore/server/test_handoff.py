@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from kvstore.route import offer, receive
 from kvstore.route._http import control
 from kvstore.server.daemon import ThreadedDaemon
 from tests.conftest import SMALL_NS
+from tests.kvstore.conftest import TENANTS, TOKEN_A, TOKEN_B, TOKEN_OPS
 from tests.kvstore.route.tap import daemons, fake_kv
 
 BT = SMALL_NS.block_tokens
@@ -36,11 +38,11 @@ def prefill(prompt: np.ndarray) -> tuple[list[bytes], np.ndarray]:
     return hashes, np.concatenate([fake_kv(SMALL_NS, prompt, b) for b in range(len(hashes))])
 
 
-def decode(url: str, prompt: np.ndarray, rid: str) -> tuple[np.ndarray, object]:
+def decode(url: str, prompt: np.ndarray, rid: str, **how: Any) -> tuple[np.ndarray, object]:
     """A decode engine: load the handoff, recompute whatever did not come."""
     hashes = hash_blocks(SMALL_NS, prompt)
     kv = np.zeros(len(hashes) * BB, dtype=np.uint8)
-    got = receive(url, SMALL_NS, hashes, kv, rid)
+    got = receive(url, SMALL_NS, hashes, kv, rid, timeout=60.0, **how)  # (a loaded CI box is slow, not down)
     for b in range(got.blocks, len(hashes)):
         kv[b * BB:(b + 1) * BB] = fake_kv(SMALL_NS, prompt, b)
     return kv, got
@@ -155,3 +157,41 @@ def test_a_killed_prefill_daemon_keeps_durable_handoffs_and_reports_volatile_one
         assert "1 handoffs lost in the restart: vol" in d2.log()
     finally:
         d2.stop()
+
+
+def ucx_bytes_out(url: str) -> float:
+    """What the daemon at ``url`` sent over its UCX plane (Prometheus ``/metrics``)."""
+    import urllib.request
+
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN_OPS}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvstore_bytes_total{") and 'plane="ucx"' in line and 'direction="out"' in line)
+
+
+def test_a_handoff_over_ucx_works_both_ways(start: Callable[..., ThreadedDaemon]) -> None:
+    """The decode side loads over UCX (ucxx's TCP transport on loopback here); the bytes it
+    gets are the prefill side's, and the prefill daemon's UCX plane is what sent them."""
+    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore[ucx]')")
+    nodes = [start("p", tenants=TENANTS, ucx=True), start("q", tenants=TENANTS, ucx=True)]
+    for k, (pre, dec) in enumerate([(nodes[0], nodes[1]), (nodes[1], nodes[0])]):
+        token = (TOKEN_A, TOKEN_B)[k]
+        prompt = np.arange(6 * BT + 5, dtype=np.int32) + 1000 * k
+        hashes, kv = prefill(prompt)
+        with connect(pre.url, token=token) as c:
+            c.register_namespace(SMALL_NS)
+            offer(c, SMALL_NS, hashes, kv, f"ucx-{k}", ttl_s=30, token=token)
+        before = ucx_bytes_out(pre.url)
+        got_kv, got = decode(pre.url, prompt, f"ucx-{k}", plane="ucx", token=token)
+        assert got.state == "released" and not got.recompute and got.blocks == len(hashes)  # type: ignore[attr-defined]
+        assert np.array_equal(got_kv, kv)
+        assert ucx_bytes_out(pre.url) - before == len(hashes) * BB
+        assert not [p for p in control(pre.url, "GET", "/v1/pins", token=token)["pins"]]
+        # The decode node's own daemon never saw the KV: it came from the prefill node.
+        assert dec.url != pre.url
+    # Unreachable over UCX too: the prefill node is gone, the decode side recomputes.
+    url = nodes[0].url
+    nodes[0].stop()
+    _, got = decode(url, np.arange(2 * BT, dtype=np.int32), "ucx-gone", plane="ucx", token=TOKEN_A)
+    assert got.state == "unreachable" and got.recompute and got.blocks == 0  # type: ignore[attr-defined]

@@ -105,3 +105,17 @@ def test_fuzz_a_block_count_that_lies_is_refused(ns: bytes, n: int, tail: bytes)
         assert e.code in (P.ErrorCode.BAD_FRAME, P.ErrorCode.TOO_LARGE)
     else:
         assert len(r.hashes) == n and len(tail) == 16 * n
+
+
+def test_put_flags_carry_durable_and_tokens_and_refuse_the_rest() -> None:
+    ns, hashes = b"n" * 16, [bytes([i]) * 16 for i in range(3)]
+    for durable in (False, True):
+        for tokens in (False, True):
+            r = P.parse_put(P.encode_put(ns, hashes, 1, durable, tokens=tokens), 64)
+            assert (r.durable, r.tokens) == (durable, tokens)
+            r = P.parse_put(P.encode_put(ns, hashes, 1, durable, 0, [7, 8], tokens=tokens), 64, shm=True)
+            assert (r.durable, r.tokens, r.checksums) == (durable, tokens, (7, 8))
+    meta = bytearray(P.encode_put(ns, hashes, 1, False))
+    meta[16 + 8] = 4  # a flag no daemon knows
+    with pytest.raises(P.ProtocolError, match="unknown put flags"):
+        P.parse_put(bytes(meta), 64)

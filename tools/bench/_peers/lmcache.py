@@ -18,7 +18,9 @@ Backends (LRU, LMCache's default ``cache_policy``, everywhere):
   ``local_cpu`` off.
 
 Disk and Redis writes run in LMCache's background; :meth:`store` waits until a lookup in that
-backend finds the whole request (that wait is in the store figure). With ``local_cpu`` off the
+backend finds the whole request (that wait is in the store figure; a request still not whole
+after ``SETTLE_TIMEOUT_S`` is counted in ``unsettled_stores`` and its lookups then report the
+missing tokens: at 4K Redis lost requests that way). With ``local_cpu`` off the
 CPU pool only stages, and concurrent retrieves each take part of it and wait for the rest
 (seen: 8 clients on Redis waited forever), so there one engine serves one call at a time, as
 vLLM calls it from one thread per worker; the CPU backend's retrieves run concurrently.
@@ -41,7 +43,7 @@ from tools.bench._peers.base import Adapter, PeerUnavailable
 from tools.bench._peers.procs import redis_server
 from tools.bench._peers.workload import Request, Workload
 
-SETTLE_TIMEOUT_S = 300.0
+SETTLE_TIMEOUT_S = 60.0
 CLOSE_WAIT_S = 30.0
 GiB = float(1 << 30)
 
@@ -115,6 +117,7 @@ class _LMCache(Adapter):
         conn = _connector_class()(shape, g.token_bytes)
         self.engine = LMCacheEngineBuilder.get_or_create(self._id, cfg, md, conn, lambda t, r: None, lambda o, r: o)
         self.engine.post_init()
+        self.unsettled = 0  # stores the backend did not hold within SETTLE_TIMEOUT_S
         self._lock: contextlib.AbstractContextManager[Any] = threading.Lock() if self.serial else contextlib.nullcontext()
 
     def _tokens(self, req: Request) -> Any:
@@ -127,8 +130,9 @@ class _LMCache(Adapter):
         if self.backend != "LocalCPUBackend":
             deadline = time.monotonic() + SETTLE_TIMEOUT_S
             while self.engine.lookup(tokens, search_range=[self.backend]) < len(tokens):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"LMCache's {self.backend} did not hold the request {SETTLE_TIMEOUT_S:.0f} s after store")
+                if time.monotonic() > deadline:  # lost on the way (Redis evicted it?): counted, and
+                    self.unsettled += 1          # the lookups after report the missing tokens
+                    return
                 time.sleep(0.001)
 
     def lookup(self, req: Request) -> int:
@@ -154,7 +158,7 @@ class _LMCache(Adapter):
             self._builder.destroy(self._id)
 
     def info(self) -> dict[str, Any]:
-        return {"lmcache_version": self._version}
+        return {"lmcache_version": self._version, "unsettled_stores": self.unsettled}
 
 
 class LocalCpu(_LMCache):

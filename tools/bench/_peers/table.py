@@ -9,6 +9,7 @@ runs).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -48,15 +49,19 @@ def tables(runs: list[list[dict[str, Any]]]) -> str:
             if not st:
                 gone = [r for k, v in by.items() if k.startswith(f"{peer}_{size}_") and k.endswith(("unavailable", "failed")) for r in v]
                 if gone:
-                    out.append(f"| {peer} | {gone[0]['status']}: {gone[0]['error'][:120]} | | | | | |")
+                    why = gone[0]["error"].split("; log:")[0].splitlines()[0][:160].replace("|", "/")
+                    out.append(f"| {peer} | {gone[0]['status']} ({len(gone)} of {n} runs): {why} | | | | | |")
                 continue
             lk = by.get(f"{peer}_{size}_lookup", [])
             p99 = [r for k, v in by.items() if k.startswith(f"{peer}_{size}_retrieve_p99_") and not k.endswith("skipped") for r in v]
+            skipped = [r for k, v in by.items() if k.startswith(f"{peer}_{size}_retrieve_p99_") and k.endswith("skipped") for r in v]
+            why = "not run (long requests)" if any("long" in r["error"] for r in skipped) else "skipped (one call at a time)"
             bad = [r for r in st + rt if not r.get("verified", True)]
-            name = peer + (" (bytes NOT verified in a run)" if bad else "")
+            name = peer + (" (lost cached requests: missing tokens)" if any(r["missing_tokens"] for r in bad) else "")
+            name += " (WRONG BYTES)" if any(r["wrong_chunks"] for r in bad) else ""
             out.append(f"| {name} | {spread([r['value'] for r in st], n)} | {spread([r['value'] for r in rt], n)} | "
-                       f"{spread([r['baseline'] for r in st + rt], 2 * n)} | {spread([r['value'] for r in lk], n, 3)} | "
-                       f"{spread([r['value'] for r in p99], n, 0) if p99 else 'skipped (one call at a time)'} | "
+                       f"{spread([r['baseline'] for r in st + rt], 2 * len(st))} | {spread([r['value'] for r in lk], n, 3)} | "
+                       f"{spread([r['value'] for r in p99], n, 0) if p99 else why} | "
                        f"{spread([r['baseline'] for r in p99], n, 0) if p99 else '—'} |")
         out.append("\n| kvstore against | store: ratio | retrieve: ratio | goal | runs meeting it (store, retrieve) |")
         out.append("|---|---|---|---|---|")
@@ -64,10 +69,13 @@ def tables(runs: list[list[dict[str, Any]]]) -> str:
             if not k.endswith(f"_{size}_store") or "_vs_" not in k:
                 continue
             pair = k[: -len(f"_{size}_store")]
-            s, r = by[k], by.get(f"{pair}_{size}_retrieve", [])
-            goal = s[0].get("goal_ratio")
-            met = f"{sum(x['ratio'] >= goal for x in s)}, {sum(x['ratio'] >= goal for x in r)} of {len(s)}" if goal else ""
-            out.append(f"| {pair.replace('_vs_', ' vs ')} | {spread([x['ratio'] for x in s], n)} | "
+            s_all, r_all = by[k], by.get(f"{pair}_{size}_retrieve", [])
+            s, r = ([x for x in xs if "ratio" in x and math.isfinite(x["ratio"]) and x["baseline"]] for xs in (s_all, r_all))
+            goal = s_all[0].get("goal_ratio")
+            met = f"{sum(x['ratio'] >= goal for x in s)} of {len(s)}, {sum(x['ratio'] >= goal for x in r)} of {len(r)}" if goal else ""
+            lost = len(s_all) + len(r_all) - len(s) - len(r)
+            note = f" ({lost} not comparable: a store lost cached requests)" if lost else ""
+            out.append(f"| {pair.replace('_vs_', ' vs ')}{note} | {spread([x['ratio'] for x in s], n)} | "
                        f"{spread([x['ratio'] for x in r], n)} | {'≥ ' + str(goal) if goal else ''} | {met} |")
     return "\n".join(out)
 

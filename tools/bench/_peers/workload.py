@@ -78,6 +78,8 @@ class Workload:
     clients: int = 8
     per_client: int = 2
     """Retrieves per client in the concurrent phase."""
+    concurrent: bool = True
+    """Run the concurrent phase (off: the rows say it was not run)."""
     geometry: Geometry = field(default_factory=Geometry)
     scratch: str = "."
     """A directory on the disk for stores that write files (LMCache's disk backend)."""
@@ -248,7 +250,7 @@ def drive(adapter: Adapter, w: Workload) -> Figures:
         f.memcpy_gbps.append(memcpy_gbps(buf, scratch))
 
     del scratch
-    if not adapter.serial:
+    if w.concurrent and not adapter.serial:
         _concurrent(adapter, w, f, cached, buf, sums)
     return f
 
