@@ -131,9 +131,17 @@ def _start_unmapper() -> None:
             _UNMAPPER[0].start()
 
 
+# A lost arena is unmapped this long after the call that lost it: munmap of a large mapping holds
+# the process's memory-map lock (and, for an mmap object, the GIL), so unmapping at once stalled
+# the engine's next calls by several milliseconds (`tools.bench outage`, first call after a kill).
+_UNMAP_DELAY_S = 1.0
+
+
 def _unmap_forever() -> None:
     while True:
-        _unmap(*_UNMAPS.get())
+        arena, staging = _UNMAPS.get()
+        time.sleep(_UNMAP_DELAY_S)
+        _unmap(arena, staging)
 
 
 def _local_node_id() -> str:
