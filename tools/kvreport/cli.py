@@ -102,9 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.write_text(render(report, args.title, sources))
         if not args.json:
             lk = report["lookups"]
+            looked = (f"{lk['requests']:,} lookups, token hit rate {100 * lk['token_hit_rate']:.1f}%"
+                      if lk["requests"] else "no lookups")
             print(f"kvreport: wrote {out}: {report['requests']:,} loads, token hit rate "
                   f"{100 * report['token_hit_rate']:.1f}% (unlimited cache {100 * report['ideal']['token_hit_rate']:.1f}%), "
-                  f"{lk['requests']:,} lookups, token hit rate {100 * lk['token_hit_rate']:.1f}%, "
+                  f"{looked}, "
                   f"{report['savings']['gpu_seconds'] / 3600:,.2f} GPU-hours saved")
     return 0
 
