@@ -21,10 +21,8 @@ before; one that lost blocks is reported ``lost`` (``GET /v1/handoffs/{id}``), a
 side recomputes. Every method blocks (store I/O): the event loop calls them in the pool.
 """
 
-import contextlib
 import json
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -46,6 +44,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import Namespace
 from kvstore.server.service import Service, Tenant
+from kvstore.store import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -74,20 +73,6 @@ class Handoff:
         return {"request_id": self.request_id, "ns": self.ns, "blocks": len(self.keys),
                 "deadline": self.deadline, "durable": self.durable, "state": self.state,
                 "reason": self.reason}
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise TierIOError(f"cannot write {path}: {e.strerror}; check the store directory") from e
 
 
 class Handoffs:
@@ -219,7 +204,7 @@ class Handoffs:
 
     def _save(self) -> None:
         data = json.dumps([asdict(h) for h in self._open.values()], separators=(",", ":")).encode()
-        _write_atomic(self.path, data)
+        atomic_write(self.path, data)
 
     def _load(self) -> None:
         """Handoffs recorded before a restart: whole ones stay ready, the others are lost."""

@@ -8,8 +8,9 @@
 from kvstore.api import Lease, LookupResult
 from kvstore.buffers import dst_views as _dst_views
 from kvstore.buffers import src_views as _src_views
+from kvstore.store._common import atomic_write
 from kvstore.store.core import KVStore
 from kvstore.store.ledger import StoreCounters
 from kvstore.store.namespaces import NAMESPACES_FILE, read_namespaces
 
-__all__ = ["NAMESPACES_FILE", "KVStore", "Lease", "LookupResult", "StoreCounters", "_dst_views", "_src_views", "read_namespaces"]
+__all__ = ["NAMESPACES_FILE", "KVStore", "atomic_write", "Lease", "LookupResult", "StoreCounters", "_dst_views", "_src_views", "read_namespaces"]
