@@ -35,10 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -61,7 +58,7 @@ from kvstore.server.kvevents import KVEventPublisher
 from kvstore.store import KVStore
 from tools.bench._common import result
 from tools.bench._daemon import BENCH_NS
-from tools.bench.tcp import RAW_SENDER, raw_round
+from tools.bench.tcp import raw_round, raw_sender
 
 SMALL = Namespace("bench/route-16k", KVLayout("bfloat16", 32, (LayerGroup("full", 2, 2, 32),)))
 """16 KiB a block: many blocks per byte, so the per-block cost of publishing shows."""
@@ -239,33 +236,24 @@ def handoff(rounds: int) -> dict[str, Any]:
     hashes = hash_blocks(HANDOFF, tokens)
     kv = np.random.default_rng(6).integers(0, 256, len(hashes) * HANDOFF.block_bytes, dtype=np.uint8)
     nbytes = kv.nbytes
-    sender = subprocess.Popen([sys.executable, "-c", RAW_SENDER, str(nbytes)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert sender.stdout is not None
-        port = int(sender.stdout.readline())
-        raw = socket.create_connection(("127.0.0.1", port))
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with _daemon(False, "512MiB") as d, connect(d.url, plane="tcp") as prefill, raw:
-            prefill.register_namespace(HANDOFF)
-            dst = np.zeros_like(kv)
-            view = memoryview(np.zeros_like(kv))  # the raw transfer's own buffer
-            ours, base, offers = [], [], []
-            for r in range(rounds):
-                t0 = time.perf_counter()
-                offer(prefill, HANDOFF, hashes, kv, f"bench-{r}", ttl_s=60)
-                t1 = time.perf_counter()
-                got = receive(d.url, HANDOFF, hashes, dst, f"bench-{r}")
-                t2 = time.perf_counter()
-                assert got.state == "released" and got.blocks == len(hashes), got
-                raw_round(raw, view)
-                t3 = time.perf_counter()
-                offers.append(t1 - t0)
-                ours.append(t2 - t1)
-                base.append(t3 - t2)
-            receive_kv = dst
-    finally:
-        sender.kill()
-        sender.wait()
+    with raw_sender(nbytes) as raw, _daemon(False, "512MiB") as d, connect(d.url, plane="tcp") as prefill:
+        prefill.register_namespace(HANDOFF)
+        dst = np.zeros_like(kv)
+        view = memoryview(np.zeros_like(kv))  # the raw transfer's own buffer
+        ours, base, offers = [], [], []
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            offer(prefill, HANDOFF, hashes, kv, f"bench-{r}", ttl_s=60)
+            t1 = time.perf_counter()
+            got = receive(d.url, HANDOFF, hashes, dst, f"bench-{r}")
+            t2 = time.perf_counter()
+            assert got.state == "released" and got.blocks == len(hashes), got
+            raw_round(raw, view)
+            t3 = time.perf_counter()
+            offers.append(t1 - t0)
+            ours.append(t2 - t1)
+            base.append(t3 - t2)
+        receive_kv = dst
     assert np.array_equal(receive_kv, kv)
     return {"ours_ms": statistics.median(ours) * 1e3, "raw_ms": statistics.median(base) * 1e3,
             "offer_ms": statistics.median(offers) * 1e3, "bytes": nbytes}

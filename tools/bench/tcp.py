@@ -9,6 +9,7 @@ per request and this process ``recv_into`` one buffer. Goal: >= 80% of the raw s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import subprocess
 import sys
@@ -45,34 +46,41 @@ def raw_round(sock: socket.socket, dst: memoryview) -> None:
         got += k
 
 
+@contextlib.contextmanager
+def raw_sender(nbytes: int) -> Iterator[socket.socket]:
+    """A :data:`RAW_SENDER` process sending ``nbytes`` per round, and a TCP_NODELAY connection to
+    it (the baseline of :func:`raw_round`); the process is killed on exit."""
+    sender = subprocess.Popen([sys.executable, "-c", RAW_SENDER, str(nbytes)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sender.stdout is not None
+        port = int(sender.stdout.readline())
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            yield raw
+    finally:
+        sender.kill()
+        sender.wait()
+
+
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     n = 16 if args.quick else 128
     rounds = 3 if args.quick else 10
     hashes, blocks = chain(n)
     nbytes = blocks.nbytes
-    sender = subprocess.Popen([sys.executable, "-c", RAW_SENDER, str(nbytes)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert sender.stdout is not None
-        port = int(sender.stdout.readline())
-        raw = socket.create_connection(("127.0.0.1", port))
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with bench_daemon() as d, connect(d.url, plane="tcp") as c, raw:
-            c.put(BENCH_NS, hashes, blocks)
-            dst = np.ones(nbytes, np.uint8)
-            view = memoryview(dst)
-            ours = base = 0.0
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                got = c.get_into(BENCH_NS, hashes, dst)
-                ours += time.perf_counter() - t0
-                assert got == n
-                t0 = time.perf_counter()
-                raw_round(raw, view)
-                base += time.perf_counter() - t0
-            c.get_into(BENCH_NS, hashes, dst)
-            assert np.array_equal(dst, blocks)
-    finally:
-        sender.kill()
-        sender.wait()
+    with raw_sender(nbytes) as raw, bench_daemon() as d, connect(d.url, plane="tcp") as c:
+        c.put(BENCH_NS, hashes, blocks)
+        dst = np.ones(nbytes, np.uint8)
+        view = memoryview(dst)
+        ours = base = 0.0
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            got = c.get_into(BENCH_NS, hashes, dst)
+            ours += time.perf_counter() - t0
+            assert got == n
+            t0 = time.perf_counter()
+            raw_round(raw, view)
+            base += time.perf_counter() - t0
+        c.get_into(BENCH_NS, hashes, dst)
+        assert np.array_equal(dst, blocks)
     gbps = rounds * nbytes / 1e9
     yield result("tcp", f"get_tcp_{n}x1MiB", gbps / ours, "GB/s", gbps / base, goal_ratio=0.8)
