@@ -33,7 +33,9 @@ pages, and records one event per layer; the model's layer i waits on the device 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -44,7 +46,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, DynamicCache
 
 from engine.client import EngineCache
-from engine.gpu import ArenaBlocks, HostBlocks
+from engine.gpu import ArenaBlocks, HostBlocks, HostRing
 from engine.hbm_cache import HbmCache, Reservation
 from engine.hf import _cache_kw
 from engine.kvlayout import KVShape, block_rows, layer_rows, pack_rows, shape_of, wide
@@ -124,6 +126,31 @@ class _RowsCache(DynamicCache):
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
 
 
+@dataclass(slots=True)
+class Timings:
+    """Seconds the engine thread spent in each phase of its batches, summed (``reset()`` between
+    runs). On CUDA every phase but ``wait`` only issues work: the device runs it meanwhile."""
+
+    batches: int = 0
+    plan: float = 0.0
+    """Hashing, HBM matching, store leases."""
+    load: float = 0.0
+    """Issuing the copies and gathers of the cached blocks."""
+    forward: float = 0.0
+    """Issuing the model's kernels (the host runs ahead of the device until it must wait)."""
+    store: float = 0.0
+    """Packing the new blocks, HBM admission, staging and submitting the stores."""
+    wait: float = 0.0
+    """Waiting for the device at the end of the batch."""
+
+    def reset(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0 if name == "batches" else 0.0)
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: round(float(getattr(self, name)), 4) for name in self.__slots__}
+
+
 @dataclass(frozen=True, slots=True)
 class BatchResult:
     logits: torch.Tensor
@@ -142,6 +169,7 @@ class _Plan:
     hbm_keys: list[BlockHash] = field(default_factory=list)
     hbm_slots: torch.Tensor | None = None
     dram: ArenaBlocks | HostBlocks | None = None
+    """Blocks ``n_hbm .. n_hbm + n_dram - 1`` of the prompt (the lease's block 0 is block ``n_hbm``)."""
     n_dram: int = 0
     """Blocks loaded from the store, after the HBM-resident ones."""
     promote: Reservation | None = None
@@ -175,7 +203,8 @@ class BatchedLM:
     """A causal LM that prefills many prompts per forward pass, skipping their cached prefixes."""
 
     def __init__(self, model: Any, cache: EngineCache | None, *, hbm: HbmCache | None = None,
-                 layer_groups: int = 16, attention: str = "auto", block_tokens: int = 64) -> None:
+                 layer_groups: int = 16, attention: str = "auto", block_tokens: int = 64,
+                 store_ring_bytes: int | None = None) -> None:
         self.model = model.eval()
         self.cache = cache
         self.hbm = hbm
@@ -198,6 +227,11 @@ class BatchedLM:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._rows_buf = torch.empty(0, dtype=self.shape.dtype, device=self.device)
         self._staging_buf = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.store_ring_bytes = store_ring_bytes or ((2 << 30) if self.device.type == "cuda" else (64 << 20))
+        """Host staging for the background stores (pinned on CUDA), allocated at the first store."""
+        self._ring: HostRing | None = None
+        self._d2h: torch.cuda.Stream | None = None
+        self.timings = Timings()
 
     # ---- the batch --------------------------------------------------------------------------
 
@@ -210,7 +244,10 @@ class BatchedLM:
             return []
         if any(x.numel() == 0 for x in ids):
             raise ValueError("a prompt is empty")
+        t0 = time.perf_counter()
         plans = [self._plan(x, use_cache) for x in ids]
+        self.timings.plan += time.perf_counter() - t0
+        self.timings.batches += 1
         try:
             return self._run(plans, store)
         finally:
@@ -236,9 +273,11 @@ class BatchedLM:
                 p.hbm_keys = list(p.hashes[: p.n_hbm])
                 p.hbm_slots = self.hbm.acquire(p.hbm_keys)
         if p.n_hbm < limit:
-            loaded = self.cache.load(p.hashes, limit)
-            if loaded.num_blocks > p.n_hbm:
-                p.dram, p.n_dram = loaded, loaded.num_blocks - p.n_hbm
+            # Only the blocks after the resident run: a chained hash names its whole prefix, so
+            # the store matches the tail chain as it is (no lease on blocks HBM already serves).
+            loaded = self.cache.load(p.hashes[p.n_hbm : limit], limit - p.n_hbm)
+            if loaded.num_blocks:
+                p.dram, p.n_dram = loaded, loaded.num_blocks
                 if self.hbm is not None:
                     p.promote = self.hbm.reserve(p.hashes, p.n_hbm, p.n_dram, promoted=True)
             else:
@@ -255,8 +294,12 @@ class BatchedLM:
             k_lens.append(n)
             q_starts.append(q_starts[-1] + n - p.hit_blocks * bt)
             rows += -(-n // bt) * bt
+        tm = self.timings
+        t0 = time.perf_counter()
         kv = self._rows(rows)
         events = self._load(plans, kv, k_starts)
+        t1 = time.perf_counter()
+        tm.load += t1 - t0
         hits = [p.hit_blocks * bt for p in plans]
         new_rows = torch.cat([torch.arange(k + h, k + n) for k, h, n in zip(k_starts, hits, k_lens, strict=True)])
         positions = torch.cat([torch.arange(h, n) for h, n in zip(hits, k_lens, strict=True)])
@@ -277,12 +320,17 @@ class BatchedLM:
             )
         last = torch.tensor(q_starts[1:], dtype=torch.long) - 1
         logits = self._head(out.last_hidden_state[0].index_select(0, last.to(dev, non_blocking=True))).float()
+        t2 = time.perf_counter()
+        tm.forward += t2 - t1
         if store and self.cache is not None:
             self._store_new(plans, kv, k_starts)
+        t3 = time.perf_counter()
+        tm.store += t3 - t2
         if dev.type == "cuda":
             # The compute stream only: it waited for every layer's load, so the leases and pages
             # are free to go; the stores' device-to-host copies carry on on their own stream.
             torch.cuda.current_stream(dev).synchronize()
+        tm.wait += time.perf_counter() - t3
         return [
             BatchResult(logits[i], h, p.n_hbm * bt, n - h)
             for i, (p, h, n) in enumerate(zip(plans, hits, k_lens, strict=True))
@@ -350,7 +398,7 @@ class BatchedLM:
                     r = 0
                     for p in dram:
                         assert p.dram is not None
-                        p.dram.copy_into(staging[r : r + p.n_dram, : (g1 - g0) * lb], g0 * lb, g1 * lb, first=p.n_hbm)
+                        p.dram.copy_into(staging[r : r + p.n_dram, : (g1 - g0) * lb], g0 * lb, g1 * lb)
                         r += p.n_dram
                 for layer in range(g0, g1):
                     for j in (0, 1):
@@ -409,11 +457,12 @@ class BatchedLM:
             return
         idx = torch.cat([torch.arange(k_starts[i] // bt + a, k_starts[i] // bt + b) for i, a, b in spans])
         packed = pack_rows(list(kv[:, 0]), list(kv[:, 1]), self.shape, idx.to(self.device, non_blocking=True))
+        host, ready, done = self._stage(packed, len(spans))
         r = 0
         slots, src = [], []
         for i, a, b in spans:
             p = plans[i]
-            blocks = packed[r : r + b - a]
+            blocks = (host if host is not None else packed)[r : r + b - a]
             r += b - a
             if self.hbm is not None:
                 res = self.hbm.reserve(p.hashes, a, b - a, promoted=False)
@@ -421,9 +470,50 @@ class BatchedLM:
                     slots.append(res.slots)
                     src.append(torch.arange(k_starts[i] // bt + a, k_starts[i] // bt + a + len(res.keys)))
                     self.hbm.release(res.keys)  # filled below, on this stream, before any read
-            self.cache.store_async(p.hashes, blocks, a)
+            if host is not None:
+                self.cache.store_async(p.hashes, blocks, a, ready=ready, done=done)
+            else:
+                self.cache.store_async(p.hashes, blocks, a)
         if self.hbm is not None and slots:
             dst, rows = torch.cat(slots), torch.cat(src).to(self.device, non_blocking=True)
             for layer in range(self.shape.num_layers):
                 for j in (0, 1):
                     self.hbm.part(layer, j).index_copy_(0, dst, block_rows(kv[layer, j], self.shape).index_select(0, rows))
+
+    def _stage(self, packed: torch.Tensor, stores: int) -> tuple[torch.Tensor | None, Any, Callable[[], None] | None]:
+        """The batch's new blocks copied (one copy) into the staging ring, for the store thread:
+        ``(host [m, block_bytes], the copy's event or True, a callback each store calls when
+        done)``; the ring's space is given back when every store of the batch is done. ``(None,
+        None, None)`` when the batch is larger than the ring (each store then stages its own)."""
+        m, bb = packed.shape
+        if self._ring is None:
+            self._ring = HostRing(max(self.store_ring_bytes, bb), pin=self.device.type == "cuda")
+        got = self._ring.take(m * bb)
+        if got is None:
+            return None, None, None
+        view, ticket = got
+        host = view.view(m, bb)
+        ready: Any = True
+        if self.device.type == "cuda":
+            if self._d2h is None:
+                self._d2h = torch.cuda.Stream(self.device)
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._d2h):
+                host.copy_(packed, non_blocking=True)
+                packed.record_stream(self._d2h)
+                ready = torch.cuda.Event()
+                ready.record(self._d2h)
+        else:
+            host.copy_(packed)
+        ring = self._ring
+        left = [stores]
+        lock = threading.Lock()
+
+        def done() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                ring.give(ticket)
+
+        return host, ready, done

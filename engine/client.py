@@ -297,22 +297,30 @@ class EngineCache:
             raise TimeoutError(f"a load of {len(hashes)} blocks took longer than {limit:.3g} s") from e
 
     def store_async(self, hashes: list[BlockHash], blocks: torch.Tensor, start: int,
-                    tokens: Any | None = None) -> Future[int] | None:
+                    tokens: Any | None = None, *, ready: Any = None,
+                    done: Callable[[], None] | None = None) -> Future[int] | None:
         """Store ``blocks`` (``[m, block_bytes]`` uint8, blocks ``start..start+m-1`` of
         ``hashes``) in the background. Device tensors are copied to pinned host memory on a side
         stream first; the store thread waits for that copy, the engine does not. While the
         store is unavailable the blocks are dropped and counted (``stores_skipped``).
-        ``tokens``: those blocks' token ids (CPU), sent along for the daemon's KV events."""
+        ``tokens``: those blocks' token ids (CPU), sent along for the daemon's KV events.
+        ``ready``: host ``blocks`` in a buffer the caller lends until ``done`` is called (a
+        staging ring), with the event of the copy that fills them (True: already filled): they
+        are stored from there, not copied again. ``done`` is called once the blocks are no
+        longer read (stored, skipped or dropped), on any thread."""
         if blocks.shape[0] == 0:
-            return None
+            return _done(done)
         if not self.breaker.closed:
             self.counters.stores_skipped += 1
-            return None
+            return _done(done)
         if not self._slots.acquire(blocking=False):
             self.counters.stores_dropped += 1
-            return None
-        ready: torch.cuda.Event | None = None
-        if blocks.device.type == "cuda":
+            return _done(done)
+        if ready is not None:
+            if blocks.device.type != "cpu":
+                raise ValueError("store_async(ready=...) takes host blocks the caller copied itself")
+            ready = None if ready is True else ready
+        elif blocks.device.type == "cuda":
             host = torch.empty(blocks.shape, dtype=torch.uint8, pin_memory=True)
             stream = self._d2h.get(blocks.device)
             if stream is None:
@@ -328,9 +336,10 @@ class EngineCache:
             blocks = blocks.clone()  # the engine may reuse its buffer
         chain = list(hashes[: start + blocks.shape[0]])
         self.counters.stores_submitted += 1
-        return self._pool.submit(self._store, chain, blocks, start, ready, tokens)
+        return self._pool.submit(self._store, chain, blocks, start, ready, tokens, done)
 
-    def _store(self, chain: list[BlockHash], blocks: torch.Tensor, start: int, ready: Any, tokens: Any = None) -> int:
+    def _store(self, chain: list[BlockHash], blocks: torch.Tensor, start: int, ready: Any, tokens: Any = None,
+               done: Callable[[], None] | None = None) -> int:
         try:
             if ready is not None:
                 ready.synchronize()
@@ -351,6 +360,8 @@ class EngineCache:
             return 0
         finally:
             self._slots.release()
+            if done is not None:
+                done()
 
     def flush(self) -> None:
         """Wait for every store submitted so far (tests, shutdown)."""
@@ -362,6 +373,11 @@ class EngineCache:
         self._pool.shutdown(wait=True)
         if self._io is not None:
             self._io.shutdown(wait=False)
+
+
+def _done(done: Callable[[], None] | None) -> None:
+    if done is not None:
+        done()
 
 
 def _release_late(fut: Future[Any]) -> None:

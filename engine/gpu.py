@@ -202,3 +202,79 @@ class HostBlocks:
 
     def release(self) -> None:
         pass
+
+
+class HostRing:
+    """One host buffer (page-locked when CUDA is present), allocated once and handed out in
+    FIFO order: the staging of the blocks an engine stores in the background.
+
+    ``torch.empty(..., pin_memory=True)`` per store costs a ``cudaHostAlloc`` whenever a new
+    size comes (hundreds of ms per GiB, on the engine thread); the ring pays it once.
+    :meth:`take` returns a ``[nbytes]`` uint8 view and a ticket; :meth:`give` returns the
+    ticket when the store that read the view is done (any thread). Space is reused in the
+    order it was taken, so a ticket given back out of order frees its space only once every
+    older one is back. :meth:`take` waits while the ring is full (back-pressure from a store
+    that falls behind) and returns None for a request larger than the whole ring.
+    """
+
+    def __init__(self, nbytes: int, *, pin: bool | None = None) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"a host ring needs a positive size, not {nbytes} bytes")
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.capacity = nbytes
+        self._cond = threading.Condition()
+        self._live: dict[int, tuple[int, int, bool]] = {}  # ticket -> (start, end, given back)
+        self._order: list[int] = []  # tickets in the order taken
+        self._head = 0  # end of the newest ticket's bytes
+        self._next = 0
+        self.waits = 0
+        """How many takes had to wait for space."""
+
+    def _fits(self, n: int) -> int | None:
+        """Start offset for ``n`` contiguous bytes, or None. In use: from the oldest live
+        ticket's start to ``head``, wrapping past the end when the newest started before the
+        oldest."""
+        if not self._order:
+            return 0
+        oldest = self._live[self._order[0]][0]
+        newest = self._live[self._order[-1]][0]
+        if oldest <= newest:  # in use: [oldest, head); free: [head, capacity) and [0, oldest)
+            if self.capacity - self._head >= n:
+                return self._head
+            return 0 if oldest >= n else None
+        return self._head if oldest - self._head >= n else None  # free: [head, oldest)
+
+    def take(self, nbytes: int, timeout: float | None = None) -> tuple[torch.Tensor, int] | None:
+        if nbytes > self.capacity or nbytes <= 0:
+            return None
+        with self._cond:
+            start = self._fits(nbytes)
+            if start is None:
+                self.waits += 1
+                if not self._cond.wait_for(lambda: self._fits(nbytes) is not None, timeout):
+                    return None
+                start = self._fits(nbytes)
+                assert start is not None
+            ticket = self._next
+            self._next += 1
+            self._live[ticket] = (start, start + nbytes, False)
+            self._order.append(ticket)
+            self._head = start + nbytes
+            return self.buf[start : start + nbytes], ticket
+
+    def give(self, ticket: int) -> None:
+        with self._cond:
+            start, end, _ = self._live[ticket]
+            self._live[ticket] = (start, end, True)
+            while self._order and self._live[self._order[0]][2]:
+                del self._live[self._order.pop(0)]
+            if not self._order:
+                self._head = 0
+            self._cond.notify_all()
+
+    @property
+    def in_use(self) -> int:
+        """Tickets taken and not yet freed (given back, or waiting on an older one)."""
+        with self._cond:
+            return len(self._order)

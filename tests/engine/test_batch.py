@@ -65,6 +65,23 @@ def test_batch_equals_each_request_alone(setup) -> None:
         for r, w in zip(got, want, strict=True):
             assert rel_err(r.logits, w) <= 1e-4
             assert int(r.logits.argmax()) == int(w.argmax())
+    # The cold batch's stores were staged in the host ring (one copy for the batch, no clone
+    # per store) and its space came back once they were done.
+    cache.flush()
+    assert lm._ring is not None and lm._ring.in_use == 0
+    assert lm.timings.batches == 2 and lm.timings.plan > 0
+
+
+def test_stores_larger_than_the_ring_stage_their_own_copies(setup) -> None:
+    model, cache = setup
+    g = torch.Generator().manual_seed(4)
+    _, prompts = _prompts(g)
+    small = BatchedLM(model, cache, attention="loop", block_tokens=BT, store_ring_bytes=cache.shape.block_bytes)
+    small.prefill(prompts)  # more than one block to store: the ring cannot take the batch
+    cache.flush()
+    assert small._ring is not None and small._ring.in_use == 0
+    warm = small.prefill(prompts)
+    assert [r.hit_tokens for r in warm] == [64, 32, 80, 32]
 
 
 def test_mixed_hits_in_one_batch(setup) -> None:

@@ -6,7 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine.gpu import HostBlocks, runs  # noqa: E402
+import threading  # noqa: E402
+
+from engine.gpu import HostBlocks, HostRing, runs  # noqa: E402
 
 
 def test_runs_group_equally_spaced_blocks() -> None:
@@ -47,3 +49,42 @@ def test_arena_blocks_copy_from_a_lease(make_store) -> None:
         assert bytes(blocks.block(i).numpy()) == payload(h)
     blocks.release()
     assert (s.index.in_use[s.index.live_ids()] == 0).all()
+
+
+def test_host_ring_hands_out_space_in_order_and_reuses_it() -> None:
+    ring = HostRing(100, pin=False)
+    a, ta = ring.take(40)
+    b, tb = ring.take(40)
+    assert a.data_ptr() == ring.buf.data_ptr() and b.data_ptr() == ring.buf.data_ptr() + 40
+    assert ring.take(30, timeout=0) is None  # 20 bytes left at the end, none at the start
+    assert ring.take(101) is None and ring.take(0) is None
+    ring.give(tb)  # out of order: frees nothing while the older ticket is out
+    assert ring.in_use == 2 and ring.take(30, timeout=0) is None
+    ring.give(ta)
+    assert ring.in_use == 0
+    c, tc = ring.take(60)  # empty again: from the start
+    assert c.data_ptr() == ring.buf.data_ptr()
+    d, td = ring.take(40)
+    assert d.data_ptr() == ring.buf.data_ptr() + 60
+    ring.give(tc)  # [0, 60) free, [60, 100) in use: the next take wraps to the start
+    e, te = ring.take(50)
+    assert e.data_ptr() == ring.buf.data_ptr()
+    assert ring.take(20, timeout=0) is None  # wrapped: only [50, 60) is free
+    f, tf = ring.take(10)
+    assert f.data_ptr() == ring.buf.data_ptr() + 50
+    for t in (td, te, tf):
+        ring.give(t)
+    assert ring.in_use == 0 and ring.waits == 3  # the three takes that found no room
+
+
+def test_host_ring_take_waits_for_a_give_on_another_thread() -> None:
+    ring = HostRing(64, pin=False)
+    _, t0 = ring.take(64)
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(ring.take(32)))
+    waiter.start()
+    ring.give(t0)
+    waiter.join(timeout=60)
+    assert not waiter.is_alive()
+    view, _ = got[0]  # type: ignore[misc]
+    assert view.numel() == 32 and view.data_ptr() == ring.buf.data_ptr()

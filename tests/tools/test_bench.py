@@ -58,6 +58,11 @@ def test_flop_bound_is_below_one_over_one_minus_h_and_falls_with_context() -> No
 
     short, long = flop_bound(cfg, [], stream(1024)), flop_bound(cfg, [], stream(32768))
     assert long < 20 < short < 25  # 32K-token prompts: 18.2x at best; 1K: 24.9x
+    from tools.bench.throughput import flop_bound_by_length
+
+    by_len = flop_bound_by_length(cfg, 0.96)
+    assert list(by_len.values()) == sorted(by_len.values(), reverse=True)  # falls with the length
+    assert by_len["32768"] < 20 < by_len["1024"] < 25
 
 
 def test_bench_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:

@@ -102,23 +102,42 @@ def conversations(w: Workload, h: float, vocab: int, seed: int = 0) -> tuple[lis
     return histories, turns
 
 
+def _flops(config: Any) -> tuple[float, float]:
+    """(FLOPs of the linear layers per token, attention FLOPs per (query, earlier token) pair)."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * hd
+    per_token = 2 * cfg.num_hidden_layers * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
+    return per_token, 4 * q * cfg.num_hidden_layers
+
+
+def _prompt_flops(config: Any, n: int, c: int) -> tuple[float, float]:
+    """(FLOPs of a prompt of ``n`` tokens computed in full, with its first ``c`` cached)."""
+    per_token, per_pair = _flops(config)
+    return n * per_token + per_pair * n * n / 2, (n - c) * per_token + per_pair * (n * n - c * c) / 2
+
+
 def flop_bound(config: Any, histories: list[torch.Tensor], turns: list[list[torch.Tensor]]) -> float:
     """Compute of the timed rounds without the store over that with every cached prefix free:
     the speedup at equal MFU. Hits are not free: each new token still attends to the whole
     prefix (``4 * heads * head_dim`` FLOPs per layer and earlier token), so this is below
     ``1/(1-h)`` for long prompts. Linear layers: 2 FLOPs per weight of a decoder layer."""
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * hd, (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * hd
-    per_token = 2 * cfg.num_hidden_layers * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
-    per_pair = 4 * q * cfg.num_hidden_layers
     full = cached = 0.0
     for conv in turns:
         for r in range(1, len(conv)):
-            n, c = conv[r].numel(), conv[r - 1].numel()
-            full += n * per_token + per_pair * n * n / 2
-            cached += (n - c) * per_token + per_pair * (n * n - c * c) / 2
+            f, c = _prompt_flops(config, conv[r].numel(), conv[r - 1].numel())
+            full += f
+            cached += c
     return full / cached if cached else 0.0
+
+
+def flop_bound_by_length(config: Any, h: float, lengths: tuple[int, ...] = (1024, 4096, 8192, 16384, 32768)) -> dict[str, float]:
+    """The same bound for one prompt of each length with a share ``h`` of it cached."""
+    out = {}
+    for n in lengths:
+        f, c = _prompt_flops(config, n, int(n * h))
+        out[str(n)] = round(f / c, 2)
+    return out
 
 
 def _populate(cache: EngineCache, histories: list[torch.Tensor], chunk: np.ndarray) -> int:
@@ -159,6 +178,9 @@ class _Run:
     seconds: float = 0.0
     batches: int = 0
     store_wait: float = 0.0
+    phases: dict[str, float] | None = None
+    """The engine thread's seconds per phase over the timed rounds (:class:`engine.batch.Timings`)."""
+    ring_waits: int = 0
 
     @property
     def rate(self) -> float:
@@ -189,6 +211,8 @@ def _stream(lm: BatchedLM, turns: list[list[torch.Tensor]], histories: list[torc
         reqs = [(p.numel() - c, p.numel()) for p, c in zip(prompts, cached, strict=True)]
         plan = batches(reqs, w.max_batch_tokens, w.max_rows, w.block_tokens)
         _sync(lm.device)
+        if r == 1:
+            lm.timings.reset()
         t0 = time.perf_counter()
         out: list[BatchResult] = []
         for idx in plan:
@@ -209,7 +233,20 @@ def _stream(lm: BatchedLM, turns: list[list[torch.Tensor]], histories: list[torc
             run.hbm += sum(x.hbm_tokens for x in out)
             run.batches += len(plan)
         prev = [p.numel() for p in prompts]
+    run.phases = lm.timings.as_dict()
+    run.ring_waits = lm._ring.waits if lm._ring is not None else 0
     return run
+
+
+def ring_bytes(turns: list[list[torch.Tensor]], histories: list[torch.Tensor], block_bytes: int, bt: int) -> int:
+    """Host staging for the stores: the new blocks of the largest round (+10%), 1-16 GiB."""
+    prev = [h.numel() // bt for h in histories]
+    most = 0
+    for r in range(len(turns[0])):
+        now = [conv[r].numel() // bt for conv in turns]
+        most = max(most, sum(n - p for n, p in zip(now, prev, strict=True)))
+        prev = now
+    return min(16 << 30, max(1 << 30, int(most * block_bytes * 1.1)))
 
 
 def _store(root: Path, n_blocks: int, block_bytes: int) -> KVStore:
@@ -277,7 +314,8 @@ def measure(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 wh = replace(wh, conversations=wh.conversations - 1)
             runs: dict[str, _Run] = {}
             extra: dict[str, Any] = {"conversations": wh.conversations, "kv_gib": round(n_blocks * shape.block_bytes / (1 << 30), 1),
-                                     "flop_bound": round(flop_bound(model.config, histories, turns), 2)}
+                                     "flop_bound": round(flop_bound(model.config, histories, turns), 2),
+                                     "flop_bound_by_prompt_tokens": flop_bound_by_length(model.config, h)}
             for kind in ("none", "ideal", "dram", "hbm"):
                 runs[kind] = _engine_run(kind, h, args, model, shape, wh, histories, turns, n_blocks, chunk_np,
                                          Path(d) / f"{kind}-{h}", extra, last=h == rates[-1], smoke=smoke)
@@ -313,7 +351,9 @@ def _engine_run(kind: str, h: float, args: argparse.Namespace, model: Any, shape
             budget = int(args.hbm_gib * (1 << 30)) or int(n_blocks * 1.1 + 64) * shape.block_bytes
             hbm = HbmCache(cache, budget, device=dev)
             extra["hbm_budget_gib"] = round(hbm.budget_bytes / (1 << 30), 2)
-        lm = BatchedLM(model, cache, hbm=hbm, attention=attention, layer_groups=args.layer_groups, block_tokens=w.block_tokens)
+        ring = ring_bytes(turns, histories, shape.block_bytes, w.block_tokens) if not smoke else None
+        lm = BatchedLM(model, cache, hbm=hbm, attention=attention, layer_groups=args.layer_groups,
+                       block_tokens=w.block_tokens, store_ring_bytes=ring)
         run = _stream(lm, turns, histories, w, kind, cache)
         if hbm is not None:
             extra["hbm_counters"] = {k: getattr(hbm.counters, k) for k in hbm.counters.__slots__}
@@ -340,7 +380,8 @@ def _rows(h: float, runs: dict[str, _Run], extra: dict[str, Any], shape: KVShape
             measured_hit=round(r.hit / r.tokens, 4) if kind != "ideal" else None,
             hbm_share_of_hits=round(r.hbm / r.hit, 4) if r.hit else 0.0,
             tokens=r.tokens, seconds=round(r.seconds, 3), batches=r.batches,
-            store_wait_s=round(r.store_wait, 3), baseline_batches=base.batches,
+            store_wait_s=round(r.store_wait, 3), baseline_batches=base.batches, phases_s=r.phases,
+            ring_waits=r.ring_waits,
             hit_gb_per_s=round((r.hit - r.hbm) * shape.block_bytes / shape.block_tokens / r.seconds / 1e9, 2) if r.seconds else 0,
             **common,
         )
