@@ -142,6 +142,9 @@ class Timings:
     """Packing the new blocks, HBM admission, staging and submitting the stores."""
     wait: float = 0.0
     """Waiting for the device at the end of the batch."""
+    device: float = 0.0
+    """CUDA: the compute stream's time from the first load to the last kernel of the batch
+    (events), i.e. the batch's device time without the host's planning before it."""
 
     def reset(self) -> None:
         for name in self.__slots__:
@@ -296,6 +299,10 @@ class BatchedLM:
             rows += -(-n // bt) * bt
         tm = self.timings
         t0 = time.perf_counter()
+        marks = None
+        if dev.type == "cuda":
+            marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            marks[0].record()
         kv = self._rows(rows)
         events = self._load(plans, kv, k_starts)
         t1 = time.perf_counter()
@@ -326,10 +333,12 @@ class BatchedLM:
             self._store_new(plans, kv, k_starts)
         t3 = time.perf_counter()
         tm.store += t3 - t2
-        if dev.type == "cuda":
+        if marks is not None:
+            marks[1].record()
             # The compute stream only: it waited for every layer's load, so the leases and pages
             # are free to go; the stores' device-to-host copies carry on on their own stream.
             torch.cuda.current_stream(dev).synchronize()
+            tm.device += marks[0].elapsed_time(marks[1]) / 1e3
         tm.wait += time.perf_counter() - t3
         return [
             BatchResult(logits[i], h, p.n_hbm * bt, n - h)

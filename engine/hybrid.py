@@ -29,16 +29,18 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from engine.gpu import ArenaBlocks
+from engine.gpu import ArenaBlocks, HostBlocks
 from engine.hf import _cache_kw, _out_cache
-from engine.kvlayout import KVShape, pack, unpack_layer
+from engine.kvlayout import KVShape, pack, unpack_layer, unpack_layer_into
 from kvstore.errors import MissingPrefixError, UsageError
 from kvstore.hybrid import CheckpointPolicy, HybridNamespaces, StoreAPI, lookup
 from kvstore.keys import BlockHash, KVLayout, LayerGroup, Namespace, hash_blocks
@@ -186,20 +188,19 @@ class HybridPrefill:
 
 @dataclass(slots=True)
 class _Loaded:
-    """A checkpoint's parts on the device."""
+    """A checkpoint's parts, still where the store holds them (a lease on the arena, or a host
+    buffer): :meth:`HybridLM._build` moves them to the device layer group by layer group."""
 
     checkpoint: int
     cached_blocks: int
     """Leading blocks whose full part is cached (the hit before rounding down to a checkpoint)."""
-    full: torch.Tensor | None = None
-    window: torch.Tensor | None = None
-    state: torch.Tensor | None = None
+    full: ArenaBlocks | HostBlocks | None = None
+    window: ArenaBlocks | HostBlocks | None = None
+    state: ArenaBlocks | HostBlocks | None = None
+    nbytes: int = 0
 
     def tokens(self, block_tokens: int) -> int:
         return (self.checkpoint + 1) * block_tokens
-
-    def nbytes(self) -> int:
-        return sum(t.numel() for t in (self.full, self.window, self.state) if t is not None)
 
 
 class HybridLM:
@@ -214,6 +215,7 @@ class HybridLM:
         *,
         policy: CheckpointPolicy | None = None,
         everything: bool = False,
+        layer_groups: int = 16,
     ) -> None:
         self.model = model.eval()
         self.store = store
@@ -236,6 +238,13 @@ class HybridLM:
         self._kw = _cache_kw(model)
         # Leases (zero-copy reads from the store's shared-memory arena) for a CUDA device.
         self._leases = self.device.type == "cuda" and hasattr(store, "acquire")
+        self.layer_groups = max(1, layer_groups)
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._events: list[Any] = []
+        self._hooks = []
+        decoder = getattr(model.base_model, "layers", None)
+        if self._stream is not None and decoder is not None and len(decoder) == len(self.plan.kinds):
+            self._hooks = [m.register_forward_pre_hook(partial(self._wait, i)) for i, m in enumerate(decoder)]
         if store is not None:
             if everything:
                 store.register_namespace(ns)
@@ -247,13 +256,12 @@ class HybridLM:
 
     # ---- loads ----------------------------------------------------------------------------------
 
-    def _fetch(self, ns: Namespace, hashes: list[bytes], held: list[Any]) -> torch.Tensor | None:
-        """All of ``hashes``' blocks of ``ns`` on the device as ``[n, block_bytes]`` uint8, or
-        None if fewer are cached. On CUDA, from a store with a shared-memory arena (in process
-        or a same-node daemon), the blocks are leased in the arena and copied from there with
-        one 2-D DMA per run (``engine.gpu``); the lease goes into ``held`` (released once the
-        prefill has synchronised). Otherwise they are read into a host buffer (pinned on CUDA)
-        and copied over."""
+    def _fetch(self, ns: Namespace, hashes: list[bytes], held: list[Any], got: _Loaded) -> ArenaBlocks | HostBlocks | None:
+        """All of ``hashes``' blocks of ``ns``, where they are, or None if fewer are cached. On
+        CUDA, from a store with a shared-memory arena (in process or a same-node daemon), they
+        stay in the arena, held by a lease that goes into ``held`` (released once the prefill
+        has synchronised), and are copied from there with one 2-D DMA per run and layer group
+        (``engine.gpu``). Otherwise they are read into a host buffer (pinned on CUDA)."""
         store = self.store
         assert store is not None
         n, bb = len(hashes), ns.block_bytes
@@ -266,13 +274,13 @@ class HybridLM:
                 held.append(blocks)
                 if blocks.num_blocks != n:
                     return None
-                dev = torch.empty((n, bb), dtype=torch.uint8, device=self.device)
-                blocks.copy_range(dev, 0, bb)
-                return dev
+                got.nbytes += n * bb
+                return blocks
         host = torch.empty((n, bb), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         if store.get_into(ns, hashes, host.view(-1).numpy()) != n:
             return None
-        return host.to(self.device, non_blocking=True)
+        got.nbytes += n * bb
+        return HostBlocks(host)
 
     def _load(self, hashes: list[BlockHash], max_hit: int, held: list[Any]) -> _Loaded | None:
         """The nearest checkpoint's parts on the device, or None (no checkpoint is cached)."""
@@ -286,15 +294,15 @@ class HybridLM:
         # of any of them is a miss, never a wrong hit.
         got = _Loaded(c, where.full_blocks)
         if hyb.window is not None:
-            got.window = self._fetch(hyb.window, [hyb.window_key(hashes[j]) for j in hyb.checkpoint_blocks(c)], held)
+            got.window = self._fetch(hyb.window, [hyb.window_key(hashes[j]) for j in hyb.checkpoint_blocks(c)], held, got)
             if got.window is None:
                 return None
         if hyb.state is not None:
-            got.state = self._fetch(hyb.state, [hyb.state_key(hashes[c])], held)
+            got.state = self._fetch(hyb.state, [hyb.state_key(hashes[c])], held, got)
             if got.state is None:
                 return None
         if hyb.full is not None:
-            got.full = self._fetch(hyb.full, list(hashes[: c + 1]), held)
+            got.full = self._fetch(hyb.full, list(hashes[: c + 1]), held, got)
             if got.full is None:
                 return None
         return got
@@ -302,8 +310,9 @@ class HybridLM:
     def _load_everything(self, hashes: list[BlockHash], max_hit: int, held: list[Any]) -> _Loaded | None:
         assert self.store is not None
         n = self.store.lookup(self.ns, hashes[:max_hit]).num_blocks
-        blocks = self._fetch(self.ns, list(hashes[:n]), held) if n else None
-        return None if blocks is None else _Loaded(n - 1, n, full=blocks)
+        got = _Loaded(n - 1, n)
+        got.full = self._fetch(self.ns, list(hashes[:n]), held, got) if n else None
+        return None if got.full is None else got
 
     # ---- the cache ------------------------------------------------------------------------------
 
@@ -317,32 +326,36 @@ class HybridLM:
     def _build(self, got: _Loaded | None) -> DynamicCache:
         """A cache holding the loaded checkpoint: full layers from the full part (or, with
         ``everything``, every layer from every block), sliding layers the last ``window - 1``
-        tokens of the window pieces, recurrent layers their state."""
+        tokens of the window pieces, recurrent layers their state.
+
+        The K/V tensors are installed at once but filled on the load stream (CUDA), layer group
+        by layer group: one copy of the group's bytes of every block (2-D DMAs out of the arena),
+        then one strided unpack per layer, then that layer's event in ``self._events``; the
+        model's layer i waits on the device for event i only (a forward pre-hook), so the
+        loads of later layers run under the compute of earlier ones (as ``engine/hf.py``)."""
         cache = DynamicCache(config=self.model.config)
+        self._events = [None] * len(self.plan.kinds)
         if got is None:
             return cache
         tokens = got.tokens(self.bt)
         keep = min(self.wn, tokens)
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         if self.everything:
             assert got.full is not None
-            shape = self._shape(len(self.plan.kinds), self.bt)
-            for layer, kind in enumerate(self.plan.kinds):
-                k, v = unpack_layer(got.full, shape, layer)
-                if kind == "sliding":
-                    k, v = k[:, :, -keep:].contiguous(), v[:, :, -keep:].contiguous()
-                self._install(cache, layer, k, v, tokens)
-            return cache
-        if got.full is not None:
-            shape = self._shape(len(self.plan.full), self.bt)
-            for j, layer in enumerate(self.plan.full):
-                self._install(cache, layer, *unpack_layer(got.full, shape, j), tokens)
-        if got.window is not None:  # the pieces of the last blocks: layer-major, like the full part
-            shape = self._shape(len(self.plan.sliding), self.bt)
-            for j, layer in enumerate(self.plan.sliding):
-                k, v = unpack_layer(got.window, shape, j)
-                self._install(cache, layer, k[:, :, -keep:].contiguous(), v[:, :, -keep:].contiguous(), tokens)
-        if got.state is not None:
-            raw, off = got.state.view(-1), 0
+            self._fill(cache, got.full, list(range(len(self.plan.kinds))), tokens, keep, stream)
+        else:
+            # The window first: it is a few blocks, and the first layer may be a sliding one (on
+            # one stream, the window behind the whole full part would hold the model back).
+            if got.window is not None:  # the pieces of the last blocks: layer-major, like the full part
+                self._fill(cache, got.window, self.plan.sliding, tokens, keep, stream)
+            if got.full is not None:
+                self._fill(cache, got.full, self.plan.full, tokens, keep, stream)
+        if got.state is not None:  # one small block: on the compute stream, before the model
+            raw = torch.empty((1, got.state.block(0).numel()), dtype=torch.uint8, device=self.device)
+            got.state.copy_into(raw, 0, raw.shape[1])
+            raw, off = raw.view(-1), 0
             for slot in self.plan.states:
                 t = raw[off : off + slot.nbytes].view(slot.dtype).view(slot.shape).clone()
                 off += slot.nbytes
@@ -351,7 +364,50 @@ class HybridLM:
                     lay.update_conv_state(t, state_idx=slot.index, conv_kernel_size=slot.shape[-1])
                 else:
                     lay.update_recurrent_state(t, state_idx=slot.index)
+        if stream is not None and not self._hooks:  # no per-layer hooks on this model: wait for all
+            torch.cuda.current_stream(self.device).wait_stream(stream)
         return cache
+
+    def _fill(self, cache: DynamicCache, src: ArenaBlocks | HostBlocks, layers: list[int], tokens: int, keep: int,
+              stream: torch.cuda.Stream | None) -> None:
+        """Layers ``layers`` (model indices, in the part's layer order) of the part ``src`` into
+        ``cache``; sliding layers keep their last ``keep`` tokens."""
+        n = src.num_blocks
+        shape = self._shape(len(layers), self.bt)
+        lb, bt = shape.layer_bytes, self.bt
+        kb = min(n, -(-keep // bt))  # blocks that hold a sliding layer's last ``keep`` tokens
+        dst = {}
+        for layer in layers:
+            t = keep if self.plan.kinds[layer] == "sliding" else n * bt
+            k = torch.empty((1, shape.kv_heads, t, shape.head_dim), dtype=self.dtype, device=self.device)
+            dst[layer] = (k, torch.empty_like(k))
+            self._install(cache, layer, *dst[layer], tokens)
+        per_group = -(-len(layers) // self.layer_groups)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for g0 in range(0, len(layers), per_group):
+                g1 = min(len(layers), g0 + per_group)
+                staging = torch.empty((n, (g1 - g0) * lb), dtype=torch.uint8, device=self.device)
+                src.copy_into(staging, g0 * lb, g1 * lb)
+                for j in range(g0, g1):
+                    layer = layers[j]
+                    k, v = dst[layer]
+                    if self.plan.kinds[layer] == "sliding":
+                        kk, vv = unpack_layer(staging[n - kb :], shape, j - g0)
+                        k.copy_(kk[:, :, -keep:])
+                        v.copy_(vv[:, :, -keep:])
+                    else:
+                        unpack_layer_into(staging, shape, j - g0, k, v)
+                    if stream is not None:
+                        ev = torch.cuda.Event()
+                        ev.record(stream)
+                        self._events[layer] = ev
+
+    def _wait(self, layer: int, module: Any, args: Any) -> None:
+        """Forward pre-hook of decoder layer ``layer``: the compute stream waits for its load."""
+        ev = self._events[layer] if layer < len(self._events) else None
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+            self._events[layer] = None
 
     def _snapshot(self, cache: DynamicCache) -> torch.Tensor:
         """The recurrent layers' state now, as the bytes of a state block (on the device)."""
@@ -391,8 +447,9 @@ class HybridLM:
                 cache.layers[layer].activate_past_recording()  # keep the suffix's window states to store
             # Recurrent state exists only at the end of a forward: run up to each new checkpoint.
             want: set[int] = set()
+            ckpts = self._checkpoints(c, got, len(hashes))
             if self.plan.states and store and self.store is not None:
-                want = {(p + 1) * bt for p in self.policy.new_checkpoints(c + 1, len(hashes) - 1)}
+                want = {(p + 1) * bt for p in ckpts}
             ends = sorted({e for e in want if hit < e < ids.numel()} | {ids.numel()})
             pos = hit
             for end in ends:
@@ -412,7 +469,7 @@ class HybridLM:
         stored = 0
         if store and self.store is not None:
             try:
-                stored = self._store(cache, hashes, c, hit, states)
+                stored = self._store(cache, hashes, c, hit, states, ckpts)
             except MissingPrefixError as e:  # the loaded prefix left the store since: skip this put
                 log.info("hybrid store skipped: %s", e)
         for layer in self.plan.sliding:
@@ -420,10 +477,19 @@ class HybridLM:
             lay.record_past = False
             lay.keys, lay.values = lay.keys[:, :, -self.wn :], lay.values[:, :, -self.wn :]
         replayed = (got.cached_blocks - c - 1) * bt if got is not None else 0
-        loaded = got.nbytes() if got is not None else 0
+        loaded = got.nbytes if got is not None else 0
         return HybridPrefill(logits, cache, c, hit, replayed, ids.numel() - hit, loaded, seconds, stored)
 
-    def _store(self, cache: DynamicCache, hashes: list[BlockHash], c: int, hit: int, states: dict[int, torch.Tensor]) -> int:
+    def _checkpoints(self, c: int, got: _Loaded | None, n: int) -> list[int]:
+        """The checkpoints this prefill stores, among the blocks after ``c`` of ``n`` full ones:
+        the policy's, and (``at_hits``) the block a replayed hit's full part ended on."""
+        out = set(self.policy.new_checkpoints(c + 1, n - 1))
+        if self.policy.at_hits and got is not None and c + 1 < got.cached_blocks <= n:
+            out.add(got.cached_blocks - 1)
+        return sorted(out)
+
+    def _store(self, cache: DynamicCache, hashes: list[BlockHash], c: int, hit: int, states: dict[int, torch.Tensor],
+               ckpts: list[int]) -> int:
         """Put what this prefill computed; returns the payload bytes that were new."""
         store = self.store
         assert store is not None
@@ -452,7 +518,7 @@ class HybridLM:
             return new_bytes
         # Pieces of the new checkpoints' windows; those of blocks up to c are cached (c is a
         # checkpoint), so only computed blocks need packing.
-        need = sorted({j for p in self.policy.new_checkpoints(c + 1, n - 1) for j in self.hyb.checkpoint_blocks(p) if j > c})
+        need = sorted({j for p in ckpts for j in self.hyb.checkpoint_blocks(p) if j > c})
         for a, b in _runs(need):
             pieces = self._pack(layers, self.plan.sliding, first, a, b)
             for j in range(a, b + 1):

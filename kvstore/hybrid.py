@@ -167,6 +167,10 @@ class CheckpointPolicy:
 
     every_blocks: int = 16
     at_end: bool = True
+    at_hits: bool = True
+    """Also where a hit's cached full part ended past its checkpoint: the engine replayed up to
+    there and holds that window, so it stores it and the next hit that ends there (the same
+    document with another question, a branch of a conversation) replays nothing."""
     max_probes: int = 0
     """Candidates :func:`find_checkpoint` may try; 0: ``every_blocks + 8``."""
 

@@ -11,6 +11,7 @@ pieces of 2 blocks), a checkpoint every 4 blocks.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,33 @@ def test_hit_past_the_last_checkpoint_replays_from_it(model: Any, tmp_path: Path
         periodic_only.prefill(base)  # full part of 11 blocks, checkpoints 3 and 7 only
         lm = HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=C))
         _check(lm, plain, torch.cat([base, _tokens(6, 20)]), checkpoint=7, replayed_blocks=3)
+    finally:
+        store.close()
+
+
+def test_a_replayed_hit_stores_a_checkpoint_where_it_ended(model: Any, tmp_path: Path) -> None:
+    """``at_hits``: a hit between checkpoints replays once; the engine then holds the window at
+    the hit's end and stores it, so the next prompt that leaves the chain there replays nothing."""
+    store = _store(tmp_path)
+    ns = namespace_of(model, "test/hybrid", BT)
+    lm = HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=C))
+    if lm.hyb.full is None:
+        store.close()
+        pytest.skip("no full part: a hit always ends on a checkpoint")
+    plain = HybridLM(model, None, ns)
+    try:
+        base = _tokens(7, 100)
+        lm.prefill(base)
+        # Blocks 0..5 of the stored prompt, then another question (ending at block 7, where
+        # at_end puts a checkpoint): checkpoint 3, 2 blocks replay.
+        _check(lm, plain, torch.cat([base[:48], _tokens(8, 20)]), checkpoint=3, replayed_blocks=2)
+        # Leaving at the same place again: block 5 is a checkpoint now.
+        _check(lm, plain, torch.cat([base[:48], _tokens(9, 21)]), checkpoint=5, replayed_blocks=0)
+        off = HybridLM(model, store, replace(ns, model_id="test/hybrid-no-hits"),
+                       policy=CheckpointPolicy(every_blocks=C, at_hits=False))
+        off.prefill(base)
+        _check(off, plain, torch.cat([base[:48], _tokens(8, 20)]), checkpoint=3, replayed_blocks=2)
+        _check(off, plain, torch.cat([base[:48], _tokens(9, 21)]), checkpoint=3, replayed_blocks=2)
     finally:
         store.close()
 

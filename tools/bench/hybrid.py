@@ -52,7 +52,7 @@ PLANS: dict[str, tuple[int, int, int, int, int, int, int]] = {
     # Gated delta net: conv state 8192 channels x kernel 4, recurrent state 32 heads x 128 x 128.
     "qwen3-next-80b": (12, 0, 0, 2, 256, 36, 8192 * 4 + 32 * 128 * 128),
 }
-INTERVALS = (16, 32, 64, 0)  # blocks between periodic checkpoints; 0: only the end of the prompt
+INTERVALS = (16, 21, 24, 32, 64, 0)  # blocks between periodic checkpoints; 0: only the end of the prompt
 
 
 def _ns(name: str, scale: int = 1) -> Namespace:
@@ -176,6 +176,45 @@ def replay_rows(quick: bool) -> Iterator[dict[str, Any]]:
     )
 
 
+def trace_rows(quick: bool) -> Iterator[dict[str, Any]]:
+    """Replayed tokens per hit on a document-QA trace, with and without checkpoints where hits
+    end (``CheckpointPolicy.at_hits``): documents of 300-900 tokens (not block-aligned), each
+    asked several questions in an interleaved order; every request is the document and one
+    question, stored after it is served. A first question stores the document's blocks with a
+    checkpoint at the request's end, past the document; later questions' hits end at the
+    document's last full block, between checkpoints."""
+    bt, c, w = 16, 8, 48
+    model = _tiny_gemma3(w)
+    g = torch.Generator().manual_seed(5)
+    rng = np.random.default_rng(5)
+    docs = [torch.randint(0, 256, (int(rng.integers(300, 900)),), generator=g) for _ in range(3 if quick else 6)]
+    asks = 3 if quick else 5
+    order = [d for d in range(len(docs)) for _ in range(asks)]
+    rng.shuffle(order)
+    prompts = [torch.cat([docs[d], torch.randint(0, 256, (int(rng.integers(20, 60)),), generator=g)]) for d in order]
+    for at_hits in (False, True):
+        with tempfile.TemporaryDirectory() as d:
+            store = _dram_store(d, 256 << 20)
+            try:
+                ns = namespace_of(model, f"bench/tiny-gemma3-trace-{at_hits}", bt)
+                lm = HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=c, at_hits=at_hits))
+                replayed, hits, stored = [], 0, 0
+                for p in prompts:
+                    pre = lm.prefill(p)
+                    stored += pre.stored_bytes
+                    if pre.hit_tokens:
+                        hits += 1
+                        replayed.append(pre.replayed_tokens)
+            finally:
+                store.close()
+        yield result(
+            "hybrid", f"trace_replayed_tokens_per_hit_{'at_hits' if at_hits else 'periodic_and_end'}", float(np.mean(replayed)),
+            "tokens", float((c - 1) * bt), requests=len(prompts), hits=hits, documents=len(docs), every_blocks=c,
+            block_tokens=bt, window=w, at_hits=at_hits, stored_bytes=stored, max_replayed=int(max(replayed)),
+            note="baseline = the bound (C-1) x block_tokens",
+        )
+
+
 def _gpu_model(quick: bool) -> Any:
     import transformers
 
@@ -205,7 +244,7 @@ def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
         model, prefix_len, repeat = _gpu_model(quick), (4096 if quick else CONTEXT), 3
     else:
         model, prefix_len, repeat, suffix = _tiny_gemma3(128), 2048, 1, 64
-    intervals = (16,) if quick else (16, 32)
+    intervals = (16,) if quick else (16, 24, 32)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (prefix_len,), generator=g)
@@ -221,14 +260,16 @@ def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
             every.prefill(prefix)
             plain.prefill(prefix[:1024], use_cache=False, store=False)  # kernels warm
             full_t = best_of(lambda: plain.prefill(torch.cat([prefix, tail]), use_cache=False, store=False), repeat)
+            ref = plain.prefill(torch.cat([prefix, tail]), use_cache=False, store=False).logits
             for c in intervals:
                 lm = HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}"), policy=CheckpointPolicy(every_blocks=c))
                 lm.prefill(prefix)
                 # A hit on a checkpoint (the stored prompt's end), and hits that leave the chain
-                # r blocks after a periodic checkpoint, so that r blocks replay (at most C - 1).
+                # r blocks after periodic checkpoint p, so that r blocks replay (at most C - 1).
+                p = (n_blocks - c) // c * c - 1
                 prompts = {0: torch.cat([prefix, tail])}
-                for r in (c // 4, c // 2, c - 1):
-                    prompts[r] = torch.cat([prefix[: prefix_len - (c - r) * BT], tail])
+                for r in sorted({c // 4, c // 2, 3 * c // 4, c - 1}):
+                    prompts[r] = torch.cat([prefix[: (p + 1 + r) * BT], tail])
                 for r, prompt in prompts.items():
                     a = lm.prefill(prompt, store=False)
                     b = every.prefill(prompt, store=False)
@@ -236,13 +277,17 @@ def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
                     t_h = min(lm.prefill(prompt, store=False).seconds for _ in range(repeat))
                     t_e = min(every.prefill(prompt, store=False).seconds for _ in range(repeat))
                     rel = float((a.logits - b.logits).abs().max() / b.logits.abs().max())
+                    vs_full = {}
+                    if r == 0:  # the same prompt as the full prefill: the loaded path against no cache
+                        vs_full = {"same_next_token_as_full_prefill": bool(a.logits.argmax() == ref.argmax()),
+                                   "logits_rel_err_vs_full_prefill": round(float((a.logits - ref).abs().max() / ref.abs().max()), 4)}
                     case = "on_checkpoint" if r == 0 else f"replay_{r}_blocks"
                     yield result(
                         "hybrid", f"ttft_{prefix_len}_C{c}_{case}_{suffix}_new", t_h * 1e3, "ms", t_e * 1e3,
                         baseline_is="store-everything", goal_ratio=1.1, full_prefill_ms=round(full_t * 1e3, 2),
                         speedup_vs_full=round(full_t / t_h, 2), every_blocks=c, replayed_tokens=a.replayed_tokens,
                         hit_tokens=a.hit_tokens, loaded_bytes=a.loaded_bytes, everything_loaded_bytes=b.loaded_bytes,
-                        same_next_token=bool(a.logits.argmax() == b.logits.argmax()), logits_rel_err=round(rel, 4),
+                        same_next_token=bool(a.logits.argmax() == b.logits.argmax()), logits_rel_err=round(rel, 4), **vs_full,
                         device=torch.cuda.get_device_name() if on_gpu else "cpu (smoke)",
                     )
         finally:
@@ -252,4 +297,15 @@ def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     yield from bytes_rows(args.quick)
     yield from replay_rows(args.quick)
+    yield from trace_rows(args.quick)
     yield from ttft_rows(args.quick)
+
+
+if __name__ == "__main__":  # python -m tools.bench.hybrid [bytes|replay|trace|ttft ...]: some parts only
+    import json
+    import sys
+
+    parts = {"bytes": bytes_rows, "replay": replay_rows, "trace": trace_rows, "ttft": ttft_rows}
+    for name in [a for a in sys.argv[1:] if a in parts] or list(parts):
+        for row in parts[name]("--quick" in sys.argv):
+            print(json.dumps(row), flush=True)
