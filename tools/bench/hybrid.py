@@ -234,11 +234,18 @@ def _gpu_model(quick: bool) -> Any:
     return model.eval()
 
 
+def _runs_here(what: str, quick: bool) -> bool:
+    """CUDA, or a CPU smoke run (``--quick``); otherwise says why the part is skipped."""
+    if torch.cuda.is_available() or quick:
+        return True
+    print(f"hybrid {what}: skipped, needs a CUDA device (--quick runs a CPU smoke test)", flush=True)
+    return False
+
+
 def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu and not quick:
-        print("hybrid ttft: skipped, needs a CUDA device (--quick runs a CPU smoke test)", flush=True)
+    if not _runs_here("ttft", quick):
         return
+    on_gpu = torch.cuda.is_available()
     suffix = 512
     if on_gpu:
         model, prefix_len, repeat = _gpu_model(quick), (4096 if quick else CONTEXT), 3
@@ -294,18 +301,81 @@ def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
             store.close()
 
 
+def trace_ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
+    """TTFT on a document-QA trace (CUDA; ``--quick`` on the CPU: a smoke run): documents of
+    8K-24K tokens (not block-aligned), each asked 4 questions of 100-600 tokens in an
+    interleaved order, served one at a time and stored after each, by three engines on one
+    store: store-everything, and the hybrid split at C = 24 (bytes <= 0.55x) with and without
+    checkpoints where hits end (``at_hits``). Figures over the requests that hit: mean TTFT
+    against store-everything's on the same requests, mean replayed tokens."""
+    if not _runs_here("trace ttft", quick):
+        return
+    on_gpu = torch.cuda.is_available()
+    c = 24
+    if on_gpu:
+        model, lo, hi, qlo, qhi, docs, asks = _gpu_model(quick), 8192, 24576, 100, 600, 6, 4
+    else:
+        model, lo, hi, qlo, qhi, docs, asks = _tiny_gemma3(128), 1600, 3000, 20, 120, 2, 3
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    rng = np.random.default_rng(7)
+    texts = [torch.randint(0, vocab, (int(rng.integers(lo, hi)),), generator=g) for _ in range(docs)]
+    order = [d for d in range(docs) for _ in range(asks)]
+    rng.shuffle(order)
+    prompts = [torch.cat([texts[d], torch.randint(0, vocab, (int(rng.integers(qlo, qhi)),), generator=g)]) for d in order]
+    ns = namespace_of(model, "bench/gemma3-trace" + ("-quick" if quick else ""), BT)
+    tokens = sum(int(t.numel()) + qhi for t in texts) * asks
+    cap = 2 * tokens // BT * ns.block_bytes + (256 << 20)  # every layer once, the splits' parts under that
+    with tempfile.TemporaryDirectory() as d:
+        store = _dram_store(d, -(-cap // (64 << 20)) * (64 << 20))
+        try:
+            engines = {
+                "everything": HybridLM(model, store, replace(ns, model_id=ns.model_id + "-all"), everything=True),
+                "at_hits": HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}-hits"),
+                                    policy=CheckpointPolicy(every_blocks=c)),
+                "periodic_and_end": HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}"),
+                                             policy=CheckpointPolicy(every_blocks=c, at_hits=False)),
+            }
+            warm = torch.randint(0, vocab, (1024,), generator=g)
+            for lm in engines.values():
+                lm.prefill(warm, use_cache=False, store=False)
+            ttft: dict[str, list[float]] = {k: [] for k in engines}
+            replayed: dict[str, list[int]] = {k: [] for k in engines}
+            hit = []
+            for prompt in prompts:
+                pres = {k: lm.prefill(prompt) for k, lm in engines.items()}
+                if pres["everything"].hit_tokens:
+                    hit.append(True)
+                    for k, pre in pres.items():
+                        ttft[k].append(pre.seconds)
+                        replayed[k].append(pre.replayed_tokens)
+        finally:
+            store.close()
+    base = float(np.mean(ttft["everything"])) * 1e3
+    for k in ("at_hits", "periodic_and_end"):
+        ratios = [a / b for a, b in zip(ttft[k], ttft["everything"], strict=True)]
+        yield result(
+            "hybrid", f"trace_ttft_C{c}_{k}", float(np.mean(ttft[k])) * 1e3, "ms", base, baseline_is="store-everything",
+            goal_ratio=1.1, requests=len(prompts), hit_requests=len(hit), documents=docs, every_blocks=c,
+            mean_replayed_tokens=float(np.mean(replayed[k])), max_replayed_tokens=int(max(replayed[k])),
+            per_request_ratio_max=round(max(ratios), 3), per_request_ratio_median=round(float(np.median(ratios)), 3),
+            device=torch.cuda.get_device_name() if on_gpu else "cpu (smoke)",
+        )
+
+
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     yield from bytes_rows(args.quick)
     yield from replay_rows(args.quick)
     yield from trace_rows(args.quick)
     yield from ttft_rows(args.quick)
+    yield from trace_ttft_rows(args.quick)
 
 
 if __name__ == "__main__":  # python -m tools.bench.hybrid [bytes|replay|trace|ttft ...]: some parts only
     import json
     import sys
 
-    parts = {"bytes": bytes_rows, "replay": replay_rows, "trace": trace_rows, "ttft": ttft_rows}
+    parts = {"bytes": bytes_rows, "replay": replay_rows, "trace": trace_rows, "ttft": ttft_rows, "trace_ttft": trace_ttft_rows}
     for name in [a for a in sys.argv[1:] if a in parts] or list(parts):
         for row in parts[name]("--quick" in sys.argv):
             print(json.dumps(row), flush=True)
