@@ -46,7 +46,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, DynamicCache
 
 from engine.client import EngineCache
-from engine.gpu import ArenaBlocks, HostBlocks, HostRing, _memcpy2d, runs
+from engine.gpu import ArenaBlocks, HostBlocks, HostRing
 from engine.hbm_cache import HbmCache, Reservation
 from engine.hf import _cache_kw
 from engine.kvlayout import KVShape, block_rows, layer_rows, pack_rows, shape_of, wide
@@ -171,10 +171,6 @@ class _Plan:
     n_hbm: int = 0
     hbm_keys: list[BlockHash] = field(default_factory=list)
     hbm_slots: torch.Tensor | None = None
-    hbm_page_runs: list[tuple[int, int, int]] = field(default_factory=list)
-    """``copy2d`` gathers: runs ``(first block, count, page stride)`` of equally spaced pages,
-    with the first page of each (``hbm_first_pages``)."""
-    hbm_first_pages: list[int] = field(default_factory=list)
     dram: ArenaBlocks | HostBlocks | None = None
     """Blocks ``n_hbm .. n_hbm + n_dram - 1`` of the prompt (the lease's block 0 is block ``n_hbm``)."""
     n_dram: int = 0
@@ -211,7 +207,7 @@ class BatchedLM:
 
     def __init__(self, model: Any, cache: EngineCache | None, *, hbm: HbmCache | None = None,
                  layer_groups: int = 16, attention: str = "auto", block_tokens: int = 64,
-                 store_ring_bytes: int | None = None, hbm_gather: str = "index") -> None:
+                 store_ring_bytes: int | None = None) -> None:
         self.model = model.eval()
         self.cache = cache
         self.hbm = hbm
@@ -239,11 +235,6 @@ class BatchedLM:
         self._ring: HostRing | None = None
         self._d2h: torch.cuda.Stream | None = None
         self.timings = Timings()
-        if hbm_gather not in ("index", "copy2d"):
-            raise ValueError(f"hbm_gather must be 'index' or 'copy2d', not {hbm_gather!r}")
-        # HBM hits: one index_select per request, layer and K/V, or (CUDA) 2-D copies per run.
-        self._copy2d = _memcpy2d() if hbm_gather == "copy2d" and self.device.type == "cuda" else None
-        self._hbm_2d: list[tuple[int, list[tuple[int, int, int]], list[int]]] = []
 
     # ---- the batch --------------------------------------------------------------------------
 
@@ -284,10 +275,6 @@ class BatchedLM:
             if p.n_hbm:
                 p.hbm_keys = list(p.hashes[: p.n_hbm])
                 p.hbm_slots = self.hbm.acquire(p.hbm_keys)
-                if self._copy2d is not None:
-                    pages = self.hbm.page_indices(p.hbm_keys)
-                    p.hbm_page_runs = runs(pages)
-                    p.hbm_first_pages = [pages[r0] for r0, _, _ in p.hbm_page_runs]
         if p.n_hbm < limit:
             # Only the blocks after the resident run: a chained hash names its whole prefix, so
             # the store matches the tail chain as it is (no lease on blocks HBM already serves).
@@ -401,9 +388,6 @@ class BatchedLM:
         starts = {id(p): k // bt for p, k in zip(plans, k_starts, strict=True)}
         # HBM hits: per request its pages and the row blocks they fill (a contiguous run).
         hbm_runs = [(p.hbm_slots, starts[id(p)], p.n_hbm) for p in hbm if p.hbm_slots is not None]
-        if self._copy2d is not None:
-            hbm_runs = []  # gathered by 2-D copies instead (_gather_2d)
-            self._hbm_2d = [(starts[id(p)], p.hbm_page_runs, p.hbm_first_pages) for p in hbm]
         dram_dst = torch.cat([torch.arange(starts[id(p)] + p.n_hbm, starts[id(p)] + p.hit_blocks) for p in dram]).to(
             dev, non_blocking=True) if dram else None
         promo_slots, promo_dst = self._promotions(dram, starts)
@@ -452,26 +436,6 @@ class BatchedLM:
             pages.index_copy_(0, promo_slots, blocks.index_select(0, promo_dst))
         for slots, b0, n in hbm_runs:
             torch.index_select(pages, 0, slots, out=blocks[b0 : b0 + n])
-        if self._copy2d is not None:
-            self._gather_2d(rows, layer, j)
-
-    def _gather_2d(self, rows: torch.Tensor, layer: int, j: int) -> None:
-        """HBM hits of one layer and K/V with ``cudaMemcpy2DAsync`` device to device: one copy
-        per run of equally spaced pages (a chain promoted or admitted together lies in
-        consecutive pages), each page's part one row of the copy (source pitch: the page
-        stride), written into consecutive row blocks."""
-        assert self.hbm is not None and self._copy2d is not None
-        part = self.hbm.part_bytes
-        src0 = self.hbm.pages.data_ptr() + (2 * layer + j) * part
-        dst0 = rows.data_ptr()
-        slot = self.hbm.slot_bytes
-        stream = torch.cuda.current_stream(rows.device).cuda_stream
-        for b0, page_runs, firsts in self._hbm_2d:
-            for (r0, n, stride), first in zip(page_runs, firsts, strict=True):
-                err = self._copy2d(dst0 + (b0 + r0) * part, part, src0 + first * slot, (stride or 1) * slot,
-                                   part, n, 3, stream)  # 3: cudaMemcpyDeviceToDevice
-                if err:
-                    raise RuntimeError(f"cudaMemcpy2DAsync (HBM gather) failed with CUDA error {err}")
 
     def _promotions(self, dram: list[_Plan], starts: dict[int, int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Pages of the DRAM blocks being promoted, and the row blocks they are copied from."""

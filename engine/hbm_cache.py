@@ -116,12 +116,6 @@ class HbmCache:
         return wide(self.pages[:, lo : lo + self._part])
 
     @property
-    def part_bytes(self) -> int:
-        """Bytes of K (or V) of one layer of one block: a page's parts are
-        ``[layers][K, V]`` of this size, from the page's start."""
-        return self._part
-
-    @property
     def budget_bytes(self) -> int:
         return self.capacity_blocks * self.slot_bytes
 
@@ -146,10 +140,6 @@ class HbmCache:
             self._lru.move_to_end(h)
         self.counters.hit_blocks += len(hashes)
         return self._slots(hashes)
-
-    def page_indices(self, hashes: list[BlockHash]) -> list[int]:
-        """The pages of resident ``hashes``, as host ints (for copies planned on the host)."""
-        return [o // self.slot_bytes for o in self.tier.offsets(hashes)]
 
     def release(self, hashes: list[BlockHash]) -> None:
         for h in hashes:

@@ -165,12 +165,6 @@ def test_batches_respects_both_budgets() -> None:
     assert batches(reqs, max_tokens=10_000, max_rows=2200, block_tokens=64) == [[0, 1], [2], [3], [4]]
 
 
-def test_rejects_an_unknown_hbm_gather(setup) -> None:
-    model, cache = setup
-    with pytest.raises(ValueError, match="hbm_gather"):
-        BatchedLM(model, cache, hbm_gather="scatter")
-
-
 def test_rejects_varlen_on_cpu_and_hbm_without_store(setup) -> None:
     model, cache = setup
     with pytest.raises(ValueError, match="CUDA"):

@@ -64,8 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hit", type=float, action="append", help="throughput: hit rate(s) to run (default 0.5 0.8 0.96 0.99)")
     p.add_argument("--attention", default="varlen", choices=["varlen", "loop"], help="throughput: attention backend on CUDA")
     p.add_argument("--hbm-gib", type=float, default=0.0, help="throughput: HBM cache budget (default: the stream's blocks)")
-    p.add_argument("--hbm-gather", default="index", choices=["index", "copy2d"],
-                   help="throughput: how HBM hits reach the KV rows (index_select, or 2-D copies per run of pages)")
     p.add_argument("--conversations", type=int, default=0, help="throughput: concurrent conversations (default 16)")
     p.add_argument("--repeat", type=int, default=1, help="throughput: run the hit rates this many times (the spread)")
     p.add_argument("--no-compare-attention", dest="compare_attention", action="store_false",

@@ -324,8 +324,8 @@ def trace_ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
     rng.shuffle(order)
     prompts = [torch.cat([texts[d], torch.randint(0, vocab, (int(rng.integers(qlo, qhi)),), generator=g)]) for d in order]
     ns = namespace_of(model, "bench/gemma3-trace" + ("-quick" if quick else ""), BT)
-    tokens = sum(int(t.numel()) + qhi for t in texts) * asks
-    cap = 2 * tokens // BT * ns.block_bytes + (256 << 20)  # every layer once, the splits' parts under that
+    tokens = sum(int(t.numel()) for t in texts) + len(prompts) * qhi  # distinct tokens stored, at most
+    cap = 2 * (tokens // BT + len(prompts)) * ns.block_bytes + (256 << 20)  # every layer once; the splits under that
     with tempfile.TemporaryDirectory() as d:
         store = _dram_store(d, -(-cap // (64 << 20)) * (64 << 20))
         try:

@@ -45,7 +45,7 @@ from engine.client import EngineCache
 from engine.gpu import arena_tensor, release_arenas
 from engine.hbm_cache import HbmCache
 from engine.hf import CachedLM
-from engine.kvlayout import KVShape, shape_of, wide
+from engine.kvlayout import KVShape, shape_of
 from kvstore.config import StoreConfig, TierSpec
 from kvstore.store import KVStore
 from tools.bench._common import result
@@ -111,7 +111,7 @@ def _flops(config: Any) -> tuple[float, float]:
     return per_token, 4 * q * cfg.num_hidden_layers
 
 
-def _prompt_flops(config: Any, n: int, c: int) -> tuple[float, float]:
+def _prompt_flops(config: Any, n: float, c: float) -> tuple[float, float]:
     """(FLOPs of a prompt of ``n`` tokens computed in full, with its first ``c`` cached)."""
     per_token, per_pair = _flops(config)
     return n * per_token + per_pair * n * n / 2, (n - c) * per_token + per_pair * (n * n - c * c) / 2
@@ -135,7 +135,7 @@ def flop_bound_by_length(config: Any, h: float, lengths: tuple[int, ...] = (1024
     """The same bound for one prompt of each length with a share ``h`` of it cached."""
     out = {}
     for n in lengths:
-        f, c = _prompt_flops(config, n, int(n * h))
+        f, c = _prompt_flops(config, n, n * h)
         out[str(n)] = round(f / c, 2)
     return out
 
@@ -239,14 +239,14 @@ def _stream(lm: BatchedLM, turns: list[list[torch.Tensor]], histories: list[torc
 
 
 def ring_bytes(turns: list[list[torch.Tensor]], histories: list[torch.Tensor], block_bytes: int, bt: int) -> int:
-    """Host staging for the stores: the new blocks of the largest round (+10%), 1-16 GiB."""
+    """Host staging for the stores: the new blocks of the largest round (+10%), 1-32 GiB."""
     prev = [h.numel() // bt for h in histories]
     most = 0
     for r in range(len(turns[0])):
         now = [conv[r].numel() // bt for conv in turns]
         most = max(most, sum(n - p for n, p in zip(now, prev, strict=True)))
         prev = now
-    return min(16 << 30, max(1 << 30, int(most * block_bytes * 1.1)))
+    return min(32 << 30, max(1 << 30, int(most * block_bytes * 1.1)))
 
 
 def _store(root: Path, n_blocks: int, block_bytes: int) -> KVStore:
@@ -353,13 +353,12 @@ def _engine_run(kind: str, h: float, args: argparse.Namespace, model: Any, shape
             extra["hbm_budget_gib"] = round(hbm.budget_bytes / (1 << 30), 2)
         ring = ring_bytes(turns, histories, shape.block_bytes, w.block_tokens) if not smoke else None
         lm = BatchedLM(model, cache, hbm=hbm, attention=attention, layer_groups=args.layer_groups,
-                       block_tokens=w.block_tokens, store_ring_bytes=ring, hbm_gather=args.hbm_gather)
+                       block_tokens=w.block_tokens, store_ring_bytes=ring)
         run = _stream(lm, turns, histories, w, kind, cache)
         if hbm is not None:
             extra["hbm_counters"] = {k: getattr(hbm.counters, k) for k in hbm.counters.__slots__}
         if last:  # HBM: the pages' bytes against the same blocks loaded from the store alone
             extra["check" if kind == "dram" else f"check_{kind}"] = _check(lm, model, cache, [conv[-1] for conv in turns[:2]])
-        extra[f"{kind}_hbm_gather"] = args.hbm_gather if kind == "hbm" else None
         return run
     finally:
         cache.close()
@@ -398,67 +397,3 @@ def _rows(h: float, runs: dict[str, _Run], extra: dict[str, Any], shape: KVShape
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     yield from measure(args)
 
-
-def gather_probe(blocks: int = 3584, requests: int = 16) -> Iterator[dict[str, Any]]:
-    """HBM hits of one forward pass moved into the KV rows, three ways, on one device (CUDA):
-    ``index_select`` per request, layer and K/V (the engine's default); ``cudaMemcpy2DAsync``
-    per run of consecutive pages; and one flat copy of the same bytes (the bound). Llama-3-8B
-    blocks (8 MiB), each request's pages consecutive (as a promoted chain's are)."""
-    if not need_cuda("throughput gather probe"):
-        return
-    from engine.gpu import _memcpy2d
-    from engine.kvlayout import block_rows
-
-    shape = KVShape(32, 8, 128, torch.bfloat16, 64)
-    dev = torch.device("cuda")
-    slot = -(-shape.block_bytes // 4096) * 4096
-    part = shape.layer_bytes // 2
-    pages = torch.empty((blocks, slot), dtype=torch.uint8, device=dev).random_()
-    kv = torch.empty((shape.num_layers, 2, blocks * shape.block_tokens, shape.kv_heads, shape.head_dim),
-                     dtype=shape.dtype, device=dev)
-    per = blocks // requests
-    copy2d = _memcpy2d()
-    moved = blocks * shape.block_bytes
-
-    def index() -> None:
-        for layer in range(shape.num_layers):
-            for j in (0, 1):
-                src = wide(pages[:, (2 * layer + j) * part : (2 * layer + j + 1) * part])
-                dst = block_rows(kv[layer, j], shape)
-                for r in range(requests):
-                    slots = torch.arange(r * per, (r + 1) * per, device=dev)
-                    torch.index_select(src, 0, slots, out=dst[r * per : (r + 1) * per])
-
-    def two_d() -> None:
-        stream = torch.cuda.current_stream().cuda_stream
-        for layer in range(shape.num_layers):
-            for j in (0, 1):
-                src0 = pages.data_ptr() + (2 * layer + j) * part
-                dst0 = kv[layer, j].data_ptr()
-                for r in range(requests):
-                    if copy2d(dst0 + r * per * part, part, src0 + r * per * slot, slot, part, per, 3, stream):
-                        raise RuntimeError("cudaMemcpy2DAsync failed")
-
-    flat_src = pages.view(-1)[: kv.numel() * 2]
-    def flat() -> None:
-        kv.view(torch.uint8).view(-1).copy_(flat_src)
-
-    from tools.bench._gpu import cuda_time
-
-    want = None
-    for name, fn in (("index_select", index), ("copy2d", two_d), ("flat_copy", flat)):
-        fn()
-        if name != "flat_copy":
-            got = kv[3, 1, : per * shape.block_tokens].clone()
-            want = got if want is None else want
-            assert torch.equal(got, want), f"{name} moved other bytes"
-        t = cuda_time(fn, 3)
-        yield result("throughput", f"hbm_gather_{name}", moved / t / 1e9, "GB/s", 0.0, seconds=round(t, 4),
-                     bytes=moved, requests=requests, blocks=blocks, note="GB/s of bytes moved (read once, written once)")
-
-
-if __name__ == "__main__":  # python -m tools.bench.throughput probe: the HBM gather probe
-    import json
-
-    for row in gather_probe():
-        print(json.dumps(row), flush=True)
