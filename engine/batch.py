@@ -29,6 +29,9 @@ blocks of *all* requests layer group by layer group (one 2-D DMA per run of equa
 blocks and group), scatters each layer into the rows, gathers the HBM-resident blocks of that
 layer from the page pool (device to device, no host transfer), promotes the DRAM blocks into HBM
 pages, and records one event per layer; the model's layer i waits on the device for event i.
+A request whose leading blocks are resident in HBM leases from the store only the blocks after
+them. The batch's new blocks are packed once, copied to the host in one copy into a ring allocated
+once (:class:`engine.gpu.HostRing`, pinned on CUDA) and stored from there in the background.
 """
 
 from __future__ import annotations

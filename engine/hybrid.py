@@ -13,15 +13,17 @@ sliding-window attention (Gemma 2/3, gpt-oss, Mistral with ``sliding_window``). 
    (at most ``every_blocks - 1`` of them with periodic checkpoints cached) and the new suffix.
    The result equals the uncached prefill: the same KV, computed from the same inputs;
 5. stores the full part of the computed blocks and a window at each new checkpoint (the
-   prompt's last full block and every ``every_blocks``-th block).
+   prompt's last full block, every ``every_blocks``-th block and, after a replay, the block the
+   hit's full part ended on: ``CheckpointPolicy.at_hits``).
 
 With ``everything=True`` it is the store-everything baseline instead: one namespace with every
 layer of every block (what kvstore stores for any model without this split), no replay.
 
 On CUDA, from a store with a shared-memory arena, the blocks are leased there and copied to the
-device with one 2-D DMA per run of blocks (``engine.gpu``), then unpacked with one strided copy
-per layer; the layer-wise overlap of load and compute of ``engine/hf.py`` is not repeated here
-(both paths this module compares load the same way).
+device on a load stream, layer group by layer group (one 2-D DMA per run of blocks, ``engine.gpu``),
+then unpacked with one strided copy per layer; decoder layer i waits on the device for its own
+layers' load only (a forward pre-hook), so loads overlap compute as in ``engine/hf.py``. Both
+paths this module compares (the split and store-everything) load the same way.
 """
 
 from __future__ import annotations
