@@ -253,6 +253,13 @@ class HybridLM:
             else:
                 self.hyb.register(store)
 
+    def close(self) -> None:
+        """Remove the forward pre-hooks this engine put on the model's decoder layers (CUDA):
+        they hold the engine, so an engine made for a while over a long-lived model calls this."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
     def _shape(self, layers: int, tokens: int) -> KVShape:
         return KVShape(layers, self.plan.kv_heads, self.plan.head_dim, self.dtype, tokens)
 

@@ -173,6 +173,7 @@ def test_a_replayed_hit_stores_a_checkpoint_where_it_ended(model: Any, tmp_path:
         _check(lm, plain, torch.cat([base[:48], _tokens(9, 21)]), checkpoint=5, replayed_blocks=0)
         off = HybridLM(model, store, replace(ns, model_id="test/hybrid-no-hits"),
                        policy=CheckpointPolicy(every_blocks=C, at_hits=False))
+        lm.close()  # no hooks on the CPU; idempotent
         off.prefill(base)
         _check(off, plain, torch.cat([base[:48], _tokens(8, 20)]), checkpoint=3, replayed_blocks=2)
         _check(off, plain, torch.cat([base[:48], _tokens(9, 21)]), checkpoint=3, replayed_blocks=2)

@@ -297,6 +297,9 @@ def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
                         same_next_token=bool(a.logits.argmax() == b.logits.argmax()), logits_rel_err=round(rel, 4), **vs_full,
                         device=torch.cuda.get_device_name() if on_gpu else "cpu (smoke)",
                     )
+                lm.close()
+            every.close()
+            plain.close()
         finally:
             store.close()
 
@@ -354,6 +357,8 @@ def trace_ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
                         replayed[k].append(pre.replayed_tokens)
                         hits[k].append(pre.hit_tokens + pre.replayed_tokens)  # the full part's hit
             evicted = store.stats()["evictions"]
+            for lm in engines.values():
+                lm.close()
         finally:
             store.close()
     base = float(np.mean(ttft["everything"])) * 1e3
