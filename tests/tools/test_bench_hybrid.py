@@ -7,12 +7,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tools.bench.hybrid import PLANS, bytes_rows  # noqa: E402
+from tools.bench.hybrid import INTERVALS, PLANS, bytes_rows  # noqa: E402
 
 
 def test_bytes_per_token_matches_a_store_run() -> None:
     rows = list(bytes_rows(quick=True))
-    assert len(rows) == 4 * len(PLANS)
+    assert len(rows) == len(INTERVALS) * len(PLANS)
     for r in rows:
         assert r["ratio"] == pytest.approx(r["store_run_ratio"], abs=1e-3), r["metric"]
         assert 0 < r["ratio"] <= 1.0  # window pieces are shared: never more than every layer
