@@ -68,6 +68,22 @@ def best_of(fn: Callable[[], Any], repeat: int = 5) -> float:
     return best
 
 
+def median_trial(trials: list[tuple[float, float]]) -> tuple[float, float, list[float]]:
+    """The trial whose ratio is the median: ``(value, baseline, every trial's ratio)``.
+
+    A trial is ``(value, baseline)``, two rates measured back to back. A noisy neighbour that hits
+    a few trials moves their ratios, not the median one, and the median trial's value and
+    baseline come from the same moments, so ``value / baseline`` is the reported ratio. With an
+    even count the lower of the two middle ratios is taken (never a flattering mean of two).
+    """
+    if not trials:
+        raise ValueError("median_trial of no trials")
+    ratios = [v / b if b else float("nan") for v, b in trials]
+    order = sorted(range(len(trials)), key=lambda i: ratios[i])
+    value, baseline = trials[order[(len(order) - 1) // 2]]
+    return value, baseline, [round(r, 4) for r in ratios]
+
+
 def emit(row: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(row), flush=True)
