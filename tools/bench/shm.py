@@ -24,14 +24,13 @@ trial with the median ratio (``trial_ratios`` lists them all).
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from kvstore.client import connect
-from tools.bench._common import median_trial, result
+from tools.bench._common import median_trial, result, rotating_trials
 from tools.bench._daemon import BENCH_NS, bench_daemon, chain
 
 
@@ -73,15 +72,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             sides: list[tuple[str, Callable[[], None]]] = [
                 ("ours", ours), ("arena", arena), ("arena_run", arena_run), ("private", private)
             ]
-            for _, fn in sides:  # warm-up, untimed
-                fn()
-            rates: dict[str, list[float]] = {name: [] for name, _ in sides}
-            for r in range(rounds):
-                k = r % len(sides)
-                for name, fn in sides[k:] + sides[:k]:
-                    t0 = time.perf_counter()
-                    fn()
-                    rates[name].append(gb / (time.perf_counter() - t0))
+            rates = rotating_trials(sides, rounds, gb)
             run_view = None
             whole.release()
         out.release()

@@ -19,14 +19,13 @@ import asyncio
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from tools.bench import tcp
-from tools.bench._common import median_trial, result
+from tools.bench._common import median_trial, result, rotating_trials
 from tools.bench._daemon import BENCH_NS, TOKEN, bench_daemon, chain
 
 _RAW_SENDER = """
@@ -96,15 +95,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                     ("ucxx", lambda: loop.run_until_complete(raw_round())),
                     ("socket", lambda: tcp.raw_round(sock, memoryview(dst))),
                 ]
-                for _, fn in sides:  # warm-up, untimed
-                    fn()
-                rates: dict[str, list[float]] = {name: [] for name, _ in sides}
-                for r in range(rounds):
-                    k = r % len(sides)
-                    for name, fn in sides[k:] + sides[:k]:
-                        t0 = time.perf_counter()
-                        fn()
-                        rates[name].append(n * bb / 1e9 / (time.perf_counter() - t0))
+                rates = rotating_trials(sides, rounds, n * bb / 1e9)
                 c.get_into(BENCH_NS, hashes, dst)
                 assert np.array_equal(dst, blocks)
         finally:
