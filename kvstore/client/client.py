@@ -12,8 +12,10 @@
   caller's buffers;
 * ``ucx`` only when asked for (``plane="ucx"``).
 
-Control calls (lookup, pin, stats) use HTTP over one keep-alive connection (``_http.HttpConn``:
-a plain socket, a lookup costs ~0.1 ms of client CPU where httpx took ~0.5 ms). Idempotent calls
+Control calls (pin, stats; lookups by token ids, and every lookup to a daemon that offers no
+LOOKUP frames) use HTTP over one keep-alive connection (``_http.HttpConn``: a plain socket, a
+lookup costs ~0.1 ms of client CPU where httpx took ~0.5 ms). Lookups by hashes go as LOOKUP
+frames on the data connection: the daemon's side of one costs about half of what HTTP did. Idempotent calls
 are retried after a reconnect (a daemon restart, a dropped connection), the first at once and
 then with back-off; a refused connection (nothing listens: the daemon is down) raises
 :class:`DaemonUnavailableError` at once, without retries. ``put`` is idempotent
@@ -439,8 +441,26 @@ class Client:
 
     def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
         """As :meth:`KVStore.lookup`: the cached prefix, its tiers, and the tiers the daemon
-        cannot reach now (``unavailable``)."""
-        return self._lookup(ns, "hashes", [bytes(h).hex() for h in hashes])
+        cannot reach now (``unavailable``). On the data connection (a LOOKUP frame) when the
+        daemon takes them: over HTTP a lookup cost the daemon ~0.3 ms of CPU at rest."""
+        if not self.info.get("lookup") or len(hashes) > int(self.info.get("max_blocks", 0)):
+            return self._lookup(ns, "hashes", [bytes(h).hex() for h in hashes])
+        keys = [bytes(h) for h in hashes]
+
+        def call() -> LookupResult:
+            conn, ns_id = self._conn, self._ns_id(ns)
+            assert conn is not None
+            _, meta = conn.call(P.Op.LOOKUP, P.encode_blocks(ns_id, keys))
+            try:
+                r = P.parse_lookup(meta)
+            except P.ProtocolError as e:
+                raise ConnectionLost(f"malformed reply from the daemon: {e}") from e
+            if isinstance(r, P.Refusal):  # the class the daemon names, as over HTTP
+                cls = error_class(r.kind) or _STATUS.get(r.status, KVStoreError)
+                raise cls(f"daemon: {r.detail} ({r.kind}, status {r.status})")
+            return LookupResult(r[0], ns.block_tokens, r[1], r[2])
+
+        return self._retry(call)
 
     def lookup_tokens(self, ns: Namespace, tokens: Sequence[int]) -> LookupResult:
         """:meth:`lookup` by token ids: the daemon hashes them (as :func:`kvstore.keys.hash_blocks`)."""

@@ -38,6 +38,7 @@ import numpy as np
 
 from kvstore.api import Lease
 from kvstore.block import payload_checksum
+from kvstore.errors import error_kind
 from kvstore.server import protocol as P
 from kvstore.server.config import is_loopback
 from kvstore.server.fdpass import FdServer
@@ -325,6 +326,7 @@ class Session:
             P.Op.RELEASE: self._release,
             P.Op.STAGING: self._staging,
             P.Op.PUT_SHM: self._put_shm,
+            P.Op.LOOKUP: self._lookup,
         }[op]
         await handler(hdr, meta)
 
@@ -349,6 +351,7 @@ class Session:
             "max_payload_bytes": lim.max_payload_bytes,
             "max_staging_bytes": lim.max_staging_bytes,
             "put_tokens": True,  # PUT / PUT_SHM may carry their blocks' token ids (protocol.PUT_TOKENS)
+            "lookup": True,  # LOOKUP frames: an engine's lookups without the HTTP control plane
         }
         if shm:
             assert fds is not None
@@ -365,6 +368,28 @@ class Session:
         if not self.ch.local:
             raise RequestError(P.ErrorCode.FORBIDDEN, "shared memory is for clients on the daemon's node only")
         return t
+
+    async def _lookup(self, hdr: P.Header, meta: bytearray) -> None:
+        """As ``POST /v1/lookup`` by hashes: answered on the loop from memory when the store is
+        not busy (no thread hop), else in the pool. Over HTTP the daemon spent ~0.3 ms of CPU
+        per lookup at rest (uvicorn, FastAPI, JSON), which a loaded box stretched past 1 ms."""
+        svc, t = self.ctx.service, self.tenant
+        assert t is not None
+        req = P.parse_blocks(meta, svc.limits.max_blocks)
+        try:
+            r = svc.lookup_nowait(t, req.ns_id, req.hashes)
+            if r is None:
+                r = await self.ctx.run(svc.lookup, t, req.ns_id, req.hashes)
+        except Exception as e:
+            code, status = classify(e)
+            if code is P.ErrorCode.INTERNAL:
+                raise
+            # The class by name, as the HTTP error body has it: an error code alone would turn
+            # a LayoutMismatchError into a MissingPrefixError (both CONFLICT) at the client.
+            kind = error_kind(e) or "KVStoreError"
+            await self._reply(hdr.req_id, P.encode_refusal(kind, status, str(e)))
+            return
+        await self._reply(hdr.req_id, P.encode_lookup(r.num_blocks, r.tiers, r.unavailable))
 
     async def _get(self, hdr: P.Header, meta: bytearray) -> None:
         svc, t = self.ctx.service, self.tenant

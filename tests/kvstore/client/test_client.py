@@ -167,3 +167,29 @@ def test_shm_arena_mapping_is_prefaulted_and_let_go_at_close(start_daemon: Calla
         assert c.get_into(SMALL_NS, chain, out) == 6 and np.array_equal(out, _blocks(chain))
     assert client_mod._ARENAS == {}
     assert not prefault._thread.is_alive()
+
+
+@pytest.mark.parametrize("plane", ["shm", "tcp"])
+def test_lookups_go_over_the_data_connection_and_fall_back_to_http(
+    start_daemon: Callable[..., ThreadedDaemon], plane: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = start_daemon()
+    chain = chain_for(22, 5)
+    with connect(d.url, plane=plane) as c:
+        c.put(SMALL_NS, chain[:3], _blocks(chain[:3]))
+        assert c.info["lookup"] is True
+        http_paths: list[str] = []
+        real_request = c._http.request
+
+        def spying(method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+            http_paths.append(path)
+            return real_request(method, path, body)
+
+        monkeypatch.setattr(c._http, "request", spying)
+        r = c.lookup(SMALL_NS, chain)
+        assert (r.num_blocks, r.tiers, r.unavailable, r.num_tokens) == (3, ("dram",) * 3, (), 3 * SMALL_NS.block_tokens)
+        assert http_paths == []  # the namespace was registered by the put: no HTTP at all
+        assert c.lookup(SMALL_NS, chain_for(23, 2)).num_blocks == 0
+        c.info["lookup"] = False  # as an older daemon answers HELLO
+        assert c.lookup(SMALL_NS, chain).num_blocks == 3
+        assert http_paths == ["/v1/lookup"]
