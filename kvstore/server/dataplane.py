@@ -385,11 +385,13 @@ class Session:
         per lookup at rest (uvicorn, FastAPI, JSON), which a loaded box stretched past 1 ms."""
         svc, t = self.ctx.service, self.tenant
         assert t is not None
-        req = P.parse_blocks(meta, svc.limits.max_blocks)
         try:
-            r = svc.lookup_nowait(t, req.ns_id, req.hashes)
-            if r is None:
-                r = await self.ctx.run(svc.lookup, t, req.ns_id, req.hashes)
+            if len(meta) > INLINE_LOOKUP_META:  # parsed and answered in the pool, whole
+                r = await self.ctx.run(_lookup_blocking, svc, t, meta)
+            else:
+                req = P.parse_blocks(meta, svc.limits.max_blocks)
+                r = svc.lookup_nowait(t, req.ns_id, req.hashes) or await self.ctx.run(
+                    svc.lookup, t, req.ns_id, req.hashes)
         except Exception as e:
             code, status = classify(e)
             if code is P.ErrorCode.INTERNAL:
@@ -575,6 +577,17 @@ class Session:
             await self._give_back(lease)
         self._close_staging()
         await self.ch.close()
+
+
+INLINE_LOOKUP_META = 16 * 2048
+"""A LOOKUP of up to 2,048 hashes is parsed and answered on the loop (from memory, when the store
+is not busy); a larger one, up to ``max_blocks``, in the pool, so that it never delays another
+connection's frames or /healthz (as ``POST /v1/lookup`` does with large bodies)."""
+
+
+def _lookup_blocking(svc: Service, t: Tenant, meta: bytearray) -> Any:
+    req = P.parse_blocks(meta, svc.limits.max_blocks)
+    return svc.lookup(t, req.ns_id, req.hashes)
 
 
 def _refusal(e: Exception) -> RequestError | None:
