@@ -315,6 +315,49 @@ class RadixIndex:
         self._free.append(bid)
         return BlockHash(h)
 
+    def remove_many(self, bids: list[int]) -> list[BlockHash]:
+        """:meth:`remove` of each of ``bids`` in order, in one call (a batched eviction): a
+        block may be the parent of one before it. Checked before anything changes: raises,
+        leaving the index as it was, if a block is not live, is repeated, or keeps a cached
+        child that is not among those removed before it."""
+        if not bids:
+            return []
+        hashes = self._hashes
+        keys = [hashes[b] for b in bids]
+        if None in keys or len(set(bids)) != len(bids):
+            bad = next((b for b, h in zip(bids, keys, strict=True) if h is None), None)
+            raise KeyError(f"block id {bad} is not live" if bad is not None else f"block ids repeat in {bids}")
+        ids = np.array(bids, np.int64)
+        parents = self.parent[ids].astype(np.int64)
+        linked = parents[parents != NO_PARENT]
+        # Children each block keeps once those before it are gone: its own count less the ones
+        # among the earlier blocks (a child always precedes its parent here, or it is an error).
+        at = {b: i for i, b in enumerate(bids)}
+        before = np.zeros(ids.size, np.int64)
+        for i, p in enumerate(parents.tolist()):
+            j = at.get(p)
+            if j is not None:
+                if j < i:
+                    raise RuntimeError(f"block id {p} removed before its child {bids[i]}")
+                before[j] += 1
+        kept = self.children[ids] - before
+        if kept.any():
+            i = int(np.argmax(kept != 0))
+            raise RuntimeError(f"block id {bids[i]} has {self.children[bids[i]]} cached children")
+        np.subtract.at(self.children, linked, 1)
+        known = self._ids
+        for h in keys:
+            del known[h]
+        for b in bids:
+            hashes[b] = None
+        self.flags[ids] = 0
+        self.tiers[ids] = 0
+        self._free.extend(bids)
+        orphaned = linked[self.children[linked] == 0]
+        if orphaned.size:  # a parent left with no child may expire now
+            self._expiry_floor = min(self._expiry_floor, float(self.expiry[orphaned].min()))
+        return keys  # type: ignore[return-value]
+
     def touch(self, ids: np.ndarray, now: float, expiry: np.ndarray | float) -> None:
         """Record a hit on ``ids`` (distinct ids): last access, hit count, refreshed expiry."""
         self.last_access[ids] = now
