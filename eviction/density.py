@@ -69,6 +69,10 @@ def age_buckets(ages: np.ndarray) -> np.ndarray:
     return np.minimum(out, NUM_BUCKETS - 1)
 
 
+_HIT_CLASS_OF = np.array([0, 1, 2, 3, 3, 4, 4, 4, 4, 5], np.int16)
+"""``_hit_class`` of hits 0-9 (9 and more: 5)."""
+
+
 def _hit_class(hits: int) -> int:
     if hits < 3:
         return hits
@@ -204,8 +208,10 @@ class DensityPolicy(EvictionPolicy):
         self._since_rebuild = 0
         # Lifetimes that ended (reused or censored) in each age bucket, and the reused ones;
         # the exposure of bucket k is the number that ended at k or later.
-        self._ended = np.zeros((NUM_CLASSES, NUM_BUCKETS))
-        self._reuses = np.zeros((NUM_CLASSES, NUM_BUCKETS))
+        # Flat lists (index class * NUM_BUCKETS + bucket), not arrays: one increment per event
+        # costs a list item several times less than a numpy scalar, with the same float sums.
+        self._ended_flat = [0.0] * (NUM_CLASSES * NUM_BUCKETS)
+        self._reuses_flat = [0.0] * (NUM_CLASSES * NUM_BUCKETS)
         self._table: np.ndarray | None = None
         self._ghosts = _Ghosts()
         self._queue: list[tuple[int, int, float]] = []  # (bid, last access, score), best last
@@ -258,11 +264,19 @@ class DensityPolicy(EvictionPolicy):
         if self._since_rebuild >= self.config.period:
             self._rebuild()
 
+    @property
+    def _ended(self) -> np.ndarray:
+        return np.array(self._ended_flat).reshape(NUM_CLASSES, NUM_BUCKETS)
+
+    @property
+    def _reuses(self) -> np.ndarray:
+        return np.array(self._reuses_flat).reshape(NUM_CLASSES, NUM_BUCKETS)
+
     def _resolve(self, cls: int, age: int, reused: bool) -> None:
-        k = age_bucket(age)
-        self._ended[cls, k] += 1
+        i = cls * NUM_BUCKETS + (0 if age < 1 else min(int(math.log(age) * _LOG_RATIO) + 1, NUM_BUCKETS - 1))
+        self._ended_flat[i] += 1.0
         if reused:
-            self._reuses[cls, k] += 1
+            self._reuses_flat[i] += 1.0
 
     # ---- protocol ---------------------------------------------------------------------------
 
@@ -308,12 +322,6 @@ class DensityPolicy(EvictionPolicy):
         ids = np.asarray(ids, np.int64)
         if not ids.size:
             return
-        if self._queue or self._ghosts.where:
-            # A new block may join the victim queue or come back from the ghost ring: the
-            # per-block path decides.
-            for bid in ids.tolist():
-                self.insert(bid, 0, 0.0)
-            return
         self._grow(int(ids.max()) + 1)
         pos = self._pos
         # Repeats and blocks already resident are no-ops (neither advances the clock).
@@ -329,18 +337,33 @@ class DensityPolicy(EvictionPolicy):
             i += free
 
     def _insert_run(self, run: list[int]) -> None:
-        """``insert`` of new, distinct blocks while no rebuild is due, no ghost can come back
-        and the victim queue is empty."""
+        """``insert`` of new, distinct blocks while no rebuild is due, in one pass: the same
+        outcome, event by event, as ``insert`` of each in order."""
         m = len(run)
         ids = np.array(run, np.int64)
         n0, t0 = self._n, self._tick
         self._tick += m
         self._since_rebuild += m
-        self._last[ids] = np.arange(t0 + 1, t0 + m + 1)
+        ticks = np.arange(t0 + 1, t0 + m + 1)
+        self._last[ids] = ticks
         view = self._view
         ext = view.children[ids] != 0 if view is not None else np.zeros(m, bool)
-        self._cls[ids] = ext  # hit class 0
         pos, hits, extended = self._pos, self._hits, self._extended
+        for b in run:
+            hits[b] = 0
+        ghosts = self._ghosts
+        if view is not None and ghosts.where:
+            # A block back from the ghost ring: a reuse the cache missed, learnt at its true gap.
+            take, hash_of = ghosts.take, view.hash_of
+            for j, b in enumerate(run):
+                back = take(hash_of(b))
+                if back is not None:
+                    cls, g0, h = back
+                    self._resolve(cls, t0 + 1 + j - g0, True)
+                    hits[b] = h + 1
+            self._cls[ids] = _HIT_CLASS_OF[np.minimum([hits[b] for b in run], 9)] * 2 + ext
+        else:
+            self._cls[ids] = ext  # hit class 0
         # Before the run: which parents were resident already (for "extended" below).
         if view is not None:
             parent = view.parent[ids].astype(np.int64)
@@ -358,19 +381,30 @@ class DensityPolicy(EvictionPolicy):
             pos[b] = _HELD
             self._held.add(b)
         for b, e in zip(run, ext.tolist(), strict=True):
-            hits[b] = 0
             extended[b] = e
-        if view is None:
-            return
-        # A parent already resident when its child came (before the run, or earlier in it) is
-        # now extended.
-        at = np.full(self._cap, m, np.int64)  # each block's place in the run (m: not in it)
-        at[ids] = np.arange(m)
-        came = ok & (before | (at[np.where(ok, parent, 0)] < np.arange(m)))
-        for p in dict.fromkeys(parent[came].tolist()):
-            if not extended[p]:
-                extended[p] = True
-                self._cls[p] = self._class_of(p)
+        if view is not None:
+            # A parent already resident when its child came (before the run, or earlier in
+            # it) is now extended.
+            at = np.full(self._cap, m, np.int64)  # each block's place in the run (m: not in it)
+            at[ids] = np.arange(m)
+            came = ok & (before | (at[np.where(ok, parent, 0)] < np.arange(m)))
+            for p in dict.fromkeys(parent[came].tolist()):
+                if not extended[p]:
+                    extended[p] = True
+                    self._cls[p] = self._class_of(p)
+        queue = self._queue
+        if queue and self._table is not None and ranked.size:
+            # A block worth no more than the next victim goes next (as in ``insert``): the
+            # queue's tail only falls, so block j joins it when its score is at most the
+            # least of the tail before the run and every score before j.
+            keep = ~held
+            score = self._table[self._cls[ranked], 0]
+            if self.weighted:
+                score = score * self.weights(ranked)  # type: ignore[operator]
+            tail = np.minimum.accumulate(np.concatenate([[queue[-1][2]], score[:-1]]))
+            joins = np.flatnonzero(score <= tail)
+            if joins.size:
+                queue.extend(zip(ranked[joins].tolist(), ticks[keep][joins].tolist(), score[joins].tolist(), strict=True))
 
     def touch(self, bid: int, now: float) -> None:
         if bid >= self._cap or self._pos[bid] == -1:
@@ -410,11 +444,12 @@ class DensityPolicy(EvictionPolicy):
         i = self._pos[bid]
         if i == -1:
             return
-        if self._view is not None and self.config.ghost_factor > 0:
+        factor = self.config.ghost_factor
+        if self._view is not None and factor > 0:
             ghosts = self._ghosts
             ghosts.push(self._view.hash_of(bid), int(self._cls[bid]), int(self._last[bid]), self._hits[bid])
-            limit = self.config.ghost_factor * max(len(self), 64)  # resident: ranked and held
-            while len(ghosts) > limit:
+            limit = factor * max(self._n + len(self._held), 64)  # resident: ranked and held
+            while ghosts.tail - ghosts.head > limit:
                 gone = ghosts.pop_oldest()
                 if gone is not None:
                     self._resolve(gone[0], self._tick - gone[1], False)
@@ -423,6 +458,18 @@ class DensityPolicy(EvictionPolicy):
             self._held.discard(bid)
         else:
             self._unrank(bid)
+
+    def first(self) -> int | None:
+        # candidates()'s first step without its generator: the entry is taken off the queue.
+        pos, last_of = self._pos, self._last
+        while True:
+            if not self._queue:
+                self._refill(set())
+                if not self._queue:
+                    return None
+            bid, last, _ = self._queue.pop()
+            if pos[bid] >= 0 and last_of[bid] == last:
+                return bid
 
     def candidates(self) -> Iterator[int]:
         offered: set[int] = set()  # the store skipped these (pinned, in use): rank the rest
@@ -453,8 +500,9 @@ class DensityPolicy(EvictionPolicy):
         ended = self._ended + pending
         reached = np.cumsum(ended[:, ::-1], axis=1)[:, ::-1]
         self._table = density_table(self._reuses, reached)
-        self._reuses *= self.config.decay
-        self._ended *= self.config.decay
+        decay = self.config.decay
+        self._reuses_flat = [x * decay for x in self._reuses_flat]
+        self._ended_flat = [x * decay for x in self._ended_flat]
 
     def weights(self, ids: np.ndarray) -> np.ndarray | None:
         """Value of a hit on each block relative to the others (None: all equal). The cost-aware
