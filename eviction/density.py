@@ -69,10 +69,6 @@ def age_buckets(ages: np.ndarray) -> np.ndarray:
     return np.minimum(out, NUM_BUCKETS - 1)
 
 
-_HIT_CLASS_OF = np.array([0, 1, 2, 3, 3, 4, 4, 4, 4, 5], np.int16)
-"""``_hit_class`` of hits 0-9 (9 and more: 5)."""
-
-
 def _hit_class(hits: int) -> int:
     if hits < 3:
         return hits
@@ -338,73 +334,71 @@ class DensityPolicy(EvictionPolicy):
 
     def _insert_run(self, run: list[int]) -> None:
         """``insert`` of new, distinct blocks while no rebuild is due, in one pass: the same
-        outcome, event by event, as ``insert`` of each in order."""
+        outcome, event by event, as ``insert`` of each in order. The events run over Python
+        lists (a chain is short: a numpy scalar per event would cost more than the whole
+        event); the columns the ranking reads are written once at the end."""
         m = len(run)
         ids = np.array(run, np.int64)
-        n0, t0 = self._n, self._tick
+        t0 = self._tick
         self._tick += m
         self._since_rebuild += m
-        ticks = np.arange(t0 + 1, t0 + m + 1)
-        self._last[ids] = ticks
         view = self._view
-        ext = view.children[ids] != 0 if view is not None else np.zeros(m, bool)
-        pos, hits, extended = self._pos, self._hits, self._extended
-        for b in run:
-            hits[b] = 0
+        kids = view.children[ids].tolist() if view is not None else [0] * m
+        parents = view.parent[ids].tolist() if view is not None else [-1] * m
+        pos, hits, extended, cap = self._pos, self._hits, self._extended, self._cap
+        last_tier = self._tier.last
         ghosts = self._ghosts
-        if view is not None and ghosts.where:
-            # A block back from the ghost ring: a reuse the cache missed, learnt at its true gap.
-            take, hash_of = ghosts.take, view.hash_of
-            for j, b in enumerate(run):
-                back = take(hash_of(b))
-                if back is not None:
-                    cls, g0, h = back
-                    self._resolve(cls, t0 + 1 + j - g0, True)
-                    hits[b] = h + 1
-            self._cls[ids] = _HIT_CLASS_OF[np.minimum([hits[b] for b in run], 9)] * 2 + ext
-        else:
-            self._cls[ids] = ext  # hit class 0
-        # Before the run: which parents were resident already (for "extended" below).
-        if view is not None:
-            parent = view.parent[ids].astype(np.int64)
-            ok = (parent >= 0) & (parent < self._cap)
-            before = np.zeros(m, bool)
-            before[ok] = [pos[p] != -1 for p in parent[ok].tolist()]
-        # On the last tier a block with cached children is held at once, never ranked.
-        held = ext if self._tier.last else np.zeros(m, bool)
-        ranked = ids[~held]
-        self._resident[n0 : n0 + ranked.size] = ranked
-        self._n = n0 + ranked.size
-        for b, p in zip(ranked.tolist(), range(n0, n0 + ranked.size), strict=True):
-            pos[b] = p
-        for b in ids[held].tolist():
-            pos[b] = _HELD
-            self._held.add(b)
-        for b, e in zip(run, ext.tolist(), strict=True):
-            extended[b] = e
-        if view is not None:
-            # A parent already resident when its child came (before the run, or earlier in
-            # it) is now extended.
-            at = np.full(self._cap, m, np.int64)  # each block's place in the run (m: not in it)
-            at[ids] = np.arange(m)
-            came = ok & (before | (at[np.where(ok, parent, 0)] < np.arange(m)))
-            for p in dict.fromkeys(parent[came].tolist()):
-                if not extended[p]:
-                    extended[p] = True
-                    self._cls[p] = self._class_of(p)
+        take = ghosts.take if view is not None and ghosts.where else None
+        hash_of = view.hash_of if view is not None else None
         queue = self._queue
-        if queue and self._table is not None and ranked.size:
-            # A block worth no more than the next victim goes next (as in ``insert``): the
-            # queue's tail only falls, so block j joins it when its score is at most the
-            # least of the tail before the run and every score before j.
-            keep = ~held
-            score = self._table[self._cls[ranked], 0]
-            if self.weighted:
-                score = score * self.weights(ranked)  # type: ignore[operator]
-            tail = np.minimum.accumulate(np.concatenate([[queue[-1][2]], score[:-1]]))
-            joins = np.flatnonzero(score <= tail)
-            if joins.size:
-                queue.extend(zip(ranked[joins].tolist(), ticks[keep][joins].tolist(), score[joins].tolist(), strict=True))
+        joining = bool(queue) and self._table is not None
+        if joining:
+            table0 = self._table[:, 0].tolist()  # type: ignore[index]
+            weights = self.weights(ids).tolist() if self.weighted else None  # type: ignore[union-attr]
+            tail = queue[-1][2]
+        held_set, resident_new = self._held, []
+        classes: dict[int, int] = {}  # the run's classes, written to the column at the end
+        n = self._n
+        for j, b in enumerate(run):
+            tick = t0 + 1 + j
+            ext = kids[j] != 0
+            extended[b] = ext
+            h = 0
+            if take is not None:
+                back = take(hash_of(b))  # type: ignore[misc]
+                if back is not None:  # a reuse the cache missed: learn its true gap
+                    self._resolve(back[0], tick - back[1], True)
+                    h = back[2] + 1
+            hits[b] = h
+            p = parents[j]
+            if 0 <= p < cap and pos[p] != -1 and not extended[p]:
+                extended[p] = True
+                c = _hit_class(hits[p]) * 2 + 1
+                if p in classes:
+                    classes[p] = c
+                else:
+                    self._cls[p] = c
+            c = classes[b] = _hit_class(h) * 2 + ext
+            if last_tier and ext:  # it has cached children: it may not leave before them
+                pos[b] = _HELD
+                held_set.add(b)
+                continue
+            pos[b] = n
+            n += 1
+            resident_new.append(b)
+            if joining:
+                # A block worth no more than the next victim goes next, without waiting for a
+                # refill: most new blocks are never reused, and they arrive between refills.
+                score = table0[c]
+                if weights is not None:
+                    score *= weights[j]
+                if score <= tail:
+                    queue.append((b, tick, score))
+                    tail = score
+        self._last[ids] = np.arange(t0 + 1, t0 + m + 1)
+        self._cls[np.fromiter(classes, np.int64, len(classes))] = list(classes.values())
+        self._resident[self._n : n] = resident_new
+        self._n = n
 
     def touch(self, bid: int, now: float) -> None:
         if bid >= self._cap or self._pos[bid] == -1:
