@@ -4,7 +4,7 @@ it is current, and ignored (or partly ignored) when it is missing, stale or torn
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,22 +16,6 @@ from tiers.object import ObjectTier, manifest
 from tiers.object import local as local_backend
 
 MakeBlock = Callable[..., Any]
-
-
-@pytest.fixture
-def open_tier(tmp_path: Path) -> Iterator[Callable[..., ObjectTier]]:
-    opened: list[ObjectTier] = []
-
-    def _open(**options: Any) -> ObjectTier:
-        options.setdefault("capacity_bytes", "4MiB")
-        options.setdefault("worker_interval_s", 0)
-        tier = make_tier("object", "o", options, root=tmp_path, clock=FakeClock())
-        opened.append(tier)
-        return tier
-
-    yield _open
-    for t in opened:
-        t.close()
 
 
 @pytest.fixture
@@ -62,12 +46,12 @@ def _scan(tier: ObjectTier) -> dict[bytes, Any]:
 
 
 def test_a_current_manifest_replaces_every_header_read(open_tier: Callable[..., ObjectTier], make_block: MakeBlock, file_reads: list[str]) -> None:
-    tier = open_tier()
+    tier = open_tier(worker_interval_s=0)
     blocks = _fill(tier, make_block, range(20))
     tier.close()
     assert os.path.exists(tier._manifest_path)  # noqa: SLF001 - where the manifest lives
     file_reads.clear()
-    again = open_tier()
+    again = open_tier(worker_interval_s=0)
     assert _scan(again) == blocks
     assert file_reads == []  # every header came from the manifest
     assert again.usage().blocks == 20
@@ -76,15 +60,15 @@ def test_a_current_manifest_replaces_every_header_read(open_tier: Callable[..., 
 def test_a_crash_leaves_no_manifest(open_tier: Callable[..., ObjectTier], make_block: MakeBlock, file_reads: list[str]) -> None:
     """A restart that used the manifest removes it: a run that then crashes (no close) leaves
     none, and the next restart reads every header, including those the run changed."""
-    tier = open_tier()
+    tier = open_tier(worker_interval_s=0)
     blocks = _fill(tier, make_block, range(6))
     tier.close()
-    crashed = open_tier()
+    crashed = open_tier(worker_interval_s=0)
     assert _scan(crashed) == blocks
     assert not os.path.exists(crashed._manifest_path)  # noqa: SLF001
     blocks |= _fill(crashed, make_block, range(6, 8))
     file_reads.clear()
-    again = open_tier()  # crashed is never closed
+    again = open_tier(worker_interval_s=0)  # crashed is never closed
     assert _scan(again) == blocks
     assert len(file_reads) == 8
 
@@ -95,11 +79,11 @@ def test_a_stale_manifest_serves_only_the_objects_it_describes(
     """Objects changed by no run of this tier since the manifest (another node on a shared
     directory, or a manifest whose removal a crash undid): listed objects that are not the
     ones recorded (new, rewritten, gone) are read from their files."""
-    tier = open_tier()
+    tier = open_tier(worker_interval_s=0)
     blocks = _fill(tier, make_block, range(10))
     tier.close()
     saved = Path(tier._manifest_path).read_bytes()  # noqa: SLF001
-    other = open_tier()
+    other = open_tier(worker_interval_s=0)
     new = _fill(other, make_block, range(10, 14))
     blocks |= new
     gone = next(iter(blocks))
@@ -111,7 +95,7 @@ def test_a_stale_manifest_serves_only_the_objects_it_describes(
     blocks[b.key] = b.meta
     Path(tier._manifest_path).write_bytes(saved)  # noqa: SLF001 - the old manifest is back
     file_reads.clear()
-    again = open_tier()
+    again = open_tier(worker_interval_s=0)
     assert _scan(again) == blocks
     assert sorted(file_reads) == sorted(again.path(k) for k in [*new, b.key])
 
@@ -120,7 +104,7 @@ def test_a_stale_manifest_serves_only_the_objects_it_describes(
 def test_a_missing_or_torn_manifest_falls_back_to_the_headers(
     open_tier: Callable[..., ObjectTier], make_block: MakeBlock, file_reads: list[str], damage: str
 ) -> None:
-    tier = open_tier()
+    tier = open_tier(worker_interval_s=0)
     blocks = _fill(tier, make_block, range(12))
     tier.close()
     path = tier._manifest_path  # noqa: SLF001
@@ -134,7 +118,7 @@ def test_a_missing_or_torn_manifest_falls_back_to_the_headers(
     else:  # a crash while the next manifest was being written: the old one is still whole
         Path(f"{path}.tmp").write_bytes(data[:10])
     file_reads.clear()
-    again = open_tier()
+    again = open_tier(worker_interval_s=0)
     assert _scan(again) == blocks
     assert len(file_reads) == (0 if damage == "left_temp" else 12)
     again.close()
