@@ -510,7 +510,10 @@ class DensityPolicy(EvictionPolicy):
         cfg = self.config
         ids = self._resident[:n]
         if offered:
-            ids = ids[~np.isin(ids, np.fromiter(offered, np.int64, len(offered)))]
+            out = np.fromiter(offered, np.int64, len(offered))
+            skip = np.zeros(max(int(ids.max()), int(out.max())) + 1, bool) if ids.size else np.zeros(1, bool)
+            skip[out] = True  # a mask, not np.isin (which sorts both)
+            ids = ids[~skip[ids]]
             if not ids.size:
                 return
         if ids.size > cfg.sample:  # with replacement: O(sample), and a repeat is harmless

@@ -401,8 +401,13 @@ class Placer:
             leaf = (idx.children[ids] == 0) & (idx.pins[ids] == 0)
             ids = ids[leaf | ((idx.tiers[ids] & others) != 0)]
             ids = ids[np.argsort(-idx.depth[ids], kind="stable")]  # leaves before their parents
-        if protect:
-            ids = ids[~np.isin(ids, np.fromiter(protect, np.int64, len(protect)))]
+        if protect and ids.size:
+            # A mask over the block ids, not np.isin: a put's chain (thousands of ids) is
+            # protected while the tier holds a few hundred blocks, and isin sorts both.
+            out = np.fromiter(protect, np.int64, len(protect))
+            mask = np.zeros(max(int(ids.max()), int(out.max())) + 1, bool)
+            mask[out[out >= 0]] = True
+            ids = ids[~mask[ids]]
         return ids
 
     def apply_room(self, k: int, plan: list[Victim], protect: set[int], stuck: set[int]) -> bool:
