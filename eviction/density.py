@@ -63,10 +63,32 @@ def age_bucket(age: float) -> int:
     return min(int(math.log(age) * _LOG_RATIO) + 1, NUM_BUCKETS - 1)
 
 
-def age_buckets(ages: np.ndarray) -> np.ndarray:
+def _age_buckets_by_log(ages: np.ndarray) -> np.ndarray:
     out = np.floor(np.log(np.maximum(ages, 1)) * _LOG_RATIO).astype(np.int64) + 1
     out[ages < 1] = 0
     return np.minimum(out, NUM_BUCKETS - 1)
+
+
+def _first_ages() -> np.ndarray:
+    """The least whole age of each bucket from 1 on, found with the log formula itself, so that
+    a search over them gives exactly its buckets (it is monotonic in the age)."""
+    out = np.ones(NUM_BUCKETS - 1, np.int64)
+    for k in range(2, NUM_BUCKETS):
+        guess = int(RATIO ** (k - 1))
+        near = np.arange(max(guess - 4, 1), guess + 6, dtype=np.int64)
+        out[k - 1] = near[np.argmax(_age_buckets_by_log(near) >= k)]
+    return out
+
+
+_FIRST_AGES = _first_ages()
+
+
+def age_buckets(ages: np.ndarray) -> np.ndarray:
+    """``age_bucket`` of each age: one sorted search for whole ages (event counts, the usual
+    case), the log formula for others."""
+    if ages.dtype.kind in "iu":
+        return np.searchsorted(_FIRST_AGES, ages, side="right")
+    return _age_buckets_by_log(ages)
 
 
 def _hit_class(hits: int) -> int:
