@@ -19,6 +19,9 @@ Figures, each with a same-run baseline:
   path's wall time (the daemon is Python: what that thread runs, the data path waits for, at
   most). ``datapath_with_publish_16k``: the same with 32 blocks of 16 KiB, the most events per
   byte.
+* ``publisher_mirror_bytes_per_block``: what the daemon's publisher keeps a block (its mirror
+  of client names, parents and tiers, the hashes included), traced by ``tracemalloc``;
+  baseline: the 16 KiB block itself.
 * ``router_lookup_128k``: ``Router.route_hashes`` for a 128K-token prompt (8,192 blocks of 16
   tokens) against an index of 1M blocks on 3 nodes, median; baseline: ``hash_blocks`` of the same
   prompt (what the engine pays to hash it anyway). ``with_hashing_ms``: ``Router.route`` from
@@ -137,6 +140,35 @@ def publish_capacity(n: int) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"ours": n / ours, "base": n / base, "hook_us": hooks_s / n * 1e6,
             "batches": stats["batches"], "dropped": stats["dropped"], "received": got[0]}
+
+
+def mirror_bytes(n: int) -> float:
+    """Bytes a block the publisher's mirror holds in the daemon (traced allocations of ``n``
+    blocks named and placed, their hashes included: the mirror keeps them alive), without
+    token ids; ``4 * block_tokens`` more a block when puts carry them."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore-bench-route-"))
+    try:
+        cfg = StoreConfig(root=tmp / "s", tiers=(TierSpec("dram", "dram", {"capacity_bytes": "16MiB", "slab_bytes": "1MiB"}),))
+        with KVStore(cfg) as store:
+            store.register_namespace(SMALL)
+            pub = KVEventPublisher(store, EventsConfig(publish="tcp://127.0.0.1:0", publish_queue=4 * n))
+            pub.flush(60.0)
+            rng = np.random.default_rng(7)
+            tracemalloc.start()
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(0, n, 32):
+                chain = [bytes(k) for k in rng.integers(0, 256, (min(32, n - i), 16), dtype=np.uint8)]
+                pub.names(SMALL, chain, chain, 0)
+                pub.blocks([("p", k, 0) for k in chain], None)
+                del chain
+            pub.flush(60.0)
+            held = tracemalloc.get_traced_memory()[0] - before
+            tracemalloc.stop()
+            assert pub.stats()["mirrored"] == n
+            pub.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return held / n
 
 
 def _cpu_s(pid: int) -> float:
@@ -279,6 +311,8 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                      publisher_cpu_share=round(dp["publisher_cpu_share"], 5),
                      events_per_s=round(dp["events"] / dp["seconds"]), wakeups=dp["wakeups"],
                      dropped=dp["dropped"], round=what)
+    yield result("route", "publisher_mirror_bytes_per_block", mirror_bytes(20_000 if quick else 200_000), "B",
+                 SMALL.block_bytes, baseline_is="the block's own payload (16 KiB, the smallest bench block)")
     lk = router_lookup(100_000 if quick else 1_000_000, 20 if quick else 200)
     yield result("route", "router_lookup_128k", lk["lookup_ms"], "ms", lk["hash_ms"],
                  baseline_is="hash_blocks of the same 128K tokens", with_hashing_ms=round(lk["full_ms"], 4),
