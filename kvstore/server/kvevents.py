@@ -91,14 +91,12 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 PUMP_BATCH = 512
-"""Block changes waiting from which a :meth:`KVEventPublisher.pump` publishes at once."""
-PUMP_DELAY_S = 0.025
-"""Or the oldest of them has waited this long: a pump publishes the changes of several puts
-together. What a pump costs is mostly fixed (its first touch of the publisher's code and
-data after the data path ran, the encode and send): on the loaded 2-core box ~5 us a block
-event publishing after every put of 32 blocks of 16 KiB, ~2 us every few puts. A router
-sees a put's blocks within ``PUMP_DELAY_S`` while puts keep coming, ``2 * PUMP_DELAY_S`` at
-the end of a burst (the thread's backstop)."""
+"""Block changes waiting from which a :meth:`KVEventPublisher.pump` publishes them, on the
+request's thread. What publishing costs is mostly fixed per publication (the first touch of
+the publisher's code and data after the data path ran, the encode and send: a few hundred us
+of CPU on the loaded 2-core box): publishing after every put of 32 blocks of 16 KiB cost
+~5 us a block event, ~500 changes at a time ~2 us. Fewer wait for the thread's next period
+(``[events] publish_period``, 0.25 s): a router sees a block within that period."""
 _FAST_MIN = 4
 """Changes in an operation from which :meth:`KVEventPublisher._apply_uniform` is tried."""
 _kind, _key, _tier = itemgetter(0), itemgetter(1), itemgetter(2)
@@ -217,7 +215,9 @@ class KVEventPublisher:
         self._asleep = False
         self._sleep_until = 0.0  # when the sleeping thread wakes by itself (monotonic)
         self._first_t = 0.0  # when the oldest waiting change was queued
-        self._busy_until = 0.0  # pumps published lately: the thread looks every 2 * PUMP_DELAY_S
+        self._next_tick = 0.0  # when the thread publishes next while changes come
+        self._busy_until = 0.0  # changes came lately: the thread wakes every period
+        self._period = config.publish_period_s
         self._flushes = 0  # flush markers queued: the thread publishes at once
         self._stopping = threading.Event()
         self._drain_lock = threading.Lock()
@@ -320,6 +320,7 @@ class KVEventPublisher:
             else:
                 if not self._queued:
                     self._first_t = time.monotonic()
+                    self._busy_until = self._first_t + HEARTBEAT_S
                 self._queued += n
                 self._q.append(item)
         if wake:
@@ -343,19 +344,18 @@ class KVEventPublisher:
         """Publish what is queued, on the caller's thread: the service calls it after each
         put and load, outside the store's lock. There the work is cheapest: no thread to wake
         (each wake-up costs the box tens of microseconds of CPU and cold caches), a few
-        microseconds a block. It publishes once :data:`PUMP_BATCH` changes wait or the oldest
-        has waited :data:`PUMP_DELAY_S`, and leaves fewer to the next pump (the thread takes
-        what no pump does, by ``2 * PUMP_DELAY_S``). Never waits: while the thread
-        publishes, it is left to it."""
+        microseconds a block, but a fixed cost per publication that dominates at small
+        blocks. So it publishes only once :data:`PUMP_BATCH` changes wait, and otherwise leaves
+        them to the thread's next period (``[events] publish_period``), waking it if it sleeps
+        longer (the first change after a lull). Never waits: while the thread publishes, it
+        is left to it."""
         if not self._q:
             return
-        now = time.monotonic()
-        if self._queued < PUMP_BATCH and now - self._first_t < PUMP_DELAY_S:
-            if self._asleep and self._sleep_until > self._first_t + 2 * PUMP_DELAY_S:
-                self._nudge()  # the thread sleeps past the backstop (the first put after a lull)
+        if self._queued < PUMP_BATCH:
+            if self._asleep and self._sleep_until > self._first_t + self._period:
+                self._nudge()
             return
         if self._drain_lock.acquire(blocking=False):
-            self._busy_until = now + HEARTBEAT_S
             try:
                 c0 = time.thread_time()
                 self._drain(self._pump_enc)
@@ -717,8 +717,8 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         enc = msgspec.msgpack.Encoder()
-        # Asleep until a replay request, a flush, a drop, close or the first put after a lull
-        # (the eventfd), the heartbeat, or the backstop of what no pump took.
+        # Asleep until a replay request, a flush, a drop, close or the first change after a lull
+        # (the eventfd), the heartbeat, or the next period while changes come.
         poller = zmq.Poller()
         for s in self.streams:
             poller.register(s.replay, zmq.POLLIN)
@@ -734,8 +734,10 @@ class KVEventPublisher:
                         self._snapshot_pending = False
                         self._publish_snapshots(enc)
                         self._last_send = time.monotonic()
-                    if self._due():
+                    now = time.monotonic()
+                    if self._due(now):
                         self._drain(enc)
+                        self._next_tick = now + self._period
                 self._cpu_s = time.thread_time() - cpu0
                 ready = poller.poll(self._sleep_ms())
                 self._asleep = False
@@ -755,18 +757,18 @@ class KVEventPublisher:
         with self._drain_lock:
             self._drain(enc)  # what was hooked before close
 
-    def _due(self) -> bool:
+    def _due(self, now: float) -> bool:
         """Whether the thread publishes now: a flush or a drop waits, the heartbeat is due, or
-        changes have waited past the pumps' delay (while pumps come, they take them)."""
-        now = time.monotonic()
+        changes wait and their period has come."""
         return bool(self._flushes or self._lost.is_set() or now - self._last_send >= HEARTBEAT_S
-                    or (self._q and (self._queued >= PUMP_BATCH or now - self._first_t >= PUMP_DELAY_S)))
+                    or (self._q and (now >= self._next_tick or self._queued >= PUMP_BATCH
+                                     or now - self._first_t >= self._period)))
 
     def _sleep_ms(self) -> int:
         """How long the thread may sleep: until the heartbeat is due, or a rebuild may run;
-        while changes wait, until their backstop (``2 * PUMP_DELAY_S`` after the oldest);
-        while pumps publish, ``2 * PUMP_DELAY_S`` (a look that finds nothing is cheaper than a
-        nudge per burst). Sets ``_asleep`` first (see :meth:`_nudge`)."""
+        while changes wait or came within the last heartbeat, until the next period (a look
+        that finds nothing costs less than a nudge for every put). Sets ``_asleep`` first
+        (see :meth:`_nudge`)."""
         self._sleep_until = float("inf")  # a pump that reads it meanwhile nudges: never too late
         self._asleep = True
         now = time.monotonic()
@@ -776,10 +778,8 @@ class KVEventPublisher:
         if self._snapshot_pending or self._stopping.is_set() or self._flushes:
             self._sleep_until = now
             return 0
-        if self._q:
-            due = min(due, self._first_t + 2 * PUMP_DELAY_S)
-        elif now < self._busy_until:
-            due = min(due, now + 2 * PUMP_DELAY_S)
+        if self._q or now < self._busy_until:
+            due = min(due, max(self._next_tick, now))
         self._sleep_until = due
         return max(0, int((due - now) * 1000)) + 1
 

@@ -195,6 +195,11 @@ def datapath(rounds: int, ns: Namespace, per: int, dram: str) -> dict[str, Any]:
         times = dict.fromkeys(clients, 0.0)
         cpu = dict.fromkeys(clients, 0.0)
         names = list(clients)
+        # A subscriber reads the stream, as a router would (the daemon's ZeroMQ I/O thread
+        # then sends each batch: its CPU is in the daemon's figure).
+        stop, got = threading.Event(), [0]
+        reader = threading.Thread(target=_drain, args=(on.info["events"]["publish"], stop, got), daemon=True)
+        reader.start()
         start = control(on.url, "GET", "/v1/events")["stats"]
         for r in range(rounds + 5):
             if r == 5:  # the first rounds warm them up
@@ -212,11 +217,14 @@ def datapath(rounds: int, ns: Namespace, per: int, dram: str) -> dict[str, Any]:
                     times[name] += t1 - t0
                     cpu[name] += _cpu_s(pids[name]) - c0
         stats = control(on.url, "GET", "/v1/events")["stats"]
+        stop.set()
+        reader.join()
     return {"on": rounds / times["on"], "off": rounds / times["off"], "off2": rounds / times["off2"],
             "cpu_ratio": cpu["on"] / cpu["off"], "cpu_noise": cpu["off2"] / cpu["off"],
             "publisher_cpu_share": (stats["cpu_s"] - start["cpu_s"]) / times["on"],
             "events": stats["block_events"] - start["block_events"], "dropped": stats["dropped"],
-            "wakeups": stats["wakeups"] - start["wakeups"], "seconds": times["on"]}
+            "wakeups": stats["wakeups"] - start["wakeups"], "seconds": times["on"], "received": got[0],
+            "batches": stats["batches"] - start["batches"]}
 
 
 def router_lookup(total_blocks: int, repeat: int) -> dict[str, Any]:
@@ -310,7 +318,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                      cpu_ratio=round(dp["cpu_ratio"], 4), cpu_noise_ratio=round(dp["cpu_noise"], 4),
                      publisher_cpu_share=round(dp["publisher_cpu_share"], 5),
                      events_per_s=round(dp["events"] / dp["seconds"]), wakeups=dp["wakeups"],
-                     dropped=dp["dropped"], round=what)
+                     dropped=dp["dropped"], batches=dp["batches"], received=dp["received"], round=what)
     yield result("route", "publisher_mirror_bytes_per_block", mirror_bytes(20_000 if quick else 200_000), "B",
                  SMALL.block_bytes, baseline_is="the block's own payload (16 KiB, the smallest bench block)")
     lk = router_lookup(100_000 if quick else 1_000_000, 20 if quick else 200)

@@ -106,7 +106,7 @@ def test_demotion_and_delete_are_block_events_per_medium(start: Callable[..., Th
 
 def test_replay_serves_history_then_a_snapshot_when_it_is_gone(start: Callable[..., ThreadedDaemon],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvevents, "PUMP_DELAY_S", 0.0)  # a batch per put: more than the buffer keeps
+    monkeypatch.setattr(kvevents, "PUMP_BATCH", 1)  # a batch per put: more than the buffer keeps
     d = start("n", replay_batches=2)
     with connect(d.url) as c:
         c.register_namespace(SMALL_NS)
@@ -307,9 +307,8 @@ def test_the_engine_cache_sends_the_token_ids_of_what_it_stores(tmp_path: Path) 
 
 def test_a_pump_publishes_on_the_callers_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the service does after each put: with the publisher's thread stopped, the pump
-    alone turns the put's changes into a batch on the stream, once enough changes wait (or
-    the oldest has waited long enough); fewer it leaves to the next pump."""
-    monkeypatch.setattr(kvevents, "PUMP_DELAY_S", 3600.0)  # never old enough here: only the count
+    alone turns the put's changes into a batch on the stream once PUMP_BATCH changes wait;
+    fewer it leaves to the thread's next period."""
     with KVStore(StoreConfig(root=tmp_path / "s", tiers=small_tiers())) as store:
         store.register_namespace(SMALL_NS)
         pub = kvevents.KVEventPublisher(store, events_config({"publish": "tcp://127.0.0.1:0"}))
@@ -339,8 +338,8 @@ def test_a_pump_publishes_on_the_callers_thread(tmp_path: Path, monkeypatch: pyt
 
 
 def test_what_no_pump_takes_the_thread_publishes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The last put of a burst, below the pumps' thresholds: the thread's backstop (2 *
-    PUMP_DELAY_S after it was queued) publishes it, with no flush and no further put."""
+    """A put below the pumps' threshold: the thread publishes it (the first change after a
+    lull at once, then every [events] publish_period), with no flush and no further put."""
     monkeypatch.setattr(kvevents, "PUMP_BATCH", 1 << 30)
     with KVStore(StoreConfig(root=tmp_path / "s", tiers=small_tiers())) as store:
         store.register_namespace(SMALL_NS)
@@ -351,7 +350,7 @@ def test_what_no_pump_takes_the_thread_publishes(tmp_path: Path, monkeypatch: py
             hs = chain(3)
             pub.names(SMALL_NS, hs, hs, 0)
             store.put(SMALL_NS, hs, payloads(3), tokens=tokens_of(3))
-            pub.pump()  # (on a slow box the change may be old enough already: then the pump takes it)
+            pub.pump()
             s = pub.streams[0]
             assert eventually(lambda: pub.stats()["queued"] == 0 and s.seq > seq)
             events = [e for q, p in list(s.buffer) if q > seq for e in decoder().decode(p).events]
