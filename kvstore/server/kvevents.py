@@ -738,6 +738,8 @@ class KVEventPublisher:
                     if self._due(now):
                         self._drain(enc)
                         self._next_tick = now + self._period
+                    elif now >= self._next_tick:  # a period with nothing to publish: the next one
+                        self._next_tick = now + self._period
                 self._cpu_s = time.thread_time() - cpu0
                 ready = poller.poll(self._sleep_ms())
                 self._asleep = False
