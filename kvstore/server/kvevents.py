@@ -32,14 +32,14 @@ operation (a load, a maintenance pass; a put has two, room then copies:
 :meth:`kvstore.events.StoreEvents.batch`), never once per block, and
 that call only appends the operation's list of changes to a bounded queue (full: dropped and
 counted; the mirror is then rebuilt from the store and every stream is sent
-``AllBlocksCleared`` and a snapshot, so a drop costs a resync, never a wrong route). The
-service then calls :meth:`KVEventPublisher.pump` after the put or load, outside the store's
-lock: it applies and publishes on the request's own thread, a few microseconds a block, with
-no thread to wake (on this 2-core box a wake-up cost 100-400 µs of CPU, cold caches included:
-more than the work). The thread is for the rest: replay requests, the heartbeat (an empty
-batch after a second of quiet, so a subscriber that lost the last batch notices the gap),
-changes no pump took (a maintenance pass's expiry: with the next heartbeat), flushes and
-rebuilds.
+``AllBlocksCleared`` and a snapshot, so a drop costs a resync, never a wrong route).
+Publishing is batched across operations, since a publication's cost is mostly fixed: the
+thread publishes what waits every ``[events] publish_period`` (0.25 s) while blocks change
+(the first change after a lull at once: :meth:`KVEventPublisher.pump`, which the service
+calls after each put and load outside the store's lock, wakes it), and a pump publishes on
+the request's own thread once :data:`PUMP_BATCH` changes wait. The thread also serves replay
+requests, the heartbeat (an empty batch after a second of quiet, so a subscriber that lost
+the last batch notices the gap), flushes and rebuilds.
 PUB drops at its high-water mark rather than wait for a slow subscriber.
 
 Token ids. A put that carries the token ids of its blocks (``KVStore.put(tokens=)``, the
@@ -99,7 +99,7 @@ of CPU on the loaded 2-core box): publishing after every put of 32 blocks of 16 
 (``[events] publish_period``, 0.25 s): a router sees a block within that period."""
 _FAST_MIN = 4
 """Changes in an operation from which :meth:`KVEventPublisher._apply_uniform` is tried."""
-_kind, _key, _tier = itemgetter(0), itemgetter(1), itemgetter(2)
+_key, _shape = itemgetter(1), itemgetter(0, 2)
 _client, _parent, _ns, _mask, _tokens = (attrgetter(a) for a in ("client", "parent", "ns", "mask", "tokens"))
 SNAPSHOT_CHUNK = 4096
 """Blocks per batch of a snapshot (and of the announcement at start)."""
@@ -335,20 +335,17 @@ class KVEventPublisher:
 
     def blocks(self, changes: list[BlockChange], tokens: PutTokens | None) -> None:
         """The changes of one store operation (see :class:`kvstore.events.BlockSink`). No
-        wake-up: the service's :meth:`pump` publishes them right after the operation; what
-        no pump takes (a maintenance pass's expiry), the thread publishes with its next
-        heartbeat, within a second."""
+        wake-up here (this runs under the store's lock): the service's :meth:`pump` after the
+        operation wakes the thread if it sleeps past its period; a maintenance pass's expiry,
+        which no pump follows, goes with the next period or heartbeat, within a second."""
         self._put(("b", changes, tokens), len(changes), wake=False)
 
     def pump(self) -> None:
-        """Publish what is queued, on the caller's thread: the service calls it after each
-        put and load, outside the store's lock. There the work is cheapest: no thread to wake
-        (each wake-up costs the box tens of microseconds of CPU and cold caches), a few
-        microseconds a block, but a fixed cost per publication that dominates at small
-        blocks. So it publishes only once :data:`PUMP_BATCH` changes wait, and otherwise leaves
-        them to the thread's next period (``[events] publish_period``), waking it if it sleeps
-        longer (the first change after a lull). Never waits: while the thread publishes, it
-        is left to it."""
+        """The service calls it after each put and load, outside the store's lock. Once
+        :data:`PUMP_BATCH` changes wait it publishes them on the caller's thread (its caches
+        are warm with them); fewer it leaves to the thread's next period (``[events]
+        publish_period``), waking the thread if it sleeps longer (the first change after a
+        lull). Never waits: while the thread publishes, it is left to it."""
         if not self._q:
             return
         if self._queued < PUMP_BATCH:
@@ -367,7 +364,8 @@ class KVEventPublisher:
         """The client hashes of a put's chain (``keys``: what the store is given), called before
         the put: its ``placed`` events then publish under these names."""
         if self._keyed or start < len(hashes):
-            self._put(("n", ns, tuple(hashes), tuple(keys), start), len(hashes), wake=False)
+            names = tuple(hashes)
+            self._put(("n", ns, names, names if keys is hashes else tuple(keys), start), len(hashes), wake=False)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything hooked before this call is published (tests, shutdown)."""
@@ -538,18 +536,17 @@ class KVEventPublisher:
         checks and the look-ups run in C (``map``, set and list comparisons); what stays in
         Python is one statement a block. False, with nothing changed, when the batch is not
         of that shape: :meth:`_apply_changes` then takes it block by block."""
-        kinds = set(map(_kind, changes))
-        tiers = set(map(_tier, changes))
-        if len(kinds) != 1 or len(tiers) != 1:
+        shapes = set(map(_shape, changes))
+        if len(shapes) != 1:
             return False
-        kind, k = kinds.pop(), tiers.pop()
+        kind, k = shapes.pop()
         keys = list(map(_key, changes))
         recs = self._recs
         rs = list(map(recs.get, keys))
         if None in rs:
             return False
         clients = list(map(_client, rs))
-        if None in clients:
+        if self._keyed and None in clients:  # (the anonymous tenant's blocks all have names)
             return False
         if kind == "p":
             ns = rs[0].ns
@@ -581,8 +578,7 @@ class KVEventPublisher:
         mask = masks.pop()
         if mask & (mask - 1):
             return False  # held on several tiers: one BlockRemoved per medium, block by block
-        for key in keys:
-            del recs[key]
+        deque(map(recs.__delitem__, keys), maxlen=0)  # (del of each, in C)
         self._removed(rs, mask.bit_length() - 1)
         return True
 
