@@ -91,12 +91,12 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 PUMP_BATCH = 512
-"""Block changes waiting from which a :meth:`KVEventPublisher.pump` publishes them, on the
-request's thread. What publishing costs is mostly fixed per publication (the first touch of
-the publisher's code and data after the data path ran, the encode and send: a few hundred us
-of CPU on the loaded 2-core box): publishing after every put of 32 blocks of 16 KiB cost
-~5 us a block event, ~500 changes at a time ~2 us. Fewer wait for the thread's next period
-(``[events] publish_period``, 0.25 s): a router sees a block within that period."""
+"""Block changes waiting from which a :meth:`KVEventPublisher.pump` publishes them (else once
+the oldest is ``[events] publish_period`` old, 0.25 s). What publishing costs is mostly fixed
+per publication (the first touch of the publisher's code and data, the encode and send: a few
+hundred us of CPU on the loaded 2-core box after the data path ran, more on the publisher's
+thread, which wakes cold): publishing after every put of 32 blocks of 16 KiB cost ~5 us a block
+event, ~500 changes at a time ~2 us."""
 _FAST_MIN = 4
 """Changes in an operation from which :meth:`KVEventPublisher._apply_uniform` is tried."""
 _key, _shape = itemgetter(1), itemgetter(0, 2)
@@ -215,8 +215,8 @@ class KVEventPublisher:
         self._asleep = False
         self._sleep_until = 0.0  # when the sleeping thread wakes by itself (monotonic)
         self._first_t = 0.0  # when the oldest waiting change was queued
-        self._next_tick = 0.0  # when the thread publishes next while changes come
-        self._busy_until = 0.0  # changes came lately: the thread wakes every period
+        self._lull = False  # the first change after a lull woke the thread: it publishes at once
+        self._busy_until = 0.0  # changes came lately: the thread looks every 2 periods
         self._period = config.publish_period_s
         self._flushes = 0  # flush markers queued: the thread publishes at once
         self._stopping = threading.Event()
@@ -341,15 +341,18 @@ class KVEventPublisher:
         self._put(("b", changes, tokens), len(changes), wake=False)
 
     def pump(self) -> None:
-        """The service calls it after each put and load, outside the store's lock. Once
-        :data:`PUMP_BATCH` changes wait it publishes them on the caller's thread (its caches
-        are warm with them); fewer it leaves to the thread's next period (``[events]
-        publish_period``), waking the thread if it sleeps longer (the first change after a
-        lull). Never waits: while the thread publishes, it is left to it."""
+        """The service calls it after each put and load, outside the store's lock. Once the
+        oldest waiting change is ``[events] publish_period`` old, or :data:`PUMP_BATCH` changes
+        wait, it publishes them on the caller's thread: there its caches are warm with them,
+        and a publication costs a few hundred µs of CPU less than the thread's, which wakes
+        cold. Younger changes wait for a later pump, or for the thread's backstop (two
+        periods); the first change after a lull wakes the thread, which publishes it at once.
+        Never waits: while the thread publishes, it is left to it."""
         if not self._q:
             return
-        if self._queued < PUMP_BATCH:
-            if self._asleep and self._sleep_until > self._first_t + self._period:
+        if self._queued < PUMP_BATCH and time.monotonic() - self._first_t < self._period:
+            if self._asleep and self._sleep_until > self._first_t + 2 * self._period:
+                self._lull = True
                 self._nudge()
             return
         if self._drain_lock.acquire(blocking=False):
@@ -714,7 +717,7 @@ class KVEventPublisher:
     def _run(self) -> None:
         enc = msgspec.msgpack.Encoder()
         # Asleep until a replay request, a flush, a drop, close or the first change after a lull
-        # (the eventfd), the heartbeat, or the next period while changes come.
+        # (the eventfd), the heartbeat, or the backstop of changes no pump published.
         poller = zmq.Poller()
         for s in self.streams:
             poller.register(s.replay, zmq.POLLIN)
@@ -730,12 +733,9 @@ class KVEventPublisher:
                         self._snapshot_pending = False
                         self._publish_snapshots(enc)
                         self._last_send = time.monotonic()
-                    now = time.monotonic()
-                    if self._due(now):
+                    if self._due(time.monotonic()):
+                        self._lull = False
                         self._drain(enc)
-                        self._next_tick = now + self._period
-                    elif now >= self._next_tick:  # a period with nothing to publish: the next one
-                        self._next_tick = now + self._period
                 self._cpu_s = time.thread_time() - cpu0
                 ready = poller.poll(self._sleep_ms())
                 self._asleep = False
@@ -757,16 +757,17 @@ class KVEventPublisher:
 
     def _due(self, now: float) -> bool:
         """Whether the thread publishes now: a flush or a drop waits, the heartbeat is due, or
-        changes wait and their period has come."""
+        changes wait that a lull's first put woke it for, or that no pump took in time."""
         return bool(self._flushes or self._lost.is_set() or now - self._last_send >= HEARTBEAT_S
-                    or (self._q and (now >= self._next_tick or self._queued >= PUMP_BATCH
+                    or (self._q and (self._lull or self._queued >= PUMP_BATCH
                                      or now - self._first_t >= self._period)))
 
     def _sleep_ms(self) -> int:
         """How long the thread may sleep: until the heartbeat is due, or a rebuild may run;
-        while changes wait or came within the last heartbeat, until the next period (a look
-        that finds nothing costs less than a nudge for every put). Sets ``_asleep`` first
-        (see :meth:`_nudge`)."""
+        while changes wait, until two periods after the oldest (the pumps publish them after
+        one); while changes came within the last heartbeat, two periods (a look that finds
+        nothing costs less than a nudge for every put). Sets ``_asleep`` first (see
+        :meth:`_nudge`)."""
         self._sleep_until = float("inf")  # a pump that reads it meanwhile nudges: never too late
         self._asleep = True
         now = time.monotonic()
@@ -776,8 +777,10 @@ class KVEventPublisher:
         if self._snapshot_pending or self._stopping.is_set() or self._flushes:
             self._sleep_until = now
             return 0
-        if self._q or now < self._busy_until:
-            due = min(due, max(self._next_tick, now))
+        if self._q:
+            due = min(due, self._first_t + 2 * self._period)
+        elif now < self._busy_until:
+            due = min(due, now + 2 * self._period)
         self._sleep_until = due
         return max(0, int((due - now) * 1000)) + 1
 
