@@ -90,13 +90,13 @@ from kvstore.store import KVStore
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
-PUMP_BATCH = 4096
+PUMP_BATCH = 512
 """Block changes waiting from which a :meth:`KVEventPublisher.pump` publishes them (else once
 the oldest is ``[events] publish_period`` old, 0.25 s). What publishing costs is mostly fixed
 per publication (the first touch of the publisher's code and data, the encode and send: a few
 hundred us of CPU on the loaded 2-core box after the data path ran, more on the publisher's
 thread, which wakes cold): publishing after every put of 32 blocks of 16 KiB cost ~5 us a block
-event, ~500 changes at a time ~2 us. So the period governs; this many publish at once (a burst)."""
+event, ~500 changes at a time ~2 us."""
 _FAST_MIN = 4
 """Changes in an operation from which :meth:`KVEventPublisher._apply_uniform` is tried."""
 _key, _shape = itemgetter(1), itemgetter(0, 2)
