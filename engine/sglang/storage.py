@@ -173,7 +173,14 @@ class KVStoreHiCache(HiCacheStorage):
             make, name="kvstore-hicache", on_connect=on_connect, backoff_s=backoff, max_backoff_s=max_backoff,
         )
         if extra.get("token_ids"):
-            _install()
+            try:
+                _install()
+            except ImportError as e:
+                raise ConfigError(
+                    f"hicache storage extra config token_ids: SGLang's HiCacheController cannot be imported "
+                    f"({e}); install SGLang's full dependencies, or drop token_ids (the KV events then "
+                    "carry no token ids)"
+                ) from e
         self.counters = {"hit_pages": 0, "miss_pages": 0, "stored_pages": 0, "dropped_pages": 0, "errors": 0}
 
     # -- namespace ----------------------------------------------------------------------------------
