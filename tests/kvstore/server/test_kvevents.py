@@ -360,6 +360,23 @@ def test_what_no_pump_takes_the_thread_publishes(tmp_path: Path, monkeypatch: py
             pub.close()
 
 
+def per_block(events: list[Any]) -> list[tuple[Any, ...]]:
+    """Events as one entry a block: ``("s", hash, parent, medium, tokens)``, ``("r", hash,
+    medium)``, ``("c",)``."""
+    out: list[tuple[Any, ...]] = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            parent, bs = e.parent_block_hash, e.block_size
+            for i, h in enumerate(e.block_hashes):
+                out.append(("s", h, parent, e.medium, tuple(e.token_ids[i * bs:(i + 1) * bs])))
+                parent = h
+        elif isinstance(e, BlockRemoved):
+            out.extend(("r", h, e.medium) for h in e.block_hashes)
+        else:
+            out.append(("c",))
+    return out
+
+
 def test_the_bulk_path_publishes_what_the_block_by_block_path_does(tmp_path: Path) -> None:
     """Two publishers on one store, one with the bulk path (``_apply_uniform``) turned off:
     puts with and without tokens, demotions down three tiers, promotions by loads, deletes
@@ -392,7 +409,9 @@ def test_the_bulk_path_publishes_what_the_block_by_block_path_does(tmp_path: Pat
                 p.pump()
                 assert p.flush(60.0)
             published = [[e for _, b in p.streams[0].buffer for e in decoder().decode(b).events] for p in pubs]
-            assert published[0] == published[1]
+            # Block by block (how many operations one publication took may differ between the
+            # two, and a publication joins a chain's events): the same, in the same order.
+            assert per_block(published[0]) == per_block(published[1])
             kinds = {(type(e).__name__, getattr(e, "medium", None)) for e in published[0]}
             assert {("BlockStored", "dram"), ("BlockStored", "nvme"), ("BlockRemoved", "dram")} <= kinds
             assert any(isinstance(e, BlockStored) and e.token_ids for e in published[0])
