@@ -107,8 +107,8 @@ def _options(args: argparse.Namespace) -> tuple[str, int, float]:
         raise _usage(f"--tp must be 1 or 2 (the box's cores bind one rank each), got {tp}")
     if tp > 1 and workload != "standard":
         raise _usage("--tp 2 runs the long-document QA only; drop --workload")
-    if tp > (os.cpu_count() or 1):
-        raise _usage(f"--tp {tp} binds one core per rank; this machine has {os.cpu_count()}")
+    if tp > len(os.sched_getaffinity(0)):
+        raise _usage(f"--tp {tp} binds one core per rank; this process may use {len(os.sched_getaffinity(0))}")
     if not qps > 0:
         raise _usage(f"--qps must be a request rate > 0, got {qps}")
     return workload, tp, qps
@@ -336,7 +336,7 @@ def _run_engine(engine: str, spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
            "OMP_NUM_THREADS": str(spec["threads"]),
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     if tp > 1:  # one core per rank (vLLM's CPU build binds a NUMA node per rank otherwise)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r) for r in range(tp))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in sorted(os.sched_getaffinity(0))[:tp])
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "tools.bench.vllm", "--child", str(path)], env=env,
                           capture_output=True, text=True, timeout=3600)
