@@ -79,6 +79,34 @@ def test_a_large_batch_is_shared_with_the_workers(monkeypatch: pytest.MonkeyPatc
     assert any(name.startswith("kvstore-copy-") for name in who)
 
 
+def test_a_copy_that_arrives_during_another_is_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several large copies at once already keep the cores busy: the second copies alone."""
+    pool = CopyPool(2, min_bytes=0, piece_bytes=4 * KiB)
+    first_started, second_done = threading.Event(), threading.Event()
+    who: list[tuple[str, int]] = []
+    real = buffers._memmove
+    first = threading.Thread(target=lambda: pool.copy([(memoryview(da), memoryview(sa))]), name="first")
+
+    def gated(dst: int, src: int, n: int) -> int:
+        name = threading.current_thread().name
+        if name == "first" and not first_started.is_set():
+            first_started.set()
+            assert second_done.wait(WAIT_S), "the second copy did not finish alone"
+        who.append((name, n))
+        return real(dst, src, n)
+
+    monkeypatch.setattr(buffers, "_memmove", gated)
+    (da, db), (sa, sb) = _pairs([64 * KiB, 64 * KiB], seed=3)
+    first.start()
+    assert first_started.wait(WAIT_S)
+    pool.copy([(memoryview(db), memoryview(sb))])
+    second_done.set()
+    first.join()
+    assert (threading.current_thread().name, 64 * KiB) in who  # one memmove of the whole pair
+    assert sum(n for name, n in who if name == threading.current_thread().name) == 64 * KiB
+    assert np.array_equal(da, sa) and np.array_equal(db, sb)
+
+
 def test_concurrent_callers_share_one_pool() -> None:
     pool = CopyPool(3, min_bytes=0, piece_bytes=4 * KiB)
     results: list[bool] = []
