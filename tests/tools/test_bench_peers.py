@@ -36,7 +36,7 @@ def test_only_selects_peers_and_families_in_run_order() -> None:
     assert select("kvstore*") == ["kvstore", "kvstore-shm", "kvstore-tcp"]
     assert select("kvstore") == ["kvstore"]
     assert select("mooncake,memcpy") == ["memcpy", "mooncake"]
-    assert select("lmcache") == ["lmcache-cpu", "lmcache-disk", "lmcache-redis"]
+    assert select("lmcache") == ["lmcache-cpu", "lmcache-cpu-mt", "lmcache-disk", "lmcache-redis"]
     assert select("kvstore-tcp") == ["kvstore-tcp"]
     assert len(select(None)) == 9
 

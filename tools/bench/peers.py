@@ -51,7 +51,7 @@ QUICK_SIZES = (1024,)
 KVSTORES = ("kvstore", "kvstore-shm", "kvstore-tcp")
 # The goals: kvstore (in process) against each peer, store and retrieve alike.
 GOALS = {"lmcache-cpu": 1.2, "mooncake": 1.0}
-OTHERS = ("lmcache-cpu", "lmcache-disk", "lmcache-redis", "mooncake")
+OTHERS = ("lmcache-cpu", "lmcache-cpu-mt", "lmcache-disk", "lmcache-redis", "mooncake")
 PRIVATE_NETNS = ("mooncake",)  # its client binds every interface: run it where only loopback is
 TIMEOUT_S, QUICK_TIMEOUT_S = 1800, 600
 LONG = 8192  # past this many tokens a request is "long": 1 fits, 2 rounds, 1 retrieve per client
