@@ -38,7 +38,7 @@ def test_only_selects_peers_and_families_in_run_order() -> None:
     assert select("mooncake,memcpy") == ["memcpy", "mooncake"]
     assert select("lmcache") == ["lmcache-cpu", "lmcache-cpu-mt", "lmcache-disk", "lmcache-redis"]
     assert select("kvstore-tcp") == ["kvstore-tcp"]
-    assert len(select(None)) == 9
+    assert len(select(None)) == 10
 
 
 def test_an_unknown_peer_is_refused_with_the_known_ones() -> None:
