@@ -54,7 +54,7 @@ class DramConfig:
     """``capacity_bytes``: arena size (rounded down to whole slabs). ``slab_bytes``: the unit a
     size class grows by; must hold the largest block. ``shm_name``: the segment's name without a
     leading slash; empty picks a unique one (``kvs-<pid>-<tier>-<random>``). ``copy_threads``:
-    threads that copy one batched read or write of 8 MiB or more (``read_many``/``write_many``,
+    threads that copy one batched read or write of 64 MiB or more (``read_many``/``write_many``,
     and one large block); 0 picks ``min(4, cores)``, 1 copies in the calling thread only."""
 
     capacity_bytes: int

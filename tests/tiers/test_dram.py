@@ -174,7 +174,8 @@ def test_a_large_batch_is_copied_by_the_configured_threads(tmp_path: Path, make_
     try:
         assert tier.describe()["copy_threads"] == 2
         names = record_memmoves(monkeypatch)
-        blocks = [make_block(4 * MiB, seed=i) for i in range(4)]  # 16 MiB: past PARALLEL_MIN_BYTES
+        monkeypatch.setattr(tier._copy, "min_bytes", 8 * MiB)  # noqa: SLF001  # the pool of 2 splits 16 MiB
+        blocks = [make_block(4 * MiB, seed=i) for i in range(4)]
         assert tier.write_many([(b.key, b.data, b.meta) for b in blocks]) == [None] * 4
         assert len(names) == 4  # one piece per block (each its own buffer), by whichever thread came first
         dst = np.zeros(16 * MiB, np.uint8)
@@ -184,7 +185,7 @@ def test_a_large_batch_is_copied_by_the_configured_threads(tmp_path: Path, make_
         one = bytearray(4 * MiB)
         names.clear()
         assert tier.read_into(blocks[0].key, memoryview(one)) == 4 * MiB and bytes(one) == bytes(blocks[0].data)
-        assert names == [threading.current_thread().name]  # 4 MiB: below the threshold, one copy here
+        assert names == [threading.current_thread().name]  # 4 MiB: below min_bytes, one copy here
     finally:
         tier.close()
 
