@@ -9,7 +9,7 @@ So admission can lose hits (a skipped block read again misses) but never a durab
 block.
 
 * ``all``: write everything (the behaviour without admission).
-* ``reuse`` (:class:`ReuseAdmission`; the store's default, asked about leaves only): learns,
+* ``reuse`` (:class:`ReuseAdmission`; the store's default): learns,
   per block class, the share of demoted blocks that are read again, from the store's own
   history, and skips the classes least likely to be read again while the hit loss stays inside
   a budget (``hit_loss_budget``, a share of the store's hits). Class: hits so far (0, 1, 2, 3+)
@@ -19,6 +19,11 @@ block.
   eviction/density.py); a decision with neither within ``horizon_s`` counts as not reused.
   Decisions are polled every ``poll`` decisions. The rule's statistics live in memory: after a
   restart it learns again (and skips nothing before ``poll`` decisions).
+  With ``inner`` it also decides about blocks with cached children; a block whose parent is
+  hollow (refused before it: chains leave the upper tiers head first) is then refused without a
+  decision, because no lookup can reach it until the parent is put again, and that put re-puts
+  it too. Its return still counts as a lost hit (the parent's refusal cost it), and the loss per
+  refused decision that came back weights every class's expected loss in the plan.
 
 Admission objects see block ids and the index's columns, never payloads; the store calls them
 under its lock.
@@ -84,9 +89,11 @@ class Admission:
 
 @dataclass(frozen=True, slots=True)
 class ReuseConfig:
-    hit_loss_budget: float = 0.01
-    """Hits that skipped writes may cost, as a share of the store's hits (0.01: 1%; 0: skip
-    nothing)."""
+    hit_loss_budget: float = 0.005
+    """Hits that skipped writes may cost, as a share of the store's hits (0.005: 0.5%; 0: skip
+    nothing). The loss the rule counts lags (a refused block comes back minutes to hours
+    later) and misses the copies a hollow block strands, so the hits actually lost run up to
+    about twice the budget: 0.94% on the conversation trace at 0.5% (docs/eviction.md)."""
     margin: float = 0.5
     """Share of the budget the *expected* loss of the skipped classes may use; the rest absorbs
     estimation error. Measured loss past the full budget stops all skipping until it is back."""
@@ -101,9 +108,10 @@ class ReuseConfig:
     horizon_s: float = 600.0
     """A decision not followed by a reuse within this long (store clock) counts as not reused;
     a skipped block that comes back later still counts as a lost hit."""
-    inner: bool = False
+    inner: bool = True
     """Also decide about blocks with cached children (a refused one stays hollow, cutting its
-    descendants off; its own return is all the rule sees of the hits that cost)."""
+    descendants off, which are then refused without a decision). False: leaves only, which
+    saves little, because chains leave the upper tiers head first."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.hit_loss_budget < 1.0:
@@ -147,9 +155,14 @@ class ReuseAdmission(Admission):
         self.skip = np.zeros(n, dtype=bool)  # the classes skipped now
         # (time, key, class, hits at decision, stored), oldest first; outcome not known yet
         self.pending: deque[tuple[float, bytes, int, int, bool]] = deque()
-        self.ghosts: dict[bytes, None] = {}  # skipped past the horizon: a return is still a loss
-        self.parents: dict[bytes, None] = {}  # blocks whose child was skipped, oldest first
+        # Skipped past the horizon (True) or unreachable (False): a return is still a loss.
+        self.ghosts: dict[bytes, bool] = {}
+        self.parents: dict[bytes, bool] = {}  # blocks whose child was skipped, oldest first
         self.decisions = 0
+        self.unreachable = 0
+        """Blocks refused because their parent is hollow (no decision; see :meth:`admit`)."""
+        self.returns = 0
+        """Refused blocks (decisions) that came back."""
         self.lost = 0
         """Skipped blocks put again later: hits the skipping cost (an upper bound: a block put
         again would have hit only if its whole prefix was still cached)."""
@@ -157,6 +170,14 @@ class ReuseAdmission(Admission):
     def admit(self, bid: int, now: float) -> bool:
         v = self.view
         key = bytes(v.hash_of(bid))
+        parent = int(v.parent[bid])
+        if parent >= 0 and not int(v.tiers[parent]):
+            # The parent is hollow (this rule refused it): no lookup reaches this block until the
+            # parent is put again, and that put re-puts this block too, so a write now earns
+            # nothing. Not a decision; a return still counts as a hit the parent's refusal cost.
+            self.unreachable += 1
+            self._remember(self.ghosts, key, False)
+            return False
         shape = 2 if int(v.children[bid]) else int(key in self.parents)
         c = block_class(int(v.hits[bid]), int(v.depth[bid]), now - float(v.last_access[bid]), shape)
         self.decisions += 1
@@ -167,12 +188,12 @@ class ReuseAdmission(Admission):
         if len(self.pending) > self.config.window:
             self._expire(self.pending.popleft())
         self.parents.pop(key, None)
-        if not stored and int(v.parent[bid]) >= 0:
-            self._remember(self.parents, bytes(v.hash_of(int(v.parent[bid]))))
+        if not stored and parent >= 0:
+            self._remember(self.parents, bytes(v.hash_of(parent)))
         return stored
 
-    def _remember(self, table: dict[bytes, None], key: bytes) -> None:
-        table[key] = None
+    def _remember(self, table: dict[bytes, bool], key: bytes, value: bool = True) -> None:
+        table[key] = value
         if len(table) > self.config.window:
             del table[next(iter(table))]
 
@@ -200,6 +221,7 @@ class ReuseAdmission(Admission):
             else:
                 again = self._back(key)
                 self.lost += int(again)
+                self.returns += int(again)
             if again:
                 self.seen[c] += 1
                 self.reused[c] += 1
@@ -210,7 +232,7 @@ class ReuseAdmission(Admission):
         self.pending = keep
         back = [k for k in self.ghosts if self._back(k)]
         for k in back:
-            del self.ghosts[k]
+            self.returns += int(self.ghosts.pop(k))
         self.lost += len(back)
         self._plan()
         self.seen *= self.config.decay
@@ -234,9 +256,13 @@ class ReuseAdmission(Admission):
         # statistics hold.
         per_decision_hits = hits / max(self.decisions, 1)
         allowance = cfg.margin * cfg.hit_loss_budget * per_decision_hits * float(self.seen.sum())
+        # A refused inner block also costs the hits of the descendants it cut off (they come
+        # back as returns of unreachable blocks): each class's reuses are weighted by the loss
+        # measured per refused block that came back.
+        weight = max(1.0, self.lost / self.returns) if self.returns else 1.0
         spent = 0.0
         for j in order.tolist():
-            cost = float(self.reused[ready[j]])
+            cost = weight * float(self.reused[ready[j]])
             if spent + cost > allowance:
                 break
             spent += cost
@@ -249,4 +275,5 @@ class ReuseAdmission(Admission):
             "inner": self.inner,
             "skipping_classes": int(self.skip.sum()),
             "admission_lost_hits": self.lost,
+            "unreachable_skipped": self.unreachable,
         }

@@ -63,10 +63,32 @@ def age_bucket(age: float) -> int:
     return min(int(math.log(age) * _LOG_RATIO) + 1, NUM_BUCKETS - 1)
 
 
-def age_buckets(ages: np.ndarray) -> np.ndarray:
+def _age_buckets_by_log(ages: np.ndarray) -> np.ndarray:
     out = np.floor(np.log(np.maximum(ages, 1)) * _LOG_RATIO).astype(np.int64) + 1
     out[ages < 1] = 0
     return np.minimum(out, NUM_BUCKETS - 1)
+
+
+def _first_ages() -> np.ndarray:
+    """The least whole age of each bucket from 1 on, found with the log formula itself, so that
+    a search over them gives exactly its buckets (it is monotonic in the age)."""
+    out = np.ones(NUM_BUCKETS - 1, np.int64)
+    for k in range(2, NUM_BUCKETS):
+        guess = int(RATIO ** (k - 1))
+        near = np.arange(max(guess - 4, 1), guess + 6, dtype=np.int64)
+        out[k - 1] = near[np.argmax(_age_buckets_by_log(near) >= k)]
+    return out
+
+
+_FIRST_AGES = _first_ages()
+
+
+def age_buckets(ages: np.ndarray) -> np.ndarray:
+    """``age_bucket`` of each age: one sorted search for whole ages (event counts, the usual
+    case), the log formula for others."""
+    if ages.dtype.kind in "iu":
+        return np.searchsorted(_FIRST_AGES, ages, side="right")
+    return _age_buckets_by_log(ages)
 
 
 def _hit_class(hits: int) -> int:
@@ -204,8 +226,10 @@ class DensityPolicy(EvictionPolicy):
         self._since_rebuild = 0
         # Lifetimes that ended (reused or censored) in each age bucket, and the reused ones;
         # the exposure of bucket k is the number that ended at k or later.
-        self._ended = np.zeros((NUM_CLASSES, NUM_BUCKETS))
-        self._reuses = np.zeros((NUM_CLASSES, NUM_BUCKETS))
+        # Flat lists (index class * NUM_BUCKETS + bucket), not arrays: one increment per event
+        # costs a list item several times less than a numpy scalar, with the same float sums.
+        self._ended_flat = [0.0] * (NUM_CLASSES * NUM_BUCKETS)
+        self._reuses_flat = [0.0] * (NUM_CLASSES * NUM_BUCKETS)
         self._table: np.ndarray | None = None
         self._ghosts = _Ghosts()
         self._queue: list[tuple[int, int, float]] = []  # (bid, last access, score), best last
@@ -258,11 +282,19 @@ class DensityPolicy(EvictionPolicy):
         if self._since_rebuild >= self.config.period:
             self._rebuild()
 
+    @property
+    def _ended(self) -> np.ndarray:
+        return np.array(self._ended_flat).reshape(NUM_CLASSES, NUM_BUCKETS)
+
+    @property
+    def _reuses(self) -> np.ndarray:
+        return np.array(self._reuses_flat).reshape(NUM_CLASSES, NUM_BUCKETS)
+
     def _resolve(self, cls: int, age: int, reused: bool) -> None:
-        k = age_bucket(age)
-        self._ended[cls, k] += 1
+        i = cls * NUM_BUCKETS + (0 if age < 1 else min(int(math.log(age) * _LOG_RATIO) + 1, NUM_BUCKETS - 1))
+        self._ended_flat[i] += 1.0
         if reused:
-            self._reuses[cls, k] += 1
+            self._reuses_flat[i] += 1.0
 
     # ---- protocol ---------------------------------------------------------------------------
 
@@ -308,12 +340,6 @@ class DensityPolicy(EvictionPolicy):
         ids = np.asarray(ids, np.int64)
         if not ids.size:
             return
-        if self._queue or self._ghosts.where:
-            # A new block may join the victim queue or come back from the ghost ring: the
-            # per-block path decides.
-            for bid in ids.tolist():
-                self.insert(bid, 0, 0.0)
-            return
         self._grow(int(ids.max()) + 1)
         pos = self._pos
         # Repeats and blocks already resident are no-ops (neither advances the clock).
@@ -329,48 +355,72 @@ class DensityPolicy(EvictionPolicy):
             i += free
 
     def _insert_run(self, run: list[int]) -> None:
-        """``insert`` of new, distinct blocks while no rebuild is due, no ghost can come back
-        and the victim queue is empty."""
+        """``insert`` of new, distinct blocks while no rebuild is due, in one pass: the same
+        outcome, event by event, as ``insert`` of each in order. The events run over Python
+        lists (a chain is short: a numpy scalar per event would cost more than the whole
+        event); the columns the ranking reads are written once at the end."""
         m = len(run)
         ids = np.array(run, np.int64)
-        n0, t0 = self._n, self._tick
+        t0 = self._tick
         self._tick += m
         self._since_rebuild += m
-        self._last[ids] = np.arange(t0 + 1, t0 + m + 1)
         view = self._view
-        ext = view.children[ids] != 0 if view is not None else np.zeros(m, bool)
-        self._cls[ids] = ext  # hit class 0
-        pos, hits, extended = self._pos, self._hits, self._extended
-        # Before the run: which parents were resident already (for "extended" below).
-        if view is not None:
-            parent = view.parent[ids].astype(np.int64)
-            ok = (parent >= 0) & (parent < self._cap)
-            before = np.zeros(m, bool)
-            before[ok] = [pos[p] != -1 for p in parent[ok].tolist()]
-        # On the last tier a block with cached children is held at once, never ranked.
-        held = ext if self._tier.last else np.zeros(m, bool)
-        ranked = ids[~held]
-        self._resident[n0 : n0 + ranked.size] = ranked
-        self._n = n0 + ranked.size
-        for b, p in zip(ranked.tolist(), range(n0, n0 + ranked.size), strict=True):
-            pos[b] = p
-        for b in ids[held].tolist():
-            pos[b] = _HELD
-            self._held.add(b)
-        for b, e in zip(run, ext.tolist(), strict=True):
-            hits[b] = 0
-            extended[b] = e
-        if view is None:
-            return
-        # A parent already resident when its child came (before the run, or earlier in it) is
-        # now extended.
-        at = np.full(self._cap, m, np.int64)  # each block's place in the run (m: not in it)
-        at[ids] = np.arange(m)
-        came = ok & (before | (at[np.where(ok, parent, 0)] < np.arange(m)))
-        for p in dict.fromkeys(parent[came].tolist()):
-            if not extended[p]:
+        kids = view.children[ids].tolist() if view is not None else [0] * m
+        parents = view.parent[ids].tolist() if view is not None else [-1] * m
+        pos, hits, extended, cap = self._pos, self._hits, self._extended, self._cap
+        last_tier = self._tier.last
+        ghosts = self._ghosts
+        take = ghosts.take if view is not None and ghosts.where else None
+        hash_of = view.hash_of if view is not None else None
+        queue = self._queue
+        joining = bool(queue) and self._table is not None
+        if joining:
+            table0 = self._table[:, 0].tolist()  # type: ignore[index]
+            weights = self.weights(ids).tolist() if self.weighted else None  # type: ignore[union-attr]
+            tail = queue[-1][2]
+        held_set, resident_new = self._held, []
+        classes: dict[int, int] = {}  # the run's classes, written to the column at the end
+        n = self._n
+        for j, b in enumerate(run):
+            tick = t0 + 1 + j
+            ext = kids[j] != 0
+            extended[b] = ext
+            h = 0
+            if take is not None:
+                back = take(hash_of(b))  # type: ignore[misc]
+                if back is not None:  # a reuse the cache missed: learn its true gap
+                    self._resolve(back[0], tick - back[1], True)
+                    h = back[2] + 1
+            hits[b] = h
+            p = parents[j]
+            if 0 <= p < cap and pos[p] != -1 and not extended[p]:
                 extended[p] = True
-                self._cls[p] = self._class_of(p)
+                c = _hit_class(hits[p]) * 2 + 1
+                if p in classes:
+                    classes[p] = c
+                else:
+                    self._cls[p] = c
+            c = classes[b] = _hit_class(h) * 2 + ext
+            if last_tier and ext:  # it has cached children: it may not leave before them
+                pos[b] = _HELD
+                held_set.add(b)
+                continue
+            pos[b] = n
+            n += 1
+            resident_new.append(b)
+            if joining:
+                # A block worth no more than the next victim goes next, without waiting for a
+                # refill: most new blocks are never reused, and they arrive between refills.
+                score = table0[c]
+                if weights is not None:
+                    score *= weights[j]
+                if score <= tail:
+                    queue.append((b, tick, score))
+                    tail = score
+        self._last[ids] = np.arange(t0 + 1, t0 + m + 1)
+        self._cls[np.fromiter(classes, np.int64, len(classes))] = list(classes.values())
+        self._resident[self._n : n] = resident_new
+        self._n = n
 
     def touch(self, bid: int, now: float) -> None:
         if bid >= self._cap or self._pos[bid] == -1:
@@ -410,11 +460,12 @@ class DensityPolicy(EvictionPolicy):
         i = self._pos[bid]
         if i == -1:
             return
-        if self._view is not None and self.config.ghost_factor > 0:
+        factor = self.config.ghost_factor
+        if self._view is not None and factor > 0:
             ghosts = self._ghosts
             ghosts.push(self._view.hash_of(bid), int(self._cls[bid]), int(self._last[bid]), self._hits[bid])
-            limit = self.config.ghost_factor * max(len(self), 64)  # resident: ranked and held
-            while len(ghosts) > limit:
+            limit = factor * max(self._n + len(self._held), 64)  # resident: ranked and held
+            while ghosts.tail - ghosts.head > limit:
                 gone = ghosts.pop_oldest()
                 if gone is not None:
                     self._resolve(gone[0], self._tick - gone[1], False)
@@ -423,6 +474,18 @@ class DensityPolicy(EvictionPolicy):
             self._held.discard(bid)
         else:
             self._unrank(bid)
+
+    def first(self) -> int | None:
+        # candidates()'s first step without its generator: the entry is taken off the queue.
+        pos, last_of = self._pos, self._last
+        while True:
+            if not self._queue:
+                self._refill(set())
+                if not self._queue:
+                    return None
+            bid, last, _ = self._queue.pop()
+            if pos[bid] >= 0 and last_of[bid] == last:
+                return bid
 
     def candidates(self) -> Iterator[int]:
         offered: set[int] = set()  # the store skipped these (pinned, in use): rank the rest
@@ -453,8 +516,9 @@ class DensityPolicy(EvictionPolicy):
         ended = self._ended + pending
         reached = np.cumsum(ended[:, ::-1], axis=1)[:, ::-1]
         self._table = density_table(self._reuses, reached)
-        self._reuses *= self.config.decay
-        self._ended *= self.config.decay
+        decay = self.config.decay
+        self._reuses_flat = [x * decay for x in self._reuses_flat]
+        self._ended_flat = [x * decay for x in self._ended_flat]
 
     def weights(self, ids: np.ndarray) -> np.ndarray | None:
         """Value of a hit on each block relative to the others (None: all equal). The cost-aware
@@ -468,7 +532,10 @@ class DensityPolicy(EvictionPolicy):
         cfg = self.config
         ids = self._resident[:n]
         if offered:
-            ids = ids[~np.isin(ids, np.fromiter(offered, np.int64, len(offered)))]
+            out = np.fromiter(offered, np.int64, len(offered))
+            skip = np.zeros(max(int(ids.max()), int(out.max())) + 1, bool) if ids.size else np.zeros(1, bool)
+            skip[out] = True  # a mask, not np.isin (which sorts both)
+            ids = ids[~skip[ids]]
             if not ids.size:
                 return
         if ids.size > cfg.sample:  # with replacement: O(sample), and a repeat is harmless

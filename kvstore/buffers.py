@@ -1,12 +1,18 @@
-"""Caller-owned buffers as flat byte views, without copying.
+"""Caller-owned buffers as flat byte views, without copying, and the copy between them.
 
 A leaf module (it imports only :mod:`kvstore.errors`): tiers, the store and the daemon client
 all turn what a caller passes (bytes, bytearray, memoryview, numpy arrays, CPU tensors) into
-``memoryview`` slices here, so every I/O lands in memory the caller owns.
+``memoryview`` slices here, so every I/O lands in memory the caller owns. :class:`CopyPool`
+moves a batch of such views with several threads (:func:`copy_pool` hands out one per size).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import queue
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -104,3 +110,155 @@ def span(first: memoryview, nbytes: int, *, writable: bool = True) -> memoryview
     if at < 0 or at + nbytes > whole.nbytes:
         return None
     return whole[at : at + nbytes]
+
+
+# ---- copies of many bytes with several threads --------------------------------------------
+
+PARALLEL_MIN_BYTES = 64 << 20
+"""A batch smaller than this is copied by the calling thread alone: it would make fewer than two
+pieces of ``PIECE_BYTES``."""
+PIECE_BYTES = 32 << 20
+"""The smallest piece a batch is cut into; a batch is cut into about four pieces per thread (at
+page boundaries), so that a thread that is late (a busy core) leaves its share to the others.
+Not smaller: 32 MiB chunks cut into 8 MiB pieces over 2 threads copied at 7.5-11.2 GB/s against
+10.0-10.7 whole (load 3), likely for want of glibc's non-temporal stores on smaller copies."""
+MAX_COPY_THREADS = 64
+
+_memmove = ctypes.memmove  # a ctypes foreign call: it releases the GIL while it copies
+
+
+def default_copy_threads() -> int:
+    """``min(4, cores this process may run on)``: a copy stops scaling once memory bandwidth is
+    used up, which a few cores reach; more threads only take cores from the engine."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
+class _Batch:
+    """One call's pieces; every participant (the caller and any worker) takes the next piece
+    until none is left, so a worker that is busy elsewhere never holds a caller up."""
+
+    __slots__ = ("pieces", "next", "left", "done", "error", "lock")
+
+    def __init__(self, pieces: list[tuple[int, int, int]]) -> None:
+        self.pieces = pieces
+        self.next = 0
+        self.left = len(pieces)
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def work(self) -> None:
+        while True:
+            with self.lock:
+                i = self.next
+                if i >= len(self.pieces):
+                    return
+                self.next = i + 1
+            dst, src, n = self.pieces[i]
+            try:
+                _memmove(dst, src, n)
+            except Exception as e:  # reported to the caller, who raises it with context
+                self.error = e
+            with self.lock:
+                self.left -= 1
+                if self.left == 0:
+                    self.done.set()
+
+
+class CopyPool:
+    """Copies between buffers, split across ``threads`` threads (the caller is one of them).
+
+    ``copy(pairs)`` moves each ``(dst, src)`` pair of equally long byte views (:func:`byte_view`)
+    and returns when every byte has landed. A batch of at least ``min_bytes`` is cut into pieces
+    that the caller and ``threads - 1`` persistent worker threads copy at once, each with a
+    GIL-releasing ``memmove``; a smaller batch, a pool of one thread, or a batch that arrives
+    while another uses the workers is copied by the caller alone. Thread safety: any number of
+    threads may call :meth:`copy` at once; a caller copies its own pieces too, so a worker
+    that is late (its core busy) never makes a copy slower than one thread would. Worker threads are daemons that live as
+    long as the process (:func:`copy_pool` keeps one pool per size).
+    """
+
+    def __init__(self, threads: int, *, min_bytes: int = PARALLEL_MIN_BYTES, piece_bytes: int = PIECE_BYTES) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_COPY_THREADS:
+            raise UsageError(f"copy threads must be a whole number in 1..{MAX_COPY_THREADS}, got {threads!r}")
+        if piece_bytes <= 0 or piece_bytes % 4096:
+            raise UsageError(f"piece_bytes must be a positive multiple of 4096, got {piece_bytes}")
+        self.threads = threads
+        self.min_bytes = min_bytes
+        self.piece_bytes = piece_bytes
+        self._active = 0  # copies of min_bytes or more in flight
+        self._active_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
+        for i in range(threads - 1):
+            threading.Thread(target=self._serve, name=f"kvstore-copy-{threads}-{i}", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            self._queue.get().work()
+
+    def copy(self, pairs: Sequence[tuple[memoryview, memoryview]]) -> int:
+        """Copy every ``src`` into its ``dst`` (the views stay the caller's, alive until this
+        returns); returns the bytes copied. BufferSizeError when a pair's lengths differ."""
+        total = 0
+        for d, s in pairs:
+            if d.nbytes != s.nbytes:
+                raise BufferSizeError(f"a copy of {s.nbytes} bytes into a {d.nbytes}-byte destination")
+            total += d.nbytes
+        if self.threads == 1 or total < self.min_bytes:
+            self._alone(pairs)
+            return total
+        # Split only a copy that runs alone: several large copies at once already keep the
+        # cores busy (8 clients loading 512 MiB each at once: 25% slower in all when each one
+        # also split its copy).
+        with self._active_lock:
+            alone = self._active == 0
+            self._active += 1
+        try:
+            if alone:
+                self._split(pairs, total)
+            else:
+                self._alone(pairs)
+        finally:
+            with self._active_lock:
+                self._active -= 1
+        return total
+
+    @staticmethod
+    def _alone(pairs: Sequence[tuple[memoryview, memoryview]]) -> None:
+        for d, s in pairs:
+            if d.nbytes:
+                _memmove(address(d), address(s), d.nbytes)
+
+    def _split(self, pairs: Sequence[tuple[memoryview, memoryview]], total: int) -> None:
+        piece = max(self.piece_bytes, (-(-total // (4 * self.threads)) + 4095) & ~4095)
+        pieces: list[tuple[int, int, int]] = []
+        for d, s in pairs:
+            da, sa, n = address(d), address(s), d.nbytes
+            for at in range(0, n, piece):
+                pieces.append((da + at, sa + at, min(piece, n - at)))
+        batch = _Batch(pieces)
+        for _ in range(min(self.threads - 1, len(pieces) - 1)):
+            self._queue.put(batch)
+        batch.work()
+        batch.done.wait()
+        if batch.error is not None:
+            raise RuntimeError(f"a copy of {total} bytes in {len(pieces)} pieces failed: {batch.error}") from batch.error
+
+
+_pools: dict[int, CopyPool] = {}
+_pools_lock = threading.Lock()
+
+
+def copy_pool(threads: int = 0) -> CopyPool:
+    """The process's :class:`CopyPool` of ``threads`` threads (0: :func:`default_copy_threads`),
+    created on first use and shared by every caller that asks for that size."""
+    n = threads or default_copy_threads()
+    with _pools_lock:
+        pool = _pools.get(n)
+        if pool is None:
+            pool = _pools[n] = CopyPool(n)
+        return pool

@@ -226,7 +226,7 @@ class RadixIndex:
         if ids.size:
             parents = np.empty(ids.size, dtype=np.int64)
             parents[0], parents[1:] = parent, ids[:-1]
-            self._write(ids, parents, np.arange(depth0, depth0 + ids.size), size, ns, tier_bit, now, expiry)
+            self._write(ids, parents, np.arange(depth0, depth0 + ids.size), size, ns, tier_bit, now, expiry, True)
         return ids
 
     def insert_blocks(
@@ -270,9 +270,11 @@ class RadixIndex:
         tiers: np.ndarray | int,
         last_access: np.ndarray | float,
         expiry: np.ndarray | float,
+        distinct_parents: bool = False,
     ) -> None:
         """The columns of new blocks ``ids``; each parent gains a child (a parent may be among
-        ``ids`` itself, as in a chain)."""
+        ``ids`` itself, as in a chain; ``distinct_parents``: no parent is repeated, as in a
+        chain, so that one fancy add counts them)."""
         if not ids.size:
             return
         self.parent[ids] = parents
@@ -283,14 +285,18 @@ class RadixIndex:
         self.tiers[ids] = tiers
         self.children[ids] = 0
         linked = parents[parents != NO_PARENT]
-        if linked.size:
+        if linked.size == 1 or (linked.size and distinct_parents):
+            self.children[linked] += 1
+        elif linked.size:
             np.add.at(self.children, linked, 1)
         self.pins[ids] = 0
         self.in_use[ids] = 0
         self.hits[ids] = 0
         self.last_access[ids] = last_access
         self.expiry[ids] = expiry
-        self._expiry_floor = min(self._expiry_floor, float(np.min(expiry)))
+        low = expiry if isinstance(expiry, float) else float(np.min(expiry))
+        if low < self._expiry_floor:
+            self._expiry_floor = low
 
     def remove(self, bid: int) -> BlockHash:
         """Drop a leaf. Raises if it still has cached children (the store stays prefix-closed)."""
@@ -314,6 +320,46 @@ class RadixIndex:
         self.tiers[bid] = 0
         self._free.append(bid)
         return BlockHash(h)
+
+    def remove_many(self, bids: list[int]) -> list[BlockHash]:
+        """:meth:`remove` of each of ``bids`` in order, in one call (a batched eviction): a
+        block may be the parent of one before it. Checked before anything changes: raises,
+        leaving the index as it was, if a block is not live, is repeated, or keeps a cached
+        child that is not among those removed before it."""
+        if not bids:
+            return []
+        hashes = self._hashes
+        keys = [hashes[b] for b in bids]
+        if None in keys or len(set(bids)) != len(bids):
+            bad = next((b for b, h in zip(bids, keys, strict=True) if h is None), None)
+            raise KeyError(f"block id {bad} is not live" if bad is not None else f"block ids repeat in {bids}")
+        ids = np.array(bids, np.int64)
+        children = self.children
+        # Per parent, the children the batch removes; each block's own children must all be
+        # removed before it.
+        gone: dict[int, int] = {}
+        for b, p, kids in zip(bids, self.parent[ids].tolist(), children[ids].tolist(), strict=True):
+            if gone.get(b, 0) != kids:
+                raise RuntimeError(f"block id {b} has {kids} cached children")
+            if p != NO_PARENT:
+                gone[p] = gone.get(p, 0) + 1
+        known = self._ids
+        for h in keys:
+            del known[h]
+        for b in bids:
+            hashes[b] = None
+        self.flags[ids] = 0
+        self.tiers[ids] = 0
+        self._free.extend(bids)
+        if gone:
+            parents = np.fromiter(gone, np.int64, len(gone))
+            children[parents] -= np.fromiter(gone.values(), np.int32, len(gone))
+            orphaned = parents[children[parents] == 0]
+            if orphaned.size:  # a parent left with no child may expire now
+                low = float(self.expiry[orphaned].min())
+                if low < self._expiry_floor:
+                    self._expiry_floor = low
+        return keys  # type: ignore[return-value]
 
     def touch(self, ids: np.ndarray, now: float, expiry: np.ndarray | float) -> None:
         """Record a hit on ``ids`` (distinct ids): last access, hit count, refreshed expiry."""

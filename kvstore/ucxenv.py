@@ -18,6 +18,13 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
     # Over 16 MiB UCX fails (openucx/ucx#7043).
     "UCX_TCP_TX_SEG_SIZE": "1M",
     "UCX_TCP_RX_SEG_SIZE": "1M",
+    # Rendezvous by the receiver reading (get) instead of the sender writing, over socket buffers
+    # of 4 MiB: raw ucxx moved 64 x 1 MiB at 0.66-0.77 of a raw socket with both, 0.40-0.47
+    # with UCX's defaults, in the same minutes (load 15-22, docs/benchmarks.md). Each alone
+    # gave about half of that; 16 MiB buffers less than 4 MiB.
+    "UCX_RNDV_SCHEME": "get_zcopy",
+    "UCX_TCP_SNDBUF": "4M",
+    "UCX_TCP_RCVBUF": "4M",
 }
 
 

@@ -73,7 +73,7 @@ def make_store(tmp_path: Path, clock: FakeClock) -> Iterator[Callable[..., KVSto
 HYPOTHESIS_RUN = os.environ.get("KVSTORE_HYPOTHESIS", "ci")
 """``ci`` (the default: the counts the tests name, so that CI stays short) or ``long``
 (``KVSTORE_HYPOTHESIS=long``: thousands of examples, ``KVSTORE_HYPOTHESIS_EXAMPLES`` of them,
-2,000 by default, for a run by hand or a nightly job)."""
+5,000 by default, for a run by hand or a nightly job)."""
 if HYPOTHESIS_RUN not in ("ci", "long"):
     raise pytest.UsageError(f"KVSTORE_HYPOTHESIS={HYPOTHESIS_RUN!r}: use 'ci' (the default) or 'long'")
 
@@ -82,9 +82,9 @@ def hypothesis_examples(ci: int) -> int:
     """Examples per property: ``ci`` in CI, thousands with ``KVSTORE_HYPOTHESIS=long``."""
     if HYPOTHESIS_RUN != "long":
         return ci
-    raw = os.environ.get("KVSTORE_HYPOTHESIS_EXAMPLES", "2000")
+    raw = os.environ.get("KVSTORE_HYPOTHESIS_EXAMPLES", "5000")
     if not raw.isdigit() or int(raw) < 1:
-        raise pytest.UsageError(f"KVSTORE_HYPOTHESIS_EXAMPLES={raw!r}: give a whole number of examples (e.g. 2000)")
+        raise pytest.UsageError(f"KVSTORE_HYPOTHESIS_EXAMPLES={raw!r}: give a whole number of examples (e.g. 5000)")
     return int(raw)
 
 

@@ -20,6 +20,7 @@ This module moves bytes and raises plain :class:`OSError`; the tier maps errors 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -42,8 +43,13 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 
 def address(mv: memoryview) -> int:
-    """The memory address of ``mv``'s first byte (works for read-only buffers too)."""
-    return np.frombuffer(mv, np.uint8).__array_interface__["data"][0]
+    """The memory address of ``mv``'s first byte (works for read-only buffers too).
+
+    Through ctypes for a writable buffer (~1.5 us; numpy's ``__array_interface__`` builds a dict,
+    ~8 us, per block read); numpy for a read-only or empty one."""
+    if not mv.readonly and mv.nbytes:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    return int(np.frombuffer(mv, np.uint8).__array_interface__["data"][0])
 
 
 def is_aligned(mv: memoryview) -> bool:

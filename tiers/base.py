@@ -129,6 +129,17 @@ class Tier(ABC):
                 out.append(e)
         return out
 
+    def delete_many(self, keys: Sequence[BlockHash]) -> list[bool | KVStoreError]:
+        """Batched deletes (an eviction's victims); each result is what :meth:`delete` returned
+        for that key, or the error it raised."""
+        out: list[bool | KVStoreError] = []
+        for key in keys:
+            try:
+                out.append(self.delete(key))
+            except KVStoreError as e:
+                out.append(e)
+        return out
+
     def available(self) -> bool:
         """Whether requests can be made now. False while a remote tier is known to be down (a
         circuit breaker is open): the store skips it, with no request and no timeout, and

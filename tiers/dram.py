@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.block import BlockMeta
-from kvstore.buffers import Buffer, address, byte_view, span
+from kvstore.buffers import MAX_COPY_THREADS, Buffer, address, byte_view, copy_pool, span
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     BlockNotFound,
@@ -53,11 +53,14 @@ _SHM_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 class DramConfig:
     """``capacity_bytes``: arena size (rounded down to whole slabs). ``slab_bytes``: the unit a
     size class grows by; must hold the largest block. ``shm_name``: the segment's name without a
-    leading slash; empty picks a unique one (``kvs-<pid>-<tier>-<random>``)."""
+    leading slash; empty picks a unique one (``kvs-<pid>-<tier>-<random>``). ``copy_threads``:
+    threads that copy one batched read or write of 64 MiB or more (``read_many``/``write_many``,
+    and one large block); 0 picks ``min(4, cores)``, 1 copies in the calling thread only."""
 
     capacity_bytes: int
     slab_bytes: int = 64 * _MiB
     shm_name: str = ""
+    copy_threads: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
@@ -76,6 +79,12 @@ class DramConfig:
             )
         if not isinstance(self.shm_name, str):
             raise ConfigError(f"dram shm_name must be a string, got {self.shm_name!r}")
+        if (isinstance(self.copy_threads, bool) or not isinstance(self.copy_threads, int)
+                or not 0 <= self.copy_threads <= MAX_COPY_THREADS):
+            raise ConfigError(
+                f"dram copy_threads must be a whole number in 0..{MAX_COPY_THREADS} (0: min(4, cores)), "
+                f"got {self.copy_threads!r}"
+            )
         if self.shm_name and (
             len(self.shm_name) > _MAX_SHM_NAME or _SHM_NAME_CHARS.search(self.shm_name)
         ):
@@ -149,6 +158,7 @@ class DramTier(SlabMapMixin, Tier):
         self._shm = shm
         self._buf: memoryview = shm.buf
         self._shm_name = shm_name
+        self._copy = copy_pool(config.copy_threads)
 
     @staticmethod
     def _generated_name(name: str) -> str:
@@ -221,28 +231,30 @@ class DramTier(SlabMapMixin, Tier):
         n = meta.size
         if out.nbytes < n:
             raise BufferSizeError(f"dst has {out.nbytes} bytes; block {key.hex()} needs {n}")
-        out[:n] = self._buf[off : off + n]
+        self._copy.copy(((out[:n], self._buf[off : off + n]),))
         return n
 
     def read_many(self, keys: Sequence[BlockHash], dsts: Sequence[memoryview]) -> list[int | KVStoreError]:
         """Batched reads: blocks that lie back to back in the arena and are due back to back in
-        one caller buffer (a load's run into one destination) move in one copy."""
+        one caller buffer (a load's run into one destination) move as one span, and the whole
+        batch is copied at once, by ``copy_threads`` threads when it is large."""
         with self._lock:
             entries = [self._map.get(k) for k in keys]
         out: list[int | KVStoreError] = []
+        pairs: list[tuple[memoryview, memoryview]] = []
         run: list[tuple[memoryview, int]] = []  # (dst view, size) of the run being gathered
         run_off = run_end = run_addr = -1
         for key, dst, entry in zip(keys, dsts, entries, strict=True):
             if entry is None:
                 out.append(BlockNotFound(f"block {key.hex()} is not in tier {self.name!r}"))
-                self._copy_run(run, run_off)
+                self._run_pairs(run, run_off, pairs)
                 run = []
                 continue
             off, meta = entry
             view, n = byte_view(dst, writable=True), meta.size
             if view.nbytes < n:
                 out.append(BufferSizeError(f"dst has {view.nbytes} bytes; block {key.hex()} needs {n}"))
-                self._copy_run(run, run_off)
+                self._run_pairs(run, run_off, pairs)
                 run = []
                 continue
             out.append(n)
@@ -250,28 +262,31 @@ class DramTier(SlabMapMixin, Tier):
             if run and off == run_end and a == run_addr and view.obj is run[0][0].obj:
                 run.append((view, n))
             else:
-                self._copy_run(run, run_off)
+                self._run_pairs(run, run_off, pairs)
                 run, run_off = [(view, n)], off
             run_end, run_addr = off + n, a + n
-        self._copy_run(run, run_off)
+        self._run_pairs(run, run_off, pairs)
+        self._copy.copy(pairs)
         return out
 
-    def _copy_run(self, run: list[tuple[memoryview, int]], off: int) -> None:
+    def _run_pairs(self, run: list[tuple[memoryview, int]], off: int, pairs: list[tuple[memoryview, memoryview]]) -> None:
+        """The (destination, arena) pairs of one run: one span when its destinations are one
+        buffer, else one pair per block."""
         if not run:
             return
         total = sum(n for _, n in run)
         whole = span(run[0][0], total) if len(run) > 1 else None
         if whole is not None:
-            whole[:] = self._buf[off : off + total]
+            pairs.append((whole, self._buf[off : off + total]))
             return
         for view, n in run:
-            view[:n] = self._buf[off : off + n]
+            pairs.append((view[:n], self._buf[off : off + n]))
             off += n
 
     def write(self, key: BlockHash, src: Buffer, meta: BlockMeta, *, durable: bool = False) -> None:
         data = byte_view(src)
         off, fresh = self._slot(key, data, meta)
-        self._buf[off : off + data.nbytes] = data
+        self._copy.copy(((self._buf[off : off + data.nbytes], data),))
         self._publish(key, off, meta, fresh)
 
     def write_many(
@@ -279,7 +294,8 @@ class DramTier(SlabMapMixin, Tier):
     ) -> list[KVStoreError | None]:
         """Batched writes: slots for every block first, then payloads that lie back to back in
         one caller buffer and land in consecutive slots (a put's run into a fresh or evenly
-        emptied arena) move in one copy."""
+        emptied arena) move as one span, and the whole batch is copied at once, by
+        ``copy_threads`` threads when it is large."""
         out: list[KVStoreError | None] = []
         taken: list[tuple[BlockHash, memoryview, BlockMeta, int, bool]] = []
         for key, src, meta in items:
@@ -289,6 +305,15 @@ class DramTier(SlabMapMixin, Tier):
                 out.append(None)
             except KVStoreError as e:
                 out.append(e)
+        self._copy_in(taken)
+        for key, _, meta, off, fresh in taken:
+            self._publish(key, off, meta, fresh)
+        return out
+
+    def _copy_in(self, taken: list[tuple[BlockHash, memoryview, BlockMeta, int, bool]]) -> None:
+        """The payloads of ``taken`` into their slots, in one batch. Its own frame: the arena
+        views must not outlive the copy in the caller's (an error it caught keeps that frame)."""
+        pairs: list[tuple[memoryview, memoryview]] = []
         i = 0
         while i < len(taken):
             data, off = taken[i][1], taken[i][3]
@@ -297,14 +322,11 @@ class DramTier(SlabMapMixin, Tier):
                 end, at, j = end + taken[j][1].nbytes, at + taken[j][1].nbytes, j + 1
             whole = span(data, end - off, writable=False) if j - i > 1 else None
             if whole is not None:
-                self._buf[off:end] = whole
+                pairs.append((self._buf[off:end], whole))
             else:
-                for _, d, _, o, _ in taken[i:j]:
-                    self._buf[o : o + d.nbytes] = d
+                pairs.extend((self._buf[o : o + d.nbytes], d) for _, d, _, o, _ in taken[i:j])
             i = j
-        for key, _, meta, off, fresh in taken:
-            self._publish(key, off, meta, fresh)
-        return out
+        self._copy.copy(pairs)
 
     def _slot(self, key: BlockHash, data: memoryview, meta: BlockMeta) -> tuple[int, bool]:
         """The offset ``key``'s payload goes to, and whether it is a fresh slot."""
@@ -359,5 +381,5 @@ class DramTier(SlabMapMixin, Tier):
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
-        d.update(shm_name=self._shm_name, slab_bytes=self._alloc.slab_bytes)
+        d.update(shm_name=self._shm_name, slab_bytes=self._alloc.slab_bytes, copy_threads=self._copy.threads)
         return d

@@ -129,6 +129,19 @@ class NullTier(Tier):
             self._used -= meta.size
             return True
 
+    def delete_many(self, keys: Sequence[BlockHash]) -> list[bool | KVStoreError]:
+        """:meth:`delete` of each key under one lock."""
+        out: list[bool | KVStoreError] = []
+        with self._lock:
+            pop, freed = self._map.pop, 0
+            for key in keys:
+                meta = pop(key, None)
+                if meta is not None:
+                    freed += meta.size
+                out.append(meta is not None)
+            self._used -= freed
+        return out
+
     def usage(self) -> TierUsage:
         cap = self.config.capacity_bytes
         if not cap:

@@ -29,7 +29,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from queue import SimpleQueue
@@ -90,13 +90,10 @@ if not _record_layout_matches():  # BlockMeta's packing changed: update _RECORD 
 
 _GEOMETRY_VERSION = 1
 
-# Reads of blocks from _PIPELINE_MIN up are verified while they are read (NvmeTier._read_hashing):
-# the body in _CHUNK pieces hashed by a pool thread behind the reads, then a short tail that the
-# caller hashes itself. Below _PIPELINE_MIN one hash after the read costs less than the handoff.
-# Sizes measured on a virtio disk: 1 MiB requests read as fast as larger ones, 256 KiB ones not.
-_CHUNK = 1024 * 1024
-_TAIL = 256 * 1024
-_PIPELINE_MIN = 512 * 1024
+# A read is one preadv of the whole block, like a raw O_DIRECT read: splitting a block into
+# pieces (to hash one while the next is read) made read_into 0.47-0.68 of raw on a virtio disk,
+# where each request waits its own latency and one large request is split and queued by the
+# block layer at once. Hashing a freshly read block afterwards costs 7-11% of its read there.
 _HASH_WORKERS = max(2, min(8, os.cpu_count() or 1))
 
 
@@ -120,18 +117,15 @@ def _is_corruption(e: BaseException) -> bool:
     return "Corruption" in msg or "No such file or directory" in msg
 
 
-def _checksum(data: memoryview) -> int:
-    """payload_checksum, streaming: ``update`` releases the GIL (runs beside the next read)."""
-    h = xxhash.xxh3_64()
-    h.update(data)
-    return h.intdigest()
-
-
-def _hash_chunks(chunks: SimpleQueue[memoryview | None]) -> xxhash.xxh3_64:
-    h = xxhash.xxh3_64()
-    while (chunk := chunks.get()) is not None:
-        h.update(chunk)  # releases the GIL: runs beside the caller's next preadv
-    return h
+def _checksums(todo: SimpleQueue[memoryview | None]) -> list[int]:
+    """payload_checksum of each buffer from ``todo`` up to None, in order; streaming, as
+    ``update`` releases the GIL (it runs beside the caller's next read)."""
+    out = []
+    while (data := todo.get()) is not None:
+        h = xxhash.xxh3_64()
+        h.update(data)
+        out.append(h.intdigest())
+    return out
 
 
 # What to do about an errno, appended to every TierIOError message.
@@ -443,26 +437,28 @@ class NvmeTier(Tier):
         """
         offset, meta, out, file = self._locate(key, dst)
         try:
-            if meta.size >= _PIPELINE_MIN and _STREAMING_CHECKSUM:
-                checksum = self._read_hashing(file, out, meta.size, offset)
-            else:
-                file.read_into(out, meta.size, offset)
-                checksum = payload_checksum(out[: meta.size])
+            file.read_into(out, meta.size, offset)
         except OSError as e:
             raise self._os_error(e, f"reading block {key.hex()} from", self._data_path) from e
-        self._verify(key, offset, meta, checksum)
+        self._verify(key, offset, meta, payload_checksum(out[: meta.size]))
         return meta.size
 
     def read_many(self, keys: Sequence[BlockHash], dsts: Sequence[memoryview]) -> list[int | KVStoreError]:
         """Batched reads (a run of a load): each block in one read straight into its buffer,
-        like a raw ``preadv``, its checksum computed by a pool thread while the next block is
+        like a raw ``preadv``, its checksum computed by one pool thread while the next block is
         read, so that only the last block's hash is on the critical path (a single block reads
-        as :meth:`read_into` does: the block split, its hash overlapped with its own tail)."""
+        as :meth:`read_into` does). One job per call, fed through a queue: a pool task per block
+        cost ~150 us of CPU per block in futures and wake-ups, which a loaded box pays in time."""
         if len(keys) < 2 or not _STREAMING_CHECKSUM:
             return super().read_many(keys, dsts)
         pool = self._pool()
         out: list[int | KVStoreError] = [0] * len(keys)
-        hashing: list[tuple[int, Future[int], int, BlockMeta]] = []
+        read: list[tuple[int, int, BlockMeta]] = []
+        todo: SimpleQueue[memoryview | None] = SimpleQueue()
+        try:
+            job = pool.submit(_checksums, todo)
+        except RuntimeError as e:  # the pool was shut down by a concurrent close()
+            raise TierIOError(f"nvme tier {self.name!r} is closed") from e
         try:
             for i, (key, dst) in enumerate(zip(keys, dsts, strict=True)):
                 try:
@@ -474,16 +470,16 @@ class NvmeTier(Tier):
                 except OSError as e:
                     out[i] = self._os_error(e, f"reading block {key.hex()} from", self._data_path)
                     continue
-                try:
-                    hashing.append((i, pool.submit(_checksum, view[: meta.size]), offset, meta))
-                except RuntimeError:  # the pool was shut down by a concurrent close()
-                    out[i] = TierIOError(f"nvme tier {self.name!r} is closed")
+                todo.put(view[: meta.size])
+                read.append((i, offset, meta))
         finally:
-            # No thread may still be reading a caller's buffer once this returns or raises.
-            wait([f for _, f, _, _ in hashing])
-        for i, fut, offset, meta in hashing:
+            # The end marker always goes, so the job always ends; no thread may still be
+            # reading a caller's buffer once this returns or raises.
+            todo.put(None)
+            wait([job])
+        for (i, offset, meta), checksum in zip(read, job.result(), strict=True):
             try:
-                self._verify(keys[i], offset, meta, fut.result())
+                self._verify(keys[i], offset, meta, checksum)
                 out[i] = meta.size
             except CorruptBlockError as e:
                 out[i] = e
@@ -664,46 +660,6 @@ class NvmeTier(Tier):
         self.close()
 
     # ---- helpers ------------------------------------------------------------------------------
-
-    def _read_hashing(self, file: DirectFile, out: memoryview, size: int, offset: int) -> int:
-        """Read ``size`` bytes into ``out`` while a pool thread hashes what is already read;
-        returns the payload checksum.
-
-        Freshly DMA'd memory is in no CPU cache, so hashing it after the read runs at only
-        5-10 GB/s and added 15-25% to a 1 MiB read here. Overlapped, only the tail's hash is on
-        the critical path. The reads stay on the caller's thread, so a busy pool delays the
-        verdict but never the I/O; the end marker is always sent, so the job always finishes,
-        and it has finished before this returns or raises.
-        """
-        pool = self._pool()
-        chunks: SimpleQueue[memoryview | None] = SimpleQueue()
-        try:
-            job = pool.submit(_hash_chunks, chunks)
-        except RuntimeError as e:  # the pool was shut down by a concurrent close()
-            raise TierIOError(f"nvme tier {self.name!r} is closed") from e
-        # The body ends on an ALIGN boundary so that every piece starts on one (O_DIRECT).
-        body = (size - min(_TAIL, size // 4)) // ALIGN * ALIGN
-        last = out[body:size]
-        ended = False
-        try:
-            for start in range(0, body, _CHUNK):
-                piece = out[start : min(start + _CHUNK, body)]
-                file.read_into(piece, piece.nbytes, offset + start)
-                chunks.put(piece)
-            # Sent before the tail is read, so the job is done (or nearly) when that read
-            # returns: the caller does not sleep on a wake-up, it hashes the tail itself.
-            chunks.put(None)
-            ended = True
-            file.read_into(last, last.nbytes, offset + body)
-            hasher = job.result()
-        except BaseException:
-            if not ended:
-                chunks.put(None)
-            # No thread may still be reading the caller's buffer once the error reaches it.
-            wait([job])
-            raise
-        hasher.update(last)
-        return hasher.intdigest()
 
     def _pool(self) -> ThreadPoolExecutor:
         with self._lock:

@@ -16,6 +16,13 @@ Every call goes through the circuit breaker of ``engine.vllm.breaker``: with the
 slow, lookups answer "not there" at once, reads fail (SGLang recomputes) and writes are dropped;
 the breaker reconnects in the background.
 
+Token ids for KV events. SGLang's storage calls carry no tokens, but the backup operation
+that makes them does (``StorageOperation.token_ids``). With ``"token_ids": true`` in the extra
+config (or inside ``with send_token_ids():``) the backend wraps ``HiCacheController._page_backup``
+so that each write of its pages sends their token ids with the put (4 bytes a token); the daemon's
+KV events then carry them in ``BlockStored.token_ids``, as vLLM's do. A caller may also pass them
+itself: ``extra_info.extra_info["token_ids"]``, the tokens of the call's pages.
+
 Differences from HiCacheFile, by design: a read returns the leading pages that are present
 (kvstore is prefix-closed: a page whose parent was evicted is not served); pools other than the
 KV pool (Mamba, SWA and DeepSeek sidecars of ``*_v2``) are answered as misses.
@@ -23,9 +30,11 @@ KV pool (Mamba, SWA and DeepSeek sidecars of ``*_v2``) are answered as misses.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +56,63 @@ from kvstore.keys import DTYPE_BYTES, BlockHash, KVLayout, LayerGroup, Namespace
 log = logging.getLogger("kvstore.sglang")
 
 _KEYS = ("backend_name", "module_path", "class_name", "url", "token", "plane", "timeout_s", "ttl_s",
-         "model_id", "backoff_s", "max_backoff_s")
+         "model_id", "backoff_s", "max_backoff_s", "token_ids")
+
+_backup = threading.local()
+"""The backup operation whose pages this thread is writing (``_page_backup`` under
+:func:`send_token_ids`): where a write finds its pages' token ids."""
+
+
+def _with_operation(page_backup: Any) -> Any:
+    def wrapper(self: Any, operation: Any) -> Any:
+        _backup.op = operation
+        try:
+            return page_backup(self, operation)
+        finally:
+            _backup.op = None
+
+    wrapper.kvstore_original = page_backup  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _install() -> Any:
+    """Wrap ``HiCacheController._page_backup`` (once); the function it replaced, or None."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    original = HiCacheController._page_backup
+    if hasattr(original, "kvstore_original"):
+        return None
+    HiCacheController._page_backup = _with_operation(original)  # type: ignore[method-assign]
+    return original
+
+
+@contextlib.contextmanager
+def send_token_ids() -> Iterator[None]:
+    """Within: SGLang's backups of host pages send the pages' token ids with each write (the
+    ``"token_ids": true`` extra config installs the same for the process's life)."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    original = _install()
+    try:
+        yield
+    finally:
+        if original is not None:
+            HiCacheController._page_backup = original  # type: ignore[method-assign]
+
+
+def _page_tokens(keys: Sequence[str], extra_info: Any, page_tokens: int) -> Any:
+    """The token ids of the pages ``keys`` (``page_tokens`` each), or None: the caller's
+    (``extra_info.extra_info["token_ids"]``), else the backup operation's that is writing them."""
+    given = getattr(extra_info, "extra_info", None) or {}
+    tokens = given.get("token_ids")
+    if tokens is None:
+        op = getattr(_backup, "op", None)
+        hashes = getattr(op, "hash_value", None) or []
+        if not keys or keys[0] not in hashes:
+            return None
+        i = hashes.index(keys[0])
+        tokens = op.token_ids[i * page_tokens:(i + len(keys)) * page_tokens]  # type: ignore[union-attr]
+    return tokens if len(tokens) == len(keys) * page_tokens else None
 
 
 def _host_layout(pool: Any) -> KVLayout | None:
@@ -107,6 +172,15 @@ class KVStoreHiCache(HiCacheStorage):
         self.link: DaemonLink[Client] = DaemonLink(
             make, name="kvstore-hicache", on_connect=on_connect, backoff_s=backoff, max_backoff_s=max_backoff,
         )
+        if extra.get("token_ids"):
+            try:
+                _install()
+            except ImportError as e:
+                raise ConfigError(
+                    f"hicache storage extra config token_ids: SGLang's HiCacheController cannot be imported "
+                    f"({e}); install SGLang's full dependencies, or drop token_ids (the KV events then "
+                    "carry no token ids)"
+                ) from e
         self.counters = {"hit_pages": 0, "miss_pages": 0, "stored_pages": 0, "dropped_pages": 0, "errors": 0}
 
     # -- namespace ----------------------------------------------------------------------------------
@@ -169,7 +243,8 @@ class KVStoreHiCache(HiCacheStorage):
         self.counters["miss_pages"] += len(keys) - n
         return n
 
-    def _put(self, keys: Sequence[str], srcs: list[Any], page_bytes: int, prefix: Sequence[str] = ()) -> bool:
+    def _put(self, keys: Sequence[str], srcs: list[Any], page_bytes: int, prefix: Sequence[str] = (),
+             extra_info: Any = None) -> bool:
         if not keys:
             return True
         if not self.writer:
@@ -180,11 +255,12 @@ class KVStoreHiCache(HiCacheStorage):
             return False
         chain = self._hashes([*prefix, *keys])
         start = len(prefix)
+        tokens = _page_tokens(keys, extra_info, ns.block_tokens)
         try:
             try:
-                ok = self.link.call(lambda c: c.put(ns, chain, srcs, start=start), -1) >= 0
+                ok = self.link.call(lambda c: c.put(ns, chain, srcs, start=start, tokens=tokens), -1) >= 0
             except MissingPrefixError:  # the prefix left the store: keep these pages as their own chain
-                ok = self.link.call(lambda c: c.put(ns, chain[start:], srcs, start=0), -1) >= 0
+                ok = self.link.call(lambda c: c.put(ns, chain[start:], srcs, start=0, tokens=tokens), -1) >= 0
         except KVStoreError as e:
             self.counters["errors"] += 1
             log.warning("kvstore hicache write failed: %s", e)
@@ -267,7 +343,7 @@ class KVStoreHiCache(HiCacheStorage):
         else:
             pages = [pool.get_data_page(off, flat=True) for off in self._page_offsets(pool, host_indices, n)]
             srcs, page_bytes = [self._bytes(p) for p in pages], pages[0].numel() * pages[0].element_size()
-        return [self._put(keys, srcs, page_bytes, prefix)] * n
+        return [self._put(keys, srcs, page_bytes, prefix, extra_info)] * n
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         return self._get_pages(self.mem_pool_host, keys, host_indices)

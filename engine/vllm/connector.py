@@ -354,7 +354,7 @@ class _Worker:
         self._lock = threading.Lock()
         self._loads: deque[_LoadJob] = deque()
         self._load_wake = threading.Condition(self._lock)
-        self._saves: deque[tuple[Namespace, list[BlockHash], int, torch.Tensor]] = deque()
+        self._saves: deque[tuple[Namespace, list[BlockHash], int, torch.Tensor, np.ndarray]] = deque()
         self._save_wake = threading.Condition(threading.Lock())
         self._save_slots = threading.BoundedSemaphore(cfg.max_pending_saves)
         self._stop = False
@@ -457,8 +457,12 @@ class _Worker:
             if self.kv.device.type == "cuda":
                 torch.cuda.current_stream(self.kv.device).synchronize()
             self.counters.saves_submitted += 1
+            end = sv.start + len(sv.block_ids)
+            # The blocks' token ids go with the save (4 bytes a token): the daemon's KV events
+            # carry them in BlockStored.token_ids, as vLLM's own events do.
+            tokens = self.infos[sv.req_id].tokens[sv.start * self.bt : end * self.bt]
             with self._save_wake:
-                self._saves.append((ns, chain[: sv.start + len(sv.block_ids)], sv.start, buf))
+                self._saves.append((ns, chain[:end], sv.start, buf, tokens))
                 self._save_wake.notify()
 
     def _collect(self, job: _LoadJob, in_step: bool = False) -> None:
@@ -567,10 +571,12 @@ class _Worker:
                     self._save_wake.wait()
                 if self._stop and not self._saves:
                     return
-                ns, chain, start, buf = self._saves.popleft()
+                ns, chain, start, buf, tokens = self._saves.popleft()
             try:
                 src = buf.view(-1).numpy()
-                n = self.save_link.call(lambda c, ns=ns, chain=chain, src=src, start=start: c.put(ns, chain, src, start=start), -1)
+                n = self.save_link.call(
+                    lambda c, ns=ns, chain=chain, src=src, start=start, tokens=tokens: c.put(
+                        ns, chain, src, start=start, tokens=tokens), -1)
                 if n < 0:
                     self.counters.saves_dropped += 1
                 else:

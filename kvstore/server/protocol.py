@@ -29,8 +29,10 @@ input raises :class:`ProtocolError` and nothing else (a property-based test hold
 from __future__ import annotations
 
 import enum
+import json
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 MAGIC = b"KVSD"
@@ -60,6 +62,10 @@ class Op(enum.IntEnum):
     """meta: ns id, u32 start, u32 n, u8 flags, u64 staging offset, n hashes, then one u64
     xxh3-64 checksum per block put (n - start), verified against the staged bytes. No payload;
     with PUT_TOKENS the token ids are staged right after the blocks."""
+    LOOKUP = 8
+    """meta: as GET. Reply meta: JSON (:func:`encode_lookup`), the answer of ``POST /v1/lookup``
+    without its HTTP: an engine's lookup before every prefill. A refusal is a REPLY too, naming
+    the error's class (:func:`encode_refusal`), as the HTTP error body does."""
     REPLY = 0x80
     """A successful reply; its meta depends on the request's op."""
     ERROR = 0xFF
@@ -81,7 +87,7 @@ class ErrorCode(enum.IntEnum):
 
 
 FATAL = frozenset({ErrorCode.BAD_FRAME, ErrorCode.UNAUTHENTICATED, ErrorCode.TOO_LARGE})
-_REQUEST_OPS = frozenset({Op.HELLO, Op.GET, Op.PUT, Op.ACQUIRE, Op.RELEASE, Op.STAGING, Op.PUT_SHM})
+_REQUEST_OPS = frozenset({Op.HELLO, Op.GET, Op.PUT, Op.ACQUIRE, Op.RELEASE, Op.STAGING, Op.PUT_SHM, Op.LOOKUP})
 _REPLY_OPS = frozenset({Op.REPLY, Op.ERROR})
 
 
@@ -300,6 +306,50 @@ def parse_lease(meta: bytes | memoryview) -> tuple[int, list[tuple[int, int]]]:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"a lease of {n} blocks needs {12 + 16 * n} bytes")
     flat = struct.unpack_from(f"<{2 * n}Q", meta, 12)
     return lease_id, list(zip(flat[0::2], flat[1::2], strict=True))
+
+
+def encode_lookup(num_blocks: int, tiers: Sequence[str], unavailable: Sequence[str]) -> bytes:
+    """A LOOKUP reply: JSON with each cached block's tier as an index into ``names`` (two bytes
+    a block, whatever the tier names: the reply stays within ``64 + 16 * max_blocks``)."""
+    names = list(dict.fromkeys(tiers))
+    at = {n: i for i, n in enumerate(names)}
+    out = {"num_blocks": num_blocks, "names": names, "tiers": [at[n] for n in tiers], "unavailable": list(unavailable)}
+    return json.dumps(out, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A refused LOOKUP: the kvstore.errors class name (``kind``), its HTTP status, the message."""
+
+    kind: str
+    status: int
+    detail: str
+
+
+def encode_refusal(kind: str, status: int, detail: str) -> bytes:
+    return json.dumps({"kind": kind, "status": status, "detail": detail[:4096]}, separators=(",", ":")).encode()
+
+
+def parse_lookup(meta: bytes | memoryview) -> tuple[int, tuple[str, ...], tuple[str, ...]] | Refusal:
+    """``(num_blocks, tiers, unavailable)`` of a LOOKUP reply, or its :class:`Refusal`."""
+    try:
+        r = json.loads(bytes(meta))
+        if isinstance(r, dict) and "kind" in r:
+            refusal = Refusal(r["kind"], r["status"], r["detail"])
+            if not (isinstance(refusal.kind, str) and type(refusal.status) is int and isinstance(refusal.detail, str)):
+                raise TypeError("a refusal's fields are of the wrong kind")
+            return refusal
+        names, n, idx, unavailable = r["names"], r["num_blocks"], r["tiers"], r["unavailable"]
+        ok = (
+            all(isinstance(x, str) for x in [*names, *unavailable])
+            and isinstance(n, int) and isinstance(idx, list) and n == len(idx)
+            and all(type(i) is int and 0 <= i < len(names) for i in idx)
+        )
+    except (ValueError, TypeError, KeyError) as e:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"a malformed lookup reply: {e!r}") from None
+    if not ok:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "a malformed lookup reply (fields of the wrong kind)")
+    return n, tuple(names[i] for i in idx), tuple(unavailable)
 
 
 def encode_error(code: ErrorCode, message: str) -> bytes:

@@ -188,6 +188,34 @@ class Ledger:
         self._unlink(bid)
         return key, mask
 
+    def forget_leaf(self, bid: int, k: int, left: dict[int, int]) -> None:
+        """The first half of :meth:`drop_block` for a leaf whose only copy is on tier ``k``, in
+        a batched eviction (:meth:`drop_leaves` does the rest, once for the batch): tier ``k``'s
+        policy forgets it now, so that its next offer is another block, and a parent left with
+        no cached child is offered to the last tier's policy, as :meth:`drop_block` does.
+        ``left``: cached children of the parents of the batch, less those already forgotten
+        (the index learns of the batch only at its end)."""
+        self.policies[k].remove(bid)
+        idx = self.index
+        p = int(idx.parent[bid])
+        if p != NO_PARENT:
+            c = left.get(p)
+            c = (int(idx.children[p]) if c is None else c) - 1
+            left[p] = c
+            if not c and int(idx.tiers[p]) & self._last_bit:
+                self.policies[self.last].offer(p)
+
+    def drop_leaves(self, bids: list[int], k: int, reason: str) -> list[BlockHash]:
+        """The leaves :meth:`forget_leaf` took (in order, each copy on tier ``k`` only) leave
+        the index in one call; returns their keys (the caller deletes the copies)."""
+        keys = self.index.remove_many(bids)
+        dropped, mask = self.events.dropped, 1 << k
+        for key in keys:
+            dropped(key, mask, reason)
+        if self.dirty_expiry:
+            self.dirty_expiry.difference_update(bids)
+        return keys
+
     def drop_hollow_leaves(self, bids: Sequence[int]) -> None:
         """Hollow leaves (no copy anywhere, no children, unused) leave the index, upwards."""
         if not len(bids):

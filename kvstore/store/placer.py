@@ -205,7 +205,7 @@ class Placer:
         for _ in range(MAKE_ROOM_ROUNDS):
             if tier.fits(size):
                 return True
-            applied = self._take_first(k, size, protect, stuck, evict_leaves)
+            applied = self._take(k, size, 1, protect, stuck, evict_leaves)[1]
             if applied is None:
                 plan = self.choose_room(k, size, protect, evict_leaves, stuck)
                 if plan is None:
@@ -245,9 +245,13 @@ class Placer:
         self.expire(self.clock(), self.config.expire_work_cap)
         stuck: set[int] = set()
         evict_leaves = self._evicts_leaves(k)
-        take = self._take_first
-        for _ in range(count - room):
-            applied = take(k, size, protect, stuck, evict_leaves)
+        todo = count - room
+        while todo > 0:
+            done, applied = self._take(k, size, todo, protect, stuck, evict_leaves)
+            todo -= done
+            if not todo:
+                return
+            todo -= 1  # the step that ended the run
             if applied is None:
                 plan = self.choose_room(k, size, protect, evict_leaves, stuck)
                 if plan is None:
@@ -257,34 +261,71 @@ class Placer:
                 evict_leaves = True
                 stuck.clear()
 
-    def _take_first(self, k: int, size: int, protect: set[int], stuck: set[int], evict_leaves: bool) -> bool | None:
-        """The usual case of a make-room, without a plan: the policy's first offer is a victim
-        big enough on its own, and is applied at once (what :meth:`choose_room` would choose
-        and :meth:`apply_room` apply). True: applied; False: its demotion failed (it is now in
-        ``stuck``); None: the first offer is no such victim (plan with :meth:`choose_room`)."""
-        bid = self.ledger.policies[k].first()
-        if bid is None or bid in protect or bid in stuck:
-            return None
-        idx = self.index
-        if idx.in_use[bid]:
-            return None
-        bsize = int(idx.size[bid])
-        if bsize != size:
-            tier = self.tiers[k]
-            if bsize < size or tier.size_class(bsize) != tier.size_class(size):
-                return None
-        if int(idx.tiers[bid]) & ~(1 << k):
-            self.drop_copy(bid, k)
-        elif not evict_leaves:
-            if not self.demote(bid, k, protect):
-                stuck.add(bid)
-                return False
-        elif idx.pins[bid] or idx.children[bid]:
-            return None
-        else:
-            self.drop_block(bid, "capacity")
-            self.ledger.counters.evictions += 1
-        return True
+    def _take(
+        self, k: int, size: int, n: int, protect: set[int], stuck: set[int], evict_leaves: bool
+    ) -> tuple[int, bool | None]:
+        """Up to ``n`` steps of the usual make-room, each without a plan: the policy's first
+        offer is a victim big enough on its own, and is applied at once (what
+        :meth:`choose_room` would choose and :meth:`apply_room` apply). Leaves that leave the
+        store are batched: the policy forgets each at once (its next offer is another block),
+        and the index and the tier drop the batch in one call each, before any other kind of
+        step and at the end. Returns the steps applied and how the next one ended: True (all
+        ``n`` were applied), False (its demotion failed: the block is now in ``stuck``) or None
+        (the first offer is no such victim: plan with :meth:`choose_room`)."""
+        pol = self.ledger.policies[k]
+        idx, tier, bit = self.index, self.tiers[k], 1 << k
+        in_use, sizes, masks, pins, children = idx.in_use, idx.size, idx.tiers, idx.pins, idx.children
+        forget = self.ledger.forget_leaf
+        batch: list[int] = []
+        left: dict[int, int] = {}  # cached children of the batch's parents, less the batch's
+        done, result = 0, True
+        try:
+            while done < n:
+                bid = pol.first()
+                if bid is None or bid in protect or bid in stuck or in_use[bid]:
+                    result = None
+                    break
+                bsize = int(sizes[bid])
+                if bsize != size and (bsize < size or tier.size_class(bsize) != tier.size_class(size)):
+                    result = None
+                    break
+                if int(masks[bid]) & ~bit:
+                    self._evict_batch(k, batch)
+                    self.drop_copy(bid, k)
+                elif not evict_leaves:
+                    self._evict_batch(k, batch)
+                    if not self.demote(bid, k, protect):
+                        stuck.add(bid)
+                        result = False
+                        break
+                elif pins[bid] or (left[bid] if bid in left else children[bid]):
+                    result = None
+                    break
+                else:
+                    forget(bid, k, left)
+                    batch.append(bid)
+                done += 1
+        finally:
+            self._evict_batch(k, batch)
+        return done, result
+
+    def _evict_batch(self, k: int, batch: list[int]) -> None:
+        """The leaves :meth:`_take` chose (the policy forgot them) leave the store; empties
+        ``batch``."""
+        if not batch:
+            return
+        kept = self.kept
+        if kept.size:
+            ids = np.array(batch, np.int64)
+            kept[ids[ids < kept.size]] = False
+        keys = self.ledger.drop_leaves(batch, k, "capacity")
+        self.ledger.counters.evictions += len(batch)
+        batch.clear()
+        tier = self.tiers[k]
+        for key, res in zip(keys, tier.delete_many(keys), strict=True):
+            if isinstance(res, TierIOError):
+                self.ledger.counters.tier_errors += 1
+                log.error("delete of %s from tier %s failed: %s", key.hex(), tier.name, res)
 
     def choose_room(
         self, k: int, size: int, protect: set[int], evict_leaves: bool, stuck: set[int] | None = None
@@ -360,8 +401,13 @@ class Placer:
             leaf = (idx.children[ids] == 0) & (idx.pins[ids] == 0)
             ids = ids[leaf | ((idx.tiers[ids] & others) != 0)]
             ids = ids[np.argsort(-idx.depth[ids], kind="stable")]  # leaves before their parents
-        if protect:
-            ids = ids[~np.isin(ids, np.fromiter(protect, np.int64, len(protect)))]
+        if protect and ids.size:
+            # A mask over the block ids, not np.isin: a put's chain (thousands of ids) is
+            # protected while the tier holds a few hundred blocks, and isin sorts both.
+            out = np.fromiter(protect, np.int64, len(protect))
+            mask = np.zeros(max(int(ids.max()), int(out.max())) + 1, bool)
+            mask[out[out >= 0]] = True
+            ids = ids[~mask[ids]]
         return ids
 
     def apply_room(self, k: int, plan: list[Victim], protect: set[int], stuck: set[int]) -> bool:

@@ -78,8 +78,8 @@ def test_reuse_is_the_default_and_reported(tmp_path: Path) -> None:
     assert StoreConfig().admission == "reuse"
     s = KVStore(StoreConfig(root=tmp_path, tiers=NULL3, persist_on_close=False), clock=FakeClock(1_000.0))
     st = s.stats()
-    assert st["admission"] == {"admission": "reuse", "hit_loss_budget": 0.01, "inner": False,
-                               "skipping_classes": 0, "admission_lost_hits": 0}
+    assert st["admission"] == {"admission": "reuse", "hit_loss_budget": 0.005, "inner": True,
+                               "skipping_classes": 0, "admission_lost_hits": 0, "unreachable_skipped": 0}
     assert (st["skipped_writes"], st["skipped_bytes"]) == (0, 0)
     s.close()
 
@@ -215,6 +215,22 @@ def test_measured_loss_past_the_budget_stops_skipping() -> None:
     assert adm.lost == 11
     assert not adm.skip.any()
     assert all(adm.admit(b, float(b)) for b in range(100, 120))
+
+
+def test_a_block_under_a_hollow_parent_is_skipped_and_its_return_counted() -> None:
+    view = FakeView(100)
+    view.parent[1], view.depth[1] = 0, 1
+    view.tiers[0] = 0  # block 0 was refused: hollow; block 1 below it is unreachable
+    adm = _rule(view, 1.0, hit_loss_budget=0.01)
+    assert adm.admit(1, 0.0) is False
+    assert (adm.unreachable, adm.decisions) == (1, 0)  # no decision: nothing learned from it
+    assert adm.describe()["unreachable_skipped"] == 1
+    view.live.add(1)  # put again (its parent too): a hit the parent's refusal cost
+    view.tiers[0] = 1
+    for b in range(10, 20):  # the poll after 10 decisions sees it back
+        adm.admit(b, float(b))
+    assert adm.lost == 1
+    assert adm.returns == 0  # not a decision's return: the loss weight of the classes rises
 
 
 def test_budget_zero_skips_nothing() -> None:

@@ -136,9 +136,12 @@ def test_remove_all_then_reuse_ids(name: str, view: FakeView) -> None:
 
 @pytest.mark.parametrize("tier", [LAST, UPPER], ids=["last", "upper"])
 @pytest.mark.parametrize("ghosts", [False, True], ids=["fresh", "ghosts"])
-def test_insert_many_equals_inserts_in_order(name: str, tier: TierContext, ghosts: bool) -> None:
-    """What a warm restart relies on: one insert_many is the per-block inserts in the same order
-    (leaves first), across table rebuilds, with repeats and blocks already resident."""
+@pytest.mark.parametrize("queued", [False, True], ids=["", "queued"])
+def test_insert_many_equals_inserts_in_order(name: str, tier: TierContext, ghosts: bool, queued: bool) -> None:
+    """What a warm restart and a put's chain rely on: one insert_many is the per-block inserts
+    in the same order (leaves first), across table rebuilds, with repeats, blocks already
+    resident, blocks back from the ghost ring and (``queued``) a victim queue that new blocks
+    may join."""
     options = {"period": 64} if issubclass(policy_class(name).Config, DensityConfig) else {}
     view = FakeView()
     rng = np.random.default_rng(3)
@@ -159,6 +162,8 @@ def test_insert_many_equals_inserts_in_order(name: str, tier: TierContext, ghost
         pol.touch(early[0], 1.0)
         if ghosts:
             pol.remove(early[-1])
+        if queued:
+            pol.first()  # a ranking fills the victim queue (and takes its first entry)
     batch = [b for chain in chains[3:] for b in reversed(chain)]
     batch[5:5] = batch[:3] + early[:4]  # repeats and residents: no-ops
     batch.append(view.add(bid, chains[0][-1]))  # extends a resident chain

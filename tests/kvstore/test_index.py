@@ -161,3 +161,33 @@ def test_insert_blocks_by_level_equals_insert_chain() -> None:
     with pytest.raises(RuntimeError, match="inserted twice"):
         b.insert_blocks([keys[0]], np.array([NO_PARENT], np.int32), np.zeros(1, np.int32), np.ones(1, np.uint32),
                         np.ones(1, np.uint16), np.ones(1, np.uint8), np.zeros(1), np.ones(1))
+
+
+def test_remove_many_is_remove_of_each_in_order() -> None:
+    """A batched eviction: leaves, then a parent whose last child went earlier in the batch."""
+    one, many = RadixIndex(), RadixIndex()
+    for idx in (one, many):
+        chain(idx, 1, 2, 3)
+        chain(idx, 1, 2, 4)
+        chain(idx, 5, expiry=50.0)
+    ids = [int(x) for x in one.match([h(1), h(1, 2), h(1, 2, 3)]).ids]
+    leaf4 = int(one.match([h(1), h(1, 2), h(1, 2, 4)]).ids[-1])
+    victims = [ids[2], leaf4, ids[1]]  # both leaves, then their parent
+    for bid in victims:
+        one.remove(bid)
+    assert many.remove_many(victims) == [h(1, 2, 3), h(1, 2, 4), h(1, 2)]
+    for col in ("children", "flags", "tiers"):
+        assert np.array_equal(getattr(one, col), getattr(many, col)), col
+    assert len(one) == len(many) == 2 and many._free == one._free  # noqa: SLF001 - ids recycled alike
+    assert int(many.children[ids[0]]) == 0
+    assert many.expired_leaves(100.0, 10).tolist() == one.expired_leaves(100.0, 10).tolist()
+
+
+def test_remove_many_refuses_a_parent_before_its_children() -> None:
+    idx = RadixIndex()
+    ids = chain(idx, 1, 2).tolist()
+    for bad in ([ids[0]], [ids[0], ids[1]], [ids[1], ids[1]]):
+        with pytest.raises((RuntimeError, KeyError)):
+            idx.remove_many(bad)
+    assert len(idx) == 2 and int(idx.children[ids[0]]) == 1  # refused: nothing changed
+    assert idx.remove_many([ids[1], ids[0]]) == [h(1, 2), h(1)] and len(idx) == 0

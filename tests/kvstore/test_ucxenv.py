@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -32,3 +33,15 @@ def test_transfers_start_in_order_run_at_once_and_all_end_before_a_failure() -> 
     asyncio.run(transfer_all([op(0, total=1)]))
     assert ended == [0]
     asyncio.run(transfer_all([]))
+
+
+def test_ucx_defaults_fill_only_what_the_operator_left_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.ucxenv import UCX_ENV_DEFAULTS, apply_ucx_env
+
+    for key in UCX_ENV_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("UCX_RNDV_SCHEME", "put_zcopy")  # the operator's choice wins
+    apply_ucx_env()
+    assert os.environ["UCX_RNDV_SCHEME"] == "put_zcopy"
+    assert os.environ["UCX_TCP_SNDBUF"] == os.environ["UCX_TCP_RCVBUF"] == "4M"
+    assert os.environ["UCXPY_PROGRESS_MODE"] == "blocking"

@@ -217,3 +217,20 @@ def make_block() -> Callable[..., Block]:
 def corrupt_payload() -> Callable[..., Path]:
     """``corrupt_payload(directory, payload, *, at=None) -> Path``: flip one payload byte."""
     return _corrupt_payload
+
+
+@pytest.fixture
+def open_tier(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """``open_tier(name="o", **options) -> ObjectTier`` under this test's directory (4 MiB
+    unless told), closed at the end of the test."""
+    opened: list[Any] = []
+
+    def _open(name: str = "o", **options: Any) -> Any:
+        options.setdefault("capacity_bytes", "4MiB")
+        tier = make_tier("object", name, options, root=tmp_path, clock=FakeClock())
+        opened.append(tier)
+        return tier
+
+    yield _open
+    for t in opened:
+        t.close()

@@ -133,6 +133,18 @@ def test_contains_and_delete(tier: Tier, make_block: MakeBlock) -> None:
     assert _read(tier, b) == b.data
 
 
+def test_delete_many_is_delete_of_each(tier: Tier, make_block: MakeBlock) -> None:
+    a, b, c = (make_block(4096, seed=s) for s in (11, 12, 13))
+    for blk in (a, b, c):
+        _put(tier, blk)
+    used = tier.usage().used_bytes
+    assert tier.delete_many([a.key, b.key, a.key]) == [True, True, False]
+    assert not tier.contains(a.key) and not tier.contains(b.key)
+    assert tier.usage().used_bytes < used and tier.usage().blocks == 1
+    assert _read(tier, c) == c.data
+    assert tier.delete_many([]) == []
+
+
 @pytest.mark.parametrize("new_size", [4096, 3000, 70 * KiB])
 def test_overwrite_replaces(tier: Tier, new_size: int, make_block: MakeBlock) -> None:
     old = make_block(4096, seed=9)

@@ -7,6 +7,7 @@ import gc
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from kvstore.errors import (
 )
 from kvstore.registry import build_config, make_tier
 from kvstore.shm import attach_arena
+from tests.kvstore.test_buffers import record_memmoves
 from tests.kvstore.test_shm import resident_bytes
 from tiers.dram import DramConfig, DramTier
 
@@ -113,14 +115,17 @@ def test_read_many_moves_a_run_back_to_back_in_one_copy(dram: DramTier, make_blo
     for b in blocks:
         dram.write(b.key, b.data, b.meta)
     assert [dram.location(b.key)[0] for b in blocks] == [i * 64 * KiB for i in range(6)]  # type: ignore[index]
-    copies: list[int] = []
-    real = dram._copy_run  # noqa: SLF001
+    copies: list[list[int]] = []
+    pool = dram._copy  # noqa: SLF001
 
-    def counting(run: list[tuple[memoryview, int]], off: int) -> None:
-        copies.append(len(run))
-        real(run, off)
+    class Counting:
+        threads = pool.threads
 
-    monkeypatch.setattr(dram, "_copy_run", counting)
+        def copy(self, pairs: list[tuple[memoryview, memoryview]]) -> int:
+            copies.append([d.nbytes for d, _ in pairs])
+            return pool.copy(pairs)
+
+    monkeypatch.setattr(dram, "_copy", Counting())
     dst = np.zeros(6 * 64 * KiB, np.uint8)
     views = [memoryview(dst)[i * 64 * KiB : (i + 1) * 64 * KiB] for i in range(6)]
     other = bytearray(64 * KiB)  # block 4 goes elsewhere: the run breaks there
@@ -130,7 +135,8 @@ def test_read_many_moves_a_run_back_to_back_in_one_copy(dram: DramTier, make_blo
     assert out[5:] == [64 * KiB] * 2
     assert bytes(dst[: 4 * 64 * KiB]) == b"".join(bytes(b.data) for b in blocks[:4])
     assert bytes(other) == bytes(blocks[4].data) and bytes(views[5]) == bytes(blocks[5].data)
-    assert [c for c in copies if c] == [4, 1, 1]  # one copy for the run, then the strays
+    # one batch: one span for the run, then the strays
+    assert copies == [[4 * 64 * KiB, 64 * KiB, 64 * KiB]]
     small = [bytearray(10), bytearray(64 * KiB)]
     out = dram.read_many(keys[:2], small)
     assert isinstance(out[0], BufferSizeError) and out[1] == 64 * KiB and bytes(small[1]) == bytes(blocks[1].data)
@@ -160,6 +166,28 @@ def test_write_many_moves_a_run_back_to_back_in_one_copy(dram: DramTier, make_bl
         dst = bytearray(64 * KiB)
         assert dram.read_into(b.key, memoryview(dst)) == 64 * KiB and bytes(dst) == bytes(b.data)
     assert not dram.contains(blocks[4].key)
+
+
+def test_a_large_batch_is_copied_by_the_configured_threads(tmp_path: Path, make_block: MakeBlock,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = DramTier("d0", DramConfig(64 * MiB, slab_bytes=16 * MiB, copy_threads=2), root=tmp_path, clock=FakeClock())
+    try:
+        assert tier.describe()["copy_threads"] == 2
+        names = record_memmoves(monkeypatch)
+        monkeypatch.setattr(tier._copy, "min_bytes", 8 * MiB)  # noqa: SLF001  # the pool of 2 splits 16 MiB
+        blocks = [make_block(4 * MiB, seed=i) for i in range(4)]
+        assert tier.write_many([(b.key, b.data, b.meta) for b in blocks]) == [None] * 4
+        assert len(names) == 4  # one piece per block (each its own buffer), by whichever thread came first
+        dst = np.zeros(16 * MiB, np.uint8)
+        views = [memoryview(dst)[i * 4 * MiB : (i + 1) * 4 * MiB] for i in range(4)]
+        assert tier.read_many([b.key for b in blocks], views) == [4 * MiB] * 4
+        assert bytes(dst) == b"".join(bytes(b.data) for b in blocks)
+        one = bytearray(4 * MiB)
+        names.clear()
+        assert tier.read_into(blocks[0].key, memoryview(one)) == 4 * MiB and bytes(one) == bytes(blocks[0].data)
+        assert names == [threading.current_thread().name]  # 4 MiB: below min_bytes, one copy here
+    finally:
+        tier.close()
 
 
 def test_explicit_name_and_collision(tmp_path: Path) -> None:
@@ -318,6 +346,9 @@ def test_config_from_loose_options(tmp_path: Path) -> None:
         ({"capacity_bytes": "1MiB", "slab_bytes": "2MiB"}, "smaller than one slab"),
         ({"capacity_bytes": "4MiB", "slab_bytes": "1MiB", "shm_name": "a/b"}, "no slash"),
         ({"capacity_bytes": "4MiB", "nonsense": 1}, "unknown option"),
+        ({"capacity_bytes": "4MiB", "slab_bytes": "1MiB", "copy_threads": -1}, "copy_threads"),
+        ({"capacity_bytes": "4MiB", "slab_bytes": "1MiB", "copy_threads": 65}, "copy_threads"),
+        ({"capacity_bytes": "4MiB", "slab_bytes": "1MiB", "copy_threads": "two"}, "expected a number"),
     ],
 )
 def test_config_errors_say_what_to_do(options: dict[str, Any], match: str) -> None:

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from kvstore.block import BlockMeta, payload_checksum
-from kvstore.clock import FakeClock
 from kvstore.errors import (
     BlockNotFound,
     ConfigError,
@@ -28,7 +27,7 @@ from kvstore.errors import (
     TierIOError,
     UsageError,
 )
-from kvstore.registry import build_config, make_tier
+from kvstore.registry import build_config
 from tiers.base import tier_dir
 from tiers.object import (
     FORMAT_VERSION,
@@ -44,21 +43,6 @@ from tiers.object.format import RAW, SHUFFLE_ZSTD, Header, decode_into, encode
 KiB = 1024
 MiB = 1024 * KiB
 MakeBlock = Callable[..., Any]
-
-
-@pytest.fixture
-def open_tier(tmp_path: Path) -> Iterator[Callable[..., ObjectTier]]:
-    opened: list[ObjectTier] = []
-
-    def _open(name: str = "o", **options: Any) -> ObjectTier:
-        options.setdefault("capacity_bytes", "4MiB")
-        tier = make_tier("object", name, options, root=tmp_path, clock=FakeClock())
-        opened.append(tier)
-        return tier
-
-    yield _open
-    for t in opened:
-        t.close()
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.version import version
 from tools.bench.__main__ import BENCHES, main
-from tools.bench._common import missed_goals
+from tools.bench._common import median_trial, missed_goals
 
 KEYS = {"bench", "metric", "value", "unit", "baseline", "ratio"}
 
@@ -131,3 +131,13 @@ def test_outage_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
     down = rows["request_cache_calls_p99_daemon_down"]
     assert down["goal_us"] == 1000.0 and down["lookups_skipped"] >= 200 and down["stores_skipped"] >= 200
     assert {"first_call_after_kill", "hits_back_after_restart"} <= set(rows)
+
+
+def test_median_trial_reports_the_trial_with_the_median_ratio() -> None:
+    # ratios 0.5, 2.0, 0.9, 1.0, 0.8: the median trial is the third, its own value and baseline
+    trials = [(1.0, 2.0), (4.0, 2.0), (0.9, 1.0), (3.0, 3.0), (0.4, 0.5)]
+    assert median_trial(trials) == (0.9, 1.0, [0.5, 2.0, 0.9, 1.0, 0.8])
+    # an even count takes the lower middle ratio, never a mean of two trials
+    assert median_trial(trials[:4])[:2] == (0.9, 1.0)
+    with pytest.raises(ValueError, match="no trials"):
+        median_trial([])

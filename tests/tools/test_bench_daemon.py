@@ -31,4 +31,15 @@ def test_ucx_bench_says_why_it_is_skipped(capsys: pytest.CaptureFixture[str]) ->
         assert main(["ucx", "--json", "--quick"]) == 0
         assert "pip install 'kvstore[ucx]'" in capsys.readouterr().err
     else:
-        pytest.skip("ucxx is installed: the benchmark runs instead (see the slow tests)")
+        pytest.skip("ucxx is installed: the benchmark runs instead (test_ucx_bench_json_lines)")
+
+
+@pytest.mark.slow
+def test_ucx_bench_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("ucxx")
+    assert main(["ucx", "--json", "--quick"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["baseline_kind"] for r in rows] == ["raw ucxx", "raw socket recv_into"]
+    for r in rows:  # the figure is the median-ratio trial of the three
+        assert r["value"] > 0 and r["baseline"] > 0 and len(r["trial_ratios"]) == 3
+        assert r["ratio"] in r["trial_ratios"]

@@ -36,9 +36,9 @@ def test_only_selects_peers_and_families_in_run_order() -> None:
     assert select("kvstore*") == ["kvstore", "kvstore-shm", "kvstore-tcp"]
     assert select("kvstore") == ["kvstore"]
     assert select("mooncake,memcpy") == ["memcpy", "mooncake"]
-    assert select("lmcache") == ["lmcache-cpu", "lmcache-disk", "lmcache-redis"]
+    assert select("lmcache") == ["lmcache-cpu", "lmcache-cpu-mt", "lmcache-disk", "lmcache-redis"]
     assert select("kvstore-tcp") == ["kvstore-tcp"]
-    assert len(select(None)) == 9
+    assert len(select(None)) == 10
 
 
 def test_an_unknown_peer_is_refused_with_the_known_ones() -> None:
@@ -72,7 +72,7 @@ def test_geometry_is_llama_8b_and_capacity_is_whole_slabs() -> None:
 
 def _res(store: float, retrieve: float) -> dict:  # type: ignore[type-arg]
     figures = {"store_gbps": store, "first_round_gbps": store / 2, "retrieve_gbps": retrieve,
-               "memcpy_gbps": 10.0, "lookup_ms": 0.5, "hash_ms": 0.1, "retrieve_p50_ms": 40.0,
+               "memcpy_gbps": 10.0, "memcpy_mt_gbps": 16.0, "memcpy_threads": 2, "lookup_ms": 0.5, "hash_ms": 0.1, "retrieve_p50_ms": 40.0,
                "concurrent_p50_ms": 100.0, "concurrent_p99_ms": 200.0}
     return {"figures": figures, "info": {}, "missing_tokens": 0, "wrong_chunks": 0, "errors": [],
             "error_count": 0, "samples": {"lookup": 40, "retrieve": 12, "concurrent": 16}}
@@ -82,7 +82,10 @@ def test_peer_rows_carry_figure_baseline_and_ratio() -> None:
     w = Workload(tokens=4096, fit=4)
     rows = {r["metric"]: r for r in peer_rows("kvstore", w, _res(4.0, 8.0))}
     assert set(rows) == {"kvstore_4k_store", "kvstore_4k_retrieve", "kvstore_4k_lookup",
-                         "kvstore_4k_retrieve_p99_8_clients"}
+                         "kvstore_4k_retrieve_p99_8_clients", "kvstore_4k_store_vs_mt_memcpy",
+                         "kvstore_4k_retrieve_vs_mt_memcpy"}
+    mt = rows["kvstore_4k_retrieve_vs_mt_memcpy"]
+    assert (mt["value"], mt["baseline"], mt["ratio"], mt["memcpy_threads"]) == (8.0, 16.0, 0.5, 2)
     assert rows["kvstore_4k_store"]["ratio"] == 0.4 and rows["kvstore_4k_store"]["first_round_gbps"] == 2.0
     assert rows["kvstore_4k_retrieve"]["value"] == 8.0 and rows["kvstore_4k_retrieve"]["verified"] is True
     assert rows["kvstore_4k_lookup"]["ratio"] == 5.0 and rows["kvstore_4k_lookup"]["unit"] == "ms"
@@ -90,18 +93,19 @@ def test_peer_rows_carry_figure_baseline_and_ratio() -> None:
     assert (p99["value"], p99["baseline"], p99["ratio"], p99["p50_ms"]) == (200.0, 40.0, 5.0, 100.0)
 
 
-def test_long_requests_skip_the_concurrent_phase_and_say_so() -> None:
+def test_long_requests_run_the_concurrent_phase_unless_skipped() -> None:
     args = parser().parse_args([])
     from tools.bench.peers import workload
 
     long, short = workload(args, 32768), workload(args, 4096)
-    assert (long.fit, long.rounds, long.concurrent) == (1, 2, False)
+    assert (long.fit, long.rounds, long.concurrent, long.per_client) == (1, 2, True, 1)
     assert (short.fit, short.rounds, short.concurrent, short.per_client) == (4, 3, True, 2)
-    assert workload(parser().parse_args(["--concurrent-long"]), 32768).concurrent
+    long = workload(parser().parse_args(["--skip-concurrent-long"]), 32768)
+    assert not long.concurrent and workload(parser().parse_args(["--skip-concurrent-long"]), 4096).concurrent
     res = _res(1.0, 1.0)
     res["samples"]["concurrent"] = 0
     rows = peer_rows("kvstore", long, res)
-    assert rows[-1]["status"] == "skipped" and "--concurrent-long" in rows[-1]["error"]
+    assert rows[-1]["status"] == "skipped" and "--skip-concurrent-long" in rows[-1]["error"]
 
 
 def test_a_peer_that_cannot_run_is_one_row_with_the_error() -> None:
@@ -147,7 +151,7 @@ def test_table_shows_spreads_and_goal_counts(tmp_path) -> None:  # type: ignore[
         path.write_text("\n".join(json.dumps(r) for r in rows))
         paths.append(str(path))
     text = tables(load(paths))
-    assert "| kvstore | 5.50–6.50 | 6.00 | 10.00 |" in text
+    assert "| kvstore | 5.50–6.50 | 6.00 | 10.00 | 16.00 (2 threads) |" in text
     assert "| mooncake | unavailable (2 of 2 runs): not installed |" in text
     assert "| kvstore vs lmcache-cpu | 1.10–1.30 | 1.50 | ≥ 1.2 | 1 of 2, 2 of 2 |" in text
 

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from tools.replay import economics as E
-from tools.replay.bounds import unlimited
+from tools.replay.bounds import (
+    ClassSegments,
+    class_bound,
+    policy_class_segments,
+    unlimited,
+    window_bound,
+)
 from tools.replay.cli import main
 from tools.replay.sim import _EPOCH, parse_capacity, replay_store
 from tools.replay.trace import Trace, load_trace
@@ -103,6 +109,12 @@ def test_cli_prints_economics_and_references(three: Path, capsys: pytest.Capture
     # them read again: skipping the class would lose the only hit.
     assert ref[0]["class_bound_last_tier_writes_per_hit"] == 2.0
     assert ref[0]["class_bound_leaves_only_last_tier_writes_per_hit"] == 2.0
+    # One block of DRAM for the one reuse (block 0, 3 accesses later, in a class of three new
+    # blocks): keeping the class until age 3 costs 9 block-accesses of the 4 there are, so 4/9
+    # of the hit; holding it only around age 3 (evict, then prefetch) costs almost nothing.
+    assert ref[0]["class_bound_first_tier_hit_share"] == pytest.approx(4 / 9, abs=1e-3)  # ages on a grid
+    assert ref[0]["window_bound_first_tier_hit_share"] == 1.0
+    assert ref[0]["rich_window_bound_first_tier_hit_share"] == 1.0
 
 
 def test_admission_rule_reports_its_hit_loss(three: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -115,3 +127,28 @@ def test_admission_rule_reports_its_hit_loss(three: Path, capsys: pytest.Capture
     assert econ["hit_loss"] == 0.0
     assert econ["store_all_last_tier_writes_per_hit"] == econ["last_tier_writes_per_hit"] == 2.0
     assert np.isclose(econ["hit_share_by_tier"]["object"], 1.0)
+
+
+def test_window_bound_prices_each_age_window() -> None:
+    # One class: a block reused at age 50,000 and three never reused, over 100,000 accesses.
+    seg = ClassSegments([np.array([50_000.0, np.inf, np.inf, np.inf])], 100_000)
+    # Keeping the class until age 50,000 costs 4 x 50,000 = 2 x the room of one block: half the hit.
+    assert class_bound(seg, 1) == pytest.approx(0.5, abs=1e-3)  # ages on a grid
+    # Holding the blocks only in the age window around 50,000 costs 4 x its width: the whole hit.
+    assert window_bound(seg, 1) == pytest.approx(1.0, abs=1e-3)
+    # Two classes: the window bound takes the better hits per space first, and never falls
+    # below the keep-until bound.
+    two = ClassSegments([np.array([10.0, 20.0]), np.array([5_000.0, np.inf])], 10_000)
+    for cap in (1, 2):
+        assert window_bound(two, cap) >= class_bound(two, cap) - 1e-9
+
+
+def test_policy_class_segments(tmp_path: Path) -> None:
+    # Request 0 puts blocks 0, 1; request 1 reads 0 and 1 again and extends the chain with 2.
+    trace = load_trace(_write(tmp_path / "p_trace.jsonl", [(0, [0, 1]), (1, [0, 1, 2])]))
+    seg = policy_class_segments(trace)
+    assert seg.accesses == 5
+    gaps = sorted(g.tolist() for g in seg.gaps)
+    # (0 hits, extended): block 0, reused 2 accesses later; (0 hits, not extended): block 1,
+    # reused 2 later, and block 2, never; (1 hit, extended): blocks 0 and 1 (2 extends 1), never.
+    assert gaps == [[2.0], [2.0, np.inf], [np.inf, np.inf]]

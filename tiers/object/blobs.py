@@ -71,6 +71,17 @@ class BlobStore(ABC):
     def delete(self, paths: Sequence[str]) -> None:
         """Remove these objects (missing ones are skipped)."""
 
+    def stats(self, prefix: str) -> dict[str, tuple[int, int, int, int]] | None:
+        """``{path: (size, mtime_ns, ctime_ns, inode)}`` under ``prefix``, a listing that tells
+        an object from the one a header manifest recorded; None (the default) when the backend
+        cannot (a remote store: no manifest)."""
+        return None
+
+    def header_bytes(self, path: str) -> bytes | None:
+        """The header bytes of the object at ``path``, or None (missing, damaged, or a backend
+        without manifests)."""
+        return None
+
     @abstractmethod
     def list(self, prefix: str, *, after: str = "", limit: int | None = None) -> dict[str, int]:
         """``{path: size}`` of the objects under ``prefix`` in name order, those after

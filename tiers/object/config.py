@@ -65,6 +65,9 @@ class ObjectConfig:
     """A refreshed expiry is written back only when it moves by at least this much."""
     lifecycle_days: int = 0
     """S3 only: install a bucket lifecycle rule deleting objects this many days after writing."""
+    manifest: bool = True
+    """Local objects only: write a header manifest at close (``tiers/object/manifest.py``), so
+    that the next warm restart reads one file instead of every object's header."""
     worker_interval_s: float = 1.0
     """Tick of the background thread (breaker trial, queue drain, sweeps); 0: no thread, the
     owner calls :meth:`ObjectTier.tick`."""

@@ -27,6 +27,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import HASH_BYTES, BlockHash
 from tiers.base import OfflineScan, Tier, TierUsage, tier_dir
+from tiers.object import manifest
 from tiers.object.blobs import Blob, BlobStore, open_blobs
 from tiers.object.config import ObjectConfig
 from tiers.object.expiry import ExpiryMixin
@@ -96,6 +97,7 @@ class ObjectTier(ExpiryMixin, Tier):
         self._local = self.blobs.local
         self.shared = bool(config.url) and config.discover_max_blocks > 0
         self._blocks = f"{self._base}/blocks"
+        self._manifest_path = f"{self._base}/{manifest.NAME}"
         self._touches = f"{self._base}/touch"
         self._lock = threading.Lock()
         self._sizes: dict[BlockHash, int] = {}
@@ -133,7 +135,7 @@ class ObjectTier(ExpiryMixin, Tier):
         url = config.url or f"file://{tier_dir(Path(root), name).absolute().as_posix()}/objects"
         if url.startswith("file://") and not Path(url[len("file://") :], "blocks").is_dir():
             return OfflineScan([])  # never written to; opening it would create its directory
-        quiet = dataclasses.replace(config, worker_interval_s=0, sweep_interval_s=0, lifecycle_days=0)
+        quiet = dataclasses.replace(config, worker_interval_s=0, sweep_interval_s=0, lifecycle_days=0, manifest=False)
         tier = cls(name, quiet, root=Path(root), clock=clock)
         try:
             found = list(tier.scan())
@@ -403,7 +405,13 @@ class ObjectTier(ExpiryMixin, Tier):
 
     def _scan_now(self) -> list[tuple[BlockHash, BlockMeta]]:
         self._check_open()
-        listed = self._list(self._blocks)
+        # A local tier lists with what tells an object from the one its manifest recorded
+        # (written at the last close): those headers come from the manifest, not the files.
+        stats = self.blobs.stats(self._blocks)
+        listed = self._list(self._blocks) if stats is None else {p: st[0] for p, st in stats.items()}
+        book = manifest.load(self._manifest_path) if stats else None
+        if book is not None and self.config.manifest:
+            manifest.retire(self._manifest_path)  # this run's close writes the next one
         keys: list[BlockHash] = []
         sizes: list[int] = []
         bad = foreign = 0
@@ -424,7 +432,7 @@ class ObjectTier(ExpiryMixin, Tier):
         touches = self._read_touches(self._list(self._touches)) if keys else {}
         found: list[tuple[BlockHash, BlockMeta]] = []
         learned: list[tuple[BlockHash, BlockMeta, bytes, bool]] = []
-        for key, size, h in zip(keys, sizes, self._headers(keys), strict=True):
+        for key, size, h in zip(keys, sizes, self._scan_headers(keys, stats, book), strict=True):
             if isinstance(h, BlockNotFound):
                 continue  # deleted since the listing
             if isinstance(h, ForeignObjectError):
@@ -453,6 +461,46 @@ class ObjectTier(ExpiryMixin, Tier):
             self._counters.foreign_objects = foreign
             self._counters.quarantined += moved
         return found
+
+    def _scan_headers(
+        self, keys: list[BlockHash], stats: dict[str, manifest.Stat] | None, book: manifest.Manifest | None
+    ) -> list[Header | KVStoreError]:
+        """The headers of ``keys``: from the manifest where it holds the very object listed,
+        the others read (one batch)."""
+        if book is None or stats is None:
+            return self._headers(keys)
+        out: list[Header | KVStoreError | None] = []
+        missing: list[int] = []
+        for i, key in enumerate(keys):
+            path = self.path(key)
+            head = book.header(key, stats[path])
+            if head is None:
+                out.append(None)
+                missing.append(i)
+                continue
+            try:
+                out.append(unpack_header(head, key, path))
+            except KVStoreError as e:  # a damaged manifest entry: the file decides
+                log.warning("object tier %r: manifest entry of %s unusable: %s", self.name, key.hex(), e)
+                out.append(None)
+                missing.append(i)
+        for i, h in zip(missing, self._headers([keys[i] for i in missing]), strict=True):
+            out[i] = h
+        return out  # type: ignore[return-value]
+
+    def _write_manifest(self) -> None:
+        """At close, a local tier's header manifest for the next warm restart (headers of
+        objects unchanged since the last one come from it, the rest from their files)."""
+        try:
+            listing = self.blobs.stats(self._blocks)
+        except TierIOError as e:
+            log.warning("object tier %r: no manifest written: %s", self.name, e)
+            return
+        if listing is None:
+            return  # a remote store: a listing cannot prove an object unchanged
+        listing = {p: st for p, st in listing.items() if p.endswith(SUFFIX)}
+        n = manifest.refresh(self._manifest_path, listing, key_of, self.blobs.header_bytes)
+        log.info("object tier %r: header manifest of %d objects written", self.name, n)
 
     def _stale_temp(self, path: str) -> bool:
         """Whether a temp file can only be left over from a crash: at the first listing of a
@@ -576,6 +624,8 @@ class ObjectTier(ExpiryMixin, Tier):
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join()
         self.flush()
+        if self._listed and self.config.manifest:
+            self._write_manifest()
         self.blobs.close()
         with self._lock:
             self._closed = True

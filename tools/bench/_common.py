@@ -68,6 +68,38 @@ def best_of(fn: Callable[[], Any], repeat: int = 5) -> float:
     return best
 
 
+def rotating_trials(sides: list[tuple[str, Callable[[], Any]]], rounds: int, gb: float) -> dict[str, list[float]]:
+    """Rates (``gb`` / seconds) of every side, ``rounds`` trials each, after one untimed call of
+    each (the warm-up). Each trial calls every side once, starting one side later than the trial
+    before, so no side always runs first or right after another."""
+    for _, fn in sides:
+        fn()
+    rates: dict[str, list[float]] = {name: [] for name, _ in sides}
+    for r in range(rounds):
+        k = r % len(sides)
+        for name, fn in sides[k:] + sides[:k]:
+            t0 = time.perf_counter()
+            fn()
+            rates[name].append(gb / (time.perf_counter() - t0))
+    return rates
+
+
+def median_trial(trials: list[tuple[float, float]]) -> tuple[float, float, list[float]]:
+    """The trial whose ratio is the median: ``(value, baseline, every trial's ratio)``.
+
+    A trial is ``(value, baseline)``, two rates measured back to back. A noisy neighbour that hits
+    a few trials moves their ratios, not the median one, and the median trial's value and
+    baseline come from the same moments, so ``value / baseline`` is the reported ratio. With an
+    even count the lower of the two middle ratios is taken (never a flattering mean of two).
+    """
+    if not trials:
+        raise ValueError("median_trial of no trials")
+    ratios = [v / b if b else float("nan") for v, b in trials]
+    order = sorted(range(len(trials)), key=lambda i: ratios[i])
+    value, baseline = trials[order[(len(order) - 1) // 2]]
+    return value, baseline, [round(r, 4) for r in ratios]
+
+
 def emit(row: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(row), flush=True)

@@ -17,8 +17,12 @@ Figures, each with a same-run baseline:
   ``/proc/PID/task/*/schedstat``) with publishing over without (``cpu_noise_ratio``: the same
   for off2), and ``publisher_cpu_share``, the publisher thread's own CPU time over the data
   path's wall time (the daemon is Python: what that thread runs, the data path waits for, at
-  most). ``datapath_with_publish_16k``: the same with 32 blocks of 16 KiB, the most events per
+  most), and ``publisher_cpu_of_daemon``, the same CPU over the publishing daemon's CPU time
+  for its rounds (CPU over CPU: what the load of the box inflates on both sides). ``datapath_with_publish_16k``: the same with 32 blocks of 16 KiB, the most events per
   byte.
+* ``publisher_mirror_bytes_per_block``: what the daemon's publisher keeps a block (its mirror
+  of client names, parents and tiers, the hashes included), traced by ``tracemalloc``;
+  baseline: the 16 KiB block itself.
 * ``router_lookup_128k``: ``Router.route_hashes`` for a 128K-token prompt (8,192 blocks of 16
   tokens) against an index of 1M blocks on 3 nodes, median; baseline: ``hash_blocks`` of the same
   prompt (what the engine pays to hash it anyway). ``with_hashing_ms``: ``Router.route`` from
@@ -139,6 +143,35 @@ def publish_capacity(n: int) -> dict[str, Any]:
             "batches": stats["batches"], "dropped": stats["dropped"], "received": got[0]}
 
 
+def mirror_bytes(n: int) -> float:
+    """Bytes a block the publisher's mirror holds in the daemon (traced allocations of ``n``
+    blocks named and placed, their hashes included: the mirror keeps them alive), without
+    token ids; ``4 * block_tokens`` more a block when puts carry them."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore-bench-route-"))
+    try:
+        cfg = StoreConfig(root=tmp / "s", tiers=(TierSpec("dram", "dram", {"capacity_bytes": "16MiB", "slab_bytes": "1MiB"}),))
+        with KVStore(cfg) as store:
+            store.register_namespace(SMALL)
+            pub = KVEventPublisher(store, EventsConfig(publish="tcp://127.0.0.1:0", publish_queue=4 * n))
+            pub.flush(60.0)
+            rng = np.random.default_rng(7)
+            tracemalloc.start()
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(0, n, 32):
+                chain = [bytes(k) for k in rng.integers(0, 256, (min(32, n - i), 16), dtype=np.uint8)]
+                pub.names(SMALL, chain, chain, 0)
+                pub.blocks([("p", k, 0) for k in chain], None)
+                del chain
+            pub.flush(60.0)
+            held = tracemalloc.get_traced_memory()[0] - before
+            tracemalloc.stop()
+            assert pub.stats()["mirrored"] == n
+            pub.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return held / n
+
+
 def _cpu_s(pid: int) -> float:
     """CPU time of every thread of ``pid`` so far (nanosecond schedstat, not 10 ms ticks)."""
     total = 0
@@ -163,6 +196,11 @@ def datapath(rounds: int, ns: Namespace, per: int, dram: str) -> dict[str, Any]:
         times = dict.fromkeys(clients, 0.0)
         cpu = dict.fromkeys(clients, 0.0)
         names = list(clients)
+        # A subscriber reads the stream, as a router would (the daemon's ZeroMQ I/O thread
+        # then sends each batch: its CPU is in the daemon's figure).
+        stop, got = threading.Event(), [0]
+        reader = threading.Thread(target=_drain, args=(on.info["events"]["publish"], stop, got), daemon=True)
+        reader.start()
         start = control(on.url, "GET", "/v1/events")["stats"]
         for r in range(rounds + 5):
             if r == 5:  # the first rounds warm them up
@@ -180,11 +218,15 @@ def datapath(rounds: int, ns: Namespace, per: int, dram: str) -> dict[str, Any]:
                     times[name] += t1 - t0
                     cpu[name] += _cpu_s(pids[name]) - c0
         stats = control(on.url, "GET", "/v1/events")["stats"]
+        stop.set()
+        reader.join()
     return {"on": rounds / times["on"], "off": rounds / times["off"], "off2": rounds / times["off2"],
             "cpu_ratio": cpu["on"] / cpu["off"], "cpu_noise": cpu["off2"] / cpu["off"],
             "publisher_cpu_share": (stats["cpu_s"] - start["cpu_s"]) / times["on"],
+            "publisher_cpu_of_daemon": (stats["cpu_s"] - start["cpu_s"]) / cpu["on"],
             "events": stats["block_events"] - start["block_events"], "dropped": stats["dropped"],
-            "wakeups": stats["wakeups"] - start["wakeups"], "seconds": times["on"]}
+            "wakeups": stats["wakeups"] - start["wakeups"], "seconds": times["on"], "received": got[0],
+            "batches": stats["batches"] - start["batches"]}
 
 
 def router_lookup(total_blocks: int, repeat: int) -> dict[str, Any]:
@@ -277,8 +319,11 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                      noise_ratio=round(dp["off2"] / dp["off"], 4),
                      cpu_ratio=round(dp["cpu_ratio"], 4), cpu_noise_ratio=round(dp["cpu_noise"], 4),
                      publisher_cpu_share=round(dp["publisher_cpu_share"], 5),
+                     publisher_cpu_of_daemon=round(dp["publisher_cpu_of_daemon"], 5),
                      events_per_s=round(dp["events"] / dp["seconds"]), wakeups=dp["wakeups"],
-                     dropped=dp["dropped"], round=what)
+                     dropped=dp["dropped"], batches=dp["batches"], received=dp["received"], round=what)
+    yield result("route", "publisher_mirror_bytes_per_block", mirror_bytes(20_000 if quick else 200_000), "B",
+                 SMALL.block_bytes, baseline_is="the block's own payload (16 KiB, the smallest bench block)")
     lk = router_lookup(100_000 if quick else 1_000_000, 20 if quick else 200)
     yield result("route", "router_lookup_128k", lk["lookup_ms"], "ms", lk["hash_ms"],
                  baseline_is="hash_blocks of the same 128K tokens", with_hashing_ms=round(lk["full_ms"], 4),

@@ -8,7 +8,11 @@ tokens (32 MiB, LMCache's chunk) and of 16 tokens (2 MiB, vLLM's page: the per-b
 Every request's bytes are read back and checked.
 
 Baseline, same run, interleaved round by round: ``np.copyto`` of the request's bytes between
-two private buffers faulted in before timing (what the issue calls "memcpy same run").
+two private buffers faulted in before timing (what the issue calls "memcpy same run"), a copy in
+one thread. The 256-token blocks run twice: with the DRAM tier's default ``copy_threads``
+(``min(4, cores)``: a batch of 8 MiB or more is split across threads) and with
+``copy_threads = 1`` (rows ending ``_1thread``), so the multi-threaded copy's gain is read in
+one run.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.buffers import default_copy_threads
 from kvstore.config import StoreConfig, TierSpec
 from kvstore.keys import KVLayout, LayerGroup, Namespace
 from kvstore.store import KVStore
@@ -36,11 +41,11 @@ FILL_ROUNDS = 4
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     tokens = 512 if args.quick else 4096
     rounds = FILL_ROUNDS + (2 if args.quick else 4)
-    for block_tokens in (256, 16):
-        yield from _measure(tokens, block_tokens, rounds)
+    for block_tokens, copy_threads in ((256, 0), (256, 1), (16, 0)):
+        yield from _measure(tokens, block_tokens, rounds, copy_threads)
 
 
-def _measure(tokens: int, block_tokens: int, rounds: int) -> Iterator[dict[str, Any]]:
+def _measure(tokens: int, block_tokens: int, rounds: int, copy_threads: int) -> Iterator[dict[str, Any]]:
     ns = Namespace(f"bench/llama8b-{block_tokens}", KVLayout("bfloat16", block_tokens, (LayerGroup("full", LAYERS, KV_HEADS, HEAD_DIM),)))
     bb = ns.block_bytes
     n = tokens // block_tokens
@@ -51,7 +56,8 @@ def _measure(tokens: int, block_tokens: int, rounds: int) -> Iterator[dict[str, 
     private = np.ones(nbytes, np.uint8)
     chains = [[rng.bytes(16) for _ in range(n)] for _ in range(rounds)]
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-bench-store-"))
-    spec = TierSpec("dram", "dram", {"capacity_bytes": FILL_ROUNDS * nbytes, "slab_bytes": max(bb, 64 << 20)})
+    spec = TierSpec("dram", "dram", {"capacity_bytes": FILL_ROUNDS * nbytes, "slab_bytes": max(bb, 64 << 20),
+                                     "copy_threads": copy_threads})
     store_s = [0.0] * rounds
     get_s = [0.0] * rounds
     copy_s = [0.0] * rounds
@@ -76,8 +82,9 @@ def _measure(tokens: int, block_tokens: int, rounds: int) -> Iterator[dict[str, 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     gb = nbytes / 1e9
-    label = f"{tokens}tok_{block_tokens}tok_blocks"
-    extra = {"block_bytes": bb, "request_bytes": nbytes, "rounds": rounds, "open_s": round(open_s, 3)}
+    label = f"{tokens}tok_{block_tokens}tok_blocks" + ("_1thread" if copy_threads == 1 else "")
+    extra = {"block_bytes": bb, "request_bytes": nbytes, "rounds": rounds, "open_s": round(open_s, 3),
+             "copy_threads": copy_threads or default_copy_threads()}
     fill = slice(0, FILL_ROUNDS)
     yield result("store", f"put_{label}_fresh_arena", FILL_ROUNDS * gb / sum(store_s[fill]), "GB/s",
                  FILL_ROUNDS * gb / sum(copy_s[fill]), **extra)

@@ -6,6 +6,9 @@ baselines, same run, interleaved: a raw ucxx listener process sending the same n
 messages per request to a ucxx endpoint of this process, all posted at once on both sides as
 the daemon and the client do (the same kind of endpoint: what UCX itself reaches here), and a raw socket ``recv_into`` of the same bytes from a sender process
 (the issue's yardstick, as for ``tcp``). Goal: >= 80% of each.
+Measurement: one untimed round of each side first (endpoints, UCX's rendezvous state, the
+daemon's pool warm), then ``rounds`` trials, each side once per trial in an order that rotates;
+each figure is the trial with the median ratio (``trial_ratios`` lists them all).
 Needs ucxx (``pip install 'kvstore[ucx]'``); without it the benchmark prints why and no rows.
 """
 
@@ -16,14 +19,13 @@ import asyncio
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from tools.bench import tcp
-from tools.bench._common import result
+from tools.bench._common import median_trial, result, rotating_trials
 from tools.bench._daemon import BENCH_NS, TOKEN, bench_daemon, chain
 
 _RAW_SENDER = """
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from kvstore.client import connect
 
     n = 8 if args.quick else 64
-    rounds = 3 if args.quick else 8
+    rounds = 3 if args.quick else 12
     bb = BENCH_NS.block_bytes
     hashes, blocks = chain(n)
     sender = subprocess.Popen([sys.executable, "-c", _RAW_SENDER, str(n), str(bb)], stdout=subprocess.PIPE, text=True)
@@ -88,17 +90,12 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         try:
             with bench_daemon(ucx=True) as d, connect(d.url, token=TOKEN, plane="ucx") as c, sock:
                 c.put(BENCH_NS, hashes, blocks)
-                ours = base = raw_sock = 0.0
-                for _ in range(rounds):
-                    t0 = time.perf_counter()
-                    assert c.get_into(BENCH_NS, hashes, dst) == n
-                    ours += time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    loop.run_until_complete(raw_round())
-                    base += time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    tcp.raw_round(sock, memoryview(dst))
-                    raw_sock += time.perf_counter() - t0
+                sides: list[tuple[str, Callable[[], None]]] = [
+                    ("ours", lambda: _check(c.get_into(BENCH_NS, hashes, dst), n)),
+                    ("ucxx", lambda: loop.run_until_complete(raw_round())),
+                    ("socket", lambda: tcp.raw_round(sock, memoryview(dst))),
+                ]
+                rates = rotating_trials(sides, rounds, n * bb / 1e9)
                 c.get_into(BENCH_NS, hashes, dst)
                 assert np.array_equal(dst, blocks)
         finally:
@@ -109,7 +106,11 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         sender.kill()
         sender.wait()
         loop.close()
-    gb = rounds * n * bb / 1e9
-    yield result("ucx", f"get_ucx_{n}x1MiB", gb / ours, "GB/s", gb / base, goal_ratio=0.8, baseline_kind="raw ucxx")
-    yield result("ucx", f"get_ucx_{n}x1MiB_vs_socket", gb / ours, "GB/s", gb / raw_sock, goal_ratio=0.8,
-                 baseline_kind="raw socket recv_into")
+    for base, metric, kind in (("ucxx", f"get_ucx_{n}x1MiB", "raw ucxx"),
+                               ("socket", f"get_ucx_{n}x1MiB_vs_socket", "raw socket recv_into")):
+        value, baseline, ratios = median_trial(list(zip(rates["ours"], rates[base], strict=True)))
+        yield result("ucx", metric, value, "GB/s", baseline, goal_ratio=0.8, baseline_kind=kind, trial_ratios=ratios)
+
+
+def _check(got: int, n: int) -> None:
+    assert got == n, f"get_into loaded {got} of {n} blocks"

@@ -171,6 +171,38 @@ def class_segments(trace: Trace, block_tokens: int = 512, extra: tuple[str, ...]
     return ClassSegments([p[:, 0] for p in pairs], tick, [p[:, 1].astype(np.int64) for p in pairs])
 
 
+def policy_class_segments(trace: Trace) -> ClassSegments:
+    """:class:`ClassSegments` in the classes eviction/density.py learns in: hits so far (0, 1,
+    2, 3-4, 5-8, 9+) x whether a cached block ever had a child (a request's chain went past
+    it), as the policy sees them at each access. With :func:`class_bound` it bounds the policy
+    itself; with :func:`window_bound`, the policy plus any prefetch rule over the same classes."""
+    offsets, ids = trace.offsets.tolist(), trace.block_ids.tolist()
+    last: dict[int, int] = {}
+    hits: dict[int, int] = {}
+    extended: set[int] = set()
+    cls_of: dict[int, tuple[int, bool]] = {}
+    segments: dict[tuple[int, bool], list[float]] = {}
+    tick = 0
+    for r in range(trace.num_requests):
+        chain = ids[offsets[r] : offsets[r + 1]]
+        for d, b in enumerate(chain):
+            tick += 1
+            if d:
+                extended.add(chain[d - 1])
+            if b in last:
+                segments.setdefault(cls_of[b], []).append(float(tick - last[b]))
+                hits[b] += 1
+            else:
+                hits[b] = 0
+            last[b] = tick
+        for b in chain:
+            h = hits[b]
+            cls_of[b] = (h if h < 3 else (3 if h < 5 else (4 if h < 9 else 5)), b in extended)
+    for b in last:
+        segments.setdefault(cls_of[b], []).append(np.inf)
+    return ClassSegments([np.sort(np.array(v)) for v in segments.values()], tick)
+
+
 def class_bound(segments: ClassSegments, capacity: int) -> float:
     """The most block hits of :func:`class_segments`' policy family with ``capacity`` blocks."""
     tick = segments.accesses
@@ -188,6 +220,38 @@ def class_bound(segments: ClassSegments, capacity: int) -> float:
             break
         take = min(1.0, budget / dx)
         total, budget = total + take * dy, budget - take * dx
+    return total
+
+
+def window_bound(segments: ClassSegments, capacity: int) -> float:
+    """The most block hits of a policy that decides, per block class, at which *ages* a block is
+    held, with every class's reuse statistics known in advance: :func:`class_bound`'s family
+    (hold from age 0 until ``T_c``) widened to any set of age windows per class. With a tier
+    below to fetch from, that is what demotion plus *prefetch* (promotion before the request,
+    learned from the class's reuse-gap distribution) can do; a reuse at gap ``g`` hits when age
+    ``g`` lies in a held window, and each window costs the space-time of the blocks still
+    waiting at its ages. Every age window of every class is priced independently (hits per
+    unit of space-time, filled greedily: the LP relaxation), so the bound is at least
+    :func:`class_bound` and covers any schedule of demotions and prefetches driven by class and
+    age. Block-level, average occupancy, free prefetch: optimistic, so an upper bound."""
+    tick = segments.accesses
+    horizons = np.unique(np.concatenate([[0.0], np.geomspace(1, tick, 600)]))
+    values, costs = [], []
+    for g in segments.gaps:
+        reused, space = _keep_curve(g, horizons)
+        values.append(np.diff(reused))
+        costs.append(np.diff(space))
+    v, c = np.concatenate(values), np.concatenate(costs)
+    free = c <= 0
+    total, budget = float(v[free].sum()), float(capacity * tick)
+    v, c = v[~free], c[~free]
+    order = np.argsort(-v / c, kind="stable")
+    cum = np.cumsum(c[order])
+    k = int(np.searchsorted(cum, budget, side="right"))
+    total += float(v[order[:k]].sum())
+    if k < order.size:
+        j = order[k]
+        total += float(v[j]) * (budget - (float(cum[k - 1]) if k else 0.0)) / float(c[j])
     return total
 
 

@@ -31,7 +31,14 @@ import numpy as np
 
 from eviction.admission import Admission, block_class
 from kvstore.registry import register_admission
-from tools.replay.bounds import next_use, unlimited
+from tools.replay.bounds import (
+    class_bound,
+    class_segments,
+    next_use,
+    policy_class_segments,
+    unlimited,
+    window_bound,
+)
 from tools.replay.sim import _EPOCH, StoreRun, TierCapacity
 from tools.replay.trace import Trace
 
@@ -164,6 +171,23 @@ def belady_tier_hits(trace: Trace, capacity: int, served: np.ndarray) -> np.ndar
     return out
 
 
+def first_tier_bounds(trace: Trace, capacity: int, served: float) -> dict[str, float]:
+    """Bounds on the share of the store's ``served`` hit blocks that a first tier of
+    ``capacity`` blocks can serve, for online rules of stated classes (tools/replay/bounds.py),
+    each with the exact reuse statistics of its classes known in advance: keep a block until
+    an age learned per class (``class_bound``: eviction/density.py's own classes, and the
+    richer classes of ``class_segments``), or hold it at any set of ages per class, i.e. evict
+    and prefetch back (``window_bound``, both class sets)."""
+    own, rich = policy_class_segments(trace), class_segments(trace)
+    share = lambda hits: round(min(hits / max(served, 1.0), 1.0), 6)  # noqa: E731
+    return {
+        "class_bound_first_tier_hit_share": share(class_bound(own, capacity)),
+        "window_bound_first_tier_hit_share": share(window_bound(own, capacity)),
+        "rich_class_bound_first_tier_hit_share": share(class_bound(rich, capacity)),
+        "rich_window_bound_first_tier_hit_share": share(window_bound(rich, capacity)),
+    }
+
+
 # ---- the report ---------------------------------------------------------------------------------------
 
 
@@ -217,9 +241,11 @@ def report(
     per_hit = max(recorded["hit_blocks"], 1)
     served = unlimited(trace) if len(tiers) > 1 else runs[first].hits
     dram = belady_tier_hits(trace, tiers[0].blocks, served)
+    fast = first_tier_bounds(trace, tiers[0].blocks, float(served.sum()))
     rows.append({
         "trace": trace.name, "capacity": spec, "policy": "reference",
         "belady_first_tier_hit_share": round(float(dram.sum() / max(served.sum(), 1)), 6),
+        **fast,
         "oracle_policy": first,
         "oracle_last_tier_writes_per_hit": oracle["last_tier_writes_per_hit"],
         "oracle_hit_blocks": oracle["hit_blocks"],
@@ -238,7 +264,10 @@ def emit(row: dict[str, Any], as_json: bool) -> None:
         return
     head = f"{row['trace']:<14} {row['capacity']:>10} {row['policy']:<9}"
     if row["policy"] == "reference":
-        print(f"{head} Belady first-tier hit share {row['belady_first_tier_hit_share']:.3f}  oracle admission "
+        print(f"{head} Belady first-tier hit share {row['belady_first_tier_hit_share']:.3f} (bounds for online rules: "
+              f"keep-until {row['class_bound_first_tier_hit_share']:.3f}, with prefetch "
+              f"{row['window_bound_first_tier_hit_share']:.3f}; richer classes {row['rich_class_bound_first_tier_hit_share']:.3f}"
+              f" / {row['rich_window_bound_first_tier_hit_share']:.3f})  oracle admission "
               f"({row['oracle_policy']}) last-tier writes/hit {row['oracle_last_tier_writes_per_hit']:.3f}  class bound "
               f"at 1% hit loss {row['class_bound_last_tier_writes_per_hit']:.3f} (leaves only "
               f"{row['class_bound_leaves_only_last_tier_writes_per_hit']:.3f})", flush=True)

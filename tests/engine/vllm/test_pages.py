@@ -78,3 +78,22 @@ def test_page_spec_orders_layers_and_refuses_what_it_cannot_store() -> None:
         page_spec(two, "LBHNC")
     with pytest.raises(UsageError, match="expects"):
         PagedKV(SPEC, {n: torch.zeros(4, 2, 32, 64, dtype=torch.bfloat16) for n in SPEC.layer_names})
+
+
+def test_scatter_into_pages_on_another_device_moves_strided_host_rows_there() -> None:
+    """The GPU path: rows in host memory (a strided view of the daemon's arena) written into pages
+    on another device, with block ids made on that device. A CPU box has no second device with
+    data, so this runs the same code on the meta device (shapes, dtypes, strides, devices: the
+    values a GPU would hold are not checked here; see docs/vllm.md)."""
+    caches = {n: torch.empty(10, 2, 32, 128, dtype=torch.bfloat16, device="meta") for n in SPEC.layer_names}
+    kv = PagedKV(SPEC, caches)
+    bb = SPEC.block_bytes
+    arena = torch.zeros(8 * bb, dtype=torch.uint8)
+    rows = layer_rows(arena, [0, 2 * bb, 4 * bb], 1, SPEC.page_bytes)  # evenly spaced: a strided view
+    assert rows.device.type == "cpu" and not rows.is_contiguous()
+    ids = kv.block_ids([1, 3, 9])
+    assert ids.device == kv.device == torch.device("meta")
+    kv.scatter_layer(1, ids, rows)
+    assert kv.layers[1].shape == (10, 2, 32, 128) and kv.layers[1].device.type == "meta"
+    with pytest.raises(RuntimeError):  # rows of the wrong size fail loudly, not silently
+        kv.scatter_layer(1, ids, rows[:, : SPEC.page_bytes // 2])

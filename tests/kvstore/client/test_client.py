@@ -123,3 +123,73 @@ def test_reconnects_after_a_daemon_restart(tmp_path: Path, plane: str) -> None:
         c.close()
     finally:
         d.stop()
+
+
+def test_copy_runs_moves_back_to_back_blocks_and_keeps_the_others_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.client import client as client_mod
+
+    bb = 4096
+    arena = memoryview(bytearray(np.random.default_rng(7).integers(0, 256, 16 * bb, np.uint8).tobytes()))
+    # blocks 0-2 back to back, then a gap, block 3 alone, then 4-5 back to back again
+    locs = [(0, bb), (bb, bb), (2 * bb, bb), (5 * bb, bb), (9 * bb, bb), (10 * bb, bb)]
+    want = b"".join(bytes(arena[o : o + n]) for o, n in locs)
+    spans: list[int] = []
+    real_span = client_mod.span
+
+    def counting_span(first: memoryview, nbytes: int, *, writable: bool = True) -> memoryview | None:
+        spans.append(nbytes)
+        return real_span(first, nbytes, writable=writable)
+
+    monkeypatch.setattr(client_mod, "span", counting_span)
+    one = np.zeros(len(locs) * bb, np.uint8)
+    mv = memoryview(one)
+    client_mod._copy_runs(arena, locs, [mv[i * bb : (i + 1) * bb] for i in range(len(locs))], True)
+    assert one.tobytes() == want
+    assert spans == [3 * bb, 2 * bb]  # the two runs in one copy each; block 3 alone
+    spans.clear()
+    apart = [bytearray(bb) for _ in locs]  # separate caller buffers: block by block
+    client_mod._copy_runs(arena, locs, [memoryview(b) for b in apart], False)
+    assert b"".join(apart) == want and spans == []
+
+
+def test_shm_arena_mapping_is_prefaulted_and_let_go_at_close(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    from kvstore.client import client as client_mod
+
+    d = start_daemon()
+    chain = chain_for(21, 6)
+    with connect(d.url, plane="shm") as c:
+        c.put(SMALL_NS, chain, _blocks(chain))
+        (entry,) = client_mod._ARENAS.values()
+        prefault = entry[2]
+        assert prefault.done.wait(60)  # a background thread; the loads below need not wait for it
+        assert prefault.faulted_bytes == entry[0].size
+        out = np.zeros(6 * BB, np.uint8)
+        assert c.get_into(SMALL_NS, chain, out) == 6 and np.array_equal(out, _blocks(chain))
+    assert client_mod._ARENAS == {}
+    assert not prefault._thread.is_alive()
+
+
+@pytest.mark.parametrize("plane", ["shm", "tcp"])
+def test_lookups_go_over_the_data_connection_and_fall_back_to_http(
+    start_daemon: Callable[..., ThreadedDaemon], plane: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = start_daemon()
+    chain = chain_for(22, 5)
+    with connect(d.url, plane=plane) as c:
+        c.put(SMALL_NS, chain[:3], _blocks(chain[:3]))
+        assert c.info["lookup"] is True
+        http_paths: list[str] = []
+        real_request = c._http.request
+
+        def spying(method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+            http_paths.append(path)
+            return real_request(method, path, body)
+
+        monkeypatch.setattr(c._http, "request", spying)
+        r = c.lookup(SMALL_NS, chain)
+        assert (r.num_blocks, r.tiers, r.unavailable, r.num_tokens) == (3, ("dram",) * 3, (), 3 * SMALL_NS.block_tokens)
+        assert http_paths == []  # the namespace was registered by the put: no HTTP at all
+        assert c.lookup(SMALL_NS, chain_for(23, 2)).num_blocks == 0
+        c.info["lookup"] = False  # as an older daemon answers HELLO
+        assert c.lookup(SMALL_NS, chain).num_blocks == 3
+        assert http_paths == ["/v1/lookup"]

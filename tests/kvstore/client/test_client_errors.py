@@ -115,6 +115,10 @@ def test_every_mapped_error_round_trips_through_a_daemon(
     with connect(d.url, retries=0) as c:
         c.register_namespace(SMALL_NS)
         monkeypatch.setattr(Service, "lookup_nowait", refuse)
+        with pytest.raises(KVStoreError, match=f"refused for the test \\({cls.__name__}, status {status}\\)") as e:
+            c.lookup(SMALL_NS, chain_for(7, 2))  # a LOOKUP frame on the data connection
+        assert type(e.value) is cls
+        c.info["lookup"] = False  # as a daemon without LOOKUP frames: POST /v1/lookup
         with pytest.raises(KVStoreError, match=f"HTTP {status}: refused for the test") as e:
             c.lookup(SMALL_NS, chain_for(7, 2))
         assert type(e.value) is cls

@@ -104,7 +104,9 @@ def test_demotion_and_delete_are_block_events_per_medium(start: Callable[..., Th
     tap.close()
 
 
-def test_replay_serves_history_then_a_snapshot_when_it_is_gone(start: Callable[..., ThreadedDaemon]) -> None:
+def test_replay_serves_history_then_a_snapshot_when_it_is_gone(start: Callable[..., ThreadedDaemon],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kvevents, "PUMP_BATCH", 1)  # a batch per put: more than the buffer keeps
     d = start("n", replay_batches=2)
     with connect(d.url) as c:
         c.register_namespace(SMALL_NS)
@@ -303,12 +305,14 @@ def test_the_engine_cache_sends_the_token_ids_of_what_it_stores(tmp_path: Path) 
         assert toks is not None and toks.keys == tuple(hashes[2:5]) and toks.tokens.tolist() == list(range(15, 27))
 
 
-def test_a_pump_publishes_on_the_callers_thread(tmp_path: Path) -> None:
+def test_a_pump_publishes_on_the_callers_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the service does after each put: with the publisher's thread stopped, the pump
-    alone turns the put's changes into a batch on the stream."""
+    alone turns the put's changes into a batch on the stream once PUMP_BATCH changes wait (or
+    the oldest is a period old); fewer, younger ones it leaves."""
     with KVStore(StoreConfig(root=tmp_path / "s", tiers=small_tiers())) as store:
         store.register_namespace(SMALL_NS)
         pub = kvevents.KVEventPublisher(store, events_config({"publish": "tcp://127.0.0.1:0"}))
+        pub._period = 3600.0  # never old enough here, however slow the box: only the count counts
         try:
             assert pub.flush(60.0)  # the start's AllBlocksCleared is out
             pub._stopping.set()
@@ -323,9 +327,94 @@ def test_a_pump_publishes_on_the_callers_thread(tmp_path: Path) -> None:
             assert pub.stats()["queued"] == 6  # names and changes, nothing published yet
             pub.pump()
             s = pub.streams[0]
+            assert s.seq == seq and pub.stats()["queued"] == 6  # fewer than PUMP_BATCH: they wait
+            monkeypatch.setattr(kvevents, "PUMP_BATCH", 6)
+            pub.pump()
             assert s.seq == seq + 1 and pub.stats()["queued"] == 0
             (batch,) = [decoder().decode(p) for q, p in s.buffer if q == s.seq]
             (stored,) = batch.events
             assert isinstance(stored, BlockStored) and stored.block_hashes == hs and stored.token_ids == tokens_of(3)
         finally:
             pub.close()
+
+
+def test_what_no_pump_takes_the_thread_publishes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put below the pumps' threshold: the thread publishes it (the first change after a
+    lull at once; else two periods after it), with no flush and no further put."""
+    monkeypatch.setattr(kvevents, "PUMP_BATCH", 1 << 30)
+    with KVStore(StoreConfig(root=tmp_path / "s", tiers=small_tiers())) as store:
+        store.register_namespace(SMALL_NS)
+        pub = kvevents.KVEventPublisher(store, events_config({"publish": "tcp://127.0.0.1:0"}))
+        try:
+            assert pub.flush(60.0)
+            seq = pub.streams[0].seq
+            hs = chain(3)
+            pub.names(SMALL_NS, hs, hs, 0)
+            store.put(SMALL_NS, hs, payloads(3), tokens=tokens_of(3))
+            pub.pump()
+            s = pub.streams[0]
+            assert eventually(lambda: pub.stats()["queued"] == 0 and s.seq > seq)
+            events = [e for q, p in list(s.buffer) if q > seq for e in decoder().decode(p).events]
+            assert [e.block_hashes for e in events if isinstance(e, BlockStored)] == [hs]
+        finally:
+            pub.close()
+
+
+def per_block(events: list[Any]) -> list[tuple[Any, ...]]:
+    """Events as one entry a block: ``("s", hash, parent, medium, tokens)``, ``("r", hash,
+    medium)``, ``("c",)``."""
+    out: list[tuple[Any, ...]] = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            parent, bs = e.parent_block_hash, e.block_size
+            for i, h in enumerate(e.block_hashes):
+                out.append(("s", h, parent, e.medium, tuple(e.token_ids[i * bs:(i + 1) * bs])))
+                parent = h
+        elif isinstance(e, BlockRemoved):
+            out.extend(("r", h, e.medium) for h in e.block_hashes)
+        else:
+            out.append(("c",))
+    return out
+
+
+def test_the_bulk_path_publishes_what_the_block_by_block_path_does(tmp_path: Path) -> None:
+    """Two publishers on one store, one with the bulk path (``_apply_uniform``) turned off:
+    puts with and without tokens, demotions down three tiers, promotions by loads, deletes
+    and a put over a cached prefix publish the same events."""
+    with KVStore(StoreConfig(root=tmp_path / "s", tiers=small_tiers(dram_blocks=8, nvme_blocks=16))) as store:
+        store.register_namespace(SMALL_NS)
+        pubs = [kvevents.KVEventPublisher(store, events_config({"publish": "tcp://127.0.0.1:0"})) for _ in range(2)]
+        pubs[1]._apply_uniform = lambda changes, tokens: False  # type: ignore[method-assign]
+        try:
+            for p in pubs:
+                assert p.flush(60.0)
+
+            def put(hs: list[bytes], start: int = 0, tokens: list[int] | None = None) -> None:
+                for p in pubs:
+                    p.names(SMALL_NS, hs, hs, start)
+                store.put(SMALL_NS, hs, payloads(len(hs) - start), start=start, tokens=tokens)
+                for p in pubs:
+                    p.pump()
+
+            for k in range(4):
+                hs = chain(6, seed=k)
+                put(hs, tokens=tokens_of(6, seed=k) if k % 2 else None)
+            long = chain(10, seed=1)  # extends seed 1's chain of 6 (same tokens): from block 6
+            put(long, start=6, tokens=tokens_of(10, seed=1)[6 * SMALL_NS.block_tokens:])
+            dst = np.empty(10 * BB, np.uint8)
+            store.get_into(SMALL_NS, chain(6, seed=0), dst)  # promotions back to DRAM
+            store.get_into(SMALL_NS, long, dst)
+            store.delete(SMALL_NS, chain(6, seed=2)[:2])
+            for p in pubs:
+                p.pump()
+                assert p.flush(60.0)
+            published = [[e for _, b in p.streams[0].buffer for e in decoder().decode(b).events] for p in pubs]
+            # Block by block (how many operations one publication took may differ between the
+            # two, and a publication joins a chain's events): the same, in the same order.
+            assert per_block(published[0]) == per_block(published[1])
+            kinds = {(type(e).__name__, getattr(e, "medium", None)) for e in published[0]}
+            assert {("BlockStored", "dram"), ("BlockStored", "nvme"), ("BlockRemoved", "dram")} <= kinds
+            assert any(isinstance(e, BlockStored) and e.token_ids for e in published[0])
+        finally:
+            for p in pubs:
+                p.close()

@@ -88,6 +88,7 @@ def test_fuzz_metadata_parsers_raise_only_protocol_errors(meta: bytes) -> None:
         P.parse_u64,
         P.parse_data_meta,
         P.parse_error,
+        P.parse_lookup,
     ]
     for parse in parsers:
         try:
@@ -119,3 +120,36 @@ def test_put_flags_carry_durable_and_tokens_and_refuse_the_rest() -> None:
     meta[16 + 8] = 4  # a flag no daemon knows
     with pytest.raises(P.ProtocolError, match="unknown put flags"):
         P.parse_put(bytes(meta), 64)
+
+
+@given(tiers=st.lists(st.sampled_from(["dram", "nvme", "a-tier-with-a-long-name-on-some-disk"]), max_size=64),
+       unavailable=st.lists(st.sampled_from(["s3", "object"]), max_size=2))
+def test_lookup_reply_round_trips_in_two_bytes_a_block(tiers: list[str], unavailable: list[str]) -> None:
+    meta = P.encode_lookup(len(tiers), tiers, unavailable)
+    assert P.parse_lookup(meta) == (len(tiers), tuple(tiers), tuple(unavailable))
+    # each name once, then two bytes a block: within the client's 64 + 16 * max_blocks limit
+    names = {*tiers, *unavailable}
+    assert len(meta) <= 80 + sum(len(x) + 3 for x in names) + 2 * len(tiers)
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+                     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=5), kids, max_size=4),
+                     max_leaves=12)
+
+
+@settings(max_examples=300)
+@given(r=st.fixed_dictionaries({"names": _JSON, "num_blocks": _JSON, "tiers": _JSON, "unavailable": _JSON}) | _JSON)
+def test_fuzz_lookup_replies_of_the_wrong_shape_raise_protocol_errors(r: object) -> None:
+    import json
+
+    try:
+        P.parse_lookup(json.dumps(r).encode())
+    except P.ProtocolError as e:
+        assert e.code is P.ErrorCode.BAD_FRAME
+
+
+def test_a_lookup_refusal_round_trips() -> None:
+    assert P.parse_lookup(P.encode_refusal("LayoutMismatchError", 409, "another layout")) == P.Refusal(
+        "LayoutMismatchError", 409, "another layout")
+    with pytest.raises(P.ProtocolError):
+        P.parse_lookup(b'{"kind": 3, "status": 409, "detail": "x"}')

@@ -23,6 +23,7 @@ PEERS: dict[str, str] = {
     "kvstore-shm": "tools.bench._peers.kv:DaemonShm",
     "kvstore-tcp": "tools.bench._peers.kv:DaemonTcp",
     "lmcache-cpu": "tools.bench._peers.lmcache:LocalCpu",
+    "lmcache-cpu-mt": "tools.bench._peers.lmcache:LocalCpuMt",
     "lmcache-disk": "tools.bench._peers.lmcache:LocalDisk",
     "lmcache-redis": "tools.bench._peers.lmcache:Redis",
     "mooncake": "tools.bench._peers.mooncake:MooncakeStore",

@@ -9,6 +9,7 @@ CPU build LMCache's CUDA ops do not load and the engine runs on the CPU device.
 Backends (LRU, LMCache's default ``cache_policy``, everywhere):
 
 * ``lmcache-cpu``: ``LocalCPUBackend``, ``max_local_cpu_size`` = the workload's capacity;
+* ``lmcache-cpu-mt``: the same, its connector copying with kvstore's multi-threaded copy;
 * ``lmcache-disk``: ``LocalDiskBackend`` under the bench's scratch directory,
   ``max_local_disk_size`` = the capacity, ``local_cpu`` off (the CPU pool is then only the
   allocator, sized for one request and two chunks);
@@ -33,12 +34,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvstore.buffers import copy_pool
 from tools.bench._peers.base import Adapter, PeerUnavailable
 from tools.bench._peers.procs import redis_server
 from tools.bench._peers.workload import Request, Workload
@@ -46,6 +49,14 @@ from tools.bench._peers.workload import Request, Workload
 SETTLE_TIMEOUT_S = 60.0
 CLOSE_WAIT_S = 30.0
 GiB = float(1 << 30)
+
+
+def _np_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    np.copyto(dst, src)
+
+
+def _pool_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    copy_pool().copy(((memoryview(dst), memoryview(src)),))
 
 
 def _connector_class() -> type:
@@ -58,20 +69,24 @@ def _connector_class() -> type:
     class CpuCopyConnector(GPUConnectorInterface):
         """LMCache's connector contract on the CPU: the caller's buffer is ``kv`` (flat bytes,
         ``token_bytes`` a token, chunks contiguous); one ``np.copyto`` each way (torch's
-        ``copy_`` of bytes ran at half its speed here: 1.1 against 1.9-2.4 GB/s)."""
+        ``copy_`` of bytes, which LMCache's own non-CUDA connectors use, at torch's default
+        of one intra-op thread per core ran at a third to half its speed here: 0.7-0.9 against
+        2.2-3.7 GB/s, and 1.1 against 1.9-2.4), or ``copy`` (the ``-mt`` variant: kvstore's
+        multi-threaded copy)."""
 
-        def __init__(self, kv_shape: tuple[int, ...], token_bytes: int) -> None:
-            self.kv_shape, self.token_bytes = kv_shape, token_bytes
+        def __init__(self, kv_shape: tuple[int, ...], token_bytes: int,
+                     copy: Callable[[np.ndarray, np.ndarray], None] = _np_copy) -> None:
+            self.kv_shape, self.token_bytes, self.copy = kv_shape, token_bytes, copy
 
         def get_shape(self, num_tokens: int) -> torch.Size:
             layers, kv, _, heads, dim = self.kv_shape
             return torch.Size([layers, kv, num_tokens, heads, dim])
 
         def from_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
-            np.copyto(_bytes(memory_obj), kw["kv"][start * self.token_bytes : end * self.token_bytes])
+            self.copy(_bytes(memory_obj), kw["kv"][start * self.token_bytes : end * self.token_bytes])
 
         def to_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
-            np.copyto(kw["kv"][start * self.token_bytes : end * self.token_bytes], _bytes(memory_obj))
+            self.copy(kw["kv"][start * self.token_bytes : end * self.token_bytes], _bytes(memory_obj))
 
         def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
             for m, s, e in zip(memory_objs, starts, ends, strict=True):
@@ -90,6 +105,7 @@ def _connector_class() -> type:
 class _LMCache(Adapter):
     backend = "LocalCPUBackend"  # where a stored request must be found before store returns
     serial = False  # one call at a time (the CPU pool only stages: see the module docstring)
+    copy: Callable[[np.ndarray, np.ndarray], None] = staticmethod(_np_copy)
 
     def _config(self, w: Workload) -> dict[str, Any]:
         raise NotImplementedError
@@ -114,7 +130,7 @@ class _LMCache(Adapter):
         shape = (g.layers, 2, g.chunk_tokens, g.kv_heads, g.head_dim)
         md = LMCacheMetadata(model_name="bench/peers-llama-8b", world_size=1, local_world_size=1, worker_id=0,
                              local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=shape, role="worker")
-        conn = _connector_class()(shape, g.token_bytes)
+        conn = _connector_class()(shape, g.token_bytes, type(self).copy)
         self.engine = LMCacheEngineBuilder.get_or_create(self._id, cfg, md, conn, lambda t, r: None, lambda o, r: o)
         self.engine.post_init()
         self.unsettled = 0  # stores the backend did not hold within SETTLE_TIMEOUT_S
@@ -164,6 +180,18 @@ class _LMCache(Adapter):
 class LocalCpu(_LMCache):
     def _config(self, w: Workload) -> dict[str, Any]:
         return {"local_cpu": True, "max_local_cpu_size": w.capacity_bytes / GiB}
+
+
+class LocalCpuMt(LocalCpu):
+    """``lmcache-cpu`` with the connector's copies split across threads by kvstore's
+    ``CopyPool`` (``min(4, cores)`` threads): what LMCache's CPU backend reaches with the same
+    multi-threaded copy as kvstore. Not LMCache's own code (LMCache has no CPU copy-thread
+    option); the goal rows compare against ``lmcache-cpu``."""
+
+    copy = staticmethod(_pool_copy)
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "copy_threads": copy_pool().threads}
 
 
 def _staging(w: Workload) -> float:

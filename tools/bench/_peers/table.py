@@ -41,18 +41,21 @@ def tables(runs: list[list[dict[str, Any]]]) -> str:
     for tokens in sizes:
         size = f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
         out.append(f"\n{tokens:,}-token requests ({n} runs; min–max):\n")
-        out.append("| store | store GB/s | retrieve GB/s | memcpy GB/s (same process) | lookup ms | "
-                   "retrieve p99 ms, 8 clients | retrieve ms alone (p50) |")
-        out.append("|---|---|---|---|---|---|---|")
+        out.append("| store | store GB/s | retrieve GB/s | memcpy GB/s (same process) | memcpy GB/s, several threads | "
+                   "lookup ms | retrieve p99 ms, 8 clients | retrieve ms alone (p50) |")
+        out.append("|---|---|---|---|---|---|---|---|")
         for peer in PEERS:
             st, rt = by.get(f"{peer}_{size}_store", []), by.get(f"{peer}_{size}_retrieve", [])
             if not st:
                 gone = [r for k, v in by.items() if k.startswith(f"{peer}_{size}_") and k.endswith(("unavailable", "failed")) for r in v]
                 if gone:
                     why = gone[0]["error"].split("; log:")[0].splitlines()[0][:160].replace("|", "/")
-                    out.append(f"| {peer} | {gone[0]['status']} ({len(gone)} of {n} runs): {why} | | | | | |")
+                    out.append(f"| {peer} | {gone[0]['status']} ({len(gone)} of {n} runs): {why} | | | | | | |")
                 continue
             lk = by.get(f"{peer}_{size}_lookup", [])
+            mt = by.get(f"{peer}_{size}_store_vs_mt_memcpy", []) + by.get(f"{peer}_{size}_retrieve_vs_mt_memcpy", [])
+            threads = sorted({r["memcpy_threads"] for r in mt})
+            mt_cell = f"{spread([r['baseline'] for r in mt], len(mt))} ({'/'.join(map(str, threads))} threads)" if mt else "—"
             p99 = [r for k, v in by.items() if k.startswith(f"{peer}_{size}_retrieve_p99_") and not k.endswith("skipped") for r in v]
             skipped = [r for k, v in by.items() if k.startswith(f"{peer}_{size}_retrieve_p99_") and k.endswith("skipped") for r in v]
             why = "not run (long requests)" if any("long" in r["error"] for r in skipped) else "skipped (one call at a time)"
@@ -60,7 +63,7 @@ def tables(runs: list[list[dict[str, Any]]]) -> str:
             name = peer + (" (lost cached requests: missing tokens)" if any(r["missing_tokens"] for r in bad) else "")
             name += " (WRONG BYTES)" if any(r["wrong_chunks"] for r in bad) else ""
             out.append(f"| {name} | {spread([r['value'] for r in st], n)} | {spread([r['value'] for r in rt], n)} | "
-                       f"{spread([r['baseline'] for r in st + rt], 2 * len(st))} | {spread([r['value'] for r in lk], n, 3)} | "
+                       f"{spread([r['baseline'] for r in st + rt], 2 * len(st))} | {mt_cell} | {spread([r['value'] for r in lk], n, 3)} | "
                        f"{spread([r['value'] for r in p99], n, 0) if p99 else why} | "
                        f"{spread([r['baseline'] for r in p99], n, 0) if p99 else '—'} |")
         out.append("\n| kvstore against | store: ratio | retrieve: ratio | goal | runs meeting it (store, retrieve) |")

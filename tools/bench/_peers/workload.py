@@ -20,21 +20,29 @@ Phases, for one store at one request size (``drive``):
    (``Adapter.serial``): its p99 would be the queue.
 
 A memcpy of the same bytes is timed between the rounds of phases 1 and 3 in the same process:
-the baseline of the store and retrieve figures. Bytes are random (one random tile repeated)
+the baseline of the store and retrieve figures, one thread (``np.copyto``) and, beside it, the
+same bytes cut into ``memcpy_threads`` equal parts that as many threads ``memmove`` at once
+(``memcpy_mt_gbps``; ``min(4, cores)`` threads, the count a kvstore DRAM tier copies with by
+default), so that a store that copies with several threads is read against both. Bytes are random (one random tile repeated)
 with each chunk stamped with its request and chunk number, so a chunk served for the wrong
 request or at the wrong place fails the check.
 """
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
+
+from kvstore.buffers import default_copy_threads
+from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 
 if TYPE_CHECKING:
     from tools.bench._peers.base import Adapter
@@ -154,6 +162,27 @@ def memcpy_gbps(src: np.ndarray, scratch: np.ndarray) -> float:
     return scratch.nbytes / 1e9 / (time.perf_counter() - t0)
 
 
+class MtMemcpy:
+    """A memcpy by ``threads`` threads of a pool started once: each moves one equal part."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="peers-memcpy")
+
+    def gbps(self, src: np.ndarray, scratch: np.ndarray) -> float:
+        n, k = scratch.nbytes, self.threads
+        cuts = [i * n // k for i in range(k + 1)]
+        d, s = scratch.ctypes.data, src.ctypes.data
+        t0 = time.perf_counter()
+        futures = [self._pool.submit(ctypes.memmove, d + a, s + a, b - a) for a, b in zip(cuts, cuts[1:], strict=False)]
+        for f in futures:
+            f.result()
+        return n / 1e9 / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+
 def percentile(samples: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(samples, dtype=np.float64), q))
 
@@ -172,6 +201,8 @@ class Figures:
     hash_lat: list[float] = field(default_factory=list)
     concurrent_lat: list[float] = field(default_factory=list)
     memcpy_gbps: list[float] = field(default_factory=list)
+    memcpy_mt_gbps: list[float] = field(default_factory=list)
+    memcpy_threads: int = 1
     missing_tokens: int = 0
     """Tokens of cached requests that a lookup or retrieve did not find (should be 0)."""
     wrong_chunks: int = 0
@@ -186,6 +217,8 @@ class Figures:
             "first_round_gbps": self.first_round_gbps,
             "retrieve_gbps": self.retrieve_bytes / 1e9 / self.retrieve_s if self.retrieve_s else 0.0,
             "memcpy_gbps": statistics.median(self.memcpy_gbps) if self.memcpy_gbps else 0.0,
+            "memcpy_mt_gbps": statistics.median(self.memcpy_mt_gbps) if self.memcpy_mt_gbps else 0.0,
+            "memcpy_threads": self.memcpy_threads,
             "lookup_ms": statistics.median(self.lookup_lat) * ms if self.lookup_lat else 0.0,
             "hash_ms": statistics.median(self.hash_lat) * ms if self.hash_lat else 0.0,
             "retrieve_p50_ms": statistics.median(self.retrieve_lat) * ms if self.retrieve_lat else 0.0,
@@ -196,9 +229,15 @@ class Figures:
 
 def drive(adapter: Adapter, w: Workload) -> Figures:
     """Run the four phases (module docstring) against an opened ``adapter``."""
-    from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
+    f = Figures(memcpy_threads=default_copy_threads())
+    mt = MtMemcpy(f.memcpy_threads)
+    try:
+        return _drive(adapter, w, f, mt)
+    finally:
+        mt.close()
 
-    f = Figures()
+
+def _drive(adapter: Adapter, w: Workload, f: Figures, mt: MtMemcpy) -> Figures:
     g = w.geometry
     buf = make_buffer(w)
     scratch = np.empty(min(MEMCPY_BYTES, w.request_bytes), np.uint8)
@@ -223,6 +262,7 @@ def drive(adapter: Adapter, w: Workload) -> Figures:
         if rnd == 0:
             f.first_round_gbps = round_bytes / 1e9 / round_s
         f.memcpy_gbps.append(memcpy_gbps(buf, scratch))
+        f.memcpy_mt_gbps.append(mt.gbps(buf, scratch))
 
     ns = Namespace("bench/peers-floor", KVLayout("bfloat16", g.chunk_tokens, (LayerGroup("full", g.layers, g.kv_heads, g.head_dim),)))
     for _ in range(w.lookups):
@@ -248,6 +288,7 @@ def drive(adapter: Adapter, w: Workload) -> Figures:
             f.retrieve_bytes += got * g.token_bytes
             _check(w, f, req, buf, got, sums[req.rid])
         f.memcpy_gbps.append(memcpy_gbps(buf, scratch))
+        f.memcpy_mt_gbps.append(mt.gbps(buf, scratch))
 
     del scratch
     if w.concurrent and not adapter.serial:

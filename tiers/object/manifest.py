@@ -1,0 +1,168 @@
+"""The header manifest of a local object tier: every object's header, written at close, so that
+a warm restart reads one file instead of opening every object.
+
+Objects are immutable: a write goes to a temp name and is renamed into place, so an object
+whose size, modification time, change time and inode are those the manifest recorded holds the
+header the manifest recorded. The restart lists ``blocks/`` (a ``stat`` per object, which the
+listing needs anyway), takes the header of each such object from the manifest and reads the
+others' (written after the manifest, by a run that crashed before its close) from their files.
+A manifest that is missing, torn or of another version is ignored: the restart reads every
+header, as without one. A restart that used a manifest removes it (:func:`retire`), so that a
+run that crashes leaves none behind. Nothing here decides what a block is: the headers still go through
+``unpack_header`` and its checksum.
+
+Layout: ``b"KVSM" | u16 version | u32 count | u64 xxh3-64 of the body | body``, where the body
+(zstd) is ``count`` records (16-byte hash, u64 size, i64 mtime_ns, i64 ctime_ns, u64 inode, u32
+header length), then the headers back to back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+import zstandard
+
+from kvstore.keys import HASH_BYTES, BlockHash
+
+log = logging.getLogger(__name__)
+
+NAME = "manifest.kvm"
+MAGIC = b"KVSM"
+VERSION = 1
+_HEAD = struct.Struct("<4sHIQ")
+_RECORD = np.dtype([("key", f"V{HASH_BYTES}"), ("size", "<u8"), ("mtime", "<i8"), ("ctime", "<i8"),
+                    ("ino", "<u8"), ("length", "<u4")])
+
+Stat = tuple[int, int, int, int]
+"""What proves an object unchanged since the manifest: size, mtime_ns, ctime_ns, inode."""
+
+
+def stat_of(st: os.stat_result) -> Stat:
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    where: dict[bytes, tuple[Stat, int, int]]
+    """Per block hash: its object's stat and where its header lies in ``headers``."""
+    headers: bytes
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def header(self, key: bytes, stat: Stat) -> bytes | None:
+        """The recorded header of ``key``'s object if the object is the one recorded."""
+        entry = self.where.get(key)
+        if entry is None or entry[0] != stat:
+            return None
+        return self.headers[entry[1] : entry[2]]
+
+
+def load(path: str) -> Manifest | None:
+    """The manifest at ``path``; None when there is none or it cannot be trusted (torn, of
+    another version): the caller then reads every header."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("object manifest %s unreadable, reading every header: %s", path, e)
+        return None
+    try:
+        magic, version, count, digest = _HEAD.unpack_from(data)
+        body = memoryview(data)[_HEAD.size :]
+        if magic != MAGIC or version != VERSION or xxhash.xxh3_64_intdigest(body) != digest:
+            raise ValueError("not a manifest of this version, or torn")
+        raw = zstandard.ZstdDecompressor().decompress(bytes(body))
+        records = np.frombuffer(raw, _RECORD, count)
+        headers = raw[records.nbytes :]
+        starts = np.zeros(count, np.int64)
+        np.cumsum(records["length"][:-1], out=starts[1:])
+        if count and int(starts[-1]) + int(records["length"][-1]) != len(headers):
+            raise ValueError("header bytes do not add up")
+    except (ValueError, struct.error, zstandard.ZstdError) as e:
+        log.warning("object manifest %s ignored, reading every header: %s", path, e)
+        return None
+    keys = records["key"].tobytes()
+    stats = zip(records["size"].tolist(), records["mtime"].tolist(), records["ctime"].tolist(),
+                records["ino"].tolist(), strict=True)
+    ends = (starts + records["length"]).tolist()
+    where = {keys[i * HASH_BYTES : (i + 1) * HASH_BYTES]: (st, a, b)
+             for i, (st, a, b) in enumerate(zip(stats, starts.tolist(), ends, strict=True))}
+    return Manifest(where, headers)
+
+
+def retire(path: str) -> None:
+    """Remove the manifest once a restart has read it (synced): from then on this run changes
+    the objects, and only its clean close writes a manifest that describes them. A crash
+    therefore leaves no manifest, and the next restart reads every header; the stat check
+    still guards against changes no run of this tier made (another node, an operator)."""
+    try:
+        os.unlink(path)
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("object manifest %s not removed: %s", path, e)
+
+
+def save(path: str, entries: Iterable[tuple[BlockHash, Stat, bytes]]) -> int:
+    """Write the manifest of ``entries`` (hash, stat, header) atomically (temp name, fsync,
+    rename): a crash leaves the old manifest or the new one, never a torn one in its place.
+    Returns how many entries it holds."""
+    rows, heads = [], []
+    for key, (size, mtime, ctime, ino), head in entries:
+        rows.append((bytes(key), size, mtime, ctime, ino, len(head)))
+        heads.append(head)
+    records = np.array(rows, _RECORD) if rows else np.zeros(0, _RECORD)
+    body = zstandard.ZstdCompressor(level=1).compress(records.tobytes() + b"".join(heads))
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(_HEAD.pack(MAGIC, VERSION, len(rows), xxhash.xxh3_64_intdigest(body)))
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(rows)
+
+
+def refresh(
+    path: str,
+    listing: dict[str, Stat],
+    key_of: Callable[[str], BlockHash | None],
+    read_header: Callable[[str], bytes | None],
+) -> int:
+    """At close: the manifest of the objects ``listing`` holds (path -> stat), each header
+    taken from the old manifest when its object is unchanged, else read from the file
+    (``read_header``; None skips a damaged one: the next restart reads and quarantines it)."""
+    old = load(path)
+    entries: list[tuple[BlockHash, Stat, bytes]] = []
+    for p, stat in listing.items():
+        key = key_of(p)
+        if key is None:
+            continue
+        head = old.header(key, stat) if old is not None else None
+        if head is None:
+            head = read_header(p)
+            if head is None:
+                continue
+        entries.append((key, stat, head))
+    try:
+        return save(path, entries)
+    except OSError as e:
+        log.warning("object manifest %s not written (the next restart reads every header): %s", path, e)
+        with contextlib.suppress(OSError):
+            os.unlink(f"{path}.tmp")
+        return 0
