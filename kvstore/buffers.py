@@ -112,6 +112,34 @@ def span(first: memoryview, nbytes: int, *, writable: bool = True) -> memoryview
     return whole[at : at + nbytes]
 
 
+
+def arena_pairs(
+    arena: memoryview, locs: Sequence[tuple[int, int]], views: Sequence[memoryview], *, into_arena: bool = False
+) -> list[tuple[memoryview, memoryview]]:
+    """The ``(destination, source)`` pairs that copy each block ``locs[i]`` (offset, size) of
+    ``arena`` into the caller's ``views[i]`` (or, ``into_arena``, ``views[i]`` into the arena).
+    Blocks that lie back to back in the arena and in one caller buffer (a chain put in one go,
+    loaded into one tensor) become one pair: a memcpy of many MiB runs with non-temporal stores,
+    one of 1-2 MiB does not (docs/benchmarks.md)."""
+    pairs: list[tuple[memoryview, memoryview]] = []
+    i = 0
+    while i < len(locs):
+        off, n = locs[i]
+        first = views[i]
+        end, at, j = off + n, address(first) + n, i + 1
+        while j < len(locs) and locs[j][0] == end and views[j].obj is first.obj and address(views[j]) == at:
+            end, at, j = end + locs[j][1], at + locs[j][1], j + 1
+        whole = span(first, end - off, writable=not into_arena) if j - i > 1 else None
+        if whole is not None:
+            pairs.append((arena[off:end], whole) if into_arena else (whole, arena[off:end]))
+            i = j
+            continue
+        for k in range(i, j):
+            o, m = locs[k]
+            pairs.append((arena[o : o + m], views[k][:m]) if into_arena else (views[k][:m], arena[o : o + m]))
+        i = j
+    return pairs
+
 # ---- copies of many bytes with several threads --------------------------------------------
 
 PARALLEL_MIN_BYTES = 64 << 20

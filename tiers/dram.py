@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.block import BlockMeta
-from kvstore.buffers import MAX_COPY_THREADS, Buffer, address, byte_view, copy_pool, span
+from kvstore.buffers import MAX_COPY_THREADS, Buffer, arena_pairs, byte_view, copy_pool
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import (
     BlockNotFound,
@@ -241,47 +241,22 @@ class DramTier(SlabMapMixin, Tier):
         with self._lock:
             entries = [self._map.get(k) for k in keys]
         out: list[int | KVStoreError] = []
-        pairs: list[tuple[memoryview, memoryview]] = []
-        run: list[tuple[memoryview, int]] = []  # (dst view, size) of the run being gathered
-        run_off = run_end = run_addr = -1
+        locs: list[tuple[int, int]] = []
+        views: list[memoryview] = []
         for key, dst, entry in zip(keys, dsts, entries, strict=True):
             if entry is None:
                 out.append(BlockNotFound(f"block {key.hex()} is not in tier {self.name!r}"))
-                self._run_pairs(run, run_off, pairs)
-                run = []
                 continue
             off, meta = entry
             view, n = byte_view(dst, writable=True), meta.size
             if view.nbytes < n:
                 out.append(BufferSizeError(f"dst has {view.nbytes} bytes; block {key.hex()} needs {n}"))
-                self._run_pairs(run, run_off, pairs)
-                run = []
                 continue
             out.append(n)
-            a = address(view)
-            if run and off == run_end and a == run_addr and view.obj is run[0][0].obj:
-                run.append((view, n))
-            else:
-                self._run_pairs(run, run_off, pairs)
-                run, run_off = [(view, n)], off
-            run_end, run_addr = off + n, a + n
-        self._run_pairs(run, run_off, pairs)
-        self._copy.copy(pairs)
+            locs.append((off, n))
+            views.append(view)
+        self._copy.copy(arena_pairs(self._buf, locs, views))
         return out
-
-    def _run_pairs(self, run: list[tuple[memoryview, int]], off: int, pairs: list[tuple[memoryview, memoryview]]) -> None:
-        """The (destination, arena) pairs of one run: one span when its destinations are one
-        buffer, else one pair per block."""
-        if not run:
-            return
-        total = sum(n for _, n in run)
-        whole = span(run[0][0], total) if len(run) > 1 else None
-        if whole is not None:
-            pairs.append((whole, self._buf[off : off + total]))
-            return
-        for view, n in run:
-            pairs.append((view[:n], self._buf[off : off + n]))
-            off += n
 
     def write(self, key: BlockHash, src: Buffer, meta: BlockMeta, *, durable: bool = False) -> None:
         data = byte_view(src)
@@ -313,20 +288,8 @@ class DramTier(SlabMapMixin, Tier):
     def _copy_in(self, taken: list[tuple[BlockHash, memoryview, BlockMeta, int, bool]]) -> None:
         """The payloads of ``taken`` into their slots, in one batch. Its own frame: the arena
         views must not outlive the copy in the caller's (an error it caught keeps that frame)."""
-        pairs: list[tuple[memoryview, memoryview]] = []
-        i = 0
-        while i < len(taken):
-            data, off = taken[i][1], taken[i][3]
-            end, at, j = off + data.nbytes, address(data) + data.nbytes, i + 1
-            while j < len(taken) and taken[j][3] == end and address(taken[j][1]) == at and taken[j][1].obj is data.obj:
-                end, at, j = end + taken[j][1].nbytes, at + taken[j][1].nbytes, j + 1
-            whole = span(data, end - off, writable=False) if j - i > 1 else None
-            if whole is not None:
-                pairs.append((self._buf[off:end], whole))
-            else:
-                pairs.extend((self._buf[o : o + d.nbytes], d) for _, d, _, o, _ in taken[i:j])
-            i = j
-        self._copy.copy(pairs)
+        locs = [(off, data.nbytes) for _, data, _, off, _ in taken]
+        self._copy.copy(arena_pairs(self._buf, locs, [data for _, data, _, _, _ in taken], into_arena=True))
 
     def _slot(self, key: BlockHash, data: memoryview, meta: BlockMeta) -> tuple[int, bool]:
         """The offset ``key``'s payload goes to, and whether it is a fresh slot."""

@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 
 from kvstore.api import LookupResult, layout_mismatch
 from kvstore.block import payload_checksum
-from kvstore.buffers import dst_views, span, src_views
+from kvstore.buffers import arena_pairs, dst_views, src_views
 from kvstore.client._conn import (
     ConnectionLost,
     ConnectionRefused,
@@ -527,7 +527,7 @@ class Client:
             conn, ns_id = self._conn, self._ns_id(ns)
             assert conn is not None
             if self.plane == "shm" and self._lease_fits(len(hashes), bb):
-                return self._get_shm(conn, ns_id, hashes, bufs, not isinstance(dst, list | tuple))
+                return self._get_shm(conn, ns_id, hashes, bufs)
             hdr, meta = conn.call(P.Op.GET, P.encode_blocks(ns_id, hashes))
             count, got_bb = P.parse_data_meta(meta)
             if got_bb != bb or count > len(bufs) or hdr.payload_len != count * bb:
@@ -544,14 +544,12 @@ class Client:
         slot = -(-bb // _SLOT_ALIGN) * _SLOT_ALIGN
         return self._arena is not None and n * slot <= self._arena.size
 
-    def _get_shm(
-        self, conn: FrameConn, ns_id: bytes, hashes: list[bytes], bufs: list[memoryview], one_buffer: bool
-    ) -> int:
+    def _get_shm(self, conn: FrameConn, ns_id: bytes, hashes: list[bytes], bufs: list[memoryview]) -> int:
         _, meta = conn.call(P.Op.ACQUIRE, P.encode_blocks(ns_id, hashes))
         lease_id, locs = P.parse_lease(meta)
         try:
             arena = self._arena.buf  # type: ignore[union-attr]
-            _copy_runs(arena, locs, bufs, one_buffer)
+            _copy_runs(arena, locs, bufs)
             del arena
         finally:
             conn.release(lease_id)  # its reply is read with the next call's
@@ -644,26 +642,11 @@ class Client:
         return self._staging
 
 
-def _copy_runs(arena: memoryview, locs: Sequence[tuple[int, int]], bufs: list[memoryview], one_buffer: bool) -> None:
-    """Copy leased blocks into ``bufs``. With ``one_buffer`` (``bufs`` cut back to back from one
-    caller buffer), blocks that lie back to back in the arena as well (a chain put in one go)
-    move in one copy: a memcpy of many MiB runs with non-temporal stores, one of 1-2 MiB does
-    not (2.1-2.4 against 3.4 GB/s here, docs/benchmarks.md)."""
-    i = 0
-    while i < len(locs):
-        off, size = locs[i]
-        end, j = off + size, i + 1
-        if one_buffer and size == bufs[i].nbytes:
-            while j < len(locs) and locs[j][0] == end and locs[j][1] == size:
-                end, j = end + size, j + 1
-        whole = span(bufs[i], end - off) if j - i > 1 else None
-        if whole is not None:
-            whole[:] = arena[off:end]
-        else:
-            for k in range(i, j):
-                o, n = locs[k]
-                bufs[k][:n] = arena[o : o + n]
-        i = j
+def _copy_runs(arena: memoryview, locs: Sequence[tuple[int, int]], bufs: list[memoryview]) -> None:
+    """Copy leased blocks into ``bufs``, runs that lie back to back in the arena and in one
+    caller buffer in one copy each (:func:`kvstore.buffers.arena_pairs`)."""
+    for dst, src in arena_pairs(arena, locs, bufs):
+        dst[:] = src
 
 
 def connect(

@@ -143,16 +143,16 @@ def test_read_many_moves_a_run_back_to_back_in_one_copy(dram: DramTier, make_blo
 
 
 def test_write_many_moves_a_run_back_to_back_in_one_copy(dram: DramTier, make_block: MakeBlock, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tiers.dram as dram_module
+    import kvstore.buffers as buffers_module  # where the run is gathered (arena_pairs)
 
     spans: list[int] = []
-    real_span = dram_module.span
+    real_span = buffers_module.span
 
     def counting(first: memoryview, nbytes: int, *, writable: bool = True) -> memoryview | None:
         spans.append(nbytes)
         return real_span(first, nbytes, writable=writable)
 
-    monkeypatch.setattr(dram_module, "span", counting)
+    monkeypatch.setattr(buffers_module, "span", counting)
     blocks = [make_block(64 * KiB, seed=i) for i in range(5)]
     src = memoryview(b"".join(bytes(b.data) for b in blocks[:3]))  # one caller buffer, read-only
     bad = blocks[4].meta.with_expiry(0.0)

@@ -126,6 +126,7 @@ def test_reconnects_after_a_daemon_restart(tmp_path: Path, plane: str) -> None:
 
 
 def test_copy_runs_moves_back_to_back_blocks_and_keeps_the_others_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore import buffers as buffers_mod
     from kvstore.client import client as client_mod
 
     bb = 4096
@@ -134,21 +135,21 @@ def test_copy_runs_moves_back_to_back_blocks_and_keeps_the_others_apart(monkeypa
     locs = [(0, bb), (bb, bb), (2 * bb, bb), (5 * bb, bb), (9 * bb, bb), (10 * bb, bb)]
     want = b"".join(bytes(arena[o : o + n]) for o, n in locs)
     spans: list[int] = []
-    real_span = client_mod.span
+    real_span = buffers_mod.span
 
     def counting_span(first: memoryview, nbytes: int, *, writable: bool = True) -> memoryview | None:
         spans.append(nbytes)
         return real_span(first, nbytes, writable=writable)
 
-    monkeypatch.setattr(client_mod, "span", counting_span)
+    monkeypatch.setattr(buffers_mod, "span", counting_span)
     one = np.zeros(len(locs) * bb, np.uint8)
     mv = memoryview(one)
-    client_mod._copy_runs(arena, locs, [mv[i * bb : (i + 1) * bb] for i in range(len(locs))], True)
+    client_mod._copy_runs(arena, locs, [mv[i * bb : (i + 1) * bb] for i in range(len(locs))])
     assert one.tobytes() == want
     assert spans == [3 * bb, 2 * bb]  # the two runs in one copy each; block 3 alone
     spans.clear()
     apart = [bytearray(bb) for _ in locs]  # separate caller buffers: block by block
-    client_mod._copy_runs(arena, locs, [memoryview(b) for b in apart], False)
+    client_mod._copy_runs(arena, locs, [memoryview(b) for b in apart])
     assert b"".join(apart) == want and spans == []
 
 
