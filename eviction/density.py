@@ -110,15 +110,15 @@ def density_table(reuses: np.ndarray, exposure: np.ndarray) -> np.ndarray:
     survival = np.cumprod(np.concatenate([ones, 1.0 - hazard[:, :-1]], axis=1), axis=1)
     mass = survival * hazard  # P(reuse in bucket k)
     out = np.zeros_like(reuses, dtype=np.float64)
-    for a in range(NUM_BUCKETS):
-        age = _LOW[a]
-        m = mass[:, a:]
-        hits = np.cumsum(m, axis=1)
-        held = np.cumsum(m * np.maximum(_MID[a:] - age, 0.5), axis=1)
-        held += (survival[:, a : a + 1] - hits) * (_UP[a:] - age)
-        with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore"):  # once: entering it costs more than a bucket
+        for a in range(NUM_BUCKETS):
+            age = _LOW[a]
+            m = mass[:, a:]
+            hits = np.cumsum(m, axis=1)
+            held = np.cumsum(m * np.maximum(_MID[a:] - age, 0.5), axis=1)
+            held += (survival[:, a : a + 1] - hits) * (_UP[a:] - age)
             d = np.where(held > 0, hits / held, 0.0)
-        out[:, a] = d.max(axis=1)
+            out[:, a] = d.max(axis=1)
     return out
 
 
@@ -232,6 +232,12 @@ class DensityPolicy(EvictionPolicy):
         self._reuses_flat = [0.0] * (NUM_CLASSES * NUM_BUCKETS)
         self._table: np.ndarray | None = None
         self._ghosts = _Ghosts()
+        # Blocks removed since the ghost ring last learned of them (hash, id, the ring's limit
+        # at the removal): a batched eviction's ghosts enter the ring in one pass
+        # (:meth:`_flush_gone`), before anything reads the ring or moves the event clock.
+        self._gone_keys: list[bytes] = []
+        self._gone_ids: list[int] = []
+        self._gone_limits: list[float] = []
         self._queue: list[tuple[int, int, float]] = []  # (bid, last access, score), best last
         self._n = 0  # ranked blocks: _resident[:_n]
         self._held: set[int] = set()  # resident blocks held out of the ranking (last tier)
@@ -277,6 +283,8 @@ class DensityPolicy(EvictionPolicy):
         return _hit_class(self._hits[bid]) * 2 + self._extended[bid]
 
     def _advance(self) -> None:
+        if self._gone_keys:
+            self._flush_gone()
         self._tick += 1
         self._since_rebuild += 1
         if self._since_rebuild >= self.config.period:
@@ -284,6 +292,8 @@ class DensityPolicy(EvictionPolicy):
 
     @property
     def _ended(self) -> np.ndarray:
+        if self._gone_keys:
+            self._flush_gone()
         return np.array(self._ended_flat).reshape(NUM_CLASSES, NUM_BUCKETS)
 
     @property
@@ -340,6 +350,8 @@ class DensityPolicy(EvictionPolicy):
         ids = np.asarray(ids, np.int64)
         if not ids.size:
             return
+        if self._gone_keys:
+            self._flush_gone()
         self._grow(int(ids.max()) + 1)
         pos = self._pos
         # Repeats and blocks already resident are no-ops (neither advances the clock).
@@ -462,18 +474,81 @@ class DensityPolicy(EvictionPolicy):
             return
         factor = self.config.ghost_factor
         if self._view is not None and factor > 0:
-            ghosts = self._ghosts
-            ghosts.push(self._view.hash_of(bid), int(self._cls[bid]), int(self._last[bid]), self._hits[bid])
-            limit = factor * max(self._n + len(self._held), 64)  # resident: ranked and held
-            while ghosts.tail - ghosts.head > limit:
-                gone = ghosts.pop_oldest()
-                if gone is not None:
-                    self._resolve(gone[0], self._tick - gone[1], False)
+            # Its ghost enters the ring at the next flush (the same entries, ages and limit as
+            # at once: nothing reads the ring or moves the clock before then).
+            self._gone_keys.append(self._view.hash_of(bid))
+            self._gone_ids.append(bid)
+            self._gone_limits.append(factor * max(self._n + len(self._held), 64))  # resident: ranked and held
         if i == _HELD:
             self._pos[bid] = -1
             self._held.discard(bid)
         else:
             self._unrank(bid)
+
+    def _flush_gone(self) -> None:
+        """The ghosts of the blocks removed since the last flush enter the ring, and the ring
+        drops its oldest entries down to the limit of the last removal: the outcome of
+        pushing each and trimming after each, in one pass. (The limits of a run of removals
+        never grow, so trimming once to the last one drops the same oldest entries; the clock
+        did not move, so each dropped ghost is censored at the same age.)"""
+        keys, ids, limits = self._gone_keys, self._gone_ids, self._gone_limits
+        self._gone_keys, self._gone_ids, self._gone_limits = [], [], []
+        g = self._ghosts
+        where = g.where
+        if not where.keys().isdisjoint(keys):  # a key already in the ring (never seen): in order
+            self._push_ghosts_in_order(keys, ids, limits)
+            return
+        m, size0 = len(keys), len(g)
+        drop = max(size0 + m - math.floor(limits[-1]), 0)
+        ended = self._ended_flat
+        from_ring = min(drop, size0)
+        if from_ring:
+            cap, gkeys = g.cap, g.keys
+            live = []
+            for j in range(g.head, g.head + from_ring):
+                s = j % cap
+                key = gkeys[s]
+                if key is not None:
+                    gkeys[s] = None
+                    del where[key]
+                    live.append(s)
+            g.head += from_ring
+            if live:
+                slots = np.array(live, np.int64)
+                flat = g.cls[slots].astype(np.int64) * NUM_BUCKETS + age_buckets(self._tick - g.t0[slots])
+                for f in flat.tolist():
+                    ended[f] += 1.0
+        arr = np.array(ids, np.int64)
+        cls, t0 = self._cls[arr], self._last[arr]
+        gone = drop - from_ring  # the first removals' ghosts fall off the ring at once
+        if gone:
+            flat = cls[:gone].astype(np.int64) * NUM_BUCKETS + age_buckets(self._tick - t0[:gone])
+            for f in flat.tolist():
+                ended[f] += 1.0
+        k = m - gone
+        if not k:
+            return
+        while len(g) + k > g.cap:
+            g._grow()
+        slots = (g.tail + np.arange(k)) % g.cap
+        g.cls[slots], g.t0[slots] = cls[gone:], t0[gone:]
+        hits = self._hits
+        g.hits[slots] = [hits[b] for b in ids[gone:]]
+        gkeys, where = g.keys, g.where  # (new ones if the ring grew)
+        for s, key in zip(slots.tolist(), keys[gone:], strict=True):
+            gkeys[s] = key
+            where[key] = s
+        g.tail += k
+
+    def _push_ghosts_in_order(self, keys: list[bytes], ids: list[int], limits: list[float]) -> None:
+        """:meth:`_flush_gone` one ghost at a time (a key the ring already holds moves)."""
+        g = self._ghosts
+        for key, bid, limit in zip(keys, ids, limits, strict=True):
+            g.push(key, int(self._cls[bid]), int(self._last[bid]), self._hits[bid])
+            while g.tail - g.head > limit:
+                gone = g.pop_oldest()
+                if gone is not None:
+                    self._resolve(gone[0], self._tick - gone[1], False)
 
     def first(self) -> int | None:
         # candidates()'s first step without its generator: the entry is taken off the queue.

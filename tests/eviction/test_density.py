@@ -1,10 +1,21 @@
-"""Density's age buckets: the sorted search over whole ages gives the log formula's buckets."""
+"""Density's age buckets (the sorted search over whole ages gives the log formula's buckets) and
+its batched bookkeeping (the same state as one event at a time)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from eviction.density import NUM_BUCKETS, RATIO, _age_buckets_by_log, age_bucket, age_buckets
+from eviction.density import (
+    NUM_BUCKETS,
+    RATIO,
+    DensityConfig,
+    DensityPolicy,
+    _age_buckets_by_log,
+    age_bucket,
+    age_buckets,
+)
+from tests.eviction.conftest import LAST, FakeView
 
 
 def test_whole_ages_fall_in_the_buckets_of_the_log_formula() -> None:
@@ -20,3 +31,68 @@ def test_whole_ages_fall_in_the_buckets_of_the_log_formula() -> None:
 def test_fractional_ages_use_the_formula() -> None:
     ages = np.array([0.0, 0.5, 1.0, 1.5, 2.7, 1e9])
     assert age_buckets(ages).tolist() == [age_bucket(a) for a in ages.tolist()]
+
+
+def _ghost_state(pol: DensityPolicy) -> tuple:
+    ended = pol._ended.tolist()  # (flushes the removals' ghosts into the ring)
+    g = pol._ghosts
+    entries = sorted((k, int(g.cls[i]), int(g.t0[i]), int(g.hits[i])) for k, i in g.where.items())
+    return (pol._tick, ended, pol._reuses.tolist(), entries, len(g),
+            pol._resident[: pol._n].tolist(), sorted(pol._held), list(pol._queue))
+
+
+@pytest.mark.parametrize("factor", [0.5, 8.0])
+def test_ghosts_of_a_batch_of_removals_equal_those_of_one_at_a_time(factor: float) -> None:
+    """A batched eviction's ghosts enter the ring at the next flush (``_flush_gone``): the ring,
+    the censored counts and the ranking end as when each removal pushes its ghost and trims the
+    ring at once (``eager``), through chains, holds, offers, returns from the ring, ring growth
+    and table rebuilds."""
+    rng = np.random.default_rng(7)
+    view = FakeView(40_000)
+    cfg = DensityConfig(period=256, ghost_factor=factor, sample=64)
+    eager, lazy = DensityPolicy(cfg), DensityPolicy(cfg)
+    for pol in (eager, lazy):
+        pol.bind(view, LAST)
+    resident: list[int] = []
+    gone: list[bytes] = []
+    nxt = 0
+    for step in range(3000):
+        r = rng.random()
+        if r < 0.55 or not resident:  # a chain, under a resident block or a root, leaves first
+            parent = resident[int(rng.integers(len(resident)))] if resident and rng.random() < 0.5 else -1
+            if parent >= 0 and not view.children[parent]:
+                for pol in (eager, lazy):
+                    pol.hold(parent)
+            chain = []
+            for _ in range(int(rng.integers(1, 7))):
+                key = gone.pop(int(rng.integers(len(gone)))) if gone and rng.random() < 0.3 else rng.bytes(16)
+                chain.append(view.add(nxt, parent, key=key))
+                parent, nxt = nxt, nxt + 1
+            ids = np.array(chain[::-1])
+            for pol in (eager, lazy):
+                pol.insert_many(ids, np.ones(ids.size), 0.0)
+            resident += chain
+        elif r < 0.65:
+            bid = resident[int(rng.integers(len(resident)))]
+            for pol in (eager, lazy):
+                pol.touch(bid, 0.0)
+        else:  # a make-room: victims taken one after another, each removed at once
+            for _ in range(int(rng.integers(1, 9))):
+                bid = eager.first()
+                assert bid == lazy.first()
+                if bid is None:
+                    break
+                for pol in (eager, lazy):
+                    pol.remove(bid)
+                eager._flush_gone()
+                resident.remove(bid)
+                gone.append(view.hash_of(bid))
+                p = int(view.parent[bid])
+                view.drop(bid)
+                if p >= 0 and not view.children[p] and p in resident:
+                    for pol in (eager, lazy):
+                        pol.offer(p)
+        if step % 150 == 0:
+            assert _ghost_state(lazy) == _ghost_state(eager), step
+    assert lazy._ghosts.cap > 1024 or factor < 1  # the ring grew on the way
+    assert _ghost_state(lazy) == _ghost_state(eager)
