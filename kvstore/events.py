@@ -691,6 +691,21 @@ class StoreEvents:
             event = "demoted"
         self.log.block(event, key, tier=self._tiers[k], size=size, depth=depth)
 
+    def placed_many(self, keys: Sequence[bytes], k: int, prior_masks: Sequence[int], size: int, depths: Sequence[int]) -> None:
+        """:meth:`placed` of each key (``size`` bytes each) in order, in one call."""
+        if self.sinks or self.log is not None:
+            for key, prior, depth in zip(keys, prior_masks, depths, strict=True):
+                self.placed(key, k, prior, size, depth)
+            return
+        with self._lock:
+            self._in[k] += size * len(keys)
+
+    def dropped_many(self, keys: Sequence[bytes], mask: int, reason: str) -> None:
+        """:meth:`dropped` of each key in order, in one call."""
+        if self.sinks or self.log is not None:
+            for key in keys:
+                self.dropped(key, mask, reason)
+
     def dropped(self, key: bytes, mask: int, reason: str) -> None:
         """``key`` left the store: ``reason`` "capacity" (evicted by policy), "expired" or
         "deleted" (an operator's evict)."""

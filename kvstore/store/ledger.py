@@ -149,14 +149,34 @@ class Ledger:
         else:
             self.policies[k].insert(bid, size, created)
 
+    def add_copies(
+        self, ids: list[int], keys: Sequence[bytes], k: int, size: int, created: float,
+        deferred: list[tuple[int, int, int]] | None = None,
+    ) -> None:
+        """:meth:`add_copy` of each of ``ids`` (distinct; ``keys`` their hashes; ``size`` bytes
+        each) in order, in one call: a put publishes the chain it staged."""
+        if not ids:
+            return
+        idx = self.index
+        arr = np.array(ids, np.int64)
+        prior = idx.tiers[arr]
+        self.events.placed_many(keys, k, prior.tolist(), size, idx.depth[arr].tolist())
+        idx.tiers[arr] = prior | np.uint8(1 << k)
+        self.counters.tier_writes += len(ids)
+        if deferred is not None and k == self.last:
+            deferred.extend([(k, bid, size) for bid in ids])
+        else:
+            self.policies[k].insert_many(arr, np.full(arr.size, size, np.int64), created)
+
     def enter_deferred(self, placed: list[tuple[int, int, int]], now: float) -> None:
         # Leaves first, as after a restart: a last-tier policy that orders by arrival then meets
         # a chain's leaf before its parents. One insert_many (every entry is of the last tier).
         if not placed:
             return
         idx, k = self.index, self.last
-        ids = np.fromiter((bid for _, bid, _ in reversed(placed)), np.int64, len(placed))
-        sizes = np.fromiter((size for _, _, size in reversed(placed)), np.int64, len(placed))
+        placed = placed[::-1]
+        ids = np.array([bid for _, bid, _ in placed], np.int64)
+        sizes = np.array([size for _, _, size in placed], np.int64)
         here = (idx.flags[ids] != 0) & ((idx.tiers[ids] >> k) & 1 != 0)  # still there
         if not here.all():
             ids, sizes = ids[here], sizes[here]
@@ -209,9 +229,7 @@ class Ledger:
         """The leaves :meth:`forget_leaf` took (in order, each copy on tier ``k`` only) leave
         the index in one call; returns their keys (the caller deletes the copies)."""
         keys = self.index.remove_many(bids)
-        dropped, mask = self.events.dropped, 1 << k
-        for key in keys:
-            dropped(key, mask, reason)
+        self.events.dropped_many(keys, 1 << k, reason)
         if self.dirty_expiry:
             self.dirty_expiry.difference_update(bids)
         return keys

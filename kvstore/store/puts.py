@@ -192,14 +192,27 @@ class Storer:
         info, hashes, ids, srcs, start, now = plan.info, plan.hashes, plan.ids, plan.srcs, plan.start, plan.now
         bb, digest, expiry = info.block_bytes, info.digest, plan.now + info.ttl_s
         first, placed, written, writing = self.tiers[0], plan.placed, plan.written, self.writing
-        for i in range(start, len(hashes)):
+        n = len(hashes)
+        # Which blocks were cached at the start: nothing below caches a block of the chain but
+        # this loop, and the chain is pinned (none of its blocks leaves, a move keeps a copy).
+        cached = (idx.tiers[np.array(ids[start:], np.int64)] != 0).tolist() if start < n else []
+        for i in range(start, n):
             bid = ids[i]
-            if idx.tiers[bid]:
+            if cached[i - start]:
                 c.dedup_blocks += 1
                 plan.stored_to = i + 1
                 continue
             ok: bool | None
             if i in written:
+                if i == plan.fresh and not any(written.values()):
+                    # Every staged copy landed (the staged blocks are the rest of the chain,
+                    # all new): publish them in one call.
+                    self.ledger.add_copies(ids[i:], hashes[i:], 0, bb, now, placed)
+                    written.clear()
+                    plan.new += n - i
+                    plan.stored_to = n
+                    c.put_blocks += n - i
+                    break
                 err = written.pop(i)
                 if err is None:  # landed outside the lock: publish it
                     self.ledger.add_copy(bid, 0, bb, now, placed)

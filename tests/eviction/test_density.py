@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from eviction.density import (
+    _LUT_AGES,
     NUM_BUCKETS,
     RATIO,
     DensityConfig,
@@ -26,6 +27,13 @@ def test_whole_ages_fall_in_the_buckets_of_the_log_formula() -> None:
     assert np.array_equal(got, _age_buckets_by_log(ages))
     assert [age_bucket(int(a)) for a in ages[:300]] == got[:300].tolist()
     assert got.max() == NUM_BUCKETS - 1 and got.min() == 0
+
+
+def test_whole_ages_below_the_table_size_take_the_same_buckets_from_the_table() -> None:
+    ages = np.concatenate([np.arange(-3, 1 << 16), np.arange(_LUT_AGES - 5000, _LUT_AGES)])
+    assert ages.max() < _LUT_AGES  # the table's path, not the sorted search's
+    assert np.array_equal(age_buckets(ages), _age_buckets_by_log(ages))
+    assert np.array_equal(age_buckets(ages.astype(np.uint32)[3:]), _age_buckets_by_log(ages[3:]))
 
 
 def test_fractional_ages_use_the_formula() -> None:
