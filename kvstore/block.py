@@ -7,7 +7,8 @@ the parent hash (prefix structure), depth, size, expiry and the payload checksum
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
 
 import xxhash
 
@@ -69,8 +70,38 @@ class BlockMeta:
             ) from e
         return cls(ns, parent, depth, size, expiry, checksum, created)
 
+    @classmethod
+    def of_chain(
+        cls, ns: bytes, parents: Sequence[bytes], depth0: int, size: int, expiry: float,
+        checksums: Sequence[int], created: float,
+    ) -> list[BlockMeta]:
+        """The records of consecutive blocks of one chain: block ``i`` has parent
+        ``parents[i]``, depth ``depth0 + i`` and checksum ``checksums[i]``. The same as a
+        ``BlockMeta(...)`` each, checked once for the chain (a put builds one per block)."""
+        if len(ns) != HASH_BYTES or any(len(p) != HASH_BYTES for p in parents):
+            raise ValueError("BlockMeta.ns and .parent must be 16-byte hashes")
+        new = object.__new__
+        s_ns, s_parent, s_depth, s_size, s_expiry, s_checksum, s_created = _SETTERS
+        out = []
+        for depth, (parent, checksum) in enumerate(zip(parents, checksums, strict=True), depth0):
+            m = new(cls)
+            s_ns(m, ns)
+            s_parent(m, parent)
+            s_depth(m, depth)
+            s_size(m, size)
+            s_expiry(m, expiry)
+            s_checksum(m, checksum)
+            s_created(m, created)
+            out.append(m)
+        return out
+
     def with_expiry(self, expiry: float) -> BlockMeta:
         return replace(self, expiry=expiry)
 
     def with_checksum(self, checksum: int) -> BlockMeta:
         return replace(self, checksum=checksum)
+
+
+_SETTERS = tuple(BlockMeta.__dict__[f.name].__set__ for f in fields(BlockMeta))
+"""The slots' own setters, in field order: :meth:`BlockMeta.of_chain` fills a record without
+the frozen class's ``__setattr__`` (which refuses) or its ``__init__``."""

@@ -336,10 +336,11 @@ class RadixIndex:
         ids = np.array(bids, np.int64)
         children = self.children
         # Per parent, the children the batch removes; each block's own children must all be
-        # removed before it.
+        # removed before it (its entry is taken out when it comes, so what is left are the
+        # parents outside the batch: usually one, the stem of the chain a batch cut back).
         gone: dict[int, int] = {}
         for b, p, kids in zip(bids, self.parent[ids].tolist(), children[ids].tolist(), strict=True):
-            if gone.get(b, 0) != kids:
+            if gone.pop(b, 0) != kids:
                 raise RuntimeError(f"block id {b} has {kids} cached children")
             if p != NO_PARENT:
                 gone[p] = gone.get(p, 0) + 1
@@ -350,15 +351,16 @@ class RadixIndex:
             hashes[b] = None
         self.flags[ids] = 0
         self.tiers[ids] = 0
+        children[ids] = 0  # (their children left before them)
         self._free.extend(bids)
-        if gone:
-            parents = np.fromiter(gone, np.int64, len(gone))
-            children[parents] -= np.fromiter(gone.values(), np.int32, len(gone))
-            orphaned = parents[children[parents] == 0]
-            if orphaned.size:  # a parent left with no child may expire now
-                low = float(self.expiry[orphaned].min())
-                if low < self._expiry_floor:
-                    self._expiry_floor = low
+        expiry = self.expiry
+        for p, c in gone.items():
+            left = int(children[p]) - c
+            children[p] = left
+            if not left:  # a parent left with no child may expire now
+                e = float(expiry[p])
+                if e < self._expiry_floor:
+                    self._expiry_floor = e
         return keys  # type: ignore[return-value]
 
     def touch(self, ids: np.ndarray, now: float, expiry: np.ndarray | float) -> None:

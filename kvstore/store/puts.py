@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -66,8 +67,8 @@ class StorePlan:
     """Positions before this are cached after the fill."""
     staged: list[int] = field(default_factory=list)
     """Positions whose payloads go to the first tier outside the lock (:meth:`Storer.stage`)."""
-    metas: dict[int, BlockMeta] = field(default_factory=dict)
-    """The metadata written with each staged position."""
+    metas: list[BlockMeta] = field(default_factory=list)
+    """The metadata written with each staged position (in order)."""
     written: dict[int, KVStoreError | None] = field(default_factory=dict)
     """Staged positions not yet published: None when the copy landed, else the error."""
 
@@ -166,21 +167,22 @@ class Storer:
     def write_staged(self, plan: StorePlan) -> None:
         """Outside the lock: the staged payloads into the first tier, one ``write_many``."""
         info, hashes, srcs, start, now = plan.info, plan.hashes, plan.srcs, plan.start, plan.now
-        bb, digest, expiry = info.block_bytes, info.digest, now + info.ttl_s
-        metas = plan.metas
-        items = []
-        hashed = self.tiers[0].persistent  # a volatile tier's copies defer theirs (CHECKSUM_DEFERRED)
-        for i in plan.staged:
-            src = srcs[i - start]
-            checksum = payload_checksum(src) if hashed else CHECKSUM_DEFERRED
-            metas[i] = meta = BlockMeta(digest, hashes[i - 1] if i else digest, i, bb, expiry, checksum, now)
-            items.append((BlockHash(hashes[i]), src, meta))
+        digest, staged = info.digest, plan.staged
+        a, b = staged[0], staged[-1] + 1  # (consecutive positions: the new suffix)
+        parents = list(hashes[a - 1 : b - 1]) if a else [digest, *hashes[: b - 1]]
+        views = srcs[a - start : b - start]
+        if self.tiers[0].persistent:
+            checksums = [payload_checksum(v) for v in views]
+        else:  # a volatile tier's copies defer theirs (CHECKSUM_DEFERRED)
+            checksums = [CHECKSUM_DEFERRED] * len(views)
+        plan.metas = metas = BlockMeta.of_chain(digest, parents, a, info.block_bytes, now + info.ttl_s, checksums, now)
+        items = list(zip(cast("list[BlockHash]", hashes[a:b]), views, metas, strict=True))
         try:
             results = self.tiers[0].write_many(items)
         except BaseException:
-            plan.written = dict.fromkeys(plan.staged)  # not known which landed: all are deleted
+            plan.written = dict.fromkeys(staged)  # not known which landed: all are deleted
             raise
-        plan.written = dict(zip(plan.staged, results, strict=True))
+        plan.written = dict(zip(staged, results, strict=True))
 
     def fill(self, plan: StorePlan, durable: bool) -> None:
         """Under the lock: publish the staged copies that landed and place the other new
@@ -218,7 +220,7 @@ class Storer:
                     self.ledger.add_copy(bid, 0, bb, now, placed)
                     ok = True
                 else:  # the first tier refused it (room taken meanwhile, or an error): as below
-                    ok = placer.place_new(bid, srcs[i - start], plan.metas[i], {bid}, placed)
+                    ok = placer.place_new(bid, srcs[i - start], plan.metas[i - plan.staged[0]], {bid}, placed)
             elif bid in writing:
                 break  # another put is writing this block now: its chain goes on from there
             else:
