@@ -69,15 +69,43 @@ class ARCPolicy(EvictionPolicy):
             self.hold(bid)
 
     def insert_many(self, ids: np.ndarray, sizes: np.ndarray, now: np.ndarray | float) -> None:
-        if self._b1 or self._b2 or self._tier.last:  # a returning ghost moves p; leaves: one at a time
-            super().insert_many(ids, sizes, now)
+        order = np.asarray(ids).tolist()
+        t1, t2, held, view = self._t1, self._t2, self._held, self._view
+        if not (self._b1 or self._b2 or self._tier.last):
+            # No ghosts: every new id joins probation in order of its first occurrence; ids
+            # already resident (and repeats) are no-ops.
+            new = dict.fromkeys(order)
+            for bid in (new.keys() & t1.keys()) | (new.keys() & t2.keys()):
+                del new[bid]
+            t1.update(new)
             return
-        # No ghosts: every new id joins probation in order of its first occurrence; ids already
-        # resident (and repeats) are no-ops.
-        new = dict.fromkeys(np.asarray(ids).tolist())
-        for bid in (new.keys() & self._t1.keys()) | (new.keys() & self._t2.keys()):
-            del new[bid]
-        self._t1.update(new)
+        # ``insert`` of each in order, in one loop (a returning ghost moves p, so the order
+        # matters); a block with cached children on the last tier goes straight to the held
+        # set, where ``insert`` then ``hold`` would put it.
+        b1, b2 = self._b1, self._b2
+        kids = view.children[np.asarray(ids, np.int64)].tolist() if view is not None and self._tier.last else None
+        hash_of = view.hash_of if view is not None else None
+        for j, bid in enumerate(order):
+            if bid in t1 or bid in t2 or bid in held:
+                continue
+            frequent = False
+            if hash_of is not None and (b1 or b2):
+                key = hash_of(bid)
+                if key in b1:
+                    size = len(t1) + len(t2) + len(held)
+                    self._p = min(size + 1.0, self._p + max(1.0, len(b2) / len(b1)))
+                    del b1[key]
+                    frequent = True
+                elif key in b2:
+                    self._p = max(0.0, self._p - max(1.0, len(b1) / len(b2)))
+                    del b2[key]
+                    frequent = True
+            if kids is not None and kids[j]:
+                held[bid] = frequent
+            elif frequent:
+                t2[bid] = None
+            else:
+                t1[bid] = None
 
     def touch(self, bid: int, now: float) -> None:
         if bid in self._held:
@@ -119,8 +147,16 @@ class ARCPolicy(EvictionPolicy):
         if self._view is None:
             return
         ghosts[self._view.hash_of(bid)] = None
-        while len(ghosts) > max(len(self), 1):
+        limit = max(len(self._t1) + len(self._t2) + len(self._held), 1)
+        while len(ghosts) > limit:
             ghosts.popitem(last=False)
+
+    def first(self) -> int | None:
+        # candidates()'s first step without its generator.
+        t1, t2 = self._t1, self._t2
+        if len(t1) > max(self._p, 1.0) or not t2:
+            return next(iter(t1), None) if t1 else next(iter(t2), None)
+        return next(iter(t2))
 
     def candidates(self) -> Iterator[int]:
         first, second = (self._t1, self._t2) if len(self._t1) > max(self._p, 1.0) or not self._t2 else (self._t2, self._t1)
