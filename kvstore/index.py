@@ -194,7 +194,7 @@ class RadixIndex:
         if isinstance(ids, int):
             e = float(self.expiry[ids])
         elif ids.size:
-            e = float(self.expiry[ids].min())
+            e = min(self.expiry[ids].tolist())  # (a chain's few ids: cheaper than ndarray.min)
         else:
             return
         if e < self._expiry_floor:

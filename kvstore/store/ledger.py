@@ -177,7 +177,7 @@ class Ledger:
         placed = placed[::-1]
         ids = np.array([bid for _, bid, _ in placed], np.int64)
         sizes = np.array([size for _, _, size in placed], np.int64)
-        here = (idx.flags[ids] != 0) & ((idx.tiers[ids] >> k) & 1 != 0)  # still there
+        here = (idx.tiers[ids] & np.uint8(1 << k)) != 0  # still there (a removed block is in no tier)
         if not here.all():
             ids, sizes = ids[here], sizes[here]
         self.policies[k].insert_many(ids, sizes, now)

@@ -259,7 +259,8 @@ class Storer:
                 self.placer.delete_unpublished(0, leftover)
         self.ledger.enter_deferred(plan.placed, plan.now)
         self.ledger.unpin(plan.pinned)
-        self.ledger.drop_hollow_leaves(plan.pinned)
+        if plan.stored_to < len(plan.hashes):  # (a whole chain stored leaves no hollow block)
+            self.ledger.drop_hollow_leaves(plan.pinned)
 
     # ---- durability -------------------------------------------------------------------------------
 
