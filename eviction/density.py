@@ -84,13 +84,13 @@ _FIRST_AGES = _first_ages()
 
 
 _LUT_AGES = 1 << 20
-"""Whole ages below this find their bucket in a table (1 MiB, built at first use)."""
+"""Whole ages below this find their bucket in a table (1 MiB of bytes, built at first use)."""
 _lut: list[np.ndarray] = []
 
 
 def _age_lut() -> np.ndarray:
     if not _lut:
-        _lut.append(np.searchsorted(_FIRST_AGES, np.arange(_LUT_AGES), side="right").astype(np.int64))
+        _lut.append(np.searchsorted(_FIRST_AGES, np.arange(_LUT_AGES), side="right").astype(np.uint8))
     return _lut[0]
 
 

@@ -80,6 +80,29 @@ class NullTier(Tier):
             raise BufferSizeError(f"dst has {n} bytes; block {key.hex()} needs {meta.size}")
         return meta.size
 
+    def read_many(self, keys: Sequence[BlockHash], dsts: Sequence[memoryview]) -> list[int | KVStoreError]:
+        """:meth:`read_into` of each key, in one call (a replay's hit prefix)."""
+        out: list[int | KVStoreError] = []
+        get = self._map.get
+        for key, dst in zip(keys, dsts, strict=True):
+            meta = get(key)
+            if meta is None:
+                out.append(BlockNotFound(f"block {key.hex()} is not in tier {self.name!r}"))
+                continue
+            if type(dst) is memoryview and dst.c_contiguous and not dst.readonly:
+                n = dst.nbytes
+            else:
+                try:
+                    n = byte_view(dst, writable=True).nbytes
+                except KVStoreError as e:  # (a read-only or strided buffer)
+                    out.append(e)
+                    continue
+            if n < meta.size:  # (as the default read_many reports read_into's error)
+                out.append(BufferSizeError(f"dst has {n} bytes; block {key.hex()} needs {meta.size}"))
+                continue
+            out.append(meta.size)
+        return out
+
     def write(self, key: BlockHash, src: Buffer, meta: BlockMeta, *, durable: bool = False) -> None:
         n = byte_view(src).nbytes
         if n != meta.size:
@@ -105,7 +128,8 @@ class NullTier(Tier):
                 raise TierIOError(f"null tier {self.name!r} is closed")
             blocks, used, limit_blocks, limit_bytes, m = len(self._map), self._used, self._max_blocks, self._max_bytes, self._map
             for key, src, meta in items:
-                n = byte_view(src).nbytes
+                # (a flat view's size without re-viewing it: the put passes slices of one buffer)
+                n = src.nbytes if type(src) is memoryview and src.c_contiguous else byte_view(src).nbytes
                 if n != meta.size:
                     out.append(BufferSizeError(f"src has {n} bytes but meta.size says {meta.size}"))
                     continue

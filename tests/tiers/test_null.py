@@ -49,6 +49,19 @@ def test_sizes_round_trip_but_no_bytes(tmp_path: Path, make_block: MakeBlock) ->
         t.write(b.key, b.data[:10], b.meta)
 
 
+def test_read_many_reports_what_read_into_raises(tmp_path: Path, make_block: MakeBlock) -> None:
+    t = _tier(tmp_path, capacity_blocks=4)
+    a, b, missing = make_block(5000, seed=1), make_block(4096, seed=2), make_block(4096, seed=3)
+    t.write_many([(a.key, memoryview(a.data), a.meta), (b.key, b.data, b.meta)])
+    whole = memoryview(bytearray(8192))
+    out = t.read_many([a.key, missing.key, b.key, b.key, a.key],
+                      [memoryview(bytearray(6000)), whole[:4096], whole[4096:], memoryview(bytes(4096)), whole[:10]])
+    assert out[0] == 5000 and out[2] == 4096
+    assert isinstance(out[1], BlockNotFound)
+    assert isinstance(out[3], UsageError)  # read-only
+    assert isinstance(out[4], BufferSizeError)
+
+
 def test_missing_contains_delete_and_usage(tmp_path: Path, make_block: MakeBlock) -> None:
     t = _tier(tmp_path, capacity_bytes=3 * 4096)
     a, b = make_block(4096, seed=2), make_block(4096, seed=3)
