@@ -99,7 +99,7 @@ def age_buckets(ages: np.ndarray) -> np.ndarray:
     all are below ``_LUT_AGES`` (a sorted search of thousands of ages costs several times
     more), else by one sorted search; the log formula for others."""
     if ages.dtype.kind in "iu":
-        if ages.size and ages.max() < _LUT_AGES:
+        if ages.size and np.maximum.reduce(ages) < _LUT_AGES:  # (the ufunc: no Python wrapper)
             return _age_lut().take(ages, mode="clip")  # (a negative age clips to bucket 0)
         return np.searchsorted(_FIRST_AGES, ages, side="right")
     return _age_buckets_by_log(ages)

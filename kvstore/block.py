@@ -78,7 +78,7 @@ class BlockMeta:
         """The records of consecutive blocks of one chain: block ``i`` has parent
         ``parents[i]``, depth ``depth0 + i`` and checksum ``checksums[i]``. The same as a
         ``BlockMeta(...)`` each, checked once for the chain (a put builds one per block)."""
-        if len(ns) != HASH_BYTES or any(len(p) != HASH_BYTES for p in parents):
+        if len(ns) != HASH_BYTES or not set(map(len, parents)) <= {HASH_BYTES}:
             raise ValueError("BlockMeta.ns and .parent must be 16-byte hashes")
         new = object.__new__
         s_ns, s_parent, s_depth, s_size, s_expiry, s_checksum, s_created = _SETTERS

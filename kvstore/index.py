@@ -141,7 +141,7 @@ class RadixIndex:
             dead = self.tiers[ids] == 0
             if now is not None:
                 dead |= (self.expiry[ids] <= now) & (self.pins[ids] == 0)
-            if dead.any():
+            if np.count_nonzero(dead):  # (no Python wrapper, unlike ndarray.any)
                 ids = ids[: int(np.argmax(dead))]
         return Match(ids, self.tiers[ids])
 
@@ -250,14 +250,16 @@ class RadixIndex:
         """New ids for ``hashes``, none of which may be present nor repeated. Checked before
         anything changes: a refused insert leaves the index as it was."""
         known = self._ids
-        if len(set(hashes)) != len(hashes) or any(h in known for h in hashes):
+        if len(set(hashes)) != len(hashes) or not known.keys().isdisjoint(hashes):
             dup = next((h for h in hashes if h in known), None) or next(
                 h for i, h in enumerate(hashes) if h in hashes[:i])
             raise RuntimeError(f"block {bytes(dup).hex()} inserted twice")
         ids = self._alloc_ids(len(hashes))
-        for h, i in zip(hashes, ids.tolist(), strict=True):
-            known[h] = i
-            self._hashes[i] = h
+        listed = ids.tolist()
+        known.update(zip(hashes, listed, strict=True))
+        names = self._hashes
+        for h, i in zip(hashes, listed, strict=True):
+            names[i] = h
         return ids
 
     def _write(
@@ -380,7 +382,7 @@ class RadixIndex:
             self._lower_floor(ids)
 
     def add_pins(self, ids: np.ndarray, delta: int) -> None:
-        if delta < 0 and (self.pins[ids] < -delta).any():
+        if delta < 0 and np.count_nonzero(self.pins[ids] < -delta):
             raise RuntimeError("unpin of a block that is not pinned")
         self.pins[ids] += delta
         if delta < 0:

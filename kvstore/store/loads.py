@@ -92,7 +92,7 @@ class Loader:
         ids, masks = m.ids, m.tiers
         if ids.size:
             other = self.index.ns[ids] != info.nid
-            if other.any():
+            if np.count_nonzero(other):
                 n = int(np.argmax(other))
                 ids, masks = ids[:n], masks[:n]
         return ids, masks

@@ -100,7 +100,7 @@ def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes], start:
         parents[0], parents[1:] = NO_PARENT, ids[:-1]
         bad = (idx.parent[ids] != parents) | (idx.depth[ids] != np.arange(ids.size))
         bad[start:] |= idx.ns[ids[start:]] != info.nid
-        if bad.any():
+        if np.count_nonzero(bad):
             i = int(np.argmax(bad))
             raise UsageError(
                 f"block {i} of the chain ({bytes(hashes[i]).hex()}) is cached at another place (another "
@@ -114,7 +114,7 @@ def _cached(ledger: Ledger, known: list[int]) -> int:
     if not known:
         return 0
     hollow = ledger.index.tiers[np.array(known, np.int64)] == 0
-    return int(np.argmax(hollow)) if hollow.any() else len(known)
+    return int(np.argmax(hollow)) if np.count_nonzero(hollow) else len(known)
 
 
 class Storer:
