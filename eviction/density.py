@@ -493,11 +493,18 @@ class DensityPolicy(EvictionPolicy):
             self._gone_keys.append(self._view.hash_of(bid))
             self._gone_ids.append(bid)
             self._gone_limits.append(factor * max(self._n + len(self._held), 64))  # resident: ranked and held
+        pos = self._pos
         if i == _HELD:
-            self._pos[bid] = -1
+            pos[bid] = -1
             self._held.discard(bid)
-        else:
-            self._unrank(bid)
+            return
+        # _unrank, inlined (once per victim)
+        n = self._n = self._n - 1
+        moved = int(self._resident[n])
+        if moved != bid:
+            self._resident[i] = moved
+            pos[moved] = i
+        pos[bid] = -1
 
     def _flush_gone(self) -> None:
         """The ghosts of the blocks removed since the last flush enter the ring, and the ring
