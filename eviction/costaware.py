@@ -69,7 +69,7 @@ class CostAwarePolicy(DensityPolicy):
         if view is None or not ids.size:
             return None
         depth = view.depth[ids]
-        top = int(depth.max())
+        top = int(np.maximum.reduce(depth))  # (the ufunc: no Python wrapper)
         if top >= self._by_depth.size:
             model = self._cost_model(int(view.size[ids[0]]))
             depths = np.arange(max(top + 1, 2 * self._by_depth.size, 64))

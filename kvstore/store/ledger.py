@@ -150,17 +150,18 @@ class Ledger:
             self.policies[k].insert(bid, size, created)
 
     def add_copies(
-        self, ids: list[int], keys: Sequence[bytes], k: int, size: int, created: float,
+        self, ids: list[int], keys: Sequence[bytes], depth0: int, k: int, size: int, created: float,
         deferred: list[tuple[int, int, int]] | None = None,
     ) -> None:
-        """:meth:`add_copy` of each of ``ids`` (distinct; ``keys`` their hashes; ``size`` bytes
-        each) in order, in one call: a put publishes the chain it staged."""
+        """:meth:`add_copy` of each of ``ids`` (distinct blocks of one chain at depths
+        ``depth0, depth0 + 1, ...``; ``keys`` their hashes; ``size`` bytes each) in order, in
+        one call: a put publishes the chain it staged."""
         if not ids:
             return
         idx = self.index
         arr = np.array(ids, np.int64)
         prior = idx.tiers[arr]
-        self.events.placed_many(keys, k, prior.tolist(), size, idx.depth[arr].tolist())
+        self.events.placed_many(keys, k, prior.tolist(), size, range(depth0, depth0 + len(ids)))
         idx.tiers[arr] = prior | np.uint8(1 << k)
         self.counters.tier_writes += len(ids)
         if deferred is not None and k == self.last:

@@ -205,8 +205,10 @@ class Loader:
 
     def finish(self, plan: LoadPlan, keep: int) -> None:
         """Take the blocks out of use, except the first ``keep`` (a lease holds them)."""
-        self.ledger.unhold(plan.ids[keep:])
-        self.ledger.drop_hollow_leaves([int(plan.ids[i]) for i, _, _ in plan.bad])
+        if plan.ids.size > keep:
+            self.ledger.unhold(plan.ids[keep:])
+        if plan.bad:
+            self.ledger.drop_hollow_leaves([int(plan.ids[i]) for i, _, _ in plan.bad])
 
     def count_hits(self, plan: LoadPlan, n: int) -> None:
         """Under the lock: the leading ``n`` blocks were served: count and touch them."""

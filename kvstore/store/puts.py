@@ -209,7 +209,7 @@ class Storer:
                 if i == plan.fresh and not any(written.values()):
                     # Every staged copy landed (the staged blocks are the rest of the chain,
                     # all new): publish them in one call.
-                    self.ledger.add_copies(ids[i:], hashes[i:], 0, bb, now, placed)
+                    self.ledger.add_copies(ids[i:], hashes[i:], i, 0, bb, now, placed)
                     written.clear()
                     plan.new += n - i
                     plan.stored_to = n
