@@ -49,7 +49,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import zstandard
@@ -605,6 +605,7 @@ class StoreEvents:
         self._changes: list[BlockChange] | None = None
         self._depth = 0
         self._tokens: PutTokens | None = None
+        self._chain: PutChain | None = None
 
     @classmethod
     def open(cls, config: EventsConfig, root: Path, clock: Clock, tier_names: Sequence[str],
@@ -658,18 +659,20 @@ class StoreEvents:
 
     # ---- blocks ---------------------------------------------------------------------------
 
-    def batch(self, tokens: PutTokens | None = None) -> _Batch:
+    def batch(self, tokens: PutTokens | None = None, ns: Namespace | None = None,
+              hashes: Sequence[bytes] | None = None) -> _Batch:
         """``with events.batch():`` around a store operation (under the store's lock): the
         sinks hear of every block it changed in one call as it ends. Nested batches join the
-        outermost. ``tokens``: the token ids of a put's blocks, handed to the sinks with it."""
-        return _Batch(self, tokens)
+        outermost. ``tokens``: the token ids of a put's blocks; ``ns`` and ``hashes``: the
+        chain a put stores (validated), handed to the sinks with its new copies
+        (:class:`PutChain`), so that a sink needs no record of its own to know their parents."""
+        return _Batch(self, tokens, ns, hashes)
 
     def _change(self, change: BlockChange) -> None:
-        if self._changes is not None:
-            self._changes.append(change)
-        else:  # outside a batch (a path no batch wraps): a batch of one
-            for sink in self.sinks:
-                sink.blocks([change], None)
+        # Outside a batch (a path no batch wraps): a batch of one. (In a batch the hooks
+        # append to ``_changes`` themselves: one list append a block, no call.)
+        for sink in self.sinks:
+            sink.blocks([change], None, None)
 
     def placed(self, key: bytes, k: int, prior_mask: int, size: int, depth: int | None = None) -> None:
         """A copy of ``key`` was written into tier ``k``; ``prior_mask``: tiers holding it before.
@@ -679,7 +682,10 @@ class StoreEvents:
         """
         with self._lock:
             self._in[k] += size
-        if self.sinks:
+        changes = self._changes
+        if changes is not None:
+            changes.append(("p", key, k))
+        elif self.sinks:
             self._change(("p", key, k))
         if self.log is None:
             return
@@ -694,7 +700,10 @@ class StoreEvents:
     def dropped(self, key: bytes, mask: int, reason: str) -> None:
         """``key`` left the store: ``reason`` "capacity" (evicted by policy), "expired" or
         "deleted" (an operator's evict)."""
-        if self.sinks:
+        changes = self._changes
+        if changes is not None:
+            changes.append(("d", key, mask))
+        elif self.sinks:
             self._change(("d", key, mask))
         if self.log is None:
             return
@@ -707,7 +716,10 @@ class StoreEvents:
 
     def copy_dropped(self, key: bytes, k: int) -> None:
         """Tier ``k`` no longer holds ``key`` (it moved down, or the copy was bad); other tiers may."""
-        if self.sinks:
+        changes = self._changes
+        if changes is not None:
+            changes.append(("c", key, k))
+        elif self.sinks:
             self._change(("c", key, k))
 
     def usage(self, tiers: Iterable[Mapping[str, Any]], *, store: Mapping[str, Any] | None = None) -> None:
@@ -768,27 +780,44 @@ def put_tokens_of(keys: Sequence[bytes], tokens: Any, block_tokens: int) -> PutT
     return PutTokens(tuple(bytes(k) for k in keys), arr, block_tokens)
 
 
+class PutChain(NamedTuple):
+    """The chain a put stored, handed to the sinks with the changes of its new copies: its
+    namespace and every hash from the chain's first block (the store's keys, as validated),
+    so a new copy of ``hashes[i]`` has ``hashes[i - 1]`` as its parent."""
+
+    ns: Namespace
+    hashes: tuple[bytes, ...]
+
+
 class BlockSink(Protocol):
     """A listener on block placement (:attr:`StoreEvents.sinks`); called under the store's
     lock, so it must only enqueue."""
 
-    def blocks(self, changes: list[BlockChange], tokens: PutTokens | None) -> None:
+    def blocks(self, changes: list[BlockChange], tokens: PutTokens | None, chain: PutChain | None) -> None:
         """The changes of one store operation, in order; ``tokens``: a put's token ids (None
-        when its caller sent none). Every sink is given the same list: keep it, never change it."""
+        when its caller sent none); ``chain``: the chain a put stored, with its new copies
+        (None for other operations). Every sink is given the same list: keep it, never
+        change it."""
         ...
 
 
 class _Batch:
-    __slots__ = ("events", "tokens")
+    __slots__ = ("events", "tokens", "ns", "hashes")
 
-    def __init__(self, events: StoreEvents, tokens: PutTokens | None) -> None:
-        self.events, self.tokens = events, tokens
+    def __init__(self, events: StoreEvents, tokens: PutTokens | None, ns: Namespace | None,
+                 hashes: Sequence[bytes] | None) -> None:
+        self.events, self.tokens, self.ns, self.hashes = events, tokens, ns, hashes
 
     def __enter__(self) -> None:
         ev = self.events
         if not ev._depth:
-            ev._changes = [] if ev.sinks else None
-            ev._tokens = self.tokens
+            if ev.sinks:
+                ev._changes = []
+                ev._tokens = self.tokens
+                # (a copy: the caller may reuse its list once the put returns)
+                ev._chain = None if self.ns is None or self.hashes is None else PutChain(self.ns, tuple(self.hashes))
+            else:
+                ev._changes = None
         ev._depth += 1
 
     def __exit__(self, *exc: object) -> None:
@@ -796,10 +825,11 @@ class _Batch:
         ev._depth -= 1
         if ev._depth:
             return
-        changes, tokens, ev._changes, ev._tokens = ev._changes, ev._tokens, None, None
+        changes, tokens, chain = ev._changes, ev._tokens, ev._chain
+        ev._changes = ev._tokens = ev._chain = None
         if changes:
             for sink in ev.sinks:
-                sink.blocks(changes, tokens)
+                sink.blocks(changes, tokens, chain)
 
 
 class RequestTrace:
