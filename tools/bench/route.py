@@ -17,7 +17,8 @@ Figures, each with a same-run baseline:
   (``noise_ratio``: off2 / off, which a perfect publisher would match), and the row also
   carries ``cpu_ratio``, the daemon's CPU time per round (every thread,
   ``/proc/PID/task/*/schedstat``) with publishing over without (``cpu_noise_ratio``: the same
-  for off2), and ``publisher_cpu_share``, the publisher thread's own CPU time over the data
+  for off2), and ``publisher_cpu_share``, publishing's own CPU time (the pumps', the
+  publisher thread's and ZeroMQ's I/O thread's, ``zmq_cpu_share`` alone) over the data
   path's wall time (the daemon is Python: what that thread runs, the data path waits for, at
   most), and ``publisher_cpu_of_daemon``, the same CPU over the publishing daemon's CPU time
   for its rounds (CPU over CPU: what the load of the box inflates on both sides). ``datapath_with_publish_16k``: the same with 32 blocks of 16 KiB, the most events per
@@ -181,6 +182,17 @@ def _cpu_s(pid: int) -> float:
     return total / 1e9
 
 
+def _zmq_cpu_s(pid: int) -> float:
+    """CPU time of ``pid``'s ZeroMQ threads (``ZMQbg/...``: the I/O thread that sends what
+    the publisher queued, and the reaper), which publishing's own figure counts too."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            if (task / "comm").read_text().startswith("ZMQbg"):
+                total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
 def datapath(rounds: int, ns: Namespace, per: int, dram: str, trials: int) -> dict[str, Any]:
     """Rounds on three identical daemons, interleaved (the order rotates every round): ``on``
     publishes, ``off`` and ``off2`` do not; ``off2`` / ``off`` is the noise floor of every
@@ -223,10 +235,13 @@ def datapath(rounds: int, ns: Namespace, per: int, dram: str, trials: int) -> di
         for t in range(trials):
             times, cpu = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
             before = control(on.url, "GET", "/v1/events")["stats"]
+            z0 = _zmq_cpu_s(on.pid)
             for r in range(per_trial):
                 one_round(t * per_trial + r, times, cpu)
+            zmq_s = _zmq_cpu_s(on.pid) - z0
             after = control(on.url, "GET", "/v1/events")["stats"]
-            out.append({"times": times, "cpu": cpu, "pub_cpu": after["cpu_s"] - before["cpu_s"],
+            out.append({"times": times, "cpu": cpu, "pub_cpu": after["cpu_s"] - before["cpu_s"] + zmq_s, "zmq_cpu": zmq_s,
+                        "thread_cpu": after["thread_cpu_s"] - before["thread_cpu_s"],
                         "events": after["block_events"] - before["block_events"],
                         "wakeups": after["wakeups"] - before["wakeups"],
                         "batches": after["batches"] - before["batches"], "rounds": per_trial})
@@ -250,6 +265,8 @@ def datapath(rounds: int, ns: Namespace, per: int, dram: str, trials: int) -> di
             "publisher_cpu_share": total("pub_cpu") / total("times", "on"),
             "publisher_cpu_share_max": max(tr["pub_cpu"] / tr["times"]["on"] for tr in out),
             "publisher_cpu_of_daemon": total("pub_cpu") / total("cpu", "on"),
+            "zmq_cpu_share": total("zmq_cpu") / total("times", "on"),
+            "thread_cpu_share": total("thread_cpu") / total("times", "on"),
             "events": total("events"), "dropped": stats["dropped"], "wakeups": total("wakeups"),
             "seconds": total("times", "on"), "received": got[0], "batches": total("batches"), "trials": len(out)}
 
@@ -347,6 +364,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                      cpu_ratios=dp["cpu_ratios"], publisher_cpu_share=round(dp["publisher_cpu_share"], 5),
                      publisher_cpu_share_max=round(dp["publisher_cpu_share_max"], 5),
                      publisher_cpu_of_daemon=round(dp["publisher_cpu_of_daemon"], 5),
+                     zmq_cpu_share=round(dp["zmq_cpu_share"], 5), thread_cpu_share=round(dp["thread_cpu_share"], 5),
                      events_per_s=round(dp["events"] / dp["seconds"]), wakeups=dp["wakeups"],
                      dropped=dp["dropped"], batches=dp["batches"], received=dp["received"], trials=dp["trials"],
                      round=what)
