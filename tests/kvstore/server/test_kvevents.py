@@ -13,10 +13,12 @@ pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
 from kvstore.client import connect  # noqa: E402
+from kvstore.clock import FakeClock  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
-from kvstore.errors import ConfigError, ForbiddenError, UsageError  # noqa: E402
+from kvstore.errors import ConfigError, CorruptBlockError, ForbiddenError, UsageError  # noqa: E402
 from kvstore.events import BlockChange, PutChain, PutTokens, events_config  # noqa: E402
 from kvstore.keys import hash_blocks  # noqa: E402
+from kvstore.registry import make_tier  # noqa: E402
 from kvstore.route._http import control  # noqa: E402
 from kvstore.route.wire import (  # noqa: E402
     AllBlocksCleared,
@@ -32,6 +34,7 @@ from kvstore.store import KVStore  # noqa: E402
 from tests.conftest import BB, SMALL_NS, small_tiers  # noqa: E402
 from tests.kvstore.conftest import TENANTS, TOKEN_A, TOKEN_B, TOKEN_OPS, eventually  # noqa: E402
 from tests.kvstore.route.tap import Tap, daemons, events_of, state  # noqa: E402
+from tiers.faulty import FaultyTier  # noqa: E402
 
 
 @pytest.fixture
@@ -437,3 +440,31 @@ def test_the_bulk_path_publishes_what_the_block_by_block_path_does(tmp_path: Pat
         finally:
             for p in pubs:
                 p.close()
+
+
+def test_expired_and_corrupt_blocks_are_removed_blocks(tmp_path: Path) -> None:
+    """The two ways a block leaves that no client asks for: its TTL passes (a maintenance
+    pass), or its copy reads back corrupt (a load drops it): each a ``BlockRemoved`` on the
+    tier it left, after the ``BlockStored`` that announced it."""
+    clock = FakeClock()
+    spec = small_tiers()[0]
+    dram = FaultyTier(make_tier("dram", "dram", dict(spec.options), tmp_path, clock))
+    cfg = StoreConfig(root=tmp_path / "s", tiers=(spec,), persist_on_close=False)
+    with KVStore(cfg, clock=clock, tiers=[dram]) as store:
+        store.register_namespace(SMALL_NS, ttl_s=60)
+        pub = kvevents.KVEventPublisher(store, events_config({"publish": "tcp://127.0.0.1:0"}))
+        try:
+            hs = chain(3)
+            store.put(SMALL_NS, hs, payloads(3))
+            dram.inject("read_into", CorruptBlockError, when=lambda k: k == hs[2], times=None)
+            assert store.get_into(SMALL_NS, hs, bytearray(3 * BB)) == 2  # the third reads back corrupt
+            clock.advance(61)
+            store.maintain()  # the first two expire
+            assert pub.flush(60.0)
+            events = per_block([e for _, b in pub.streams[0].buffer for e in decoder().decode(b).events])
+            assert events[:5] == [("c",), *(("s", h, p, "dram", ()) for h, p in zip(hs, [None, *hs[:2]], strict=True)),
+                                  ("r", hs[2], "dram")]
+            assert sorted(events[5:]) == sorted(("r", h, "dram") for h in hs[:2])
+            assert pub.stats()["mirrored"] == 0
+        finally:
+            pub.close()
