@@ -602,7 +602,8 @@ class StoreEvents:
         self.sinks: list[BlockSink] = []
         """Also told of every change of a block's place (the daemon's KV event publisher), one
         call per :meth:`batch` (a put, a load, a maintenance pass), never one per block."""
-        self._changes: list[BlockChange] | None = None
+        self._changes: list[BlockRun] | None = None
+        self._run: BlockRun | None = None  # the last of ``_changes``
         self._depth = 0
         self._tokens: PutTokens | None = None
         self._chain: PutChain | None = None
@@ -668,11 +669,17 @@ class StoreEvents:
         (:class:`PutChain`), so that a sink needs no record of its own to know their parents."""
         return _Batch(self, tokens, ns, hashes)
 
-    def _change(self, change: BlockChange) -> None:
-        # Outside a batch (a path no batch wraps): a batch of one. (In a batch the hooks
-        # append to ``_changes`` themselves: one list append a block, no call.)
-        for sink in self.sinks:
-            sink.blocks([change], None, None)
+    def _change(self, kind: str, key: bytes, k: int) -> None:
+        # One change of a block: into the batch's last run when it is of the same kind and
+        # tier (one list append), else a new run; outside a batch (a path no batch wraps), a
+        # batch of one.
+        runs = self._changes
+        if runs is None:
+            for sink in self.sinks:
+                sink.blocks([(kind, k, [key])], None, None)
+            return
+        run = self._run = (kind, k, [key])
+        runs.append(run)
 
     def placed(self, key: bytes, k: int, prior_mask: int, size: int, depth: int | None = None) -> None:
         """A copy of ``key`` was written into tier ``k``; ``prior_mask``: tiers holding it before.
@@ -682,11 +689,11 @@ class StoreEvents:
         """
         with self._lock:
             self._in[k] += size
-        changes = self._changes
-        if changes is not None:
-            changes.append(("p", key, k))
+        run = self._run
+        if run is not None and run[1] == k and run[0] == "p":
+            run[2].append(key)
         elif self.sinks:
-            self._change(("p", key, k))
+            self._change("p", key, k)
         if self.log is None:
             return
         if not prior_mask:
@@ -700,11 +707,11 @@ class StoreEvents:
     def dropped(self, key: bytes, mask: int, reason: str) -> None:
         """``key`` left the store: ``reason`` "capacity" (evicted by policy), "expired" or
         "deleted" (an operator's evict)."""
-        changes = self._changes
-        if changes is not None:
-            changes.append(("d", key, mask))
+        run = self._run
+        if run is not None and run[1] == mask and run[0] == "d":
+            run[2].append(key)
         elif self.sinks:
-            self._change(("d", key, mask))
+            self._change("d", key, mask)
         if self.log is None:
             return
         tier = self._tiers[(mask & -mask).bit_length() - 1] if mask else ""
@@ -716,11 +723,11 @@ class StoreEvents:
 
     def copy_dropped(self, key: bytes, k: int) -> None:
         """Tier ``k`` no longer holds ``key`` (it moved down, or the copy was bad); other tiers may."""
-        changes = self._changes
-        if changes is not None:
-            changes.append(("c", key, k))
+        run = self._run
+        if run is not None and run[1] == k and run[0] == "c":
+            run[2].append(key)
         elif self.sinks:
-            self._change(("c", key, k))
+            self._change("c", key, k)
 
     def usage(self, tiers: Iterable[Mapping[str, Any]], *, store: Mapping[str, Any] | None = None) -> None:
         """Log how full each tier is (``KVStore.stats()["tiers"]``) and, given the store's
@@ -756,6 +763,16 @@ BlockChange = tuple[str, bytes, int]
 """``("p", key, k)``: tier ``k`` took a copy of ``key``; ``("c", key, k)``: tier ``k`` lost
 its copy (others may hold one); ``("d", key, mask)``: ``key`` left the store (``mask``: the tiers
 that held it)."""
+
+BlockRun = tuple[str, int, list[bytes]]
+"""Consecutive changes of one kind and tier: ``(kind, k, keys)`` stands for ``(kind, key, k)``
+for each of ``keys`` in order (what the sinks are given: one list append a block under the
+store's lock, no tuple a block)."""
+
+
+def block_changes(runs: Iterable[BlockRun]) -> list[BlockChange]:
+    """The changes that ``runs`` stand for, one a block, in order."""
+    return [(kind, key, k) for kind, k, keys in runs for key in keys]
 
 
 @dataclass(frozen=True, slots=True)
@@ -793,11 +810,11 @@ class BlockSink(Protocol):
     """A listener on block placement (:attr:`StoreEvents.sinks`); called under the store's
     lock, so it must only enqueue."""
 
-    def blocks(self, changes: list[BlockChange], tokens: PutTokens | None, chain: PutChain | None) -> None:
-        """The changes of one store operation, in order; ``tokens``: a put's token ids (None
-        when its caller sent none); ``chain``: the chain a put stored, with its new copies
-        (None for other operations). Every sink is given the same list: keep it, never
-        change it."""
+    def blocks(self, runs: list[BlockRun], tokens: PutTokens | None, chain: PutChain | None) -> None:
+        """The changes of one store operation, in order, as runs (:data:`BlockRun`;
+        :func:`block_changes` spells them out); ``tokens``: a put's token ids (None when its
+        caller sent none); ``chain``: the chain a put stored, with its new copies (None for
+        other operations). Every sink is given the same lists: keep them, never change them."""
         ...
 
 
@@ -811,6 +828,7 @@ class _Batch:
     def __enter__(self) -> None:
         ev = self.events
         if not ev._depth:
+            ev._run = None
             if ev.sinks:
                 ev._changes = []
                 ev._tokens = self.tokens
@@ -826,7 +844,7 @@ class _Batch:
         if ev._depth:
             return
         changes, tokens, chain = ev._changes, ev._tokens, ev._chain
-        ev._changes = ev._tokens = ev._chain = None
+        ev._changes = ev._tokens = ev._chain = ev._run = None
         if changes:
             for sink in ev.sinks:
                 sink.blocks(changes, tokens, chain)

@@ -73,7 +73,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from kvstore.events import BlockChange, EventsConfig, PutChain, PutTokens
+from kvstore.events import BlockRun, EventsConfig, PutChain, PutTokens, block_changes
 from kvstore.keys import Namespace
 from kvstore.route.wire import (
     END_SEQ,
@@ -99,7 +99,7 @@ thread, which wakes cold): publishing after every put of 32 blocks of 16 KiB cos
 event, ~500 changes at a time ~2 us."""
 _FAST_MIN = 4
 """Changes in an operation from which :meth:`KVEventPublisher._apply_uniform` is tried."""
-_kind, _key, _tier, _shape = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(0, 2)
+_keys = itemgetter(2)
 _client, _parent, _ns, _mask, _tokens = (attrgetter(a) for a in ("client", "parent", "ns", "mask", "tokens"))
 SNAPSHOT_CHUNK = 4096
 """Blocks per batch of a snapshot (and of the announcement at start)."""
@@ -333,14 +333,14 @@ class KVEventPublisher:
             self._asleep = False
             os.eventfd_write(self._wake, 1)
 
-    def blocks(self, changes: list[BlockChange], tokens: PutTokens | None, chain: PutChain | None = None) -> None:
+    def blocks(self, runs: list[BlockRun], tokens: PutTokens | None, chain: PutChain | None = None) -> None:
         """The changes of one store operation (see :class:`kvstore.events.BlockSink`): one
-        queue entry holding the store's own list (and a put's chain), nothing done a block.
+        queue entry holding the store's own lists (and a put's chain), nothing done a block.
         No wake-up here (this runs under the store's lock): the service's :meth:`pump` after
         the operation wakes the thread if it sleeps past its period; a maintenance pass's
         expiry, which no pump follows, goes with the next period or heartbeat, within a
         second."""
-        self._put(("b", changes, tokens, chain), len(changes), wake=False)
+        self._put(("b", runs, tokens, chain), sum(map(len, map(_keys, runs))), wake=False)
 
     def pump(self) -> None:
         """The service calls it after each put and load, outside the store's lock. Once the
@@ -467,19 +467,23 @@ class KVEventPublisher:
                         self._stored([rec], k, info.fan)
             parent = client
 
-    def _apply_changes(self, changes: list[BlockChange], tokens: PutTokens | None, chain: PutChain | None) -> None:
+    def _apply_changes(self, runs: list[BlockRun], tokens: PutTokens | None, chain: PutChain | None) -> None:
         """A store operation's changes into the mirror and the pending events. The common
         shapes go in bulk (:meth:`_apply_put`, :meth:`_apply_gone`, :meth:`_apply_uniform`);
         the rest block by block: consecutive copies of one chain on one tier become one run
         (one list extend per stream), as do consecutive removals from one tier, so the loop
         below does a dictionary look-up and a few comparisons per change, no more."""
-        if not self._keyed:
-            if chain is not None and self._apply_put(changes, tokens, chain):
+        if len(runs) == 1:
+            kind, k, keys = runs[0]
+            if not self._keyed:
+                if kind == "p":
+                    if chain is not None and self._apply_put(keys, k, tokens, chain):
+                        return
+                elif self._apply_gone(kind, k, keys):
+                    return
+            if len(keys) >= _FAST_MIN and self._apply_uniform(kind, k, keys, tokens):
                 return
-            if self._apply_gone(changes):
-                return
-        if len(changes) >= _FAST_MIN and self._apply_uniform(changes, tokens):
-            return
+        changes = block_changes(runs)
         recs = self._recs
         get = recs.get
         born: dict[bytes, int] | None = None  # the chain's positions, for copies no record names yet
@@ -552,15 +556,11 @@ class KVEventPublisher:
         if gone:
             self._removed(gone, gone_k)
 
-    def _apply_put(self, changes: list[BlockChange], tokens: PutTokens | None, chain: PutChain) -> bool:
-        """The anonymous tenant's usual put: new blocks, one run of the chain, on one tier. No
-        record is looked up (the chain names every parent); the records are made in C, one
-        statement for the batch. False, with nothing changed, for any other shape."""
-        n = len(changes)
-        kind, first, k = changes[0]
-        if kind != "p" or countOf(map(_kind, changes), "p") != n or countOf(map(_tier, changes), k) != n:
-            return False
-        keys = list(map(_key, changes))
+    def _apply_put(self, keys: list[bytes], k: int, tokens: PutTokens | None, chain: PutChain) -> bool:
+        """The anonymous tenant's usual put: new blocks, one run of the chain, on tier ``k``.
+        No record is looked up (the chain names every parent); the records are made in C,
+        one statement for the batch. False, with nothing changed, for any other shape."""
+        n = len(keys)
         recs = self._recs
         if not recs.keys().isdisjoint(keys):
             return False  # some were cached before (a copy on another tier): block by block
@@ -568,9 +568,9 @@ class KVEventPublisher:
         j = len(hashes) - n  # the new blocks: the chain's suffix, or its leading part when cut short
         if j < 0:
             return False
-        if hashes[j] != first:
+        if hashes[j] != keys[0]:
             try:
-                j = hashes.index(first)
+                j = hashes.index(keys[0])
             except ValueError:
                 return False
         if list(hashes[j:j + n]) != keys:
@@ -592,37 +592,28 @@ class KVEventPublisher:
         self._stored_hashes(keys, parent, None if tokens is None else toks, k, info)
         return True
 
-    def _apply_gone(self, changes: list[BlockChange]) -> bool:
+    def _apply_gone(self, kind: str, k: int, keys: list[bytes]) -> bool:
         """The anonymous tenant's removals in bulk: blocks that left the store, or lost their
         last copy, all from one tier (the evictions that made room for a put). False, with
         nothing changed, for any other shape."""
-        n = len(changes)
-        kind, _, k = changes[0]
-        if kind == "p" or countOf(map(_kind, changes), kind) != n or countOf(map(_tier, changes), k) != n:
-            return False
         mask = k if kind == "d" else 1 << k  # ("d": k is the mask of the tiers that held it)
         if not mask or mask & (mask - 1):
             return False  # held on several tiers: one BlockRemoved per medium, block by block
-        keys = list(map(_key, changes))
         recs = self._recs
         rs = list(map(recs.pop, keys, repeat(None)))
-        if None in rs or countOf(map(_mask, rs), mask) != n:
+        if None in rs or countOf(map(_mask, rs), mask) != len(keys):
             recs.update((key, r) for key, r in zip(keys, rs, strict=True) if r is not None)  # (as it was)
             return False
         self._removed_hashes(keys, mask.bit_length() - 1, self._fan[0], 0)
         return True
 
-    def _apply_uniform(self, changes: list[BlockChange], tokens: PutTokens | None) -> bool:
-        """The common operations in bulk: every change of one kind on one tier (a put's new
-        copies, one chain; the removals that made room for it; a load's promotions). The
-        checks and the look-ups run in C (``map``, set and list comparisons); what stays in
-        Python is one statement a block. False, with nothing changed, when the batch is not
-        of that shape: :meth:`_apply_changes` then takes it block by block."""
-        shapes = set(map(_shape, changes))
-        if len(shapes) != 1:
-            return False
-        kind, k = shapes.pop()
-        keys = list(map(_key, changes))
+    def _apply_uniform(self, kind: str, k: int, keys: list[bytes], tokens: PutTokens | None) -> bool:
+        """The common operations in bulk: one run, every change of one kind on one tier (a
+        put's new copies, one chain; the removals that made room for it; a load's
+        promotions). The checks and the look-ups run in C (``map``, set and list
+        comparisons); what stays in Python is one statement a block. False, with nothing
+        changed, when the batch is not of that shape: :meth:`_apply_changes` then takes it
+        block by block."""
         recs = self._recs
         rs = list(map(recs.get, keys))
         if None in rs:
@@ -762,8 +753,9 @@ class KVEventPublisher:
         block while it grows, become its ``token_ids`` here."""
         n = 0
         for e in events:
-            if type(e) is not AllBlocksCleared:
-                n += len(e.block_hashes)
+            if type(e) is AllBlocksCleared:
+                continue
+            n += len(e.block_hashes)
             if type(e) is BlockStored and e.token_ids:
                 e.token_ids = _msgpack_ints(b"".join(e.token_ids))  # type: ignore[arg-type]
         self._counts["block_events"] += n
@@ -887,7 +879,7 @@ class KVEventPublisher:
             if kind == "f":
                 waiters.append(item[1])
             else:
-                taken += len(item[1]) if kind == "b" else len(item[2])
+                taken += sum(map(len, map(_keys, item[1]))) if kind == "b" else len(item[2])
                 self._apply(item)
         if taken or waiters:
             with self._qlock:

@@ -124,7 +124,7 @@ def publish_capacity(n: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             for i in range(0, n, 32):
                 chain = keys[i:i + 32]
-                pub.blocks([("p", k, 0) for k in chain], None, PutChain(SMALL, tuple(chain)))  # as a put hands them
+                pub.blocks([("p", 0, chain)], None, PutChain(SMALL, tuple(chain)))  # as a put hands them
             hooks_s = time.perf_counter() - t0
             pub.flush(60.0)
             ours = time.perf_counter() - t0
@@ -161,7 +161,7 @@ def mirror_bytes(n: int) -> float:
             before = tracemalloc.get_traced_memory()[0]
             for i in range(0, n, 32):
                 chain = [bytes(k) for k in rng.integers(0, 256, (min(32, n - i), 16), dtype=np.uint8)]
-                pub.blocks([("p", k, 0) for k in chain], None, PutChain(SMALL, tuple(chain)))  # as a put hands them
+                pub.blocks([("p", 0, chain)], None, PutChain(SMALL, tuple(chain)))  # as a put hands them
                 del chain
             pub.flush(60.0)
             held = tracemalloc.get_traced_memory()[0] - before

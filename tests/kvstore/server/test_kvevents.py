@@ -16,7 +16,7 @@ from kvstore.client import connect  # noqa: E402
 from kvstore.clock import FakeClock  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.errors import ConfigError, CorruptBlockError, ForbiddenError, UsageError  # noqa: E402
-from kvstore.events import BlockChange, PutChain, PutTokens, events_config  # noqa: E402
+from kvstore.events import BlockChange, BlockRun, PutChain, PutTokens, block_changes, events_config  # noqa: E402
 from kvstore.keys import hash_blocks  # noqa: E402
 from kvstore.registry import make_tier  # noqa: E402
 from kvstore.route._http import control  # noqa: E402
@@ -211,8 +211,8 @@ class Recorder:
         self.calls: list[tuple[list[BlockChange], PutTokens | None]] = []
         self.chains: list[PutChain | None] = []
 
-    def blocks(self, changes: list[BlockChange], tokens: PutTokens | None, chain: PutChain | None) -> None:
-        self.calls.append((changes, tokens))
+    def blocks(self, runs: list[BlockRun], tokens: PutTokens | None, chain: PutChain | None) -> None:
+        self.calls.append((block_changes(runs), tokens))
         self.chains.append(chain)
 
 
@@ -391,9 +391,9 @@ def test_the_bulk_path_publishes_what_the_block_by_block_path_does(tmp_path: Pat
     with KVStore(StoreConfig(root=tmp_path / "s", tiers=small_tiers(dram_blocks=8, nvme_blocks=16))) as store:
         store.register_namespace(SMALL_NS)
         pubs = [kvevents.KVEventPublisher(store, events_config({"publish": "tcp://127.0.0.1:0"})) for _ in range(2)]
-        pubs[1]._apply_uniform = lambda changes, tokens: False  # type: ignore[method-assign]
-        pubs[1]._apply_put = lambda changes, tokens, chain: False  # type: ignore[method-assign]
-        pubs[1]._apply_gone = lambda changes: False  # type: ignore[method-assign]
+        pubs[1]._apply_uniform = lambda kind, k, keys, tokens: False  # type: ignore[method-assign]
+        pubs[1]._apply_put = lambda keys, k, tokens, chain: False  # type: ignore[method-assign]
+        pubs[1]._apply_gone = lambda kind, k, keys: False  # type: ignore[method-assign]
         took: dict[str, int] = {"put": 0, "gone": 0}
 
         def spy(name: str, f: Callable[..., bool]) -> Callable[..., bool]:
@@ -468,3 +468,4 @@ def test_expired_and_corrupt_blocks_are_removed_blocks(tmp_path: Path) -> None:
             assert pub.stats()["mirrored"] == 0
         finally:
             pub.close()
+
