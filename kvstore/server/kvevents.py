@@ -29,15 +29,19 @@ whose it is); a tenant's own stream carries its hashes as its clients compute th
 
 Never in the way of the data path: the store calls the sink once per locked part of an
 operation (a load, a maintenance pass; a put has two, room then copies:
-:meth:`kvstore.events.StoreEvents.batch`), never once per block, and
-that call only appends the operation's list of changes to a bounded queue (full: dropped and
-counted; the mirror is then rebuilt from the store and every stream is sent
-``AllBlocksCleared`` and a snapshot, so a drop costs a resync, never a wrong route).
-Publishing is batched across operations, since a publication's cost is mostly fixed: the
-thread publishes what waits every ``[events] publish_period`` (0.25 s) while blocks change
-(the first change after a lull at once: :meth:`KVEventPublisher.pump`, which the service
-calls after each put and load outside the store's lock, wakes it), and a pump publishes on
-the request's own thread once :data:`PUMP_BATCH` changes wait. The thread also serves replay
+:meth:`kvstore.events.StoreEvents.batch`), never once per block, with the operation's
+changes as runs of one kind and tier (:data:`kvstore.events.BlockRun`: a hook appends a key,
+no tuple a block) and a put's copies with the chain it stored (:class:`kvstore.events.PutChain`,
+which names every new block's parent, so the anonymous tenant needs no :meth:`names`), and
+that call only appends them to a bounded queue (full: dropped and counted; the mirror is then
+rebuilt from the store and every stream is sent ``AllBlocksCleared`` and a snapshot, so a
+drop costs a resync, never a wrong route). A put's run and an eviction's go into the mirror in
+bulk (:meth:`KVEventPublisher._apply_put`, :meth:`KVEventPublisher._apply_gone`).
+Publishing is batched across operations: a pump (:meth:`KVEventPublisher.pump`, which the
+service calls after each put and load outside the store's lock) publishes on the request's
+own thread once the oldest change is ``[events] publish_period`` (0.25 s) old or
+:data:`PUMP_BATCH` changes wait, and the thread publishes what no pump took two periods after
+it (the first change after a lull at once: the pump wakes it). The thread also serves replay
 requests, the heartbeat (an empty batch after a second of quiet, so a subscriber that lost
 the last batch notices the gap), flushes and rebuilds.
 PUB drops at its high-water mark rather than wait for a slow subscriber.
