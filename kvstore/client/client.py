@@ -532,12 +532,15 @@ class Client:
                 got = self._get_runs(conn, ns_id, hashes, bufs, bb, 64 + 16 * int(self.info["max_blocks"]))
                 if got is not None:
                     return got
-            hdr, meta = conn.call(P.Op.GET, P.encode_blocks(ns_id, hashes))
-            count, got_bb = P.parse_data_meta(meta)
-            if got_bb != bb or count > len(bufs) or hdr.payload_len != count * bb:
-                raise ConnectionLost(f"daemon sent {count} blocks of {got_bb} bytes; expected {bb}")
-            conn.recv_payload(bufs[:count])
-            return count
+
+            def into(hdr: P.Header, meta: bytearray) -> list[memoryview]:
+                count, got_bb = P.parse_data_meta(meta)
+                if got_bb != bb or count > len(bufs) or hdr.payload_len != count * bb:
+                    raise ConnectionLost(f"daemon sent {count} blocks of {got_bb} bytes; expected {bb}")
+                return bufs[:count]
+
+            _, meta = conn.call(P.Op.GET, P.encode_blocks(ns_id, hashes), into=into)
+            return P.parse_data_meta(meta)[0]
 
         return self._retry(call)
 
@@ -553,23 +556,23 @@ class Client:
         req = P.encode_get_runs(ns_id, hashes, [len(v) // bb for v in spans])
         if len(req) > max_meta:
             return None
-        hdr, meta = conn.call(P.Op.GET_RUNS, req)
-        try:
+
+        def into(hdr: P.Header, meta: bytearray) -> list[memoryview]:
             count, got_bb, msgs = P.parse_runs_meta(meta)
-        except P.ProtocolError as e:
-            raise ConnectionLost(f"malformed GET_RUNS reply from the daemon: {e}") from e
-        if got_bb != bb or count > len(hashes) or hdr.payload_len != count * bb:
-            raise ConnectionLost(f"daemon sent {count} blocks of {got_bb} bytes; expected {bb}")
-        views, run, at = [], 0, 0  # at: bytes of spans[run] already taken
-        for m in msgs:
-            if at == spans[run].nbytes:
-                run, at = run + 1, 0
-            if at + m * bb > spans[run].nbytes:
-                raise ConnectionLost(f"daemon sent a run of {m} blocks across the end of a destination run")
-            views.append(spans[run][at : at + m * bb])
-            at += m * bb
-        conn.recv_payload(views)
-        return count
+            if got_bb != bb or count > len(hashes) or hdr.payload_len != count * bb:
+                raise ConnectionLost(f"daemon sent {count} blocks of {got_bb} bytes; expected {bb}")
+            views, run, at = [], 0, 0  # at: bytes of spans[run] already taken
+            for m in msgs:
+                if at == spans[run].nbytes:
+                    run, at = run + 1, 0
+                if at + m * bb > spans[run].nbytes:
+                    raise ConnectionLost(f"daemon sent a run of {m} blocks across the end of a destination run")
+                views.append(spans[run][at : at + m * bb])
+                at += m * bb
+            return views
+
+        _, meta = conn.call(P.Op.GET_RUNS, req, into=into)
+        return P.parse_runs_meta(meta)[0]
 
     def _lease_fits(self, n: int, bb: int) -> bool:
         """Whether ``n`` blocks of ``bb`` bytes fit in the daemon's arena at once. A lease never
