@@ -30,7 +30,7 @@ from tiers.base import OfflineScan, Tier, TierUsage, tier_dir
 from tiers.object import manifest
 from tiers.object.blobs import Blob, BlobStore, open_blobs
 from tiers.object.config import ObjectConfig
-from tiers.object.expiry import ExpiryMixin
+from tiers.object.expiry import Expiry
 from tiers.object.format import (
     MAX_DESCRIPTOR,
     RAW,
@@ -65,7 +65,7 @@ class _Counters:
     quarantined: int = 0
 
 
-class ObjectTier(ExpiryMixin, Tier):
+class ObjectTier(Tier):
     """Blocks as immutable objects on an fsspec filesystem.
 
     The filesystem is the truth: ``read_into`` and ``meta`` fetch the object whether or not this
@@ -114,7 +114,11 @@ class ObjectTier(ExpiryMixin, Tier):
         self._recent: OrderedDict[BlockHash, BlockMeta] = OrderedDict()
         self._counters = _Counters()
         self._closed = False
-        self._sweep_after = ""
+        self._sweeper = Expiry(
+            name=name, config=config, clock=clock, blobs=self.blobs, blocks_dir=self._blocks,
+            lock=self._lock, sizes=self._sizes, expiry=self._expiry, touched=self._touched,
+            counters=self._counters, path=self.path, touch_path=self.touch_path, forget=self._forget,
+        )
         self._next_sweep = clock() + config.sweep_interval_s
         # The store is listed once, on first use: the maps need it, and a store opening this
         # tier scans it at once (cold rebuild), so that scan is the listing.
@@ -356,8 +360,16 @@ class ObjectTier(ExpiryMixin, Tier):
         self._forget([key])
         return existed
 
-    def _delete_paths(self, paths: Sequence[str]) -> None:
-        self.blobs.delete(paths)
+    def update_expiry(self, items: Iterable[tuple[BlockHash, float]]) -> None:
+        """Refreshed expiry times as touch objects (:meth:`Expiry.update_expiry`)."""
+        self._ensure_listed()
+        self._sweeper.update_expiry(items)
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Delete objects whose expiry has passed (:meth:`Expiry.sweep`); returns how many."""
+        self._check_open()
+        self._ensure_listed()
+        return self._sweeper.sweep(limit)
 
     def _forget(self, keys: Iterable[BlockHash]) -> None:
         with self._lock:
@@ -429,7 +441,7 @@ class ObjectTier(ExpiryMixin, Tier):
                 continue
             keys.append(key)
             sizes.append(size)
-        touches = self._read_touches(self._list(self._touches)) if keys else {}
+        touches = self._sweeper.read_touches(self._list(self._touches)) if keys else {}
         found: list[tuple[BlockHash, BlockMeta]] = []
         learned: list[tuple[BlockHash, BlockMeta, bytes, bool]] = []
         for key, size, h in zip(keys, sizes, self._scan_headers(keys, stats, book), strict=True):
@@ -568,7 +580,7 @@ class ObjectTier(ExpiryMixin, Tier):
         keys = list(keys[: len(found)])
         now = self._clock()
         stale = [k for k, h in zip(keys, found, strict=True) if h.meta.expiry <= now]
-        touches = self._read_touches(self.touch_path(k) for k in stale)
+        touches = self._sweeper.read_touches(self.touch_path(k) for k in stale)
         metas = []
         for k, h in zip(keys, found, strict=True):
             meta = h.meta.with_expiry(touches[k]) if touches.get(k, 0.0) > h.meta.expiry else h.meta
