@@ -55,7 +55,7 @@ from kvstore.errors import (
 from kvstore.keys import HASH_BYTES, BlockHash
 from tiers._direct import ALIGN, DirectFile
 from tiers._slab import SlabAllocator
-from tiers.base import OfflineScan, Tier, TierUsage, tier_dir
+from tiers.base import HASH, BlockColumns, OfflineScan, Tier, TierUsage, tier_dir
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,11 @@ _BLOCK_PREFIX = b"B"
 _OFFSET = struct.Struct("<Q")
 _RECORD_BYTES = _OFFSET.size + BlockMeta.PACKED_SIZE
 # A record decoded in bulk at open: the offset, then BlockMeta.pack()'s fields (ns, parent,
-# depth, size, expiry, created, checksum); numpy reads the two that the slot checks need.
+# depth, size, expiry, created, checksum), as one numpy row.
 _RECORD = struct.Struct("<Q" + BlockMeta.FORMAT.lstrip("<"))
 _RECORD_DTYPE = np.dtype(
-    {"names": ["offset", "size"], "formats": ["<u8", "<u8"], "itemsize": _RECORD_BYTES,
-     "offsets": [0, _RECORD.size - BlockMeta.PACKED_SIZE + struct.calcsize("<16s16sI")]}
+    [("offset", "<u8"), ("ns", HASH), ("parent", HASH), ("depth", "<u4"), ("size", "<u8"),
+     ("expiry", "<f8"), ("created", "<f8"), ("checksum", "<u8")]
 )
 
 
@@ -79,8 +79,10 @@ def _record_layout_matches() -> bool:
     value = _OFFSET.pack(8192) + meta.pack()
     row = np.frombuffer(value, _RECORD_DTYPE)[0]
     return (
-        _RECORD.size == len(value) == _RECORD_BYTES
-        and (int(row["offset"]), int(row["size"])) == (8192, 12345)
+        _RECORD.size == len(value) == _RECORD_BYTES == _RECORD_DTYPE.itemsize
+        and (int(row["offset"]), int(row["size"]), int(row["depth"])) == (8192, 12345, 7)
+        and (row["ns"].tobytes(), row["parent"].tobytes()) == (meta.ns, meta.parent)
+        and (float(row["expiry"]), float(row["created"]), int(row["checksum"])) == (1.5, 2.5, 99)
         and _RECORD.unpack(value) == (8192, meta.ns, meta.parent, 7, 12345, 1.5, 2.5, 99)
     )
 
@@ -215,6 +217,8 @@ class NvmeTier(Tier):
         self._lock = threading.Lock()
         self._db_lock = threading.Lock()
         self._index: dict[BlockHash, tuple[int, BlockMeta]] = {}
+        # The records read at open, as columns, until the first change: the restart's scan.
+        self._opened: BlockColumns | None = None
         self._closed = False
         self._dropped_on_open = 0
         self._file: DirectFile | None = None
@@ -345,6 +349,7 @@ class NvmeTier(Tier):
         )
         self._quarantined += 1
         self._index.clear()
+        self._opened = None
         self._alloc = SlabAllocator(self.config.capacity_bytes, self.config.slab_bytes, ALIGN)
         self._db = self._open_db()
 
@@ -404,13 +409,22 @@ class NvmeTier(Tier):
             ok[ok] = offsets[ok] % np.uint64(alloc.slab_bytes) % slot[ok].astype(np.uint64) == 0
             ok[ok] = alloc.claim_many(offsets[ok], sizes[ok])
             index = self._index
+            kept: list[bytes] = []
             for k, good, (offset, ns, parent, depth, size, expiry, created, checksum) in zip(
                 keys, ok.tolist(), _RECORD.iter_unpack(buf), strict=True
             ):
                 if good:
-                    index[BlockHash(k[1:])] = (offset, BlockMeta(ns, parent, depth, size, expiry, checksum, created))
+                    key = k[1:]
+                    index[key] = (offset, BlockMeta(ns, parent, depth, size, expiry, checksum, created))  # type: ignore[index]
+                    kept.append(key)
                 else:
                     bad.append(k)
+            good_rows = records[ok]
+            self._opened = BlockColumns(
+                np.frombuffer(b"".join(kept), HASH), good_rows["ns"], good_rows["parent"],
+                good_rows["depth"].astype(np.int64), good_rows["size"].astype(np.int64),
+                good_rows["expiry"].copy(), good_rows["created"].copy(), good_rows["checksum"].copy(),
+            )
         if bad:
             wb = WriteBatch(raw_mode=True)
             for k in bad:
@@ -547,6 +561,7 @@ class NvmeTier(Tier):
                 self._release(offset)
                 raise
             with self._lock:
+                self._opened = None
                 old = self._index.get(key)
                 self._index[key] = (offset, meta)
                 if old is not None:
@@ -566,6 +581,7 @@ class NvmeTier(Tier):
                 return False
             self._db_call(lambda db: db.delete(_BLOCK_PREFIX + key, self._wo))
             with self._lock:
+                self._opened = None
                 del self._index[key]
                 self._alloc.free(entry[0])
         return True
@@ -583,9 +599,18 @@ class NvmeTier(Tier):
 
     def scan(self) -> Iterator[tuple[BlockHash, BlockMeta]]:
         """A snapshot of every block and its metadata, taken at the first ``next()``."""
+        for cols in self.scan_columns():
+            yield from cols.items()
+
+    def scan_columns(self) -> Iterator[BlockColumns]:
+        """A snapshot of every block and its metadata: the records read at open, in key order
+        (decoded once, as columns) while nothing has changed since, else the index's (in the
+        order its keys came)."""
         with self._lock:
-            snapshot = [(k, m) for k, (_, m) in self._index.items()]
-        yield from snapshot
+            cols = self._opened
+            if cols is None:
+                cols = BlockColumns.from_items((k, m) for k, (_, m) in self._index.items())
+        return iter([cols] if len(cols) else [])
 
     def update_expiry(self, items: Iterable[tuple[BlockHash, float]]) -> None:
         """Rewrite the records of present keys with new expiry times, in one unsynced batch.
@@ -607,6 +632,7 @@ class NvmeTier(Tier):
                 wb.put(_BLOCK_PREFIX + key, _OFFSET.pack(offset) + meta.pack())
             self._db_call(lambda db: db.write(wb, self._wo))
             with self._lock:
+                self._opened = None
                 self._index.update(updates)
 
     def flush(self) -> None:
@@ -629,6 +655,7 @@ class NvmeTier(Tier):
             file, self._file = self._file, None
             db, self._db = self._db, None
             self._index.clear()
+            self._opened = None
             pool, self._hash_pool = self._hash_pool, None
         if pool is not None:
             pool.shutdown(wait=False)

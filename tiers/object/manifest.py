@@ -23,7 +23,6 @@ import logging
 import os
 import struct
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -48,21 +47,59 @@ def stat_of(st: os.stat_result) -> Stat:
     return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
-@dataclass(frozen=True, slots=True)
 class Manifest:
-    where: dict[bytes, tuple[Stat, int, int]]
-    """Per block hash: its object's stat and where its header lies in ``headers``."""
-    headers: bytes
+    """A loaded manifest, as columns: ``records`` (one row an object: hash, stat, header
+    length) and the ``headers`` back to back, row ``i``'s at ``starts[i]:ends[i]``."""
+
+    __slots__ = ("records", "headers", "starts", "ends", "_where")
+
+    def __init__(self, records: np.ndarray, headers: bytes, starts: np.ndarray) -> None:
+        self.records = records
+        self.headers = headers
+        self.starts = starts
+        self.ends = starts + records["length"].astype(np.int64)
+        self._where: dict[bytes, int] | None = None
 
     def __len__(self) -> int:
-        return len(self.where)
+        return int(self.records.size)
 
     def header(self, key: bytes, stat: Stat) -> bytes | None:
         """The recorded header of ``key``'s object if the object is the one recorded."""
-        entry = self.where.get(key)
-        if entry is None or entry[0] != stat:
+        if self._where is None:
+            raw = self.records["key"].tobytes()
+            self._where = {raw[i * HASH_BYTES : (i + 1) * HASH_BYTES]: i for i in range(len(self))}
+        i = self._where.get(key)
+        if i is None:
             return None
-        return self.headers[entry[1] : entry[2]]
+        r = self.records[i]
+        if (int(r["size"]), int(r["mtime"]), int(r["ctime"]), int(r["ino"])) != stat:
+            return None
+        return self.headers[int(self.starts[i]) : int(self.ends[i])]
+
+    def match(self, keys: np.ndarray, size: np.ndarray, mtime: np.ndarray, ctime: np.ndarray,
+              ino: np.ndarray) -> np.ndarray:
+        """Per listed object (``keys``: a column of 16-byte hashes, with its stat columns), the
+        row that records that very object, or -1: :meth:`header` for a whole listing at once.
+        Joined on the hashes' first 8 bytes and checked on all 16 (two hashes that share their
+        first 8 bytes may miss their row: the object's own header is read then, as for any
+        object the manifest does not hold)."""
+        out = np.full(keys.size, -1, np.int64)
+        if not len(self) or not keys.size:
+            return out
+        have = _halves(self.records["key"])
+        want = _halves(keys)
+        order = np.argsort(have[:, 0], kind="stable")
+        at = order[np.minimum(np.searchsorted(have[order, 0], want[:, 0]), order.size - 1)]
+        r = self.records[at]
+        same = ((have[at] == want).all(axis=1) & (r["size"] == size) & (r["mtime"] == mtime)
+                & (r["ctime"] == ctime) & (r["ino"] == ino))
+        out[same] = at[same]
+        return out
+
+
+def _halves(column: np.ndarray) -> np.ndarray:
+    """A column of 16-byte hashes as rows of two uint64."""
+    return np.frombuffer(np.ascontiguousarray(column).tobytes(), np.uint64).reshape(-1, 2)
 
 
 def load(path: str) -> Manifest | None:
@@ -91,13 +128,7 @@ def load(path: str) -> Manifest | None:
     except (ValueError, struct.error, zstandard.ZstdError) as e:
         log.warning("object manifest %s ignored, reading every header: %s", path, e)
         return None
-    keys = records["key"].tobytes()
-    stats = zip(records["size"].tolist(), records["mtime"].tolist(), records["ctime"].tolist(),
-                records["ino"].tolist(), strict=True)
-    ends = (starts + records["length"]).tolist()
-    where = {keys[i * HASH_BYTES : (i + 1) * HASH_BYTES]: (st, a, b)
-             for i, (st, a, b) in enumerate(zip(stats, starts.tolist(), ends, strict=True))}
-    return Manifest(where, headers)
+    return Manifest(records, headers, starts)
 
 
 def retire(path: str) -> None:
