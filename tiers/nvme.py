@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
@@ -91,6 +92,30 @@ if not _record_layout_matches():  # BlockMeta's packing changed: update _RECORD 
     raise ImportError("tiers.nvme: the bulk record layout does not match BlockMeta.pack()")
 
 _GEOMETRY_VERSION = 1
+
+
+class _Records(dict):  # type: ignore[type-arg]
+    """The tier's index, ``key -> (offset, BlockMeta)``. The records read at open stay packed
+    (their RocksDB values) until one is first asked for, then are decoded in place: a restart
+    loads a million records without building a BlockMeta for each. Guarded by the tier's
+    ``_lock``, like any dict it would be."""
+
+    __slots__ = ()
+
+    def get(self, key: bytes, default: Any = None) -> tuple[int, BlockMeta] | Any:  # type: ignore[override]
+        entry = dict.get(self, key, default)
+        if type(entry) is bytes:
+            entry = _decode_record(entry)
+            dict.__setitem__(self, key, entry)
+        return entry
+
+    def items(self) -> list[tuple[bytes, tuple[int, BlockMeta]]]:  # type: ignore[override]
+        return [(k, self.get(k)) for k in self]
+
+
+def _decode_record(value: bytes) -> tuple[int, BlockMeta]:
+    offset, ns, parent, depth, size, expiry, created, checksum = _RECORD.unpack(value)
+    return offset, BlockMeta(ns, parent, depth, size, expiry, checksum, created)
 
 # A read is one preadv of the whole block, like a raw O_DIRECT read: splitting a block into
 # pieces (to hash one while the next is read) made read_into 0.47-0.68 of raw on a virtio disk,
@@ -216,7 +241,7 @@ class NvmeTier(Tier):
         self._db_path = self.path / "meta.rocksdb"
         self._lock = threading.Lock()
         self._db_lock = threading.Lock()
-        self._index: dict[BlockHash, tuple[int, BlockMeta]] = {}
+        self._index = _Records()
         # The records read at open, as columns, until the first change: the restart's scan.
         self._opened: BlockColumns | None = None
         self._closed = False
@@ -408,22 +433,15 @@ class NvmeTier(Tier):
             ok = slot > 0
             ok[ok] = offsets[ok] % np.uint64(alloc.slab_bytes) % slot[ok].astype(np.uint64) == 0
             ok[ok] = alloc.claim_many(offsets[ok], sizes[ok])
-            index = self._index
-            kept: list[bytes] = []
-            for k, good, (offset, ns, parent, depth, size, expiry, created, checksum) in zip(
-                keys, ok.tolist(), _RECORD.iter_unpack(buf), strict=True
-            ):
-                if good:
-                    key = k[1:]
-                    index[key] = (offset, BlockMeta(ns, parent, depth, size, expiry, checksum, created))  # type: ignore[index]
-                    kept.append(key)
-                else:
-                    bad.append(k)
-            good_rows = records[ok]
+            good = ok.tolist()
+            kept = [k[1:] for k, g in zip(keys, good, strict=True) if g]
+            bad += [k for k, g in zip(keys, good, strict=True) if not g]
+            self._index.update(zip(kept, itertools.compress(values, good), strict=True))
+            rows = records[ok]
             self._opened = BlockColumns(
-                np.frombuffer(b"".join(kept), HASH), good_rows["ns"], good_rows["parent"],
-                good_rows["depth"].astype(np.int64), good_rows["size"].astype(np.int64),
-                good_rows["expiry"].copy(), good_rows["created"].copy(), good_rows["checksum"].copy(),
+                np.frombuffer(b"".join(kept), HASH), rows["ns"], rows["parent"],
+                rows["depth"].astype(np.int64), rows["size"].astype(np.int64),
+                rows["expiry"].copy(), rows["created"].copy(), rows["checksum"].copy(),
             )
         if bad:
             wb = WriteBatch(raw_mode=True)

@@ -158,7 +158,7 @@ def recover(
     counters.foreign_blocks += int(alien.sum())
     # A block is reachable when its parent is, one level up (a root: its parent is its
     # namespace); decided level by level, parents first.
-    at = {k: i for i, k in enumerate(keys)}
+    at = dict(zip(keys, range(n), strict=True))
     parent_at = np.fromiter(map(at.get, hash_list(cols.parent), itertools.repeat(-1)), np.int64, n)
     depth = cols.depth
     ok = ~alien

@@ -321,24 +321,37 @@ def unpack_headers(blob: bytes, starts: np.ndarray, ends: np.ndarray, keys: np.n
         # The trailer: xxh3-64 of the header bytes before it.
         at = a[rows] + length - _TRAILER.size
         trailer = raw[np.where(good, at, 0)[:, None] + np.arange(_TRAILER.size)].view("<u8")[:, 0]
-        for j in np.flatnonzero(good).tolist():
-            s = int(a[rows[j]])
-            if xxhash.xxh3_64_intdigest(view[s : int(at[j])]) != int(trailer[j]):
-                good[j] = False
+        check = np.flatnonzero(good)
+        digest = xxhash.xxh3_64_intdigest
+        sums = [digest(view[s:e]) for s, e in zip(a[rows[check]].tolist(), at[check].tolist(), strict=True)]
+        good[check] = np.array(sums, np.uint64) == trailer[check]
         fields[lo + rows] = got
         ok[lo + rows] = good
     return HeaderColumns(fields, ok, starts + _DESC_AT)
 
 
+_HEX = np.full(256, 255, np.uint8)
+_HEX[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
+_HEX[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
+_HEX[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+_NAME = 2 * HASH_BYTES + len(SUFFIX)  # "{hash hex}.kvb"
+
+
 def keys_of(paths: list[str]) -> list[BlockHash | None]:
-    """:func:`key_of` of each path, the hex of all of them decoded in one call when every name
-    is a hash's."""
-    stems = [p[p.rfind("/") + 1 :].removesuffix(SUFFIX) for p in paths]
-    if all(len(s) == 2 * HASH_BYTES for s in stems):
+    """:func:`key_of` of each path. When every path has one length and ends in a hash's name
+    (a listing of one tier: ``.../blocks/ab/{hex}.kvb``), the names are decoded as one numpy
+    array."""
+    n = len(paths)
+    width = len(paths[0]) if paths else 0
+    if width > _NAME and all(len(p) == width for p in paths):
         try:
-            raw = bytes.fromhex("".join(stems))
-        except ValueError:
+            raw = "".join(paths).encode("ascii")
+        except UnicodeEncodeError:
             raw = b""
-        if len(raw) == HASH_BYTES * len(stems):  # fromhex skips white space: a name with some is not a hash
-            return [raw[i : i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]  # type: ignore[misc]
+        if raw:
+            chars = np.frombuffer(raw, np.uint8).reshape(n, width)
+            digits = _HEX[chars[:, width - _NAME : width - len(SUFFIX)]]
+            if (chars[:, width - _NAME - 1] == ord("/")).all() and (digits != 255).all():
+                keys = (digits[:, 0::2] << 4 | digits[:, 1::2]).tobytes()
+                return [keys[i : i + HASH_BYTES] for i in range(0, len(keys), HASH_BYTES)]  # type: ignore[misc]
     return [key_of(p) for p in paths]

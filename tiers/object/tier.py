@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 _RECENT = 4096  # headers kept after a read or write (see ObjectTier._recent)
 # What the listing found of each object (ObjectTier._scan_headers).
 _OK, _GONE, _FOREIGN, _CORRUPT, _ERROR = range(5)
+_STAT = np.dtype([("size", "<u8"), ("mtime", "<i8"), ("ctime", "<i8"), ("ino", "<u8")])  # manifest.Stat
 _STALE_TEMP_S = 3600.0  # a temp file this old on a shared directory is left over from a crash
 
 
@@ -511,9 +512,8 @@ class ObjectTier(Tier):
         todo = np.arange(n)
         blob, desc_at = b"", np.zeros(n, np.int64)
         if book is not None and stats is not None and n:
-            st = [stats[p] for p in paths]
-            rows = book.match(key_col, *(np.fromiter((s[j] for s in st), t, n)
-                                         for j, t in enumerate((np.uint64, np.int64, np.int64, np.uint64))))
+            st = np.array([stats[p] for p in paths], _STAT)
+            rows = book.match(key_col, st["size"], st["mtime"], st["ctime"], st["ino"])
             have = np.flatnonzero(rows >= 0)
             heads = unpack_headers(book.headers, book.starts[rows[have]], book.ends[rows[have]], key_col[have])
             fields[have] = heads.fields
