@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ _RECENT = 4096  # headers kept after a read or write (see ObjectTier._recent)
 # What the listing found of each object (ObjectTier._scan_headers).
 _OK, _GONE, _FOREIGN, _CORRUPT, _ERROR = range(5)
 _STAT = np.dtype([("size", "<u8"), ("mtime", "<i8"), ("ctime", "<i8"), ("ino", "<u8")])  # manifest.Stat
+_NO_STAT = (0, 0, 0, 0)
 _STALE_TEMP_S = 3600.0  # a temp file this old on a shared directory is left over from a crash
 
 
@@ -133,6 +135,7 @@ class ObjectTier(Tier):
         # The store is listed once, on first use: the maps need it, and a store opening this
         # tier scans it at once (cold rebuild), so that scan is the listing.
         self._listed = False
+        self._book: manifest.Manifest | None = None  # the manifest the listing used
         self._list_lock = threading.Lock()
         self._worker: threading.Thread | None = None
         if config.worker_interval_s > 0 and (not self._local or self.shared):
@@ -439,9 +442,10 @@ class ObjectTier(Tier):
         self._check_open()
         # A local tier lists with what tells an object from the one its manifest recorded
         # (written at the last close): those headers come from the manifest, not the files.
-        stats = self.blobs.stats(self._blocks)
+        book = manifest.load(self._manifest_path) if self._local else None
+        self._book = book  # its headers serve this run's close for the objects left unchanged
+        stats = self.blobs.stats(self._blocks, book.vouches if book is not None else None)
         listed: dict[str, Any] = self._list(self._blocks) if stats is None else stats
-        book = manifest.load(self._manifest_path) if stats else None
         if book is not None and self.config.manifest:
             manifest.retire(self._manifest_path)  # this run's close writes the next one
         debris: list[str] = []  # damaged objects and temp files of writes cut short
@@ -462,10 +466,12 @@ class ObjectTier(Tier):
                 keys.append(key)
                 paths.append(path)
         n = len(keys)
-        sizes = np.fromiter((listed[p] if stats is None else listed[p][0] for p in paths), np.int64, n)
+        # -1: listed unstatted, its directory vouching for it (the manifest gives its size)
+        sizes = np.fromiter((listed[p] if stats is None else -1 if listed[p] is None else listed[p][0]
+                             for p in paths), np.int64, n)
         touches = self._sweeper.read_touches(self._list(self._touches)) if keys else {}
         key_col = np.frombuffer(b"".join(keys), HASH) if keys else np.empty(0, HASH)
-        fields, status, errors, descriptor = self._scan_headers(keys, key_col, paths, stats, book)
+        fields, status, errors, descriptor = self._scan_headers(keys, key_col, paths, sizes, stats, book)
         ok = status == _OK
         torn = ok & (fields["length"].astype(np.int64) + fields["stored"].astype(np.int64) != sizes)
         status[torn] = _CORRUPT  # torn or padded: a read would fail its checks anyway
@@ -497,14 +503,15 @@ class ObjectTier(Tier):
         return cols
 
     def _scan_headers(
-        self, keys: list[BlockHash], key_col: np.ndarray, paths: list[str],
-        stats: dict[str, manifest.Stat] | None, book: manifest.Manifest | None,
+        self, keys: list[BlockHash], key_col: np.ndarray, paths: list[str], sizes: np.ndarray,
+        stats: dict[str, manifest.Stat | None] | None, book: manifest.Manifest | None,
     ) -> tuple[np.ndarray, np.ndarray, dict[int, KVStoreError], Callable[[int], bytes]]:
         """The headers of ``keys`` (listed at ``paths``): from the manifest where it holds the
         very object listed (decoded in bulk), the others read (one batch). Returns their fixed
         fields (``format.HeaderColumns.fields``), a status per key (``_OK``, ``_GONE``: deleted
         since the listing, ``_FOREIGN``, ``_CORRUPT``, ``_ERROR``), the errors of ``_ERROR``
-        keys by position, and the descriptor of a key by position."""
+        keys by position, and the descriptor of a key by position. ``sizes`` (the listed object sizes) gets
+        those of objects listed unstatted."""
         n = len(keys)
         status = np.full(n, _OK, np.int8)
         fields = np.zeros(n, HEADER_FIELDS)
@@ -512,8 +519,13 @@ class ObjectTier(Tier):
         todo = np.arange(n)
         blob, desc_at = b"", np.zeros(n, np.int64)
         if book is not None and stats is not None and n:
-            st = np.array([stats[p] for p in paths], _STAT)
-            rows = book.match(key_col, st["size"], st["mtime"], st["ctime"], st["ino"])
+            st = np.array([stats[p] or _NO_STAT for p in paths], _STAT)
+            vouched = sizes < 0
+            rows = book.match(key_col, st["size"], st["mtime"], st["ctime"], st["ino"], vouched)
+            sizes[vouched] = book.records["size"][rows[vouched]].astype(np.int64)
+            lost = np.flatnonzero(vouched & (rows < 0))  # in a vouching directory, not recorded
+            for i, got in zip(lost.tolist(), self.blobs.stat_paths([paths[i] for i in lost.tolist()]), strict=True):
+                sizes[i] = got[0] if got is not None else -1
             have = np.flatnonzero(rows >= 0)
             heads = unpack_headers(book.headers, book.starts[rows[have]], book.ends[rows[have]], key_col[have])
             fields[have] = heads.fields
@@ -555,7 +567,9 @@ class ObjectTier(Tier):
     def _write_manifest(self) -> None:
         """At close, a local tier's header manifest for the next warm restart (headers of
         objects unchanged since the last one come from it, the rest from their files)."""
+        recorded = time.time_ns()  # the OS clock, as file times are; before the directories' stats
         try:
+            dirs = self.blobs.dir_stats(self._blocks)
             listing = self.blobs.stats(self._blocks)
         except TierIOError as e:
             log.warning("object tier %r: no manifest written: %s", self.name, e)
@@ -563,7 +577,7 @@ class ObjectTier(Tier):
         if listing is None:
             return  # a remote store: a listing cannot prove an object unchanged
         listing = {p: st for p, st in listing.items() if p.endswith(SUFFIX)}
-        n = manifest.refresh(self._manifest_path, listing, key_of, self.blobs.header_bytes)
+        n = manifest.refresh(self._manifest_path, listing, key_of, self.blobs.header_bytes, dirs, recorded, self._book)
         log.info("object tier %r: header manifest of %d objects written", self.name, n)
 
     def _stale_temp(self, path: str) -> bool:

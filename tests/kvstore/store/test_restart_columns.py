@@ -423,3 +423,59 @@ def test_a_restart_killed_midway_leaves_a_directory_the_next_one_rebuilds_the_sa
     assert new["counters"]["orphans_dropped"] == 0 < clean["counters"]["orphans_dropped"]  # dropped by the killed run
     assert {k: v for k, v in new.items() if k != "counters"} == {k: v for k, v in clean.items() if k != "counters"}
     assert new["counters"]["recovered_blocks"] == clean["counters"]["recovered_blocks"]
+
+
+def _settle_directories(root: Path, clock: FakeClock) -> Path:
+    """Age the object tier's prefix directories (as hours without writes would) and let a
+    clean close write the manifest: from then on the directories vouch for their objects."""
+    blocks = root / "tiers" / "object" / "objects" / "blocks"
+    old = os.stat(blocks).st_mtime - 3600
+    for d in blocks.iterdir():
+        os.utime(d, (old, old))
+    spec = specs()[2]
+    t = make_tier(spec.kind, spec.name, dict(spec.options), root, clock)
+    list(t.scan_columns())
+    t.close()  # writes the manifest, with the directories' stats
+    return blocks
+
+
+@pytest.mark.parametrize("change", ["none", "rewritten", "added by hand"])
+def test_settled_directories_vouch_for_their_objects_and_a_changed_one_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    from tiers.object import local
+
+    clock = FakeClock()
+    populate(tmp_path / "new", 11, clock)
+    blocks = _settle_directories(tmp_path / "new", clock)
+    spec = specs()[2]
+    changed: set[str] = set()
+    if change == "rewritten":  # through a tier: temp name, then rename, so the directory changes
+        quiet = make_tier(spec.kind, spec.name, {**spec.options, "manifest": False}, tmp_path / "new", clock)
+        key, meta = sorted(quiet.scan(), key=lambda kv: kv[0])[3]
+        payload = bytes(meta.size)
+        quiet.write(key, payload, meta.with_expiry(meta.expiry + H).with_checksum(payload_checksum(payload)), durable=True)
+        quiet.close()
+        changed.add(key.hex()[:2])
+    elif change == "added by hand":  # a copy of an object under a name the manifest lacks
+        some = next(p for p in sorted(blocks.rglob("*.kvb")))
+        other = sorted(blocks.rglob("*.kvb"))[-1]
+        shutil.copy(other, some.parent / other.name)
+        changed.add(some.parent.name)
+    shutil.copytree(tmp_path / "new", tmp_path / "files")
+    (tmp_path / "files" / "tiers" / "object" / "objects" / "manifest.kvm").unlink()
+    statted: list[str] = []
+    stat_of = local.stat_of
+    monkeypatch.setattr(local, "stat_of", lambda st: statted.append("file") or stat_of(st))
+    t = make_tier(spec.kind, spec.name, {**spec.options, "manifest": False}, tmp_path / "new", clock)
+    vouched = [{f: getattr(c, f).tolist() for f in c.__slots__} for c in t.scan_columns()], t.describe()["bad_headers"]
+    t.close()
+    in_changed = sum(1 for d in changed for _ in (blocks / d).iterdir())
+    assert len(statted) == in_changed  # only the files of a changed directory were statted
+    monkeypatch.setattr(local, "stat_of", stat_of)
+    t = make_tier(spec.kind, spec.name, {**spec.options, "manifest": False}, tmp_path / "files", clock)
+    from_files = [{f: getattr(c, f).tolist() for f in c.__slots__} for c in t.scan_columns()], t.describe()["bad_headers"]
+    t.close()
+    assert vouched == from_files
+    new, old = both_ways(tmp_path, clock, monkeypatch, tmp_path / "new")
+    assert new == old
