@@ -213,13 +213,11 @@ def refresh(
     read_header: Callable[[str], bytes | None],
     dirs: dict[str, DirStat] | None = None,
     recorded_ns: int = 0,
-    known: Manifest | None = None,
 ) -> int:
     """At close: the manifest of the objects ``listing`` holds (path -> stat), each header
     taken from the old manifest when its object is unchanged, else read from the file
-    (``read_header``; None skips a damaged one: the next restart reads and quarantines it).
-    ``known``: the manifest this run's open read (and retired), whose headers serve too."""
-    old = load(path) or known
+    (``read_header``; None skips a damaged one: the next restart reads and quarantines it)."""
+    old = load(path)
     entries: list[tuple[BlockHash, Stat, bytes]] = []
     for p, stat in listing.items():
         key = key_of(p)

@@ -135,7 +135,6 @@ class ObjectTier(Tier):
         # The store is listed once, on first use: the maps need it, and a store opening this
         # tier scans it at once (cold rebuild), so that scan is the listing.
         self._listed = False
-        self._book: manifest.Manifest | None = None  # the manifest the listing used
         self._list_lock = threading.Lock()
         self._worker: threading.Thread | None = None
         if config.worker_interval_s > 0 and (not self._local or self.shared):
@@ -443,7 +442,6 @@ class ObjectTier(Tier):
         # A local tier lists with what tells an object from the one its manifest recorded
         # (written at the last close): those headers come from the manifest, not the files.
         book = manifest.load(self._manifest_path) if self._local else None
-        self._book = book  # its headers serve this run's close for the objects left unchanged
         stats = self.blobs.stats(self._blocks, book.vouches if book is not None else None)
         listed: dict[str, Any] = self._list(self._blocks) if stats is None else stats
         if book is not None and self.config.manifest:
@@ -577,7 +575,7 @@ class ObjectTier(Tier):
         if listing is None:
             return  # a remote store: a listing cannot prove an object unchanged
         listing = {p: st for p, st in listing.items() if p.endswith(SUFFIX)}
-        n = manifest.refresh(self._manifest_path, listing, key_of, self.blobs.header_bytes, dirs, recorded, self._book)
+        n = manifest.refresh(self._manifest_path, listing, key_of, self.blobs.header_bytes, dirs, recorded)
         log.info("object tier %r: header manifest of %d objects written", self.name, n)
 
     def _stale_temp(self, path: str) -> bool:
