@@ -253,26 +253,6 @@ class RadixIndex:
         self._write(ids, parents, depths, sizes, ns, tiers, created, expiry)
         return ids
 
-    def insert_forest(
-        self,
-        hashes: Sequence[bytes],
-        parent_at: np.ndarray,
-        depths: np.ndarray,
-        sizes: np.ndarray,
-        ns: np.ndarray,
-        tiers: np.ndarray,
-        created: np.ndarray,
-        expiry: np.ndarray,
-    ) -> np.ndarray:
-        """:meth:`insert_blocks` of blocks whose parents are among them, in one call (a warm
-        restart inserts every block so): ``parent_at[i]`` is the position in ``hashes`` of
-        block ``i``'s parent, or ``NO_PARENT``. Ids are given in the order of ``hashes``."""
-        ids = self._register(hashes)
-        linked = parent_at != NO_PARENT
-        parents = np.where(linked, ids[np.where(linked, parent_at, 0)] if ids.size else 0, NO_PARENT)
-        self._write(ids, parents, depths, sizes, ns, tiers, created, expiry)
-        return ids
-
     def _register(self, hashes: Sequence[bytes]) -> np.ndarray:
         """New ids for ``hashes``, none of which may be present nor repeated. Checked before
         anything changes: a refused insert leaves the index as it was."""
