@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.batch import BatchedLM, BatchResult, _Plan, batches
+from engine.batch import BatchedLM, BatchResult, _Loads, _Plan, batches
 from engine.client import EngineCache
 from engine.gpu import arena_tensor, release_arenas
 from engine.hbm_cache import HbmCache
@@ -166,8 +166,8 @@ class _Resident(BatchedLM):
         p.n_hbm = self.hits.pop(0)
         return p
 
-    def _load(self, plans: list[_Plan], kv: torch.Tensor, k_starts: list[int]) -> list[Any]:
-        return [None] * self.shape.num_layers
+    def _load(self, plans: list[_Plan], kv: torch.Tensor, k_starts: list[int]) -> _Loads:
+        return _Loads(self.shape.num_layers, 1, None, 0)
 
 
 @dataclass(slots=True)
