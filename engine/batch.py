@@ -120,8 +120,11 @@ class _Loads:
     of the compute. ``events[layer]``: the load stream's event after that layer (None: nothing to
     wait for)."""
 
-    def __init__(self, n_layers: int, per_group: int, issue: Callable[[int, int], None] | None, ahead: int) -> None:
+    def __init__(self, n_layers: int, per_group: int, issue: Callable[[int, int], None] | None, ahead: int,
+                 on_layer: Callable[[int], None] | None = None) -> None:
         self.events: list[Any] = [None] * n_layers
+        self.on_layer = on_layer
+        """Work for a layer on the compute stream, after its load event (``hbm_gather="compute"``)."""
         self._n = n_layers
         self._per_group = max(1, per_group)
         self._issue = issue
@@ -160,6 +163,8 @@ class _RowsCache(DynamicCache):
         ev = self._loads.events[layer_idx]
         if ev is not None:
             torch.cuda.current_stream(key_states.device).wait_event(ev)
+        if self._loads.on_layer is not None:
+            self._loads.on_layer(layer_idx)
         k, v = self._kv[layer_idx, 0], self._kv[layer_idx, 1]
         wide(k).index_copy_(0, self._new, wide(key_states[0].transpose(0, 1)))
         wide(v).index_copy_(0, self._new, wide(value_states[0].transpose(0, 1)))
@@ -247,7 +252,7 @@ class BatchedLM:
 
     def __init__(self, model: Any, cache: EngineCache | None, *, hbm: HbmCache | None = None,
                  layer_groups: int = 16, attention: str = "auto", block_tokens: int = 64,
-                 store_ring_bytes: int | None = None, load_ahead: int = 2) -> None:
+                 store_ring_bytes: int | None = None, load_ahead: int = 2, hbm_gather: str = "load") -> None:
         self.model = model.eval()
         self.cache = cache
         self.hbm = hbm
@@ -266,6 +271,12 @@ class BatchedLM:
         self.layer_groups = max(1, layer_groups)
         self.load_ahead = max(1, load_ahead)
         """Layer groups whose loads are issued before the model reaches them (:class:`_Loads`)."""
+        if hbm_gather not in ("load", "compute"):
+            raise ValueError(f"hbm_gather must be 'load' or 'compute', not {hbm_gather!r}")
+        self.hbm_gather = hbm_gather
+        """Where HBM hits are gathered into the rows: on the load stream, under the compute of
+        earlier layers (``"load"``), or on the compute stream just before the layer runs
+        (``"compute"``: serial, but never competing with the model's kernels)."""
         self._kw = _cache_kw(model)
         self._base = model.base_model
         self._head = model.get_output_embeddings()
@@ -445,6 +456,8 @@ class BatchedLM:
                 if t is not None:  # made on the compute stream, read on this one: not reused early
                     t.record_stream(stream)
         loads: _Loads
+        gather_on_compute = self.hbm_gather == "compute"
+        load_hbm = [] if gather_on_compute else hbm_runs
 
         def issue(g0: int, g1: int) -> None:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -456,13 +469,18 @@ class BatchedLM:
                         r += p.n_dram
                 for layer in range(g0, g1):
                     for j in (0, 1):
-                        self._fill_layer(kv, layer, j, g0, staging, dram_dst, hbm_runs, promo_slots, promo_dst)
+                        self._fill_layer(kv, layer, j, g0, staging, dram_dst, load_hbm, promo_slots, promo_dst)
                     if stream is not None:
                         ev = torch.cuda.Event()
                         ev.record(stream)
                         loads.events[layer] = ev
 
-        loads = _Loads(n_layers, per_group, issue, self.load_ahead * per_group)
+        def gather(layer: int) -> None:
+            for j in (0, 1):
+                self._gather_hbm(kv[layer, j], layer, j, hbm_runs)
+
+        loads = _Loads(n_layers, per_group, issue, self.load_ahead * per_group,
+                       gather if gather_on_compute and hbm_runs else None)
         return loads
 
     def _fill_layer(self, kv: torch.Tensor, layer: int, j: int, g0: int, staging: torch.Tensor | None,
@@ -478,9 +496,17 @@ class BatchedLM:
             wide(rows.view(-1, shape.block_tokens, shape.kv_heads, shape.head_dim)).index_copy_(0, dram_dst, wide(src))
         if self.hbm is None:
             return
-        pages, blocks = self.hbm.part(layer, j), block_rows(rows, shape)
         if promo_slots is not None and promo_dst is not None:
-            pages.index_copy_(0, promo_slots, blocks.index_select(0, promo_dst))
+            blocks = block_rows(rows, shape)
+            self.hbm.part(layer, j).index_copy_(0, promo_slots, blocks.index_select(0, promo_dst))
+        self._gather_hbm(rows, layer, j, hbm_runs)
+
+    def _gather_hbm(self, rows: torch.Tensor, layer: int, j: int, hbm_runs: list[tuple[torch.Tensor, int, int]]) -> None:
+        """The HBM-resident blocks of every request: K (j=0) or V of layer ``layer``, gathered from
+        their pages straight into ``rows`` (one ``index_select`` per request)."""
+        if self.hbm is None or not hbm_runs:
+            return
+        pages, blocks = self.hbm.part(layer, j), block_rows(rows, self.shape)
         for slots, b0, n in hbm_runs:
             torch.index_select(pages, 0, slots, out=blocks[b0 : b0 + n])
 

@@ -54,12 +54,6 @@ def _memcpy2d() -> Any:
     return _CUDART or None
 
 
-def direct_copy_ok() -> bool:
-    """Whether strided host-to-device copies out of an arena are one call per run of blocks
-    (``cudaMemcpy2DAsync`` found) rather than one per block."""
-    return torch.cuda.is_available() and _memcpy2d() is not None
-
-
 def _cudart_candidates() -> list[str]:
     names = ["libcudart.so"] + [f"libcudart.so.{v}" for v in (13, 12, 11)]
     try:

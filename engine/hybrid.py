@@ -41,7 +41,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from engine.gpu import ArenaBlocks, HostBlocks, direct_copy_ok
+from engine.gpu import ArenaBlocks, HostBlocks
 from engine.hf import _cache_kw, _out_cache
 from engine.kvlayout import KVShape, pack, unpack_layer, unpack_layer_into
 from kvstore.errors import MissingPrefixError, UsageError
@@ -232,7 +232,7 @@ class HybridPrefill:
     """Host milliseconds per phase of the TTFT: ``hash``, ``lookup`` (finding the checkpoint),
     ``fetch`` (leases or reads), ``issue`` (installing the cache and queueing its loads),
     ``forward`` (issuing the model), ``sync`` (waiting for the device); ``copies``: host-to-device
-    copy calls queued."""
+    copy calls queued; ``moved_bytes``: the bytes they move."""
     timeline: dict[str, Any] | None = None
     """With ``HybridLM.trace`` on CUDA: per decoder layer, device milliseconds from the prefill's
     start until its load completed (``load_ms``, None: nothing to load), its compute started
@@ -269,20 +269,18 @@ class HybridLM:
         policy: CheckpointPolicy | None = None,
         everything: bool = False,
         layer_groups: int = 16,
-        load: str = "auto",
-        attention: str = "model",
+        all_layers: bool = True,
+        attention: str = "auto",
         trace: bool = False,
     ) -> None:
-        """``load`` (CUDA, from leases on a shared-memory arena): ``"direct"`` copies each
-        layer's K and V head by head straight from the arena into the cache tensors (one 2-D DMA
-        per run of blocks, layer, K/V and head; no device staging, no unpack kernel, so the load
-        stream holds DMAs only and never waits behind the model's kernels); ``"staging"`` copies
-        a layer group of every block into a device buffer and unpacks it with a strided copy per
-        layer; ``"auto"``: direct while the lease's runs keep the copies few, else staging.
-        ``attention``: ``"model"`` (the model's own), or ``"flash"`` (CUDA: FlashAttention-2
-        with bottom-right causal alignment and the sliding window, no mask tensor, for every
-        layer: :func:`_flash_window`). ``trace``: record the per-layer timeline (CUDA events) in
-        :attr:`HybridPrefill.timeline`."""
+        """``all_layers`` (with ``everything``): load every layer of every cached block, as a
+        store-everything connector does; False: only what the model reads, the full layers of
+        every block and the sliding layers' last window (the best a store-everything engine
+        can do). ``attention``: ``"model"`` (the model's own), ``"flash"`` (CUDA:
+        FlashAttention-2 with bottom-right causal alignment and the sliding window, no mask
+        tensor: :func:`_flash_window`), ``"auto"``: flash on CUDA for a model it covers (no
+        logit soft-capping, no attention sinks), else the model's. ``trace``: record the
+        per-layer timeline (CUDA events) in :attr:`HybridPrefill.timeline`."""
         self.model = model.eval()
         self.store = store
         self.device = next(model.parameters()).device
@@ -305,19 +303,19 @@ class HybridLM:
         # Leases (zero-copy reads from the store's shared-memory arena) for a CUDA device.
         self._leases = self.device.type == "cuda" and hasattr(store, "acquire")
         self.layer_groups = max(1, layer_groups)
-        if load not in ("auto", "direct", "staging"):
-            raise UsageError(f"load must be 'auto', 'direct' or 'staging', not {load!r}")
-        if attention not in ("model", "flash"):
-            raise UsageError(f"attention must be 'model' or 'flash', not {attention!r}")
+        if attention not in ("auto", "model", "flash"):
+            raise UsageError(f"attention must be 'auto', 'model' or 'flash', not {attention!r}")
         if attention == "flash":
             _refuse_flash(model, self.device)
-        self.load = load
+        elif attention == "auto":
+            attention = "flash" if _flash_covers(model, self.device) else "model"
+        self.all_layers = all_layers
         self.attention = attention
         self.trace = trace
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._events: list[Any] = []
         self._marks: list[list[Any]] = []
-        self._copies = 0
+        self._copies = self._moved = 0
         self._hooks = []
         decoder = getattr(model.base_model, "layers", None)
         if self._stream is not None and decoder is not None and len(decoder) == len(self.plan.kinds):
@@ -458,75 +456,49 @@ class HybridLM:
     def _fill(self, cache: DynamicCache, src: ArenaBlocks | HostBlocks, layers: list[int], tokens: int, keep: int,
               stream: torch.cuda.Stream | None) -> None:
         """Layers ``layers`` (model indices, in the part's layer order) of the part ``src`` into
-        ``cache``; sliding layers keep their last ``keep`` tokens."""
+        ``cache``; sliding layers keep their last ``keep`` tokens.
+
+        Layer groups of up to ``len(layers) / layer_groups`` consecutive layers are copied into a
+        device buffer (one 2-D DMA per run of blocks: rows of a group's bytes of a block, large
+        enough for the link's full rate) and unpacked with one strided copy per layer. A sliding
+        layer reads only its last blocks; with ``everything`` and ``all_layers`` its group still
+        copies every block, as a connector that loads every layer would."""
         n = src.num_blocks
         shape = self._shape(len(layers), self.bt)
-        bt = self.bt
+        lb, bt = shape.layer_bytes, self.bt
         kb = min(n, -(-keep // bt))  # blocks that hold a sliding layer's last ``keep`` tokens
-        direct = self._direct(src, len(layers), kb)
         dst = {}
         for layer in layers:
-            sliding = self.plan.kinds[layer] == "sliding"
-            # Direct copies land whole blocks: a sliding layer gets its last kb blocks and keeps a
-            # view of the last ``keep`` tokens of them.
-            t = (kb * bt if direct else keep) if sliding else n * bt
+            t = keep if self.plan.kinds[layer] == "sliding" else n * bt
             k = torch.empty((1, shape.kv_heads, t, shape.head_dim), dtype=self.dtype, device=self.device)
-            v = torch.empty_like(k)
-            dst[layer] = (k, v)
-            if sliding and direct:
-                k, v = k[:, :, t - keep :], v[:, :, t - keep :]
-            self._install(cache, layer, k, v, tokens)
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            if direct:
-                assert isinstance(src, ArenaBlocks)
-                self._fill_direct(src, layers, dst, shape, n, kb, stream)
-            else:
-                self._fill_staged(src, layers, dst, shape, n, kb, keep, stream)
-
-    def _direct(self, src: ArenaBlocks | HostBlocks, layers: int, kb: int) -> bool:
-        """Whether to copy this part head by head straight into the cache (``load``)."""
-        if self.load == "staging" or self._stream is None or not isinstance(src, ArenaBlocks) or not direct_copy_ok():
-            return False
-        if self.load == "direct":
-            return True
-        # auto: every run of blocks costs one copy call per layer, K/V and head.
-        return len(src.runs_of(0, src.num_blocks)) * layers * 2 * self.plan.kv_heads <= 4096
-
-    def _fill_direct(self, src: ArenaBlocks, layers: list[int], dst: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                     shape: KVShape, n: int, kb: int, stream: torch.cuda.Stream | None) -> None:
-        """One 2-D DMA per run of blocks, layer, K/V and head, from the arena into the cache
-        tensors (``[1, heads, tokens, dim]``: a head's rows of consecutive blocks are back to back,
-        so a run of blocks is one copy of ``block_tokens x dim`` elements a row)."""
-        lb, hb = shape.layer_bytes, self.bt * shape.head_dim * self.dtype.itemsize
-        for j, layer in enumerate(layers):
-            sliding = self.plan.kinds[layer] == "sliding"
-            first, count = (n - kb, kb) if sliding else (0, n)
-            for kv, t in enumerate(dst[layer]):
-                rows = t[0].view(torch.uint8).view(shape.kv_heads, count, hb)
-                for h in range(shape.kv_heads):
-                    lo = j * lb + (kv * shape.kv_heads + h) * hb
-                    self._copies += src.copy_into(rows[h], lo, lo + hb, first)
-            self._loaded(layer, stream)
-
-    def _fill_staged(self, src: ArenaBlocks | HostBlocks, layers: list[int], dst: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                     shape: KVShape, n: int, kb: int, keep: int, stream: torch.cuda.Stream | None) -> None:
-        """A layer group of every block into a device buffer, then one strided unpack per layer."""
-        lb = shape.layer_bytes
+            dst[layer] = (k, torch.empty_like(k))
+            self._install(cache, layer, *dst[layer], tokens)
+        # Each layer's first block: a group is consecutive layers with the same first block.
+        firsts = [n - kb if self.plan.kinds[layer] == "sliding" and not (self.everything and self.all_layers) else 0
+                  for layer in layers]
         per_group = -(-len(layers) // self.layer_groups)
-        for g0 in range(0, len(layers), per_group):
-            g1 = min(len(layers), g0 + per_group)
-            staging = torch.empty((n, (g1 - g0) * lb), dtype=torch.uint8, device=self.device)
-            self._copies += src.copy_into(staging, g0 * lb, g1 * lb)
-            for j in range(g0, g1):
-                layer = layers[j]
-                k, v = dst[layer]
-                if self.plan.kinds[layer] == "sliding":
-                    kk, vv = unpack_layer(staging[n - kb :], shape, j - g0)
-                    k.copy_(kk[:, :, -keep:])
-                    v.copy_(vv[:, :, -keep:])
-                else:
-                    unpack_layer_into(staging, shape, j - g0, k, v)
-                self._loaded(layer, stream)
+        groups: list[tuple[int, int]] = []
+        for j in range(len(layers)):
+            if groups and j - groups[-1][0] < per_group and firsts[j] == firsts[groups[-1][0]]:
+                groups[-1] = (groups[-1][0], j + 1)
+            else:
+                groups.append((j, j + 1))
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for g0, g1 in groups:
+                first = firsts[g0]
+                staging = torch.empty((n - first, (g1 - g0) * lb), dtype=torch.uint8, device=self.device)
+                self._copies += src.copy_into(staging, g0 * lb, g1 * lb, first)
+                self._moved += staging.numel()
+                for j in range(g0, g1):
+                    layer = layers[j]
+                    k, v = dst[layer]
+                    if self.plan.kinds[layer] == "sliding":
+                        kk, vv = unpack_layer(staging[staging.shape[0] - kb :], shape, j - g0)
+                        k.copy_(kk[:, :, -keep:])
+                        v.copy_(vv[:, :, -keep:])
+                    else:
+                        unpack_layer_into(staging, shape, j - g0, k, v)
+                    self._loaded(layer, stream)
 
     def _loaded(self, layer: int, stream: torch.cuda.Stream | None) -> None:
         """Layer ``layer``'s load is queued on ``stream``: its event (and, tracing, its mark)."""
@@ -584,7 +556,7 @@ class HybridLM:
         if self.trace and self.device.type == "cuda":
             start = self._mark()
             self._marks = [[None, None, None] for _ in self.plan.kinds]
-        self._copies = 0
+        self._copies = self._moved = 0
         hashes = (self.hyb.hashes(ids) if not self.everything else hash_blocks(self.ns, ids)) if cached or store else []
         marks.append(time.perf_counter())
         max_hit = (ids.numel() - 1) // bt  # one token is always computed: its logits
@@ -630,6 +602,7 @@ class HybridLM:
         names = ("hash", "lookup", "fetch", "issue", "forward", "sync")
         phases = {k: round((b - a) * 1e3, 3) for k, a, b in zip(names, marks, marks[1:], strict=False)}
         phases["copies"] = self._copies
+        phases["moved_bytes"] = self._moved
         timeline = self._timeline(start) if start is not None else None
         stored = 0
         if store and self.store is not None:
@@ -730,6 +703,14 @@ class HybridLM:
             cache = _out_cache(out)
             nxt = int(out.logits[0, -1].argmax())
         return tokens, pre
+
+
+def _flash_covers(model: Any, device: torch.device) -> bool:
+    try:
+        _refuse_flash(model, device)
+    except UsageError:
+        return False
+    return True
 
 
 def _refuse_flash(model: Any, device: torch.device) -> None:

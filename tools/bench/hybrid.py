@@ -242,20 +242,13 @@ def _runs_here(what: str, quick: bool) -> bool:
     return False
 
 
-VARIANTS = ("direct:flash", "staging:model")
-"""``load:attention`` pairs of the TTFT rows (``HybridLM(load=..., attention=...)``); the first is
-the engine's default on CUDA, the second the previous session's path, kept as the comparison."""
+ATTENTION = ("auto",)
+"""Attention of the TTFT rows (``HybridLM(attention=...)``; ``auto`` is FlashAttention-2 on CUDA),
+the same for the hybrid engine and both store-everything baselines."""
 
 
-def _variants(names: tuple[str, ...] | None, on_gpu: bool) -> list[tuple[str, str]]:
-    out = []
-    for v in names or VARIANTS:
-        load, _, attention = v.partition(":")
-        if not on_gpu:  # the CPU smoke run: the model's attention, loads by copy
-            load, attention = "staging", "model"
-        if (load, attention or "model") not in out:
-            out.append((load, attention or "model"))
-    return out
+def _attentions(names: tuple[str, ...] | None, on_gpu: bool) -> list[str]:
+    return list(dict.fromkeys(names or ATTENTION)) if on_gpu else ["model"]
 
 
 def _summary(tl: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -275,8 +268,12 @@ def _summary(tl: dict[str, Any] | None) -> dict[str, Any] | None:
             "waited_for_loads_ms": round(waited, 3), **tl}
 
 
-def ttft_rows(quick: bool, intervals: tuple[int, ...] | None = None, variants: tuple[str, ...] | None = None,
+def ttft_rows(quick: bool, intervals: tuple[int, ...] | None = None, attentions: tuple[str, ...] | None = None,
               trace: bool = False) -> Iterator[dict[str, Any]]:
+    """Two store-everything baselines on the same blocks (every layer of every block stored):
+    ``everything`` loads every layer of the cached blocks, as a store-everything connector does
+    (the goal's baseline); ``everything_needed`` loads only what the model reads (full layers,
+    the sliding layers' last window), the best such an engine can do."""
     if not _runs_here("ttft", quick):
         return
     on_gpu = torch.cuda.is_available()
@@ -305,9 +302,10 @@ def ttft_rows(quick: bool, intervals: tuple[int, ...] | None = None, variants: t
             full_t = best_of(lambda: plain.prefill(torch.cat([prefix, tail]), use_cache=False, store=False), repeat)
             ref = plain.prefill(torch.cat([prefix, tail]), use_cache=False, store=False).logits
             plain.close()
-            for load, attention in _variants(variants, on_gpu):
-                kw = {"load": load, "attention": attention}
+            for attention in _attentions(attentions, on_gpu):
+                kw = {"attention": attention}
                 every = HybridLM(model, store, ns_all, everything=True, **kw)
+                needed = HybridLM(model, store, ns_all, everything=True, all_layers=False, **kw)
                 for c in intervals:
                     lm = HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}"), policy=CheckpointPolicy(every_blocks=c), **kw)
                     # A hit on a checkpoint (the stored prompt's end), and hits that leave the chain
@@ -320,15 +318,20 @@ def ttft_rows(quick: bool, intervals: tuple[int, ...] | None = None, variants: t
                         a = lm.prefill(prompt, store=False)
                         b = every.prefill(prompt, store=False)
                         assert a.replayed_tokens == r * BT, (r, a.replayed_tokens)
+                        bn = needed.prefill(prompt, store=False)
                         ha = min((lm.prefill(prompt, store=False) for _ in range(repeat)), key=lambda x: x.seconds)
                         hb = min((every.prefill(prompt, store=False) for _ in range(repeat)), key=lambda x: x.seconds)
+                        hn = min((needed.prefill(prompt, store=False) for _ in range(repeat)), key=lambda x: x.seconds)
                         t_h, t_e = ha.seconds, hb.seconds
                         extra: dict[str, Any] = {}
                         if trace and on_gpu:
-                            lm.trace = every.trace = True
+                            for x in (lm, every, needed):
+                                x.trace = True
                             extra = {"timeline": _summary(lm.prefill(prompt, store=False).timeline),
-                                     "everything_timeline": _summary(every.prefill(prompt, store=False).timeline)}
-                            lm.trace = every.trace = False
+                                     "everything_timeline": _summary(every.prefill(prompt, store=False).timeline),
+                                     "everything_needed_timeline": _summary(needed.prefill(prompt, store=False).timeline)}
+                            for x in (lm, every, needed):
+                                x.trace = False
                         rel = float((a.logits - b.logits).abs().max() / b.logits.abs().max())
                         vs_full = {}
                         if r == 0:  # the same prompt as the full prefill: the loaded path against no cache
@@ -340,12 +343,16 @@ def ttft_rows(quick: bool, intervals: tuple[int, ...] | None = None, variants: t
                             baseline_is="store-everything", goal_ratio=1.1, full_prefill_ms=round(full_t * 1e3, 2),
                             speedup_vs_full=round(full_t / t_h, 2), every_blocks=c, replayed_tokens=a.replayed_tokens,
                             hit_tokens=a.hit_tokens, loaded_bytes=a.loaded_bytes, everything_loaded_bytes=b.loaded_bytes,
-                            load=load, attention=attention, phases_ms=ha.phases, everything_phases_ms=hb.phases,
+                            everything_needed_ms=round(hn.seconds * 1e3, 3), ratio_vs_everything_needed=round(t_h / hn.seconds, 4),
+                            everything_needed_loaded_bytes=bn.loaded_bytes,
+                            same_next_token_as_everything_needed=bool(a.logits.argmax() == bn.logits.argmax()),
+                            attention=attention, phases_ms=ha.phases, everything_phases_ms=hb.phases,
                             same_next_token=bool(a.logits.argmax() == b.logits.argmax()), logits_rel_err=round(rel, 4), **vs_full,
                             device=torch.cuda.get_device_name() if on_gpu else "cpu (smoke)", **extra,
                         )
                     lm.close()
                 every.close()
+                needed.close()
         finally:
             store.close()
 
@@ -399,7 +406,7 @@ def syncs_rows(quick: bool) -> Iterator[dict[str, Any]]:
             store.close()
 
 
-def trace_ttft_rows(quick: bool, variant: str | None = None) -> Iterator[dict[str, Any]]:
+def trace_ttft_rows(quick: bool, attention: str | None = None) -> Iterator[dict[str, Any]]:
     """TTFT on a document-QA trace (CUDA; ``--quick`` on the CPU: a smoke run): documents of
     8K-24K tokens (not block-aligned), each asked 4 questions of 100-600 tokens in an
     interleaved order, served one at a time and stored after each, by three engines on one
@@ -426,12 +433,16 @@ def trace_ttft_rows(quick: bool, variant: str | None = None) -> Iterator[dict[st
     # Every layer once, each split under that, and room to spare: nothing may be evicted (a
     # hit cut short by eviction would measure the arena, not the engines).
     cap = 3 * (tokens // BT + len(prompts)) * ns.block_bytes + (512 << 20)
-    ((load, attention),) = _variants((variant or VARIANTS[0],), on_gpu)
-    kw = {"load": load, "attention": attention}
+    (attention,) = _attentions((attention or ATTENTION[0],), on_gpu)
+    kw = {"attention": attention}
     with tempfile.TemporaryDirectory() as d:
         store = _dram_store(d, -(-cap // (64 << 20)) * (64 << 20))
         try:
             engines = {
+                # Same blocks as "everything", loading only what the model reads; runs first on each
+                # prompt and stores nothing (its hit is everything's).
+                "everything_needed": HybridLM(model, store, replace(ns, model_id=ns.model_id + "-all"), everything=True,
+                                              all_layers=False, **kw),
                 "everything": HybridLM(model, store, replace(ns, model_id=ns.model_id + "-all"), everything=True, **kw),
                 "at_hits": HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}-hits"),
                                     policy=CheckpointPolicy(every_blocks=c), **kw),
@@ -447,7 +458,7 @@ def trace_ttft_rows(quick: bool, variant: str | None = None) -> Iterator[dict[st
             phases: dict[str, list[dict[str, float]]] = {k: [] for k in engines}
             hit = []
             for prompt in prompts:
-                pres = {k: lm.prefill(prompt) for k, lm in engines.items()}
+                pres = {k: lm.prefill(prompt, store=k != "everything_needed") for k, lm in engines.items()}
                 if pres["everything"].hit_tokens:
                     hit.append(True)
                     for k, pre in pres.items():
@@ -471,7 +482,10 @@ def trace_ttft_rows(quick: bool, variant: str | None = None) -> Iterator[dict[st
             evictions=int(evicted), ttft_ms=[round(x * 1e3, 1) for x in ttft[k]],
             everything_ttft_ms=[round(x * 1e3, 1) for x in ttft["everything"]],
             per_request_ratio_max=round(max(ratios), 3), per_request_ratio_median=round(float(np.median(ratios)), 3),
-            load=load, attention=attention, mean_phases_ms=_mean_phases(phases[k]),
+            attention=attention, mean_phases_ms=_mean_phases(phases[k]),
+            everything_needed_mean_ms=round(float(np.mean(ttft["everything_needed"])) * 1e3, 2),
+            everything_needed_ttft_ms=[round(x * 1e3, 1) for x in ttft["everything_needed"]],
+            everything_needed_mean_phases_ms=_mean_phases(phases["everything_needed"]),
             everything_mean_phases_ms=_mean_phases(phases["everything"]), everything_phases_ms=phases["everything"],
             device=torch.cuda.get_device_name() if on_gpu else "cpu (smoke)",
         )
@@ -491,21 +505,21 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
 def main(argv: list[str]) -> None:
     """``python -m tools.bench.hybrid [bytes|replay|trace|ttft|trace_ttft|syncs ...] [--quick]
-    [--c 21,24] [--variants direct:flash,staging:model] [--trace]``: the named parts only (all
-    but ``syncs`` by default); ``--c`` the checkpoint intervals and ``--variants`` the
-    ``load:attention`` pairs of the TTFT rows (the first also runs ``trace_ttft``); ``--trace``
-    adds each TTFT row's per-layer device timeline."""
+    [--c 21,24] [--attention auto,model] [--trace]``: the named parts only (all but ``syncs`` by
+    default); ``--c`` the checkpoint intervals and ``--attention`` the attention of the TTFT rows
+    (the first also runs ``trace_ttft``); ``--trace`` adds each TTFT row's per-layer device
+    timeline."""
     import json
 
     p = argparse.ArgumentParser(prog="python -m tools.bench.hybrid")
     p.add_argument("parts", nargs="*", choices=["bytes", "replay", "trace", "ttft", "trace_ttft", "syncs"])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--c", default="", help="checkpoint intervals of the TTFT rows, comma-separated")
-    p.add_argument("--variants", default="", help="load:attention pairs of the TTFT rows, comma-separated")
+    p.add_argument("--attention", default="", help="attention of the TTFT rows (auto, model, flash), comma-separated")
     p.add_argument("--trace", action="store_true", help="per-layer device timelines in the TTFT rows")
     a = p.parse_args(argv)
     cs = tuple(int(x) for x in a.c.split(",") if x) or None
-    vs = tuple(x for x in a.variants.split(",") if x) or None
+    vs = tuple(x for x in a.attention.split(",") if x) or None
     parts = {
         "bytes": lambda: bytes_rows(a.quick), "replay": lambda: replay_rows(a.quick), "trace": lambda: trace_rows(a.quick),
         "ttft": lambda: ttft_rows(a.quick, cs, vs, a.trace), "trace_ttft": lambda: trace_ttft_rows(a.quick, vs[0] if vs else None),
