@@ -23,7 +23,11 @@ On CUDA, from a store with a shared-memory arena, the blocks are leased there an
 device on a load stream, layer group by layer group (one 2-D DMA per run of blocks, ``engine.gpu``),
 then unpacked with one strided copy per layer; decoder layer i waits on the device for its own
 layers' load only (a forward pre-hook), so loads overlap compute as in ``engine/hf.py``. Both
-paths this module compares (the split and store-everything) load the same way.
+paths this module compares (the split and store-everything) load the same way; store-everything
+loads every layer of every block (``all_layers=True``, as a store-everything connector does) or
+only what the model reads. On CUDA the model runs with FlashAttention-2 (``attention="auto"``:
+:func:`_flash_window`, the sliding window as FlashAttention's left window). ``HybridPrefill.phases``
+splits the TTFT's host time; ``trace=True`` records a per-layer device timeline.
 """
 
 from __future__ import annotations
