@@ -511,7 +511,14 @@ def main(argv: list[str]) -> None:
     timeline."""
     import json
 
-    p = argparse.ArgumentParser(prog="python -m tools.bench.hybrid")
+    from kvstore.version import version
+
+    p = argparse.ArgumentParser(
+        prog="python -m tools.bench.hybrid",
+        description="Hybrid (sliding-window) model benchmarks: bytes per cached token, bounded replay, "
+        "document-QA traces and, on CUDA, TTFT against store-everything; JSON lines on stdout.",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("parts", nargs="*", choices=["bytes", "replay", "trace", "ttft", "trace_ttft", "syncs"])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--c", default="", help="checkpoint intervals of the TTFT rows, comma-separated")
