@@ -82,7 +82,7 @@ class StoreConfig:
     """Options of the policy's own ``Config`` (e.g. ``{ghost_factor = 4}``); see eviction/."""
     admission: str = "reuse"
     """Which demoted blocks are written into the last tier (the paid object store): ``reuse``
-    (skip blocks unlikely to be read again, within a hit-loss budget of 1%; a refused block with
+    (skip blocks unlikely to be read again, within a hit-loss budget of 0.75%; a refused block with
     cached children leaves with its subtree; never a pinned, durably put or recovered block) or
     ``all`` (eviction/admission.py; docs/eviction.md, "Tier economics")."""
     admission_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))

@@ -91,7 +91,7 @@ def test_reuse_is_the_default_and_reported(tmp_path: Path) -> None:
     assert StoreConfig().admission == "reuse"
     s = KVStore(StoreConfig(root=tmp_path, tiers=NULL3, persist_on_close=False), clock=FakeClock(1_000.0))
     st = s.stats()
-    assert st["admission"] == {"admission": "reuse", "hit_loss_budget": 0.01, "inner": True,
+    assert st["admission"] == {"admission": "reuse", "hit_loss_budget": 0.0075, "inner": True,
                                "skipping_classes": 0, "admission_lost_hits": 0, "unreachable_skipped": 0,
                                "cut_descendants": 0}
     assert (st["skipped_writes"], st["skipped_bytes"]) == (0, 0)
