@@ -174,6 +174,17 @@ class DirectFile:
             dst[:size] = b[:size]
 
 
+    def read_run(self, dsts: Sequence[memoryview], offset: int) -> None:
+        """Fill every view of ``dsts`` (flat, writable; in direct mode each ALIGN-aligned and a
+        whole number of ALIGN bytes long) from consecutive bytes of the file at ``offset``: one
+        ``preadv`` for slots that lie back to back (:meth:`can_run` says which views qualify)."""
+        _pread_full(self.fd, dsts, offset)
+
+    def can_run(self, dst: memoryview, size: int) -> bool:
+        """Whether ``dst[:size]`` may be one view of a :meth:`read_run` (no bounce buffer needed)."""
+        return not self.direct or (size % ALIGN == 0 and is_aligned(dst))
+
+
 def _advance(bufs: list[memoryview], n: int) -> None:
     """Drop the first ``n`` bytes from the buffer list (after a short transfer)."""
     while bufs and n >= bufs[0].nbytes:

@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 
 from kvstore.api import LookupResult, layout_mismatch
 from kvstore.block import payload_checksum
-from kvstore.buffers import arena_pairs, dst_views, src_views
+from kvstore.buffers import address, arena_pairs, dst_views, span, src_views
 from kvstore.client._conn import (
     ConnectionLost,
     ConnectionRefused,
@@ -528,14 +528,51 @@ class Client:
             assert conn is not None
             if self.plane == "shm" and self._lease_fits(len(hashes), bb):
                 return self._get_shm(conn, ns_id, hashes, bufs)
-            hdr, meta = conn.call(P.Op.GET, P.encode_blocks(ns_id, hashes))
-            count, got_bb = P.parse_data_meta(meta)
-            if got_bb != bb or count > len(bufs) or hdr.payload_len != count * bb:
-                raise ConnectionLost(f"daemon sent {count} blocks of {got_bb} bytes; expected {bb}")
-            conn.recv_payload(bufs[:count])
-            return count
+            if self.info.get("get_runs"):
+                got = self._get_runs(conn, ns_id, hashes, bufs, bb, 64 + 16 * int(self.info["max_blocks"]))
+                if got is not None:
+                    return got
+
+            def into(hdr: P.Header, meta: bytearray) -> list[memoryview]:
+                count, got_bb = P.parse_data_meta(meta)
+                if got_bb != bb or count > len(bufs) or hdr.payload_len != count * bb:
+                    raise ConnectionLost(f"daemon sent {count} blocks of {got_bb} bytes; expected {bb}")
+                return bufs[:count]
+
+            _, meta = conn.call(P.Op.GET, P.encode_blocks(ns_id, hashes), into=into)
+            return P.parse_data_meta(meta)[0]
 
         return self._retry(call)
+
+    @staticmethod
+    def _get_runs(
+        conn: FrameConn, ns_id: bytes, hashes: list[bytes], bufs: list[memoryview], bb: int, max_meta: int
+    ) -> int | None:
+        """GET_RUNS: the payload lands in runs of blocks, each a span of one caller buffer (on
+        UCX one message each: few large messages moved far more than one per block). None,
+        sending nothing, when the request would not fit the daemon's metadata limit (a
+        destination in many pieces, near ``max_blocks``): a plain GET does then."""
+        spans = _dest_runs(bufs[: len(hashes)], bb)
+        req = P.encode_get_runs(ns_id, hashes, [len(v) // bb for v in spans])
+        if len(req) > max_meta:
+            return None
+
+        def into(hdr: P.Header, meta: bytearray) -> list[memoryview]:
+            count, got_bb, msgs = P.parse_runs_meta(meta)
+            if got_bb != bb or count > len(hashes) or hdr.payload_len != count * bb:
+                raise ConnectionLost(f"daemon sent {count} blocks of {got_bb} bytes; expected {bb}")
+            views, run, at = [], 0, 0  # at: bytes of spans[run] already taken
+            for m in msgs:
+                if at == spans[run].nbytes:
+                    run, at = run + 1, 0
+                if at + m * bb > spans[run].nbytes:
+                    raise ConnectionLost(f"daemon sent a run of {m} blocks across the end of a destination run")
+                views.append(spans[run][at : at + m * bb])
+                at += m * bb
+            return views
+
+        _, meta = conn.call(P.Op.GET_RUNS, req, into=into)
+        return P.parse_runs_meta(meta)[0]
 
     def _lease_fits(self, n: int, bb: int) -> bool:
         """Whether ``n`` blocks of ``bb`` bytes fit in the daemon's arena at once. A lease never
@@ -640,6 +677,23 @@ class Client:
                     self._staging.close()
             self._staging = open_staging(bytes(meta).decode(), self.info, self.timeout)
         return self._staging
+
+
+def _dest_runs(bufs: list[memoryview], bb: int) -> list[memoryview]:
+    """``bufs`` (block views) as spans of blocks that lie back to back in one caller buffer."""
+    out: list[memoryview] = []
+    i = 0
+    while i < len(bufs):
+        first, at, j = bufs[i], address(bufs[i]) + bb, i + 1
+        while j < len(bufs) and bufs[j].obj is first.obj and address(bufs[j]) == at:
+            at, j = at + bb, j + 1
+        whole = span(first, (j - i) * bb) if j - i > 1 else None
+        if whole is None:
+            out.extend(b[:bb] for b in bufs[i:j])
+        else:
+            out.append(whole)
+        i = j
+    return out
 
 
 def _copy_runs(arena: memoryview, locs: Sequence[tuple[int, int]], bufs: list[memoryview]) -> None:

@@ -20,7 +20,8 @@ checksums on every persistent read; hashing gigabytes per second a second time w
 data plane's speed. Their length is validated instead (a whole number of blocks, within limits).
 
 On UCX, where messages have boundaries, the same frame travels as one message for the header,
-one for the metadata (if any) and one per block of payload; on TCP the byte stream is the same.
+one for the metadata (if any) and one per block of payload (GET_RUNS: one per run of blocks its
+reply names); on TCP the byte stream is the same.
 
 Parsing never trusts a length before checking it against :class:`WireLimits`; every malformed
 input raises :class:`ProtocolError` and nothing else (a property-based test holds it to that).
@@ -66,6 +67,12 @@ class Op(enum.IntEnum):
     """meta: as GET. Reply meta: JSON (:func:`encode_lookup`), the answer of ``POST /v1/lookup``
     without its HTTP: an engine's lookup before every prefill. A refusal is a REPLY too, naming
     the error's class (:func:`encode_refusal`), as the HTTP error body does."""
+    GET_RUNS = 9
+    """meta: as GET, then u32 k and k u32 run lengths in blocks (summing to n): the caller's
+    destination, each run back to back in one buffer. Reply meta: u32 count, u32 block_bytes,
+    u32 m and m u32 message lengths in blocks (summing to count); the payload is GET's, and on
+    UCX it travels as one message per such run (:func:`encode_runs_meta`). Only to a daemon
+    whose HELLO says ``"get_runs": true``."""
     REPLY = 0x80
     """A successful reply; its meta depends on the request's op."""
     ERROR = 0xFF
@@ -87,7 +94,7 @@ class ErrorCode(enum.IntEnum):
 
 
 FATAL = frozenset({ErrorCode.BAD_FRAME, ErrorCode.UNAUTHENTICATED, ErrorCode.TOO_LARGE})
-_REQUEST_OPS = frozenset({Op.HELLO, Op.GET, Op.PUT, Op.ACQUIRE, Op.RELEASE, Op.STAGING, Op.PUT_SHM, Op.LOOKUP})
+_REQUEST_OPS = frozenset({Op.HELLO, Op.GET, Op.PUT, Op.ACQUIRE, Op.RELEASE, Op.STAGING, Op.PUT_SHM, Op.LOOKUP, Op.GET_RUNS})
 _REPLY_OPS = frozenset({Op.REPLY, Op.ERROR})
 
 
@@ -215,14 +222,19 @@ def encode_blocks(ns_id: bytes, hashes: list[bytes]) -> bytes:
     return ns_id + _U32.pack(len(hashes)) + b"".join(hashes)
 
 
-def parse_blocks(meta: bytes | memoryview, max_blocks: int) -> BlockRequest:
-    fixed = NS_ID_BYTES + 4
-    if len(meta) < fixed:
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"block request metadata needs at least {fixed} bytes")
+def _block_count(meta: bytes | memoryview, max_blocks: int) -> int:
+    """The u32 block count after a GET-like request's namespace id, checked against the limit."""
+    if len(meta) < NS_ID_BYTES + 4:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"block request metadata needs at least {NS_ID_BYTES + 4} bytes")
     (n,) = _U32.unpack_from(meta, NS_ID_BYTES)
     if n > max_blocks:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} blocks exceed the limit of {max_blocks} per request")
-    return BlockRequest(bytes(meta[:NS_ID_BYTES]), _split_hashes(meta, fixed, n))
+    return int(n)
+
+
+def parse_blocks(meta: bytes | memoryview, max_blocks: int) -> BlockRequest:
+    n = _block_count(meta, max_blocks)
+    return BlockRequest(bytes(meta[:NS_ID_BYTES]), _split_hashes(meta, NS_ID_BYTES + 4, n))
 
 
 def encode_put(
@@ -291,6 +303,47 @@ def parse_data_meta(meta: bytes | memoryview) -> tuple[int, int]:
     if len(meta) != 8:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"a data reply has 8 bytes of metadata, got {len(meta)}")
     return struct.unpack("<II", meta)
+
+
+def encode_get_runs(ns_id: bytes, hashes: list[bytes], runs: Sequence[int]) -> bytes:
+    """GET_RUNS metadata: the blocks, then the destination's runs (lengths in blocks)."""
+    return encode_blocks(ns_id, hashes) + _encode_runs(runs)
+
+
+def parse_get_runs(meta: bytes | memoryview, max_blocks: int) -> tuple[BlockRequest, list[int]]:
+    n = _block_count(meta, max_blocks)
+    end = NS_ID_BYTES + 4 + n * HASH_BYTES
+    return parse_blocks(meta[:end], max_blocks), _parse_runs(meta, end, n)
+
+
+def encode_runs_meta(count: int, block_bytes: int, runs: Sequence[int]) -> bytes:
+    """A GET_RUNS reply's metadata: the data meta, then the payload's messages (blocks each)."""
+    return encode_data_meta(count, block_bytes) + _encode_runs(runs)
+
+
+def parse_runs_meta(meta: bytes | memoryview) -> tuple[int, int, list[int]]:
+    if len(meta) < 8:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"a GET_RUNS reply needs at least 8 bytes of metadata, got {len(meta)}")
+    count, bb = struct.unpack_from("<II", meta)
+    return count, bb, _parse_runs(meta, 8, count)
+
+
+def _encode_runs(runs: Sequence[int]) -> bytes:
+    return struct.pack(f"<I{len(runs)}I", len(runs), *runs)
+
+
+def _parse_runs(meta: bytes | memoryview, off: int, total: int) -> list[int]:
+    """``total`` blocks cut into runs: a u32 count at ``off``, then as many u32 lengths, each at
+    least 1, summing to ``total``, ending the metadata."""
+    if len(meta) < off + 4:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "the metadata ends before its run count")
+    (k,) = _U32.unpack_from(meta, off)
+    if len(meta) != off + 4 + 4 * k:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"metadata announces {k} runs but carries {len(meta) - off - 4} bytes for them")
+    runs = list(struct.unpack_from(f"<{k}I", meta, off + 4))
+    if sum(runs) != total or (runs and min(runs) < 1):
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"runs {runs[:8]}... do not cut {total} blocks into runs of at least 1")
+    return runs
 
 
 def encode_lease(lease_id: int, locations: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> bytes:

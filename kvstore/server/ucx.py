@@ -1,7 +1,8 @@
 """The UCX data plane (optional: ``pip install 'kvstore[ucx]'``, which brings ``ucxx-cu12``).
 
 Same sessions and frames as TCP (:mod:`kvstore.server.dataplane`); on UCX each header,
-metadata and block travels as one tagged message.
+metadata and block (in a GET_RUNS reply: each run of blocks, up to 16 MiB) travels as one
+tagged message.
 
 The trade-off (measured on the 2-core dev machines, see docs/daemon.md): endpoints that a
 *listener* makes always run with peer error handling, which keeps UCX on its TCP transport

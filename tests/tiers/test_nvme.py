@@ -187,20 +187,52 @@ def test_read_many_reports_a_device_error_for_its_block_only(tier: NvmeTier, mon
     data = [payload(MiB, seed=i) for i in range(3)]
     for i, d in enumerate(data):
         tier.write(key(i), d, make_meta(d))
-    real_read = DirectFile.read_into
-    calls = []
+    bad = tier._index[key(1)][0]  # the file offset of block 1's slot
+    real_preadv = os.preadv
+    reads: list[tuple[int, int]] = []
 
-    def eio_on_the_second_block(self: DirectFile, dst: memoryview, n: int, offset: int) -> None:
-        calls.append(n)
-        if len(calls) == 2:
+    def eio_on_the_second_block(fd: int, bufs: list[memoryview], offset: int) -> int:
+        n = sum(b.nbytes for b in bufs)
+        reads.append((offset, n))
+        if offset <= bad < offset + n:
             raise OSError(errno.EIO, "Input/output error")
-        real_read(self, dst, n, offset)
+        return real_preadv(fd, bufs, offset)
 
-    monkeypatch.setattr(DirectFile, "read_into", eio_on_the_second_block)
+    monkeypatch.setattr(os, "preadv", eio_on_the_second_block)
     dsts = [aligned(MiB) for _ in data]
     out = tier.read_many([key(i) for i in range(3)], dsts)
-    assert out[0] == MiB and out[2] == MiB and dsts[2][:MiB] == data[2]
+    assert out[0] == MiB and dsts[0][:MiB] == data[0]
+    assert out[2] == MiB and dsts[2][:MiB] == data[2]
     assert isinstance(out[1], TierIOError) and out[1].errno == errno.EIO
+    # Blocks 0 and 1 lie back to back: one read of both, then block by block once it failed.
+    assert reads[0][0] == tier._index[key(0)][0] and reads[0][1] >= 2 * MiB
+
+
+def test_read_many_reads_slots_back_to_back_in_one_request(tier: NvmeTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = [MiB, MiB, 64 * KiB, 100_000, MiB, MiB]  # a partial page ends a run: its tail is bounced
+    data = [payload(n, seed=i) for i, n in enumerate(sizes)]
+    for i, d in enumerate(data):
+        tier.write(key(i), d, make_meta(d))
+    offsets = [tier._index[key(i)][0] for i in range(len(sizes))]
+    real_preadv = os.preadv
+    reads: list[tuple[int, int]] = []
+
+    def counting(fd: int, bufs: list[memoryview], offset: int) -> int:
+        reads.append((offset, len(bufs)))
+        return real_preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    dsts = [aligned(n) for n in sizes]
+    dsts[5] = unaligned(MiB)  # through the bounce buffer: on its own
+    assert tier.read_many([key(i) for i in range(len(sizes))], dsts) == sizes
+    for d, want in zip(dsts, data, strict=True):
+        assert d[: len(want)] == want
+    # Blocks 0 and 1 lie back to back (one slab): one preadv starts at block 0 with both.
+    assert offsets[1] == offsets[0] + MiB
+    assert any(at == offsets[0] and views >= 2 for at, views in reads), (offsets, reads)
+    assert len(reads) < len(sizes)
+    if tier._file is not None and tier._file.direct:
+        assert (offsets[5], 1) in reads  # the unaligned buffer: through the bounce buffer, alone
 
 
 # ---- persistence --------------------------------------------------------------------------------

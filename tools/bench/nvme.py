@@ -6,6 +6,9 @@ and ``read_many`` of a segment's blocks (how the store reads a run of a load), b
 the checksum verification every read does, each against plain ``pwrite``/``preadv`` of the same
 bytes, block size and total through a page-aligned buffer, on a file of our own opened with
 ``O_DIRECT`` in the same directory. ``O_DIRECT`` bypasses the page cache, so reads are cold.
+Raw reads each block with its own ``preadv`` (the goal's baseline, unchanged); the tier's
+``read_many`` reads blocks whose slots lie back to back (here, blocks written in order) in one
+``preadv`` of up to 16 MiB, which is where it gains over raw per-block reads.
 
 The sides alternate every segment (and which goes first): each segment is one trial, the tier's
 rate beside raw's on the same blocks a moment apart, and each figure is the trial with the

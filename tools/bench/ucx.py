@@ -1,11 +1,14 @@
 """ucx: a hit through the daemon's UCX data plane, against raw ucxx messages of the same bytes.
 
 Figure: ``Client.get_into`` with ``plane="ucx"`` of 64 blocks of 1 MiB from a daemon on
-loopback (listener endpoints with peer error handling: see docs/daemon.md for why). Two
-baselines, same run, interleaved: a raw ucxx listener process sending the same number of 1 MiB
-messages per request to a ucxx endpoint of this process, all posted at once on both sides as
-the daemon and the client do (the same kind of endpoint: what UCX itself reaches here), and a raw socket ``recv_into`` of the same bytes from a sender process
-(the issue's yardstick, as for ``tcp``). Goal: >= 80% of each.
+loopback (listener endpoints with peer error handling: see docs/daemon.md for why) into one
+caller buffer: a GET_RUNS, so the daemon sends the blocks, back to back in its arena, as runs
+of up to 16 MiB, one UCX message each. Two baselines, same run, interleaved: a raw ucxx
+listener process sending 64 messages of 1 MiB per request to a ucxx endpoint of this process,
+all posted at once on both sides (the same kind of endpoint; what the daemon sent before
+GET_RUNS: kept as it was, so the daemon now beats it by sending fewer, larger messages), and a
+raw socket ``recv_into`` of the same bytes from a sender process (the issue's yardstick, as for
+``tcp``). Goal: >= 80% of each.
 Measurement: one untimed round of each side first (endpoints, UCX's rendezvous state, the
 daemon's pool warm), then ``rounds`` trials, each side once per trial in an order that rotates;
 each figure is the trial with the median ratio (``trial_ratios`` lists them all).

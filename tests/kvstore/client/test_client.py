@@ -194,3 +194,30 @@ def test_lookups_go_over_the_data_connection_and_fall_back_to_http(
         c.info["lookup"] = False  # as an older daemon answers HELLO
         assert c.lookup(SMALL_NS, chain).num_blocks == 3
         assert http_paths == ["/v1/lookup"]
+
+
+def test_get_into_over_tcp_asks_for_runs_of_its_destination(start_daemon: Callable[..., ThreadedDaemon], monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.server import protocol as P
+
+    d = start_daemon()
+    chain = chain_for(5, 5)
+    asked: list[list[int]] = []
+    real = P.encode_get_runs
+
+    def spy(ns_id: bytes, hashes: list[bytes], runs: list[int]) -> bytes:
+        asked.append(list(runs))
+        return real(ns_id, hashes, runs)
+
+    monkeypatch.setattr(P, "encode_get_runs", spy)
+    with connect(d.url, plane="tcp") as c:
+        c.put(SMALL_NS, chain, [payload(x) for x in chain])
+        big = np.zeros(6 * BB, np.uint8)
+        other = np.zeros(BB, np.uint8)
+        mv = memoryview(big)  # views of one exporter: what a run is made of
+        # blocks 0-1 back to back, 2 elsewhere, 3-4 back to back but after a gap
+        dst = [mv[:BB], mv[BB : 2 * BB], other, mv[3 * BB : 4 * BB], mv[4 * BB : 5 * BB]]
+        assert c.get_into(SMALL_NS, chain, dst) == 5
+    assert asked == [[2, 1, 2]]
+    got = [bytes(big[:BB]), bytes(big[BB : 2 * BB]), bytes(other), bytes(big[3 * BB : 4 * BB]), bytes(big[4 * BB : 5 * BB])]
+    assert got == [payload(x) for x in chain]
+    assert not big[2 * BB : 3 * BB].any() and not big[5 * BB :].any()  # nothing outside the views

@@ -149,3 +149,32 @@ def test_a_staging_segment_still_viewed_at_session_end_is_closed_later() -> None
     assert seg not in dataplane._LINGERING
     with pytest.raises(ValueError, match="closed"):
         seg.buf  # noqa: B018 (closed)
+
+
+@pytest.mark.parametrize("cap_blocks", [2, 64])
+def test_get_runs_sends_the_payload_in_runs_within_the_callers_runs(
+    start_daemon: Callable[..., ThreadedDaemon], monkeypatch: pytest.MonkeyPatch, cap_blocks: int
+) -> None:
+    from kvstore.server import dataplane
+
+    monkeypatch.setattr(dataplane, "RUN_MESSAGE_BYTES", cap_blocks * BB)
+    d = start_daemon()
+    chain = chain_for(4, 6)
+    with connect(d.url, plane="tcp") as c:
+        assert c.info["get_runs"]
+        c.put(SMALL_NS, chain, [payload(x) for x in chain])
+        ns_id = c._ns_id(SMALL_NS)
+    raw = Raw(d)
+    raw.send_frame(P.Op.HELLO, b"")
+    raw.reply()
+    caller = [2, 3, 1]
+    raw.send_frame(P.Op.GET_RUNS, P.encode_get_runs(ns_id, chain, caller), req_id=2)
+    hdr, meta, body = raw.reply()
+    count, bb, msgs = P.parse_runs_meta(meta)
+    assert (hdr.req_id, count, bb) == (2, 6, BB)
+    assert body == b"".join(payload(x) for x in chain)
+    assert max(msgs) <= cap_blocks
+    ends = {sum(msgs[: i + 1]) for i in range(len(msgs))}
+    assert {2, 5, 6} <= ends  # no message crosses a run of the caller's
+    raw.send_frame(P.Op.GET_RUNS, P.encode_get_runs(ns_id, chain, [7]), req_id=3)
+    assert raw.error()[0] is P.ErrorCode.BAD_FRAME  # runs that do not cut the blocks: refused

@@ -65,6 +65,23 @@ def test_lease_metadata_round_trips(locs: list[tuple[int, int]], lease_id: int) 
     assert P.parse_lease(P.encode_lease(lease_id, locs)) == (lease_id, locs)
 
 
+@given(ns=st.binary(min_size=16, max_size=16), runs=st.lists(st.integers(1, 8), max_size=8), bb=st.integers(1, 2**32 - 1))
+def test_get_runs_metadata_round_trips(ns: bytes, runs: list[int], bb: int) -> None:
+    hashes = [i.to_bytes(16, "little") for i in range(sum(runs))]
+    req, got = P.parse_get_runs(P.encode_get_runs(ns, hashes, runs), 64)
+    assert (req.ns_id, req.hashes, got) == (ns, hashes, runs)
+    assert P.parse_runs_meta(P.encode_runs_meta(sum(runs), bb, runs)) == (sum(runs), bb, runs)
+
+
+@pytest.mark.parametrize("runs", [[], [3], [2, 3], [0, 4], [1, 1, 1, 0, 1]])
+def test_runs_that_do_not_cut_the_blocks_exactly_are_refused(runs: list[int]) -> None:
+    hashes = [bytes(16)] * 4  # 4 blocks: each run at least 1, summing to 4
+    with pytest.raises(P.ProtocolError, match="runs"):
+        P.parse_get_runs(P.encode_get_runs(bytes(16), hashes, runs), 64)
+    with pytest.raises(P.ProtocolError, match="runs"):
+        P.parse_runs_meta(P.encode_runs_meta(4, 4096, runs))
+
+
 @settings(max_examples=400)
 @given(data=st.binary(max_size=200), reply=st.booleans())
 def test_fuzz_header_parser_raises_only_protocol_errors(data: bytes, reply: bool) -> None:
@@ -89,6 +106,8 @@ def test_fuzz_metadata_parsers_raise_only_protocol_errors(meta: bytes) -> None:
         P.parse_data_meta,
         P.parse_error,
         P.parse_lookup,
+        lambda m: P.parse_get_runs(m, 16),
+        P.parse_runs_meta,
     ]
     for parse in parsers:
         try:
