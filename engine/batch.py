@@ -29,7 +29,9 @@ blocks of *all* requests layer group by layer group (one 2-D DMA per run of equa
 blocks and group), scatters each layer into the rows, gathers the HBM-resident blocks of that
 layer from the page pool (device to device, no host transfer), promotes the DRAM blocks into HBM
 pages, and records one event per layer; the model's layer i waits on the device for event i.
-A request whose leading blocks are resident in HBM leases from the store only the blocks after
+The host issues that work group by group, ``load_ahead`` groups in front of the layer the model's
+forward is issuing (:class:`_Loads`), so the model's first kernels start at once rather than
+after thousands of gather launches. A request whose leading blocks are resident in HBM leases from the store only the blocks after
 them. The batch's new blocks are packed once, copied to the host in one copy into a ring allocated
 once (:class:`engine.gpu.HostRing`, pinned on CUDA) and stored from there in the background.
 """
@@ -109,20 +111,60 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
 AttentionInterface.register(_ATTN, _attention)
 
 
-class _RowsCache(DynamicCache):
-    """The model's cache for one batch: ``update`` writes the new K/V into the rows (after the
-    layer's load event) and hands back the whole rows of that layer."""
+class _Loads:
+    """The load work of one batch, issued layer group by layer group: the groups that cover the
+    first ``ahead`` layers before the forward, each later one when the model's cache ``update``
+    reaches ``ahead`` layers before it. So the compute stream gets the model's first kernels at
+    once instead of after the host has issued every layer's copies and gathers (thousands of
+    launches for a batch of HBM hits), and the load stream still runs ``ahead`` layers in front
+    of the compute. ``events[layer]``: the load stream's event after that layer (None: nothing to
+    wait for)."""
 
-    def __init__(self, config: Any, kv: torch.Tensor, new_rows: torch.Tensor, events: list[Any]) -> None:
+    def __init__(self, n_layers: int, per_group: int, issue: Callable[[int, int], None] | None, ahead: int,
+                 on_layer: Callable[[int], None] | None = None) -> None:
+        self.events: list[Any] = [None] * n_layers
+        self.on_layer = on_layer
+        """Work for a layer on the compute stream, after its load event (``hbm_gather="compute"``)."""
+        self._n = n_layers
+        self._per_group = max(1, per_group)
+        self._issue = issue
+        self._ahead = max(0, ahead)
+        self._next = 0
+        """First layer whose group is not issued yet."""
+
+    def until(self, layer: int) -> None:
+        """Issue every group up to the one holding ``layer + ahead``."""
+        if self._issue is None:
+            return
+        last = min(self._n - 1, layer + self._ahead)
+        while self._next <= last:
+            g0 = self._next
+            g1 = min(self._n, g0 + self._per_group)
+            self._issue(g0, g1)
+            self._next = g1
+
+    def finish(self) -> None:
+        self.until(self._n - 1)
+
+
+class _RowsCache(DynamicCache):
+    """The model's cache for one batch: ``update`` issues the loads ahead of this layer, writes the
+    new K/V into the rows (after the layer's load event) and hands back the whole rows of that
+    layer."""
+
+    def __init__(self, config: Any, kv: torch.Tensor, new_rows: torch.Tensor, loads: _Loads) -> None:
         super().__init__(config=config)
         self._kv = kv  # [layers, 2, rows, H, D]
         self._new = new_rows
-        self._events = events
+        self._loads = loads
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
-        ev = self._events[layer_idx]
+        self._loads.until(layer_idx)
+        ev = self._loads.events[layer_idx]
         if ev is not None:
             torch.cuda.current_stream(key_states.device).wait_event(ev)
+        if self._loads.on_layer is not None:
+            self._loads.on_layer(layer_idx)
         k, v = self._kv[layer_idx, 0], self._kv[layer_idx, 1]
         wide(k).index_copy_(0, self._new, wide(key_states[0].transpose(0, 1)))
         wide(v).index_copy_(0, self._new, wide(value_states[0].transpose(0, 1)))
@@ -210,7 +252,7 @@ class BatchedLM:
 
     def __init__(self, model: Any, cache: EngineCache | None, *, hbm: HbmCache | None = None,
                  layer_groups: int = 16, attention: str = "auto", block_tokens: int = 64,
-                 store_ring_bytes: int | None = None) -> None:
+                 store_ring_bytes: int | None = None, load_ahead: int = 2, hbm_gather: str = "load") -> None:
         self.model = model.eval()
         self.cache = cache
         self.hbm = hbm
@@ -227,6 +269,14 @@ class BatchedLM:
             raise ValueError("attention='varlen' needs a CUDA model (FlashAttention-2); use 'loop' on the CPU")
         self.attention = attention
         self.layer_groups = max(1, layer_groups)
+        self.load_ahead = max(1, load_ahead)
+        """Layer groups whose loads are issued before the model reaches them (:class:`_Loads`)."""
+        if hbm_gather not in ("load", "compute"):
+            raise ValueError(f"hbm_gather must be 'load' or 'compute', not {hbm_gather!r}")
+        self.hbm_gather = hbm_gather
+        """Where HBM hits are gathered into the rows: on the load stream, under the compute of
+        earlier layers (``"load"``), or on the compute stream just before the layer runs
+        (``"compute"``: serial, but never competing with the model's kernels)."""
         self._kw = _cache_kw(model)
         self._base = model.base_model
         self._head = model.get_output_embeddings()
@@ -307,7 +357,8 @@ class BatchedLM:
             marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             marks[0].record()
         kv = self._rows(rows)
-        events = self._load(plans, kv, k_starts)
+        loads = self._load(plans, kv, k_starts)
+        loads.until(0)
         t1 = time.perf_counter()
         tm.load += t1 - t0
         hits = [p.hit_blocks * bt for p in plans]
@@ -321,7 +372,7 @@ class BatchedLM:
             lay.used_k = torch.tensor(k_lens, dtype=torch.int32).to(dev, non_blocking=True)
             lay.max_q = max(b - a for a, b in zip(q_starts, q_starts[1:], strict=False))
             lay.max_k = max(k_lens)
-        kv_cache = _RowsCache(self.model.config, kv, new_rows.to(dev, non_blocking=True), events)
+        kv_cache = _RowsCache(self.model.config, kv, new_rows.to(dev, non_blocking=True), loads)
         with self._batched(lay):
             out = self._base(
                 input_ids=tokens.unsqueeze(0).to(dev, non_blocking=True),
@@ -330,6 +381,7 @@ class BatchedLM:
             )
         last = torch.tensor(q_starts[1:], dtype=torch.long) - 1
         logits = self._head(out.last_hidden_state[0].index_select(0, last.to(dev, non_blocking=True))).float()
+        loads.finish()  # every layer was updated, so this is a no-op unless the model skipped one
         t2 = time.perf_counter()
         tm.forward += t2 - t1
         if store and self.cache is not None:
@@ -377,16 +429,17 @@ class BatchedLM:
             self._staging_buf = torch.empty(n * width, dtype=torch.uint8, device=self.device)
         return self._staging_buf[: n * width].view(n, width)
 
-    def _load(self, plans: list[_Plan], kv: torch.Tensor, k_starts: list[int]) -> list[Any]:
-        """Fill the cached rows of every request; returns one event per layer (None on the CPU:
-        the rows are filled when this returns)."""
+    def _load(self, plans: list[_Plan], kv: torch.Tensor, k_starts: list[int]) -> _Loads:
+        """The loads of the cached rows of every request, to be issued group by group
+        (:class:`_Loads`); on the CPU each group is done when issued, so a layer's rows are
+        filled before its ``update`` returns."""
         shape, dev = self.shape, self.device
         bt, n_layers, lb = shape.block_tokens, shape.num_layers, shape.layer_bytes
-        events: list[Any] = [None] * n_layers
+        per_group = -(-n_layers // self.layer_groups)
         dram = [p for p in plans if p.n_dram]
         hbm = [p for p in plans if p.n_hbm]
         if not dram and not hbm:
-            return events
+            return _Loads(n_layers, per_group, None, 0)
 
         starts = {id(p): k // bt for p, k in zip(plans, k_starts, strict=True)}
         # HBM hits: per request its pages and the row blocks they fill (a contiguous run).
@@ -395,7 +448,6 @@ class BatchedLM:
             dev, non_blocking=True) if dram else None
         promo_slots, promo_dst = self._promotions(dram, starts)
         n_dram = sum(p.n_dram for p in dram)
-        per_group = -(-n_layers // self.layer_groups)
         staging = self._staging(n_dram, per_group * lb) if dram else None
         stream = self._stream
         if stream is not None:
@@ -403,9 +455,12 @@ class BatchedLM:
             for t in (dram_dst, promo_slots, promo_dst):
                 if t is not None:  # made on the compute stream, read on this one: not reused early
                     t.record_stream(stream)
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for g0 in range(0, n_layers, per_group):
-                g1 = min(n_layers, g0 + per_group)
+        loads: _Loads
+        gather_on_compute = self.hbm_gather == "compute"
+        load_hbm = [] if gather_on_compute else hbm_runs
+
+        def issue(g0: int, g1: int) -> None:
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 if staging is not None:
                     r = 0
                     for p in dram:
@@ -414,12 +469,19 @@ class BatchedLM:
                         r += p.n_dram
                 for layer in range(g0, g1):
                     for j in (0, 1):
-                        self._fill_layer(kv, layer, j, g0, staging, dram_dst, hbm_runs, promo_slots, promo_dst)
+                        self._fill_layer(kv, layer, j, g0, staging, dram_dst, load_hbm, promo_slots, promo_dst)
                     if stream is not None:
                         ev = torch.cuda.Event()
                         ev.record(stream)
-                        events[layer] = ev
-        return events
+                        loads.events[layer] = ev
+
+        def gather(layer: int) -> None:
+            for j in (0, 1):
+                self._gather_hbm(kv[layer, j], layer, j, hbm_runs)
+
+        loads = _Loads(n_layers, per_group, issue, self.load_ahead * per_group,
+                       gather if gather_on_compute and hbm_runs else None)
+        return loads
 
     def _fill_layer(self, kv: torch.Tensor, layer: int, j: int, g0: int, staging: torch.Tensor | None,
                     dram_dst: torch.Tensor | None, hbm_runs: list[tuple[torch.Tensor, int, int]],
@@ -434,9 +496,17 @@ class BatchedLM:
             wide(rows.view(-1, shape.block_tokens, shape.kv_heads, shape.head_dim)).index_copy_(0, dram_dst, wide(src))
         if self.hbm is None:
             return
-        pages, blocks = self.hbm.part(layer, j), block_rows(rows, shape)
         if promo_slots is not None and promo_dst is not None:
-            pages.index_copy_(0, promo_slots, blocks.index_select(0, promo_dst))
+            blocks = block_rows(rows, shape)
+            self.hbm.part(layer, j).index_copy_(0, promo_slots, blocks.index_select(0, promo_dst))
+        self._gather_hbm(rows, layer, j, hbm_runs)
+
+    def _gather_hbm(self, rows: torch.Tensor, layer: int, j: int, hbm_runs: list[tuple[torch.Tensor, int, int]]) -> None:
+        """The HBM-resident blocks of every request: K (j=0) or V of layer ``layer``, gathered from
+        their pages straight into ``rows`` (one ``index_select`` per request)."""
+        if self.hbm is None or not hbm_runs:
+            return
+        pages, blocks = self.hbm.part(layer, j), block_rows(rows, self.shape)
         for slots, b0, n in hbm_runs:
             torch.index_select(pages, 0, slots, out=blocks[b0 : b0 + n])
 

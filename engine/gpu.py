@@ -149,9 +149,16 @@ class ArenaBlocks:
         the CUDA runtime cannot be called directly)."""
         self.copy_into(dst[:, lo:hi], lo, hi)
 
-    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0) -> None:
+    def runs_of(self, first: int, count: int) -> list[tuple[int, int, int]]:
+        """:func:`runs` of blocks ``first .. first+count-1`` (relative to ``first``)."""
+        if first == 0 and count == len(self.lease.locations):
+            return self._runs
+        return runs([off for off, _ in self.lease.locations[first : first + count]])
+
+    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0) -> int:
         """Bytes ``lo:hi`` of blocks ``first, first+1, ...`` into the rows of ``dst`` (``[count,
-        hi-lo]`` uint8, any row pitch), asynchronously on the current stream."""
+        hi-lo]`` uint8, any row pitch), asynchronously on the current stream. Returns the copy
+        calls it queued."""
         count = dst.shape[0]
         locs = self.lease.locations
         if first + count > len(locs):
@@ -161,10 +168,10 @@ class ArenaBlocks:
             for i in range(count):
                 off = locs[first + i][0]
                 dst[i].copy_(self.host[off + lo : off + hi], non_blocking=True)
-            return
+            return count
         stream = torch.cuda.current_stream(dst.device).cuda_stream
         base, dpitch, width = self.host.data_ptr(), dst.stride(0), hi - lo
-        runs_ = self._runs if first == 0 and count == len(locs) else runs([off for off, _ in locs[first : first + count]])
+        runs_ = self.runs_of(first, count)
         for r0, n, stride in runs_:
             off = locs[first + r0][0]
             err = copy2d(
@@ -173,6 +180,7 @@ class ArenaBlocks:
             )
             if err:
                 raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err}")
+        return len(runs_)
 
     def release(self) -> None:
         """Give the lease back; call only after the copies that read the blocks completed."""
@@ -196,9 +204,10 @@ class HostBlocks:
     def copy_range(self, dst: torch.Tensor, lo: int, hi: int) -> None:
         self.copy_into(dst[:, lo:hi], lo, hi)
 
-    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0) -> None:
+    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0) -> int:
         """As :meth:`ArenaBlocks.copy_into`: one copy for all the rows."""
         dst.copy_(self.blocks[first : first + dst.shape[0], lo:hi], non_blocking=True)
+        return 1
 
     def release(self) -> None:
         pass

@@ -23,7 +23,11 @@ On CUDA, from a store with a shared-memory arena, the blocks are leased there an
 device on a load stream, layer group by layer group (one 2-D DMA per run of blocks, ``engine.gpu``),
 then unpacked with one strided copy per layer; decoder layer i waits on the device for its own
 layers' load only (a forward pre-hook), so loads overlap compute as in ``engine/hf.py``. Both
-paths this module compares (the split and store-everything) load the same way.
+paths this module compares (the split and store-everything) load the same way; store-everything
+loads every layer of every block (``all_layers=True``, as a store-everything connector does) or
+only what the model reads. On CUDA the model runs with FlashAttention-2 (``attention="auto"``:
+:func:`_flash_window`, the sliding window as FlashAttention's left window). ``HybridPrefill.phases``
+splits the TTFT's host time; ``trace=True`` records a per-layer device timeline.
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from engine.gpu import ArenaBlocks, HostBlocks
@@ -55,6 +60,47 @@ _KINDS = {
     "linear_attention": "recurrent",  # gated delta net (Qwen3-Next): conv + recurrent state
     "conv": "recurrent",  # short convolutions (LFM2): conv state
 }
+
+
+_FLASH = "kvstore_flash_window"
+_CU: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _cu_seqlens(q: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[0, q]`` and ``[0, k]`` as int32 device tensors, made once per size on the device itself
+    (``torch.tensor(..., device=...)`` inside a forward would be a host-to-device copy that
+    synchronises the host with the compute stream, every layer)."""
+    key = (q, k, str(device))
+    hit = _CU.get(key)
+    if hit is None:
+        if len(_CU) > 256:
+            _CU.clear()
+        two = torch.arange(2, dtype=torch.int32, device=device)
+        hit = _CU[key] = (two * q, two * k)
+    return hit
+
+
+def _flash_window(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                  scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention interface (CUDA): one FlashAttention-2 call for one sequence, causal
+    aligned bottom-right (the new tokens after a cached prefix), and for a sliding layer a left
+    window of ``sliding_window - 1`` keys (transformers' sliding mask: key j is seen by query i
+    when ``i - W < j <= i``). ``query`` ``[1, Hq, S, D]``, ``key``/``value`` ``[1, Hkv, K, D]``;
+    returns ``[1, S, Hq, D]``. No mask is built for it (not a mask-interface name)."""
+    if query.shape[0] != 1:
+        raise UsageError(f"attention {_FLASH!r} takes one sequence, not a batch of {query.shape[0]}")
+    s, k = query.shape[2], key.shape[2]
+    cu_q, cu_k = _cu_seqlens(s, k, query.device)
+    window = sliding_window - 1 if sliding_window else None
+    out = torch.ops.aten._flash_attention_forward(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k, s, k, 0.0, True, False,
+        scale=scaling, window_size_left=window, window_size_right=0 if window is not None else None,
+    )[0]
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(_FLASH, _flash_window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +232,15 @@ class HybridPrefill:
     seconds: float
     """Prefill wall time up to the logits (the device synchronised): the TTFT. Stores after it."""
     stored_bytes: int
+    phases: dict[str, float] = field(default_factory=dict)
+    """Host milliseconds per phase of the TTFT: ``hash``, ``lookup`` (finding the checkpoint),
+    ``fetch`` (leases or reads), ``issue`` (installing the cache and queueing its loads),
+    ``forward`` (issuing the model), ``sync`` (waiting for the device); ``copies``: host-to-device
+    copy calls queued; ``moved_bytes``: the bytes they move."""
+    timeline: dict[str, Any] | None = None
+    """With ``HybridLM.trace`` on CUDA: per decoder layer, device milliseconds from the prefill's
+    start until its load completed (``load_ms``, None: nothing to load), its compute started
+    (``start_ms``) and ended (``end_ms``); ``end_ms`` of the last layer is the forward's end."""
 
 
 @dataclass(slots=True)
@@ -218,7 +273,18 @@ class HybridLM:
         policy: CheckpointPolicy | None = None,
         everything: bool = False,
         layer_groups: int = 16,
+        all_layers: bool = True,
+        attention: str = "auto",
+        trace: bool = False,
     ) -> None:
+        """``all_layers`` (with ``everything``): load every layer of every cached block, as a
+        store-everything connector does; False: only what the model reads, the full layers of
+        every block and the sliding layers' last window (the best a store-everything engine
+        can do). ``attention``: ``"model"`` (the model's own), ``"flash"`` (CUDA:
+        FlashAttention-2 with bottom-right causal alignment and the sliding window, no mask
+        tensor: :func:`_flash_window`), ``"auto"``: flash on CUDA for a model it covers (no
+        logit soft-capping, no attention sinks), else the model's. ``trace``: record the
+        per-layer timeline (CUDA events) in :attr:`HybridPrefill.timeline`."""
         self.model = model.eval()
         self.store = store
         self.device = next(model.parameters()).device
@@ -241,12 +307,24 @@ class HybridLM:
         # Leases (zero-copy reads from the store's shared-memory arena) for a CUDA device.
         self._leases = self.device.type == "cuda" and hasattr(store, "acquire")
         self.layer_groups = max(1, layer_groups)
+        if attention not in ("auto", "model", "flash"):
+            raise UsageError(f"attention must be 'auto', 'model' or 'flash', not {attention!r}")
+        if attention == "flash":
+            _refuse_flash(model, self.device)
+        elif attention == "auto":
+            attention = "flash" if _flash_covers(model, self.device) else "model"
+        self.all_layers = all_layers
+        self.attention = attention
+        self.trace = trace
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._events: list[Any] = []
+        self._marks: list[list[Any]] = []
+        self._copies = self._moved = 0
         self._hooks = []
         decoder = getattr(model.base_model, "layers", None)
         if self._stream is not None and decoder is not None and len(decoder) == len(self.plan.kinds):
             self._hooks = [m.register_forward_pre_hook(partial(self._wait, i)) for i, m in enumerate(decoder)]
+            self._hooks += [m.register_forward_hook(partial(self._done, i)) for i, m in enumerate(decoder)]
         if store is not None:
             if everything:
                 store.register_namespace(ns)
@@ -291,11 +369,12 @@ class HybridLM:
         got.nbytes += n * bb
         return HostBlocks(host)
 
-    def _load(self, hashes: list[BlockHash], max_hit: int, held: list[Any]) -> _Loaded | None:
+    def _load(self, hashes: list[BlockHash], max_hit: int, held: list[Any], marks: list[float]) -> _Loaded | None:
         """The nearest checkpoint's parts on the device, or None (no checkpoint is cached)."""
         hyb, store = self.hyb, self.store
         assert store is not None
         where = lookup(store, hyb, hashes[:max_hit], self.policy)
+        marks.append(time.perf_counter())
         c = where.checkpoint
         if c < 0:
             return None
@@ -316,9 +395,10 @@ class HybridLM:
                 return None
         return got
 
-    def _load_everything(self, hashes: list[BlockHash], max_hit: int, held: list[Any]) -> _Loaded | None:
+    def _load_everything(self, hashes: list[BlockHash], max_hit: int, held: list[Any], marks: list[float]) -> _Loaded | None:
         assert self.store is not None
         n = self.store.lookup(self.ns, hashes[:max_hit]).num_blocks
+        marks.append(time.perf_counter())
         got = _Loaded(n - 1, n)
         got.full = self._fetch(self.ns, list(hashes[:n]), held, got) if n else None
         return None if got.full is None else got
@@ -380,7 +460,13 @@ class HybridLM:
     def _fill(self, cache: DynamicCache, src: ArenaBlocks | HostBlocks, layers: list[int], tokens: int, keep: int,
               stream: torch.cuda.Stream | None) -> None:
         """Layers ``layers`` (model indices, in the part's layer order) of the part ``src`` into
-        ``cache``; sliding layers keep their last ``keep`` tokens."""
+        ``cache``; sliding layers keep their last ``keep`` tokens.
+
+        Layer groups of up to ``len(layers) / layer_groups`` consecutive layers are copied into a
+        device buffer (one 2-D DMA per run of blocks: rows of a group's bytes of a block, large
+        enough for the link's full rate) and unpacked with one strided copy per layer. A sliding
+        layer reads only its last blocks; with ``everything`` and ``all_layers`` its group still
+        copies every block, as a connector that loads every layer would."""
         n = src.num_blocks
         shape = self._shape(len(layers), self.bt)
         lb, bt = shape.layer_bytes, self.bt
@@ -391,25 +477,42 @@ class HybridLM:
             k = torch.empty((1, shape.kv_heads, t, shape.head_dim), dtype=self.dtype, device=self.device)
             dst[layer] = (k, torch.empty_like(k))
             self._install(cache, layer, *dst[layer], tokens)
+        # Each layer's first block: a group is consecutive layers with the same first block.
+        firsts = [n - kb if self.plan.kinds[layer] == "sliding" and not (self.everything and self.all_layers) else 0
+                  for layer in layers]
         per_group = -(-len(layers) // self.layer_groups)
+        groups: list[tuple[int, int]] = []
+        for j in range(len(layers)):
+            if groups and j - groups[-1][0] < per_group and firsts[j] == firsts[groups[-1][0]]:
+                groups[-1] = (groups[-1][0], j + 1)
+            else:
+                groups.append((j, j + 1))
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for g0 in range(0, len(layers), per_group):
-                g1 = min(len(layers), g0 + per_group)
-                staging = torch.empty((n, (g1 - g0) * lb), dtype=torch.uint8, device=self.device)
-                src.copy_into(staging, g0 * lb, g1 * lb)
+            for g0, g1 in groups:
+                first = firsts[g0]
+                staging = torch.empty((n - first, (g1 - g0) * lb), dtype=torch.uint8, device=self.device)
+                self._copies += src.copy_into(staging, g0 * lb, g1 * lb, first)
+                self._moved += staging.numel()
                 for j in range(g0, g1):
                     layer = layers[j]
                     k, v = dst[layer]
                     if self.plan.kinds[layer] == "sliding":
-                        kk, vv = unpack_layer(staging[n - kb :], shape, j - g0)
+                        kk, vv = unpack_layer(staging[staging.shape[0] - kb :], shape, j - g0)
                         k.copy_(kk[:, :, -keep:])
                         v.copy_(vv[:, :, -keep:])
                     else:
                         unpack_layer_into(staging, shape, j - g0, k, v)
-                    if stream is not None:
-                        ev = torch.cuda.Event()
-                        ev.record(stream)
-                        self._events[layer] = ev
+                    self._loaded(layer, stream)
+
+    def _loaded(self, layer: int, stream: torch.cuda.Stream | None) -> None:
+        """Layer ``layer``'s load is queued on ``stream``: its event (and, tracing, its mark)."""
+        if stream is None:
+            return
+        ev = torch.cuda.Event(enable_timing=self.trace)
+        ev.record(stream)
+        self._events[layer] = ev
+        if self._marks:
+            self._marks[layer][0] = ev
 
     def _wait(self, layer: int, module: Any, args: Any) -> None:
         """Forward pre-hook of decoder layer ``layer``: the compute stream waits for its load."""
@@ -417,6 +520,18 @@ class HybridLM:
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
             self._events[layer] = None
+        if self._marks:
+            self._marks[layer][1] = self._mark()
+
+    def _done(self, layer: int, module: Any, args: Any, output: Any) -> None:
+        """Forward hook of decoder layer ``layer`` (tracing): the end of its compute."""
+        if self._marks:
+            self._marks[layer][2] = self._mark()
+
+    def _mark(self) -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
 
     def _snapshot(self, cache: DynamicCache) -> torch.Tensor:
         """The recurrent layers' state now, as the bytes of a state block (on the device)."""
@@ -435,12 +550,19 @@ class HybridLM:
     @torch.no_grad()
     def prefill(self, input_ids: Any, *, use_cache: bool = True, store: bool = True) -> HybridPrefill:
         t0 = time.perf_counter()
+        marks = [t0]
         ids = torch.as_tensor(input_ids, dtype=torch.long).flatten()
         if ids.numel() == 0:
             raise ValueError("the prompt is empty")
         bt = self.bt
         cached = use_cache and self.store is not None
+        start = None
+        if self.trace and self.device.type == "cuda":
+            start = self._mark()
+            self._marks = [[None, None, None] for _ in self.plan.kinds]
+        self._copies = self._moved = 0
         hashes = (self.hyb.hashes(ids) if not self.everything else hash_blocks(self.ns, ids)) if cached or store else []
+        marks.append(time.perf_counter())
         max_hit = (ids.numel() - 1) // bt  # one token is always computed: its logits
         got: _Loaded | None = None
         held: list[Any] = []  # leases on the arena, until the device has copied out of it
@@ -448,12 +570,15 @@ class HybridLM:
         try:
             if cached and max_hit:
                 load = self._load_everything if self.everything else self._load
-                got = load(hashes, max_hit, held)
+                got = load(hashes, max_hit, held, marks)  # appends the end of the lookup
+            while len(marks) < 4:  # the end of the fetch (and of the lookup, if none ran)
+                marks.append(time.perf_counter())
             c = got.checkpoint if got is not None else -1
             hit = (c + 1) * bt
             cache = self._build(got)
             for layer in self.plan.sliding:
                 cache.layers[layer].activate_past_recording()  # keep the suffix's window states to store
+            marks.append(time.perf_counter())
             # Recurrent state exists only at the end of a forward: run up to each new checkpoint.
             want: set[int] = set()
             ckpts = self._checkpoints(c, got, len(hashes))
@@ -461,20 +586,28 @@ class HybridLM:
                 want = {(p + 1) * bt for p in ckpts}
             ends = sorted({e for e in want if hit < e < ids.numel()} | {ids.numel()})
             pos = hit
-            for end in ends:
-                chunk = ids[pos:end].unsqueeze(0).to(self.device)
-                out = self.model(input_ids=chunk, use_cache=True, logits_to_keep=1, **{self._kw: cache})
-                cache = _out_cache(out)
-                if end in want:
-                    states[end // bt - 1] = self._snapshot(cache)
-                pos = end
+            with self._attention():
+                for end in ends:
+                    chunk = ids[pos:end].unsqueeze(0).to(self.device)
+                    out = self.model(input_ids=chunk, use_cache=True, logits_to_keep=1, **{self._kw: cache})
+                    cache = _out_cache(out)
+                    if end in want:
+                        states[end // bt - 1] = self._snapshot(cache)
+                    pos = end
             logits = out.logits[0, -1].float()
+            marks.append(time.perf_counter())
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            marks.append(time.perf_counter())
         finally:
             for lease in held:
                 lease.release()
         seconds = time.perf_counter() - t0
+        names = ("hash", "lookup", "fetch", "issue", "forward", "sync")
+        phases = {k: round((b - a) * 1e3, 3) for k, a, b in zip(names, marks, marks[1:], strict=False)}
+        phases["copies"] = self._copies
+        phases["moved_bytes"] = self._moved
+        timeline = self._timeline(start) if start is not None else None
         stored = 0
         if store and self.store is not None:
             try:
@@ -487,7 +620,23 @@ class HybridLM:
             lay.keys, lay.values = lay.keys[:, :, -self.wn :], lay.values[:, :, -self.wn :]
         replayed = (got.cached_blocks - c - 1) * bt if got is not None else 0
         loaded = got.nbytes if got is not None else 0
-        return HybridPrefill(logits, cache, c, hit, replayed, ids.numel() - hit, loaded, seconds, stored)
+        return HybridPrefill(logits, cache, c, hit, replayed, ids.numel() - hit, loaded, seconds, stored, phases, timeline)
+
+    def _attention(self) -> Any:
+        """The model runs with :func:`_flash_window` while ``attention == "flash"``."""
+        if self.attention != "flash":
+            return nullcontext()
+        return _swap_attention(self.model.config, _FLASH)
+
+    def _timeline(self, start: Any) -> dict[str, Any]:
+        """Device milliseconds from ``start`` (the device synchronised) of each layer's load
+        event, compute start and compute end."""
+        def ms(ev: Any) -> float | None:
+            return None if ev is None else round(start.elapsed_time(ev), 3)
+
+        marks, self._marks = self._marks, []
+        return {"load_ms": [ms(m[0]) for m in marks], "start_ms": [ms(m[1]) for m in marks],
+                "end_ms": [ms(m[2]) for m in marks], "kinds": list(self.plan.kinds)}
 
     def _checkpoints(self, c: int, got: _Loaded | None, n: int) -> list[int]:
         """The checkpoints this prefill stores, among the blocks after ``c`` of ``n`` full ones:
@@ -558,6 +707,35 @@ class HybridLM:
             cache = _out_cache(out)
             nxt = int(out.logits[0, -1].argmax())
         return tokens, pre
+
+
+def _flash_covers(model: Any, device: torch.device) -> bool:
+    try:
+        _refuse_flash(model, device)
+    except UsageError:
+        return False
+    return True
+
+
+def _refuse_flash(model: Any, device: torch.device) -> None:
+    """``attention="flash"`` covers causal attention with an optional sliding window, nothing more."""
+    if device.type != "cuda":
+        raise UsageError("attention='flash' needs a CUDA model (FlashAttention-2); use attention='model' on the CPU")
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise UsageError("attention='flash' has no logit soft-capping (Gemma-2); use attention='model'")
+    if any(hasattr(m, "sinks") for m in model.modules()):
+        raise UsageError("attention='flash' has no attention sinks (gpt-oss); use attention='model'")
+
+
+@contextmanager
+def _swap_attention(config: Any, name: str) -> Iterator[None]:
+    prev = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = prev
 
 
 def _runs(sorted_ids: list[int]) -> list[tuple[int, int]]:

@@ -49,7 +49,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import zstandard
@@ -602,9 +602,11 @@ class StoreEvents:
         self.sinks: list[BlockSink] = []
         """Also told of every change of a block's place (the daemon's KV event publisher), one
         call per :meth:`batch` (a put, a load, a maintenance pass), never one per block."""
-        self._changes: list[BlockChange] | None = None
+        self._changes: list[BlockRun] | None = None
+        self._run: BlockRun | None = None  # the last of ``_changes``
         self._depth = 0
         self._tokens: PutTokens | None = None
+        self._chain: PutChain | None = None
 
     @classmethod
     def open(cls, config: EventsConfig, root: Path, clock: Clock, tier_names: Sequence[str],
@@ -658,18 +660,26 @@ class StoreEvents:
 
     # ---- blocks ---------------------------------------------------------------------------
 
-    def batch(self, tokens: PutTokens | None = None) -> _Batch:
+    def batch(self, tokens: PutTokens | None = None, ns: Namespace | None = None,
+              hashes: Sequence[bytes] | None = None) -> _Batch:
         """``with events.batch():`` around a store operation (under the store's lock): the
         sinks hear of every block it changed in one call as it ends. Nested batches join the
-        outermost. ``tokens``: the token ids of a put's blocks, handed to the sinks with it."""
-        return _Batch(self, tokens)
+        outermost. ``tokens``: the token ids of a put's blocks; ``ns`` and ``hashes``: the
+        chain a put stores (validated), handed to the sinks with its new copies
+        (:class:`PutChain`), so that a sink needs no record of its own to know their parents."""
+        return _Batch(self, tokens, ns, hashes)
 
-    def _change(self, change: BlockChange) -> None:
-        if self._changes is not None:
-            self._changes.append(change)
-        else:  # outside a batch (a path no batch wraps): a batch of one
+    def _change(self, kind: str, key: bytes, k: int) -> None:
+        # One change of a block: into the batch's last run when it is of the same kind and
+        # tier (one list append), else a new run; outside a batch (a path no batch wraps), a
+        # batch of one.
+        runs = self._changes
+        if runs is None:
             for sink in self.sinks:
-                sink.blocks([change], None)
+                sink.blocks([(kind, k, [key])], None, None)
+            return
+        run = self._run = (kind, k, [key])
+        runs.append(run)
 
     def placed(self, key: bytes, k: int, prior_mask: int, size: int, depth: int | None = None) -> None:
         """A copy of ``key`` was written into tier ``k``; ``prior_mask``: tiers holding it before.
@@ -679,8 +689,11 @@ class StoreEvents:
         """
         with self._lock:
             self._in[k] += size
-        if self.sinks:
-            self._change(("p", key, k))
+        run = self._run
+        if run is not None and run[1] == k and run[0] == "p":
+            run[2].append(key)
+        elif self.sinks:
+            self._change("p", key, k)
         if self.log is None:
             return
         if not prior_mask:
@@ -694,8 +707,11 @@ class StoreEvents:
     def dropped(self, key: bytes, mask: int, reason: str) -> None:
         """``key`` left the store: ``reason`` "capacity" (evicted by policy), "expired" or
         "deleted" (an operator's evict)."""
-        if self.sinks:
-            self._change(("d", key, mask))
+        run = self._run
+        if run is not None and run[1] == mask and run[0] == "d":
+            run[2].append(key)
+        elif self.sinks:
+            self._change("d", key, mask)
         if self.log is None:
             return
         tier = self._tiers[(mask & -mask).bit_length() - 1] if mask else ""
@@ -707,8 +723,11 @@ class StoreEvents:
 
     def copy_dropped(self, key: bytes, k: int) -> None:
         """Tier ``k`` no longer holds ``key`` (it moved down, or the copy was bad); other tiers may."""
-        if self.sinks:
-            self._change(("c", key, k))
+        run = self._run
+        if run is not None and run[1] == k and run[0] == "c":
+            run[2].append(key)
+        elif self.sinks:
+            self._change("c", key, k)
 
     def usage(self, tiers: Iterable[Mapping[str, Any]], *, store: Mapping[str, Any] | None = None) -> None:
         """Log how full each tier is (``KVStore.stats()["tiers"]``) and, given the store's
@@ -745,6 +764,16 @@ BlockChange = tuple[str, bytes, int]
 its copy (others may hold one); ``("d", key, mask)``: ``key`` left the store (``mask``: the tiers
 that held it)."""
 
+BlockRun = tuple[str, int, list[bytes]]
+"""Consecutive changes of one kind and tier: ``(kind, k, keys)`` stands for ``(kind, key, k)``
+for each of ``keys`` in order (what the sinks are given: one list append a block under the
+store's lock, no tuple a block)."""
+
+
+def block_changes(runs: Iterable[BlockRun]) -> list[BlockChange]:
+    """The changes that ``runs`` stand for, one a block, in order."""
+    return [(kind, key, k) for kind, k, keys in runs for key in keys]
+
 
 @dataclass(frozen=True, slots=True)
 class PutTokens:
@@ -768,27 +797,45 @@ def put_tokens_of(keys: Sequence[bytes], tokens: Any, block_tokens: int) -> PutT
     return PutTokens(tuple(bytes(k) for k in keys), arr, block_tokens)
 
 
+class PutChain(NamedTuple):
+    """The chain a put stored, handed to the sinks with the changes of its new copies: its
+    namespace and every hash from the chain's first block (the store's keys, as validated),
+    so a new copy of ``hashes[i]`` has ``hashes[i - 1]`` as its parent."""
+
+    ns: Namespace
+    hashes: tuple[bytes, ...]
+
+
 class BlockSink(Protocol):
     """A listener on block placement (:attr:`StoreEvents.sinks`); called under the store's
     lock, so it must only enqueue."""
 
-    def blocks(self, changes: list[BlockChange], tokens: PutTokens | None) -> None:
-        """The changes of one store operation, in order; ``tokens``: a put's token ids (None
-        when its caller sent none). Every sink is given the same list: keep it, never change it."""
+    def blocks(self, runs: list[BlockRun], tokens: PutTokens | None, chain: PutChain | None) -> None:
+        """The changes of one store operation, in order, as runs (:data:`BlockRun`;
+        :func:`block_changes` spells them out); ``tokens``: a put's token ids (None when its
+        caller sent none); ``chain``: the chain a put stored, with its new copies (None for
+        other operations). Every sink is given the same lists: keep them, never change them."""
         ...
 
 
 class _Batch:
-    __slots__ = ("events", "tokens")
+    __slots__ = ("events", "tokens", "ns", "hashes")
 
-    def __init__(self, events: StoreEvents, tokens: PutTokens | None) -> None:
-        self.events, self.tokens = events, tokens
+    def __init__(self, events: StoreEvents, tokens: PutTokens | None, ns: Namespace | None,
+                 hashes: Sequence[bytes] | None) -> None:
+        self.events, self.tokens, self.ns, self.hashes = events, tokens, ns, hashes
 
     def __enter__(self) -> None:
         ev = self.events
         if not ev._depth:
-            ev._changes = [] if ev.sinks else None
-            ev._tokens = self.tokens
+            ev._run = None
+            if ev.sinks:
+                ev._changes = []
+                ev._tokens = self.tokens
+                # (a copy: the caller may reuse its list once the put returns)
+                ev._chain = None if self.ns is None or self.hashes is None else PutChain(self.ns, tuple(self.hashes))
+            else:
+                ev._changes = None
         ev._depth += 1
 
     def __exit__(self, *exc: object) -> None:
@@ -796,10 +843,11 @@ class _Batch:
         ev._depth -= 1
         if ev._depth:
             return
-        changes, tokens, ev._changes, ev._tokens = ev._changes, ev._tokens, None, None
+        changes, tokens, chain = ev._changes, ev._tokens, ev._chain
+        ev._changes = ev._tokens = ev._chain = ev._run = None
         if changes:
             for sink in ev.sinks:
-                sink.blocks(changes, tokens)
+                sink.blocks(changes, tokens, chain)
 
 
 class RequestTrace:

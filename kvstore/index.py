@@ -239,10 +239,17 @@ class RadixIndex:
         tiers: np.ndarray,
         created: np.ndarray,
         expiry: np.ndarray,
+        *,
+        local_parents: bool = False,
     ) -> np.ndarray:
         """Insert blocks whose parents are already present (or ``NO_PARENT``), one column
-        write each: a warm restart inserts a whole depth level at a time. Returns the new ids."""
+        write each. Returns the new ids, in the order of ``hashes``. ``local_parents``:
+        ``parents[i]`` is instead the position in ``hashes`` of block ``i``'s parent (or
+        ``NO_PARENT``), so that a whole forest goes in one call (a warm restart)."""
         ids = self._register(hashes)
+        if local_parents and ids.size:
+            linked = parents != NO_PARENT
+            parents = np.where(linked, ids[np.where(linked, parents, 0)], NO_PARENT)
         self._write(ids, parents, depths, sizes, ns, tiers, created, expiry)
         return ids
 

@@ -222,31 +222,34 @@ class SlabAllocator:
         return None
 
 
-class SlabMapMixin:
-    """The shared half of tiers that keep ``key -> (offset, meta)`` over a :class:`SlabAllocator`
-    (DRAM, HBM): delete and the capacity queries, under the tier's lock."""
+class SlabMap:
+    """The slot books of a tier that keeps ``key -> (offset, meta)`` over a
+    :class:`SlabAllocator` (DRAM, HBM): delete and the capacity queries. The tier owns one and
+    calls it; the lock, the map and the allocator are the tier's, handed in here, and every
+    call takes the lock."""
 
-    _lock: threading.Lock
-    _map: dict[bytes, tuple[int, Any]]
-    _alloc: SlabAllocator
+    def __init__(self, lock: threading.Lock, entries: dict[bytes, tuple[int, Any]], alloc: SlabAllocator) -> None:
+        self.lock = lock
+        self.entries = entries
+        self.alloc = alloc
 
     def delete(self, key: bytes) -> bool:
-        with self._lock:
-            entry = self._map.pop(key, None)
+        with self.lock:
+            entry = self.entries.pop(key, None)
             if entry is None:
                 return False
-            self._alloc.free(entry[0])
+            self.alloc.free(entry[0])
             return True
 
     def usage(self) -> TierUsage:
         """``used_bytes`` counts whole slots (sizes rounded up to 4 KiB): the room really taken."""
-        with self._lock:
-            return TierUsage(self._alloc.used_bytes, self._alloc.capacity_bytes, len(self._map))
+        with self.lock:
+            return TierUsage(self.alloc.used_bytes, self.alloc.capacity_bytes, len(self.entries))
 
     def fits(self, size: int) -> bool:
         """Whether a free slot of ``size``'s class exists; UsageError if no slab can hold it."""
-        with self._lock:
-            return self._alloc.fits(size)
+        with self.lock:
+            return self.alloc.fits(size)
 
     def size_class(self, size: int) -> int:
-        return self._alloc.slot_bytes(size)
+        return self.alloc.slot_bytes(size)

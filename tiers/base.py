@@ -27,12 +27,112 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
+
 from kvstore.block import BlockMeta
 from kvstore.buffers import Buffer
 from kvstore.buffers import byte_view as byte_view  # re-exported for older imports
 from kvstore.clock import Clock
 from kvstore.errors import KVStoreError
-from kvstore.keys import BlockHash
+from kvstore.keys import HASH_BYTES, BlockHash
+
+HASH = np.dtype(f"V{HASH_BYTES}")
+"""The dtype of a column of block hashes (16 raw bytes a row)."""
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class BlockColumns:
+    """The metadata of many blocks as columns, one row a block: what :meth:`Tier.scan_columns`
+    yields, so that a restart reads a million blocks without an object per block. Row ``i`` is
+    block ``keys[i]`` with ``BlockMeta(ns[i], parent[i], depth[i], size[i], expiry[i],
+    checksum[i], created[i])``. ``keys``, ``ns`` and ``parent`` are :data:`HASH` columns;
+    ``depth`` and ``size`` int64, ``expiry`` and ``created`` float64, ``checksum`` uint64 (a
+    volatile tier's deferred checksum, -1, reads as 2**64 - 1)."""
+
+    keys: np.ndarray
+    ns: np.ndarray
+    parent: np.ndarray
+    depth: np.ndarray
+    size: np.ndarray
+    expiry: np.ndarray
+    created: np.ndarray
+    checksum: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.keys.size)
+
+    @classmethod
+    def empty(cls) -> BlockColumns:
+        h, i, f = np.empty(0, HASH), np.empty(0, np.int64), np.empty(0, np.float64)
+        return cls(h, h, h, i, i, f, f, np.empty(0, np.uint64))
+
+    @classmethod
+    def from_items(cls, items: Iterable[tuple[bytes, BlockMeta]]) -> BlockColumns:
+        """Columns of ``(key, meta)`` pairs, in order (the slow way, for tiers that keep a
+        :class:`BlockMeta` per block)."""
+        rows = list(items)
+        if not rows:
+            return cls.empty()
+        n = len(rows)
+        metas = [m for _, m in rows]
+
+        def col(attr: str, dtype: Any) -> np.ndarray:
+            return np.fromiter((getattr(m, attr) for m in metas), dtype, n)
+
+        return cls(
+            np.frombuffer(b"".join(bytes(k) for k, _ in rows), HASH),
+            np.frombuffer(b"".join(m.ns for m in metas), HASH),
+            np.frombuffer(b"".join(m.parent for m in metas), HASH),
+            col("depth", np.int64),
+            col("size", np.int64),
+            col("expiry", np.float64),
+            col("created", np.float64),
+            np.fromiter((m.checksum & _MASK64 for m in metas), np.uint64, n),
+        )
+
+    @classmethod
+    def concat(cls, parts: Iterable[BlockColumns]) -> BlockColumns:
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            return cls.empty()
+        if len(parts) == 1:
+            return parts[0]
+        names = cls.__slots__
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in names))
+
+    def take(self, rows: np.ndarray) -> BlockColumns:
+        """The rows ``rows`` (indices or a mask), in that order."""
+        return BlockColumns(*(getattr(self, f)[rows] for f in self.__slots__))
+
+    def key_list(self) -> list[BlockHash]:
+        """The keys as ``bytes`` (what maps and the index are keyed by)."""
+        return hash_list(self.keys)
+
+    def items(self) -> Iterator[tuple[BlockHash, BlockMeta]]:
+        """``(key, meta)`` per row: the per-block form of :meth:`Tier.scan`."""
+        cols = (hash_list(self.ns), hash_list(self.parent), self.depth.tolist(), self.size.tolist(),
+                self.expiry.tolist(), self.checksum.tolist(), self.created.tolist())
+        for key, *fields in zip(self.key_list(), *cols, strict=True):
+            yield key, BlockMeta(*fields)
+
+
+def hash_list(column: np.ndarray) -> list[BlockHash]:
+    """A :data:`HASH` column as a list of 16-byte ``bytes``."""
+    raw = np.ascontiguousarray(column).tobytes()
+    w = HASH_BYTES
+    return [raw[i : i + w] for i in range(0, len(raw), w)]  # type: ignore[misc]
+
+
+def hash_groups(column: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct hashes of a :data:`HASH` column: the row of each one's first occurrence,
+    and each row's group (an index into the first). Sorted on the hashes' first 8 bytes as
+    integers; exact (a column where two hashes share those bytes is sorted as bytes)."""
+    halves = np.frombuffer(np.ascontiguousarray(column).tobytes(), np.uint64).reshape(-1, 2)
+    _, first, group = np.unique(halves[:, 0], return_index=True, return_inverse=True)
+    if (halves[first[group], 1] != halves[:, 1]).any():
+        _, first, group = np.unique(column, return_index=True, return_inverse=True)
+    return first, group.reshape(-1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +197,17 @@ class Tier(ABC):
         return None
 
     def scan(self) -> Iterator[tuple[BlockHash, BlockMeta]]:
-        """Every block held, with its metadata: how a restart rebuilds the index."""
+        """Every block held, with its metadata, one pair a block. Tiers that keep a
+        :class:`BlockMeta` per block override this; persistent tiers override
+        :meth:`scan_columns` instead and answer this from it."""
         return iter(())
+
+    def scan_columns(self) -> Iterator[BlockColumns]:
+        """Every block held, with its metadata, as batches of columns: how a restart rebuilds
+        the index (:func:`kvstore.store.restart.recover`). The same blocks as :meth:`scan`, in
+        the same order; the default builds the columns from it."""
+        cols = BlockColumns.from_items(self.scan())
+        return iter([cols] if len(cols) else [])
 
     def register_namespace(self, digest: bytes, descriptor: bytes) -> None:  # noqa: B027
         """Learn a namespace's descriptor (tiers whose objects are self-describing embed it)."""

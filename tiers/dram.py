@@ -40,8 +40,8 @@ from kvstore.errors import (
 from kvstore.keys import BlockHash
 from kvstore.shm import Prefault, disown_arena, own_arena, reopen_readonly
 from kvstore.shm import attach_arena as attach_arena  # re-exported for older imports
-from tiers._slab import SlabAllocator, SlabMapMixin
-from tiers.base import Tier
+from tiers._slab import SlabAllocator, SlabMap
+from tiers.base import Tier, TierUsage
 
 _ALIGN = 4096
 _MiB = 1024 * 1024
@@ -108,7 +108,7 @@ def _release_segment(shm: SharedMemory, name: str, prefault: list[Prefault]) -> 
     disown_arena(name)
 
 
-class DramTier(SlabMapMixin, Tier):
+class DramTier(Tier):
     """Payloads in one shared-memory arena; ``key -> (offset, BlockMeta)`` in a dict.
 
     Thread safety: ``_lock`` guards the allocator and the map; payload copies run outside it.
@@ -130,6 +130,7 @@ class DramTier(SlabMapMixin, Tier):
         self._alloc = SlabAllocator(config.capacity_bytes, config.slab_bytes, _ALIGN)
         self._lock = threading.Lock()
         self._map: dict[BlockHash, tuple[int, BlockMeta]] = {}
+        self._slots = SlabMap(self._lock, self._map, self._alloc)
         shm_name = config.shm_name or self._generated_name(name)
         size = self._alloc.capacity_bytes  # a partial slab at the end could never be used
         try:
@@ -321,6 +322,18 @@ class DramTier(SlabMapMixin, Tier):
     def meta(self, key: BlockHash) -> BlockMeta | None:
         entry = self._map.get(key)
         return None if entry is None else entry[1]
+
+    def delete(self, key: BlockHash) -> bool:
+        return self._slots.delete(key)
+
+    def usage(self) -> TierUsage:
+        return self._slots.usage()
+
+    def fits(self, size: int) -> bool:
+        return self._slots.fits(size)
+
+    def size_class(self, size: int) -> int:
+        return self._slots.size_class(size)
 
     def scan(self) -> Iterator[tuple[BlockHash, BlockMeta]]:
         """A snapshot of the blocks held now (an empty arena after every start)."""

@@ -27,8 +27,8 @@ from kvstore.buffers import Buffer, byte_view
 from kvstore.clock import Clock, system_clock
 from kvstore.errors import BlockNotFound, BufferSizeError, ConfigError, TierFullError, TierIOError
 from kvstore.keys import BlockHash
-from tiers._slab import SlabAllocator, SlabMapMixin
-from tiers.base import Tier
+from tiers._slab import SlabAllocator, SlabMap
+from tiers.base import Tier, TierUsage
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ class _Streams:
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
 
 
-class HbmTier(SlabMapMixin, Tier):
+class HbmTier(Tier):
     kind = "hbm"
     persistent = False
     Config = HbmConfig
@@ -87,6 +87,7 @@ class HbmTier(SlabMapMixin, Tier):
         self._streams = _Streams(self.device)
         self._map: dict[bytes, tuple[int, BlockMeta]] = {}
         self._lock = threading.Lock()
+        self._slots = SlabMap(self._lock, self._map, self._alloc)
         self._local = threading.local()
         self._closed = False
 
@@ -137,6 +138,18 @@ class HbmTier(SlabMapMixin, Tier):
     def meta(self, key: BlockHash) -> BlockMeta | None:
         entry = self._map.get(key)
         return entry[1] if entry else None
+
+    def delete(self, key: BlockHash) -> bool:
+        return self._slots.delete(key)
+
+    def usage(self) -> TierUsage:
+        return self._slots.usage()
+
+    def fits(self, size: int) -> bool:
+        return self._slots.fits(size)
+
+    def size_class(self, size: int) -> int:
+        return self._slots.size_class(size)
 
     def read_into(self, key: BlockHash, dst: memoryview) -> int:
         out = byte_view(dst, writable=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
@@ -55,7 +56,7 @@ from kvstore.errors import (
 from kvstore.keys import HASH_BYTES, BlockHash
 from tiers._direct import ALIGN, DirectFile
 from tiers._slab import SlabAllocator
-from tiers.base import OfflineScan, Tier, TierUsage, tier_dir
+from tiers.base import HASH, BlockColumns, OfflineScan, Tier, TierUsage, tier_dir
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +67,11 @@ _BLOCK_PREFIX = b"B"
 _OFFSET = struct.Struct("<Q")
 _RECORD_BYTES = _OFFSET.size + BlockMeta.PACKED_SIZE
 # A record decoded in bulk at open: the offset, then BlockMeta.pack()'s fields (ns, parent,
-# depth, size, expiry, created, checksum); numpy reads the two that the slot checks need.
+# depth, size, expiry, created, checksum), as one numpy row.
 _RECORD = struct.Struct("<Q" + BlockMeta.FORMAT.lstrip("<"))
 _RECORD_DTYPE = np.dtype(
-    {"names": ["offset", "size"], "formats": ["<u8", "<u8"], "itemsize": _RECORD_BYTES,
-     "offsets": [0, _RECORD.size - BlockMeta.PACKED_SIZE + struct.calcsize("<16s16sI")]}
+    [("offset", "<u8"), ("ns", HASH), ("parent", HASH), ("depth", "<u4"), ("size", "<u8"),
+     ("expiry", "<f8"), ("created", "<f8"), ("checksum", "<u8")]
 )
 
 
@@ -79,8 +80,10 @@ def _record_layout_matches() -> bool:
     value = _OFFSET.pack(8192) + meta.pack()
     row = np.frombuffer(value, _RECORD_DTYPE)[0]
     return (
-        _RECORD.size == len(value) == _RECORD_BYTES
-        and (int(row["offset"]), int(row["size"])) == (8192, 12345)
+        _RECORD.size == len(value) == _RECORD_BYTES == _RECORD_DTYPE.itemsize
+        and (int(row["offset"]), int(row["size"]), int(row["depth"])) == (8192, 12345, 7)
+        and (row["ns"].tobytes(), row["parent"].tobytes()) == (meta.ns, meta.parent)
+        and (float(row["expiry"]), float(row["created"]), int(row["checksum"])) == (1.5, 2.5, 99)
         and _RECORD.unpack(value) == (8192, meta.ns, meta.parent, 7, 12345, 1.5, 2.5, 99)
     )
 
@@ -89,6 +92,30 @@ if not _record_layout_matches():  # BlockMeta's packing changed: update _RECORD 
     raise ImportError("tiers.nvme: the bulk record layout does not match BlockMeta.pack()")
 
 _GEOMETRY_VERSION = 1
+
+
+class _Records(dict):  # type: ignore[type-arg]
+    """The tier's index, ``key -> (offset, BlockMeta)``. The records read at open stay packed
+    (their RocksDB values) until one is first asked for, then are decoded in place: a restart
+    loads a million records without building a BlockMeta for each. Guarded by the tier's
+    ``_lock``, like any dict it would be."""
+
+    __slots__ = ()
+
+    def get(self, key: bytes, default: Any = None) -> tuple[int, BlockMeta] | Any:  # type: ignore[override]
+        entry = dict.get(self, key, default)
+        if type(entry) is bytes:
+            entry = _decode_record(entry)
+            dict.__setitem__(self, key, entry)
+        return entry
+
+    def items(self) -> list[tuple[bytes, tuple[int, BlockMeta]]]:  # type: ignore[override]
+        return [(k, self.get(k)) for k in self]
+
+
+def _decode_record(value: bytes) -> tuple[int, BlockMeta]:
+    offset, ns, parent, depth, size, expiry, created, checksum = _RECORD.unpack(value)
+    return offset, BlockMeta(ns, parent, depth, size, expiry, checksum, created)
 
 # A read is one preadv of the whole block, like a raw O_DIRECT read: splitting a block into
 # pieces (to hash one while the next is read) made read_into 0.47-0.68 of raw on a virtio disk,
@@ -221,7 +248,9 @@ class NvmeTier(Tier):
         self._db_path = self.path / "meta.rocksdb"
         self._lock = threading.Lock()
         self._db_lock = threading.Lock()
-        self._index: dict[BlockHash, tuple[int, BlockMeta]] = {}
+        self._index = _Records()
+        # The records read at open, as columns, until the first change: the restart's scan.
+        self._opened: BlockColumns | None = None
         self._closed = False
         self._dropped_on_open = 0
         self._file: DirectFile | None = None
@@ -352,6 +381,7 @@ class NvmeTier(Tier):
         )
         self._quarantined += 1
         self._index.clear()
+        self._opened = None
         self._alloc = SlabAllocator(self.config.capacity_bytes, self.config.slab_bytes, ALIGN)
         self._db = self._open_db()
 
@@ -410,14 +440,16 @@ class NvmeTier(Tier):
             ok = slot > 0
             ok[ok] = offsets[ok] % np.uint64(alloc.slab_bytes) % slot[ok].astype(np.uint64) == 0
             ok[ok] = alloc.claim_many(offsets[ok], sizes[ok])
-            index = self._index
-            for k, good, (offset, ns, parent, depth, size, expiry, created, checksum) in zip(
-                keys, ok.tolist(), _RECORD.iter_unpack(buf), strict=True
-            ):
-                if good:
-                    index[BlockHash(k[1:])] = (offset, BlockMeta(ns, parent, depth, size, expiry, checksum, created))
-                else:
-                    bad.append(k)
+            good = ok.tolist()
+            kept = [k[1:] for k, g in zip(keys, good, strict=True) if g]
+            bad += [k for k, g in zip(keys, good, strict=True) if not g]
+            self._index.update(zip(kept, itertools.compress(values, good), strict=True))
+            rows = records[ok]
+            self._opened = BlockColumns(
+                np.frombuffer(b"".join(kept), HASH), rows["ns"], rows["parent"],
+                rows["depth"].astype(np.int64), rows["size"].astype(np.int64),
+                rows["expiry"].copy(), rows["created"].copy(), rows["checksum"].copy(),
+            )
         if bad:
             wb = WriteBatch(raw_mode=True)
             for k in bad:
@@ -588,6 +620,7 @@ class NvmeTier(Tier):
                 self._release(offset)
                 raise
             with self._lock:
+                self._opened = None
                 old = self._index.get(key)
                 self._index[key] = (offset, meta)
                 if old is not None:
@@ -607,6 +640,7 @@ class NvmeTier(Tier):
                 return False
             self._db_call(lambda db: db.delete(_BLOCK_PREFIX + key, self._wo))
             with self._lock:
+                self._opened = None
                 del self._index[key]
                 self._alloc.free(entry[0])
         return True
@@ -624,9 +658,18 @@ class NvmeTier(Tier):
 
     def scan(self) -> Iterator[tuple[BlockHash, BlockMeta]]:
         """A snapshot of every block and its metadata, taken at the first ``next()``."""
+        for cols in self.scan_columns():
+            yield from cols.items()
+
+    def scan_columns(self) -> Iterator[BlockColumns]:
+        """A snapshot of every block and its metadata: the records read at open, in key order
+        (decoded once, as columns) while nothing has changed since, else the index's (in the
+        order its keys came)."""
         with self._lock:
-            snapshot = [(k, m) for k, (_, m) in self._index.items()]
-        yield from snapshot
+            cols = self._opened
+            if cols is None:
+                cols = BlockColumns.from_items((k, m) for k, (_, m) in self._index.items())
+        return iter([cols] if len(cols) else [])
 
     def update_expiry(self, items: Iterable[tuple[BlockHash, float]]) -> None:
         """Rewrite the records of present keys with new expiry times, in one unsynced batch.
@@ -648,6 +691,7 @@ class NvmeTier(Tier):
                 wb.put(_BLOCK_PREFIX + key, _OFFSET.pack(offset) + meta.pack())
             self._db_call(lambda db: db.write(wb, self._wo))
             with self._lock:
+                self._opened = None
                 self._index.update(updates)
 
     def flush(self) -> None:
@@ -670,6 +714,7 @@ class NvmeTier(Tier):
             file, self._file = self._file, None
             db, self._db = self._db, None
             self._index.clear()
+            self._opened = None
             pool, self._hash_pool = self._hash_pool, None
         if pool is not None:
             pool.shutdown(wait=False)

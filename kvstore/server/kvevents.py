@@ -29,15 +29,19 @@ whose it is); a tenant's own stream carries its hashes as its clients compute th
 
 Never in the way of the data path: the store calls the sink once per locked part of an
 operation (a load, a maintenance pass; a put has two, room then copies:
-:meth:`kvstore.events.StoreEvents.batch`), never once per block, and
-that call only appends the operation's list of changes to a bounded queue (full: dropped and
-counted; the mirror is then rebuilt from the store and every stream is sent
-``AllBlocksCleared`` and a snapshot, so a drop costs a resync, never a wrong route).
-Publishing is batched across operations, since a publication's cost is mostly fixed: the
-thread publishes what waits every ``[events] publish_period`` (0.25 s) while blocks change
-(the first change after a lull at once: :meth:`KVEventPublisher.pump`, which the service
-calls after each put and load outside the store's lock, wakes it), and a pump publishes on
-the request's own thread once :data:`PUMP_BATCH` changes wait. The thread also serves replay
+:meth:`kvstore.events.StoreEvents.batch`), never once per block, with the operation's
+changes as runs of one kind and tier (:data:`kvstore.events.BlockRun`: a hook appends a key,
+no tuple a block) and a put's copies with the chain it stored (:class:`kvstore.events.PutChain`,
+which names every new block's parent, so the anonymous tenant needs no :meth:`names`), and
+that call only appends them to a bounded queue (full: dropped and counted; the mirror is then
+rebuilt from the store and every stream is sent ``AllBlocksCleared`` and a snapshot, so a
+drop costs a resync, never a wrong route). A put's run and an eviction's go into the mirror in
+bulk (:meth:`KVEventPublisher._apply_put`, :meth:`KVEventPublisher._apply_gone`).
+Publishing is batched across operations: a pump (:meth:`KVEventPublisher.pump`, which the
+service calls after each put and load outside the store's lock) publishes on the request's
+own thread once the oldest change is ``[events] publish_period`` (0.25 s) old or
+:data:`PUMP_BATCH` changes wait, and the thread publishes what no pump took two periods after
+it (the first change after a lull at once: the pump wakes it). The thread also serves replay
 requests, the heartbeat (an empty batch after a second of quiet, so a subscriber that lost
 the last batch notices the gap), flushes and rebuilds.
 PUB drops at its high-water mark rather than wait for a slow subscriber.
@@ -66,14 +70,14 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter, countOf, itemgetter
 from typing import Any
 
 import msgspec
 import numpy as np
 import zmq
 
-from kvstore.events import BlockChange, EventsConfig, PutTokens
+from kvstore.events import BlockRun, EventsConfig, PutChain, PutTokens, block_changes
 from kvstore.keys import Namespace
 from kvstore.route.wire import (
     END_SEQ,
@@ -99,7 +103,7 @@ thread, which wakes cold): publishing after every put of 32 blocks of 16 KiB cos
 event, ~500 changes at a time ~2 us."""
 _FAST_MIN = 4
 """Changes in an operation from which :meth:`KVEventPublisher._apply_uniform` is tried."""
-_key, _shape = itemgetter(1), itemgetter(0, 2)
+_keys = itemgetter(2)
 _client, _parent, _ns, _mask, _tokens = (attrgetter(a) for a in ("client", "parent", "ns", "mask", "tokens"))
 SNAPSHOT_CHUNK = 4096
 """Blocks per batch of a snapshot (and of the announcement at start)."""
@@ -333,12 +337,14 @@ class KVEventPublisher:
             self._asleep = False
             os.eventfd_write(self._wake, 1)
 
-    def blocks(self, changes: list[BlockChange], tokens: PutTokens | None) -> None:
-        """The changes of one store operation (see :class:`kvstore.events.BlockSink`). No
-        wake-up here (this runs under the store's lock): the service's :meth:`pump` after the
-        operation wakes the thread if it sleeps past its period; a maintenance pass's expiry,
-        which no pump follows, goes with the next period or heartbeat, within a second."""
-        self._put(("b", changes, tokens), len(changes), wake=False)
+    def blocks(self, runs: list[BlockRun], tokens: PutTokens | None, chain: PutChain | None = None) -> None:
+        """The changes of one store operation (see :class:`kvstore.events.BlockSink`): one
+        queue entry holding the store's own lists (and a put's chain), nothing done a block.
+        No wake-up here (this runs under the store's lock): the service's :meth:`pump` after
+        the operation wakes the thread if it sleeps past its period; a maintenance pass's
+        expiry, which no pump follows, goes with the next period or heartbeat, within a
+        second."""
+        self._put(("b", runs, tokens, chain), sum(map(len, map(_keys, runs))), wake=False)
 
     def pump(self) -> None:
         """The service calls it after each put and load, outside the store's lock. Once the
@@ -365,8 +371,10 @@ class KVEventPublisher:
 
     def names(self, ns: Namespace, hashes: Sequence[bytes], keys: Sequence[bytes], start: int) -> None:
         """The client hashes of a put's chain (``keys``: what the store is given), called before
-        the put: its ``placed`` events then publish under these names."""
-        if self._keyed or start < len(hashes):
+        the put: its ``placed`` events then publish under these names. Nothing for the
+        anonymous tenant, whose keys are the client hashes: the store hands the publisher the
+        chain with the put's new copies (:class:`kvstore.events.PutChain`)."""
+        if self._keyed:
             names = tuple(hashes)
             self._put(("n", ns, names, names if keys is hashes else tuple(keys), start), len(hashes), wake=False)
 
@@ -439,7 +447,7 @@ class KVEventPublisher:
     def _apply(self, item: tuple[Any, ...]) -> None:
         """One queue entry: a store operation's changes, or a put's names."""
         if item[0] == "b":
-            self._apply_changes(item[1], item[2])
+            self._apply_changes(item[1], item[2], item[3])
             return
         _, ns, hashes, keys, start = item
         recs, info = self._recs, self._ns_of(ns)
@@ -463,15 +471,26 @@ class KVEventPublisher:
                         self._stored([rec], k, info.fan)
             parent = client
 
-    def _apply_changes(self, changes: list[BlockChange], tokens: PutTokens | None) -> None:
-        """A store operation's changes into the mirror and the pending events. Consecutive
-        copies of one chain on one tier become one run (one list extend per stream), as do
-        consecutive removals from one tier: the loop below is the publisher's cost per block,
-        so it does a dictionary look-up and a few comparisons per change, no more."""
-        if len(changes) >= _FAST_MIN and self._apply_uniform(changes, tokens):
-            return
+    def _apply_changes(self, runs: list[BlockRun], tokens: PutTokens | None, chain: PutChain | None) -> None:
+        """A store operation's changes into the mirror and the pending events. The common
+        shapes go in bulk (:meth:`_apply_put`, :meth:`_apply_gone`, :meth:`_apply_uniform`);
+        the rest block by block: consecutive copies of one chain on one tier become one run
+        (one list extend per stream), as do consecutive removals from one tier, so the loop
+        below does a dictionary look-up and a few comparisons per change, no more."""
+        if len(runs) == 1:
+            kind, k, keys = runs[0]
+            if not self._keyed:
+                if kind == "p":
+                    if chain is not None and self._apply_put(keys, k, tokens, chain):
+                        return
+                elif self._apply_gone(kind, k, keys):
+                    return
+            if len(keys) >= _FAST_MIN and self._apply_uniform(kind, k, keys, tokens):
+                return
+        changes = block_changes(runs)
         recs = self._recs
         get = recs.get
+        born: dict[bytes, int] | None = None  # the chain's positions, for copies no record names yet
         at: dict[bytes, int] | None = None
         tb = b""
         step = 0
@@ -484,6 +503,14 @@ class KVEventPublisher:
         gone_k = -1
         for kind, key, k in changes:
             rec = get(key)
+            if rec is None and kind == "p" and chain is not None and not self._keyed:
+                # A new block of the anonymous tenant: its name is its key, its parent the
+                # chain's block before it.
+                if born is None:
+                    born = {h: i for i, h in enumerate(chain.hashes)}
+                i = born.get(key)
+                if i is not None:
+                    rec = recs[key] = _Rec(key, chain.hashes[i - 1] if i else None, self._ns_of(chain.ns), 0)
             if rec is None:
                 if kind == "p":
                     self._counts["unnamed"] += 1
@@ -533,17 +560,64 @@ class KVEventPublisher:
         if gone:
             self._removed(gone, gone_k)
 
-    def _apply_uniform(self, changes: list[BlockChange], tokens: PutTokens | None) -> bool:
-        """The common operations in bulk: every change of one kind on one tier (a put's new
-        copies, one chain; the removals that made room for it; a load's promotions). The
-        checks and the look-ups run in C (``map``, set and list comparisons); what stays in
-        Python is one statement a block. False, with nothing changed, when the batch is not
-        of that shape: :meth:`_apply_changes` then takes it block by block."""
-        shapes = set(map(_shape, changes))
-        if len(shapes) != 1:
+    def _apply_put(self, keys: list[bytes], k: int, tokens: PutTokens | None, chain: PutChain) -> bool:
+        """The anonymous tenant's usual put: new blocks, one run of the chain, on tier ``k``.
+        No record is looked up (the chain names every parent); the records are made in C,
+        one statement for the batch. False, with nothing changed, for any other shape."""
+        n = len(keys)
+        recs = self._recs
+        if not recs.keys().isdisjoint(keys):
+            return False  # some were cached before (a copy on another tier): block by block
+        hashes = chain.hashes
+        j = len(hashes) - n  # the new blocks: the chain's suffix, or its leading part when cut short
+        if j < 0:
             return False
-        kind, k = shapes.pop()
-        keys = list(map(_key, changes))
+        if hashes[j] != keys[0]:
+            try:
+                j = hashes.index(keys[0])
+            except ValueError:
+                return False
+        if list(hashes[j:j + n]) != keys:
+            return False
+        info = self._ns_of(chain.ns)
+        parent = hashes[j - 1] if j else None
+        parents = [parent, *keys[:-1]]
+        bit = 1 << k
+        if tokens is None:
+            toks: Any = repeat(None)
+        else:
+            step = 4 * tokens.block_tokens
+            at = j - (len(hashes) - len(tokens.keys))  # tokens holds those of hashes[start:]
+            if at < 0:
+                return False
+            tb = tokens.tokens.astype("<i4", copy=False).tobytes()
+            toks = [tb[o:o + step] for o in range(at * step, (at + n) * step, step)]
+        recs.update(zip(keys, map(_Rec, keys, parents, repeat(info), repeat(bit), toks), strict=False))
+        self._stored_hashes(keys, parent, None if tokens is None else toks, k, info)
+        return True
+
+    def _apply_gone(self, kind: str, k: int, keys: list[bytes]) -> bool:
+        """The anonymous tenant's removals in bulk: blocks that left the store, or lost their
+        last copy, all from one tier (the evictions that made room for a put). False, with
+        nothing changed, for any other shape."""
+        mask = k if kind == "d" else 1 << k  # ("d": k is the mask of the tiers that held it)
+        if not mask or mask & (mask - 1):
+            return False  # held on several tiers: one BlockRemoved per medium, block by block
+        recs = self._recs
+        rs = list(map(recs.pop, keys, repeat(None)))
+        if None in rs or countOf(map(_mask, rs), mask) != len(keys):
+            recs.update((key, r) for key, r in zip(keys, rs, strict=True) if r is not None)  # (as it was)
+            return False
+        self._removed_hashes(keys, mask.bit_length() - 1, self._fan[0], 0)
+        return True
+
+    def _apply_uniform(self, kind: str, k: int, keys: list[bytes], tokens: PutTokens | None) -> bool:
+        """The common operations in bulk: one run, every change of one kind on one tier (a
+        put's new copies, one chain; the removals that made room for it; a load's
+        promotions). The checks and the look-ups run in C (``map``, set and list
+        comparisons); what stays in Python is one statement a block. False, with nothing
+        changed, when the batch is not of that shape: :meth:`_apply_changes` then takes it
+        block by block."""
         recs = self._recs
         rs = list(map(recs.get, keys))
         if None in rs:
@@ -592,16 +666,21 @@ class KVEventPublisher:
         before it, all with tokens or none) into the pending events of each stream of ``fan``:
         it extends the last ``BlockStored`` when it continues that one's chain."""
         first = run[0]
-        info = first.ns
-        medium, tenant = self._tiers[k], info.tenant
-        hashes = list(map(_client, run))
         toks = list(map(_tokens, run)) if first.tokens is not None else None
-        for s, m in fan:
+        self._stored_hashes(list(map(_client, run)), first.parent, toks, k, first.ns, fan)  # type: ignore[arg-type]
+
+    def _stored_hashes(self, hashes: list[bytes], parent0: bytes | None, toks: list[bytes] | None, k: int,
+                       info: _NsInfo, fan: list[tuple[_Stream, int]] | None = None) -> None:
+        """:meth:`_stored` of the run's client hashes, its first block's parent and its token
+        ids (one int32 ``bytes`` a block, or None); ``fan``: the namespace's streams unless
+        given."""
+        medium, tenant = self._tiers[k], info.tenant
+        for s, m in info.fan if fan is None else fan:
             events = s.pending.get(tenant)
             if events is None:
                 events = s.pending[tenant] = []
-            hs = [masked(h, m) for h in hashes] if m else list(hashes)  # type: ignore[arg-type]
-            parent = masked(first.parent, m) if m and first.parent is not None else first.parent
+            hs = [masked(h, m) for h in hashes] if m else list(hashes)
+            parent = masked(parent0, m) if m and parent0 is not None else parent0
             last = events[-1] if events else None
             if (type(last) is BlockStored and last.block_hashes[-1] == parent and last.medium == medium
                     and last.block_size == info.block_size and last.lora_name == info.lora
@@ -617,7 +696,6 @@ class KVEventPublisher:
 
     def _removed(self, gone: list[_Rec], k: int) -> None:
         """Copies that left tier ``k`` into the pending ``BlockRemoved`` of each stream."""
-        medium = self._tiers[k]
         by_tenant: dict[int, tuple[list[tuple[_Stream, int]], list[bytes]]] = {}
         if not self._keyed:  # one tenant
             by_tenant[0] = (gone[0].ns.fan, list(map(_client, gone)))
@@ -628,16 +706,22 @@ class KVEventPublisher:
                 group = by_tenant[r.ns.tenant] = (r.ns.fan, [])
             group[1].append(r.client)  # type: ignore[arg-type]
         for tenant, (fan, hashes) in by_tenant.items():
-            for s, m in fan:
-                events = s.pending.get(tenant)
-                if events is None:
-                    events = s.pending[tenant] = []
-                hs = [masked(h, m) for h in hashes] if m else list(hashes)
-                last = events[-1] if events else None
-                if type(last) is BlockRemoved and last.medium == medium:
-                    last.block_hashes.extend(hs)
-                else:
-                    events.append(BlockRemoved(block_hashes=hs, medium=medium))
+            self._removed_hashes(hashes, k, fan, tenant)
+
+    def _removed_hashes(self, hashes: list[bytes], k: int, fan: list[tuple[_Stream, int]], tenant: int) -> None:
+        """Client hashes of one tenant that left tier ``k`` into the pending ``BlockRemoved``
+        of each stream of ``fan``."""
+        medium = self._tiers[k]
+        for s, m in fan:
+            events = s.pending.get(tenant)
+            if events is None:
+                events = s.pending[tenant] = []
+            hs = [masked(h, m) for h in hashes] if m else list(hashes)
+            last = events[-1] if events else None
+            if type(last) is BlockRemoved and last.medium == medium:
+                last.block_hashes.extend(hs)
+            else:
+                events.append(BlockRemoved(block_hashes=hs, medium=medium))
 
     def _snapshot(self, stream: _Stream) -> Iterator[tuple[int, list[Any]]]:
         """(tenant, events) chunks: AllBlocksCleared, then every named block the stream may see."""
@@ -673,8 +757,9 @@ class KVEventPublisher:
         block while it grows, become its ``token_ids`` here."""
         n = 0
         for e in events:
-            if type(e) is not AllBlocksCleared:
-                n += len(e.block_hashes)
+            if type(e) is AllBlocksCleared:
+                continue
+            n += len(e.block_hashes)
             if type(e) is BlockStored and e.token_ids:
                 e.token_ids = _msgpack_ints(b"".join(e.token_ids))  # type: ignore[arg-type]
         self._counts["block_events"] += n
@@ -798,7 +883,7 @@ class KVEventPublisher:
             if kind == "f":
                 waiters.append(item[1])
             else:
-                taken += len(item[1]) if kind == "b" else len(item[2])
+                taken += sum(map(len, map(_keys, item[1]))) if kind == "b" else len(item[2])
                 self._apply(item)
         if taken or waiters:
             with self._qlock:

@@ -347,7 +347,7 @@ class KVStore:
             with self._lock:
                 storer.complete_store(plan)
             raise
-        with self._lock, self.events.batch(put_tokens):  # (the new copies)
+        with self._lock, self.events.batch(put_tokens, info.namespace, hashes):  # (the new copies)
             try:
                 storer.fill(plan, durable)
                 if durable:

@@ -5,19 +5,20 @@ refreshed expiry, and writing volatile blocks down on close.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections.abc import Sequence
-from operator import attrgetter
+from typing import Any
 
 import numpy as np
 
-from kvstore.block import BlockMeta
 from kvstore.clock import Clock
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     BlockNotFound,
     CorruptBlockError,
+    KVStoreError,
     QuotaExceededError,
     TierIOError,
 )
@@ -27,6 +28,7 @@ from kvstore.retention import PinBook
 from kvstore.store.ledger import Ledger, bits, lowest_bit
 from kvstore.store.namespaces import NamespaceTable
 from kvstore.store.placer import Placer
+from tiers.base import BlockColumns, hash_groups, hash_list
 
 log = logging.getLogger("kvstore.store")
 
@@ -102,7 +104,9 @@ def recover(
     config: StoreConfig,
     clock: Clock,
 ) -> None:
-    """Rebuild the index from the persistent tiers' own metadata (warm restart)."""
+    """Rebuild the index from the persistent tiers' own metadata (warm restart), as columns:
+    the tiers' scans (:meth:`Tier.scan_columns`) merged, the blocks sorted by depth, their
+    namespaces and parents checked with numpy, and every block inserted in one index call."""
     # A guarantee whose deadline passed while the store was down is dropped unapplied: the
     # first expiry pass would otherwise release it, taking the pin of another record off the
     # blocks the two share.
@@ -110,138 +114,143 @@ def recover(
     persistent = [k for k, t in enumerate(tiers) if t.persistent]
     shared = {k for k, t in enumerate(tiers) if getattr(t, "shared", False)}
     counters = ledger.counters
-    found: dict[bytes, tuple[BlockMeta, int]] = {}
-    for k in persistent:
-        bit = 1 << k
-        for key, meta in tiers[k].scan():
-            prev = found.get(key)
-            if prev is None:
-                found[key] = (meta, bit)
-            else:
-                found[key] = (meta if meta.expiry > prev[0].expiry else prev[0], prev[1] | bit)
-    if not found:
-        return
-    foreign = learn_namespaces(tiers, namespaces, {meta.ns for meta, _ in found.values()}, config.default_ttl_s)
-    now = clock()
     idx = ledger.index
-    id_of = idx.id_of
-    order = sorted(found.items(), key=lambda kv: kv[1][0].depth)
-    recovered: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # per level: ids, masks, sizes, created
-    # Per namespace digest: (nid, its block bytes or None when not registered), or None for a
-    # foreign one.
-    ns_state: dict[bytes, tuple[int, int | None] | None] = {}
-    # The depth level being collected, as columns.
-    keys: list[bytes] = []
-    masks: list[int] = []
-    pids: list[int] = []
-    metas: list[BlockMeta] = []
-    nids: list[int] = []
-
-    def drop_orphan(key: bytes, mask: int) -> None:
-        # A block whose parent did not survive (it lived only in DRAM) can never be reached by
-        # a prefix match; free its room. Not on a shared tier: there the parent may be in
-        # another node's DRAM, to be written later (a probe then finds both).
-        counters.orphans_dropped += 1
-        for k in bits(mask):
-            if k in shared:
-                continue
+    merged = merge_scans(tiers, persistent)
+    if merged is None:
+        return
+    if len(idx):
+        raise RuntimeError(f"recover rebuilds an empty index; this one holds {len(idx)} blocks")
+    keys, cols, masks = merged
+    first, group = hash_groups(cols.ns)
+    digests = hash_list(cols.ns[first])
+    foreign = learn_namespaces(tiers, namespaces, set(digests), config.default_ttl_s)
+    now = clock()
+    # Parents first: the order the index, and the policies (reversed), learn the blocks in.
+    order = np.argsort(cols.depth, kind="stable")
+    cols, masks, group = cols.take(order), masks[order], group[order]
+    keys = [keys[i] for i in order.tolist()]
+    n = len(keys)
+    # Per namespace, in the order its first block comes: its id and block size (-1: any), or
+    # not served (another schema version or layout, or past max_namespaces).
+    nids = np.zeros(len(digests), np.int64)
+    block_bytes = np.full(len(digests), -1, np.int64)
+    served = np.ones(len(digests), bool)
+    _, first_at = np.unique(group, return_index=True)
+    for g in np.argsort(first_at, kind="stable").tolist():
+        d = digests[g]
+        info = namespaces.by_digest.get(d)
+        if d in foreign:
+            served[g] = False
+        elif info is None:  # a namespace of its own, made at its first block
             try:
-                tiers[k].delete(BlockHash(key))
-            except TierIOError as e:
-                log.warning("could not drop orphan %s from tier %s: %s", key.hex(), tiers[k].name, e)
-
-    def insert_level(depth: int) -> None:
-        # One depth level at a time: every parent is already in the index.
-        if not keys:
-            return
-        parents = np.array(pids, np.int64)
-        linked = parents != NO_PARENT
-        wrong = linked & (idx.depth[np.where(linked, parents, 0)] != depth - 1)
-        keep = None
-        if wrong.any():  # a parent at another depth: damaged metadata, an orphan
-            for i in np.flatnonzero(wrong).tolist():
-                drop_orphan(keys[i], masks[i])
-            keep = np.flatnonzero(~wrong)
-        n = len(keys) if keep is None else keep.size
-        if n:
-            cols = (keys, masks, metas, nids) if keep is None else (
-                [c[i] for i in keep.tolist()] for c in (keys, masks, metas, nids))
-            lk, lm, lmeta, ln = cols
-            mask_col = np.array(lm, np.uint8)
-            sizes = np.fromiter(map(attrgetter("size"), lmeta), np.uint32, n)
-            created = np.fromiter(map(attrgetter("created"), lmeta), np.float64, n)
-            ids = idx.insert_blocks(
-                lk,
-                (parents if keep is None else parents[keep]).astype(np.int32),
-                np.full(n, depth, np.int32),
-                sizes,
-                np.array(ln, np.uint16),
-                mask_col,
-                created,
-                np.fromiter(map(attrgetter("expiry"), lmeta), np.float64, n),
-            )
-            recovered.append((np.asarray(ids, np.int64), mask_col, sizes, created))
-        for c in (keys, masks, pids, metas, nids):
-            c.clear()
-
-    depth = 0
-    for key, (meta, mask) in order:
-        if meta.depth != depth:
-            insert_level(depth)
-            depth = meta.depth
-        ns = meta.ns
-        if ns in ns_state:
-            state = ns_state[ns]
-        else:
-            info = namespaces.by_digest.get(ns)
-            if ns in foreign:
-                state = None
-            elif info is None:
-                state = (-1, None)  # a namespace of its own, made at its first block
-            else:
-                state = (info.nid, info.namespace.block_bytes if info.namespace is not None else None)
-            ns_state[ns] = state
-        if state is None or (state[1] is not None and meta.size != state[1]):
-            # Another schema version or layout: never served, and left where it is for the
-            # stores it belongs to.
-            counters.foreign_blocks += 1
-            continue
-        if state[0] < 0:
-            try:
-                state = ns_state[ns] = (namespaces.add(ns, None, config.default_ttl_s).nid, None)
+                nids[g] = namespaces.add(d, None, config.default_ttl_s).nid
             except QuotaExceededError as e:  # past max_namespaces: kept on the tier, not served
-                log.warning("blocks of namespace %s are not served: %s", ns.hex(), e)
-                ns_state[ns] = None
-                counters.foreign_blocks += 1
-                continue
-        pid = (NO_PARENT if meta.parent == ns else None) if depth == 0 else id_of(meta.parent)
-        if pid is None:
-            drop_orphan(key, mask)
+                log.warning("blocks of namespace %s are not served: %s", d.hex(), e)
+                served[g] = False
+        else:
+            nids[g] = info.nid
+            if info.namespace is not None:
+                block_bytes[g] = info.namespace.block_bytes
+    bb = block_bytes[group]
+    # Another schema version or layout: never served, and left where it is for the stores it
+    # belongs to.
+    alien = ~served[group] | ((bb >= 0) & (cols.size != bb))
+    counters.foreign_blocks += int(alien.sum())
+    # A block is reachable when its parent is, one level up (a root: its parent is its
+    # namespace); decided level by level, parents first.
+    at = dict(zip(keys, range(n), strict=True))
+    parent_at = np.fromiter(map(at.get, hash_list(cols.parent), itertools.repeat(-1)), np.int64, n)
+    depth = cols.depth
+    ok = ~alien
+    ok &= (depth > 0) | (cols.parent == cols.ns)
+    starts = np.flatnonzero(np.diff(depth)) + 1
+    for a, b in zip([0, *starts.tolist()], [*starts.tolist(), n], strict=True):
+        d = int(depth[a])
+        if d == 0:
             continue
-        keys.append(key)
-        masks.append(mask)
-        pids.append(pid)
-        metas.append(meta)
-        nids.append(state[0])
-    insert_level(depth)
-    # Policies learn the blocks deepest first, so leaves are the first candidates: one
-    # insert_many per tier, in the order of per-block inserts (the last tier's policy sees the
-    # final child counts and holds the blocks that have children).
-    n_recovered = 0
-    if recovered:
-        all_ids, all_masks, all_sizes, all_created = (np.concatenate(col)[::-1] for col in zip(*recovered, strict=True))
-        n_recovered = all_ids.size
+        p = parent_at[a:b]
+        linked = p >= 0
+        up = np.zeros(b - a, bool)
+        up[linked] = ok[p[linked]] & (depth[p[linked]] == d - 1)
+        ok[a:b] &= up
+    drop_orphans(tiers, shared, keys, masks, ~alien & ~ok, counters)
+    keep = np.flatnonzero(ok)
+    if keep.size:
+        renumber = np.full(n, NO_PARENT, np.int64)
+        renumber[keep] = np.arange(keep.size)
+        kept = cols.take(keep)
+        ids = idx.insert_blocks(
+            [keys[i] for i in keep.tolist()],
+            np.where(kept.depth == 0, NO_PARENT, renumber[parent_at[keep]]),
+            kept.depth.astype(np.int32),
+            kept.size.astype(np.uint32),
+            nids[group[keep]].astype(np.uint16),
+            masks[keep],
+            kept.created,
+            kept.expiry,
+            local_parents=True,
+        )
+        # Policies learn the blocks deepest first, so leaves are the first candidates: one
+        # insert_many per tier, in the order of per-block inserts (the last tier's policy sees
+        # the final child counts and holds the blocks that have children).
+        back = np.asarray(ids, np.int64)[::-1]
+        back_masks, back_sizes, back_created = masks[keep][::-1], kept.size[::-1].astype(np.uint32), kept.created[::-1]
         for k in range(len(tiers)):
-            on_k = (all_masks & (1 << k)) != 0
+            on_k = (back_masks & (1 << k)) != 0
             if on_k.any():
-                ledger.policies[k].insert_many(all_ids[on_k], all_sizes[on_k], all_created[on_k])
-        placer.keep_always(all_ids)  # admission never refuses a block that was stored before
-    counters.recovered_blocks += n_recovered
+                ledger.policies[k].insert_many(back[on_k], back_sizes[on_k], back_created[on_k])
+        placer.keep_always(back)  # admission never refuses a block that was stored before
+        counters.recovered_blocks += int(keep.size)
     for record in pins:  # before expiry: a pinned block must not expire at open
         if record.until is None or record.until > now:
             ledger.pin([i for h in record.hashes if (i := idx.id_of(h)) is not None])
     placer.expire(now, config.expire_work_cap)
     log.info("recovered %d blocks", counters.recovered_blocks)
+
+
+def merge_scans(tiers: Sequence, persistent: Sequence[int]) -> tuple[list[BlockHash], BlockColumns, np.ndarray] | None:
+    """Every block the persistent tiers hold, once: its key, its metadata (the copy with the
+    latest expiry; the first such), and the mask of tiers that hold it, in the order the
+    tiers' scans first name the blocks. None when they hold none."""
+    parts = [(k, BlockColumns.concat(tiers[k].scan_columns())) for k in persistent]
+    parts = [(k, c) for k, c in parts if len(c)]
+    if not parts:
+        return None
+    cols = BlockColumns.concat(c for _, c in parts)
+    bits = np.concatenate([np.full(len(c), 1 << k, np.uint8) for k, c in parts])
+    keys = cols.key_list()
+    first_of = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))
+    if len(first_of) == len(keys):
+        return keys, cols, bits
+    # A block on several tiers: one row, all their bits.
+    group = np.fromiter(map(first_of.__getitem__, keys), np.int64, len(keys))
+    masks = np.zeros(len(keys), np.uint8)
+    np.bitwise_or.at(masks, group, bits)
+    latest = np.full(len(keys), -np.inf)
+    np.maximum.at(latest, group, cols.expiry)
+    best = np.flatnonzero(cols.expiry == latest[group])
+    _, pick = np.unique(group[best], return_index=True)
+    winners = best[pick]  # one row per block: its first copy of the latest expiry
+    reps = group[winners]
+    by_rep = np.argsort(reps, kind="stable")
+    rows, reps = winners[by_rep], reps[by_rep]
+    return [keys[i] for i in reps.tolist()], cols.take(rows), masks[reps]
+
+
+def drop_orphans(tiers: Sequence, shared: set[int], keys: list[BlockHash], masks: np.ndarray,
+                 orphan: np.ndarray, counters: Any) -> None:
+    """Blocks whose parent did not survive (it lived only in DRAM) can never be reached by a
+    prefix match: free their room. Not on a shared tier: there the parent may be in another
+    node's DRAM, to be written later (a probe then finds both)."""
+    rows = np.flatnonzero(orphan)
+    counters.orphans_dropped += int(rows.size)
+    for k in bits(int(np.bitwise_or.reduce(masks[rows]))) if rows.size else ():
+        if k in shared:
+            continue
+        gone = [keys[i] for i in rows[(masks[rows] & (1 << k)) != 0].tolist()]
+        for key, r in zip(gone, tiers[k].delete_many(gone), strict=True):
+            if isinstance(r, KVStoreError):
+                log.warning("could not drop orphan %s from tier %s: %s", key.hex(), tiers[k].name, r)
 
 
 def learn_namespaces(tiers: Sequence, namespaces: NamespaceTable, digests: set[bytes], default_ttl_s: float) -> set[bytes]:

@@ -104,9 +104,11 @@ def test_mixed_hits_in_one_batch(setup) -> None:
         assert rel_err(r.logits, plain.prefill(p).logits) <= 1e-4
 
 
-def test_hits_from_hbm_promotion_and_admission(setup) -> None:
+@pytest.mark.parametrize("gather", ["load", "compute"])
+def test_hits_from_hbm_promotion_and_admission(setup, gather: str) -> None:
     """A DRAM hit is promoted into the HBM pages; computed blocks are admitted; the next batch is
-    served from HBM with the same logits."""
+    served from HBM with the same logits (HBM hits gathered on the load stream or just before
+    each layer on the compute stream)."""
     model, cache = setup
     g = torch.Generator().manual_seed(3)
     hbm = HbmCache(cache, 64 * cache.shape.block_bytes, device="cpu")
@@ -115,7 +117,7 @@ def test_hits_from_hbm_promotion_and_admission(setup) -> None:
     single.prefill(system)  # 2 full blocks in DRAM
     cache.flush()
     plain = CachedLM(model, None)
-    lm = BatchedLM(model, cache, hbm=hbm, attention="loop", block_tokens=BT)
+    lm = BatchedLM(model, cache, hbm=hbm, attention="loop", block_tokens=BT, hbm_gather=gather)
     first = lm.prefill(prompts[:1])
     assert first[0].hit_tokens == 32 and first[0].hbm_tokens == 0  # from DRAM, promoted
     assert hbm.counters.promoted == 2 and hbm.counters.admitted == 2  # blocks 2, 3 computed
@@ -141,7 +143,8 @@ def test_wide_views_move_the_same_bytes_in_8_byte_elements() -> None:
     assert wide(odd) is odd
 
 
-def test_a_prefix_promoted_in_a_batch_serves_the_rest_of_that_batch(setup) -> None:
+@pytest.mark.parametrize("gather", ["load", "compute"])
+def test_a_prefix_promoted_in_a_batch_serves_the_rest_of_that_batch(setup, gather: str) -> None:
     """Two requests share a system prompt found in DRAM: the first promotes it, the second is
     gathered from the pages being filled in the same pass (ordered on one stream)."""
     model, cache = setup
@@ -149,7 +152,7 @@ def test_a_prefix_promoted_in_a_batch_serves_the_rest_of_that_batch(setup) -> No
     system, prompts = _prompts(torch.Generator().manual_seed(4))
     CachedLM(model, cache).prefill(system)
     cache.flush()
-    got = BatchedLM(model, cache, hbm=hbm, attention="loop", block_tokens=BT).prefill(prompts[:2], store=False)
+    got = BatchedLM(model, cache, hbm=hbm, attention="loop", block_tokens=BT, hbm_gather=gather).prefill(prompts[:2], store=False)
     assert [(r.hit_tokens, r.hbm_tokens) for r in got] == [(32, 0), (32, 32)]
     plain = CachedLM(model, None)
     for r, p in zip(got, prompts[:2], strict=True):

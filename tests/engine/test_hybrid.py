@@ -291,3 +291,41 @@ def test_unsupported_layer_types_are_refused() -> None:
     cfg.layer_types = ["sliding_attention", "hybrid", "full_attention", "full_attention"]
     with pytest.raises(UsageError, match="hybrid"):
         plan_of(cfg)
+
+
+def test_flash_attention_needs_cuda_and_refuses_what_it_cannot_compute() -> None:
+    """``attention="flash"`` is CUDA-only; ``auto`` falls back to the model's attention (on the
+    CPU, and for soft-capping or sinks, which FlashAttention-2 here does not take)."""
+    m = gemma3()
+    ns = namespace_of(m, "test/flash-refusal", BT)
+    with pytest.raises(UsageError, match="CUDA"):
+        HybridLM(m, None, ns, attention="flash")
+    with pytest.raises(UsageError, match="attention must be"):
+        HybridLM(m, None, ns, attention="sdpa")
+    assert HybridLM(m, None, ns).attention == "model"  # auto on the CPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlashAttention-2)")
+def test_flash_attention_gives_the_models_answer_on_cuda(tmp_path: Path) -> None:
+    """On CUDA (bf16), FlashAttention-2 with the sliding window as its left window gives the
+    model's own attention's next token, for a full prefill longer than the window and for a
+    cached hit that replays blocks (CI has no CUDA: this runs on a GPU machine)."""
+    m = gemma3().to(device="cuda", dtype=torch.bfloat16)
+    ns = namespace_of(m, "test/flash", BT)
+    store = _store(tmp_path)
+    try:
+        model_attn = HybridLM(m, store, ns, policy=CheckpointPolicy(every_blocks=C), attention="model")
+        flash = HybridLM(m, store, ns, policy=CheckpointPolicy(every_blocks=C), attention="flash")
+        base = _tokens(11, 120)
+        model_attn.prefill(base)
+        prompt = torch.cat([base[:90], _tokens(12, 20)])  # leaves the chain between checkpoints
+        for kw in ({"use_cache": False}, {}):
+            a = model_attn.prefill(prompt, store=False, **kw)
+            b = flash.prefill(prompt, store=False, **kw)
+            assert a.replayed_tokens == b.replayed_tokens
+            assert int(a.logits.argmax()) == int(b.logits.argmax())
+            assert float((a.logits - b.logits).abs().max() / a.logits.abs().max()) <= 2e-2
+        model_attn.close()
+        flash.close()
+    finally:
+        store.close()

@@ -71,11 +71,23 @@ class BlobStore(ABC):
     def delete(self, paths: Sequence[str]) -> None:
         """Remove these objects (missing ones are skipped)."""
 
-    def stats(self, prefix: str) -> dict[str, tuple[int, int, int, int]] | None:
+    def stats(
+        self, prefix: str, vouch: Callable[[str, tuple[int, int, int]], bool] | None = None
+    ) -> dict[str, tuple[int, int, int, int] | None] | None:
         """``{path: (size, mtime_ns, ctime_ns, inode)}`` under ``prefix``, a listing that tells
-        an object from the one a header manifest recorded; None (the default) when the backend
-        cannot (a remote store: no manifest)."""
+        an object from the one a header manifest recorded (None for the files of a directory
+        ``vouch`` accepts: listed, not statted); None (the default) when the backend cannot (a
+        remote store: no manifest)."""
         return None
+
+    def dir_stats(self, prefix: str) -> dict[str, tuple[int, int, int]]:
+        """``{name: (mtime_ns, ctime_ns, inode)}`` of the directories under ``prefix`` (with
+        :meth:`stats`: a backend that keeps a header manifest)."""
+        return {}
+
+    def stat_paths(self, paths: Sequence[str]) -> list[tuple[int, int, int, int] | None]:
+        """The stat of each object, None where it is gone (with :meth:`stats`)."""
+        return [None] * len(paths)
 
     def header_bytes(self, path: str) -> bytes | None:
         """The header bytes of the object at ``path``, or None (missing, damaged, or a backend

@@ -1,7 +1,7 @@
 """Expiry on the object tier: touches (refreshed expiry written back) and the sweeper.
 
 Objects are immutable, so a block's expiry in its header is the one it was written with. A hit
-refreshes it in the store's index; :meth:`ExpiryMixin.update_expiry` writes the refreshed time
+refreshes it in the store's index; :meth:`Expiry.update_expiry` writes the refreshed time
 back as a small touch object beside the block, rate-limited by ``touch_min_s``. The sweeper
 deletes an object once both its header expiry and its touch (if any) have passed: it walks the
 whole bucket, so it also expires blocks other nodes wrote and no index holds.
@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvstore.clock import Clock
-from kvstore.errors import KVStoreError
 from kvstore.keys import BlockHash
 from tiers.object.blobs import BlobStore
 from tiers.object.config import ObjectConfig
@@ -31,30 +30,44 @@ from tiers.object.format import (
 log = logging.getLogger(__name__)
 
 
-class ExpiryMixin:
-    """Touches and the sweeper of :class:`~tiers.object.tier.ObjectTier`, over its listing,
-    header and delete primitives (declared below)."""
+class Expiry:
+    """Touches and the sweeper of an :class:`~tiers.object.tier.ObjectTier`, which owns one
+    and calls it. It owns the sweep's position; the maps (``key -> payload size``, the
+    effective expiry, the keys with a touch object), their lock and the counters are the
+    tier's, handed in here, as are the tier's object paths and how it forgets deleted keys.
+    The tier checks that it is open and listed before it calls."""
 
-    name: str
-    config: ObjectConfig
-    _clock: Clock
-    blobs: BlobStore
-    _lock: threading.Lock
-    _blocks: str
-    _sizes: dict[BlockHash, int]
-    _expiry: dict[BlockHash, float]
-    _touched: set[BlockHash]
-    _counters: Any
-    _sweep_after: str
-
-    path: Callable[[BlockHash], str]
-    touch_path: Callable[[BlockHash], str]
-    _check_open: Callable[[], None]
-    _ensure_listed: Callable[[], object]
-    _list: Callable[..., dict[str, int]]
-    _headers: Callable[[Sequence[BlockHash]], list[Header | KVStoreError]]
-    _delete_paths: Callable[[Sequence[str]], None]
-    _forget: Callable[[Iterable[BlockHash]], None]
+    def __init__(
+        self,
+        *,
+        name: str,
+        config: ObjectConfig,
+        clock: Clock,
+        blobs: BlobStore,
+        blocks_dir: str,
+        lock: threading.Lock,
+        sizes: dict[BlockHash, int],
+        expiry: dict[BlockHash, float],
+        touched: set[BlockHash],
+        counters: Any,
+        path: Callable[[BlockHash], str],
+        touch_path: Callable[[BlockHash], str],
+        forget: Callable[[Iterable[BlockHash]], None],
+    ) -> None:
+        self.name = name
+        self.config = config
+        self._clock = clock
+        self.blobs = blobs
+        self._blocks = blocks_dir
+        self._lock = lock
+        self._sizes = sizes
+        self._expiry = expiry
+        self._touched = touched
+        self._counters = counters
+        self.path = path
+        self.touch_path = touch_path
+        self._forget = forget
+        self._sweep_after = ""  # where the next sweep resumes, in name order
 
     def update_expiry(self, items: Iterable[tuple[BlockHash, float]]) -> None:
         """Write refreshed expiry times back as small touch objects, in one batch.
@@ -64,7 +77,6 @@ class ExpiryMixin:
         more than the blocks. Never raises: a touch that cannot be written (the store is
         unreachable) only shortens a block's life, and is counted (``touches_dropped``).
         """
-        self._ensure_listed()
         pending: dict[BlockHash, float] = {}
         with self._lock:
             for key, expiry in items:
@@ -84,7 +96,7 @@ class ExpiryMixin:
             self._counters.touches_written += len(written)
             self._counters.touches_dropped += len(pending) - len(written)
 
-    def _read_touches(self, listed: Iterable[str]) -> dict[BlockHash, float]:
+    def read_touches(self, listed: Iterable[str]) -> dict[BlockHash, float]:
         """``{key: expiry}`` from the touch objects at ``listed`` (damaged ones ignored)."""
         paths = [p for p in listed if p.endswith(TOUCH_SUFFIX)]
         keys = [key_of(p.removesuffix(TOUCH_SUFFIX) + SUFFIX) for p in paths]
@@ -106,10 +118,8 @@ class ExpiryMixin:
         over once it reaches the end. Expiry comes from the in-memory map when this tier knows
         the block, else from its header; a later touch (this node's or another's) always wins.
         """
-        self._check_open()
-        self._ensure_listed()
         budget = self.config.sweep_work_cap if limit is None else limit
-        listed = list(self._list(self._blocks, after=self._sweep_after, limit=budget))
+        listed = list(self.blobs.list(self._blocks, after=self._sweep_after, limit=budget))
         self._sweep_after = listed[-1] if len(listed) == budget else ""
         names = [p for p in listed if p.endswith(SUFFIX)]
         deleted = self._sweep_paths(names, self._clock())
@@ -125,15 +135,15 @@ class ExpiryMixin:
         with self._lock:
             expiry = {k: self._expiry[k] for k in keys if k in self._expiry}
         unknown = [k for k in keys if k not in expiry]
-        for k, h in zip(unknown, self._headers(unknown), strict=True):
+        for k, h in zip(unknown, self.blobs.headers([(k, self.path(k)) for k in unknown]), strict=True):
             if isinstance(h, Header):
                 expiry[k] = h.meta.expiry
         candidates = [k for k, e in expiry.items() if e <= now]
-        touches = self._read_touches(self.touch_path(k) for k in candidates)
+        touches = self.read_touches(self.touch_path(k) for k in candidates)
         expired = [k for k in candidates if touches.get(k, 0.0) <= now]
         if not expired:
             return 0
-        self._delete_paths([self.path(k) for k in expired] + [self.touch_path(k) for k in expired])
+        self.blobs.delete([self.path(k) for k in expired] + [self.touch_path(k) for k in expired])
         self._forget(expired)
         log.info("object tier %r: swept %d expired objects", self.name, len(expired))
         return len(expired)

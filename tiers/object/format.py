@@ -262,3 +262,96 @@ def _unshuffle(src: memoryview, itemsize: int, out: memoryview) -> None:
     for j in range(itemsize):
         dst[j : n * itemsize : itemsize] = a[j * n : (j + 1) * n]
     dst[n * itemsize :] = a[n * itemsize :]
+
+
+# ---- many headers at once (a warm restart reads every header) ------------------------------------
+
+HEADER_FIELDS = np.dtype(
+    [("magic", "V4"), ("version", "<u2"), ("length", "<u4"), ("held", f"V{HASH_BYTES}"),
+     ("ns", f"V{HASH_BYTES}"), ("parent", f"V{HASH_BYTES}"), ("depth", "<u4"), ("size", "<u8"),
+     ("expiry", "<f8"), ("created", "<f8"), ("checksum", "<u8"), ("codec", "u1"), ("itemsize", "u1"),
+     ("reserved", "<u2"), ("stored", "<u8"), ("desc_len", "<u2")]
+)
+assert HEADER_FIELDS.itemsize == _FIXED.size
+_DESC_AT = _DESC_LEN_AT + _DESC_LEN.size
+_BATCH = 32768  # headers gathered at once (a (batch, ~110) byte matrix)
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderColumns:
+    """What :func:`unpack_headers` read: per header its fixed fields (``fields``, a
+    ``HEADER_FIELDS`` row) and whether it passed every check :func:`unpack_header` makes
+    (``ok``); the descriptor of row ``i`` is ``blob[desc_at[i] : desc_at[i] + desc_len]``."""
+
+    fields: np.ndarray
+    ok: np.ndarray
+    desc_at: np.ndarray
+
+    @property
+    def object_size(self) -> np.ndarray:
+        return self.fields["length"].astype(np.int64) + self.fields["stored"].astype(np.int64)
+
+
+def unpack_headers(blob: bytes, starts: np.ndarray, ends: np.ndarray, keys: np.ndarray) -> HeaderColumns:
+    """:func:`unpack_header` of each ``blob[starts[i]:ends[i]]`` as the header of block
+    ``keys[i]`` (a column of 16-byte hashes), vectorised. Where ``ok`` is false the header
+    failed a check and its fields mean nothing: the caller runs :func:`unpack_header` on it for
+    the error (every check here is one of that function's, so both agree on every header)."""
+    n = int(starts.size)
+    fields = np.zeros(n, HEADER_FIELDS)
+    ok = np.zeros(n, bool)
+    raw = np.frombuffer(blob, np.uint8)
+    view = memoryview(blob)
+    span = HEADER_FIELDS.itemsize
+    step = np.arange(span, dtype=np.int64)
+    for lo in range(0, n, _BATCH):
+        hi = min(n, lo + _BATCH)
+        a, b = starts[lo:hi], ends[lo:hi]
+        room = (b - a) >= MIN_HEADER
+        rows = np.flatnonzero(room)
+        if not rows.size:
+            continue
+        got = raw[a[rows, None] + step].view(HEADER_FIELDS)[:, 0]
+        length = got["length"].astype(np.int64)
+        good = ((got["magic"] == np.void(MAGIC)) & (got["version"] == FORMAT_VERSION)
+                & (length >= MIN_HEADER) & (length <= MIN_HEADER + MAX_DESCRIPTOR)
+                & (length <= (b - a)[rows]) & (got["held"] == keys[lo:hi][rows])
+                & ((got["codec"] == SHUFFLE_ZSTD) | ((got["codec"] == RAW) & (got["stored"] == got["size"])))
+                & (MIN_HEADER + got["desc_len"].astype(np.int64) == length))
+        # The trailer: xxh3-64 of the header bytes before it.
+        at = a[rows] + length - _TRAILER.size
+        trailer = raw[np.where(good, at, 0)[:, None] + np.arange(_TRAILER.size)].view("<u8")[:, 0]
+        check = np.flatnonzero(good)
+        digest = xxhash.xxh3_64_intdigest
+        sums = [digest(view[s:e]) for s, e in zip(a[rows[check]].tolist(), at[check].tolist(), strict=True)]
+        good[check] = np.array(sums, np.uint64) == trailer[check]
+        fields[lo + rows] = got
+        ok[lo + rows] = good
+    return HeaderColumns(fields, ok, starts + _DESC_AT)
+
+
+_HEX = np.full(256, 255, np.uint8)
+_HEX[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
+_HEX[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
+_HEX[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+_NAME = 2 * HASH_BYTES + len(SUFFIX)  # "{hash hex}.kvb"
+
+
+def keys_of(paths: list[str]) -> list[BlockHash | None]:
+    """:func:`key_of` of each path. When every path has one length and ends in a hash's name
+    (a listing of one tier: ``.../blocks/ab/{hex}.kvb``), the names are decoded as one numpy
+    array."""
+    n = len(paths)
+    width = len(paths[0]) if paths else 0
+    if width > _NAME and all(len(p) == width for p in paths):
+        try:
+            raw = "".join(paths).encode("ascii")
+        except UnicodeEncodeError:
+            raw = b""
+        if raw:
+            chars = np.frombuffer(raw, np.uint8).reshape(n, width)
+            digits = _HEX[chars[:, width - _NAME : width - len(SUFFIX)]]
+            if (chars[:, width - _NAME - 1] == ord("/")).all() and (digits != 255).all():
+                keys = (digits[:, 0::2] << 4 | digits[:, 1::2]).tobytes()
+                return [keys[i : i + HASH_BYTES] for i in range(0, len(keys), HASH_BYTES)]  # type: ignore[misc]
+    return [key_of(p) for p in paths]

@@ -31,7 +31,7 @@ from tiers.object.format import (
     unpack_header,
     verify_payload,
 )
-from tiers.object.manifest import Stat, stat_of
+from tiers.object.manifest import DirStat, Stat, dir_stat_of, stat_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,13 +124,35 @@ class LocalBlobs(BlobStore):
         except (OSError, KVStoreError):
             return None  # gone or damaged: the next restart looks at the file itself
 
-    def stats(self, prefix: str) -> dict[str, Stat]:
+    def stats(self, prefix: str, vouch: Callable[[str, DirStat], bool] | None = None) -> dict[str, Stat | None]:
         """``{path: (size, mtime_ns, ctime_ns, inode)}`` of the files under ``prefix``: a
-        listing that can tell an object from the one a manifest recorded."""
+        listing that can tell an object from the one a manifest recorded. The files of a
+        directory right under ``prefix`` that ``vouch(name, its stat)`` accepts are listed
+        with None, unstatted (the manifest's directory record vouches for them)."""
         try:
-            return _walk_files(prefix, stat_of)
+            return _walk_stats(prefix, vouch)
         except OSError as e:
             raise TierIOError(f"object tier {self.name!r}: cannot list {prefix}: {e}") from e
+
+    def dir_stats(self, prefix: str) -> dict[str, DirStat]:
+        """``{name: (mtime_ns, ctime_ns, inode)}`` of the directories right under ``prefix``."""
+        try:
+            with os.scandir(prefix) as it:
+                return {e.name: dir_stat_of(e.stat(follow_symlinks=False)) for e in it if e.is_dir(follow_symlinks=False)}
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise TierIOError(f"object tier {self.name!r}: cannot list {prefix}: {e}") from e
+
+    def stat_paths(self, paths: Sequence[str]) -> list[Stat | None]:
+        """The stat of each file, None where it is gone."""
+        out: list[Stat | None] = []
+        for p in paths:
+            try:
+                out.append(stat_of(os.stat(p, follow_symlinks=False)))
+            except OSError:
+                out.append(None)
+        return out
 
     def cat(self, paths: Sequence[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -351,4 +373,33 @@ def _walk_files(root: str, detail: Callable[[os.stat_result], T]) -> dict[str, T
                 stack.append(e.path)
             elif e.is_file(follow_symlinks=False):
                 out[e.path] = detail(e.stat(follow_symlinks=False))
+    return out
+
+
+def _walk_stats(root: str, vouch: Callable[[str, DirStat], bool] | None) -> dict[str, Stat | None]:
+    """:func:`_walk_files` with :func:`stat_of`, except in the directories right under
+    ``root`` that ``vouch`` accepts: their files are listed by name only (value None)."""
+    if vouch is None:
+        return _walk_files(root, stat_of)  # type: ignore[return-value]
+    out: dict[str, Stat | None] = {}
+    try:
+        with os.scandir(root) as it:
+            top = list(it)
+    except FileNotFoundError:
+        return out
+    for d in top:
+        if not d.is_dir(follow_symlinks=False):
+            if d.is_file(follow_symlinks=False):
+                out[d.path] = stat_of(d.stat(follow_symlinks=False))
+            continue
+        if vouch(d.name, dir_stat_of(d.stat(follow_symlinks=False))):
+            try:
+                with os.scandir(d.path) as it:
+                    entries = list(it)
+            except FileNotFoundError:
+                continue
+            if all(e.is_file(follow_symlinks=False) for e in entries):
+                out.update(dict.fromkeys([e.path for e in entries]))
+                continue
+        out.update(_walk_files(d.path, stat_of))
     return out

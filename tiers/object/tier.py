@@ -6,11 +6,14 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvstore.block import BlockMeta
 from kvstore.buffers import Buffer, byte_view
@@ -26,12 +29,15 @@ from kvstore.errors import (
     UsageError,
 )
 from kvstore.keys import HASH_BYTES, BlockHash
-from tiers.base import OfflineScan, Tier, TierUsage, tier_dir
+from tiers.base import HASH, BlockColumns, OfflineScan, Tier, TierUsage, hash_groups, tier_dir
 from tiers.object import manifest
 from tiers.object.blobs import Blob, BlobStore, open_blobs
 from tiers.object.config import ObjectConfig
-from tiers.object.expiry import ExpiryMixin
+from tiers.object.expiry import Expiry
 from tiers.object.format import (
+    FORMAT_VERSION,
+    HEADER_FIELDS,
+    MAGIC,
     MAX_DESCRIPTOR,
     RAW,
     SUFFIX,
@@ -41,13 +47,19 @@ from tiers.object.format import (
     descriptor_fields,
     encode,
     key_of,
+    keys_of,
     pack_header,
     unpack_header,
+    unpack_headers,
 )
 
 log = logging.getLogger(__name__)
 
 _RECENT = 4096  # headers kept after a read or write (see ObjectTier._recent)
+# What the listing found of each object (ObjectTier._scan_headers).
+_OK, _GONE, _FOREIGN, _CORRUPT, _ERROR = range(5)
+_STAT = np.dtype([("size", "<u8"), ("mtime", "<i8"), ("ctime", "<i8"), ("ino", "<u8")])  # manifest.Stat
+_NO_STAT = (0, 0, 0, 0)
 _STALE_TEMP_S = 3600.0  # a temp file this old on a shared directory is left over from a crash
 
 
@@ -65,7 +77,7 @@ class _Counters:
     quarantined: int = 0
 
 
-class ObjectTier(ExpiryMixin, Tier):
+class ObjectTier(Tier):
     """Blocks as immutable objects on an fsspec filesystem.
 
     The filesystem is the truth: ``read_into`` and ``meta`` fetch the object whether or not this
@@ -114,7 +126,11 @@ class ObjectTier(ExpiryMixin, Tier):
         self._recent: OrderedDict[BlockHash, BlockMeta] = OrderedDict()
         self._counters = _Counters()
         self._closed = False
-        self._sweep_after = ""
+        self._sweeper = Expiry(
+            name=name, config=config, clock=clock, blobs=self.blobs, blocks_dir=self._blocks,
+            lock=self._lock, sizes=self._sizes, expiry=self._expiry, touched=self._touched,
+            counters=self._counters, path=self.path, touch_path=self.touch_path, forget=self._forget,
+        )
         self._next_sweep = clock() + config.sweep_interval_s
         # The store is listed once, on first use: the maps need it, and a store opening this
         # tier scans it at once (cold rebuild), so that scan is the listing.
@@ -356,8 +372,16 @@ class ObjectTier(ExpiryMixin, Tier):
         self._forget([key])
         return existed
 
-    def _delete_paths(self, paths: Sequence[str]) -> None:
-        self.blobs.delete(paths)
+    def update_expiry(self, items: Iterable[tuple[BlockHash, float]]) -> None:
+        """Refreshed expiry times as touch objects (:meth:`Expiry.update_expiry`)."""
+        self._ensure_listed()
+        self._sweeper.update_expiry(items)
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Delete objects whose expiry has passed (:meth:`Expiry.sweep`); returns how many."""
+        self._check_open()
+        self._ensure_listed()
+        return self._sweeper.sweep(limit)
 
     def _forget(self, keys: Iterable[BlockHash]) -> None:
         with self._lock:
@@ -378,17 +402,27 @@ class ObjectTier(ExpiryMixin, Tier):
     # ---- listing: cold rebuild and discovery ---------------------------------------------------
 
     def scan(self) -> Iterator[tuple[BlockHash, BlockMeta]]:
-        """Every block in the store with its metadata (expiry: header or later touch).
+        """Every block in the store with its metadata (expiry: header or later touch), one
+        pair a block (:meth:`scan_columns`)."""
+        for cols in self.scan_columns():
+            yield from cols.items()
 
-        Lists ``blocks/`` and reads every header in concurrent batches of ranged GETs. Objects
-        with a bad header, a bad name or a size that disagrees with the header are skipped and
-        counted (``describe()["bad_headers"]``); objects of another format version are skipped
-        and counted apart (``foreign_objects``). What is found is added to the in-memory maps.
+    def scan_columns(self) -> Iterator[BlockColumns]:
+        """Every block in the store with its metadata (expiry: header or later touch), as
+        columns, in name (hash) order.
+
+        Lists ``blocks/`` and reads every header: from the manifest of the last clean close
+        where it records the very object listed (decoded with numpy, no object per block),
+        the others in concurrent batches of ranged GETs. Objects with a bad header, a bad name
+        or a size that disagrees with the header are skipped and counted
+        (``describe()["bad_headers"]``); objects of another format version are skipped and
+        counted apart (``foreign_objects``). What is found is added to the in-memory maps.
         """
         first = self._ensure_listed()
-        yield from (first if first is not None else self._scan_now())
+        cols = first if first is not None else self._scan_now()
+        return iter([cols] if len(cols) else [])
 
-    def _ensure_listed(self) -> list[tuple[BlockHash, BlockMeta]] | None:
+    def _ensure_listed(self) -> BlockColumns | None:
         """List the store once, on first use; returns the listing to the call that made it."""
         if self._listed:
             return None
@@ -399,99 +433,141 @@ class ObjectTier(ExpiryMixin, Tier):
                 return self._scan_now()
             except TierUnavailableError as e:
                 log.warning("object tier %r starts empty: %s; probes find its blocks", self.name, e)
-                return []
+                return BlockColumns.empty()
             finally:
                 self._listed = True
 
-    def _scan_now(self) -> list[tuple[BlockHash, BlockMeta]]:
+    def _scan_now(self) -> BlockColumns:
         self._check_open()
         # A local tier lists with what tells an object from the one its manifest recorded
         # (written at the last close): those headers come from the manifest, not the files.
-        stats = self.blobs.stats(self._blocks)
-        listed = self._list(self._blocks) if stats is None else {p: st[0] for p, st in stats.items()}
-        book = manifest.load(self._manifest_path) if stats else None
+        book = manifest.load(self._manifest_path) if self._local else None
+        stats = self.blobs.stats(self._blocks, book.vouches if book is not None else None)
+        listed: dict[str, Any] = self._list(self._blocks) if stats is None else stats
         if book is not None and self.config.manifest:
             manifest.retire(self._manifest_path)  # this run's close writes the next one
-        keys: list[BlockHash] = []
-        sizes: list[int] = []
-        bad = foreign = 0
         debris: list[str] = []  # damaged objects and temp files of writes cut short
-        for path, size in sorted(listed.items()):
-            if not path.endswith(SUFFIX):
-                # A temp file of a write in flight, or of one cut short by a crash.
-                if self._stale_temp(path):
-                    debris.append(path)
-                continue
-            key = key_of(path)
+        objects: list[str] = []
+        for path in sorted(listed):
+            if path.endswith(SUFFIX):
+                objects.append(path)
+            elif self._stale_temp(path):  # a temp file of a write in flight, or one cut short
+                debris.append(path)
+        keys: list[BlockHash] = []
+        paths: list[str] = []
+        bad = foreign = 0
+        for path, key in zip(objects, keys_of(objects), strict=True):
             if key is None:
                 bad += 1
                 debris.append(path)
-                continue
-            keys.append(key)
-            sizes.append(size)
-        touches = self._read_touches(self._list(self._touches)) if keys else {}
-        found: list[tuple[BlockHash, BlockMeta]] = []
-        learned: list[tuple[BlockHash, BlockMeta, bytes, bool]] = []
-        for key, size, h in zip(keys, sizes, self._scan_headers(keys, stats, book), strict=True):
-            if isinstance(h, BlockNotFound):
-                continue  # deleted since the listing
-            if isinstance(h, ForeignObjectError):
-                foreign += 1
-                continue
-            if isinstance(h, CorruptBlockError):
-                bad += 1
-                debris.append(self.path(key))
-                continue
-            if isinstance(h, KVStoreError):
-                self._learn_many(learned)  # what came before stays learned
-                raise h
-            if size != h.object_size:
-                bad += 1  # torn or padded: a read would fail its checks anyway
-                debris.append(self.path(key))
-                continue
-            meta = h.meta
-            if touches.get(key, 0.0) > meta.expiry:
-                meta = meta.with_expiry(touches[key])
-            learned.append((key, meta, h.descriptor, key in touches))
-            found.append((key, meta))
-        self._learn_many(learned)
+            else:
+                keys.append(key)
+                paths.append(path)
+        n = len(keys)
+        # -1: listed unstatted, its directory vouching for it (the manifest gives its size)
+        sizes = np.fromiter((listed[p] if stats is None else -1 if listed[p] is None else listed[p][0]
+                             for p in paths), np.int64, n)
+        touches = self._sweeper.read_touches(self._list(self._touches)) if keys else {}
+        key_col = np.frombuffer(b"".join(keys), HASH) if keys else np.empty(0, HASH)
+        fields, status, errors, descriptor = self._scan_headers(keys, key_col, paths, sizes, stats, book)
+        ok = status == _OK
+        torn = ok & (fields["length"].astype(np.int64) + fields["stored"].astype(np.int64) != sizes)
+        status[torn] = _CORRUPT  # torn or padded: a read would fail its checks anyway
+        end = min(errors) if errors else n
+        found = np.flatnonzero(status[:end] == _OK)
+        cols = BlockColumns(
+            key_col[found], fields["ns"][found], fields["parent"][found],
+            fields["depth"][found].astype(np.int64), fields["size"][found].astype(np.int64),
+            fields["expiry"][found], fields["created"][found], fields["checksum"][found],
+        )
+        found_keys = [keys[i] for i in found.tolist()]
+        if touches:
+            later = np.fromiter((touches.get(k, 0.0) for k in found_keys), np.float64, found.size)
+            np.maximum(cols.expiry, later, out=cols.expiry)
+        with_desc = found[fields["desc_len"][found] > 0]
+        seen = {bytes(fields["ns"][i].tobytes()): descriptor(int(i)) for i in _last_of_each(fields["ns"], with_desc)}
+        self._learn_columns(found_keys, cols, seen, [k for k in found_keys if k in touches])
+        if errors:
+            raise errors[end]  # what came before stays learned
+        damaged = np.flatnonzero(status == _CORRUPT)
+        debris += [self.path(keys[i]) for i in damaged.tolist()]
+        bad += int(damaged.size)
+        foreign = int((status == _FOREIGN).sum())
         moved = self._quarantine(debris)
         with self._lock:
             self._counters.bad_headers = bad
             self._counters.foreign_objects = foreign
             self._counters.quarantined += moved
-        return found
+        return cols
 
     def _scan_headers(
-        self, keys: list[BlockHash], stats: dict[str, manifest.Stat] | None, book: manifest.Manifest | None
-    ) -> list[Header | KVStoreError]:
-        """The headers of ``keys``: from the manifest where it holds the very object listed,
-        the others read (one batch)."""
-        if book is None or stats is None:
-            return self._headers(keys)
-        out: list[Header | KVStoreError | None] = []
-        missing: list[int] = []
-        for i, key in enumerate(keys):
-            path = self.path(key)
-            head = book.header(key, stats[path])
-            if head is None:
-                out.append(None)
-                missing.append(i)
-                continue
-            try:
-                out.append(unpack_header(head, key, path))
-            except KVStoreError as e:  # a damaged manifest entry: the file decides
-                log.warning("object tier %r: manifest entry of %s unusable: %s", self.name, key.hex(), e)
-                out.append(None)
-                missing.append(i)
-        for i, h in zip(missing, self._headers([keys[i] for i in missing]), strict=True):
-            out[i] = h
-        return out  # type: ignore[return-value]
+        self, keys: list[BlockHash], key_col: np.ndarray, paths: list[str], sizes: np.ndarray,
+        stats: dict[str, manifest.Stat | None] | None, book: manifest.Manifest | None,
+    ) -> tuple[np.ndarray, np.ndarray, dict[int, KVStoreError], Callable[[int], bytes]]:
+        """The headers of ``keys`` (listed at ``paths``): from the manifest where it holds the
+        very object listed (decoded in bulk), the others read (one batch). Returns their fixed
+        fields (``format.HeaderColumns.fields``), a status per key (``_OK``, ``_GONE``: deleted
+        since the listing, ``_FOREIGN``, ``_CORRUPT``, ``_ERROR``), the errors of ``_ERROR``
+        keys by position, and the descriptor of a key by position. ``sizes`` (the listed object sizes) gets
+        those of objects listed unstatted."""
+        n = len(keys)
+        status = np.full(n, _OK, np.int8)
+        fields = np.zeros(n, HEADER_FIELDS)
+        descriptors: dict[int, bytes] = {}
+        todo = np.arange(n)
+        blob, desc_at = b"", np.zeros(n, np.int64)
+        if book is not None and stats is not None and n:
+            st = np.array([stats[p] or _NO_STAT for p in paths], _STAT)
+            vouched = sizes < 0
+            rows = book.match(key_col, st["size"], st["mtime"], st["ctime"], st["ino"], vouched)
+            sizes[vouched] = book.records["size"][rows[vouched]].astype(np.int64)
+            lost = np.flatnonzero(vouched & (rows < 0))  # in a vouching directory, not recorded
+            for i, got in zip(lost.tolist(), self.blobs.stat_paths([paths[i] for i in lost.tolist()]), strict=True):
+                sizes[i] = got[0] if got is not None else -1
+            have = np.flatnonzero(rows >= 0)
+            heads = unpack_headers(book.headers, book.starts[rows[have]], book.ends[rows[have]], key_col[have])
+            fields[have] = heads.fields
+            blob = book.headers
+            desc_at[have] = heads.desc_at
+            todo = np.concatenate([np.flatnonzero(rows < 0), have[~heads.ok]])
+            for i in have[~heads.ok].tolist():  # the file decides; say why the entry was passed over
+                try:
+                    unpack_header(book.headers[int(book.starts[rows[i]]) : int(book.ends[rows[i]])], keys[i], paths[i])
+                except KVStoreError as e:
+                    log.warning("object tier %r: manifest entry of %s unusable: %s", self.name, keys[i].hex(), e)
+            todo.sort()
+        errors: dict[int, KVStoreError] = {}
+        on_file = todo.tolist()
+        for i, h in zip(on_file, self._headers([keys[i] for i in on_file]), strict=True):
+            if isinstance(h, Header):
+                m = h.meta
+                fields[i] = (MAGIC, FORMAT_VERSION, h.length, keys[i], m.ns, m.parent, m.depth, m.size,
+                             m.expiry, m.created, m.checksum, h.codec, h.itemsize, 0, h.stored, len(h.descriptor))
+                descriptors[i] = h.descriptor
+            elif isinstance(h, BlockNotFound):
+                status[i] = _GONE
+            elif isinstance(h, ForeignObjectError):
+                status[i] = _FOREIGN
+            elif isinstance(h, CorruptBlockError):
+                status[i] = _CORRUPT
+            else:
+                status[i] = _ERROR
+                errors[i] = h
+
+        def descriptor(i: int) -> bytes:
+            if i in descriptors:
+                return descriptors[i]
+            a = int(desc_at[i])
+            return blob[a : a + int(fields["desc_len"][i])]
+
+        return fields, status, errors, descriptor
 
     def _write_manifest(self) -> None:
         """At close, a local tier's header manifest for the next warm restart (headers of
         objects unchanged since the last one come from it, the rest from their files)."""
+        recorded = time.time_ns()  # the OS clock, as file times are; before the directories' stats
         try:
+            dirs = self.blobs.dir_stats(self._blocks)
             listing = self.blobs.stats(self._blocks)
         except TierIOError as e:
             log.warning("object tier %r: no manifest written: %s", self.name, e)
@@ -499,7 +575,7 @@ class ObjectTier(ExpiryMixin, Tier):
         if listing is None:
             return  # a remote store: a listing cannot prove an object unchanged
         listing = {p: st for p, st in listing.items() if p.endswith(SUFFIX)}
-        n = manifest.refresh(self._manifest_path, listing, key_of, self.blobs.header_bytes)
+        n = manifest.refresh(self._manifest_path, listing, key_of, self.blobs.header_bytes, dirs, recorded)
         log.info("object tier %r: header manifest of %d objects written", self.name, n)
 
     def _stale_temp(self, path: str) -> bool:
@@ -528,6 +604,27 @@ class ObjectTier(ExpiryMixin, Tier):
             log.warning("object tier %r: moved %d damaged objects or temp files of cut-short writes to %s",
                         self.name, moved, qdir)
         return moved
+
+    def _learn_columns(
+        self, keys: list[BlockHash], cols: BlockColumns, seen: dict[bytes, bytes], touched: list[BlockHash]
+    ) -> None:
+        """:meth:`_learn_many` of a listing's blocks (``keys``, with their ``cols``), in bulk."""
+        with self._lock:
+            sizes, expiry = self._sizes, self._expiry
+            if not sizes:
+                sizes.update(zip(keys, cols.size.tolist(), strict=True))
+                self._used = sum(sizes.values())
+            else:
+                for key, size in zip(keys, cols.size.tolist(), strict=True):
+                    self._used += size - sizes.get(key, 0)
+                    sizes[key] = size
+            if not expiry:
+                expiry.update(zip(keys, cols.expiry.tolist(), strict=True))
+            else:
+                for key, e in zip(keys, cols.expiry.tolist(), strict=True):
+                    expiry[key] = max(e, expiry.get(key, 0.0))
+            self._touched.update(touched)
+            self._seen.update(seen)
 
     def _learn(self, key: BlockHash, meta: BlockMeta, descriptor: bytes, touched: bool) -> None:
         self._learn_many([(key, meta, descriptor, touched)])
@@ -568,7 +665,7 @@ class ObjectTier(ExpiryMixin, Tier):
         keys = list(keys[: len(found)])
         now = self._clock()
         stale = [k for k, h in zip(keys, found, strict=True) if h.meta.expiry <= now]
-        touches = self._read_touches(self.touch_path(k) for k in stale)
+        touches = self._sweeper.read_touches(self.touch_path(k) for k in stale)
         metas = []
         for k, h in zip(keys, found, strict=True):
             meta = h.meta.with_expiry(touches[k]) if touches.get(k, 0.0) > h.meta.expiry else h.meta
@@ -655,3 +752,13 @@ class ObjectTier(ExpiryMixin, Tier):
         d.update(self.blobs.describe())
         return d
 
+
+
+def _last_of_each(ns: np.ndarray, rows: np.ndarray) -> list[int]:
+    """Of ``rows`` (positions in the hash column ``ns``), the last one of each distinct hash:
+    whose descriptor a listing keeps when several blocks of a namespace carry one."""
+    if not rows.size:
+        return []
+    back = rows[::-1]
+    first, _ = hash_groups(ns[back])
+    return back[first].tolist()

@@ -242,7 +242,38 @@ def _runs_here(what: str, quick: bool) -> bool:
     return False
 
 
-def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
+ATTENTION = ("auto",)
+"""Attention of the TTFT rows (``HybridLM(attention=...)``; ``auto`` is FlashAttention-2 on CUDA),
+the same for the hybrid engine and both store-everything baselines."""
+
+
+def _attentions(names: tuple[str, ...] | None, on_gpu: bool) -> list[str]:
+    return list(dict.fromkeys(names or ATTENTION)) if on_gpu else ["model"]
+
+
+def _summary(tl: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The per-layer timeline (``HybridPrefill.timeline``) and what it says: when the last load
+    completed, when the last layer ended, and how long the compute stream waited for loads."""
+    if tl is None:
+        return None
+    loads = [x for x in tl["load_ms"] if x is not None]
+    starts, ends = tl["start_ms"], tl["end_ms"]
+    waited = 0.0  # time the compute stream stood still before a layer whose load was late
+    for i, ld in enumerate(tl["load_ms"]):
+        prev_end = ends[i - 1] if i else starts[0]
+        if ld is not None and starts[i] is not None and prev_end is not None and ld > prev_end:
+            waited += min(starts[i], ld) - prev_end
+    return {"last_load_ms": max(loads) if loads else None, "first_start_ms": starts[0], "last_end_ms": ends[-1],
+            "compute_ms": round(sum(e - b for b, e in zip(starts, ends, strict=True) if b is not None and e is not None), 3),
+            "waited_for_loads_ms": round(waited, 3), **tl}
+
+
+def ttft_rows(quick: bool, intervals: tuple[int, ...] | None = None, attentions: tuple[str, ...] | None = None,
+              trace: bool = False) -> Iterator[dict[str, Any]]:
+    """Two store-everything baselines on the same blocks (every layer of every block stored):
+    ``everything`` loads every layer of the cached blocks, as a store-everything connector does
+    (the goal's baseline); ``everything_needed`` loads only what the model reads (full layers,
+    the sliding layers' last window), the best such an engine can do."""
     if not _runs_here("ttft", quick):
         return
     on_gpu = torch.cuda.is_available()
@@ -251,60 +282,131 @@ def ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
         model, prefix_len, repeat = _gpu_model(quick), (4096 if quick else CONTEXT), 3
     else:
         model, prefix_len, repeat, suffix = _tiny_gemma3(128), 2048, 1, 64
-    intervals = (16,) if quick else (16, 24, 32)
+    intervals = intervals or ((16,) if quick else (21, 24))
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (prefix_len,), generator=g)
     tail = torch.randint(0, vocab, (suffix,), generator=g)
     ns = namespace_of(model, "bench/gemma3-8b-shape" + ("-quick" if quick else ""), BT)
+    ns_all = replace(ns, model_id=ns.model_id + "-all")
     n_blocks = prefix_len // BT
     cap = (n_blocks + 8) * ns.block_bytes * (1 + len(intervals))  # every layer, and each split
     with tempfile.TemporaryDirectory() as d:
         store = _dram_store(d, -(-cap // (64 << 20)) * (64 << 20) + (128 << 20))
         try:
-            every = HybridLM(model, store, replace(ns, model_id=ns.model_id + "-all"), everything=True)
             plain = HybridLM(model, None, ns)
-            every.prefill(prefix)
+            HybridLM(model, store, ns_all, everything=True).prefill(prefix)
+            for c in intervals:
+                HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}"), policy=CheckpointPolicy(every_blocks=c)).prefill(prefix)
             plain.prefill(prefix[:1024], use_cache=False, store=False)  # kernels warm
             full_t = best_of(lambda: plain.prefill(torch.cat([prefix, tail]), use_cache=False, store=False), repeat)
             ref = plain.prefill(torch.cat([prefix, tail]), use_cache=False, store=False).logits
-            for c in intervals:
-                lm = HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}"), policy=CheckpointPolicy(every_blocks=c))
-                lm.prefill(prefix)
-                # A hit on a checkpoint (the stored prompt's end), and hits that leave the chain
-                # r blocks after periodic checkpoint p, so that r blocks replay (at most C - 1).
-                p = (n_blocks - c) // c * c - 1
-                prompts = {0: torch.cat([prefix, tail])}
-                for r in sorted({c // 4, c // 2, 3 * c // 4, c - 1}):
-                    prompts[r] = torch.cat([prefix[: (p + 1 + r) * BT], tail])
-                for r, prompt in prompts.items():
-                    a = lm.prefill(prompt, store=False)
-                    b = every.prefill(prompt, store=False)
-                    assert a.replayed_tokens == r * BT, (r, a.replayed_tokens)
-                    t_h = min(lm.prefill(prompt, store=False).seconds for _ in range(repeat))
-                    t_e = min(every.prefill(prompt, store=False).seconds for _ in range(repeat))
-                    rel = float((a.logits - b.logits).abs().max() / b.logits.abs().max())
-                    vs_full = {}
-                    if r == 0:  # the same prompt as the full prefill: the loaded path against no cache
-                        vs_full = {"same_next_token_as_full_prefill": bool(a.logits.argmax() == ref.argmax()),
-                                   "logits_rel_err_vs_full_prefill": round(float((a.logits - ref).abs().max() / ref.abs().max()), 4)}
-                    case = "on_checkpoint" if r == 0 else f"replay_{r}_blocks"
-                    yield result(
-                        "hybrid", f"ttft_{prefix_len}_C{c}_{case}_{suffix}_new", t_h * 1e3, "ms", t_e * 1e3,
-                        baseline_is="store-everything", goal_ratio=1.1, full_prefill_ms=round(full_t * 1e3, 2),
-                        speedup_vs_full=round(full_t / t_h, 2), every_blocks=c, replayed_tokens=a.replayed_tokens,
-                        hit_tokens=a.hit_tokens, loaded_bytes=a.loaded_bytes, everything_loaded_bytes=b.loaded_bytes,
-                        same_next_token=bool(a.logits.argmax() == b.logits.argmax()), logits_rel_err=round(rel, 4), **vs_full,
-                        device=torch.cuda.get_device_name() if on_gpu else "cpu (smoke)",
-                    )
-                lm.close()
-            every.close()
             plain.close()
+            for attention in _attentions(attentions, on_gpu):
+                kw = {"attention": attention}
+                every = HybridLM(model, store, ns_all, everything=True, **kw)
+                needed = HybridLM(model, store, ns_all, everything=True, all_layers=False, **kw)
+                for c in intervals:
+                    lm = HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}"), policy=CheckpointPolicy(every_blocks=c), **kw)
+                    # A hit on a checkpoint (the stored prompt's end), and hits that leave the chain
+                    # r blocks after periodic checkpoint p, so that r blocks replay (at most C - 1).
+                    p = (n_blocks - c) // c * c - 1
+                    prompts = {0: torch.cat([prefix, tail])}
+                    for r in sorted({c // 4, c // 2, 3 * c // 4, c - 1}):
+                        prompts[r] = torch.cat([prefix[: (p + 1 + r) * BT], tail])
+                    for r, prompt in prompts.items():
+                        a = lm.prefill(prompt, store=False)
+                        b = every.prefill(prompt, store=False)
+                        assert a.replayed_tokens == r * BT, (r, a.replayed_tokens)
+                        bn = needed.prefill(prompt, store=False)
+                        ha = min((lm.prefill(prompt, store=False) for _ in range(repeat)), key=lambda x: x.seconds)
+                        hb = min((every.prefill(prompt, store=False) for _ in range(repeat)), key=lambda x: x.seconds)
+                        hn = min((needed.prefill(prompt, store=False) for _ in range(repeat)), key=lambda x: x.seconds)
+                        t_h, t_e = ha.seconds, hb.seconds
+                        extra: dict[str, Any] = {}
+                        if trace and on_gpu:
+                            for x in (lm, every, needed):
+                                x.trace = True
+                            extra = {"timeline": _summary(lm.prefill(prompt, store=False).timeline),
+                                     "everything_timeline": _summary(every.prefill(prompt, store=False).timeline),
+                                     "everything_needed_timeline": _summary(needed.prefill(prompt, store=False).timeline)}
+                            for x in (lm, every, needed):
+                                x.trace = False
+                        rel = float((a.logits - b.logits).abs().max() / b.logits.abs().max())
+                        vs_full = {}
+                        if r == 0:  # the same prompt as the full prefill: the loaded path against no cache
+                            vs_full = {"same_next_token_as_full_prefill": bool(a.logits.argmax() == ref.argmax()),
+                                       "logits_rel_err_vs_full_prefill": round(float((a.logits - ref).abs().max() / ref.abs().max()), 4)}
+                        case = "on_checkpoint" if r == 0 else f"replay_{r}_blocks"
+                        yield result(
+                            "hybrid", f"ttft_{prefix_len}_C{c}_{case}_{suffix}_new", t_h * 1e3, "ms", t_e * 1e3,
+                            baseline_is="store-everything", goal_ratio=1.1, full_prefill_ms=round(full_t * 1e3, 2),
+                            speedup_vs_full=round(full_t / t_h, 2), every_blocks=c, replayed_tokens=a.replayed_tokens,
+                            hit_tokens=a.hit_tokens, loaded_bytes=a.loaded_bytes, everything_loaded_bytes=b.loaded_bytes,
+                            everything_needed_ms=round(hn.seconds * 1e3, 3), ratio_vs_everything_needed=round(t_h / hn.seconds, 4),
+                            everything_needed_loaded_bytes=bn.loaded_bytes,
+                            same_next_token_as_everything_needed=bool(a.logits.argmax() == bn.logits.argmax()),
+                            attention=attention, phases_ms=ha.phases, everything_phases_ms=hb.phases,
+                            same_next_token=bool(a.logits.argmax() == b.logits.argmax()), logits_rel_err=round(rel, 4), **vs_full,
+                            device=torch.cuda.get_device_name() if on_gpu else "cpu (smoke)", **extra,
+                        )
+                    lm.close()
+                every.close()
+                needed.close()
         finally:
             store.close()
 
 
-def trace_ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
+def syncs_rows(quick: bool) -> Iterator[dict[str, Any]]:
+    """CUDA: the host-device synchronisations inside one cached prefill of each engine
+    (``torch.cuda.set_sync_debug_mode``): each one stops the host until the compute stream,
+    which waits for the loads, catches up, so the model's later kernels are issued late."""
+    if not torch.cuda.is_available():
+        print("hybrid syncs: skipped, needs a CUDA device", flush=True)
+        return
+    import traceback
+    import warnings
+
+    model = _gpu_model(quick)
+    prefix_len = 4096 if quick else CONTEXT
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, model.config.vocab_size, (prefix_len,), generator=g)
+    prompt = torch.cat([prefix, torch.randint(0, model.config.vocab_size, (512,), generator=g)])
+    ns = namespace_of(model, "bench/gemma3-syncs", BT)
+    cap = (prefix_len // BT + 8) * ns.block_bytes * 2
+    with tempfile.TemporaryDirectory() as d:
+        store = _dram_store(d, -(-cap // (64 << 20)) * (64 << 20) + (128 << 20))
+        try:
+            for name, kw in (("hybrid", {}), ("everything", {"everything": True}), ("hybrid_flash", {"attention": "flash"})):
+                lm = HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-{name}"), policy=CheckpointPolicy(every_blocks=21), **kw)
+                lm.prefill(prefix)
+                lm.prefill(prompt, store=False)
+                seen: dict[str, int] = {}
+
+                def note(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None,
+                         seen: dict[str, int] = seen) -> None:
+                    if "synchroniz" not in str(message):
+                        return
+                    frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+                    where = "; ".join(f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames[-4:])
+                    seen[where] = seen.get(where, 0) + 1
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("always")
+                    warnings.showwarning = note
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        pre = lm.prefill(prompt, store=False)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                yield result("hybrid", f"syncs_in_prefill_{name}", float(sum(seen.values())), "syncs", 0.0,
+                             places=seen, ttft_ms=round(pre.seconds * 1e3, 2), phases_ms=pre.phases)
+                lm.close()
+        finally:
+            store.close()
+
+
+def trace_ttft_rows(quick: bool, attention: str | None = None) -> Iterator[dict[str, Any]]:
     """TTFT on a document-QA trace (CUDA; ``--quick`` on the CPU: a smoke run): documents of
     8K-24K tokens (not block-aligned), each asked 4 questions of 100-600 tokens in an
     interleaved order, served one at a time and stored after each, by three engines on one
@@ -331,15 +433,21 @@ def trace_ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
     # Every layer once, each split under that, and room to spare: nothing may be evicted (a
     # hit cut short by eviction would measure the arena, not the engines).
     cap = 3 * (tokens // BT + len(prompts)) * ns.block_bytes + (512 << 20)
+    (attention,) = _attentions((attention or ATTENTION[0],), on_gpu)
+    kw = {"attention": attention}
     with tempfile.TemporaryDirectory() as d:
         store = _dram_store(d, -(-cap // (64 << 20)) * (64 << 20))
         try:
             engines = {
-                "everything": HybridLM(model, store, replace(ns, model_id=ns.model_id + "-all"), everything=True),
+                # Same blocks as "everything", loading only what the model reads; runs first on each
+                # prompt and stores nothing (its hit is everything's).
+                "everything_needed": HybridLM(model, store, replace(ns, model_id=ns.model_id + "-all"), everything=True,
+                                              all_layers=False, **kw),
+                "everything": HybridLM(model, store, replace(ns, model_id=ns.model_id + "-all"), everything=True, **kw),
                 "at_hits": HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}-hits"),
-                                    policy=CheckpointPolicy(every_blocks=c)),
+                                    policy=CheckpointPolicy(every_blocks=c), **kw),
                 "periodic_and_end": HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}"),
-                                             policy=CheckpointPolicy(every_blocks=c, at_hits=False)),
+                                             policy=CheckpointPolicy(every_blocks=c, at_hits=False), **kw),
             }
             warm = torch.randint(0, vocab, (1024,), generator=g)
             for lm in engines.values():
@@ -347,15 +455,17 @@ def trace_ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
             ttft: dict[str, list[float]] = {k: [] for k in engines}
             replayed: dict[str, list[int]] = {k: [] for k in engines}
             hits: dict[str, list[int]] = {k: [] for k in engines}
+            phases: dict[str, list[dict[str, float]]] = {k: [] for k in engines}
             hit = []
             for prompt in prompts:
-                pres = {k: lm.prefill(prompt) for k, lm in engines.items()}
+                pres = {k: lm.prefill(prompt, store=k != "everything_needed") for k, lm in engines.items()}
                 if pres["everything"].hit_tokens:
                     hit.append(True)
                     for k, pre in pres.items():
                         ttft[k].append(pre.seconds)
                         replayed[k].append(pre.replayed_tokens)
                         hits[k].append(pre.hit_tokens + pre.replayed_tokens)  # the full part's hit
+                        phases[k].append(pre.phases)
             evicted = store.stats()["evictions"]
             for lm in engines.values():
                 lm.close()
@@ -372,8 +482,17 @@ def trace_ttft_rows(quick: bool) -> Iterator[dict[str, Any]]:
             evictions=int(evicted), ttft_ms=[round(x * 1e3, 1) for x in ttft[k]],
             everything_ttft_ms=[round(x * 1e3, 1) for x in ttft["everything"]],
             per_request_ratio_max=round(max(ratios), 3), per_request_ratio_median=round(float(np.median(ratios)), 3),
+            attention=attention, mean_phases_ms=_mean_phases(phases[k]),
+            everything_needed_mean_ms=round(float(np.mean(ttft["everything_needed"])) * 1e3, 2),
+            everything_needed_ttft_ms=[round(x * 1e3, 1) for x in ttft["everything_needed"]],
+            everything_needed_mean_phases_ms=_mean_phases(phases["everything_needed"]),
+            everything_mean_phases_ms=_mean_phases(phases["everything"]), everything_phases_ms=phases["everything"],
             device=torch.cuda.get_device_name() if on_gpu else "cpu (smoke)",
         )
+
+
+def _mean_phases(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(float(np.mean([r.get(k, 0.0) for r in rows])), 3) for k in rows[0]} if rows else {}
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -384,11 +503,41 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     yield from trace_ttft_rows(args.quick)
 
 
-if __name__ == "__main__":  # python -m tools.bench.hybrid [bytes|replay|trace|ttft ...]: some parts only
+def main(argv: list[str]) -> None:
+    """``python -m tools.bench.hybrid [bytes|replay|trace|ttft|trace_ttft|syncs ...] [--quick]
+    [--c 21,24] [--attention auto,model] [--trace]``: the named parts only (all but ``syncs`` by
+    default); ``--c`` the checkpoint intervals and ``--attention`` the attention of the TTFT rows
+    (the first also runs ``trace_ttft``); ``--trace`` adds each TTFT row's per-layer device
+    timeline."""
     import json
+
+    from kvstore.version import version
+
+    p = argparse.ArgumentParser(
+        prog="python -m tools.bench.hybrid",
+        description="Hybrid (sliding-window) model benchmarks: bytes per cached token, bounded replay, "
+        "document-QA traces and, on CUDA, TTFT against store-everything; JSON lines on stdout.",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    p.add_argument("parts", nargs="*", choices=["bytes", "replay", "trace", "ttft", "trace_ttft", "syncs"])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--c", default="", help="checkpoint intervals of the TTFT rows, comma-separated")
+    p.add_argument("--attention", default="", help="attention of the TTFT rows (auto, model, flash), comma-separated")
+    p.add_argument("--trace", action="store_true", help="per-layer device timelines in the TTFT rows")
+    a = p.parse_args(argv)
+    cs = tuple(int(x) for x in a.c.split(",") if x) or None
+    vs = tuple(x for x in a.attention.split(",") if x) or None
+    parts = {
+        "bytes": lambda: bytes_rows(a.quick), "replay": lambda: replay_rows(a.quick), "trace": lambda: trace_rows(a.quick),
+        "ttft": lambda: ttft_rows(a.quick, cs, vs, a.trace), "trace_ttft": lambda: trace_ttft_rows(a.quick, vs[0] if vs else None),
+        "syncs": lambda: syncs_rows(a.quick),
+    }
+    for name in a.parts or [k for k in parts if k != "syncs"]:
+        for row in parts[name]():
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
     import sys
 
-    parts = {"bytes": bytes_rows, "replay": replay_rows, "trace": trace_rows, "ttft": ttft_rows, "trace_ttft": trace_ttft_rows}
-    for name in [a for a in sys.argv[1:] if a in parts] or list(parts):
-        for row in parts[name]("--quick" in sys.argv):
-            print(json.dumps(row), flush=True)
+    main(sys.argv[1:])

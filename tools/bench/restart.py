@@ -4,7 +4,8 @@ A store directory is filled with chains of 64 blocks, half on an NVMe tier and h
 object tier (written through the tiers, so that the figure is the store's reopening, not its
 puts), then a :class:`KVStore` is opened on it and, for the fixed cost, on an empty directory
 (best of 3 each). Baseline, in the same run: opening the same tiers and scanning them without
-a store, the part of a restart that is the tiers' own (RocksDB records, object headers); the
+a store (``Tier.scan_columns``), the part of a restart that is the tiers' own (RocksDB records,
+object headers); the
 difference is what the store's recovery adds (merging the scans, the index rebuild, the
 policies learning the blocks, the expiry pass). Goal: <= 10 s per million blocks.
 """
@@ -78,7 +79,7 @@ def _open_tiers(root: Path, n: int, clock: FakeClock) -> tuple[float, float]:
     t0, c0 = time.perf_counter(), time.process_time()
     tiers = [make_tier(t.kind, t.name, dict(t.options), root, clock) for t in _specs(n)]
     for t in tiers:
-        for _ in t.scan():
+        for _ in t.scan_columns():
             pass
     dt, dc = time.perf_counter() - t0, time.process_time() - c0
     for t in tiers:

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.batch import BatchedLM, BatchResult, _Plan, batches
+from engine.batch import BatchedLM, BatchResult, _Loads, _Plan, batches
 from engine.client import EngineCache
 from engine.gpu import arena_tensor, release_arenas
 from engine.hbm_cache import HbmCache
@@ -157,17 +157,29 @@ def _populate(cache: EngineCache, histories: list[torch.Tensor], chunk: np.ndarr
 
 class _Resident(BatchedLM):
     """The HBM-resident ideal: each prompt's cached prefix is taken to be in the KV rows already
-    (nothing looked up, loaded or stored; the rows hold whatever the last batch left)."""
+    (nothing looked up, loaded or stored; the rows hold whatever the last batch left).
+
+    Rows are filled with random values when allocated: a fresh device allocation reads as zeros,
+    and attention over zero K/V runs faster than over real KV (the first profile of this bench:
+    FlashAttention took 579 ms over the ideal's never-written rows against 630-636 ms over the
+    store engines' loaded rows, same batches), which made the ideal optimistic."""
 
     hits: list[int]
+
+    def _rows(self, rows: int) -> torch.Tensor:
+        before = self._rows_buf.data_ptr(), self._rows_buf.numel()
+        kv = super()._rows(rows)
+        if (self._rows_buf.data_ptr(), self._rows_buf.numel()) != before:
+            self._rows_buf.normal_()
+        return kv
 
     def _plan(self, ids: torch.Tensor, use_cache: bool) -> _Plan:
         p = _Plan(ids)
         p.n_hbm = self.hits.pop(0)
         return p
 
-    def _load(self, plans: list[_Plan], kv: torch.Tensor, k_starts: list[int]) -> list[Any]:
-        return [None] * self.shape.num_layers
+    def _load(self, plans: list[_Plan], kv: torch.Tensor, k_starts: list[int]) -> _Loads:
+        return _Loads(self.shape.num_layers, 1, None, 0)
 
 
 @dataclass(slots=True)
@@ -181,6 +193,8 @@ class _Run:
     phases: dict[str, float] | None = None
     """The engine thread's seconds per phase over the timed rounds (:class:`engine.batch.Timings`)."""
     ring_waits: int = 0
+    kernels: list[dict[str, Any]] | None = None
+    """With ``PROFILE``: the CUDA kernels of the timed rounds by total device time (torch.profiler)."""
 
     @property
     def rate(self) -> float:
@@ -198,6 +212,7 @@ def _stream(lm: BatchedLM, turns: list[list[torch.Tensor]], histories: list[torc
     """Run every round; rounds after the first are timed. The first round only warms the store
     engines (kernels, HBM promotion); the others skip it after one small warm-up batch."""
     run = _Run()
+    prof = None
     prev = [h.numel() for h in histories]
     for r in range(w.rounds):
         if r == 0 and kind in ("none", "ideal"):
@@ -213,6 +228,7 @@ def _stream(lm: BatchedLM, turns: list[list[torch.Tensor]], histories: list[torc
         _sync(lm.device)
         if r == 1:
             lm.timings.reset()
+            prof = _profiler()
         t0 = time.perf_counter()
         out: list[BatchResult] = []
         for idx in plan:
@@ -233,9 +249,38 @@ def _stream(lm: BatchedLM, turns: list[list[torch.Tensor]], histories: list[torc
             run.hbm += sum(x.hbm_tokens for x in out)
             run.batches += len(plan)
         prev = [p.numel() for p in prompts]
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        run.kernels = _top_kernels(prof)
     run.phases = lm.timings.as_dict()
     run.ring_waits = lm._ring.waits if lm._ring is not None else 0
     return run
+
+
+PROFILE = False
+"""Profile the timed rounds of each engine (``python -m tools.bench.throughput``): the kernels'
+device time by name, to see where an engine's device time goes against the ideal's."""
+
+
+def _profiler() -> Any:
+    if not PROFILE or not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    prof.__enter__()
+    return prof
+
+
+def _top_kernels(prof: Any, n: int = 14) -> list[dict[str, Any]]:
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t:
+            rows.append({"kernel": e.key[:90], "ms": round(t / 1e3, 2), "calls": e.count})
+    rows.sort(key=lambda r: -r["ms"])
+    total = round(sum(r["ms"] for r in rows), 2)
+    return [{"kernel": "(all kernels)", "ms": total, "calls": sum(r["calls"] for r in rows)}, *rows[:n]]
 
 
 def ring_bytes(turns: list[list[torch.Tensor]], histories: list[torch.Tensor], block_bytes: int, bt: int) -> int:
@@ -335,7 +380,9 @@ def _engine_run(kind: str, h: float, args: argparse.Namespace, model: Any, shape
     if kind == "none":
         return _stream(BatchedLM(model, None, attention=attention, block_tokens=w.block_tokens), turns, histories, w, kind, None)
     if kind == "ideal":
-        run = _stream(_Resident(model, None, attention=attention, block_tokens=w.block_tokens), turns, histories, w, kind, None)
+        ideal = _Resident(model, None, attention=attention, block_tokens=w.block_tokens)
+        ideal._rows(w.max_rows)  # allocated (and filled) before the timed rounds
+        run = _stream(ideal, turns, histories, w, kind, None)
         if not smoke and args.compare_attention:
             alt = _Resident(model, None, attention="loop", block_tokens=w.block_tokens)
             extra["ideal_loop_tokens_per_s"] = round(_stream(alt, turns, histories, w, kind, None).rate)
@@ -356,7 +403,7 @@ def _engine_run(kind: str, h: float, args: argparse.Namespace, model: Any, shape
                        block_tokens=w.block_tokens, store_ring_bytes=ring)
         run = _stream(lm, turns, histories, w, kind, cache)
         if hbm is not None:
-            extra["hbm_counters"] = {k: getattr(hbm.counters, k) for k in hbm.counters.__slots__}
+            extra[f"{kind}_counters"] = {k: getattr(hbm.counters, k) for k in hbm.counters.__slots__}
         if last:  # HBM: the pages' bytes against the same blocks loaded from the store alone
             extra["check" if kind == "dram" else f"check_{kind}"] = _check(lm, model, cache, [conv[-1] for conv in turns[:2]])
         return run
@@ -381,7 +428,7 @@ def _rows(h: float, runs: dict[str, _Run], extra: dict[str, Any], shape: KVShape
             hbm_share_of_hits=round(r.hbm / r.hit, 4) if r.hit else 0.0,
             tokens=r.tokens, seconds=round(r.seconds, 3), batches=r.batches,
             store_wait_s=round(r.store_wait, 3), baseline_batches=base.batches, phases_s=r.phases,
-            ring_waits=r.ring_waits,
+            ring_waits=r.ring_waits, **({"kernels": r.kernels} if r.kernels else {}),
             hit_gb_per_s=round((r.hit - r.hbm) * shape.block_bytes / shape.block_tokens / r.seconds / 1e9, 2) if r.seconds else 0,
             **common,
         )
@@ -397,3 +444,14 @@ def _rows(h: float, runs: dict[str, _Run], extra: dict[str, Any], shape: KVShape
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     yield from measure(args)
 
+
+if __name__ == "__main__":  # python -m tools.bench.throughput [--hit H]: one run, every engine profiled
+    import json
+    import sys
+
+    PROFILE = True
+    hit = float(sys.argv[sys.argv.index("--hit") + 1]) if "--hit" in sys.argv else 0.96
+    ns = argparse.Namespace(smoke=False, quick=False, conversations=0, hit=[hit], repeat=1, dir=None, attention="varlen",
+                            compare_attention=False, hbm_gib=0.0, layer_groups=16)
+    for row in measure(ns):
+        print(json.dumps(row), flush=True)

@@ -13,10 +13,12 @@ pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
 from kvstore.client import connect  # noqa: E402
+from kvstore.clock import FakeClock  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
-from kvstore.errors import ConfigError, ForbiddenError, UsageError  # noqa: E402
-from kvstore.events import BlockChange, PutTokens, events_config  # noqa: E402
+from kvstore.errors import ConfigError, CorruptBlockError, ForbiddenError, UsageError  # noqa: E402
+from kvstore.events import BlockChange, BlockRun, PutChain, PutTokens, block_changes, events_config  # noqa: E402
 from kvstore.keys import hash_blocks  # noqa: E402
+from kvstore.registry import make_tier  # noqa: E402
 from kvstore.route._http import control  # noqa: E402
 from kvstore.route.wire import (  # noqa: E402
     AllBlocksCleared,
@@ -32,6 +34,7 @@ from kvstore.store import KVStore  # noqa: E402
 from tests.conftest import BB, SMALL_NS, small_tiers  # noqa: E402
 from tests.kvstore.conftest import TENANTS, TOKEN_A, TOKEN_B, TOKEN_OPS, eventually  # noqa: E402
 from tests.kvstore.route.tap import Tap, daemons, events_of, state  # noqa: E402
+from tiers.faulty import FaultyTier  # noqa: E402
 
 
 @pytest.fixture
@@ -206,9 +209,11 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[list[BlockChange], PutTokens | None]] = []
+        self.chains: list[PutChain | None] = []
 
-    def blocks(self, changes: list[BlockChange], tokens: PutTokens | None) -> None:
-        self.calls.append((changes, tokens))
+    def blocks(self, runs: list[BlockRun], tokens: PutTokens | None, chain: PutChain | None) -> None:
+        self.calls.append((block_changes(runs), tokens))
+        self.chains.append(chain)
 
 
 def test_the_sinks_hear_of_a_store_operation_in_one_call(tmp_path: Path) -> None:
@@ -228,6 +233,8 @@ def test_the_sinks_hear_of_a_store_operation_in_one_call(tmp_path: Path) -> None
         toks = sink.calls[-1][1]
         assert toks is not None and toks.keys == tuple(hs) and toks.tokens.tolist() == tokens_of(6)
         assert all(t is None for _, t in sink.calls[:-1])
+        # The copies come with the chain they belong to (the store's keys): their parents.
+        assert sink.chains[-1] == PutChain(SMALL_NS, tuple(hs)) and all(c is None for c in sink.chains[:-1])
         calls = len(sink.calls)
         dst = bytearray(2 * BB)
         assert store.get_into(SMALL_NS, hs[:2], dst) == 2  # promotions back into DRAM: one call
@@ -322,13 +329,13 @@ def test_a_pump_publishes_on_the_callers_thread(tmp_path: Path, monkeypatch: pyt
             assert not pub._thread.is_alive()
             seq = pub.streams[0].seq
             hs = chain(3)
-            pub.names(SMALL_NS, hs, hs, 0)
+            pub.names(SMALL_NS, hs, hs, 0)  # (nothing for the anonymous tenant: the put hands its chain)
             store.put(SMALL_NS, hs, payloads(3), tokens=tokens_of(3))
-            assert pub.stats()["queued"] == 6  # names and changes, nothing published yet
+            assert pub.stats()["queued"] == 3  # the put's changes, nothing published yet
             pub.pump()
             s = pub.streams[0]
-            assert s.seq == seq and pub.stats()["queued"] == 6  # fewer than PUMP_BATCH: they wait
-            monkeypatch.setattr(kvevents, "PUMP_BATCH", 6)
+            assert s.seq == seq and pub.stats()["queued"] == 3  # fewer than PUMP_BATCH: they wait
+            monkeypatch.setattr(kvevents, "PUMP_BATCH", 3)
             pub.pump()
             assert s.seq == seq + 1 and pub.stats()["queued"] == 0
             (batch,) = [decoder().decode(p) for q, p in s.buffer if q == s.seq]
@@ -378,13 +385,26 @@ def per_block(events: list[Any]) -> list[tuple[Any, ...]]:
 
 
 def test_the_bulk_path_publishes_what_the_block_by_block_path_does(tmp_path: Path) -> None:
-    """Two publishers on one store, one with the bulk path (``_apply_uniform``) turned off:
-    puts with and without tokens, demotions down three tiers, promotions by loads, deletes
-    and a put over a cached prefix publish the same events."""
+    """Two publishers on one store, one with the bulk paths (``_apply_put``, ``_apply_gone``,
+    ``_apply_uniform``) turned off: puts with and without tokens, demotions down three tiers,
+    promotions by loads, deletes and a put over a cached prefix publish the same events."""
     with KVStore(StoreConfig(root=tmp_path / "s", tiers=small_tiers(dram_blocks=8, nvme_blocks=16))) as store:
         store.register_namespace(SMALL_NS)
         pubs = [kvevents.KVEventPublisher(store, events_config({"publish": "tcp://127.0.0.1:0"})) for _ in range(2)]
-        pubs[1]._apply_uniform = lambda changes, tokens: False  # type: ignore[method-assign]
+        pubs[1]._apply_uniform = lambda kind, k, keys, tokens: False  # type: ignore[method-assign]
+        pubs[1]._apply_put = lambda keys, k, tokens, chain: False  # type: ignore[method-assign]
+        pubs[1]._apply_gone = lambda kind, k, keys: False  # type: ignore[method-assign]
+        took: dict[str, int] = {"put": 0, "gone": 0}
+
+        def spy(name: str, f: Callable[..., bool]) -> Callable[..., bool]:
+            def g(*a: Any) -> bool:
+                ok = f(*a)
+                took[name] += ok
+                return ok
+            return g
+
+        pubs[0]._apply_put = spy("put", pubs[0]._apply_put)  # type: ignore[method-assign]
+        pubs[0]._apply_gone = spy("gone", pubs[0]._apply_gone)  # type: ignore[method-assign]
         try:
             for p in pubs:
                 assert p.flush(60.0)
@@ -399,6 +419,7 @@ def test_the_bulk_path_publishes_what_the_block_by_block_path_does(tmp_path: Pat
             for k in range(4):
                 hs = chain(6, seed=k)
                 put(hs, tokens=tokens_of(6, seed=k) if k % 2 else None)
+            put(chain(8, seed=3))  # from block 0, of which the first 6 are cached: the store puts 6 and 7
             long = chain(10, seed=1)  # extends seed 1's chain of 6 (same tokens): from block 6
             put(long, start=6, tokens=tokens_of(10, seed=1)[6 * SMALL_NS.block_tokens:])
             dst = np.empty(10 * BB, np.uint8)
@@ -415,6 +436,36 @@ def test_the_bulk_path_publishes_what_the_block_by_block_path_does(tmp_path: Pat
             kinds = {(type(e).__name__, getattr(e, "medium", None)) for e in published[0]}
             assert {("BlockStored", "dram"), ("BlockStored", "nvme"), ("BlockRemoved", "dram")} <= kinds
             assert any(isinstance(e, BlockStored) and e.token_ids for e in published[0])
+            assert took["put"] >= 5 and took["gone"] >= 1  # (the bulk paths did take part)
         finally:
             for p in pubs:
                 p.close()
+
+
+def test_expired_and_corrupt_blocks_are_removed_blocks(tmp_path: Path) -> None:
+    """The two ways a block leaves that no client asks for: its TTL passes (a maintenance
+    pass), or its copy reads back corrupt (a load drops it): each a ``BlockRemoved`` on the
+    tier it left, after the ``BlockStored`` that announced it."""
+    clock = FakeClock()
+    spec = small_tiers()[0]
+    dram = FaultyTier(make_tier("dram", "dram", dict(spec.options), tmp_path, clock))
+    cfg = StoreConfig(root=tmp_path / "s", tiers=(spec,), persist_on_close=False)
+    with KVStore(cfg, clock=clock, tiers=[dram]) as store:
+        store.register_namespace(SMALL_NS, ttl_s=60)
+        pub = kvevents.KVEventPublisher(store, events_config({"publish": "tcp://127.0.0.1:0"}))
+        try:
+            hs = chain(3)
+            store.put(SMALL_NS, hs, payloads(3))
+            dram.inject("read_into", CorruptBlockError, when=lambda k: k == hs[2], times=None)
+            assert store.get_into(SMALL_NS, hs, bytearray(3 * BB)) == 2  # the third reads back corrupt
+            clock.advance(61)
+            store.maintain()  # the first two expire
+            assert pub.flush(60.0)
+            events = per_block([e for _, b in pub.streams[0].buffer for e in decoder().decode(b).events])
+            assert events[:5] == [("c",), *(("s", h, p, "dram", ()) for h, p in zip(hs, [None, *hs[:2]], strict=True)),
+                                  ("r", hs[2], "dram")]
+            assert sorted(events[5:]) == sorted(("r", h, "dram") for h in hs[:2])
+            assert pub.stats()["mirrored"] == 0
+        finally:
+            pub.close()
+

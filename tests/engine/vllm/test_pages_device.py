@@ -1,0 +1,99 @@
+"""vLLM pages <-> kvstore blocks on CUDA: ``PagedKV`` gather and scatter on device pages give the
+same bytes as on the CPU, for vLLM's paged memory orders, a shuffled block table and the
+cross-device branch (rows of a pinned host arena written into CUDA pages). Skipped without CUDA
+(CI has none). Last run: one NVIDIA H200, 2026-12-01, torch 2.11: 12 passed
+(``docs/results/h200-s4-pages-device.txt``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.vllm.pages import PagedKV, PageSpec, layer_rows
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SPEC = PageSpec(tuple(f"model.layers.{i}.self_attn.attn" for i in range(4)), 16, 4, 64, torch.bfloat16, "LBHNC")
+# Memory orders of the logical [B, H, N, C] view: vLLM's HND pages (B H N C), NHD pages (B N H C)
+# and a head-major order (H B N C).
+ORDERS = [None, (0, 2, 1, 3), (1, 0, 2, 3)]
+BLOCKS = 24
+
+
+def _caches(order: tuple[int, ...] | None, device: str, seed: int) -> dict[str, torch.Tensor]:
+    """Random pages in memory order ``order`` (the same values for any device, from the CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    shape = (BLOCKS, SPEC.num_kv_heads, SPEC.block_size, SPEC.content)
+    for name in SPEC.layer_names:
+        perm = order or (0, 1, 2, 3)
+        phys = torch.randn([shape[p] for p in perm], generator=g).to(torch.bfloat16).to(device)
+        out[name] = phys.permute(*[perm.index(d) for d in range(4)])
+    return out
+
+
+def _table(seed: int, n: int) -> list[int]:
+    """A shuffled block table: ``n`` distinct page ids in random order."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(BLOCKS, generator=g)[:n].tolist()
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_gather_on_cuda_equals_the_cpu_bytes(order: tuple[int, ...] | None) -> None:
+    cpu, gpu = PagedKV(SPEC, _caches(order, "cpu", 1)), PagedKV(SPEC, _caches(order, "cuda", 1))
+    ids = _table(2, 9)
+    want = torch.full((len(ids), SPEC.block_bytes), 0xA5, dtype=torch.uint8)
+    cpu.gather(ids, want)
+    on_device = torch.full_like(want, 0x5A, device="cuda")
+    gpu.gather(ids, on_device)
+    pinned = torch.full_like(want, 0x5A).pin_memory()  # the connector's save path: pages to host
+    gpu.gather(ids, pinned)
+    torch.cuda.synchronize()
+    assert torch.equal(on_device.cpu(), want)
+    assert torch.equal(pinned, want)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("spacing", ["even", "uneven"])
+def test_scatter_from_a_pinned_arena_into_cuda_pages_equals_the_cpu_bytes(order: tuple[int, ...] | None, spacing: str) -> None:
+    """The cross-device branch: each layer's rows are a view of a pinned host arena (strided when
+    the blocks are evenly spaced, gathered otherwise), written into pages of a shuffled table."""
+    bb, pb = SPEC.block_bytes, SPEC.page_bytes
+    n = 7
+    g = torch.Generator().manual_seed(3)
+    arena = torch.randint(0, 256, (16 * bb,), dtype=torch.uint8, generator=g).pin_memory()
+    offsets = [2 * i * bb for i in range(n)] if spacing == "even" else [o * bb for o in (9, 1, 14, 4, 0, 11, 6)]
+    targets = _table(4, n)
+    cpu = PagedKV(SPEC, _caches(order, "cpu", 5))
+    gpu = PagedKV(SPEC, _caches(order, "cuda", 5))
+    host_arena = arena.clone()  # unpinned twin for the CPU reference
+    for layer in range(SPEC.num_layers):
+        cpu.scatter_layer(layer, cpu.block_ids(targets), layer_rows(host_arena, offsets, layer, pb))
+        rows = layer_rows(arena, offsets, layer, pb)
+        assert rows.device.type == "cpu"
+        gpu.scatter_layer(layer, gpu.block_ids(targets), rows)
+    torch.cuda.synchronize()
+    for layer in range(SPEC.num_layers):
+        # Every page, written or not, byte for byte (the untouched ones keep their random bytes).
+        a = cpu.layers[layer].contiguous().view(torch.uint8)
+        b = gpu.layers[layer].cpu().contiguous().view(torch.uint8)
+        assert torch.equal(a, b), f"layer {layer}"
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_round_trip_through_device_blocks(order: tuple[int, ...] | None) -> None:
+    """Gather pages of a shuffled table into device block buffers, scatter them into other pages
+    (the same-device branch): the pages moved, nothing else was written."""
+    src = PagedKV(SPEC, _caches(order, "cuda", 7))
+    dst = PagedKV(SPEC, {k: torch.zeros_like(v) for k, v in _caches(order, "cuda", 7).items()})
+    ids, targets = _table(8, 5), _table(9, 5)
+    buf = torch.empty((len(ids), SPEC.block_bytes), dtype=torch.uint8, device="cuda")
+    src.gather(ids, buf)
+    pb = SPEC.page_bytes
+    for layer in range(SPEC.num_layers):
+        dst.scatter_layer(layer, dst.block_ids(targets), buf[:, layer * pb : (layer + 1) * pb])
+    torch.cuda.synchronize()
+    untouched = [b for b in range(BLOCKS) if b not in targets]
+    for layer in range(SPEC.num_layers):
+        assert torch.equal(dst.layers[layer][targets].cpu(), src.layers[layer][ids].cpu())
+        assert not dst.layers[layer][untouched].any()
