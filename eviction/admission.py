@@ -4,9 +4,12 @@ The store asks :meth:`Admission.admit` once per demotion into a tier the admissi
 default the last one, the object store, where every byte written is paid for and most blocks are
 never read again), and only for a block no guarantee holds (unpinned, unused, stored by no
 durable put, not recovered at open) and, unless the rule sets ``inner``, a leaf; a refused block
-is dropped instead of written (a leaf leaves the store, an inner block stays as a hollow node).
-So admission can lose hits (a skipped block read again misses) but never a durable or pinned
-block.
+is dropped instead of written. A refused leaf leaves the store; a refused inner block leaves it
+together with its whole cached subtree (the descendants no lookup could reach without it), and
+only when that subtree is free to go: nothing of it in a tier above the demoting one, in use,
+pinned, kept or protected by the operation in flight (otherwise the block is written and the
+rule is not told). So the store stays prefix-closed with no hollow node, admission can lose hits
+(a skipped block read again misses) but never a durable or pinned block.
 
 * ``all``: write everything (the behaviour without admission).
 * ``reuse`` (:class:`ReuseAdmission`; the store's default): learns,
@@ -19,11 +22,11 @@ block.
   eviction/density.py); a decision with neither within ``horizon_s`` counts as not reused.
   Decisions are polled every ``poll`` decisions. The rule's statistics live in memory: after a
   restart it learns again (and skips nothing before ``poll`` decisions).
-  With ``inner`` it also decides about blocks with cached children; a block whose parent is
-  hollow (refused before it: chains leave the upper tiers head first) is then refused without a
-  decision, because no lookup can reach it until the parent is put again, and that put re-puts
-  it too. Its return still counts as a lost hit (the parent's refusal cost it), and the loss per
-  refused decision that came back weights every class's expected loss in the plan.
+  With ``inner`` it also decides about blocks with cached children; the descendants dropped with
+  a refused one are remembered as ghosts (:meth:`Admission.cut`): their return counts as a lost
+  hit (the refusal cost it), and the loss per refused decision that came back weights every
+  class's expected loss in the plan. A block whose parent is hollow (a corrupt copy dropped
+  under a load leaves one) is refused without a decision: no lookup reaches it.
 
 Admission objects see block ids and the index's columns, never payloads; the store calls them
 under its lock.
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,6 +58,67 @@ class IndexView(Protocol):
     def id_of(self, key: bytes) -> int | None: ...
 
 
+class TreeView(IndexView, Protocol):
+    """What :class:`ChildIndex` reads besides: which ids are live."""
+
+    flags: np.ndarray
+
+    def live_ids(self) -> np.ndarray: ...
+
+
+class ChildIndex:
+    """The cached subtree of a block, from an index that keeps only a parent and a child count
+    per block: a copy of the parent column sorted by parent, rebuilt (one argsort) when a child
+    count shows it is stale. The children it finds are checked against the live columns (an id
+    may have left, or been recycled under another parent), and a block whose checked children
+    are fewer than its count gained a child since the copy: then the copy is rebuilt. So the
+    answer is exact; a rebuild is needed only once the subtrees asked about were grown after the
+    last one (admission asks about blocks leaving the next-to-last tier: old ones)."""
+
+    def __init__(self, view: TreeView) -> None:
+        self.view = view
+        self._parents = np.zeros(0, np.int64)
+        self._kids = np.zeros(0, np.int64)
+        self.rebuilds = 0
+
+    def _rebuild(self) -> None:
+        v = self.view
+        ids = v.live_ids()
+        parents = v.parent[ids].astype(np.int64)
+        linked = parents >= 0
+        ids, parents = ids[linked], parents[linked]
+        order = np.argsort(parents, kind="stable")
+        self._kids, self._parents = ids[order], parents[order]
+        self.rebuilds += 1
+
+    def _children(self, bid: int) -> list[int] | None:
+        """The live children of ``bid``, or None when the copy lacks some."""
+        v = self.view
+        want = int(v.children[bid])
+        if not want:
+            return []
+        lo, hi = np.searchsorted(self._parents, (bid, bid + 1))
+        kids = self._kids[lo:hi]
+        kids = kids[(v.flags[kids] != 0) & (v.parent[kids] == bid)]
+        return kids.tolist() if kids.size == want else None
+
+    def below(self, bid: int) -> list[int]:
+        """Every cached descendant of ``bid``, each after its parent (reversed: leaves first)."""
+        for _ in range(2):
+            out: list[int] = []
+            stack = [bid]
+            while stack:
+                kids = self._children(stack.pop())
+                if kids is None:
+                    break
+                out.extend(kids)
+                stack.extend(kids)
+            else:
+                return out
+            self._rebuild()
+        raise RuntimeError(f"block id {bid}: the child counts disagree with the parent column after a rebuild")
+
+
 class Admission:
     """Admit everything; the base of every admission rule.
 
@@ -62,7 +126,10 @@ class Admission:
     far (the denominator of a hit-loss budget). ``admit(bid, now)`` is asked before a demotion
     writes ``bid`` into a governed tier, and only for a block the store may drop (unpinned,
     unused, stored by no durable put; a leaf unless ``inner``): a refusal is always honoured, so the rule learns from
-    exactly the blocks it decides on.
+    exactly the blocks it decides on. For a block with cached children the store first asks
+    :meth:`refuses` (no side effect; it must answer what ``admit`` would) and asks ``admit``
+    only when it may drop the block's subtree; then :meth:`cut` names the descendants that left
+    with it.
     """
 
     name = "all"
@@ -83,17 +150,27 @@ class Admission:
     def admit(self, bid: int, now: float) -> bool:
         return True
 
+    def refuses(self, bid: int, now: float) -> bool:
+        """Whether :meth:`admit` would refuse ``bid`` now; changes nothing (the default asks
+        ``admit``: override it when ``admit`` records)."""
+        return not self.admit(bid, now)
+
+    def cut(self, keys: Sequence[bytes]) -> None:
+        """The cached descendants of a refused block, dropped with it (their keys)."""
+
     def describe(self) -> dict[str, Any]:
         return {"admission": self.name}
 
 
 @dataclass(frozen=True, slots=True)
 class ReuseConfig:
-    hit_loss_budget: float = 0.01
+    hit_loss_budget: float = 0.0075
     """Hits that skipped writes may cost, as a share of the store's hits (0.01: 1%; 0: skip
-    nothing). With ``inner``, 0.005 is the largest budget measured under 1% of real loss. The loss the rule counts lags (a refused block comes back minutes to hours
-    later) and misses the copies a hollow block strands, so the hits actually lost run up to
-    about twice the budget: 0.94% on the conversation trace at 0.5% (docs/eviction.md)."""
+    nothing). The rule counts every refused block that is put again, and the descendants
+    that left with it, so what it counts is what is lost; but the count lags (a refused block
+    comes back minutes to hours later), so the loss can pass the budget before skipping stops:
+    at 1% the conversation trace lost 0.87% with ``density`` and 1.25% with ``lru``; the
+    default 0.75% lost 0.68% with ``density`` (docs/eviction.md)."""
     margin: float = 0.5
     """Share of the budget the *expected* loss of the skipped classes may use; the rest absorbs
     estimation error. Measured loss past the full budget stops all skipping until it is back."""
@@ -108,12 +185,11 @@ class ReuseConfig:
     horizon_s: float = 600.0
     """A decision not followed by a reuse within this long (store clock) counts as not reused;
     a skipped block that comes back later still counts as a lost hit."""
-    inner: bool = False
-    """Also decide about blocks with cached children (a refused one stays hollow, cutting its
-    descendants off, which are then refused without a decision). Off by default: a hollow inner
-    node breaks the store's prefix-closure (the store property test finds it), and its cut-off
-    descendants hold tier space no lookup reaches. False: leaves only, which saves little,
-    because chains leave the upper tiers head first."""
+    inner: bool = True
+    """Also decide about blocks with cached children: a refused one leaves the store with its
+    whole cached subtree (only when all of it may go; otherwise it is written). False: leaves
+    only, which saves little, because chains leave the upper tiers head first (1.24 object
+    writes per hit against 0.90 on the conversation trace; docs/eviction.md)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.hit_loss_budget < 1.0:
@@ -161,38 +237,68 @@ class ReuseAdmission(Admission):
         self.ghosts: dict[bytes, bool] = {}
         self.parents: dict[bytes, bool] = {}  # blocks whose child was skipped, oldest first
         self.decisions = 0
+        self._polled = -1
         self.unreachable = 0
         """Blocks refused because their parent is hollow (no decision; see :meth:`admit`)."""
+        self.cut_blocks = 0
+        """Cached descendants dropped with a refused inner block (:meth:`cut`)."""
         self.returns = 0
         """Refused blocks (decisions) that came back."""
         self.lost = 0
         """Skipped blocks put again later: hits the skipping cost (an upper bound: a block put
         again would have hit only if its whole prefix was still cached)."""
 
+    def _due(self, now: float) -> None:
+        """Poll before the decision that completes ``poll`` of them (once: :meth:`refuses` and
+        :meth:`admit` of one block both get here)."""
+        if (self.decisions + 1) % self.config.poll == 0 and self._polled != self.decisions:
+            self._polled = self.decisions
+            self._poll(now)
+
+    def _class(self, bid: int, key: bytes, now: float) -> int:
+        v = self.view
+        shape = 2 if int(v.children[bid]) else int(key in self.parents)
+        return block_class(int(v.hits[bid]), int(v.depth[bid]), now - float(v.last_access[bid]), shape)
+
+    def _hollow_parent(self, bid: int) -> bool:
+        parent = int(self.view.parent[bid])
+        return parent >= 0 and not int(self.view.tiers[parent])
+
+    def refuses(self, bid: int, now: float) -> bool:
+        if self._hollow_parent(bid):
+            return True
+        self._due(now)
+        return bool(self.skip[self._class(bid, bytes(self.view.hash_of(bid)), now)])
+
     def admit(self, bid: int, now: float) -> bool:
         v = self.view
         key = bytes(v.hash_of(bid))
-        parent = int(v.parent[bid])
-        if parent >= 0 and not int(v.tiers[parent]):
-            # The parent is hollow (this rule refused it): no lookup reaches this block until the
-            # parent is put again, and that put re-puts this block too, so a write now earns
-            # nothing. Not a decision; a return still counts as a hit the parent's refusal cost.
+        if self._hollow_parent(bid):
+            # No lookup reaches this block until its parent is put again, and that put re-puts
+            # this block too, so a write now earns nothing. Not a decision; a return still
+            # counts as a lost hit.
             self.unreachable += 1
             self._remember(self.ghosts, key, False)
             return False
-        shape = 2 if int(v.children[bid]) else int(key in self.parents)
-        c = block_class(int(v.hits[bid]), int(v.depth[bid]), now - float(v.last_access[bid]), shape)
+        self._due(now)
+        c = self._class(bid, key, now)
         self.decisions += 1
-        if self.decisions % self.config.poll == 0:
-            self._poll(now)
         stored = not self.skip[c]
         self.pending.append((now, key, c, int(v.hits[bid]), stored))
         if len(self.pending) > self.config.window:
             self._expire(self.pending.popleft())
         self.parents.pop(key, None)
+        parent = int(v.parent[bid])
         if not stored and parent >= 0:
             self._remember(self.parents, bytes(v.hash_of(parent)))
         return stored
+
+    def cut(self, keys: Sequence[bytes]) -> None:
+        """Dropped with a refused ancestor: ghosts whose return is a hit the refusal cost (not
+        a decision's return)."""
+        self.cut_blocks += len(keys)
+        for key in keys:
+            self._remember(self.ghosts, bytes(key), False)
 
     def _remember(self, table: dict[bytes, bool], key: bytes, value: bool = True) -> None:
         table[key] = value
@@ -278,4 +384,5 @@ class ReuseAdmission(Admission):
             "skipping_classes": int(self.skip.sum()),
             "admission_lost_hits": self.lost,
             "unreachable_skipped": self.unreachable,
+            "cut_descendants": self.cut_blocks,
         }

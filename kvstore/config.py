@@ -82,11 +82,12 @@ class StoreConfig:
     """Options of the policy's own ``Config`` (e.g. ``{ghost_factor = 4}``); see eviction/."""
     admission: str = "reuse"
     """Which demoted blocks are written into the last tier (the paid object store): ``reuse``
-    (skip blocks unlikely to be read again, within a hit-loss budget of 1%, leaves only; never a pinned,
-    durably put or recovered block) or ``all`` (eviction/admission.py; docs/eviction.md, "Tier
-    economics")."""
+    (skip blocks unlikely to be read again, within a hit-loss budget of 0.75%; a refused block with
+    cached children leaves with its subtree; never a pinned, durably put or recovered block) or
+    ``all`` (eviction/admission.py; docs/eviction.md, "Tier economics")."""
     admission_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    """Options of the admission rule's ``Config`` (e.g. ``{hit_loss_budget = 0.005, inner = true}``)."""
+    """Options of the admission rule's ``Config`` (e.g. ``{hit_loss_budget = 0.005, inner = false}``;
+    below, "[store] admission_options")."""
     promote_on_hit: bool = True
     persist_on_close: bool = True
     """On a clean close, write blocks that live only in volatile tiers down to a persistent one."""

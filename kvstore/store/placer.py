@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eviction.admission import ChildIndex
 from kvstore.block import CHECKSUM_DEFERRED, BlockMeta, payload_checksum
 from kvstore.clock import Clock
 from kvstore.config import StoreConfig
@@ -92,6 +93,8 @@ class Placer:
         # block that could leave anyway instead of writing it. Never a durable put's block.
         self.admission = make_admission(
             config.admission, dict(config.admission_options), self.index, lambda: ledger.counters.hit_blocks)
+        self.children_of: ChildIndex | None = None
+        """Subtrees of refused inner blocks (built at the first one)."""
         self.kept = np.zeros(0, dtype=bool)
         """Per block id: admission never refuses it. Set for a durable put's blocks and for every
         block recovered at open (the persistent tiers' metadata does not say which blocks a
@@ -415,13 +418,18 @@ class Placer:
         moves the plan counted on have landed. False if a demotion failed (nothing was evicted;
         the block stays where it was, with its copy)."""
         failed = False
+        idx, bit = self.index, 1 << k
         for v in plan:
+            if not int(idx.tiers[v.bid]) & bit:
+                continue  # gone with a block admission refused (its subtree leaves with it)
             if v.action == DEMOTE and not self.demote(v.bid, k, protect):
                 stuck.add(v.bid)
                 failed = True
         if failed:
             return False  # the plan falls short: let the next round plan again
         for v in plan:
+            if not int(idx.tiers[v.bid]) & bit:
+                continue
             if v.action == COPY:
                 self.drop_copy(v.bid, k)
             elif v.action == EVICT:
@@ -436,14 +444,11 @@ class Placer:
         is still in tier ``k`` (no lower tier could take it, or its copy could not be read)."""
         idx, tier = self.index, self.tiers[k]
         key = idx.hash_of(bid)
-        if k + 1 == self.last and self._not_admitted(bid):
-            self.ledger.counters.skipped_writes += 1
-            self.ledger.counters.skipped_bytes += int(idx.size[bid])
-            if idx.children[bid]:
-                self.drop_copy(bid, k)  # hollow: its cached descendants are unreachable from now
-            else:
-                self.drop_block(bid, "not admitted")
-            return True
+        if k + 1 == self.last:
+            below = self._refused(bid, k, protect)
+            if below is not None:
+                self._drop_refused(bid, below)
+                return True
         mask = int(idx.tiers[bid])
         durable = bool(mask & self.persistent_mask) and not (mask & self.persistent_mask & ~(1 << k))
         self.ledger.hold([bid])  # nothing below may expire or evict it while it moves
@@ -487,22 +492,62 @@ class Placer:
             self.kept = grown
         self.kept[ids] = True
 
-    def _not_admitted(self, bid: int) -> bool:
-        """Whether the last tier's admission refuses ``bid``, asked only of a block no guarantee
-        holds: unpinned, unused, stored by no durable put, not recovered at open; and a leaf,
-        unless the rule asks for inner blocks too (``admission.inner``). A refused leaf leaves the store; a refused inner
-        block loses its copy and stays as a hollow node (a lookup stops there): that costs hits
-        only if a descendant would have been read again, and then the block itself would have
-        been too. A pin or a durable put covers a whole prefix, so no descendant of a block that
-        may be refused is pinned or durable."""
-        idx = self.index
+    def _refused(self, bid: int, k: int, protect: set[int]) -> list[int] | None:
+        """Whether the last tier's admission refuses ``bid`` (leaving tier ``k`` for it): None
+        if it is to be written, else the cached descendants that leave the store with it
+        (leaves first; none for a leaf). Asked only of a block no guarantee holds: unpinned,
+        unused, stored by no durable put, not recovered at open; a block with cached children
+        only when the rule asks for inner blocks (``admission.inner``) and would refuse it, and
+        then only when its whole subtree may go too (:meth:`_subtree_free`): a lookup could
+        reach none of it once the block is gone, and the store stays prefix-closed with no
+        hollow node. A pin or a durable put covers a whole prefix, so a block that may be
+        refused has no pinned or durable descendant."""
+        idx, adm = self.index, self.admission
         if idx.pins[bid] or idx.in_use[bid] or (bid < self.kept.size and self.kept[bid]):
-            return False
-        if idx.children[bid] and not self.admission.inner:
-            return False
+            return None
         if not self.tiers[self.last].available():
-            return False  # the upper tier keeps its leaves' normal fate
-        return not self.admission.admit(bid, self.clock())
+            return None  # the upper tier keeps its leaves' normal fate
+        now = self.clock()
+        below: list[int] = []
+        if idx.children[bid]:
+            if not adm.inner:
+                return None
+            if adm.refuses(bid, now):
+                if self.children_of is None:
+                    self.children_of = ChildIndex(idx)
+                below = self.children_of.below(bid)[::-1]
+                if not self._subtree_free(below, k, protect):
+                    return None  # written; the rule is not told (as for a pinned block)
+        return None if adm.admit(bid, now) else below
+
+    def _subtree_free(self, ids: list[int], k: int, protect: set[int]) -> bool:
+        """Whether these blocks may leave with a refused ancestor that leaves tier ``k``: none
+        has a copy above ``k`` (a make-room there may be moving it), is in use, pinned, kept or
+        protected by the operation in flight."""
+        if not ids:
+            return True
+        idx = self.index
+        a = np.array(ids, np.int64)
+        if ((idx.tiers[a] & ((1 << k) - 1)) != 0).any() or idx.in_use[a].any() or idx.pins[a].any():
+            return False
+        kept = self.kept
+        if kept.size and kept[a[a < kept.size]].any():
+            return False
+        return not protect or protect.isdisjoint(ids)
+
+    def _drop_refused(self, bid: int, below: list[int]) -> None:
+        """A refused block leaves the store with its cached descendants (leaves first); each
+        that had no copy on the last tier is a write saved."""
+        idx, c, bit = self.index, self.ledger.counters, 1 << self.last
+        keys = []
+        for b in [*below, bid]:
+            if not int(idx.tiers[b]) & bit:
+                c.skipped_writes += 1
+                c.skipped_bytes += int(idx.size[b])
+            keys.append(idx.hash_of(b))
+            self.drop_block(b, "not admitted")
+        if below:
+            self.admission.cut(keys[:-1])
 
     # ---- dropping ---------------------------------------------------------------------------------
 

@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eviction.admission import Admission, ReuseAdmission, ReuseConfig, block_class
+from eviction.admission import Admission, ChildIndex, ReuseAdmission, ReuseConfig, block_class
 from kvstore.clock import FakeClock
 from kvstore.config import StoreConfig, TierSpec
+from kvstore.index import NO_PARENT, RadixIndex
 from kvstore.registry import ADMISSIONS, admission_class, register_admission
 from kvstore.store import KVStore
 from tests.conftest import BB, SMALL_NS
@@ -26,21 +27,33 @@ class Never(Admission):
         Never.asked.append(bid)
         return False
 
+    def refuses(self, bid: int, now: float) -> bool:
+        return True
+
+
+class NeverInner(Never):
+    """Refuses every block, inner ones too."""
+
+    name = "never-inner"
+    inner = True
+
 
 @pytest.fixture(autouse=True)
 def _never() -> Any:
     register_admission("never", "tests.eviction.test_admission:Never")
+    register_admission("never-inner", "tests.eviction.test_admission:NeverInner")
     Never.asked = []
     yield
     ADMISSIONS.pop("never", None)
+    ADMISSIONS.pop("never-inner", None)
 
 
 def _key(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
-def _store(tmp_path: Path, tiers: tuple[TierSpec, ...], admission: str = "never") -> KVStore:
-    config = StoreConfig(root=tmp_path, tiers=tiers, admission=admission, persist_on_close=False)
+def _store(tmp_path: Path, tiers: tuple[TierSpec, ...], admission: str = "never", **kw: Any) -> KVStore:
+    config = StoreConfig(root=tmp_path, tiers=tiers, admission=admission, persist_on_close=False, **kw)
     s = KVStore(config, clock=FakeClock(1_000.0))
     s.register_namespace(SMALL_NS)
     return s
@@ -78,8 +91,9 @@ def test_reuse_is_the_default_and_reported(tmp_path: Path) -> None:
     assert StoreConfig().admission == "reuse"
     s = KVStore(StoreConfig(root=tmp_path, tiers=NULL3, persist_on_close=False), clock=FakeClock(1_000.0))
     st = s.stats()
-    assert st["admission"] == {"admission": "reuse", "hit_loss_budget": 0.01, "inner": False,
-                               "skipping_classes": 0, "admission_lost_hits": 0, "unreachable_skipped": 0}
+    assert st["admission"] == {"admission": "reuse", "hit_loss_budget": 0.0075, "inner": True,
+                               "skipping_classes": 0, "admission_lost_hits": 0, "unreachable_skipped": 0,
+                               "cut_descendants": 0}
     assert (st["skipped_writes"], st["skipped_bytes"]) == (0, 0)
     s.close()
 
@@ -105,6 +119,57 @@ def test_inner_blocks_are_never_asked_by_a_leaf_rule(tmp_path: Path) -> None:
     assert all(int(index.children[b]) == 0 for b in Never.asked)
     assert st["skipped_writes"] == len(Never.asked)
     s.close()
+
+
+def _tiers(dram: int, nvme: int) -> tuple[TierSpec, ...]:
+    return (TierSpec("dram", "null", {"capacity_blocks": dram}), TierSpec("nvme", "null", {"capacity_blocks": nvme}),
+            TierSpec("object", "null", {"capacity_blocks": 100}))
+
+
+def test_a_refused_inner_block_leaves_with_its_subtree(tmp_path: Path) -> None:
+    s = _store(tmp_path, _tiers(1, 4), "never-inner", policy="lru")
+    _put(s, [0, 1, 2])  # DRAM {2}, NVMe {0, 1}
+    for i in (10, 11, 12):  # each pushes DRAM's block down; the last makes NVMe demote block 0
+        _put(s, [i])
+    index = s.index
+    assert [index.id_of(_key(i)) for i in (0, 1, 2)] == [None] * 3  # the chain is gone, no hollow node
+    assert _in_last(s, [0]) == 0 and _in_last(s, [10]) == 1
+    st = s.stats()
+    assert (st["skipped_writes"], st["skipped_bytes"]) == (3, 3 * BB)  # none of the three is written
+    assert st["tiers"][2]["bytes_in"] == 0
+    assert st["admission"]["admission"] == "never-inner"
+    assert len(Never.asked) == 1  # asked about block 0 only: its descendants went with it
+    s.close()
+
+
+def test_an_inner_block_whose_subtree_is_above_is_written(tmp_path: Path) -> None:
+    """Block 0 leaves NVMe while its descendant 2 is moving down from DRAM: the subtree may not
+    go, so block 0 is written (and the rule never asked)."""
+    s = _store(tmp_path, _tiers(1, 2), "never-inner", policy="lru")
+    _put(s, [0, 1, 2])  # DRAM {2}, NVMe {0, 1}
+    _put(s, [10])  # 2 moves to NVMe, which demotes 0
+    assert s.lookup(SMALL_NS, [_key(0)]).tiers == ("object",)
+    assert _in_last(s, [0, 1, 2]) == 3
+    assert Never.asked == []
+    s.close()
+
+
+def test_child_index_is_exact_as_the_tree_changes() -> None:
+    idx = RadixIndex()
+    a = idx.insert_chain([b"a%d" % i for i in range(4)], NO_PARENT, 0, 1, 0, 1, 0.0, 1e9).tolist()
+    fork = idx.insert_chain([b"f%d" % i for i in range(3)], a[1], 2, 1, 0, 1, 0.0, 1e9).tolist()
+    kids = ChildIndex(idx)
+    assert sorted(kids.below(a[1])) == sorted(a[2:] + fork)
+    built = kids.rebuilds
+    assert kids.below(a[2]) == [a[3]] and kids.rebuilds == built  # nothing changed: no rebuild
+    more = idx.insert_chain([b"g0", b"g1"], fork[0], 3, 1, 0, 1, 0.0, 1e9).tolist()  # grown since
+    assert sorted(kids.below(fork[0])) == sorted(fork[1:] + more)
+    assert kids.rebuilds == built + 1
+    idx.remove(fork[2])
+    idx.remove(fork[1])
+    recycled = idx.insert_chain([b"h0"], a[3], 4, 1, 0, 1, 0.0, 1e9).tolist()  # a freed id, elsewhere
+    assert sorted(kids.below(a[1])) == sorted([a[2], a[3], fork[0], *more, *recycled])
+    assert kids.below(a[1]) == sorted(idx.subtree(np.array([a[1]])).tolist()[1:], key=kids.below(a[1]).index)
 
 
 def test_pinned_prefix_is_always_stored(tmp_path: Path) -> None:
@@ -233,6 +298,35 @@ def test_a_block_under_a_hollow_parent_is_skipped_and_its_return_counted() -> No
     assert adm.returns == 0  # not a decision's return: the loss weight of the classes rises
 
 
+def test_refuses_answers_what_admit_will() -> None:
+    view = FakeView(400)
+    view.children[::3] = 1  # some blocks have children: shape 2
+    view.depth[:] = np.arange(400) % 7
+    adm = _rule(view, 0.2, hit_loss_budget=0.05, margin=1.0)
+    answers = []
+    for b in range(300):
+        view.last_access[b] = float(b)  # as Rule.admit sets it
+        will_refuse = adm.refuses(b, float(b))
+        answers.append(will_refuse)
+        assert adm.admit(b, float(b)) is not will_refuse, f"block {b}"
+        if b % 5 == 0:
+            view.hits[b] += 1
+    assert any(answers) and not all(answers)  # both answers were checked
+
+
+def test_descendants_cut_with_a_refused_block_count_as_lost_when_back() -> None:
+    view = FakeView(100)
+    adm = _rule(view, 1.0, hit_loss_budget=0.01)
+    adm.cut([view.hash_of(5), view.hash_of(6)])
+    view.live.discard(5)
+    view.live.discard(6)
+    assert adm.describe()["cut_descendants"] == 2
+    view.live.add(6)  # put again: a hit the refusal cost
+    for b in range(10, 20):
+        adm.admit(b, float(b))
+    assert (adm.lost, adm.returns) == (1, 0)
+
+
 def test_budget_zero_skips_nothing() -> None:
     view = FakeView(100)
     adm = _rule(view, 1.0, hit_loss_budget=0.0)
@@ -244,3 +338,38 @@ def test_config_is_validated() -> None:
         ReuseConfig(hit_loss_budget=1.5)
     with pytest.raises(ValueError, match="horizon_s"):
         ReuseConfig(horizon_s=0)
+
+
+def test_the_daemon_runs_admission_and_reports_it(tmp_path: Path) -> None:
+    """The daemon's store runs the reuse rule with inner decisions over real DRAM, NVMe and
+    object tiers; blocks never read again past the horizon are skipped, and the skips show in
+    ``/v1/stats`` and ``/metrics``."""
+    import httpx
+
+    from kvstore.client import connect
+    from kvstore.server.config import ServerConfig, TenantSpec
+    from kvstore.server.daemon import ThreadedDaemon
+    from tests.conftest import payload, small_tiers
+
+    token = "token-of-the-operators-01234"
+
+    clock = FakeClock(1_000.0)
+    options = {"inner": True, "poll": 1, "min_samples": 1, "hit_loss_budget": 0.5, "margin": 1.0, "horizon_s": 5.0}
+    store_cfg = StoreConfig(root=tmp_path, tiers=small_tiers(dram_blocks=4, nvme_blocks=8), admission_options=options)
+    server_cfg = ServerConfig(http_port=0, data_port=0, ucx_port=0, tenants=(TenantSpec("ops", token, admin=True),))
+    d = ThreadedDaemon(store_cfg, server_cfg, clock=clock)
+    try:
+        with connect(d.url, token=token, plane="tcp") as c:
+            for i in range(24):  # one-off three-block chains, ten seconds apart: none is read again
+                chain = [_key(1000 * i + j) for j in range(3)]
+                c.put(SMALL_NS, chain, [payload(k, BB) for k in chain])
+                clock.advance(10.0)
+        with httpx.Client(base_url=d.url, timeout=10, headers={"Authorization": f"Bearer {token}"}) as h:
+            st = h.get("/v1/stats").json()["store"]
+            text = h.get("/metrics").text
+    finally:
+        d.stop()
+    assert st["admission"]["admission"] == "reuse" and st["admission"]["inner"] is True
+    assert st["skipped_writes"] > 0 and st["skipped_bytes"] == st["skipped_writes"] * BB
+    assert st["admission"]["cut_descendants"] > 0  # inner blocks left with their subtrees
+    assert f"kvstore_skipped_writes_total {float(st['skipped_writes'])}" in text

@@ -84,6 +84,23 @@ def test_admission_class_bound() -> None:
     assert E.admission_class_bound(classes[:0], reused[:0], 1) == 0
 
 
+def test_subtree_class_bound_frees_what_a_refusal_cuts_off(tmp_path: Path) -> None:
+    # Decisions about blocks 0, 1 (child of 0), 2 (child of 1) and 3 (a root of its own).
+    classes = np.array([0, 1, 1, 1])
+    reused = np.array([False, True, False, False])
+    blocks = np.array([0, 1, 2, 3])
+    parent = np.array([-1, 0, 1, -1])
+    assert E.admission_class_bound(classes, reused, 0) == 3  # class 0 skipped, class 1 written
+    # Skipping block 0 cuts off 1 and 2: only block 3 is written.
+    assert E.subtree_class_bound(classes, reused, 0, blocks, parent) == 1
+    # A descendant decided before its ancestor was refused was written all the same.
+    assert E.subtree_class_bound(classes[::-1], reused[::-1], 0, blocks[::-1], parent) == 3
+    assert E.subtree_class_bound(classes[:0], reused[:0], 1, blocks[:0], parent) == 0
+    trace = load_trace(_write(tmp_path / "t_trace.jsonl", [(0, [5, 6, 7]), (1, [5, 8]), (2, [9])]))
+    # dense ids in order of first use: 5 -> 0, 6 -> 1, 7 -> 2, 8 -> 3, 9 -> 4
+    assert E.block_parents(trace).tolist() == [-1, 0, 1, 0, -1]
+
+
 def test_belady_first_tier(tmp_path: Path) -> None:
     trace = load_trace(_write(tmp_path / "b_trace.jsonl", [(0, [0, 1]), (1, [2]), (2, [0, 1]), (3, [2]), (4, [0, 3])]))
     served = unlimited(trace)
@@ -109,6 +126,7 @@ def test_cli_prints_economics_and_references(three: Path, capsys: pytest.Capture
     # them read again: skipping the class would lose the only hit.
     assert ref[0]["class_bound_last_tier_writes_per_hit"] == 2.0
     assert ref[0]["class_bound_leaves_only_last_tier_writes_per_hit"] == 2.0
+    assert ref[0]["subtree_class_bound_last_tier_writes_per_hit"] == 2.0
     # One block of DRAM for the one reuse (block 0, 3 accesses later, in a class of three new
     # blocks): keeping the class until age 3 costs 9 block-accesses of the 4 there are, so 4/9
     # of the hit; holding it only around age 3 (evict, then prefetch) costs almost nothing.

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvstore import config as store_config
 from kvstore import events
-from kvstore.registry import POLICIES, TIERS, policy_class, tier_class
+from kvstore.registry import ADMISSIONS, POLICIES, TIERS, admission_class, policy_class, tier_class
 from kvstore.server import config as server_config
 from kvstore.version import version
 
@@ -163,6 +163,10 @@ def render() -> str:
     for name in POLICIES:
         cls = policy_class(name).Config
         out += [f"### policy = `\"{name}\"` (`{POLICIES[name]}`)", "", *table(cls), ""]
+    out += ["## `[store] admission_options`", "", "Options of the admission rule `[store] admission` names.", ""]
+    for name in ADMISSIONS:
+        cls = admission_class(name).Config
+        out += [f"### admission = `\"{name}\"` (`{ADMISSIONS[name]}`)", "", *(table(cls) if dataclasses.fields(cls) else ["No options."]), ""]
     out += ["## Environment variables", "", "| variable | sets |", "|---|---|",
             *[f"| `{v}` | {what} |" for v, what in env_vars()], ""]
     return "\n".join(out)

@@ -9,20 +9,31 @@ blocks, engine-style (``get_into`` the chain, then ``put`` the rest). After ever
 * no tier holds more than its capacity, and every tier's policy knows exactly its blocks;
 * the store is prefix-closed (a block's parent is cached, one level up) and has no hollow node;
 * with LRU on one tier, the hits equal an independent prefix-closed LRU simulator's.
+
+Each example also draws the last tier's admission rule (eviction/admission.py): the default or
+``all`` in the first property; in a second one (two or more tiers), the ``reuse`` rule learning
+and skipping from its first decisions (leaves only, or with ``inner``) or :class:`Coin`, which
+refuses a fixed share of every block it is asked about, inner blocks included: a refused inner
+block must leave with its whole cached subtree.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from eviction.admission import Admission
 from kvstore.clock import FakeClock
 from kvstore.config import StoreConfig, TierSpec
+from kvstore.registry import ADMISSIONS, register_admission
 from kvstore.store import KVStore
 from tests.conftest import hypothesis_examples
 from tests.kvstore.store.conftest import BLOCK, NS
@@ -30,8 +41,54 @@ from tests.kvstore.store.conftest import BLOCK, NS
 POLICIES = ("lru", "density", "arc", "cost")
 
 
+class Coin(Admission):
+    """Refuses the blocks whose key, mixed with ``seed``, falls in the first ``share`` of the
+    hash range: inner blocks too (``inner``), whatever their class."""
+
+    name = "coin"
+
+    @dataclass(frozen=True, slots=True)
+    class Config:
+        seed: int = 0
+        share: float = 0.5
+        inner: bool = True
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(config)
+        self.inner = self.config.inner
+
+    def admit(self, bid: int, now: float) -> bool:
+        mixed = (int.from_bytes(self.view.hash_of(bid), "little") * 0x9E3779B97F4A7C15 + self.config.seed) % (1 << 64)
+        return mixed >= self.config.share * (1 << 64)
+
+
+_EAGER = {"min_samples": 1, "poll": 1, "hit_loss_budget": 0.5, "margin": 1.0, "horizon_s": 30.0}
+"""The reuse rule deciding from its first decisions (the defaults wait for 512)."""
+ADMISSION_RULES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("reuse", {}),
+    ("all", {}),
+    ("reuse", _EAGER),
+    ("reuse", {**_EAGER, "inner": True}),
+    ("coin", {"share": 0.3}),
+    ("coin", {"share": 0.8}),
+    ("coin", {"share": 0.5, "inner": False}),
+)
+CHEAP_RULES = ADMISSION_RULES[:2]
+"""The rules of the first property, which also draws long chains (up to 2,000 blocks): the
+default and ``all``. The others refuse from their first decisions, which on such chains costs
+seconds per example; they have the second property, on shorter chains."""
+EAGER_RULES = ADMISSION_RULES[2:]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _coin() -> Iterator[None]:
+    register_admission("coin", "tests.kvstore.store.test_properties:Coin")
+    yield
+    ADMISSIONS.pop("coin", None)
+
+
 @st.composite
-def traces(draw: st.DrawFn, max_requests: int = 16) -> list[tuple[float, list[int]]]:
+def traces(draw: st.DrawFn, max_requests: int = 16, long_max: int = 2000) -> list[tuple[float, list[int]]]:
     """Requests ``(seconds since the last, block ids of the chain)``: sessions extend their own
     chain, fork from another's prefix, revisit a prefix, or go idle for a while."""
     sessions: list[list[int]] = []
@@ -52,7 +109,7 @@ def traces(draw: st.DrawFn, max_requests: int = 16) -> list[tuple[float, list[in
         if kind == "extend":
             # Mostly a turn or a tool result; now and then a long document or a long agent loop.
             long = draw(st.integers(0, 7)) == 0
-            grow = draw(st.integers(50, 2000) if long else st.integers(1, 12))
+            grow = draw(st.integers(50, long_max) if long else st.integers(1, 12))
             sessions[s] = sessions[s] + list(range(next_id, next_id + grow))
             next_id += grow
             req = sessions[s]
@@ -91,11 +148,13 @@ def _check(store: KVStore, caps: list[int], request: list[bytes], stored_to: int
         assert set(live.tolist()) <= mine, "a put came up short while another block could leave"
 
 
-def _replay(trace: list[tuple[float, list[int]]], caps: list[int], policy: str, root: Path, work_cap: int = 64) -> list[int]:
+def _replay(trace: list[tuple[float, list[int]]], caps: list[int], policy: str, root: Path, work_cap: int = 64,
+            admission: tuple[str, dict[str, Any]] = ("reuse", {})) -> list[int]:
     keys = _keys(_unique(trace) + 1)
     specs = tuple(TierSpec(f"t{k}", "null", {"capacity_blocks": c}) for k, c in enumerate(caps))
     clock = FakeClock()
-    cfg = StoreConfig(root=root, tiers=specs, policy=policy, persist_on_close=False, evict_work_cap=work_cap)
+    cfg = StoreConfig(root=root, tiers=specs, policy=policy, persist_on_close=False, evict_work_cap=work_cap,
+                      admission=admission[0], admission_options=admission[1])
     hits: list[int] = []
     with KVStore(cfg, clock=clock) as store:
         store.register_namespace(NS)
@@ -110,7 +169,7 @@ def _replay(trace: list[tuple[float, list[int]]], caps: list[int], policy: str, 
             except AssertionError as e:
                 shape = [(len(q), q[0], q[-1]) for _, q in trace[: r + 1]]
                 raise AssertionError(f"{e} (request {r}: hit {n}, new {new}, cached {stored_to}; "
-                                     f"caps {caps}, {policy}; requests (len, first, last) {shape})") from None
+                                     f"caps {caps}, {policy}, admission {admission}; requests (len, first, last) {shape})") from None
             hits.append(n)
     return hits
 
@@ -151,13 +210,20 @@ def _lru_simulation(trace: list[tuple[float, list[int]]], capacity: int) -> list
     return hits
 
 
+Setup = tuple[list[tuple[float, list[int]]], list[int], str, tuple[str, dict[str, Any]]]
+
+
 @st.composite
-def setups(draw: st.DrawFn) -> tuple[list[tuple[float, list[int]]], list[int], str]:
-    trace = draw(traces())
+def setups(draw: st.DrawFn, rules: tuple[tuple[str, dict[str, Any]], ...] = CHEAP_RULES, min_tiers: int = 1,
+           long_max: int = 2000) -> Setup:
+    trace = draw(traces(long_max=long_max))
     unique = _unique(trace)
-    shares = draw(st.lists(st.floats(0.01, 0.5), min_size=1, max_size=4))
+    shares = draw(st.lists(st.floats(0.01, 0.5), min_size=min_tiers, max_size=4))
     caps = [max(1, int(s * unique)) for s in shares]
-    return trace, caps, draw(st.sampled_from(POLICIES))
+    name, options = draw(st.sampled_from(rules))
+    if name == "coin":
+        options = {**options, "seed": draw(st.integers(0, 1 << 16))}
+    return trace, caps, draw(st.sampled_from(POLICIES)), (name, options)
 
 
 EXAMPLES = hypothesis_examples(1000)
@@ -177,11 +243,22 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @_SETTINGS
 @given(setup=setups())
-def test_invariants_hold_after_every_request(root: Path, setup: tuple[list[tuple[float, list[int]]], list[int], str]) -> None:
-    trace, caps, policy = setup
+def test_invariants_hold_after_every_request(root: Path, setup: Setup) -> None:
+    trace, caps, policy, admission = setup
     # A small work cap: the policy walk gives up early and the index's own pass decides more
     # often (the cap may bound work, never turn "something can leave" into "full").
-    _replay(trace, caps, policy, root, work_cap=16)
+    _replay(trace, caps, policy, root, work_cap=16, admission=admission)
+
+
+@_SETTINGS
+@given(setup=setups(EAGER_RULES, min_tiers=2, long_max=300))
+def test_invariants_hold_when_admission_refuses_blocks(root: Path, setup: Setup) -> None:
+    """The same invariants with two or more tiers and a rule that refuses from its first
+    decisions, inner blocks too for most: no hollow node, and no cut-off descendant holding tier
+    space, outlives a put. Long chains are shorter here (at most 300 blocks): forks and
+    demotions, not length, are what it tests."""
+    trace, caps, policy, admission = setup
+    _replay(trace, caps, policy, root, work_cap=16, admission=admission)
 
 
 @_SETTINGS
