@@ -255,3 +255,57 @@ def test_a_missing_peer_prints_unavailable_and_the_run_goes_on(tmp_path, capsys:
     (gone,) = [r for r in rows if r.get("peer") == "lmcache-cpu"]
     assert gone["status"] == "unavailable" and "make bench-peers" in gone["error"]
     assert {r["metric"] for r in rows if r.get("peer") == "memcpy"} >= {"memcpy_1k_store", "memcpy_1k_retrieve"}
+
+
+# ---- the paged-KV restore (--device cuda|cpu) ------------------------------------------------
+
+
+def test_paged_slot_mapping_is_vllms_block_times_size_plus_offset() -> None:
+    import torch
+
+    from tools.bench._peers.paged import BLOCK, slot_mapping
+
+    slots = slot_mapping([3, 1], torch.device("cpu")).tolist()
+    assert slots == [*range(3 * BLOCK, 4 * BLOCK), *range(BLOCK, 2 * BLOCK)]
+
+
+def test_paged_cache_blocks_are_disjoint_and_a_wrong_page_is_counted() -> None:
+    import torch
+
+    from tools.bench._peers.paged import Cache, page_spec
+
+    cache = Cache(page_spec(layers=2, kv_heads=2, head_dim=8), 64, torch.device("cpu"))
+    src, dst = cache.blocks(64)
+    assert len(src) == len(dst) == 4 and not set(src) & set(dst)
+    assert src != sorted(src) or dst != sorted(dst)  # shuffled block tables
+    assert cache.wrong_pages(src, dst) == 2 * 4  # random pages differ everywhere
+    for t in cache.layers:
+        t[dst] = t[src]
+    assert cache.wrong_pages(src, dst) == 0
+    cache.layers[1].view(torch.int16)[dst[2], 0, 5, 3] ^= 1  # one bit of one page
+    assert cache.wrong_pages(src, dst) == 1
+    cache.zero(dst)
+    assert all(int(t[dst].count_nonzero()) == 0 for t in cache.layers)
+
+
+def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "64", "--layers", "2", "--rounds", "1",
+                       "--dir", str(tmp_path)])
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by = {r["metric"]: r for r in rows}
+    for peer in ("kvstore", "kvstore-rows"):
+        for op in ("restore", "save"):
+            r = by[f"{peer}_paged_64_{op}"]
+            assert r["verified"] and r["wrong_pages"] == 0 and r["missing_tokens"] == 0, r
+            assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == 4 * r["block_bytes"]
+    # LMCache's vLLM connector is CUDA only: one row says so, the kvstore rows still came
+    (lm,) = [r for r in rows if r.get("peer") == "lmcache"]
+    assert lm["status"] == "unavailable" and "CUDA" in lm["error"]
+    assert not list(tmp_path.iterdir())
+
+
+def test_paged_only_names_the_paged_stores() -> None:
+    with pytest.raises(SystemExit, match="known: kvstore, kvstore-rows, lmcache"):
+        list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
+            parser().parse_args(["--device", "cpu", "--only", "mooncake"])))

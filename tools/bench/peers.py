@@ -208,6 +208,23 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             yield from compare(w, figures)
 
 
+def paged_rows(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """``--device cuda|cpu``: the paged-KV restore bench (``tools/bench/_peers/paged.py``)."""
+    from tools.bench._peers import paged
+
+    want = [x.strip() for x in (args.only or ",".join(paged.PEERS)).split(",") if x.strip()]
+    unknown = [x for x in want if x not in paged.PEERS]
+    if unknown:
+        raise SystemExit(f"--only with --device {args.device}: unknown store(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(paged.PEERS)}")
+    only = tuple(p for p in paged.PEERS if p in want)
+    sizes = args.sizes or ((1024,) if args.quick else paged.SIZES)
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+    yield from paged.run(args.device, sizes, layers=args.layers or 32, trials=args.rounds, only=only,
+                         scratch=args.dir, log=log)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tools.bench peers",
@@ -232,6 +249,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=".", help="scratch directory on the disk (stores' files, LMCache's disk backend)")
     p.add_argument("--timeout", type=float, default=0, help="seconds one peer at one size may take")
     p.add_argument("--check", action="store_true", help="exit 3 when a figure misses its goal")
+    p.add_argument("--device", choices=("host", "cuda", "cpu"), default="host",
+                   help="host (default): the workload above, host buffers; cuda: one prefix restored into a "
+                        "vLLM-layout paged KV cache on the GPU, kvstore against LMCache's CUDA connector "
+                        "(tools/bench/_peers/paged.py); cpu: that paged bench with the cache in host memory "
+                        "(a smoke run; LMCache's connector is CUDA only)")
     return p
 
 
@@ -240,7 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM as an exception, so that run_child's finally takes the running store down with us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     missed = 0
-    for row in run(args):
+    rows = run(args) if args.device == "host" else paged_rows(args)
+    for row in rows:
         if "value" in row:
             emit(row, args.json)
             if args.check:
