@@ -216,6 +216,43 @@ def test_drive_catches_wrong_bytes_and_missing_tokens(tmp_path) -> None:  # type
         assert getattr(f, field) > 0 and f.errors
 
 
+def test_paired_drive_times_every_peer_on_every_call_and_checks_bytes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tools.bench._peers.child import run_paired
+
+    w = tiny(tmp_path)
+    res = run_paired(["kvstore", "memcpy"], w)
+    calls = w.rounds * w.fit
+    for peer in ("kvstore", "memcpy"):
+        r = res[peer]
+        assert r["wrong_chunks"] == 0 and r["missing_tokens"] == 0, r["errors"]
+        assert len(r["lat"]["store"]) == len(r["lat"]["retrieve"]) == calls
+        assert r["figures"]["store_gbps"] > 0 and r["figures"]["memcpy_gbps"] > 0
+    # a paired bad peer is caught as when it runs alone
+    bad = _SwapsChunks()
+    bad.open(w)
+    good = InProcess()
+    good.open(w)
+    try:
+        from tools.bench._peers.workload import drive_paired
+
+        figs = drive_paired({"bad": bad, "kvstore": good}, w)
+    finally:
+        bad.close()
+        good.close()
+    assert figs["bad"].wrong_chunks > 0 and figs["kvstore"].wrong_chunks == 0
+
+
+def test_paired_ratios_are_call_by_call() -> None:
+    from tools.bench.peers import paired_ratios
+
+    kv = {"paired": True, "lat": {"store": [1.0, 2.0, 1.0], "retrieve": [1.0]}}
+    peer = {"paired": True, "lat": {"store": [2.0, 2.0, 3.0], "retrieve": [0.5]}}
+    assert paired_ratios(kv, peer, "store") == {"paired_median_ratio": 2.0, "paired_min_ratio": 1.0,
+                                                "paired_max_ratio": 3.0, "paired_calls": 3}
+    assert paired_ratios(kv, peer, "retrieve")["paired_median_ratio"] == 0.5
+    assert paired_ratios({**kv, "paired": False}, peer, "store") == {}
+
+
 def test_child_spec_round_trips_the_workload(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from dataclasses import asdict
 

@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,25 +148,43 @@ def compare(w: Workload, figures: dict[str, dict[str, float]]) -> list[dict[str,
                                          f"see its {size} rows)", "goal_ratio": goal})
                     continue
                 out.append(result("peers", metric, figures[kv][f"{op}_gbps"], "GB/s",
-                                  figures[peer][f"{op}_gbps"], goal_ratio=goal, tokens=w.tokens))
+                                  figures[peer][f"{op}_gbps"], goal_ratio=goal, tokens=w.tokens,
+                                  **paired_ratios(figures[kv], figures[peer], op)))
     return out
 
 
-def _command(peer: str, spec: Path) -> tuple[list[str], dict[str, str]]:
+def paired_ratios(kv: dict[str, Any], peer: dict[str, Any], op: str) -> dict[str, Any]:
+    """For stores driven together (``--paired``): kvstore's speed over the peer's, call by call
+    (the same request, moments apart): the median, the range and the count. Empty otherwise."""
+    if not (kv.get("paired") and peer.get("paired")):
+        return {}
+    a, b = kv["lat"][op], peer["lat"][op]
+    ratios = sorted(y / x for x, y in zip(a, b, strict=False) if x > 0 and y > 0)
+    if not ratios:
+        return {}
+    return {"paired_median_ratio": round(statistics.median(ratios), 4), "paired_min_ratio": round(ratios[0], 4),
+            "paired_max_ratio": round(ratios[-1], 4), "paired_calls": len(ratios)}
+
+
+def _command(peers: list[str], spec: Path) -> tuple[list[str], dict[str, str]]:
     cmd = [sys.executable, "-m", "tools.bench._peers.child", str(spec)]
     env = dict(os.environ)
-    if peer in PRIVATE_NETNS and os.geteuid() == 0 and shutil.which("unshare") and shutil.which("ip"):
+    if set(peers) & set(PRIVATE_NETNS) and os.geteuid() == 0 and shutil.which("unshare") and shutil.which("ip"):
         env["PEERS_NETNS"] = "private"
         cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *cmd]
     return cmd, env
 
 
-def run_child(peer: str, w: Workload, tmp: Path, timeout: float) -> dict[str, Any]:
-    """One peer in its own process group (its servers too); killed as a group on timeout."""
-    spec, out, log = tmp / f"{peer}.json", tmp / f"{peer}.out.json", tmp / f"{peer}.log"
+def run_child(peer: str | list[str], w: Workload, tmp: Path, timeout: float) -> dict[str, Any]:
+    """One peer (or, given a list, those peers driven together) in its own process group (its
+    servers too); killed as a group on timeout."""
+    peers = [peer] if isinstance(peer, str) else list(peer)
+    tag = peers[0] if isinstance(peer, str) else "paired"
+    spec, out, log = tmp / f"{tag}.json", tmp / f"{tag}.out.json", tmp / f"{tag}.log"
     wd = asdict(w)
-    spec.write_text(json.dumps({"peer": peer, "workload": wd, "out": str(out)}))
-    cmd, env = _command(peer, spec)
+    who = {"peer": peer} if isinstance(peer, str) else {"peers": peers}
+    spec.write_text(json.dumps({**who, "workload": wd, "out": str(out)}))
+    cmd, env = _command(peers, spec)
     with log.open("wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
@@ -198,13 +217,15 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="peers-run-", dir=args.dir) as d:
         for tokens in sizes:
             w = workload(args, tokens)
-            figures: dict[str, dict[str, float]] = {}
+            figures: dict[str, dict[str, Any]] = {}
+            paired = getattr(args, "paired", False)
+            together = run_child(peers, w, Path(d), timeout * len(peers)) if paired else {}
             for peer in peers:
-                res = run_child(peer, w, Path(d), timeout)
+                res = together.get("paired", {}).get(peer, together) if paired else run_child(peer, w, Path(d), timeout)
                 if "figures" in res:
                     ok = res["missing_tokens"] == 0 and res["wrong_chunks"] == 0
-                    figures[peer] = {**res["figures"], "verified": ok}
-                yield from peer_rows(peer, w, res)
+                    figures[peer] = {**res["figures"], "verified": ok, "lat": res.get("lat", {}), "paired": paired}
+                yield from ({**r, "paired": paired} if paired else r for r in peer_rows(peer, w, res))
             yield from compare(w, figures)
 
 
@@ -249,6 +270,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=".", help="scratch directory on the disk (stores' files, LMCache's disk backend)")
     p.add_argument("--timeout", type=float, default=0, help="seconds one peer at one size may take")
     p.add_argument("--check", action="store_true", help="exit 3 when a figure misses its goal")
+    p.add_argument("--paired", action="store_true",
+                   help="drive the peers together in one process, interleaved call by call (each request stored "
+                        "into, then retrieved from, every peer in turn), so that all see the same moments of the "
+                        "machine; the comparison rows add the call-by-call ratios (paired_median_ratio). Memory: "
+                        "every peer's capacity at once")
     p.add_argument("--device", choices=("host", "cuda", "cpu"), default="host",
                    help="host (default): the workload above, host buffers; cuda: one prefix restored into a "
                         "vLLM-layout paged KV cache on the GPU, kvstore against LMCache's CUDA connector "
