@@ -91,7 +91,8 @@ def workload(args: argparse.Namespace, tokens: int) -> Workload:
     rounds = args.rounds or (2 if args.quick or not small else 3)
     return Workload(tokens=tokens, fit=fit, rounds=rounds, lookups=3 if args.quick else 10,
                     clients=args.clients, per_client=2 if small and not args.quick else 1,
-                    concurrent=small or not args.skip_concurrent_long, geometry=g, scratch=args.dir)
+                    concurrent=small or not args.skip_concurrent_long, geometry=g, scratch=args.dir,
+                    copy_threads=args.copy_threads)
 
 
 def peer_rows(peer: str, w: Workload, res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -270,6 +271,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=".", help="scratch directory on the disk (stores' files, LMCache's disk backend)")
     p.add_argument("--timeout", type=float, default=0, help="seconds one peer at one size may take")
     p.add_argument("--check", action="store_true", help="exit 3 when a figure misses its goal")
+    p.add_argument("--copy-threads", type=int, default=0, metavar="N",
+                   help="kvstore in process: its DRAM tier's copy_threads (default 0: min(4, cores))")
     p.add_argument("--paired", action="store_true",
                    help="drive the peers together in one process, interleaved call by call (each request stored "
                         "into, then retrieved from, every peer in turn), so that all see the same moments of the "

@@ -91,6 +91,8 @@ class Workload:
     geometry: Geometry = field(default_factory=Geometry)
     scratch: str = "."
     """A directory on the disk for stores that write files (LMCache's disk backend)."""
+    copy_threads: int = 0
+    """kvstore's DRAM tier ``copy_threads`` (0: its default, ``min(4, cores)``)."""
 
     def __post_init__(self) -> None:
         ct = self.geometry.chunk_tokens
