@@ -321,6 +321,9 @@ def test_paged_cache_blocks_are_disjoint_and_a_wrong_page_is_counted() -> None:
     assert cache.wrong_pages(src, dst) == 0
     cache.layers[1].view(torch.int16)[dst[2], 0, 5, 3] ^= 1  # one bit of one page
     assert cache.wrong_pages(src, dst) == 1
+    cache.layers[0][dst, :, :, 8:] = 0  # every V half of layer 0 lost
+    got = cache.what_differs(src, dst)
+    assert got["k_equal"] == 1.0 and got["v_equal"] < 0.01 and 0.49 < got["zero"] < 0.51
     cache.zero(dst)
     assert all(int(t[dst].count_nonzero()) == 0 for t in cache.layers)
 

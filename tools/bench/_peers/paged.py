@@ -21,11 +21,15 @@ The stores:
 
 * ``kvstore``: ``KVStore`` with one DRAM tier (its shared-memory arena, registered with CUDA:
   pinned), a block = one vLLM page of every layer (``engine.vllm.pages.PagedKV``). A save
-  gathers the pages into a pinned host buffer and puts it; a restore takes a lease, copies the
+  gathers the pages into device staging, copies that to a pinned host buffer and puts it; a
+  restore takes a lease, copies the
   leased blocks to a device staging buffer (``engine.gpu.ArenaBlocks``: one 2-D DMA per run of
-  blocks in the arena) and scatters each layer into the pages (``PagedKV.scatter_layer``);
-* ``kvstore-rows``: the same store restored as ``engine/vllm/connector.py`` does today over
-  shared memory: each layer's rows of the arena handed to ``scatter_layer`` as a host view;
+  blocks in the arena) and scatters each layer into the pages (``PagedKV.scatter_layer``). (The
+  first H200 run, 2026-12-01 20:26, saved as ``kvstore-rows`` does; the device-staged save
+  came after it.)
+* ``kvstore-rows``: the same store used as ``engine/vllm/connector.py`` does today over shared
+  memory: restored with each layer's rows of the arena handed to ``scatter_layer`` as a host
+  view, saved with ``PagedKV.gather`` straight into the pinned host buffer;
 * ``lmcache``: LMCache 0.5.3's ``LMCacheEngine`` with its local CPU backend (its pinned pool of
   the same capacity, its defaults otherwise) and its vLLM GPU connector from
   ``CreateGPUConnector`` (``VLLMPagedMemGPUConnectorV2`` with LMCache's default GPU staging
@@ -137,6 +141,22 @@ class Cache:
             bad += int((a != b).flatten(1).any(1).sum())
         return bad
 
+    def what_differs(self, src: list[int], dst: list[int]) -> dict[str, float]:
+        """Where restored pages differ, on layer 0: the share of elements equal to the source
+        in the K half and the V half of each head's content (HND), and the share left zero."""
+        s = torch.as_tensor(src, dtype=torch.long, device=self.device)
+        d = torch.as_tensor(dst, dtype=torch.long, device=self.device)
+        t = self.layers[0]
+        a = t.index_select(self.block_dim, s).view(torch.int16).float()
+        b = t.index_select(self.block_dim, d).view(torch.int16).float()
+        half = self.spec.head_size
+        if self.layout == "HND":
+            k, v = (a[..., :half] == b[..., :half]), (a[..., half:] == b[..., half:])
+        else:
+            k, v = (a[0] == b[0]), (a[1] == b[1])
+        return {"k_equal": round(float(k.float().mean()), 4), "v_equal": round(float(v.float().mean()), 4),
+                "zero": round(float((b == 0).float().mean()), 4)}
+
 
 def slot_mapping(ids: list[int], device: torch.device) -> torch.Tensor:
     """vLLM's slot of every token of blocks ``ids`` (block * block_size + offset)."""
@@ -174,10 +194,15 @@ class KvstorePaged:
             self._staging = torch.empty((n, bb), dtype=torch.uint8, device=self.cache.device)
 
     def save(self, tokens: np.ndarray, ids: list[int]) -> None:
+        """Gather the pages into device staging (``PagedKV.gather`` on the device), one copy to
+        the pinned host buffer, one put. (Gathering straight into the pinned buffer, as
+        ``KvstoreRows`` and the connector do, is a strided device-to-host copy per layer: on
+        the H200 it ran at 0.8-1.2 GB/s.)"""
         n = len(ids)
-        assert self._host is not None
-        buf = self._host[:n]
-        self.pages.gather(ids, buf)
+        assert self._host is not None and self._staging is not None
+        buf, staging = self._host[:n], self._staging[:n]
+        self.pages.gather(ids, staging)
+        buf.copy_(staging, non_blocking=True)
         sync(self.cache.device)
         self.kv.put(self.ns, hash_blocks(self.ns, tokens), buf.view(-1).numpy())
 
@@ -217,6 +242,15 @@ class KvstoreRows(KvstorePaged):
     layer's rows of the arena (a strided host view) straight into ``scatter_layer``."""
 
     name = "kvstore-rows"
+
+    def save(self, tokens: np.ndarray, ids: list[int]) -> None:
+        """As the connector saves: the pages gathered straight into the pinned host buffer."""
+        n = len(ids)
+        assert self._host is not None
+        buf = self._host[:n]
+        self.pages.gather(ids, buf)
+        sync(self.cache.device)
+        self.kv.put(self.ns, hash_blocks(self.ns, tokens), buf.view(-1).numpy())
 
     def _scatter(self, blocks: ArenaBlocks, ids: list[int]) -> None:
         kv, pb = self.pages, self.spec.page_bytes
@@ -390,19 +424,22 @@ def _one_size(s: Any, cache: Cache, tokens: int, trials: int, where: str,
         save_s, _ = _timed(lambda: s.save(prompt, src), dev)  # once: a second put of cached blocks copies nothing
         save_base = _timed(d2h, dev)[0]
         wrong, got, rest_t, h2d_t = 0, [], [], []
+        differs: dict[str, float] = {}
         for i in range(trials + 1):  # trial 0 warms up
             cache.zero(dst)
             b, _ = _timed(h2d, dev)
             dt, n = _timed(lambda: s.restore(prompt, dst), dev)
             if i == trials:
                 wrong = cache.wrong_pages(src[: n // BLOCK], dst[: n // BLOCK])
+                differs = cache.what_differs(src[: n // BLOCK], dst[: n // BLOCK]) if wrong else {}
             got.append(n)
             if i:
                 rest_t.append(dt)
                 h2d_t.append(b)
         med, base = statistics.median(rest_t), statistics.median(h2d_t)
         verified = wrong == 0 and min(got) == tokens
-        extra = {**common, "verified": verified, "wrong_pages": wrong, "missing_tokens": tokens - min(got), **s.info()}
+        extra = {**common, "verified": verified, "wrong_pages": wrong, "missing_tokens": tokens - min(got), **s.info(),
+                 **({"differs": differs} if differs else {})}
         figures[(name, tokens)] = nbytes / 1e9 / med if verified else 0.0
         log(f"{name} {size}: restore {med * 1e3:.2f} ms ({nbytes / 1e9 / med:.2f} GB/s), pinned copy "
             f"{base * 1e3:.2f} ms; save {save_s * 1e3:.1f} ms; verified {verified}")
