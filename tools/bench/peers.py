@@ -23,7 +23,14 @@ baseline: the peer's), with the goal ratio where the issue states one (kvstore i
 started prints a row with ``status: unavailable`` and the error, and the others go on.
 
 Each store runs in its own process (its memory is freed before the next; a crash stays
-there), one after another, so they never share the two cores.
+there), one after another, so they never share the two cores. With ``--paired`` the named stores
+run together in one process instead, request by request (each request stored into and then
+retrieved from every store, the order rotating), so that a loaded machine's moments hit them
+alike; the comparison rows then add the call-by-call ratios.
+
+``--device cuda``: one prefix restored into a vLLM-layout paged KV cache on the GPU, kvstore's
+GPU load path against LMCache 0.5.3's CUDA connector (``tools/bench/_peers/paged.py``;
+``--device cpu`` runs that code with the cache in host memory).
 """
 
 from __future__ import annotations
