@@ -334,7 +334,7 @@ def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.Captu
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     by = {r["metric"]: r for r in rows}
-    for peer in ("kvstore", "kvstore-rows"):
+    for peer in ("kvstore", "kvstore-whole", "kvstore-rows"):
         for op in ("restore", "save"):
             r = by[f"{peer}_paged_64_{op}"]
             assert r["verified"] and r["wrong_pages"] == 0 and r["missing_tokens"] == 0, r
@@ -346,6 +346,6 @@ def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.Captu
 
 
 def test_paged_only_names_the_paged_stores() -> None:
-    with pytest.raises(SystemExit, match="known: kvstore, kvstore-rows, lmcache"):
+    with pytest.raises(SystemExit, match="known: kvstore, kvstore-whole, kvstore-rows, lmcache"):
         list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
             parser().parse_args(["--device", "cpu", "--only", "mooncake"])))

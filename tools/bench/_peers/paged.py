@@ -24,9 +24,11 @@ The stores:
   gathers the pages into device staging, copies that to a pinned host buffer and puts it; a
   restore takes a lease, copies the
   leased blocks to a device staging buffer (``engine.gpu.ArenaBlocks``: one 2-D DMA per run of
-  blocks in the arena) and scatters each layer into the pages (``PagedKV.scatter_layer``). (The
-  first H200 run, 2026-12-01 20:26, saved as ``kvstore-rows`` does; the device-staged save
-  came after it.)
+  blocks in the arena), 8 layers at a time on a copy stream, and scatters each group into the
+  pages (``PagedKV.scatter_layer``) as soon as it lands. (The first H200 run, 2026-12-01 20:26,
+  copied all layers before scattering and saved as ``kvstore-rows`` does; the pipelined restore
+  and the device-staged save came after it.)
+* ``kvstore-whole``: the same, every layer copied before any is scattered (no overlap);
 * ``kvstore-rows``: the same store used as ``engine/vllm/connector.py`` does today over shared
   memory: restored with each layer's rows of the arena handed to ``scatter_layer`` as a host
   view, saved with ``PagedKV.gather`` straight into the pinned host buffer;
@@ -66,8 +68,9 @@ SIZES = (4096, 32768)
 BLOCK = 16
 CHUNK = 256  # LMCache's default chunk
 SLAB = 64 << 20
+LAYER_GROUP = 8  # layers a restore copies to the device at a time (kvstore's pipelined restore)
 GiB = float(1 << 30)
-PEERS = ("kvstore", "kvstore-rows", "lmcache", "lmcache-nhd")
+PEERS = ("kvstore", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
 GOALS = {"lmcache": 1.2}
 SETTLE_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 20.0  # issue 20: kvstore >= 1.2x LMCache
@@ -181,6 +184,7 @@ class KvstorePaged:
         self.kv.register_namespace(self.ns)
         self._host: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None
+        self._stream: Any = None
 
     def prepare(self, tokens: int) -> None:
         """Buffers for a ``tokens``-long prefix, allocated once (untimed), as an engine does."""
@@ -219,13 +223,36 @@ class KvstorePaged:
         return n * BLOCK
 
     def _scatter(self, blocks: ArenaBlocks, ids: list[int]) -> None:
+        """Layer groups of every block copied to the device on a copy stream, each group
+        scattered into the pages as soon as it lands, so the scatter hides under the copy (the
+        engine's layer-wise pattern, ``ArenaBlocks.copy_range``)."""
         assert self._staging is not None
         n, pb, kv = len(ids), self.spec.page_bytes, self.pages
         staging = self._staging[:n]
-        blocks.copy_range(staging, 0, self.spec.block_bytes)
         idx = kv.block_ids(ids)
-        for layer in range(kv.num_layers):
-            kv.scatter_layer(layer, idx, staging[:, layer * pb : (layer + 1) * pb])
+        groups = [(g, min(g + LAYER_GROUP, kv.num_layers)) for g in range(0, kv.num_layers, LAYER_GROUP)]
+        dev = self.cache.device
+        if dev.type != "cuda":
+            blocks.copy_range(staging, 0, self.spec.block_bytes)
+            for layer in range(kv.num_layers):
+                kv.scatter_layer(layer, idx, staging[:, layer * pb : (layer + 1) * pb])
+            return
+        main = torch.cuda.current_stream(dev)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(dev)
+        copy = self._stream
+        copy.wait_stream(main)  # the staging's last readers are done
+        landed = []
+        with torch.cuda.stream(copy):
+            for lo, hi in groups:
+                blocks.copy_range(staging, lo * pb, hi * pb)
+                ev = torch.cuda.Event()
+                ev.record(copy)
+                landed.append(ev)
+        for (lo, hi), ev in zip(groups, landed, strict=True):
+            main.wait_event(ev)
+            for layer in range(lo, hi):
+                kv.scatter_layer(layer, idx, staging[:, layer * pb : (layer + 1) * pb])
 
     def info(self) -> dict[str, Any]:
         return {"block_tokens": BLOCK, "block_bytes": self.spec.block_bytes}
@@ -235,6 +262,22 @@ class KvstorePaged:
         release_arenas()  # no lease is held: unregister and unmap before the store goes
         self.kv.close()
         shutil.rmtree(self._root, ignore_errors=True)
+
+
+class KvstoreWhole(KvstorePaged):
+    """The same store, every layer copied to the device before any is scattered (the first H200
+    run's ``kvstore``): beside the pipelined restore, what the overlap gains."""
+
+    name = "kvstore-whole"
+
+    def _scatter(self, blocks: ArenaBlocks, ids: list[int]) -> None:
+        assert self._staging is not None
+        n, pb, kv = len(ids), self.spec.page_bytes, self.pages
+        staging = self._staging[:n]
+        blocks.copy_range(staging, 0, self.spec.block_bytes)
+        idx = kv.block_ids(ids)
+        for layer in range(kv.num_layers):
+            kv.scatter_layer(layer, idx, staging[:, layer * pb : (layer + 1) * pb])
 
 
 class KvstoreRows(KvstorePaged):
@@ -343,7 +386,7 @@ class LmcacheNhd(LmcachePaged):
     layout = "NHD"
 
 
-STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-rows": KvstoreRows,
+STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-whole": KvstoreWhole, "kvstore-rows": KvstoreRows,
                                         "lmcache": LmcachePaged, "lmcache-nhd": LmcacheNhd}
 
 
@@ -396,7 +439,7 @@ def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, 
             with contextlib.suppress(Exception):
                 s.close()
     for tokens in sizes:
-        for kv in ("kvstore", "kvstore-rows"):
+        for kv in ("kvstore", "kvstore-whole", "kvstore-rows"):
             for peer in ("lmcache", "lmcache-nhd"):
                 a, b = figures.get((kv, tokens)), figures.get((peer, tokens))
                 if a and b:
