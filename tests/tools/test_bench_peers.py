@@ -349,3 +349,18 @@ def test_paged_only_names_the_paged_stores() -> None:
     with pytest.raises(SystemExit, match="known: kvstore, kvstore-whole, kvstore-rows, lmcache"):
         list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
             parser().parse_args(["--device", "cpu", "--only", "mooncake"])))
+
+
+@pytest.mark.slow
+def test_paired_quick_run_drives_the_peers_in_one_child(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    code = bench_main(["peers", "--json", "--quick", "--paired", "--copy-threads", "1", "--layers", "2",
+                       "--clients", "2", "--only", "kvstore,memcpy", "--dir", str(tmp_path)])
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by = {r["metric"]: r for r in rows}
+    for p in ("kvstore", "memcpy"):
+        for op in ("store", "retrieve"):
+            r = by[f"{p}_1k_{op}"]
+            assert r["paired"] and r["verified"] and r["value"] > 0, r
+    assert by["kvstore_1k_store"]["copy_threads"] == 1
+    assert not list(tmp_path.iterdir())
