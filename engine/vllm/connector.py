@@ -103,7 +103,11 @@ def _model_identity(vllm_config: VllmConfig, cfg: ConnectorConfig) -> tuple[str,
     return model_id, revision
 
 
-def make_link(cfg: ConnectorConfig, name: str, timeout: float, namespaces: list[Namespace]) -> DaemonLink[Client]:
+def make_link(cfg: ConnectorConfig, name: str, timeout: float, namespaces: list[Namespace],
+              report_conflicts: bool = False) -> DaemonLink[Client]:
+    """A breaker-guarded client that registers ``namespaces`` on every (re)connection;
+    ``report_conflicts``: say loudly when the daemon holds this model deployment under another
+    page layout (one link per engine does, the scheduler's)."""
     ttl = cfg.ttl_s or None
 
     def make() -> Client:
@@ -112,6 +116,15 @@ def make_link(cfg: ConnectorConfig, name: str, timeout: float, namespaces: list[
     def on_connect(client: Client) -> None:
         for ns in namespaces:
             client.register_namespace(ns, ttl)
+        mine = {bytes(ns.root).hex() for ns in namespaces}
+        for w in client.layout_conflicts if report_conflicts else ():
+            if w["namespaces"][0] in mine:
+                log.warning(
+                    "kvstore: the daemon already holds %r under another KV page layout (%s): this engine "
+                    "and the one that stored those blocks never share them. If that is not meant, give "
+                    "vLLM the same --block-size, --dtype and --kv-cache-dtype as that engine",
+                    w["model_id"], "; ".join(w["differences"]),
+                )
 
     return DaemonLink(make, name=name, on_connect=on_connect, backoff_s=cfg.backoff_s, max_backoff_s=cfg.max_backoff_s)
 
@@ -165,7 +178,7 @@ class _Scheduler:
             "layout, TP degree or revision are not seen by this engine",
             bytes(ns0.root).hex()[:16], self.model_id, spec.describe(), self.world,
         )
-        self.link = make_link(cfg, "kvstore-scheduler", cfg.lookup_timeout_s, [ns0])
+        self.link = make_link(cfg, "kvstore-scheduler", cfg.lookup_timeout_s, [ns0], report_conflicts=True)
         self.reqs: dict[str, _Req] = {}
         self.pending_loads: list[LoadSpec] = []
         self.counters = ConnectorCounters()
@@ -325,17 +338,21 @@ class _LoadJob:
 
 
 class _Worker:
-    def __init__(self, vllm_config: VllmConfig, cfg: ConnectorConfig, spec: PageSpec) -> None:
-        from vllm.distributed.parallel_state import (
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-        )
+    def __init__(self, vllm_config: VllmConfig, cfg: ConnectorConfig, spec: PageSpec,
+                 tp: tuple[int, int] | None = None) -> None:
+        """``tp``: (rank, world size); default vLLM's tensor-parallel group (a worker outside
+        vLLM's processes, in a test, names its own)."""
+        if tp is None:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
 
+            tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.cfg = cfg
         self.spec = spec
         self.bt = spec.block_size
-        self.rank = get_tensor_model_parallel_rank()
-        self.world = get_tensor_model_parallel_world_size()
+        self.rank, self.world = tp
         self.model_id, self.revision = _model_identity(vllm_config, cfg)
         self._ns: dict[str, Namespace] = {}
         ns0 = self.ns_for("")
@@ -706,6 +723,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Wait until this worker's submitted saves have run (benchmarks, tests)."""
         if self._worker is not None:
             self._worker.flush()
+
+    def namespace(self, lora: str = "") -> Namespace:
+        """The namespace this side stores under: the scheduler's is rank 0's, a worker's its own
+        rank's."""
+        part = self._scheduler or self._worker
+        assert part is not None
+        return part.ns_for(lora)
 
     @property
     def counters(self) -> ConnectorCounters:

@@ -61,6 +61,15 @@ class KVStoreWorkerExtension:
         return {**asdict(counters), "rank": get_tensor_model_parallel_rank()}
 
 
+    def kvstore_namespace(self) -> dict[str, Any] | None:
+        """The descriptor of the namespace this worker stores under (its rank's;
+        ``Namespace.to_dict``: it crosses vLLM's process boundary), None without kvstore's connector."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        namespace = getattr(get_kv_transfer_group(), "namespace", None) if has_kv_transfer_group() else None
+        return None if namespace is None else namespace().to_dict()
+
+
 def flush_saves(llm: Any) -> None:
     """Wait until every worker's submitted saves are in the daemon (tests, benchmarks)."""
     llm.collective_rpc("kvstore_flush")
@@ -69,6 +78,20 @@ def flush_saves(llm: Any) -> None:
 def worker_counters(llm: Any) -> list[dict[str, int]]:
     """Each worker's connector counters, by tensor-parallel rank."""
     return sorted((c for c in llm.collective_rpc("kvstore_counters") if c), key=lambda c: c["rank"])
+
+
+def worker_namespaces(llm: Any) -> list[Any]:
+    """Each worker's namespace (a ``kvstore.keys.Namespace``), by tensor-parallel rank."""
+    from kvstore.keys import Namespace
+
+    found = (Namespace.from_dict(d) for d in llm.collective_rpc("kvstore_namespace") if d is not None)
+    return sorted(found, key=lambda ns: ns.rank)
+
+
+def preemptions(llm: Any) -> int:
+    """vLLM's count of preempted requests so far (``vllm:num_preemptions``; needs an engine built
+    with ``disable_log_stats=False``)."""
+    return int(sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions"))
 
 
 def small_daemon(root: str | Path, dram: str = "256MiB") -> LocalDaemon:

@@ -8,9 +8,12 @@ block is the same bytes whatever the memory order, and one layer of one block is
 run (the loader writes layer i before layer i+1 is needed).
 
 The namespace records the page: dtype, block size, layers, KV heads, head size (its
-``KVLayout``) and, in ``model_revision``, the block format, vLLM's layout name, the block size and
-dtype, so an engine with another page format never reads these blocks: it gets a different
-namespace (and the daemon, which refuses a second layout for one deployment, accepts it).
+``KVLayout``) and, in ``model_revision``, the block format (``PAGE_FORMAT``: the per-layer order
+above). An engine with another page gets a different namespace and never reads these blocks; as
+it is the same model deployment (model, revision, rank, LoRA) with another layout, the daemon
+reports the registration as a layout conflict (a warning in both logs, ``kvctl namespaces``),
+so a changed ``--block-size`` or ``--dtype`` is loud, not a silent zero hit rate. vLLM's memory
+order (``KVCacheLayout``) is not part of the key: a block holds the same bytes whatever it is.
 """
 
 from __future__ import annotations
@@ -76,10 +79,9 @@ class PageSpec:
         return ns
 
     def tag(self) -> str:
-        """The page in the revision string: the daemon keeps one layout per deployment (model,
-        revision, rank, LoRA), so a new page format, layout, block size or dtype must be a new
-        deployment, not a refused registration."""
-        return f"{PAGE_FORMAT}-{self.layout}-b{self.block_size}-{str(self.dtype).removeprefix('torch.')}"
+        """The block format in the revision string: a new format is a new deployment; a new
+        block size, dtype or head count is a layout conflict within this one (reported)."""
+        return PAGE_FORMAT
 
     def describe(self) -> str:
         return (

@@ -62,6 +62,20 @@ def counters(tmp: Path) -> list[list[dict[str, int]]]:
     return json.loads((tmp / "out.counters.json").read_text())
 
 
+def round_stats(tmp: Path) -> list[dict[str, int | None]]:
+    """Per round of the scenario run under ``tmp``: ``lookups``, the lookups the daemon answered
+    in it (None while it was down), and ``preemptions``, vLLM's (None unless the engine was built
+    with ``disable_log_stats=False``)."""
+    return json.loads((tmp / "out.stats.json").read_text())
+
+
+def one_lookup_per_admission(stats: list[dict[str, int | None]], rounds: list[list[list[int]]]) -> None:
+    """The scheduler asked the daemon once per request, and once more for each request that
+    vLLM preempted and admitted again (its KV is gone from vLLM's pages)."""
+    for i, (st, ps) in enumerate(zip(stats, rounds, strict=True)):
+        assert st["lookups"] == len(ps) + (st["preemptions"] or 0), f"round {i}: {st} for {len(ps)} requests"
+
+
 def prompts(seed: int, lengths: list[int], prefix: int = 0, vocab: int = 2000) -> list[list[int]]:
     """Random token prompts; the first ``prefix`` tokens shared by all."""
     rng = np.random.default_rng(seed)

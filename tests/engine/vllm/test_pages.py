@@ -3,6 +3,7 @@ the namespace that records the page, and the strided reads from an arena."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -47,12 +48,19 @@ def test_gather_then_scatter_round_trips_pages(permute: tuple[int, ...] | None) 
 def test_namespace_records_the_page() -> None:
     ns = SPEC.namespace("org/model", "main", 1, 4)
     assert ns.block_bytes == SPEC.block_bytes == 3 * 2 * 32 * 128 * 2
-    assert (ns.rank, ns.world_size) == (1, 4) and ns.model_revision == "main+vllm-HNC1-LBHNC-b32-bfloat16"
-    other = PageSpec(SPEC.layer_names, 32, 2, 64, torch.bfloat16, "LBNHC").namespace("org/model", "main", 1, 4)
-    assert other.root != ns.root  # another page layout is another namespace
+    assert (ns.rank, ns.world_size) == (1, 4) and ns.model_revision == "main+vllm-HNC1"  # the block format
+    lay = ns.layout
+    assert (lay.dtype, lay.block_tokens, lay.num_layers) == ("bfloat16", 32, 3)
+    assert [(g.kv_heads, g.head_dim) for g in lay.groups] == [(2, 64)]
     assert SPEC.namespace("org/model", "main", 0, 4).root != ns.root  # each TP rank its own
-    bigger = PageSpec(SPEC.layer_names, 64, 2, 64, torch.bfloat16, "LBHNC").namespace("org/model", "main", 1, 4)
-    assert bigger.model_key() != ns.model_key()  # another deployment: the daemon accepts both
+    for other in (replace(SPEC, block_size=64), replace(SPEC, dtype=torch.float16), replace(SPEC, num_kv_heads=1),
+                  replace(SPEC, head_size=128), replace(SPEC, layer_names=SPEC.layer_names[:2])):
+        changed = other.namespace("org/model", "main", 1, 4)
+        assert changed.root != ns.root  # another page is another namespace...
+        assert changed.model_key() == ns.model_key()  # ...of the same deployment: the daemon reports it
+    # vLLM's memory order is not part of the key: a block holds the same bytes whatever it is
+    # (test_gather_then_scatter_round_trips_pages).
+    assert replace(SPEC, layout="LBNHC").namespace("org/model", "main", 1, 4).root == ns.root
 
 
 def test_layer_rows_strided_and_gathered() -> None:

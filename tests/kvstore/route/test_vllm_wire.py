@@ -25,6 +25,14 @@ from tests.kvstore.route.tap import daemons  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
+# Checked 2026-12-01 in a scratch copy of .venv-vllm (issue 13).
+NO_TORCHVISION = (
+    "SGLang's controller imports torchvision, and no torchvision for vLLM's torch==2.13.0+cpu installs "
+    "from the package registries: PyPI's torchvision 0.28.0 (the release for torch 2.13.0) is the CUDA "
+    "build (its _C.so needs libc10_cuda.so), so `import torchvision` fails with `RuntimeError: operator "
+    "torchvision::nms does not exist`; the CPU build 0.28.0+cpu is only on download.pytorch.org "
+    "(`pip install torchvision==0.28.0+cpu`: ResolutionImpossible from PyPI)"
+)
 BIG_DRAM = (TierSpec("dram", "dram", {"capacity_bytes": "256MiB", "slab_bytes": "16MiB"}),)
 
 
@@ -194,9 +202,9 @@ def test_a_backup_operations_token_ids_reach_its_writes(tmp_path: Path) -> None:
 def test_sglangs_page_backup_sends_the_token_ids_of_its_pages(tmp_path: Path) -> None:
     """SGLang's own backup of host pages (``HiCacheController._page_backup``, in batches, with
     ``send_token_ids``) hands the pages' token ids to the backend. Needs SGLang's controller
-    importable (here it is not without torchvision: skipped)."""
+    importable, which needs torchvision (skipped in .venv-vllm: see NO_TORCHVISION)."""
     torch = pytest.importorskip("torch")
-    pytest.importorskip("sglang.srt.managers.cache_controller")
+    pytest.importorskip("sglang.srt.managers.cache_controller", reason=NO_TORCHVISION)
     from sglang.srt.managers.cache_controller import HiCacheController, StorageOperation
 
     from engine.sglang.storage import send_token_ids

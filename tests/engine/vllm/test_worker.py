@@ -1,0 +1,143 @@
+"""The connector's worker side against a real daemon, driven as vLLM drives it (bind the step's
+metadata, ``start_load_kv``, ``wait_for_layer_load`` per attention layer, ``wait_for_save``) on
+CPU page tensors, outside vLLM's processes so each property is checked on its own:
+
+- a layer-wise load lets layer i run as soon as layer i is written (the loader is held before
+  layer 1: layer 0's wait returns, its pages hold the blocks, layer 1's are untouched);
+- the forward pass never waits for the daemon: with the daemon frozen (SIGSTOP), a step's
+  saves are handed to the saver thread and ``wait_for_save`` returns, and a load fails after
+  its timeout and is reported (``take_errors``, vLLM's ``get_block_ids_with_load_errors``)
+  instead of raising; once the daemon runs again, the save lands and loads succeed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is not installed here: run `make test-vllm`")
+
+from engine.vllm.config import ConnectorConfig  # noqa: E402
+from engine.vllm.connector import KVStoreMetadata, LoadSpec, ReqInfo, SaveSpec, _Worker  # noqa: E402
+from engine.vllm.harness import small_daemon  # noqa: E402
+from engine.vllm.pages import PagedKV, PageSpec  # noqa: E402
+from kvstore.client.spawn import LocalDaemon  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BT = 32
+SPEC = PageSpec(("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn"), BT, 2, 64, torch.float32, "LBHNC")
+VLLM_CONFIG = SimpleNamespace(model_config=SimpleNamespace(model="org/tiny", revision="main", quantization=None))
+A = np.arange(3, 3 + 4 * BT, dtype=np.int32)  # a request of 4 full blocks
+B = np.arange(1000, 1000 + 2 * BT, dtype=np.int32)
+# Generous timeouts where the daemon is healthy: a loaded 2-core box can take seconds to answer.
+ROBUST = {"lookup_timeout_s": 60.0, "load_timeout_s": 60.0, "save_timeout_s": 60.0}
+
+
+class GatedKV(PagedKV):
+    """vLLM's pages; the loader waits at layer ``gate_layer`` and after until ``gate`` is set."""
+
+    def __init__(self, spec: PageSpec, caches: dict[str, torch.Tensor], gate_layer: int) -> None:
+        super().__init__(spec, caches)
+        self.gate = threading.Event()
+        self.gate_layer = gate_layer
+
+    def scatter_layer(self, layer: int, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        if layer >= self.gate_layer and not self.gate.wait(300):
+            raise AssertionError("the test never let the loader past its gate")
+        super().scatter_layer(layer, block_ids, src)
+
+
+def _caches(seed: int | None) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed or 0)
+    shape = (10, SPEC.num_kv_heads, BT, SPEC.content)
+    return {n: torch.randn(shape, generator=g) if seed is not None else torch.zeros(shape) for n in SPEC.layer_names}
+
+
+def _worker(url: str, **extra: float) -> _Worker:
+    return _Worker(VLLM_CONFIG, ConnectorConfig(url=url, **{**ROBUST, **extra}), SPEC, tp=(0, 1))  # type: ignore[arg-type]
+
+
+def _step(w: _Worker, meta: KVStoreMetadata) -> None:
+    w.bind(meta)
+    w.start_load_kv()
+    for name in SPEC.layer_names:
+        w.wait_for_layer_load(name)
+    w.wait_for_save()
+
+
+@pytest.fixture
+def stored(tmp_path: Path) -> Iterator[tuple[LocalDaemon, dict[str, torch.Tensor]]]:
+    """A daemon holding request A's 4 blocks, saved from pages 1-4 of ``src``."""
+    with small_daemon(tmp_path, dram="32MiB") as d:
+        src = _caches(seed=1)
+        saver = _worker(d.url)
+        saver.register_kv_caches(src)
+        _step(saver, KVStoreMetadata(infos={"a": ReqInfo(A, "", b"")}, saves=[SaveSpec("a", 0, [1, 2, 3, 4])]))
+        saver.flush()
+        assert saver.counters.saved_blocks == 4 and saver.counters.saves_dropped == 0
+        saver.close()
+        yield d, src
+
+
+def test_each_layer_waits_for_its_own_layer_only(stored: tuple[LocalDaemon, dict[str, torch.Tensor]]) -> None:
+    d, src = stored
+    dst = _caches(seed=None)
+    w = _worker(d.url)
+    w.register_kv_caches(dst)
+    kv = w.kv = GatedKV(SPEC, dst, gate_layer=1)
+    l0, l1, l2 = SPEC.layer_names
+    w.bind(KVStoreMetadata(infos={"a": ReqInfo(A, "", b"")}, loads=[LoadSpec("a", 0, [5, 6, 7, 8], False)]))
+    w.start_load_kv()
+    w.wait_for_layer_load(l0)  # returns with the loader held before layer 1
+    assert torch.equal(dst[l0][5:9], src[l0][1:5])
+    assert not dst[l1].any() and not dst[l2].any()
+    kv.gate.set()
+    w.wait_for_layer_load(l1)
+    w.wait_for_layer_load(l2)
+    w.wait_for_save()
+    for name in SPEC.layer_names:
+        assert torch.equal(dst[name][5:9], src[name][1:5])
+        assert not dst[name][:5].any() and not dst[name][9:].any()  # no other page written
+    assert w.take_errors() == set() and w.counters.loaded_blocks == 4
+    w.close()
+
+
+def test_a_frozen_daemon_never_blocks_the_step(stored: tuple[LocalDaemon, dict[str, torch.Tensor]]) -> None:
+    d, src = stored
+    dst = _caches(seed=None)
+    w = _worker(d.url, load_timeout_s=1.0, backoff_s=0.2, max_backoff_s=0.5)
+    w.register_kv_caches(dst)
+    load_a = KVStoreMetadata(infos={"a": ReqInfo(A, "", b"")}, loads=[LoadSpec("a", 0, [5, 6, 7, 8], False)])
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        # The saver thread takes the put (it hangs on the frozen daemon); the step goes on.
+        dst_b = {n: t.clone() for n, t in _caches(seed=2).items()}
+        w.kv = PagedKV(SPEC, dst_b)
+        _step(w, KVStoreMetadata(infos={"b": ReqInfo(B, "", b"")}, saves=[SaveSpec("b", 0, [1, 2])]))
+        assert w.counters.saves_submitted == 1 and w.counters.saved_blocks == w.counters.saves_dropped == 0
+        # A load from the frozen daemon times out (1 s) and is reported, not raised: vLLM
+        # recomputes these pages.
+        w.kv = PagedKV(SPEC, dst)
+        _step(w, load_a)
+        assert w.take_errors() == {5, 6, 7, 8} and w.counters.failed_blocks == 4
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    w.flush()  # the put that waited on the frozen daemon has now run
+    assert w.counters.saved_blocks == 2
+    for _ in range(100):  # the breaker reconnects (a probe per call here; its thread also does)
+        if w.load_link.probe():
+            break
+    _step(w, load_a)
+    assert w.take_errors() == set()
+    for name in SPEC.layer_names:
+        assert torch.equal(dst[name][5:9], src[name][1:5])
+    w.close()
