@@ -216,6 +216,43 @@ def test_drive_catches_wrong_bytes_and_missing_tokens(tmp_path) -> None:  # type
         assert getattr(f, field) > 0 and f.errors
 
 
+def test_paired_drive_times_every_peer_on_every_call_and_checks_bytes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tools.bench._peers.child import run_paired
+
+    w = tiny(tmp_path)
+    res = run_paired(["kvstore", "memcpy"], w)
+    calls = w.rounds * w.fit
+    for peer in ("kvstore", "memcpy"):
+        r = res[peer]
+        assert r["wrong_chunks"] == 0 and r["missing_tokens"] == 0, r["errors"]
+        assert len(r["lat"]["store"]) == len(r["lat"]["retrieve"]) == calls
+        assert r["figures"]["store_gbps"] > 0 and r["figures"]["memcpy_gbps"] > 0
+    # a paired bad peer is caught as when it runs alone
+    bad = _SwapsChunks()
+    bad.open(w)
+    good = InProcess()
+    good.open(w)
+    try:
+        from tools.bench._peers.workload import drive_paired
+
+        figs = drive_paired({"bad": bad, "kvstore": good}, w)
+    finally:
+        bad.close()
+        good.close()
+    assert figs["bad"].wrong_chunks > 0 and figs["kvstore"].wrong_chunks == 0
+
+
+def test_paired_ratios_are_call_by_call() -> None:
+    from tools.bench.peers import paired_ratios
+
+    kv = {"paired": True, "lat": {"store": [1.0, 2.0, 1.0], "retrieve": [1.0]}}
+    peer = {"paired": True, "lat": {"store": [2.0, 2.0, 3.0], "retrieve": [0.5]}}
+    assert paired_ratios(kv, peer, "store") == {"paired_median_ratio": 2.0, "paired_min_ratio": 1.0,
+                                                "paired_max_ratio": 3.0, "paired_calls": 3}
+    assert paired_ratios(kv, peer, "retrieve")["paired_median_ratio"] == 0.5
+    assert paired_ratios({**kv, "paired": False}, peer, "store") == {}
+
+
 def test_child_spec_round_trips_the_workload(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from dataclasses import asdict
 
@@ -255,3 +292,75 @@ def test_a_missing_peer_prints_unavailable_and_the_run_goes_on(tmp_path, capsys:
     (gone,) = [r for r in rows if r.get("peer") == "lmcache-cpu"]
     assert gone["status"] == "unavailable" and "make bench-peers" in gone["error"]
     assert {r["metric"] for r in rows if r.get("peer") == "memcpy"} >= {"memcpy_1k_store", "memcpy_1k_retrieve"}
+
+
+# ---- the paged-KV restore (--device cuda|cpu) ------------------------------------------------
+
+
+def test_paged_slot_mapping_is_vllms_block_times_size_plus_offset() -> None:
+    import torch
+
+    from tools.bench._peers.paged import BLOCK, slot_mapping
+
+    slots = slot_mapping([3, 1], torch.device("cpu")).tolist()
+    assert slots == [*range(3 * BLOCK, 4 * BLOCK), *range(BLOCK, 2 * BLOCK)]
+
+
+def test_paged_cache_blocks_are_disjoint_and_a_wrong_page_is_counted() -> None:
+    import torch
+
+    from tools.bench._peers.paged import Cache, page_spec
+
+    cache = Cache(page_spec(layers=2, kv_heads=2, head_dim=8), 64, torch.device("cpu"))
+    src, dst = cache.blocks(64)
+    assert len(src) == len(dst) == 4 and not set(src) & set(dst)
+    assert src != sorted(src) or dst != sorted(dst)  # shuffled block tables
+    assert cache.wrong_pages(src, dst) == 2 * 4  # random pages differ everywhere
+    for t in cache.layers:
+        t[dst] = t[src]
+    assert cache.wrong_pages(src, dst) == 0
+    cache.layers[1].view(torch.int16)[dst[2], 0, 5, 3] ^= 1  # one bit of one page
+    assert cache.wrong_pages(src, dst) == 1
+    cache.layers[0][dst, :, :, 8:] = 0  # every V half of layer 0 lost
+    got = cache.what_differs(src, dst)
+    assert got["k_equal"] == 1.0 and got["v_equal"] < 0.01 and 0.49 < got["zero"] < 0.51
+    cache.zero(dst)
+    assert all(int(t[dst].count_nonzero()) == 0 for t in cache.layers)
+
+
+def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "64", "--layers", "2", "--rounds", "1",
+                       "--dir", str(tmp_path)])
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by = {r["metric"]: r for r in rows}
+    for peer in ("kvstore", "kvstore-whole", "kvstore-rows"):
+        for op in ("restore", "save"):
+            r = by[f"{peer}_paged_64_{op}"]
+            assert r["verified"] and r["wrong_pages"] == 0 and r["missing_tokens"] == 0, r
+            assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == 4 * r["block_bytes"]
+    # LMCache's vLLM connector is CUDA only: one row says so, the kvstore rows still came
+    (lm,) = [r for r in rows if r.get("peer") == "lmcache"]
+    assert lm["status"] == "unavailable" and "CUDA" in lm["error"]
+    assert not list(tmp_path.iterdir())
+
+
+def test_paged_only_names_the_paged_stores() -> None:
+    with pytest.raises(SystemExit, match="known: kvstore, kvstore-whole, kvstore-rows, lmcache"):
+        list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
+            parser().parse_args(["--device", "cpu", "--only", "mooncake"])))
+
+
+@pytest.mark.slow
+def test_paired_quick_run_drives_the_peers_in_one_child(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    code = bench_main(["peers", "--json", "--quick", "--paired", "--copy-threads", "1", "--layers", "2",
+                       "--clients", "2", "--only", "kvstore,memcpy", "--dir", str(tmp_path)])
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by = {r["metric"]: r for r in rows}
+    for p in ("kvstore", "memcpy"):
+        for op in ("store", "retrieve"):
+            r = by[f"{p}_1k_{op}"]
+            assert r["paired"] and r["verified"] and r["value"] > 0, r
+    assert by["kvstore_1k_store"]["copy_threads"] == 1
+    assert not list(tmp_path.iterdir())

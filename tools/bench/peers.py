@@ -23,7 +23,14 @@ baseline: the peer's), with the goal ratio where the issue states one (kvstore i
 started prints a row with ``status: unavailable`` and the error, and the others go on.
 
 Each store runs in its own process (its memory is freed before the next; a crash stays
-there), one after another, so they never share the two cores.
+there), one after another, so they never share the two cores. With ``--paired`` the named stores
+run together in one process instead, request by request (each request stored into and then
+retrieved from every store, the order rotating), so that a loaded machine's moments hit them
+alike; the comparison rows then add the call-by-call ratios.
+
+``--device cuda``: one prefix restored into a vLLM-layout paged KV cache on the GPU, kvstore's
+GPU load path against LMCache 0.5.3's CUDA connector (``tools/bench/_peers/paged.py``;
+``--device cpu`` runs that code with the cache in host memory).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,7 +98,8 @@ def workload(args: argparse.Namespace, tokens: int) -> Workload:
     rounds = args.rounds or (2 if args.quick or not small else 3)
     return Workload(tokens=tokens, fit=fit, rounds=rounds, lookups=3 if args.quick else 10,
                     clients=args.clients, per_client=2 if small and not args.quick else 1,
-                    concurrent=small or not args.skip_concurrent_long, geometry=g, scratch=args.dir)
+                    concurrent=small or not args.skip_concurrent_long, geometry=g, scratch=args.dir,
+                    copy_threads=args.copy_threads)
 
 
 def peer_rows(peer: str, w: Workload, res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -147,25 +156,43 @@ def compare(w: Workload, figures: dict[str, dict[str, float]]) -> list[dict[str,
                                          f"see its {size} rows)", "goal_ratio": goal})
                     continue
                 out.append(result("peers", metric, figures[kv][f"{op}_gbps"], "GB/s",
-                                  figures[peer][f"{op}_gbps"], goal_ratio=goal, tokens=w.tokens))
+                                  figures[peer][f"{op}_gbps"], goal_ratio=goal, tokens=w.tokens,
+                                  **paired_ratios(figures[kv], figures[peer], op)))
     return out
 
 
-def _command(peer: str, spec: Path) -> tuple[list[str], dict[str, str]]:
+def paired_ratios(kv: dict[str, Any], peer: dict[str, Any], op: str) -> dict[str, Any]:
+    """For stores driven together (``--paired``): kvstore's speed over the peer's, call by call
+    (the same request, moments apart): the median, the range and the count. Empty otherwise."""
+    if not (kv.get("paired") and peer.get("paired")):
+        return {}
+    a, b = kv["lat"][op], peer["lat"][op]
+    ratios = sorted(y / x for x, y in zip(a, b, strict=False) if x > 0 and y > 0)
+    if not ratios:
+        return {}
+    return {"paired_median_ratio": round(statistics.median(ratios), 4), "paired_min_ratio": round(ratios[0], 4),
+            "paired_max_ratio": round(ratios[-1], 4), "paired_calls": len(ratios)}
+
+
+def _command(peers: list[str], spec: Path) -> tuple[list[str], dict[str, str]]:
     cmd = [sys.executable, "-m", "tools.bench._peers.child", str(spec)]
     env = dict(os.environ)
-    if peer in PRIVATE_NETNS and os.geteuid() == 0 and shutil.which("unshare") and shutil.which("ip"):
+    if set(peers) & set(PRIVATE_NETNS) and os.geteuid() == 0 and shutil.which("unshare") and shutil.which("ip"):
         env["PEERS_NETNS"] = "private"
         cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *cmd]
     return cmd, env
 
 
-def run_child(peer: str, w: Workload, tmp: Path, timeout: float) -> dict[str, Any]:
-    """One peer in its own process group (its servers too); killed as a group on timeout."""
-    spec, out, log = tmp / f"{peer}.json", tmp / f"{peer}.out.json", tmp / f"{peer}.log"
+def run_child(peer: str | list[str], w: Workload, tmp: Path, timeout: float) -> dict[str, Any]:
+    """One peer (or, given a list, those peers driven together) in its own process group (its
+    servers too); killed as a group on timeout."""
+    peers = [peer] if isinstance(peer, str) else list(peer)
+    tag = peers[0] if isinstance(peer, str) else "paired"
+    spec, out, log = tmp / f"{tag}.json", tmp / f"{tag}.out.json", tmp / f"{tag}.log"
     wd = asdict(w)
-    spec.write_text(json.dumps({"peer": peer, "workload": wd, "out": str(out)}))
-    cmd, env = _command(peer, spec)
+    who = {"peer": peer} if isinstance(peer, str) else {"peers": peers}
+    spec.write_text(json.dumps({**who, "workload": wd, "out": str(out)}))
+    cmd, env = _command(peers, spec)
     with log.open("wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
@@ -198,14 +225,33 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="peers-run-", dir=args.dir) as d:
         for tokens in sizes:
             w = workload(args, tokens)
-            figures: dict[str, dict[str, float]] = {}
+            figures: dict[str, dict[str, Any]] = {}
+            paired = getattr(args, "paired", False)
+            together = run_child(peers, w, Path(d), timeout * len(peers)) if paired else {}
             for peer in peers:
-                res = run_child(peer, w, Path(d), timeout)
+                res = together.get("paired", {}).get(peer, together) if paired else run_child(peer, w, Path(d), timeout)
                 if "figures" in res:
                     ok = res["missing_tokens"] == 0 and res["wrong_chunks"] == 0
-                    figures[peer] = {**res["figures"], "verified": ok}
-                yield from peer_rows(peer, w, res)
+                    figures[peer] = {**res["figures"], "verified": ok, "lat": res.get("lat", {}), "paired": paired}
+                yield from ({**r, "paired": paired} if paired else r for r in peer_rows(peer, w, res))
             yield from compare(w, figures)
+
+
+def paged_rows(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """``--device cuda|cpu``: the paged-KV restore bench (``tools/bench/_peers/paged.py``)."""
+    from tools.bench._peers import paged
+
+    want = [x.strip() for x in (args.only or ",".join(paged.PEERS)).split(",") if x.strip()]
+    unknown = [x for x in want if x not in paged.PEERS]
+    if unknown:
+        raise SystemExit(f"--only with --device {args.device}: unknown store(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(paged.PEERS)}")
+    only = tuple(p for p in paged.PEERS if p in want)
+    sizes = args.sizes or ((1024,) if args.quick else paged.SIZES)
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+    yield from paged.run(args.device, sizes, layers=args.layers or 32, trials=args.rounds, only=only,
+                         scratch=args.dir, log=log)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -232,6 +278,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=".", help="scratch directory on the disk (stores' files, LMCache's disk backend)")
     p.add_argument("--timeout", type=float, default=0, help="seconds one peer at one size may take")
     p.add_argument("--check", action="store_true", help="exit 3 when a figure misses its goal")
+    p.add_argument("--copy-threads", type=int, default=0, metavar="N",
+                   help="kvstore in process: its DRAM tier's copy_threads (default 0: min(4, cores))")
+    p.add_argument("--paired", action="store_true",
+                   help="drive the peers together in one process, interleaved call by call (each request stored "
+                        "into, then retrieved from, every peer in turn), so that all see the same moments of the "
+                        "machine; the comparison rows add the call-by-call ratios (paired_median_ratio). Memory: "
+                        "every peer's capacity at once")
+    p.add_argument("--device", choices=("host", "cuda", "cpu"), default="host",
+                   help="host (default): the workload above, host buffers; cuda: one prefix restored into a "
+                        "vLLM-layout paged KV cache on the GPU, kvstore against LMCache's CUDA connector "
+                        "(tools/bench/_peers/paged.py); cpu: that paged bench with the cache in host memory "
+                        "(a smoke run; LMCache's connector is CUDA only)")
     return p
 
 
@@ -240,7 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM as an exception, so that run_child's finally takes the running store down with us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     missed = 0
-    for row in run(args):
+    rows = run(args) if args.device == "host" else paged_rows(args)
+    for row in rows:
         if "value" in row:
             emit(row, args.json)
             if args.check:

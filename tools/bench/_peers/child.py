@@ -3,8 +3,9 @@
 ``SPEC`` is a JSON file: ``peer`` (a name in ``PEERS``), ``workload`` (``Workload`` fields, the
 geometry's under ``geometry``) and ``out``, where this process writes one JSON object: the
 figures (``Figures.summary``), the peer's ``info``, the checks (``missing_tokens``,
-``wrong_chunks``, ``errors``), or ``unavailable`` (it cannot run here) or ``failed`` (it
-raised) with the reason.
+``wrong_chunks``, ``errors``), each call's seconds (``lat``), or ``unavailable`` (it cannot run
+here) or ``failed`` (it raised) with the reason. With ``peers`` (a list) instead of ``peer``,
+those peers run together in this process (``--paired``): ``{"paired": {peer: result}}``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from tools.bench._peers import PEERS
 from tools.bench._peers.base import Adapter, PeerUnavailable
-from tools.bench._peers.workload import Geometry, Workload, drive
+from tools.bench._peers.workload import Figures, Geometry, Workload, drive, drive_paired
 
 
 def workload_from(spec: dict[str, Any]) -> Workload:
@@ -46,17 +47,49 @@ def run_peer(peer: str, w: Workload) -> dict[str, Any]:
         info = adapter.info()
     finally:
         adapter.close()
+    return _result(f, info)
+
+
+def _result(f: Figures, info: dict[str, Any]) -> dict[str, Any]:
     return {"figures": f.summary(), "info": info, "missing_tokens": f.missing_tokens,
             "wrong_chunks": f.wrong_chunks, "errors": f.errors[:5], "error_count": len(f.errors),
             "samples": {"lookup": len(f.lookup_lat), "retrieve": len(f.retrieve_lat),
-                        "concurrent": len(f.concurrent_lat)}}
+                        "concurrent": len(f.concurrent_lat)},
+            "lat": {"store": [round(x, 6) for x in f.store_lat], "retrieve": [round(x, 6) for x in f.retrieve_lat]}}
+
+
+def run_paired(peers: list[str], w: Workload) -> dict[str, dict[str, Any]]:
+    """Several peers in this process, driven together (``drive_paired``): one result per peer; a
+    peer that cannot open gets its ``unavailable`` / ``failed`` result and the others run."""
+    opened: dict[str, Adapter] = {}
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        for peer in peers:
+            try:
+                a = make_adapter(peer)
+                a.open(w)
+                opened[peer] = a
+            except PeerUnavailable as e:
+                out[peer] = {"unavailable": str(e)}
+            except Exception as e:  # reported as that peer's row; the others run
+                traceback.print_exc()
+                out[peer] = {"failed": f"{type(e).__name__}: {e}"}
+        if opened:
+            figs = drive_paired(opened, w)
+            for peer, a in opened.items():
+                out[peer] = _result(figs[peer], a.info())
+    finally:
+        for a in opened.values():
+            a.close()
+    return {p: out[p] for p in peers}
 
 
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     out = Path(spec["out"])
     try:
-        res = run_peer(spec["peer"], workload_from(spec["workload"]))
+        w = workload_from(spec["workload"])
+        res = {"paired": run_paired(spec["peers"], w)} if "peers" in spec else run_peer(spec["peer"], w)
     except PeerUnavailable as e:
         res = {"unavailable": str(e)}
     except Exception as e:  # reported as a row (with the trace on stderr); the bench goes on

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.buffers import default_copy_threads
 from kvstore.client import connect
 from kvstore.client.spawn import LocalDaemon, start_daemon
 from kvstore.config import StoreConfig, TierSpec
@@ -66,7 +67,8 @@ class InProcess(_Hashing, Adapter):
         self.w = w
         self.ns = namespace(w)
         self._root = Path(tempfile.mkdtemp(prefix="peers-kvstore-", dir=w.scratch))
-        tiers = (TierSpec("dram", "dram", {"capacity_bytes": w.capacity_bytes, "slab_bytes": w.slab_bytes}),)
+        opts = {"capacity_bytes": w.capacity_bytes, "slab_bytes": w.slab_bytes, "copy_threads": w.copy_threads}
+        tiers = (TierSpec("dram", "dram", opts),)
         self.kv = KVStore(StoreConfig(root=self._root, tiers=tiers, persist_on_close=False, policy="lru"))
         self.kv.register_namespace(self.ns)
 
@@ -78,6 +80,9 @@ class InProcess(_Hashing, Adapter):
 
     def retrieve(self, req: Request, dst: np.ndarray) -> int:
         return self.kv.get_into(self.ns, self.hashes(req), dst) * self.w.geometry.chunk_tokens
+
+    def info(self) -> dict[str, Any]:
+        return {"copy_threads": self.w.copy_threads or default_copy_threads()}
 
     def close(self) -> None:
         self.kv.close()

@@ -91,6 +91,8 @@ class Workload:
     geometry: Geometry = field(default_factory=Geometry)
     scratch: str = "."
     """A directory on the disk for stores that write files (LMCache's disk backend)."""
+    copy_threads: int = 0
+    """kvstore's DRAM tier ``copy_threads`` (0: its default, ``min(4, cores)``)."""
 
     def __post_init__(self) -> None:
         ct = self.geometry.chunk_tokens
@@ -193,6 +195,8 @@ class Figures:
 
     store_bytes: int = 0
     store_s: float = 0.0
+    store_lat: list[float] = field(default_factory=list)
+    """Seconds of each store call (one request), in order: paired runs compare them one by one."""
     first_round_gbps: float = 0.0
     retrieve_bytes: int = 0
     retrieve_s: float = 0.0
@@ -254,7 +258,9 @@ def _drive(adapter: Adapter, w: Workload, f: Figures, mt: MtMemcpy) -> Figures:
             sums[req.rid] = stamp(w, buf, req.rid)
             t0 = time.perf_counter()
             adapter.store(req, buf)
-            round_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            f.store_lat.append(dt)
+            round_s += dt
             round_bytes += w.request_bytes
             cached.append(req)
         f.store_bytes += round_bytes
@@ -349,3 +355,97 @@ def _concurrent(adapter: Adapter, w: Workload, f: Figures, cached: list[Request]
     for k, n in enumerate(loaded):
         if n >= 0:
             _check(w, f, cached[k], dsts[k], n, sums[cached[k].rid])
+
+
+def _rotated(names: list[str], k: int) -> list[str]:
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+def drive_paired(adapters: dict[str, Adapter], w: Workload) -> dict[str, Figures]:
+    """The phases of :func:`drive` for several opened stores at once, interleaved: each request
+    is stored into every store, then each cached request is retrieved from every store, the
+    order rotating by one store per request, so that every store's call of a request runs
+    within moments of the others' (a neighbour's load hits them alike; run one after another,
+    the stores saw memcpy speeds 1.5x apart). The concurrent phase runs store after store."""
+    figs = {n: Figures(memcpy_threads=default_copy_threads()) for n in adapters}
+    mt = MtMemcpy(default_copy_threads())
+    try:
+        _drive_paired(adapters, w, figs, mt)
+    finally:
+        mt.close()
+    return figs
+
+
+def _drive_paired(adapters: dict[str, Adapter], w: Workload, figs: dict[str, Figures], mt: MtMemcpy) -> None:
+    g, names = w.geometry, list(adapters)
+    buf = make_buffer(w)
+    scratch = np.empty(min(MEMCPY_BYTES, w.request_bytes), np.uint8)
+    scratch.fill(1)
+    sums: dict[int, list[int]] = {}
+    cached: list[Request] = []
+
+    def baselines(scratch: np.ndarray) -> None:
+        one, many = memcpy_gbps(buf, scratch), mt.gbps(buf, scratch)
+        for f in figs.values():
+            f.memcpy_gbps.append(one)
+            f.memcpy_mt_gbps.append(many)
+
+    k = 0
+    for rnd in range(w.rounds):
+        cached = []
+        round_s = dict.fromkeys(names, 0.0)
+        for _ in range(w.fit):
+            req = make_request(w, k)
+            sums[req.rid] = stamp(w, buf, req.rid)
+            for n in _rotated(names, k):
+                t0 = time.perf_counter()
+                adapters[n].store(req, buf)
+                dt = time.perf_counter() - t0
+                figs[n].store_lat.append(dt)
+                round_s[n] += dt
+            k += 1
+            cached.append(req)
+        for n, f in figs.items():
+            f.store_bytes += w.fit * w.request_bytes
+            f.store_s += round_s[n]
+            if rnd == 0:
+                f.first_round_gbps = w.fit * w.request_bytes / 1e9 / round_s[n]
+        baselines(scratch)
+
+    ns = Namespace("bench/peers-floor", KVLayout("bfloat16", g.chunk_tokens, (LayerGroup("full", g.layers, g.kv_heads, g.head_dim),)))
+    for _ in range(w.lookups):
+        for req in cached:
+            t0 = time.perf_counter()
+            hash_blocks(ns, req.tokens)
+            hash_s = time.perf_counter() - t0
+            for n in names:
+                f = figs[n]
+                f.hash_lat.append(hash_s)
+                t0 = time.perf_counter()
+                hit = adapters[n].lookup(req)
+                f.lookup_lat.append(time.perf_counter() - t0)
+                if hit != w.tokens:
+                    f.missing_tokens += w.tokens - hit
+                    f.errors.append(f"lookup of request {req.rid}: {hit} of {w.tokens} tokens cached")
+
+    k = 0
+    for _ in range(w.rounds):
+        for req in cached:
+            for n in _rotated(names, k):
+                f = figs[n]
+                buf.fill(0)
+                t0 = time.perf_counter()
+                got = adapters[n].retrieve(req, buf)
+                dt = time.perf_counter() - t0
+                f.retrieve_s += dt
+                f.retrieve_lat.append(dt)
+                f.retrieve_bytes += got * g.token_bytes
+                _check(w, f, req, buf, got, sums[req.rid])
+            k += 1
+        baselines(scratch)
+
+    del scratch
+    for n in names:
+        if w.concurrent and not adapters[n].serial:
+            _concurrent(adapters[n], w, figs[n], cached, buf, sums)

@@ -1,0 +1,496 @@
+"""The peers on the GPU: one prefix restored into a vLLM-layout paged KV cache.
+
+``python -m tools.bench peers --device cuda`` (``--device cpu``: the same code with the paged
+cache in host memory, the smoke path tests and a machine without a GPU run).
+
+The paged cache is one tensor per layer, vLLM's ``[blocks, KV heads, block_size, 2 * head_dim]``
+view (``HND``: K then V of a head in the last axis), Llama-3-8B geometry (32 layers, 8 KV heads,
+head_dim 128, bf16), ``block_size`` 16 tokens. Both stores are handed the same cache: LMCache's
+connector keeps the pointers of the first cache it sees for good (as vLLM registers one), so the
+prefix is stored from one shuffled set of blocks and restored into another shuffled set of the
+same cache, zeroed before every restore, and every restored page is compared with its source
+page. Figures per store and prefix length (4K and 32K tokens):
+
+* ``{peer}_{size}_restore``: GB/s (and ms) of one retrieve of the whole cached prefix into the
+  pages (tokens hashed, looked up, copied, scattered, synchronized); baseline: one ``torch``
+  copy of the same bytes from a pinned host tensor to the device, in the same trials;
+* ``{peer}_{size}_save``: GB/s of storing the prefix from the pages; baseline: one ``torch``
+  copy of the same bytes from the device into a pinned host tensor.
+
+The stores:
+
+* ``kvstore``: ``KVStore`` with one DRAM tier (its shared-memory arena, registered with CUDA:
+  pinned), a block = one vLLM page of every layer (``engine.vllm.pages.PagedKV``). A save
+  gathers the pages into device staging, copies that to a pinned host buffer and puts it; a
+  restore takes a lease, copies the
+  leased blocks to a device staging buffer (``engine.gpu.ArenaBlocks``: one 2-D DMA per run of
+  blocks in the arena), 8 layers at a time on a copy stream, and scatters each group into the
+  pages (``PagedKV.scatter_layer``) as soon as it lands. (The first H200 run, 2026-12-01 20:26,
+  copied all layers before scattering and saved as ``kvstore-rows`` does; the pipelined restore
+  and the device-staged save came after it.)
+* ``kvstore-whole``: the same, every layer copied before any is scattered (no overlap);
+* ``kvstore-rows``: the same store used as ``engine/vllm/connector.py`` does today over shared
+  memory: restored with each layer's rows of the arena handed to ``scatter_layer`` as a host
+  view, saved with ``PagedKV.gather`` straight into the pinned host buffer;
+* ``lmcache``: LMCache 0.5.3's ``LMCacheEngine`` with its local CPU backend (its pinned pool of
+  the same capacity, its defaults otherwise) and its vLLM GPU connector from
+  ``CreateGPUConnector`` (``VLLMPagedMemGPUConnectorV2`` with LMCache's default GPU staging
+  buffer; layout hint ``HND``), 256-token chunks, ``store`` / ``retrieve`` with the slot mapping
+  of the blocks, as its vLLM adapter calls them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.gpu import ArenaBlocks, release_arenas
+from engine.vllm.pages import PagedKV, PageSpec, layer_rows
+from kvstore.config import StoreConfig, TierSpec
+from kvstore.keys import hash_blocks
+from kvstore.store import KVStore
+from tools.bench._common import result
+from tools.bench._peers.base import PeerUnavailable
+
+SIZES = (4096, 32768)
+BLOCK = 16
+CHUNK = 256  # LMCache's default chunk
+SLAB = 64 << 20
+LAYER_GROUP = 8  # layers a restore copies to the device at a time (kvstore's pipelined restore)
+GiB = float(1 << 30)
+PEERS = ("kvstore", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
+GOALS = {"lmcache": 1.2}
+SETTLE_TIMEOUT_S = 30.0
+CLOSE_WAIT_S = 20.0  # issue 20: kvstore >= 1.2x LMCache
+
+
+def label(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def page_spec(layers: int = 32, kv_heads: int = 8, head_dim: int = 128) -> PageSpec:
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
+    return PageSpec(names, BLOCK, kv_heads, head_dim, torch.bfloat16, "HND")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Cache:
+    """The paged cache the stores restore into, with the blocks of one prefix: ``src`` (where
+    it is saved from, random bits) and ``dst`` (where it is restored, zeroed first), two disjoint
+    shuffled sets of blocks.
+
+    ``layout``: ``HND``, vLLM's fused ``[blocks, KV heads, block_size, 2 * head_dim]`` page per
+    layer (kvstore's ``PagedKV``; LMCache's ``NL_X_NB_NH_BS_CS``), or ``NHD``, the flash-attention
+    ``[2, blocks, block_size, KV heads, head_dim]`` of vLLM's CUDA default (LMCache's
+    ``NL_X_TWO_NB_BS_NH_HS``; kvstore's ``PagedKV`` does not take it)."""
+
+    def __init__(self, spec: PageSpec, max_tokens: int, device: torch.device, seed: int = 0,
+                 layout: str = "HND") -> None:
+        self.spec, self.device, self.layout = spec, device, layout
+        n = max_tokens // BLOCK
+        self.num_blocks = 2 * n + 8
+        if layout == "HND":
+            shape: tuple[int, ...] = (self.num_blocks, spec.num_kv_heads, BLOCK, spec.content)
+            self.block_dim = 0
+        elif layout == "NHD":
+            shape = (2, self.num_blocks, BLOCK, spec.num_kv_heads, spec.head_size)
+            self.block_dim = 1
+        else:
+            raise ValueError(f"paged cache layout {layout!r}: HND or NHD")
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.layers = []
+        for _ in range(spec.num_layers):
+            t = torch.empty(shape, dtype=spec.dtype, device=device)
+            t.view(torch.int16).random_(generator=g)  # every bit pattern; compared as bytes
+            self.layers.append(t)
+        self.kv = PagedKV(spec, dict(zip(spec.layer_names, self.layers, strict=True))) if layout == "HND" else None
+        self._perm = torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def blocks(self, tokens: int) -> tuple[list[int], list[int]]:
+        """Source and destination block ids of a ``tokens``-long prefix (disjoint, shuffled)."""
+        n = tokens // BLOCK
+        half = self.num_blocks // 2
+        return self._perm[:n], self._perm[half : half + n]
+
+    def zero(self, ids: list[int]) -> None:
+        idx = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        for t in self.layers:
+            t.index_fill_(self.block_dim, idx, 0)
+
+    def wrong_pages(self, src: list[int], dst: list[int]) -> int:
+        """Layers x blocks whose restored page differs from its source page."""
+        s = torch.as_tensor(src, dtype=torch.long, device=self.device)
+        d = torch.as_tensor(dst, dtype=torch.long, device=self.device)
+        bad = 0
+        for t in self.layers:
+            a = t.index_select(self.block_dim, s).view(torch.int16).movedim(self.block_dim, 0)
+            b = t.index_select(self.block_dim, d).view(torch.int16).movedim(self.block_dim, 0)
+            bad += int((a != b).flatten(1).any(1).sum())
+        return bad
+
+    def what_differs(self, src: list[int], dst: list[int]) -> dict[str, float]:
+        """Where restored pages differ, on layer 0: the share of elements equal to the source
+        in the K half and the V half of each head's content (HND), and the share left zero."""
+        s = torch.as_tensor(src, dtype=torch.long, device=self.device)
+        d = torch.as_tensor(dst, dtype=torch.long, device=self.device)
+        t = self.layers[0]
+        a = t.index_select(self.block_dim, s).view(torch.int16).float()
+        b = t.index_select(self.block_dim, d).view(torch.int16).float()
+        half = self.spec.head_size
+        if self.layout == "HND":
+            k, v = (a[..., :half] == b[..., :half]), (a[..., half:] == b[..., half:])
+        else:
+            k, v = (a[0] == b[0]), (a[1] == b[1])
+        return {"k_equal": round(float(k.float().mean()), 4), "v_equal": round(float(v.float().mean()), 4),
+                "zero": round(float((b == 0).float().mean()), 4)}
+
+
+def slot_mapping(ids: list[int], device: torch.device) -> torch.Tensor:
+    """vLLM's slot of every token of blocks ``ids`` (block * block_size + offset)."""
+    b = torch.as_tensor(ids, dtype=torch.long)
+    return (b[:, None] * BLOCK + torch.arange(BLOCK)).flatten().to(device)
+
+
+class KvstorePaged:
+    """kvstore's DRAM tier and GPU load path (see the module docstring)."""
+
+    name = "kvstore"
+
+    layout = "HND"
+
+    def open(self, cache: Cache, capacity: int, scratch: str) -> None:
+        assert cache.kv is not None, "kvstore restores into the HND (PagedKV) cache"
+        self.cache, self.spec, self.pages = cache, cache.spec, cache.kv
+        self._root = Path(tempfile.mkdtemp(prefix="peers-paged-", dir=scratch))
+        tiers = (TierSpec("dram", "dram", {"capacity_bytes": capacity, "slab_bytes": SLAB}),)
+        self.kv = KVStore(StoreConfig(root=self._root, tiers=tiers, persist_on_close=False, policy="lru"))
+        self.ns = self.spec.namespace("bench/peers-llama-8b", "paged", 0, 1)
+        self.kv.register_namespace(self.ns)
+        self._host: torch.Tensor | None = None
+        self._staging: torch.Tensor | None = None
+        self._stream: Any = None
+
+    def prepare(self, tokens: int) -> None:
+        """Buffers for a ``tokens``-long prefix, allocated once (untimed), as an engine does."""
+        n, bb = tokens // BLOCK, self.spec.block_bytes
+        pin = self.cache.device.type == "cuda"
+        if self._host is None or self._host.shape[0] < n:
+            self._host = None
+            self._host = torch.empty((n, bb), dtype=torch.uint8, pin_memory=pin)
+        if self._staging is None or self._staging.shape[0] < n:
+            self._staging = None
+            self._staging = torch.empty((n, bb), dtype=torch.uint8, device=self.cache.device)
+
+    def save(self, tokens: np.ndarray, ids: list[int]) -> None:
+        """Gather the pages into device staging (``PagedKV.gather`` on the device), one copy to
+        the pinned host buffer, one put. (Gathering straight into the pinned buffer, as
+        ``KvstoreRows`` and the connector do, is a strided device-to-host copy per layer: on
+        the H200 it ran at 0.8-1.2 GB/s.)"""
+        n = len(ids)
+        assert self._host is not None and self._staging is not None
+        buf, staging = self._host[:n], self._staging[:n]
+        self.pages.gather(ids, staging)
+        buf.copy_(staging, non_blocking=True)
+        sync(self.cache.device)
+        self.kv.put(self.ns, hash_blocks(self.ns, tokens), buf.view(-1).numpy())
+
+    def restore(self, tokens: np.ndarray, ids: list[int]) -> int:
+        lease = self.kv.acquire(self.ns, hash_blocks(self.ns, tokens))
+        blocks = ArenaBlocks(self.kv, lease)
+        try:
+            n = blocks.num_blocks
+            if n:
+                self._scatter(blocks, ids[:n])
+            sync(self.cache.device)
+        finally:
+            blocks.release()
+        return n * BLOCK
+
+    def _scatter(self, blocks: ArenaBlocks, ids: list[int]) -> None:
+        """Layer groups of every block copied to the device on a copy stream, each group
+        scattered into the pages as soon as it lands, so the scatter hides under the copy (the
+        engine's layer-wise pattern, ``ArenaBlocks.copy_range``)."""
+        assert self._staging is not None
+        n, pb, kv = len(ids), self.spec.page_bytes, self.pages
+        staging = self._staging[:n]
+        idx = kv.block_ids(ids)
+        groups = [(g, min(g + LAYER_GROUP, kv.num_layers)) for g in range(0, kv.num_layers, LAYER_GROUP)]
+        dev = self.cache.device
+        if dev.type != "cuda":
+            blocks.copy_range(staging, 0, self.spec.block_bytes)
+            for layer in range(kv.num_layers):
+                kv.scatter_layer(layer, idx, staging[:, layer * pb : (layer + 1) * pb])
+            return
+        main = torch.cuda.current_stream(dev)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(dev)
+        copy = self._stream
+        copy.wait_stream(main)  # the staging's last readers are done
+        landed = []
+        with torch.cuda.stream(copy):
+            for lo, hi in groups:
+                blocks.copy_range(staging, lo * pb, hi * pb)
+                ev = torch.cuda.Event()
+                ev.record(copy)
+                landed.append(ev)
+        for (lo, hi), ev in zip(groups, landed, strict=True):
+            main.wait_event(ev)
+            for layer in range(lo, hi):
+                kv.scatter_layer(layer, idx, staging[:, layer * pb : (layer + 1) * pb])
+
+    def info(self) -> dict[str, Any]:
+        return {"block_tokens": BLOCK, "block_bytes": self.spec.block_bytes}
+
+    def close(self) -> None:
+        self._host = self._staging = None
+        release_arenas()  # no lease is held: unregister and unmap before the store goes
+        self.kv.close()
+        shutil.rmtree(self._root, ignore_errors=True)
+
+
+class KvstoreWhole(KvstorePaged):
+    """The same store, every layer copied to the device before any is scattered (the first H200
+    run's ``kvstore``): beside the pipelined restore, what the overlap gains."""
+
+    name = "kvstore-whole"
+
+    def _scatter(self, blocks: ArenaBlocks, ids: list[int]) -> None:
+        assert self._staging is not None
+        n, pb, kv = len(ids), self.spec.page_bytes, self.pages
+        staging = self._staging[:n]
+        blocks.copy_range(staging, 0, self.spec.block_bytes)
+        idx = kv.block_ids(ids)
+        for layer in range(kv.num_layers):
+            kv.scatter_layer(layer, idx, staging[:, layer * pb : (layer + 1) * pb])
+
+
+class KvstoreRows(KvstorePaged):
+    """The same store, restored as the vLLM connector does over shared memory today: each
+    layer's rows of the arena (a strided host view) straight into ``scatter_layer``."""
+
+    name = "kvstore-rows"
+
+    def save(self, tokens: np.ndarray, ids: list[int]) -> None:
+        """As the connector saves: the pages gathered straight into the pinned host buffer."""
+        n = len(ids)
+        assert self._host is not None
+        buf = self._host[:n]
+        self.pages.gather(ids, buf)
+        sync(self.cache.device)
+        self.kv.put(self.ns, hash_blocks(self.ns, tokens), buf.view(-1).numpy())
+
+    def _scatter(self, blocks: ArenaBlocks, ids: list[int]) -> None:
+        kv, pb = self.pages, self.spec.page_bytes
+        offsets = [off for off, _ in blocks.lease.locations]
+        idx = kv.block_ids(ids)
+        for layer in range(kv.num_layers):
+            kv.scatter_layer(layer, idx, layer_rows(blocks.host, offsets, layer, pb))
+
+
+class LmcachePaged:
+    """LMCache's ``LMCacheEngine`` with its local CPU backend and its vLLM GPU connector."""
+
+    name = "lmcache"
+    layout = "HND"
+
+    def open(self, cache: Cache, capacity: int, scratch: str) -> None:
+        if cache.device.type != "cuda":
+            raise PeerUnavailable("LMCache's vLLM paged-memory connector runs on CUDA only "
+                                  "(run with --device cuda on a GPU machine)")
+        # No network on a GPU machine here: LMCache's usage telemetry stays off.
+        os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+        try:
+            import lmcache
+            from lmcache.utils import EngineType
+            from lmcache.v1.cache_engine import LMCacheEngineBuilder
+            from lmcache.v1.config import LMCacheEngineConfig
+            from lmcache.v1.gpu_connector import CreateGPUConnector
+            from lmcache.v1.metadata import LMCacheMetadata
+        except ImportError as e:
+            raise PeerUnavailable(f"lmcache is not installed ({e}); on the H200 the bundle's run.sh "
+                                  "installs lmcache 0.5.3") from e
+        self.cache, self._builder = cache, LMCacheEngineBuilder
+        self._version = getattr(lmcache, "__version__", "?")
+        spec = cache.spec
+        self._id = f"peers-paged-{self.name}"
+        cfg = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=capacity / GiB,
+                                                lmcache_instance_id=self._id, save_unfull_chunk=False)
+        shape = (spec.num_layers, 2, CHUNK, spec.num_kv_heads, spec.head_size)
+        md = LMCacheMetadata(model_name="bench/peers-llama-8b", world_size=1, local_world_size=1, worker_id=0,
+                             local_worker_id=cache.device.index or 0, kv_dtype=spec.dtype, kv_shape=shape,
+                             role="worker")
+        self.connector = CreateGPUConnector(cfg, md, EngineType.VLLM, layout_hints={"kv_layout": self.layout})
+        self.engine = LMCacheEngineBuilder.get_or_create(self._id, cfg, md, self.connector,
+                                                         lambda t, r: None, lambda o, r: o)
+        self.engine.post_init()
+
+    def prepare(self, tokens: int) -> None:
+        pass
+
+    def save(self, tokens: np.ndarray, ids: list[int]) -> None:
+        """Store, then wait until a lookup finds the whole prefix (the wait is in the figure, as
+        kvstore's put returns with its blocks findable)."""
+        t = torch.from_numpy(tokens.astype(np.int64))
+        self.engine.store(t, kvcaches=self.cache.layers, slot_mapping=slot_mapping(ids, self.cache.device))
+        sync(self.cache.device)
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while int(self.engine.lookup(t)) < len(t):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"LMCache held {int(self.engine.lookup(t))} of {len(t)} tokens "
+                                   f"{SETTLE_TIMEOUT_S:.0f} s after the store")
+            time.sleep(0.001)
+
+    def restore(self, tokens: np.ndarray, ids: list[int]) -> int:
+        t = torch.from_numpy(tokens.astype(np.int64))
+        mask = self.engine.retrieve(t, kvcaches=self.cache.layers, slot_mapping=slot_mapping(ids, self.cache.device))
+        sync(self.cache.device)
+        return int(mask.sum())
+
+    def info(self) -> dict[str, Any]:
+        return {"lmcache_version": self._version, "chunk_tokens": CHUNK,
+                "connector": type(self.connector).__name__}
+
+    def close(self) -> None:
+        # LMCache's close was seen to hang (its Redis backend, tools/bench/_peers/lmcache.py): give
+        # it CLOSE_WAIT_S, then go on.
+        t = threading.Thread(target=self._destroy, name="lmcache-destroy", daemon=True)
+        t.start()
+        t.join(CLOSE_WAIT_S)
+
+    def _destroy(self) -> None:
+        with contextlib.suppress(Exception):  # LMCache's own shutdown logs its errors
+            self._builder.destroy(self._id)
+
+
+class LmcacheNhd(LmcachePaged):
+    """The same, restoring into vLLM's CUDA default flash-attention layout (``NHD``, K and V
+    apart): LMCache on the layout its vLLM users mostly have, beside the shared ``HND`` one."""
+
+    name = "lmcache-nhd"
+    layout = "NHD"
+
+
+STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-whole": KvstoreWhole, "kvstore-rows": KvstoreRows,
+                                        "lmcache": LmcachePaged, "lmcache-nhd": LmcacheNhd}
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t0, out
+
+
+def _failure(metric: str, peer: str, tokens: int, e: BaseException) -> dict[str, Any]:
+    status = "unavailable" if isinstance(e, PeerUnavailable) else "failed"
+    return {"bench": "peers", "metric": f"{metric}_{status}", "peer": peer, "tokens": tokens, "device": "",
+            "status": status, "error": f"{type(e).__name__}: {e}",
+            **({} if status == "unavailable" else {"traceback": traceback.format_exc()[-2000:]})}
+
+
+def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, trials: int = 0,
+        only: tuple[str, ...] = PEERS, scratch: str = ".", log: Callable[[str], None] = print) -> Iterator[dict[str, Any]]:
+    """Every row of the paged bench, one store after another (each opened, run at every size and
+    closed before the next, so no two pools are held at once); a store that cannot open or
+    fails gives a status row and the others go on."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("peers --device cuda: no CUDA device here (torch.cuda.is_available() is False); "
+                         "use --device cpu for the smoke path")
+    spec = page_spec(layers)
+    tb = spec.block_bytes // BLOCK  # bytes a token
+    capacity = -(-(sum(sizes) * tb + 2 * SLAB) // SLAB) * SLAB
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    caches: dict[str, Cache] = {}
+    figures: dict[tuple[str, int], float] = {}
+    for name in only:
+        s = STORES[name]()
+        try:
+            t0 = time.perf_counter()
+            if s.layout not in caches:
+                caches[s.layout] = Cache(spec, max(sizes), dev, layout=s.layout)
+            s.open(caches[s.layout], capacity, scratch)
+            log(f"{name}: open in {time.perf_counter() - t0:.2f} s")
+        except Exception as e:  # noqa: BLE001 - reported as the peer's row, the others go on
+            yield {**_failure(f"{name}_paged_open", name, 0, e), "device": where}
+            continue
+        try:
+            for tokens in sizes:
+                yield from _one_size(s, caches[s.layout], tokens, trials or (5 if tokens <= 8192 else 3), where,
+                                     figures, log)
+        finally:
+            with contextlib.suppress(Exception):
+                s.close()
+    for tokens in sizes:
+        for kv in ("kvstore", "kvstore-whole", "kvstore-rows"):
+            for peer in ("lmcache", "lmcache-nhd"):
+                a, b = figures.get((kv, tokens)), figures.get((peer, tokens))
+                if a and b:
+                    yield result("peers", f"{kv}_vs_{peer}_paged_{label(tokens)}_restore", a, "GB/s", b,
+                                 goal_ratio=GOALS["lmcache"] if kv == "kvstore" else None, tokens=tokens,
+                                 device=where)
+
+
+def _one_size(s: Any, cache: Cache, tokens: int, trials: int, where: str,
+              figures: dict[tuple[str, int], float], log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+    dev, size, name = cache.device, label(tokens), s.name
+    nbytes = tokens // BLOCK * cache.spec.block_bytes
+    src, dst = cache.blocks(tokens)
+    rng = np.random.default_rng(tokens)
+    prompt = rng.integers(0, 128_000, tokens, dtype=np.int64)
+    common = {"tokens": tokens, "bytes": nbytes, "device": where, "block_tokens": BLOCK, "trials": trials,
+              "layout": cache.layout, "peer": name}
+    try:
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+        dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        h2d = lambda: dev_buf.copy_(host, non_blocking=True)  # noqa: E731
+        d2h = lambda: host.copy_(dev_buf, non_blocking=True)  # noqa: E731
+        s.prepare(tokens)
+        _timed(d2h, dev)
+        save_s, _ = _timed(lambda: s.save(prompt, src), dev)  # once: a second put of cached blocks copies nothing
+        save_base = _timed(d2h, dev)[0]
+        wrong, got, rest_t, h2d_t = 0, [], [], []
+        differs: dict[str, float] = {}
+        for i in range(trials + 1):  # trial 0 warms up
+            cache.zero(dst)
+            b, _ = _timed(h2d, dev)
+            dt, n = _timed(lambda: s.restore(prompt, dst), dev)
+            if i == trials:
+                wrong = cache.wrong_pages(src[: n // BLOCK], dst[: n // BLOCK])
+                differs = cache.what_differs(src[: n // BLOCK], dst[: n // BLOCK]) if wrong else {}
+            got.append(n)
+            if i:
+                rest_t.append(dt)
+                h2d_t.append(b)
+        med, base = statistics.median(rest_t), statistics.median(h2d_t)
+        verified = wrong == 0 and min(got) == tokens
+        extra = {**common, "verified": verified, "wrong_pages": wrong, "missing_tokens": tokens - min(got), **s.info(),
+                 **({"differs": differs} if differs else {})}
+        figures[(name, tokens)] = nbytes / 1e9 / med if verified else 0.0
+        log(f"{name} {size}: restore {med * 1e3:.2f} ms ({nbytes / 1e9 / med:.2f} GB/s), pinned copy "
+            f"{base * 1e3:.2f} ms; save {save_s * 1e3:.1f} ms; verified {verified}")
+        yield result("peers", f"{name}_paged_{size}_restore", nbytes / 1e9 / med, "GB/s", nbytes / 1e9 / base,
+                     ms=round(med * 1e3, 3), ms_min=round(min(rest_t) * 1e3, 3), baseline_ms=round(base * 1e3, 3),
+                     baseline_what="torch pinned host->device copy", **extra)
+        yield result("peers", f"{name}_paged_{size}_save", nbytes / 1e9 / save_s, "GB/s", nbytes / 1e9 / save_base,
+                     ms=round(save_s * 1e3, 3), baseline_what="torch device->pinned host copy", **extra)
+    except Exception as e:  # noqa: BLE001 - reported as the peer's row, the others go on
+        log(f"{name} {size}: {type(e).__name__}: {e}")
+        yield {**_failure(f"{name}_paged_{size}", name, tokens, e), "device": where}
