@@ -55,6 +55,9 @@ FRAME_TIMEOUT_S = 60.0
 _IOV_MAX = 512
 RUN_MESSAGE_BYTES = 16 << 20
 """GET_RUNS: the largest run of blocks sent as one message (UCX_TCP_*_SEG_SIZE stays 1 MiB)."""
+_METRIC_OP = {P.Op.GET_RUNS: "get"}
+"""The ``op`` label of ``kvstore_request_seconds``: a GET_RUNS is a get (the same request, its
+payload sent in runs), so dashboards keep one series per operation whichever form a client uses."""
 
 
 class ChannelClosed(Exception):
@@ -260,7 +263,7 @@ class Session:
             async with asyncio.timeout(FRAME_TIMEOUT_S):
                 try:
                     hdr = P.parse_header(head, self.wire)
-                    req_id, op = hdr.req_id, hdr.op.name.lower()
+                    req_id, op = hdr.req_id, _METRIC_OP.get(hdr.op) or hdr.op.name.lower()
                     meta = bytearray(hdr.meta_len)
                     if hdr.meta_len:
                         await self.ch.recv_into(memoryview(meta))

@@ -125,6 +125,10 @@ class Service:
         self.config = config
         self.limits = config.limits
         self._lock = threading.Lock()
+        self._usage_epoch = 0
+        """Bumped by each :meth:`refresh_usage` (under ``_lock``): a put whose store call overlapped
+        a refresh cannot tell whether the refresh counted its blocks, so it refreshes again instead
+        of adding them (adding them counted them twice under parallel puts)."""
         self._by_token: dict[str, Tenant] = {}
         self._tenants: dict[str, Tenant] = {}
         for spec in config.tenants:
@@ -364,9 +368,14 @@ class Service:
             ns, keys = self._resolve(t, ns_id, hashes)
             if self.kv_events is not None:  # names the put's blocks for the KV event publisher
                 self.kv_events.names(ns, hashes, keys, start)
+            epoch = self._usage_epoch
             new = self.store.put(ns, keys, blocks, start=start, durable=durable, tokens=tokens)
             with self._lock:
-                t.used_bytes += new * ns.block_bytes
+                counted = self._usage_epoch != epoch
+                if not counted:
+                    t.used_bytes += new * ns.block_bytes
+            if counted and new:
+                self.refresh_usage()  # a refresh overlapped the store call: recount, never add twice
             self._pump()
             return new
         finally:
@@ -486,6 +495,7 @@ class Service:
         """Recompute each tenant's bytes from the store (evictions and expiry free quota)."""
         usage = self.store.namespace_usage()
         with self._lock:
+            self._usage_epoch += 1
             for t in self._tenants.values():
                 t.used_bytes = sum(usage.get(bytes(ns.root), (0, 0))[1] for ns in t.namespaces.values())
 

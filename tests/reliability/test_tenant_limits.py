@@ -190,6 +190,42 @@ def _usage(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:
     return {t["tenant"]: (0, int(t["used_bytes"])) for t in stats["tenants"]}
 
 
+def test_a_usage_refresh_during_a_put_does_not_count_its_blocks_twice(
+    start_daemon: Callable[..., ThreadedDaemon], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found under load by the parallel-puts test above: a put that does not fit refreshes the
+    usage from the store, and when that refresh lands while another put's blocks are in the store
+    but not yet added to its tenant's count, that put then added them again (12 blocks reported
+    for 8 stored). Here the refresh is forced into that window of every put."""
+    original = Service.put
+
+    def put_with_a_refresh_inside(self: Service, *args: Any, **kw: Any) -> int:
+        store_put = self.store.put
+
+        def store_put_then_refresh(*a: Any, **k: Any) -> int:
+            new = store_put(*a, **k)
+            self.refresh_usage()  # what a parallel put's reserve() does when it does not fit
+            return new
+
+        monkeypatch.setattr(self.store, "put", store_put_then_refresh)
+        try:
+            return original(self, *args, **kw)
+        finally:
+            monkeypatch.setattr(self.store, "put", store_put)
+
+    monkeypatch.setattr(Service, "put", put_with_a_refresh_inside)
+    d = start_daemon((TenantSpec("a", TOKEN_A, quota_bytes=64 * BB), TenantSpec("ops", "token-of-the-operators-01234", admin=True)))
+    stored = 0
+    with connect(d.url, token=TOKEN_A, plane="tcp", retries=0) as c:
+        c.register_namespace(SMALL_NS)
+        for i in range(3):
+            chain = chain_for(500 + i, 4)
+            stored += c.put(SMALL_NS, chain, _blocks(chain))
+    stats = httpx.get(f"{d.url}/v1/stats", headers={"Authorization": "Bearer token-of-the-operators-01234"}).json()
+    assert stored == 12
+    assert _usage(stats)["a"][1] == stored * BB
+
+
 def test_big_lookups_are_parsed_and_answered_off_the_event_loop(
     start_daemon: Callable[..., ThreadedDaemon], monkeypatch: pytest.MonkeyPatch
 ) -> None:
