@@ -371,10 +371,10 @@ class Service:
             epoch = self._usage_epoch
             new = self.store.put(ns, keys, blocks, start=start, durable=durable, tokens=tokens)
             with self._lock:
-                counted = self._usage_epoch != epoch
-                if not counted:
+                overlapped = self._usage_epoch != epoch
+                if not overlapped:
                     t.used_bytes += new * ns.block_bytes
-            if counted and new:
+            if overlapped and new:
                 self.refresh_usage()  # a refresh overlapped the store call: recount, never add twice
             self._pump()
             return new
