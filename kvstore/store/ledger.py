@@ -226,6 +226,22 @@ class Ledger:
             if not c and int(idx.tiers[p]) & self._last_bit:
                 self.policies[self.last].offer(p)
 
+    def forget_leaves(self, bids: list[int], left: dict[int, int]) -> None:
+        """:meth:`forget_leaf` of each of ``bids`` in order (leaves whose only copy is on the
+        last tier), with one call to its policy (:meth:`EvictionPolicy.remove_leaves`)."""
+        idx, lb = self.index, self._last_bit
+        children, tiers = idx.children, idx.tiers
+        offers = []
+        for p in idx.parent[bids].tolist():
+            if p == NO_PARENT:
+                offers.append(-1)
+                continue
+            c = left.get(p)
+            c = (int(children[p]) if c is None else c) - 1
+            left[p] = c
+            offers.append(p if not c and int(tiers[p]) & lb else -1)
+        self.policies[self.last].remove_leaves(bids, offers)
+
     def drop_leaves(self, bids: list[int], k: int, reason: str) -> list[BlockHash]:
         """The leaves :meth:`forget_leaf` took (in order, each copy on tier ``k`` only) leave
         the index in one call; returns their keys (the caller deletes the copies)."""
