@@ -256,7 +256,8 @@ class DensityPolicy(EvictionPolicy):
         self._ended_flat = [0.0] * (NUM_CLASSES * NUM_BUCKETS)
         self._reuses_flat = [0.0] * (NUM_CLASSES * NUM_BUCKETS)
         self._table: np.ndarray | None = None
-        self._rank = np.zeros(NUM_CLASSES * NUM_BUCKETS, np.int64)  # of each table value, ties equal
+        # Per table value, its rank among them (ties equal) << _KEY_SHIFT: a refill's keys.
+        self._rank = np.zeros(NUM_CLASSES * NUM_BUCKETS, np.int64)
         self._ghosts = _Ghosts()
         # Blocks removed since the ghost ring last learned of them (hash, id, the ring's limit
         # at the removal): a batched eviction's ghosts enter the ring in one pass
@@ -540,13 +541,21 @@ class DensityPolicy(EvictionPolicy):
         if from_ring:
             cap, gkeys = g.cap, g.keys
             live = []
-            for j in range(g.head, g.head + from_ring):
-                s = j % cap
-                key = gkeys[s]
-                if key is not None:
-                    gkeys[s] = None
-                    del where[key]
-                    live.append(s)
+            a = g.head % cap
+            if a + from_ring <= cap:  # the usual case: one slice of the ring
+                for s, key in enumerate(gkeys[a : a + from_ring], a):
+                    if key is not None:
+                        del where[key]
+                        live.append(s)
+                gkeys[a : a + from_ring] = [None] * from_ring
+            else:
+                for j in range(g.head, g.head + from_ring):
+                    s = j % cap
+                    key = gkeys[s]
+                    if key is not None:
+                        gkeys[s] = None
+                        del where[key]
+                        live.append(s)
             g.head += from_ring
             if live:
                 slots = np.array(live, np.int64)
@@ -565,14 +574,19 @@ class DensityPolicy(EvictionPolicy):
             return
         while len(g) + k > g.cap:
             g._grow()
-        slots = (g.tail + np.arange(k)) % g.cap
+        s0 = g.tail % g.cap
+        slots: slice | np.ndarray = slice(s0, s0 + k) if s0 + k <= g.cap else (g.tail + np.arange(k)) % g.cap
         g.cls[slots], g.t0[slots] = cls[gone:], t0[gone:]
         hits = self._hits
         g.hits[slots] = [hits[b] for b in ids[gone:]]
         gkeys, where = g.keys, g.where  # (new ones if the ring grew)
-        for s, key in zip(slots.tolist(), keys[gone:], strict=True):
-            gkeys[s] = key
-            where[key] = s
+        if isinstance(slots, slice):  # the usual case: one slice of the ring
+            gkeys[slots] = keys[gone:]
+            where.update(zip(keys[gone:], range(s0, s0 + k), strict=True))
+        else:
+            for s, key in zip(slots.tolist(), keys[gone:], strict=True):
+                gkeys[s] = key
+                where[key] = s
         g.tail += k
 
     def _push_ghosts_in_order(self, keys: list[bytes], ids: list[int], limits: list[float]) -> None:
@@ -711,7 +725,7 @@ class DensityPolicy(EvictionPolicy):
         ended = self._ended + pending
         reached = np.cumsum(ended[:, ::-1], axis=1)[:, ::-1]
         self._table = density_table(self._reuses, reached)
-        self._rank = np.unique(self._table.ravel(), return_inverse=True)[1].astype(np.int64)
+        self._rank = np.unique(self._table.ravel(), return_inverse=True)[1].astype(np.int64) << _KEY_SHIFT
         decay = self.config.decay
         self._reuses_flat = [x * decay for x in self._reuses_flat]
         self._ended_flat = [x * decay for x in self._ended_flat]
@@ -742,16 +756,19 @@ class DensityPolicy(EvictionPolicy):
         if self._table is None:
             score = last.astype(np.float64)  # no statistics yet: least recently used first
         else:
-            flat = self._cls[ids] * NUM_BUCKETS + age_buckets(self._tick - last)
+            ages = self._tick - last
+            # (ages are >= 0: the table without its clipping, which costs more than the rest)
+            buckets = _age_lut().take(ages) if self._tick < _LUT_AGES else age_buckets(ages)
+            flat = self._cls[ids] * NUM_BUCKETS + buckets
             if not (self.weighted or self._repeats) and self._tick < _KEY_TICKS:
                 # One integer per block orders as (score, last access) do: the score's rank
                 # among the table's values, then the last access (distinct: one event each).
-                key = (self._rank.take(flat) << _KEY_SHIFT) | last
+                key = self._rank.take(flat) | last
                 if take < ids.size:
                     sel = np.argpartition(key, take - 1)[:take]
-                    sel = sel[np.argsort(key[sel])[::-1]]
+                    sel = sel[key[sel].argsort()[::-1]]
                 else:
-                    sel = np.argsort(key)[::-1]  # best victim last
+                    sel = key.argsort()[::-1]  # best victim last
                 self._queue = list(zip(
                     ids[sel].tolist(), last[sel].tolist(), self._table.ravel().take(flat[sel]).tolist(), strict=True))
                 return

@@ -230,9 +230,10 @@ class Ledger:
         """:meth:`forget_leaf` of each of ``bids`` in order (leaves whose only copy is on the
         last tier), with one call to its policy (:meth:`EvictionPolicy.remove_leaves`)."""
         idx, lb = self.index, self._last_bit
-        children, tiers = idx.children, idx.tiers
+        parent, children, tiers = idx.parent, idx.children, idx.tiers
         offers = []
-        for p in idx.parent[bids].tolist():
+        for b in bids:  # (a run is short: scalar reads cost less than an array of it)
+            p = int(parent[b])
             if p == NO_PARENT:
                 offers.append(-1)
                 continue
