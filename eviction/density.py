@@ -381,7 +381,7 @@ class DensityPolicy(EvictionPolicy):
             return
         if self._gone_keys:
             self._flush_gone()
-        self._grow(int(ids.max()) + 1)
+        self._grow(int(np.maximum.reduce(ids)) + 1)  # (the ufunc: no Python wrapper)
         pos = self._pos
         # Repeats and blocks already resident are no-ops (neither advances the clock).
         fresh = [b for b in dict.fromkeys(ids.tolist()) if pos[b] == -1]
@@ -765,7 +765,7 @@ class DensityPolicy(EvictionPolicy):
                 # among the table's values, then the last access (distinct: one event each).
                 key = self._rank.take(flat) | last
                 if take < ids.size:
-                    sel = np.argpartition(key, take - 1)[:take]
+                    sel = key.argpartition(take - 1)[:take]  # (the method: no Python wrapper)
                     sel = sel[key[sel].argsort()[::-1]]
                 else:
                     sel = key.argsort()[::-1]  # best victim last
@@ -779,7 +779,7 @@ class DensityPolicy(EvictionPolicy):
         if take < ids.size:
             # Every block tied with the take-th score stays in the running, so that the older
             # wins a tie whatever the order of the resident array (scores take few values).
-            kth = np.partition(score, take - 1)[take - 1]
+            kth = score[score.argpartition(take - 1)[take - 1]]
             keep = np.flatnonzero(score <= kth)
             ids, last, score = ids[keep], last[keep], score[keep]
         order = np.lexsort((last, score))[:take][::-1]  # ties: the older first; best victim last

@@ -179,7 +179,7 @@ class Ledger:
         ids = np.array([bid for _, bid, _ in placed], np.int64)
         sizes = np.array([size for _, _, size in placed], np.int64)
         here = (idx.tiers[ids] & np.uint8(1 << k)) != 0  # still there (a removed block is in no tier)
-        if not here.all():
+        if not np.logical_and.reduce(here):  # (the ufunc: no Python wrapper)
             ids, sizes = ids[here], sizes[here]
         self.policies[k].insert_many(ids, sizes, now)
 
