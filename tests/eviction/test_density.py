@@ -185,8 +185,7 @@ def _old_refill_queue(pol: DensityPolicy) -> list[tuple[int, int, float]]:
     return list(zip(ids[order].tolist(), last[order].tolist(), score[order].tolist(), strict=True))
 
 
-@pytest.mark.parametrize("name", ["density", "cost"])
-@pytest.mark.parametrize("seed", [3, 11])
+@pytest.mark.parametrize(("name", "seed"), [("density", 3), ("cost", 11)])
 def test_runs_of_victims_equal_victims_one_at_a_time(name: str, seed: int) -> None:
     """``victims(n)`` and ``remove_leaves`` (the store's batched eviction) take the blocks that
     ``first`` then ``remove`` and ``offer`` of each take, and leave the same policy (ghosts,
