@@ -757,8 +757,9 @@ class DensityPolicy(EvictionPolicy):
             score = last.astype(np.float64)  # no statistics yet: least recently used first
         else:
             ages = self._tick - last
-            # (ages are >= 0: the table without its clipping, which costs more than the rest)
-            buckets = _age_lut().take(ages) if self._tick < _LUT_AGES else age_buckets(ages)
+            # A sorted search of ~400 ages in 63 first ages (in cache) costs less here than
+            # the 1 MiB bucket table, whose lines the rest of a put has evicted by now.
+            buckets = _FIRST_AGES.searchsorted(ages, side="right")
             flat = self._cls[ids] * NUM_BUCKETS + buckets
             if not (self.weighted or self._repeats) and self._tick < _KEY_TICKS:
                 # One integer per block orders as (score, last access) do: the score's rank
