@@ -102,6 +102,80 @@ def _flash_window(module: Any, query: torch.Tensor, key: torch.Tensor, value: to
 
 AttentionInterface.register(_FLASH, _flash_window)
 
+_CUDNN = "kvstore_cudnn_full"
+_CUDNN_OK: dict[str, str] = {}  # device -> "gqa" | "expand" | "" (the self-check's verdict)
+
+
+def _cudnn_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
+                expand: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN attention of ``q`` ``[1, Hq, S, D]`` over ``k``/``v`` ``[1, Hkv, T, D]``: the output and
+    its log-sum-exp ``[1, Hq, S]`` (``causal``: top-left aligned, for the square part only)."""
+    if expand > 1:
+        k, v = k.repeat_interleave(expand, 1), v.repeat_interleave(expand, 1)
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return out[0], out[1].reshape(q.shape[0], q.shape[1], q.shape[2])
+
+
+def _cudnn_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, mode: str) -> torch.Tensor:
+    """Bottom-right causal attention of ``S`` queries over ``T >= S`` keys with cuDNN, exactly: the
+    queries see every key before them (``T - S`` keys, no mask) and their own square block
+    causally (where top-left and bottom-right agree); the two parts are merged by their
+    log-sum-exp. Returns ``[1, S, Hq, D]``. (cuDNN's own ``is_causal`` aligns top-left: wrong
+    for a prefill after a cached prefix; ``tools.bench.hybrid attention`` checks it.)"""
+    s, t = q.shape[2], k.shape[2]
+    expand = q.shape[1] // k.shape[1] if mode == "expand" else 1
+    o2, l2 = _cudnn_part(q, k[:, :, t - s :], v[:, :, t - s :], True, scale, expand)
+    if t == s:
+        return o2.transpose(1, 2)
+    o1, l1 = _cudnn_part(q, k[:, :, : t - s], v[:, :, : t - s], False, scale, expand)
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m).unsqueeze(-1), torch.exp(l2 - m).unsqueeze(-1)
+    out = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    return out.to(q.dtype).transpose(1, 2)
+
+
+def _cudnn_window(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                  scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention interface (CUDA): full layers with cuDNN (:func:`_cudnn_full`, 1.6-1.9x
+    FlashAttention-2's rate over a 32K prefix on the H200), sliding layers with
+    :func:`_flash_window`; the same semantics as that one."""
+    mode = _CUDNN_OK.get(str(query.device), "")
+    if sliding_window or not mode or query.shape[0] != 1:
+        return _flash_window(module, query, key, value, attention_mask, scaling, dropout, sliding_window, **kwargs)
+    return _cudnn_full(query, key, value, scaling, mode), None
+
+
+AttentionInterface.register(_CUDNN, _cudnn_window)
+
+
+def cudnn_check(device: torch.device) -> str:
+    """Whether :func:`_cudnn_full` gives FlashAttention-2's answer on ``device`` (once per device,
+    before any forward: random inputs of a prefill's layout, 4 query heads per KV head): "gqa"
+    (cuDNN takes the KV heads as they are), "expand" (they must be repeated first), or "" (not
+    usable here: FlashAttention-2 stays)."""
+    key = str(device)
+    if key in _CUDNN_OK:
+        return _CUDNN_OK[key]
+    verdict = ""
+    if device.type == "cuda":
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn((1, 200, 8, 64), device=device, dtype=torch.bfloat16, generator=g).transpose(1, 2)
+        k = torch.randn((1, 2, 1000, 64), device=device, dtype=torch.bfloat16, generator=g)
+        v = torch.randn((1, 2, 1000, 64), device=device, dtype=torch.bfloat16, generator=g)
+        ref = _flash_window(None, q, k, v, None, 0.125)[0].float()
+        for mode in ("gqa", "expand"):
+            try:
+                out = _cudnn_full(q, k, v, 0.125, mode).float()
+            except RuntimeError as e:  # this torch/cuDNN refuses the call: try the next form
+                log.info("cuDNN attention (%s) refused: %s", mode, e)
+                continue
+            if float((out - ref).norm() / ref.norm()) < 1e-2:
+                verdict = mode
+                break
+    _CUDNN_OK[key] = verdict
+    return verdict
+
 _WINDOW = "kvstore_sdpa_window"
 
 
@@ -329,8 +403,11 @@ class HybridLM:
         every block and the sliding layers' last window (the best a store-everything engine
         can do). ``attention``: ``"model"`` (the model's own), ``"flash"`` (CUDA:
         FlashAttention-2 with bottom-right causal alignment and the sliding window, no mask
-        tensor: :func:`_flash_window`), ``"auto"``: flash on CUDA for a model it covers (no
-        logit soft-capping, no attention sinks), else the model's. ``trace``: record the
+        tensor: :func:`_flash_window`), ``"cudnn"`` (CUDA: the full layers with cuDNN, exact
+        bottom-right causal by a split and a log-sum-exp merge, :func:`_cudnn_full`; the
+        sliding ones with FlashAttention-2), ``"auto"``: cudnn on CUDA for a model it covers (no
+        logit soft-capping, no attention sinks) where :func:`cudnn_check` passes, else flash,
+        else the model's. ``trace``: record the
         per-layer timeline (CUDA events) in :attr:`HybridPrefill.timeline`. ``cone``: a replay
         computes only its dependency cone (:func:`cone_starts`: each layer the positions the
         layers above and the stored windows need; the full part is loaded up to the hit's end),
@@ -358,12 +435,16 @@ class HybridLM:
         # Leases (zero-copy reads from the store's shared-memory arena) for a CUDA device.
         self._leases = self.device.type == "cuda" and hasattr(store, "acquire")
         self.layer_groups = max(1, layer_groups)
-        if attention not in ("auto", "model", "flash"):
-            raise UsageError(f"attention must be 'auto', 'model' or 'flash', not {attention!r}")
-        if attention == "flash":
+        if attention not in ("auto", "model", "flash", "cudnn"):
+            raise UsageError(f"attention must be 'auto', 'model', 'flash' or 'cudnn', not {attention!r}")
+        if attention in ("flash", "cudnn"):
             _refuse_flash(model, self.device)
+            if attention == "cudnn" and not cudnn_check(self.device):
+                raise UsageError("attention='cudnn': cuDNN attention is not usable on this device/torch; use 'flash'")
         elif attention == "auto":
             attention = "flash" if _flash_covers(model, self.device) else "model"
+            if attention == "flash" and cudnn_check(self.device):
+                attention = "cudnn"
         self.all_layers = all_layers
         self.attention = attention
         self.trace = trace
@@ -705,8 +786,8 @@ class HybridLM:
     def _attention(self, cone: bool = False) -> Any:
         """The model runs with :func:`_flash_window` while ``attention == "flash"``; a cone forward
         otherwise with :func:`_sdpa_window` (the model's mask would not fit its layers)."""
-        if self.attention == "flash":
-            return _swap_attention(self.model.config, _FLASH)
+        if self.attention in ("flash", "cudnn"):
+            return _swap_attention(self.model.config, _FLASH if self.attention == "flash" else _CUDNN)
         return _swap_attention(self.model.config, _WINDOW) if cone else nullcontext()
 
     def _cone_plan(self, got: _Loaded | None, hit: int, total: int, ckpts: list[int]) -> list[int] | None:

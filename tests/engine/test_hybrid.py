@@ -364,6 +364,8 @@ def test_flash_attention_needs_cuda_and_refuses_what_it_cannot_compute() -> None
     ns = namespace_of(m, "test/flash-refusal", BT)
     with pytest.raises(UsageError, match="CUDA"):
         HybridLM(m, None, ns, attention="flash")
+    with pytest.raises(UsageError, match="CUDA"):
+        HybridLM(m, None, ns, attention="cudnn")
     with pytest.raises(UsageError, match="attention must be"):
         HybridLM(m, None, ns, attention="sdpa")
     assert HybridLM(m, None, ns).attention == "model"  # auto on the CPU
@@ -390,6 +392,45 @@ def test_flash_attention_gives_the_models_answer_on_cuda(tmp_path: Path) -> None
             assert int(a.logits.argmax()) == int(b.logits.argmax())
             assert float((a.logits - b.logits).abs().max() / a.logits.abs().max()) <= 2e-2
         model_attn.close()
+        flash.close()
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuDNN attention)")
+def test_cudnn_full_layers_give_flash_attentions_answer_on_cuda(tmp_path: Path) -> None:
+    """On CUDA (bf16): cuDNN for the full layers (bottom-right causal by a split and a log-sum-exp
+    merge) equals FlashAttention-2 on random inputs of many shapes, and through the engine gives
+    the same next token, with and without the cone (CI has no CUDA: this runs on a GPU machine)."""
+    from engine.hybrid import _cudnn_full, _flash_window, cudnn_check
+
+    dev = torch.device("cuda")
+    mode = cudnn_check(dev)
+    assert mode in ("gqa", "expand")
+    for s_q, t in ((1, 1), (7, 7), (5, 300), (130, 1000), (512, 4096)):
+        g = torch.Generator(device=dev).manual_seed(s_q * 7 + t)
+        q = torch.randn((1, s_q, 8, 128), device=dev, dtype=torch.bfloat16, generator=g).transpose(1, 2)
+        k = torch.randn((1, 2, t, 128), device=dev, dtype=torch.bfloat16, generator=g)
+        v = torch.randn((1, 2, t, 128), device=dev, dtype=torch.bfloat16, generator=g)
+        ref = _flash_window(None, q, k, v, None, 0.088)[0].float()
+        out = _cudnn_full(q, k, v, 0.088, mode).float()
+        assert float((out - ref).norm() / ref.norm()) < 1e-2, (s_q, t)
+    m = gemma3().to(device="cuda", dtype=torch.bfloat16)
+    ns = namespace_of(m, "test/cudnn", BT)
+    store = _store(tmp_path)
+    try:
+        flash = HybridLM(m, store, ns, policy=CheckpointPolicy(every_blocks=C), attention="flash", cone=False)
+        base = _tokens(11, 120)
+        flash.prefill(base)
+        prompt = torch.cat([base[:90], _tokens(12, 20)])  # leaves the chain between checkpoints
+        b = flash.prefill(prompt, store=False)
+        for cone in (False, True):
+            lm = HybridLM(m, store, ns, policy=CheckpointPolicy(every_blocks=C), attention="cudnn", cone=cone)
+            a = lm.prefill(prompt, store=False)
+            assert a.replayed_tokens == b.replayed_tokens > 0 and bool(a.cone) == cone
+            assert int(a.logits.argmax()) == int(b.logits.argmax())
+            assert float((a.logits - b.logits).abs().max() / b.logits.abs().max()) <= 2e-2
+            lm.close()
         flash.close()
     finally:
         store.close()
