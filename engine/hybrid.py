@@ -463,6 +463,8 @@ class HybridLM:
                      and _attention_covers(model))
         self._cone: tuple[list[int], int] | None = None  # (first position per layer, prompt length) in a cone forward
         self._cone_rows: list[int] = []
+        self._skips: dict[int, int] = {}  # full layer -> positions its cone computes whose KV is loaded
+        self._room = 0
         if self.cone:
             self._hooks += [m.register_forward_pre_hook(partial(self._slice, i), with_kwargs=True) for i, m in enumerate(decoder)]
         if store is not None:
@@ -614,9 +616,15 @@ class HybridLM:
         kb = min(n, -(-keep // bt))  # blocks that hold a sliding layer's last ``keep`` tokens
         dst = {}
         for layer in layers:
-            t = keep if self.plan.kinds[layer] == "sliding" else n * bt
-            k = torch.empty((1, shape.kv_heads, t, shape.head_dim), dtype=self.dtype, device=self.device)
-            dst[layer] = (k, torch.empty_like(k))
+            if self.plan.kinds[layer] == "sliding":
+                k = torch.empty((1, shape.kv_heads, keep, shape.head_dim), dtype=self.dtype, device=self.device)
+                dst[layer] = (k, torch.empty_like(k))
+            else:  # room for this prefill's new tokens: they are written in place, not concatenated
+                t = n * bt
+                kbuf = torch.empty((1, shape.kv_heads, t + self._room, shape.head_dim), dtype=self.dtype, device=self.device)
+                vbuf = torch.empty_like(kbuf)
+                dst[layer] = (kbuf[:, :, :t], vbuf[:, :, :t])
+                cache.layers[layer].update = partial(_in_place_update, cache.layers[layer], kbuf, vbuf, self._skips, layer)
             self._install(cache, layer, *dst[layer], tokens)
         # Each layer's first block: a group is consecutive layers with the same first block.
         firsts = [n - kb if self.plan.kinds[layer] == "sliding" and not (self.everything and self.all_layers) else 0
@@ -716,6 +724,7 @@ class HybridLM:
                 marks.append(time.perf_counter())
             c = got.checkpoint if got is not None else -1
             hit = (c + 1) * bt
+            self._room = ids.numel() - hit  # the most tokens a full layer appends in this prefill
             cache = self._build(got)
             for layer in self.plan.sliding:
                 cache.layers[layer].activate_past_recording()  # keep the suffix's window states to store
@@ -747,10 +756,11 @@ class HybridLM:
                             states[end // bt - 1] = self._snapshot(cache)
                         pos = end
             finally:
+                for layer in self.plan.full:
+                    cache.layers[layer].__dict__.pop("update", None)  # the in-place update of loaded layers
                 if cone is not None:
                     self._cone = None
-                    for layer in self.plan.full:
-                        cache.layers[layer].__dict__.pop("update", None)  # the full layers' skipping update
+                    self._skips.clear()
                     for layer in self.plan.sliding:  # positions counted by the prompt, not by what was computed
                         cache.layers[layer].cumulative_length = ids.numel()
             logits = out.logits[0, -1].float()
@@ -810,8 +820,9 @@ class HybridLM:
         for layer in self.plan.full:
             skip = end - cone[layer]
             if skip > 0:
-                lay = cache.layers[layer]
-                lay.update = partial(_skipping_update, lay, skip)
+                if "update" not in cache.layers[layer].__dict__:
+                    raise RuntimeError(f"cone: full layer {layer} has no loaded part to skip into")
+                self._skips[layer] = skip
 
     def _slice(self, layer: int, module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """Forward pre-hook of decoder layer ``layer`` in a cone forward: its input keeps only the
@@ -962,10 +973,23 @@ def _swap_attention(config: Any, name: str) -> Iterator[None]:
         config._attn_implementation = prev
 
 
-def _skipping_update(lay: Any, skip: int, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+def _in_place_update(lay: Any, kbuf: torch.Tensor, vbuf: torch.Tensor, skips: dict[int, int], layer: int,
+                     key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                      **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A full layer's ``update`` in a cone forward: the first ``skip`` positions' KV is loaded."""
-    return type(lay).update(lay, key_states[:, :, skip:], value_states[:, :, skip:], *args, **kwargs)
+    """A loaded full layer's ``update`` during a prefill: the new KV is written into the room left
+    after the loaded tokens (``kbuf``/``vbuf``), not concatenated (a copy of the whole 32K-token
+    cache per layer otherwise); in a cone forward the first ``skips[layer]`` positions' KV is
+    loaded already and dropped. Removed after the forward (an instance attribute)."""
+    skip = skips.get(layer, 0)
+    k, v = key_states[:, :, skip:], value_states[:, :, skip:]
+    n0 = lay.keys.shape[2]
+    n1 = n0 + k.shape[2]
+    if n1 > kbuf.shape[2]:
+        return type(lay).update(lay, k, v, *args, **kwargs)
+    kbuf[:, :, n0:n1].copy_(k)
+    vbuf[:, :, n0:n1].copy_(v)
+    lay.keys, lay.values = kbuf[:, :, :n1], vbuf[:, :, :n1]
+    return lay.keys, lay.values
 
 
 def _runs(sorted_ids: list[int]) -> list[tuple[int, int]]:
