@@ -134,3 +134,14 @@ def test_cli_reports_the_exact_frontier(tmp_path: Path, capsys: pytest.CaptureFi
         # Never more writes than storing everything (every block but the last DRAM and NVMe
         # hold reaches the object tier once).
         assert 0 <= point["writes_per_hit"] <= ref["class_bound_leaves_only_last_tier_writes_per_hit"]
+
+
+def test_admission_frontier_option_reports_every_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _trace(tmp_path / "o_trace.jsonl", [[2 * i, 2 * i + 1] for i in range(20)] + [[0, 1]])
+    rc = main([str(tmp_path / "o_trace.jsonl"), "--capacity", "dram=2,nvme=4,object=inf", "--policy", "lru", "--economics",
+               "--admission-frontier", "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if "counted exactly" in s)
+    for budget in ("0.25%", "0.5%", "1%", "2%", "5%"):
+        assert f"(budget {budget})" in line

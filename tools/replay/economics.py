@@ -429,6 +429,11 @@ def emit(row: dict[str, Any], as_json: bool) -> None:
               f"at 1% hit loss {row['class_bound_last_tier_writes_per_hit']:.3f} (leaves only "
               f"{row['class_bound_leaves_only_last_tier_writes_per_hit']:.3f}, with subtrees "
               f"{row['subtree_class_bound_last_tier_writes_per_hit']:.3f})", flush=True)
+        exact = "; ".join(
+            f"{k.removeprefix('exact_subtree_')} " + ", ".join(
+                f"{p['writes_per_hit']:.3f} at {100 * p['hit_loss']:.2f}% (budget {100 * p['budget']:g}%)" for p in v)
+            for k, v in row.items() if k.startswith("exact_subtree_"))
+        print(f"{head} subtree refusals counted exactly, writes/hit by class set: {exact}", flush=True)
         return
     shares = " ".join(f"{k} {v:.3f}" for k, v in row["hit_share_by_tier"].items())
     writes = " ".join(f"{k} {v}" for k, v in row["writes_by_tier"].items())
