@@ -143,5 +143,5 @@ def test_admission_frontier_option_reports_every_budget(tmp_path: Path, capsys: 
     assert rc == 0
     out = capsys.readouterr().out
     line = next(s for s in out.splitlines() if "counted exactly" in s)
-    for budget in ("0.25%", "0.5%", "1%", "2%", "5%"):
+    for budget in ("0.25%", "0.5%", "0.75%", "1%", "2%", "5%"):
         assert f"(budget {budget})" in line

@@ -174,6 +174,8 @@ CLASS_SETS: dict[str, tuple[str, ...]] = {
     "parent": ("parent_hits",),
     "span_age_parent": ("span", "age", "parent_hits"),
     "subtree": ("subtree",),
+    "subtree_span": ("subtree", "span"),
+    "subtree_span_parent": ("subtree", "span", "parent_hits"),
     "all": ("span", "age", "parent_hits", "subtree"),
 }
 """Class sets of the subtree frontier: the ``reuse`` rule's classes (hits x depth x idle x
