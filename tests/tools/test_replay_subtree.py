@@ -145,3 +145,28 @@ def test_admission_frontier_option_reports_every_budget(tmp_path: Path, capsys: 
     line = next(s for s in out.splitlines() if "counted exactly" in s)
     for budget in ("0.25%", "0.5%", "0.75%", "1%", "2%", "5%"):
         assert f"(budget {budget})" in line
+
+
+def test_holdout_learns_on_the_first_half_and_pays_on_the_second(tmp_path: Path) -> None:
+    from tools.replay.bounds import unlimited
+    from tools.replay.subtree import holdout
+
+    def run(last: list[int]) -> tuple[float, float]:
+        # Ten two-block chains (requests 0-9), nine more (10-18), then one chain read again.
+        reqs = [[2 * i, 2 * i + 1] for i in range(19)] + [last]
+        trace = _trace(tmp_path / "h_trace.jsonl", reqs)
+        tree = TraceTree.of(trace, E.block_parents(trace))
+        # Five roots decided after request 5 (chain 0's in a class of its own), five after 15.
+        blocks = np.array([0, 2, 4, 6, 8, 20, 22, 24, 26, 28])
+        dec = Decisions(np.array([5] * 5 + [15] * 5), blocks, np.ones(10, bool))
+        classes = np.array([1, 0, 0, 0, 0, 0, 0, 0, 0, 0])
+        costs = standalone_costs(trace, tree, dec)
+        h = holdout(trace, tree, dec, classes, unlimited(trace), 0.01, costs)
+        return h.writes_per_hit, h.hit_loss
+
+    # Class 0 is never read again in the first half: skipped in the second, where nothing of
+    # it is read again either: no write, no loss.
+    assert run([0, 1]) == (0.0, 0.0)
+    # The same choice when the second half's class-0 chain 10 comes back: both its hits lost,
+    # and its root written again.
+    assert run([20, 21]) == (0.5, 1.0)

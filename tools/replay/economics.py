@@ -41,7 +41,7 @@ from tools.replay.bounds import (
     window_bound,
 )
 from tools.replay.sim import _EPOCH, StoreRun, TierCapacity
-from tools.replay.subtree import Decisions, TraceTree, class_frontier, standalone_costs
+from tools.replay.subtree import Decisions, TraceTree, class_frontier, holdout, standalone_costs
 from tools.replay.trace import Trace
 
 _INF = re.compile(r"(^|[=,])\s*(inf|unlimited)\s*(?=,|$)", re.IGNORECASE)
@@ -288,6 +288,10 @@ def exact_subtree_bounds(trace: Trace, rec: ClassRecorder, hits: int, budgets: t
         rate = np.bincount(inv, weights=np.asarray(rec.reused, np.float64)) / np.bincount(inv)
         sets["rule_order"] = (rule, uniq[np.argsort(rate, kind="stable")])
     out: dict[str, Any] = {}
+    served = unlimited(trace)  # a store-all run's hits per request (it keeps every block)
+    for name in CLASS_SETS if rule.size else ():
+        h = holdout(trace, tree, dec, sets[name][0], served, 0.01, costs)
+        out[f"holdout_subtree_{name}"] = {"budget": 0.01, "writes_per_hit": h.writes_per_hit, "hit_loss": h.hit_loss}
     for name, (classes, order) in sets.items():
         points = class_frontier(trace, tree, dec, classes, hits, budgets, costs, order) if rule.size else []
         out[f"exact_subtree_{name}"] = [
@@ -435,7 +439,10 @@ def emit(row: dict[str, Any], as_json: bool) -> None:
             f"{k.removeprefix('exact_subtree_')} " + ", ".join(
                 f"{p['writes_per_hit']:.3f} at {100 * p['hit_loss']:.2f}% (budget {100 * p['budget']:g}%)" for p in v)
             for k, v in row.items() if k.startswith("exact_subtree_"))
-        print(f"{head} subtree refusals counted exactly, writes/hit by class set: {exact}", flush=True)
+        learned = "; ".join(f"{k.removeprefix('holdout_subtree_')} {v['writes_per_hit']:.3f} at {100 * v['hit_loss']:.2f}%"
+                            for k, v in row.items() if k.startswith("holdout_subtree_"))
+        print(f"{head} subtree refusals counted exactly, writes/hit by class set: {exact}; fitted on the first half, "
+              f"applied to the second (budget 1%): {learned}", flush=True)
         return
     shares = " ".join(f"{k} {v:.3f}" for k, v in row["hit_share_by_tier"].items())
     writes = " ".join(f"{k} {v}" for k, v in row["writes_by_tier"].items())

@@ -268,3 +268,42 @@ def class_frontier(trace: Trace, tree: TraceTree, dec: Decisions, classes: np.nd
                 p_hi = p
         out.append(FrontierPoint(budget, best, result, p_lo))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Holdout:
+    writes_per_hit: float
+    hit_loss: float
+    """Both of the second half: its decisions' writes and its lost hits, per store-all hit of
+    its requests."""
+
+
+def holdout(trace: Trace, tree: TraceTree, dec: Decisions, classes: np.ndarray, hits_per_request: np.ndarray,
+            budget: float, costs: tuple[np.ndarray, np.ndarray]) -> Holdout:
+    """What the class statistics are worth *learned* rather than known: the classes are ranked
+    and the skip set chosen (the longest prefix of the ranking within ``budget`` of the first
+    half's hits) on the decisions of the first half of the requests only, then applied to the
+    second half's decisions (the first half's are all written)."""
+    mid = trace.num_requests // 2
+    first = dec.req < mid
+    h1, h2 = float(hits_per_request[:mid].sum()), float(hits_per_request[mid:].sum())
+    uniq, inv = np.unique(classes, return_inverse=True)
+    lc = np.bincount(inv[first], weights=costs[0][first], minlength=uniq.size)
+    sc = np.bincount(inv[first], weights=costs[1][first], minlength=uniq.size)
+    useful = np.flatnonzero(sc > 0)
+    ranked = useful[np.argsort(lc[useful] / sc[useful], kind="stable")]
+
+    def run(k: int, which: np.ndarray) -> Outcome:
+        mask = np.zeros(uniq.size, bool)
+        mask[ranked[:k]] = True
+        return replay_refusals(trace, tree, dec, mask[inv] & which)
+
+    lo, hi = 0, int(ranked.size) + 1
+    while hi - lo > 1:
+        k = (lo + hi) // 2
+        if run(k, first).lost <= budget * h1:
+            lo = k
+        else:
+            hi = k
+    o = run(lo, ~first)
+    return Holdout(round((o.writes - int(first.sum())) / max(h2, 1.0), 6), round(o.lost / max(h2, 1.0), 6))
