@@ -193,8 +193,10 @@ class ReuseConfig:
 
     subtree: bool = False
     """Also class a block with cached children by the size of that subtree (log2 buckets),
-    which a refusal takes with it: bigger subtrees cost more hits when the trace comes back
-    (docs/eviction.md, "Admission to the last tier": tried, not the default)."""
+    which a refusal takes with it: bigger subtrees cost more hits when the trace comes back.
+    Tried, not the default: 1.026 object writes per hit at 0.59% loss against 0.905 at 0.68%
+    without it (conversation trace, ``density``, DRAM 5%), at twice the replay's processor time
+    (a subtree walk per inner decision; docs/eviction.md, "Admission to the last tier")."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.hit_loss_budget < 1.0:

@@ -16,7 +16,10 @@ each hit (cost). Per (policy, capacity) the replay reports:
   bound of admission (:func:`admission_class_bound`): the fewest last-tier writes per hit of any
   rule that decides by the classes the online ``reuse`` rule learns (hits so far x depth x idle
   time x shape), given every class's exact share of blocks read again, at a hit loss within 1%,
-  and its variant for rules that refuse a block with its subtree (:func:`subtree_class_bound`).
+  and its variant for rules that refuse a block with its subtree (:func:`subtree_class_bound`,
+  which counts one lost hit per refusal: optimistic), and that variant with the loss counted
+  exactly, per class set, learned and known (:func:`exact_subtree_bounds`,
+  tools/replay/subtree.py).
 """
 
 from __future__ import annotations
