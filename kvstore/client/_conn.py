@@ -34,7 +34,7 @@ from kvstore.errors import (
 from kvstore.server import protocol as P
 from kvstore.server.fdpass import receive_fds
 from kvstore.shm import Segment, attach_arena
-from kvstore.ucxenv import apply_ucx_env, transfer_all
+from kvstore.ucxenv import Progress, apply_ucx_env, recv_all, send_all
 
 log = logging.getLogger("kvstore.client")
 
@@ -144,7 +144,8 @@ def import_ucxx() -> Any:
 
 
 class UcxTransport:
-    """ucxx is asyncio-only: a private event loop on a thread runs its calls."""
+    """ucxx is asyncio-only: a private event loop on a thread runs its calls, and waits in that
+    loop's epoll for the worker's events (:class:`kvstore.ucxenv.Progress`: no core spins)."""
 
     def __init__(self, host: str, port: int, timeout: float) -> None:
         self.ucxx = import_ucxx()
@@ -153,11 +154,24 @@ class UcxTransport:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-ucx", daemon=True)
         self._thread.start()
         self._errors = (self.ucxx.exceptions.UCXError, TimeoutError)
+        self._progress: Progress | None = None
         try:
-            self.ep = self._run(self.ucxx.create_endpoint(host, port))
+            self.ep = self._run(self._connect(host, port))
         except ConnectionLost:
             self._stop_loop()
             raise
+
+    async def _connect(self, host: str, port: int) -> Any:
+        self._progress = Progress.of_running_loop()
+        with self._held():  # ucxx's own handshake timeout is 5 s: too short for a loaded machine
+            return await self.ucxx.create_endpoint(host, port, connect_timeout=self.timeout)
+
+    def _held(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if self._progress is None else self._progress.held()
+
+    async def _close(self) -> None:
+        with self._held():
+            await self.ep.close()
 
     def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -172,10 +186,10 @@ class UcxTransport:
         return np.frombuffer(b, dtype=np.uint8)
 
     async def _send(self, bufs: Sequence[bytes | memoryview]) -> None:
-        await transfer_all([self.ep.send(self._arr(b)) for b in bufs if len(b)])
+        await send_all(self.ep, [self._arr(b) for b in bufs if len(b)])
 
     async def _recv(self, bufs: Sequence[memoryview]) -> None:
-        await transfer_all([self.ep.recv(self._arr(b)) for b in bufs if len(b)])
+        await recv_all(self.ep, [self._arr(b) for b in bufs if len(b)])
 
     def send(self, bufs: Sequence[bytes | memoryview]) -> None:
         self._run(self._send(list(bufs)))
@@ -194,12 +208,14 @@ class UcxTransport:
         self._run(self._exchange(list(frame), head, steps))
 
     def _stop_loop(self) -> None:
+        if self._progress is not None:
+            self._loop.call_soon_threadsafe(self._progress.close)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 
     def close(self) -> None:
         with contextlib.suppress(ConnectionLost):  # the daemon is gone already
-            self._run(self.ep.close())
+            self._run(self._close())
         self._stop_loop()
 
 

@@ -40,6 +40,18 @@ def test_round_trip_over_ucx(start_daemon: Callable[..., ThreadedDaemon]) -> Non
         out = np.zeros(6 * BB, np.uint8)
         assert a.get_into(SMALL_NS, chain, out) == 6
         assert np.array_equal(out, blocks)
+        # No loop of this process progresses ucxx's worker by spinning: the daemon's and the
+        # client's loops are driven by kvstore.ucxenv.Progress (ucxx's own blocking mode spins),
+        # and a client with nothing in flight does not even watch the worker's fd.
+        from ucxx._lib_async.application_context import ProgressTasks
+
+        from kvstore.ucxenv import Progress
+
+        assert ProgressTasks and all(isinstance(t, Progress) for t in ProgressTasks.values())
+        assert a._conn is not None
+        client = a._conn.t._progress  # type: ignore[union-attr]
+        assert isinstance(client, Progress) and not client.watching, "an idle client does not watch"
+        assert any(p.watching for p in Progress._all.values()), "the daemon's listener does"
     with connect(d.url, token=TOKEN_B, plane="ucx") as b:  # isolation holds on UCX too
         assert b.get_into(SMALL_NS, chain, np.zeros(6 * BB, np.uint8)) == 0
 
