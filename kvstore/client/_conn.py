@@ -9,10 +9,10 @@ transport's loop thread (``exchange``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import socket
-import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -144,15 +144,16 @@ def import_ucxx() -> Any:
 
 
 class UcxTransport:
-    """ucxx is asyncio-only: a private event loop on a thread runs its calls, and waits in that
-    loop's epoll for the worker's events (:class:`kvstore.ucxenv.Progress`: no core spins)."""
+    """ucxx is asyncio-only: a private event loop runs its calls, in the calling thread (the
+    client's lock makes calls one at a time), and waits in that loop's epoll for the worker's
+    events (:class:`kvstore.ucxenv.Progress`: no core spins). A caller whose thread already
+    runs an event loop of its own gets the loop run on a helper thread instead."""
 
     def __init__(self, host: str, port: int, timeout: float) -> None:
         self.ucxx = import_ucxx()
         self.timeout = timeout
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-ucx", daemon=True)
-        self._thread.start()
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
         self._errors = (self.ucxx.exceptions.UCXError, TimeoutError)
         self._progress: Progress | None = None
         try:
@@ -174,11 +175,18 @@ class UcxTransport:
             await self.ep.close()
 
     def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        """Run ``coro`` on the private loop, here: a trip into a loop thread and back cost two
+        thread wake-ups per request, each a wait for a core on a loaded machine."""
+        bounded = asyncio.wait_for(coro, self.timeout)
         try:
-            return fut.result(self.timeout)
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop runs in this thread: run ours here
+                return self._loop.run_until_complete(bounded)
+            if self._helper is None:
+                self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-ucx")
+            return self._helper.submit(self._loop.run_until_complete, bounded).result()
         except self._errors as e:
-            fut.cancel()
             raise ConnectionLost(f"UCX transfer failed: {e}") from e
 
     @staticmethod
@@ -202,16 +210,17 @@ class UcxTransport:
         await self._recv(steps.payload())
 
     def exchange(self, frame: Sequence[bytes | memoryview], head: memoryview, steps: ReplySteps) -> None:
-        """As :meth:`TcpTransport.exchange`, in one trip into the UCX loop's thread: a request
-        and its reply's header, metadata and payload took four, each a wake-up of two threads,
-        which at a load of 10-16 on two cores cost tens of milliseconds each."""
+        """As :meth:`TcpTransport.exchange`, in one run of the UCX loop: a request and its
+        reply's header, metadata and payload took four trips into its thread, each a wake-up of
+        two threads, which at a load of 10-16 on two cores cost tens of milliseconds each."""
         self._run(self._exchange(list(frame), head, steps))
 
     def _stop_loop(self) -> None:
         if self._progress is not None:
-            self._loop.call_soon_threadsafe(self._progress.close)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+            self._progress.close()
+        self._loop.close()
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
 
     def close(self) -> None:
         with contextlib.suppress(ConnectionLost):  # the daemon is gone already
