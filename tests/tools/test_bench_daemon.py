@@ -47,3 +47,4 @@ def test_ucx_bench_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
     for r in rows[2:]:  # processor time of both processes of each side, per 64 MiB
         assert r["unit"] == "ms" and r["value"] == pytest.approx(r["receiver_ms"] + r["sender_ms"], abs=0.01)
         assert r["baseline"] == pytest.approx(r["baseline_receiver_ms"] + r["baseline_sender_ms"], abs=0.01)
+        assert r["idle_ms_per_s"].keys() == {"client", "daemon", "raw_ucxx_sender"}

@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 rates = rotating_trials(sides, rounds, n * bb / 1e9)
                 c.get_into(BENCH_NS, hashes, dst)
                 assert np.array_equal(dst, blocks)
+                idle = _idle_ms_per_s({"client": 0, "daemon": d.pid, "raw_ucxx_sender": sender.pid})
         finally:
             sock_sender.kill()
             sock_sender.wait()
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     for base, metric, kind in (("ucxx", "cpu_ucx_per_64MiB", "raw ucxx"),
                                ("socket", "cpu_ucx_per_64MiB_vs_socket", "raw socket recv_into")):
         yield result("ucx", metric, ours, "ms", cpu[base].total() / per * 1e3, goal_ratio=1.25,
-                     baseline_kind=kind, receiver_ms=round(cpu["ours"].mine / per * 1e3, 3),
+                     baseline_kind=kind, idle_ms_per_s=idle, receiver_ms=round(cpu["ours"].mine / per * 1e3, 3),
                      sender_ms=round(cpu["ours"].peer / per * 1e3, 3),
                      baseline_receiver_ms=round(cpu[base].mine / per * 1e3, 3),
                      baseline_sender_ms=round(cpu[base].peer / per * 1e3, 3))
@@ -176,6 +177,19 @@ class _CpuOf:
 
     def total(self) -> float:
         return self.mine + self.peer
+
+
+def _idle_ms_per_s(pids: dict[str, int], seconds: float = 1.0) -> dict[str, float]:
+    """Processor ms per second each process (0: this one) spends while nothing moves: a UCX
+    progress that spins shows here (ucxx's own blocking mode: ~900), and would slow the socket
+    baseline of the same run as much as the figure."""
+    def now() -> dict[str, float]:
+        return {k: time.process_time() if pid == 0 else _CpuOf(pid)._peer_now() for k, pid in pids.items()}
+
+    t0, c0 = time.perf_counter(), now()
+    time.sleep(seconds)  # the measurement itself: how much runs while this process sleeps
+    c1, t1 = now(), time.perf_counter()
+    return {k: round((c1[k] - c0[k]) / (t1 - t0) * 1e3, 1) for k in pids}
 
 
 def _port(proc: subprocess.Popen[str]) -> int:

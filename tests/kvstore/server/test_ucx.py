@@ -56,6 +56,28 @@ def test_round_trip_over_ucx(start_daemon: Callable[..., ThreadedDaemon]) -> Non
         assert b.get_into(SMALL_NS, chain, np.zeros(6 * BB, np.uint8)) == 0
 
 
+def test_a_ucx_client_called_from_inside_a_running_event_loop(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    """The client runs its UCX loop in the calling thread; a caller already inside an event loop
+    (a blocking call from async code) gets it run on a helper thread, and the calls still work."""
+    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore[ucx]')")
+    import asyncio
+
+    from kvstore.client import connect
+
+    d = start_daemon(TENANTS, ucx=True)
+    chain = chain_for(3, 4)
+    blocks = np.frombuffer(b"".join(payload(x) for x in chain), np.uint8)
+
+    async def inside() -> np.ndarray:
+        with connect(d.url, token=TOKEN_A, plane="ucx") as c:
+            assert c.put(SMALL_NS, chain, blocks) == 4
+            out = np.zeros(4 * BB, np.uint8)
+            assert c.get_into(SMALL_NS, chain, out) == 4
+            return out
+
+    assert np.array_equal(asyncio.run(inside()), blocks)
+
+
 def test_clients_killed_mid_transfer_over_ucx_never_take_the_daemon_down(tmp_path: Path) -> None:
     """The trade-off docs/daemon.md describes, checked with real processes: the daemon's UCX
     endpoints run with peer error handling, so a client SIGKILLed in the middle of its puts and
