@@ -54,7 +54,7 @@ FRAME_TIMEOUT_S = 60.0
 """Once a header has arrived, the rest of its frame (and the reply) must move within this."""
 _IOV_MAX = 512
 RUN_MESSAGE_BYTES = 16 << 20
-"""GET_RUNS: the largest run of blocks sent as one message (UCX_TCP_*_SEG_SIZE stays 1 MiB)."""
+"""GET_RUNS: the largest run of blocks sent as one message (on UCX one rendezvous each)."""
 _METRIC_OP = {P.Op.GET_RUNS: "get"}
 """The ``op`` label of ``kvstore_request_seconds``: a GET_RUNS is a get (the same request, its
 payload sent in runs), so dashboards keep one series per operation whichever form a client uses."""
