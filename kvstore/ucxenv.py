@@ -40,9 +40,11 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
     # block); send segments may not exceed them.
     "UCX_TCP_TX_SEG_SIZE": "64K",
     "UCX_TCP_RX_SEG_SIZE": "64K",
-    # Socket buffers of 4 MiB: fewer wake-ups per MiB than the kernel's default sizing.
+    # A send buffer of 4 MiB (the kernel's autotuning stops there, net.ipv4.tcp_wmem); the
+    # receive buffer is left to the kernel's autotuning, which grows past what SO_RCVBUF may
+    # set (net.core.rmem_max): per 64 MiB the client then spent 21-22 ms against 23-24 with
+    # 4 MiB, the daemon 21-22 against 22-23 (docs/benchmarks.md).
     "UCX_TCP_SNDBUF": "4M",
-    "UCX_TCP_RCVBUF": "4M",
 }
 
 
