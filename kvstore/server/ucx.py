@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -77,6 +77,13 @@ class UcxChannel(Channel):
             await recv_all(self.ep, [as_array(buf)])
         except self._errors as e:
             raise ChannelClosed(f"UCX receive failed: {e}") from e
+
+    async def recv_many(self, bufs: Sequence[memoryview], received: Callable[[int], None]) -> None:
+        try:  # all posted at once: one block's rendezvous overlaps the next
+            await recv_all(self.ep, [as_array(b) for b in bufs if len(b)])
+        except self._errors as e:
+            raise ChannelClosed(f"UCX receive failed: {e}") from e
+        received(sum(len(b) for b in bufs))
 
     async def send(self, bufs: Sequence[bytes | memoryview]) -> None:
         try:  # all posted at once: one block's rendezvous overlaps the next
