@@ -73,6 +73,7 @@ class Progress:
     TICK_S = 0.5
     _all: dict[asyncio.AbstractEventLoop, Progress] = {}
     _lock = threading.Lock()
+    _making = threading.Lock()
 
     def __init__(self, loop: asyncio.AbstractEventLoop, worker: Any) -> None:
         self.loop = loop
@@ -101,12 +102,17 @@ class Progress:
         from ucxx import core
         from ucxx._lib_async import application_context as appctx
 
-        # Claim the loop first: creating the context asks for a progress task for it.
-        appctx.ProgressTasks[loop] = None
-        ctx = core._get_ctx()
-        ctx.worker.init_blocking_progress_mode()  # the worker's epoll fd (once per worker)
-        p = cls(loop, ctx.worker)
-        appctx.ProgressTasks[loop] = p
+        with cls._making:  # ucxx makes its one context on first use, without a lock of its own
+            # Claim the loop first: creating the context asks for a progress task for it.
+            appctx.ProgressTasks[loop] = None
+            try:
+                ctx = core._get_ctx()
+                ctx.worker.init_blocking_progress_mode()  # the worker's epoll fd (once per worker)
+            except BaseException:
+                appctx.ProgressTasks.pop(loop, None)
+                raise
+            p = cls(loop, ctx.worker)
+            appctx.ProgressTasks[loop] = p
         return p
 
     def hold(self) -> None:
