@@ -253,6 +253,18 @@ def test_paired_ratios_are_call_by_call() -> None:
     assert paired_ratios({**kv, "paired": False}, peer, "store") == {}
 
 
+def test_a_child_that_dies_without_a_result_never_reports_the_last_sizes(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import sys
+
+    from tools.bench import peers
+
+    w = Workload(tokens=256, fit=1, geometry=Geometry(layers=2))
+    (tmp_path / "memcpy.out.json").write_text(json.dumps({"figures": {}, "missing_tokens": 0, "wrong_chunks": 0}))
+    monkeypatch.setattr(peers, "_command", lambda names, spec: ([sys.executable, "-c", "raise SystemExit(3)"], {}))
+    res = peers.run_child("memcpy", w, tmp_path, 60)
+    assert res["failed"].startswith("exit 3 without a result"), res
+
+
 def test_child_spec_round_trips_the_workload(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from dataclasses import asdict
 
