@@ -20,7 +20,8 @@ and attends over the whole rows of that layer:
 
 - ``attention="varlen"`` (CUDA): the naive form for the whole batch: the layer's rows
   decompressed with one ``kv_b_proj`` GEMM, then one FlashAttention-2 variable-length call (V
-  zero-padded to the ``nope + rope`` head size FlashAttention-2 needs, as vLLM does);
+  zero-padded to the ``nope + rope`` head size FlashAttention-2 needs, as vLLM does); ``form=
+  "absorbed"`` runs the per-request loop below instead (``"auto"`` stays naive here);
 - ``attention="loop"``: one SDPA call per request, in the form ``form`` names (``"auto"``:
   :func:`engine.mla.choose_form` per batch, by FLOPs).
 """
@@ -71,7 +72,9 @@ class BatchedMLA(BatchedLM):
         lay = _BATCH.get()
         assert lay is not None
         lengths = [(b - a, n) for a, b, n in zip(lay.q_starts, lay.q_starts[1:], lay.k_lens, strict=False)]
-        form = choose_form(self.form, self._dims, lengths)
+        # The absorbed form has no variable-length kernel here (FlashMLA-style kernels are not
+        # available): with varlen attention "auto" keeps the batch on FlashAttention-2.
+        form = "naive" if lay.varlen and self.form == "auto" else choose_form(self.form, self._dims, lengths)
         self.forms_run[form] += 1
         dec = self._decoder
         h = dec.embed_tokens(input_ids)

@@ -150,18 +150,18 @@ def absorbed_weights(attn: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 def attend_absorbed(attn: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """As :func:`attend_naive`, in the latent space: multi-query attention of ``H`` queries of
-    ``latent + rope`` over the rows themselves (key: the whole latent, value: ``c_kv``)."""
+    ``latent + rope`` over the rows themselves (key: the whole latent, value: ``c_kv``). One key
+    for every head lets the heads fold into the rows of two plain GEMMs (scores ``[H*s, n]``,
+    output ``[H*s, latent]``); softmax in float32."""
     d = Dims.of(attn)
     s, n = q_nope.shape[0], rows.shape[0]
     w_uk, w_uv = absorbed_weights(attn)
-    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, s, latent]
-    q = torch.cat([q_lat, q_pe.transpose(0, 1)], dim=-1).unsqueeze(0)  # [1, H, s, latent + rope]
-    k = rows.view(1, 1, n, d.latent + d.rope)
-    v = rows[:, : d.latent].view(1, 1, n, d.latent)
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=causal_lower_right(s, n), scale=attn.scaling, enable_gqa=True,
-    )  # [1, H, s, latent]
-    return torch.bmm(o[0], w_uv.transpose(1, 2)).transpose(0, 1)  # [s, H, v]
+    q = torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk), q_pe.transpose(0, 1)], dim=-1)  # [H, s, latent + rope]
+    scores = (q.view(d.heads * s, -1) @ rows.T).view(d.heads, s, n).float() * attn.scaling
+    later = torch.ones((s, n), dtype=torch.bool, device=rows.device).triu_(n - s + 1)  # keys after each query
+    p = torch.softmax(scores.masked_fill_(later, float("-inf")), dim=-1).to(rows.dtype)
+    o = (p.view(d.heads * s, n) @ rows[:, : d.latent]).view(d.heads, s, d.latent)
+    return torch.bmm(o, w_uv.transpose(1, 2)).transpose(0, 1)  # [s, H, v]
 
 
 ATTEND = {"naive": attend_naive, "absorbed": attend_absorbed}
