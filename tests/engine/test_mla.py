@@ -203,3 +203,33 @@ def test_the_automatic_form_follows_the_flops() -> None:
     assert choose_form("auto", d, [(1300, 32768)]) == "naive"
     assert choose_form("auto", d, [(4096, 4096)]) == "naive"
     assert choose_form("naive", d, [(1, 32768)]) == "naive"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention-2 varlen needs CUDA")
+def test_varlen_on_cuda_matches_the_per_request_loop(tmp_path: Path) -> None:
+    """bf16 on CUDA: the batch through FlashAttention-2 varlen (naive form, V zero-padded to the
+    nope + rope head) gives the per-request loop's logits in both forms, and transformers'
+    uncached forward's within bf16 rounding."""
+    model = lora_moe().to("cuda", torch.bfloat16)
+    shape = latent_shape(model.config, torch.bfloat16, BT)
+    tiers = (TierSpec("dram", "dram", {"capacity_bytes": 256 * shape.block_bytes, "slab_bytes": 8 * shape.block_bytes}),)
+    store = KVStore(StoreConfig(root=tmp_path, tiers=tiers, persist_on_close=False))
+    cache = EngineCache(store, shape.namespace("test/mla-cuda"), shape, max_pending=64)
+    try:
+        g = torch.Generator().manual_seed(5)
+        history = torch.randint(0, 256, (5 * BT + 3,), generator=g)
+        BatchedMLA(model, cache, attention="varlen", block_tokens=BT).prefill([history])
+        cache.flush()
+        prompts = [torch.cat([history, torch.randint(0, 256, (n,), generator=g)]) for n in (9, 40)]
+        prompts.append(torch.randint(0, 256, (2 * BT + 1,), generator=g))
+        varlen = BatchedMLA(model, cache, attention="varlen", block_tokens=BT).prefill(prompts, store=False)
+        assert [r.hit_tokens for r in varlen] == [5 * BT, 5 * BT, 0]
+        for form in ("naive", "absorbed"):
+            loop = BatchedMLA(model, cache, attention="loop", block_tokens=BT, form=form).prefill(prompts, store=False)
+            for a, b in zip(varlen, loop, strict=True):
+                assert rel_err(a.logits, b.logits) <= 2e-2
+        for r, p in zip(varlen, prompts, strict=True):
+            assert rel_err(r.logits, reference(model, p.to("cuda"))) <= 5e-2
+    finally:
+        cache.close()
+        store.close()
