@@ -148,19 +148,28 @@ def absorbed_weights(attn: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return w[:, : d.nope], w[:, d.nope :]
 
 
+_SCORES = 1 << 28
+"""Scores (float32 elements) the absorbed form holds at once: queries go in chunks under it."""
+
+
 def attend_absorbed(attn: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """As :func:`attend_naive`, in the latent space: multi-query attention of ``H`` queries of
     ``latent + rope`` over the rows themselves (key: the whole latent, value: ``c_kv``). One key
     for every head lets the heads fold into the rows of two plain GEMMs (scores ``[H*s, n]``,
-    output ``[H*s, latent]``); softmax in float32."""
+    output ``[H*s, latent]``), in query chunks of at most ``_SCORES`` scores; softmax in float32."""
     d = Dims.of(attn)
     s, n = q_nope.shape[0], rows.shape[0]
     w_uk, w_uv = absorbed_weights(attn)
     q = torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk), q_pe.transpose(0, 1)], dim=-1)  # [H, s, latent + rope]
-    scores = (q.view(d.heads * s, -1) @ rows.T).view(d.heads, s, n).float() * attn.scaling
-    later = torch.ones((s, n), dtype=torch.bool, device=rows.device).triu_(n - s + 1)  # keys after each query
-    p = torch.softmax(scores.masked_fill_(later, float("-inf")), dim=-1).to(rows.dtype)
-    o = (p.view(d.heads * s, n) @ rows[:, : d.latent]).view(d.heads, s, d.latent)
+    o = q.new_empty((d.heads, s, d.latent))
+    step = max(1, _SCORES // (d.heads * n))
+    for a in range(0, s, step):
+        b = min(s, a + step)
+        scores = (q[:, a:b].reshape(d.heads * (b - a), -1) @ rows.T).view(d.heads, b - a, n).float() * attn.scaling
+        # Query i of the request sees keys up to n - s + i (its cached prefix, then causally).
+        later = torch.ones((b - a, n), dtype=torch.bool, device=rows.device).triu_(n - s + a + 1)
+        p = torch.softmax(scores.masked_fill_(later, float("-inf")), dim=-1).to(rows.dtype)
+        o[:, a:b] = (p.view(d.heads * (b - a), n) @ rows[:, : d.latent]).view(d.heads, b - a, d.latent)
     return torch.bmm(o, w_uv.transpose(1, 2)).transpose(0, 1)  # [s, H, v]
 
 

@@ -194,6 +194,24 @@ def test_hits_from_hbm_pages_are_latents_too(setup) -> None:
         hbm.close()
 
 
+def test_the_absorbed_form_in_query_chunks_equals_the_naive_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One layer, 40 new tokens over 70: the absorbed form cut into chunks of 3 queries (its
+    bound on the scores it holds at once) equals the naive form."""
+    import engine.mla as mla
+
+    model = lora_moe()
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(70, 64, generator=torch.Generator().manual_seed(6))
+    cos, sin = model.model.rotary_emb(x.unsqueeze(0), torch.arange(70).unsqueeze(0))
+    with torch.no_grad():
+        q_nope, q_pe, rows = mla.project(attn, x, cos, sin)
+        want = mla.attend_naive(attn, q_nope[30:], q_pe[30:], rows)
+        monkeypatch.setattr(mla, "_SCORES", 4 * 70 * 3)  # heads x keys x 3 queries
+        got = mla.attend_absorbed(attn, q_nope[30:], q_pe[30:], rows)
+    assert got.shape == want.shape == (40, 4, 24)
+    assert rel_err(got, want) <= 1e-5
+
+
 def test_the_automatic_form_follows_the_flops() -> None:
     """DeepSeek-V3's attention dims: a short suffix over a long prefix runs absorbed (no
     decompression of the prefix); a prefill of thousands of new tokens runs naive."""
