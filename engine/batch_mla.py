@@ -54,8 +54,9 @@ class BatchedMLA(BatchedLM):
         if cache is None:
             self.shape = latent_shape(model.config, dtype, bt)
         self.form = form
-        """``"naive"``, ``"absorbed"`` or ``"auto"`` (per batch, by FLOPs); with
-        ``attention="varlen"`` the batch runs naive unless the choice is absorbed."""
+        """``"naive"``, ``"absorbed"`` or ``"auto"`` (per batch, by FLOPs). With
+        ``attention="varlen"``, ``"auto"`` stays naive (FlashAttention-2) and ``"absorbed"``
+        runs one request at a time."""
         self.forms_run: dict[str, int] = {"naive": 0, "absorbed": 0}
         """Batches run in each form."""
         self._decoder = base
