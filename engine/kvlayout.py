@@ -29,6 +29,14 @@ class KVShape:
     head_dim: int
     dtype: torch.dtype
     block_tokens: int
+    mla: tuple[int, int] | None = None
+    """``(latent_dim, rope_dim)`` for an MLA model (``engine.mla``): one latent per token and
+    layer, moved as two halves in the K and V places (``kv_heads`` 1, ``head_dim`` half the
+    latent), so every byte-moving part of the engine serves it unchanged."""
+
+    def __post_init__(self) -> None:
+        if self.mla is not None and (self.kv_heads != 1 or 2 * self.head_dim != sum(self.mla)):
+            raise ValueError(f"an MLA shape has kv_heads 1 and head_dim (latent + rope) / 2, not {self}")
 
     @property
     def dtype_name(self) -> str:
@@ -44,11 +52,9 @@ class KVShape:
         return self.num_layers * self.layer_bytes
 
     def namespace(self, model_id: str, revision: str = "main", **kw: Any) -> Namespace:
-        layout = KVLayout(
-            self.dtype_name,
-            self.block_tokens,
-            (LayerGroup("full", self.num_layers, self.kv_heads, self.head_dim),),
-        )
+        group = (LayerGroup("mla", self.num_layers, latent_dim=self.mla[0], rope_dim=self.mla[1]) if self.mla
+                 else LayerGroup("full", self.num_layers, self.kv_heads, self.head_dim))
+        layout = KVLayout(self.dtype_name, self.block_tokens, (group,))
         return Namespace(model_id, layout, model_revision=revision, **kw)
 
 

@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hit", type=float, action="append", help="throughput: hit rate(s) to run (default 0.5 0.8 0.96 0.99)")
     p.add_argument("--attention", default="varlen", choices=["varlen", "loop"], help="throughput: attention backend on CUDA")
     p.add_argument("--hbm-gib", type=float, default=0.0, help="throughput: HBM cache budget (default: the stream's blocks)")
+    p.add_argument("--model", default="llama", choices=["llama", "mla"],
+                   help="throughput: Llama-3-8B, or a scaled-down DeepSeek-V3 with a latent (MLA) cache")
     p.add_argument("--conversations", type=int, default=0, help="throughput: concurrent conversations (default 16)")
     p.add_argument("--repeat", type=int, default=1, help="throughput: run the hit rates this many times (the spread)")
     p.add_argument("--no-compare-attention", dest="compare_attention", action="store_false",

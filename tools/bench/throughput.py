@@ -442,6 +442,11 @@ def _rows(h: float, runs: dict[str, _Run], extra: dict[str, Any], shape: KVShape
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    if getattr(args, "model", "llama") == "mla":  # a scaled-down DeepSeek-V3 (tools/bench/throughput_mla.py)
+        from tools.bench import throughput_mla
+
+        yield from throughput_mla.measure(args)
+        return
     yield from measure(args)
 
 
