@@ -14,6 +14,7 @@ from tools.replay.bounds import (
     age_grid,
     class_bound,
     holdout_window_hits,
+    keep_until_occupancy,
     policy_class_segments,
     unlimited,
     window_bound,
@@ -139,6 +140,9 @@ def test_cli_prints_economics_and_references(three: Path, capsys: pytest.Capture
     assert ref[0]["window_bound_by_age_ratio_first_tier_hit_share"] == {"1.35": 1.0, "1.15": 1.0, "1.05": 1.0}
     # The second half (accesses 3 and 4) starts no segment that is reused: nothing to score.
     assert ref[0]["holdout_window_by_age_ratio_first_tier_hit_share"] == {"1.35": 0.0, "1.15": 0.0, "1.05": 0.0, "fine": 0.0}
+    occ = ref[0]["keep_until_occupancy_first_tier_blocks"]
+    assert set(occ) == {"q10", "q50", "q90", "max"} and 0 <= occ["q10"] <= occ["q50"] <= occ["q90"] <= occ["max"]
+    assert 0 <= ref[0]["keep_until_over_capacity_share"] <= 1
 
 
 def test_admission_rule_reports_its_hit_loss(three: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -199,6 +203,16 @@ def test_holdout_window_keeps_the_cells_the_first_half_paid_for() -> None:
     assert holdout_window_hits(segments(5_000.0), 1, ratio=2.0) == (0.0, 10)
     # With every reuse statistic known (the bound), the window at 5,000 is found.
     assert window_bound(segments(5_000.0), 1, ratio=2.0) >= 10
+
+
+def test_keep_until_occupancy_meets_the_capacity_on_average_only() -> None:
+    # Two blocks accessed at ticks 1 and 2, each reused 10 accesses later, over 20 accesses:
+    # room for one block on average (20 block-accesses) keeps both until their reuse.
+    seg = ClassSegments([np.array([10.0, 10.0])], 20, [np.array([1, 2])])
+    assert class_bound(seg, 1) == pytest.approx(2.0)
+    occ = keep_until_occupancy(seg, 1)
+    assert occ.tolist() == [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1] + [0] * 9
+    assert occ.mean() == pytest.approx(1.0)  # the capacity, on average; twice it for 9 accesses
 
 
 def test_policy_class_segments(tmp_path: Path) -> None:

@@ -206,22 +206,57 @@ def policy_class_segments(trace: Trace) -> ClassSegments:
 
 def class_bound(segments: ClassSegments, capacity: int) -> float:
     """The most block hits of :func:`class_segments`' policy family with ``capacity`` blocks."""
+    return _keep_until(segments, capacity)[0]
+
+
+def keep_until_occupancy(segments: ClassSegments, capacity: int) -> np.ndarray:
+    """The blocks :func:`class_bound`'s solution holds after each access, when it is run on
+    the trace without a capacity (each class kept until the age the LP gives it; the class on
+    the budget's edge to the end of its step): the bound meets ``capacity`` on *average* only,
+    and this shows how far the occupancy strays from it (a bursty trace needs many times the
+    room at its peaks, which a real tier does not have, so its policies fall short of the
+    bound). Needs the segments' start ticks."""
+    assert segments.starts is not None, "segments without start ticks"
+    ages = _keep_until(segments, capacity)[1]
+    n = segments.accesses
+    delta = np.zeros(n + 2)
+    for g, start, age in zip(segments.gaps, segments.starts, ages, strict=True):
+        if age <= 0:
+            continue
+        end = np.minimum(start + np.minimum(g, age), n + 1).astype(np.int64)
+        np.add.at(delta, start, 1.0)
+        np.add.at(delta, end, -1.0)
+    return np.cumsum(delta)[1 : n + 1]
+
+
+def _keep_until(segments: ClassSegments, capacity: int) -> tuple[float, list[float]]:
+    """:func:`class_bound`'s LP: its hits, and each class's keep-until age (the horizon of the
+    last hull step it takes; a step taken in part counts whole)."""
     tick = segments.accesses
     horizons = age_grid(tick)
     base_space = base_hits = 0.0
-    steps: list[tuple[float, float, float]] = []  # (hits per space, space, hits)
-    for g in segments.gaps:
+    steps: list[tuple[float, float, float, int, float]] = []  # (hits per space, space, hits, class, age)
+    ages = [0.0] * len(segments.gaps)
+    for c, g in enumerate(segments.gaps):
         reused, space = _keep_curve(g, horizons)
         hull = _upper_hull(space, reused)
         base_space, base_hits = base_space + hull[0][0], base_hits + hull[0][1]
-        steps += [((y2 - y1) / (x2 - x1), x2 - x1, y2 - y1) for (x1, y1), (x2, y2) in zip(hull, hull[1:], strict=False)]
+        ages[c] = _age_at(hull[0][0], space, horizons) if hull[0][1] > 0 else 0.0
+        steps += [((y2 - y1) / (x2 - x1), x2 - x1, y2 - y1, c, _age_at(x2, space, horizons))
+                  for (x1, y1), (x2, y2) in zip(hull, hull[1:], strict=False)]
     budget, total = capacity * tick - base_space, base_hits
-    for _, dx, dy in sorted(steps, reverse=True):
+    for _, dx, dy, c, age in sorted(steps, reverse=True):
         if budget <= 0:
             break
         take = min(1.0, budget / dx)
         total, budget = total + take * dy, budget - take * dx
-    return total
+        ages[c] = max(ages[c], age)
+    return total, ages
+
+
+def _age_at(spent: float, space: np.ndarray, horizons: np.ndarray) -> float:
+    """The horizon at which a class's space-time curve reaches ``spent``."""
+    return float(horizons[min(int(np.searchsorted(space, spent)), horizons.size - 1)])
 
 
 def age_grid(accesses: int, ratio: float | None = None) -> np.ndarray:

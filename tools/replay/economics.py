@@ -37,6 +37,7 @@ from tools.replay.bounds import (
     class_bound,
     class_segments,
     holdout_window_hits,
+    keep_until_occupancy,
     next_use,
     policy_class_segments,
     unlimited,
@@ -242,7 +243,13 @@ def first_tier_bounds(trace: Trace, capacity: int, served: float) -> dict[str, A
     own, rich = policy_class_segments(trace), class_segments(trace)
     share = lambda hits: round(min(hits / max(served, 1.0), 1.0), 6)  # noqa: E731
     held = lambda got: round(got[0] / max(got[1], 1), 6)  # noqa: E731
+    occupancy = keep_until_occupancy(own, capacity)
     return {
+        # The keep-until bound holds `capacity` blocks on average: how far its occupancy strays.
+        "keep_until_occupancy_first_tier_blocks": {
+            q: float(np.quantile(occupancy, x)) if occupancy.size else 0.0
+            for q, x in (("q10", 0.1), ("q50", 0.5), ("q90", 0.9), ("max", 1.0))},
+        "keep_until_over_capacity_share": round(float((occupancy > capacity).mean()) if occupancy.size else 0.0, 6),
         "class_bound_first_tier_hit_share": share(class_bound(own, capacity)),
         "window_bound_first_tier_hit_share": share(window_bound(own, capacity)),
         "rich_class_bound_first_tier_hit_share": share(class_bound(rich, capacity)),
@@ -333,7 +340,9 @@ def _emit_windows(head: str, row: dict[str, Any]) -> None:
     print(f"{head} first-tier window bound by age resolution: "
           + ", ".join(f"ratio {r} {v:.3f}" for r, v in grid.items())
           + f", 600 steps {row['window_bound_first_tier_hit_share']:.3f}; fitted on the first half, second half: "
-          + ", ".join(f"{r} {v:.3f}" for r, v in fitted.items()), flush=True)
+          + ", ".join(f"{r} {v:.3f}" for r, v in fitted.items())
+          + f"; keep-until occupancy {row['keep_until_occupancy_first_tier_blocks']} blocks, over the tier's"
+          f" capacity at {100 * row['keep_until_over_capacity_share']:.0f}% of accesses", flush=True)
 
 
 def emit(row: dict[str, Any], as_json: bool) -> None:
