@@ -300,7 +300,9 @@ def window_bound(segments: ClassSegments, capacity: int, ratio: float | None = N
     out the ages where a handful of reuses happened to fall (memorised, not learnable: see
     :func:`holdout_window_hits`); with ``ratio`` the bound is for rules that know a block's
     age to that resolution only, such as a prefetch decided from eviction/density.py's own
-    age buckets. A coarser grid is a smaller class of rules, so its bound is lower."""
+    age buckets. A coarser grid is a smaller class of rules, so its bound is lower. Each cell
+    gets one decision for the whole trace: a rule that changes its decisions as the workload
+    drifts is not covered (nor by :func:`class_bound`)."""
     v, c = _window_cells(segments.gaps, age_grid(segments.accesses, ratio))
     free = c <= 0
     total, budget = float(v[free].sum()), float(capacity * segments.accesses)
