@@ -69,8 +69,9 @@ $(PEERS_STAMP): pyproject.toml
 		(apt-get update -q && apt-get install -y -q redis-server libibverbs1)
 	touch $(PEERS_STAMP)
 
+# Not echoed: stdout is only the JSON lines (make bench-peers > r.jsonl).
 bench-peers: $(PEERS_STAMP)
-	PYTHONPATH=$(CURDIR) $(PEERS_PY) -m tools.bench peers --json $(PEERS_ARGS)
+	@PYTHONPATH=$(CURDIR) $(PEERS_PY) -m tools.bench peers --json $(PEERS_ARGS)
 
 # The long reliability run (docs/reliability.md): ~8 minutes; figures to reliability-figures.json.
 reliability-long: $(STAMP)

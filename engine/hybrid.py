@@ -102,6 +102,123 @@ def _flash_window(module: Any, query: torch.Tensor, key: torch.Tensor, value: to
 
 AttentionInterface.register(_FLASH, _flash_window)
 
+_CUDNN = "kvstore_cudnn_full"
+_CUDNN_OK: dict[str, str] = {}  # device -> "gqa" | "expand" | "" (the self-check's verdict)
+
+
+def _cudnn_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
+                expand: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN attention of ``q`` ``[1, Hq, S, D]`` over ``k``/``v`` ``[1, Hkv, T, D]``: the output and
+    its log-sum-exp ``[1, Hq, S]`` (``causal``: top-left aligned, for the square part only)."""
+    if expand > 1:
+        k, v = k.repeat_interleave(expand, 1), v.repeat_interleave(expand, 1)
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return out[0], out[1].reshape(q.shape[0], q.shape[1], q.shape[2])
+
+
+def _cudnn_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, mode: str) -> torch.Tensor:
+    """Bottom-right causal attention of ``S`` queries over ``T >= S`` keys with cuDNN, exactly: the
+    queries see every key before them (``T - S`` keys, no mask) and their own square block
+    causally (where top-left and bottom-right agree); the two parts are merged by their
+    log-sum-exp. Returns ``[1, S, Hq, D]``. (cuDNN's own ``is_causal`` aligns top-left: wrong
+    for a prefill after a cached prefix; ``tools.bench.hybrid attention`` checks it.)"""
+    s, t = q.shape[2], k.shape[2]
+    expand = q.shape[1] // k.shape[1] if mode == "expand" else 1
+    o2, l2 = _cudnn_part(q, k[:, :, t - s :], v[:, :, t - s :], True, scale, expand)
+    if t == s:
+        return o2.transpose(1, 2)
+    o1, l1 = _cudnn_part(q, k[:, :, : t - s], v[:, :, : t - s], False, scale, expand)
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m).unsqueeze(-1), torch.exp(l2 - m).unsqueeze(-1)
+    out = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    return out.to(q.dtype).transpose(1, 2)
+
+
+def _cudnn_window(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                  scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention interface (CUDA): full layers with cuDNN (:func:`_cudnn_full`, 1.6-1.9x
+    FlashAttention-2's rate over a 32K prefix on the H200), sliding layers with
+    :func:`_flash_window`; the same semantics as that one."""
+    mode = _CUDNN_OK.get(str(query.device), "")
+    if sliding_window or not mode or query.shape[0] != 1:
+        return _flash_window(module, query, key, value, attention_mask, scaling, dropout, sliding_window, **kwargs)
+    return _cudnn_full(query, key, value, scaling, mode), None
+
+
+AttentionInterface.register(_CUDNN, _cudnn_window)
+
+
+def cudnn_check(device: torch.device) -> str:
+    """Whether :func:`_cudnn_full` gives FlashAttention-2's answer on ``device`` (once per device,
+    before any forward: random inputs of a prefill's layout, 4 query heads per KV head): "gqa"
+    (cuDNN takes the KV heads as they are), "expand" (they must be repeated first), or "" (not
+    usable here: FlashAttention-2 stays)."""
+    key = str(device)
+    if key in _CUDNN_OK:
+        return _CUDNN_OK[key]
+    verdict = ""
+    if device.type == "cuda":
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn((1, 200, 8, 64), device=device, dtype=torch.bfloat16, generator=g).transpose(1, 2)
+        k = torch.randn((1, 2, 1000, 64), device=device, dtype=torch.bfloat16, generator=g)
+        v = torch.randn((1, 2, 1000, 64), device=device, dtype=torch.bfloat16, generator=g)
+        ref = _flash_window(None, q, k, v, None, 0.125)[0].float()
+        for mode in ("gqa", "expand"):
+            try:
+                out = _cudnn_full(q, k, v, 0.125, mode).float()
+            except RuntimeError as e:  # this torch/cuDNN refuses the call: try the next form
+                log.info("cuDNN attention (%s) refused: %s", mode, e)
+                continue
+            if float((out - ref).norm() / ref.norm()) < 1e-2:
+                verdict = mode
+                break
+    _CUDNN_OK[key] = verdict
+    return verdict
+
+_WINDOW = "kvstore_sdpa_window"
+
+
+def _sdpa_window(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                 scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention interface (any device): :func:`_flash_window`'s semantics (one
+    sequence, causal aligned bottom-right, key j seen by query i when ``i - W < j <= i``) with
+    SDPA and a mask built from the shapes alone, never from the model's mask: the dependency
+    cone (:func:`cone_starts`) gives each layer fewer queries than the model's mask was made for."""
+    s, k = query.shape[2], key.shape[2]
+    i = torch.arange(s, device=query.device)[:, None] + (k - s)
+    j = torch.arange(k, device=query.device)[None, :]
+    mask = j <= i
+    if sliding_window:
+        mask &= j > i - sliding_window
+    rep = query.shape[1] // key.shape[1]
+    if rep > 1:
+        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(_WINDOW, _sdpa_window)
+
+
+def cone_starts(kinds: tuple[str, ...] | list[str], window: int, start: int, end: int, kv_from: int) -> list[int]:
+    """The dependency cone of a replay: per layer, the first position whose layer input must be
+    computed, when positions ``start..end-1`` replay (their full layers' KV cached, the sliding
+    layers' KV cached only before ``start``) and every position from ``end`` on is new.
+
+    From the top layer down: a full layer needs its input only where its output is needed (its
+    KV before ``end`` is cached); a sliding layer of window ``W`` also needs its input for the
+    ``W - 1`` keys before the first query it must output, and for every position from
+    ``kv_from`` on (the window pieces this prefill stores); no layer starts before ``start``.
+    The top full layers need no replayed position at all."""
+    x, out = end, [0] * len(kinds)
+    for j in range(len(kinds) - 1, -1, -1):
+        if kinds[j] == "sliding":
+            x = max(start, min(x - (window - 1), kv_from))
+        out[j] = x
+    return out
+
 
 @dataclass(frozen=True, slots=True)
 class StateSlot:
@@ -237,6 +354,9 @@ class HybridPrefill:
     ``fetch`` (leases or reads), ``issue`` (installing the cache and queueing its loads),
     ``forward`` (issuing the model), ``sync`` (waiting for the device); ``copies``: host-to-device
     copy calls queued; ``moved_bytes``: the bytes they move."""
+    cone: tuple[int, ...] = ()
+    """With the dependency cone (a replay): positions each decoder layer computed (new tokens
+    included); empty when every layer computed every position after the checkpoint."""
     timeline: dict[str, Any] | None = None
     """With ``HybridLM.trace`` on CUDA: per decoder layer, device milliseconds from the prefill's
     start until its load completed (``load_ms``, None: nothing to load), its compute started
@@ -276,15 +396,23 @@ class HybridLM:
         all_layers: bool = True,
         attention: str = "auto",
         trace: bool = False,
+        cone: bool = True,
     ) -> None:
         """``all_layers`` (with ``everything``): load every layer of every cached block, as a
         store-everything connector does; False: only what the model reads, the full layers of
         every block and the sliding layers' last window (the best a store-everything engine
         can do). ``attention``: ``"model"`` (the model's own), ``"flash"`` (CUDA:
         FlashAttention-2 with bottom-right causal alignment and the sliding window, no mask
-        tensor: :func:`_flash_window`), ``"auto"``: flash on CUDA for a model it covers (no
-        logit soft-capping, no attention sinks), else the model's. ``trace``: record the
-        per-layer timeline (CUDA events) in :attr:`HybridPrefill.timeline`."""
+        tensor: :func:`_flash_window`), ``"cudnn"`` (CUDA: the full layers with cuDNN, exact
+        bottom-right causal by a split and a log-sum-exp merge, :func:`_cudnn_full`; the
+        sliding ones with FlashAttention-2), ``"auto"``: cudnn on CUDA for a model it covers (no
+        logit soft-capping, no attention sinks) where :func:`cudnn_check` passes, else flash,
+        else the model's. ``trace``: record the
+        per-layer timeline (CUDA events) in :attr:`HybridPrefill.timeline`. ``cone``: a replay
+        computes only its dependency cone (:func:`cone_starts`: each layer the positions the
+        layers above and the stored windows need; the full part is loaded up to the hit's end),
+        for models whose attention :func:`_flash_window` / :func:`_sdpa_window` cover, with one
+        window size and no recurrent layers; otherwise every layer replays every position."""
         self.model = model.eval()
         self.store = store
         self.device = next(model.parameters()).device
@@ -307,12 +435,16 @@ class HybridLM:
         # Leases (zero-copy reads from the store's shared-memory arena) for a CUDA device.
         self._leases = self.device.type == "cuda" and hasattr(store, "acquire")
         self.layer_groups = max(1, layer_groups)
-        if attention not in ("auto", "model", "flash"):
-            raise UsageError(f"attention must be 'auto', 'model' or 'flash', not {attention!r}")
-        if attention == "flash":
+        if attention not in ("auto", "model", "flash", "cudnn"):
+            raise UsageError(f"attention must be 'auto', 'model', 'flash' or 'cudnn', not {attention!r}")
+        if attention in ("flash", "cudnn"):
             _refuse_flash(model, self.device)
+            if attention == "cudnn" and not cudnn_check(self.device):
+                raise UsageError("attention='cudnn': cuDNN attention is not usable on this device/torch; use 'flash'")
         elif attention == "auto":
             attention = "flash" if _flash_covers(model, self.device) else "model"
+            if attention == "flash" and cudnn_check(self.device):
+                attention = "cudnn"
         self.all_layers = all_layers
         self.attention = attention
         self.trace = trace
@@ -322,9 +454,19 @@ class HybridLM:
         self._copies = self._moved = 0
         self._hooks = []
         decoder = getattr(model.base_model, "layers", None)
-        if self._stream is not None and decoder is not None and len(decoder) == len(self.plan.kinds):
+        layered = decoder is not None and len(decoder) == len(self.plan.kinds)
+        if self._stream is not None and layered:
             self._hooks = [m.register_forward_pre_hook(partial(self._wait, i)) for i, m in enumerate(decoder)]
             self._hooks += [m.register_forward_hook(partial(self._done, i)) for i, m in enumerate(decoder)]
+        self.cone = (cone and layered and not everything and not self.plan.recurrent and bool(self.plan.full)
+                     and bool(self.plan.sliding) and len({w for w in self.plan.windows if w}) == 1
+                     and _attention_covers(model))
+        self._cone: tuple[list[int], int] | None = None  # (first position per layer, prompt length) in a cone forward
+        self._cone_rows: list[int] = []
+        self._skips: dict[int, int] = {}  # full layer -> positions its cone computes whose KV is loaded
+        self._room = 0
+        if self.cone:
+            self._hooks += [m.register_forward_pre_hook(partial(self._slice, i), with_kwargs=True) for i, m in enumerate(decoder)]
         if store is not None:
             if everything:
                 store.register_namespace(ns)
@@ -389,8 +531,9 @@ class HybridLM:
             got.state = self._fetch(hyb.state, [hyb.state_key(hashes[c])], held, got)
             if got.state is None:
                 return None
-        if hyb.full is not None:
-            got.full = self._fetch(hyb.full, list(hashes[: c + 1]), held, got)
+        if hyb.full is not None:  # with the cone, through the hit's end: no full layer replays
+            n = where.full_blocks if self.cone and not self.everything else c + 1
+            got.full = self._fetch(hyb.full, list(hashes[:n]), held, got)
             if got.full is None:
                 return None
         return got
@@ -473,9 +616,15 @@ class HybridLM:
         kb = min(n, -(-keep // bt))  # blocks that hold a sliding layer's last ``keep`` tokens
         dst = {}
         for layer in layers:
-            t = keep if self.plan.kinds[layer] == "sliding" else n * bt
-            k = torch.empty((1, shape.kv_heads, t, shape.head_dim), dtype=self.dtype, device=self.device)
-            dst[layer] = (k, torch.empty_like(k))
+            if self.plan.kinds[layer] == "sliding":
+                k = torch.empty((1, shape.kv_heads, keep, shape.head_dim), dtype=self.dtype, device=self.device)
+                dst[layer] = (k, torch.empty_like(k))
+            else:  # room for this prefill's new tokens: they are written in place, not concatenated
+                t = n * bt
+                kbuf = torch.empty((1, shape.kv_heads, t + self._room, shape.head_dim), dtype=self.dtype, device=self.device)
+                vbuf = torch.empty_like(kbuf)
+                dst[layer] = (kbuf[:, :, :t], vbuf[:, :, :t])
+                cache.layers[layer].update = partial(_in_place_update, cache.layers[layer], kbuf, vbuf, self._skips, layer)
             self._install(cache, layer, *dst[layer], tokens)
         # Each layer's first block: a group is consecutive layers with the same first block.
         firsts = [n - kb if self.plan.kinds[layer] == "sliding" and not (self.everything and self.all_layers) else 0
@@ -575,6 +724,7 @@ class HybridLM:
                 marks.append(time.perf_counter())
             c = got.checkpoint if got is not None else -1
             hit = (c + 1) * bt
+            self._room = ids.numel() - hit  # the most tokens a full layer appends in this prefill
             cache = self._build(got)
             for layer in self.plan.sliding:
                 cache.layers[layer].activate_past_recording()  # keep the suffix's window states to store
@@ -586,14 +736,33 @@ class HybridLM:
                 want = {(p + 1) * bt for p in ckpts}
             ends = sorted({e for e in want if hit < e < ids.numel()} | {ids.numel()})
             pos = hit
-            with self._attention():
-                for end in ends:
-                    chunk = ids[pos:end].unsqueeze(0).to(self.device)
-                    out = self.model(input_ids=chunk, use_cache=True, logits_to_keep=1, **{self._kw: cache})
-                    cache = _out_cache(out)
-                    if end in want:
-                        states[end // bt - 1] = self._snapshot(cache)
-                    pos = end
+            m = min(self.wn, hit)
+            first = {layer: hit - m for layer in self.plan.sliding}  # each sliding layer's first cached position
+            cone = self._cone_plan(got, hit, ids.numel(), ckpts if store and self.store is not None else [])
+            extra = {}
+            if cone is not None:  # one forward (no recurrent state): each layer its cone
+                self._cone = (cone, ids.numel())
+                self._cone_rows = [0] * len(self.plan.kinds)
+                first = {layer: cone[layer] - m for layer in self.plan.sliding}
+                self._skip_cached(cache, cone, got.full.num_blocks * bt if got is not None and got.full is not None else hit)
+                extra = {"position_ids": torch.arange(hit, ids.numel(), device=self.device).unsqueeze(0)}
+            try:
+                with self._attention(cone is not None):
+                    for end in ends:
+                        chunk = ids[pos:end].unsqueeze(0).to(self.device)
+                        out = self.model(input_ids=chunk, use_cache=True, logits_to_keep=1, **extra, **{self._kw: cache})
+                        cache = _out_cache(out)
+                        if end in want:
+                            states[end // bt - 1] = self._snapshot(cache)
+                        pos = end
+            finally:
+                for layer in self.plan.full:
+                    cache.layers[layer].__dict__.pop("update", None)  # the in-place update of loaded layers
+                if cone is not None:
+                    self._cone = None
+                    self._skips.clear()
+                    for layer in self.plan.sliding:  # positions counted by the prompt, not by what was computed
+                        cache.layers[layer].cumulative_length = ids.numel()
             logits = out.logits[0, -1].float()
             marks.append(time.perf_counter())
             if self.device.type == "cuda":
@@ -611,7 +780,7 @@ class HybridLM:
         stored = 0
         if store and self.store is not None:
             try:
-                stored = self._store(cache, hashes, c, hit, states, ckpts)
+                stored = self._store(cache, hashes, c, first, states, ckpts)
             except MissingPrefixError as e:  # the loaded prefix left the store since: skip this put
                 log.info("hybrid store skipped: %s", e)
         for layer in self.plan.sliding:
@@ -620,13 +789,69 @@ class HybridLM:
             lay.keys, lay.values = lay.keys[:, :, -self.wn :], lay.values[:, :, -self.wn :]
         replayed = (got.cached_blocks - c - 1) * bt if got is not None else 0
         loaded = got.nbytes if got is not None else 0
-        return HybridPrefill(logits, cache, c, hit, replayed, ids.numel() - hit, loaded, seconds, stored, phases, timeline)
+        rows = tuple(self._cone_rows) if cone is not None else ()
+        return HybridPrefill(logits, cache, c, hit, replayed, ids.numel() - hit, loaded, seconds, stored, phases, cone=rows,
+                             timeline=timeline)
 
-    def _attention(self) -> Any:
-        """The model runs with :func:`_flash_window` while ``attention == "flash"``."""
-        if self.attention != "flash":
-            return nullcontext()
-        return _swap_attention(self.model.config, _FLASH)
+    def _attention(self, cone: bool = False) -> Any:
+        """The model runs with :func:`_flash_window` while ``attention == "flash"``; a cone forward
+        otherwise with :func:`_sdpa_window` (the model's mask would not fit its layers)."""
+        if self.attention in ("flash", "cudnn"):
+            return _swap_attention(self.model.config, _FLASH if self.attention == "flash" else _CUDNN)
+        return _swap_attention(self.model.config, _WINDOW) if cone else nullcontext()
+
+    def _cone_plan(self, got: _Loaded | None, hit: int, total: int, ckpts: list[int]) -> list[int] | None:
+        """Each layer's first computed position (:func:`cone_starts`) when this prefill replays
+        and the cone applies, else None. The window pieces it stores inside the replay (new
+        checkpoints there) need every sliding layer's KV from their first block on."""
+        if not self.cone or got is None or got.full is None:
+            return None
+        end = got.full.num_blocks * self.bt
+        if end <= hit:
+            return None
+        pieces = [j for p in ckpts for j in self.hyb.checkpoint_blocks(p) if hit <= j * self.bt < end]
+        kv_from = min(pieces) * self.bt if pieces else end
+        return cone_starts(self.plan.kinds, self.wn + 1, hit, end, kv_from)
+
+    def _skip_cached(self, cache: DynamicCache, cone: list[int], end: int) -> None:
+        """A full layer whose cone starts before ``end`` computes K/V for positions whose KV is
+        loaded: its ``update`` drops those and appends only the new ones (an instance attribute,
+        removed after the forward)."""
+        for layer in self.plan.full:
+            skip = end - cone[layer]
+            if skip > 0:
+                if "update" not in cache.layers[layer].__dict__:
+                    raise RuntimeError(f"cone: full layer {layer} has no loaded part to skip into")
+                self._skips[layer] = skip
+
+    def _slice(self, layer: int, module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """Forward pre-hook of decoder layer ``layer`` in a cone forward: its input keeps only the
+        positions from its cone's start (the hidden states, rotary embeddings and position ids
+        of the earlier positions are cut off; the attention takes its mask from the shapes). The
+        model hands every layer the rotary embeddings and position ids of the whole forward."""
+        if self._cone is None:
+            return None
+        starts, total = self._cone
+        keep = total - starts[layer]
+        self._cone_rows[layer] = keep
+        hs = args[0] if args else kwargs["hidden_states"]
+        if hs.shape[1] < keep:
+            raise RuntimeError(f"cone: layer {layer} needs {keep} positions, the layer below computed {hs.shape[1]}")
+        kwargs = dict(kwargs)
+        if args:
+            args = (hs[:, -keep:], *args[1:])
+        else:
+            kwargs["hidden_states"] = hs[:, -keep:]
+        pe = kwargs.get("position_embeddings")
+        if pe is not None:
+            kwargs["position_embeddings"] = tuple(t[:, -keep:] for t in pe)
+        for name in ("position_ids", "cache_position"):
+            t = kwargs.get(name)
+            if t is not None:
+                kwargs[name] = t[..., -keep:]
+        if kwargs.get("attention_mask") is not None:
+            raise RuntimeError("cone: the model built an attention mask; the cone runs with a mask-free attention interface")
+        return args, kwargs
 
     def _timeline(self, start: Any) -> dict[str, Any]:
         """Device milliseconds from ``start`` (the device synchronised) of each layer's load
@@ -646,8 +871,8 @@ class HybridLM:
             out.add(got.cached_blocks - 1)
         return sorted(out)
 
-    def _store(self, cache: DynamicCache, hashes: list[BlockHash], c: int, hit: int, states: dict[int, torch.Tensor],
-               ckpts: list[int]) -> int:
+    def _store(self, cache: DynamicCache, hashes: list[BlockHash], c: int, first: dict[int, int],
+               states: dict[int, torch.Tensor], ckpts: list[int]) -> int:
         """Put what this prefill computed; returns the payload bytes that were new."""
         store = self.store
         assert store is not None
@@ -655,8 +880,8 @@ class HybridLM:
         if n <= c + 1:
             return 0
         layers = cache.layers
-        # Position of each layer's first cached token: sliding layers start at the loaded window.
-        first = {layer: hit - min(self.wn, hit) for layer in self.plan.sliding}
+        # ``first``: each sliding layer's first cached position (the loaded window's, or with the
+        # cone, the window before the layer's first computed position).
         sel = list(range(len(self.plan.kinds))) if self.everything else self.plan.full
         new_bytes = 0
         if sel:
@@ -717,9 +942,19 @@ def _flash_covers(model: Any, device: torch.device) -> bool:
     return True
 
 
-def _refuse_flash(model: Any, device: torch.device) -> None:
+def _attention_covers(model: Any) -> bool:
+    """:func:`_flash_window` and :func:`_sdpa_window` compute this model's attention (no logit
+    soft-capping, no attention sinks)."""
+    try:
+        _refuse_flash(model, None)
+    except UsageError:
+        return False
+    return True
+
+
+def _refuse_flash(model: Any, device: torch.device | None) -> None:
     """``attention="flash"`` covers causal attention with an optional sliding window, nothing more."""
-    if device.type != "cuda":
+    if device is not None and device.type != "cuda":
         raise UsageError("attention='flash' needs a CUDA model (FlashAttention-2); use attention='model' on the CPU")
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     if getattr(cfg, "attn_logit_softcapping", None):
@@ -736,6 +971,25 @@ def _swap_attention(config: Any, name: str) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = prev
+
+
+def _in_place_update(lay: Any, kbuf: torch.Tensor, vbuf: torch.Tensor, skips: dict[int, int], layer: int,
+                     key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                     **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loaded full layer's ``update`` during a prefill: the new KV is written into the room left
+    after the loaded tokens (``kbuf``/``vbuf``), not concatenated (a copy of the whole 32K-token
+    cache per layer otherwise); in a cone forward the first ``skips[layer]`` positions' KV is
+    loaded already and dropped. Removed after the forward (an instance attribute)."""
+    skip = skips.get(layer, 0)
+    k, v = key_states[:, :, skip:], value_states[:, :, skip:]
+    n0 = lay.keys.shape[2]
+    n1 = n0 + k.shape[2]
+    if n1 > kbuf.shape[2]:
+        return type(lay).update(lay, k, v, *args, **kwargs)
+    kbuf[:, :, n0:n1].copy_(k)
+    vbuf[:, :, n0:n1].copy_(v)
+    lay.keys, lay.values = kbuf[:, :, :n1], vbuf[:, :, :n1]
+    return lay.keys, lay.values
 
 
 def _runs(sorted_ids: list[int]) -> list[tuple[int, int]]:

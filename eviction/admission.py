@@ -191,6 +191,13 @@ class ReuseConfig:
     only, which saves little, because chains leave the upper tiers head first (1.24 object
     writes per hit against 0.90 on the conversation trace; docs/eviction.md)."""
 
+    subtree: bool = False
+    """Also class a block with cached children by the size of that subtree (log2 buckets),
+    which a refusal takes with it: bigger subtrees cost more hits when the trace comes back.
+    Tried, not the default: 1.026 object writes per hit at 0.59% loss against 0.905 at 0.68%
+    without it (conversation trace, ``density``, DRAM 5%), at twice the replay's processor time
+    (a subtree walk per inner decision; docs/eviction.md, "Admission to the last tier")."""
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.hit_loss_budget < 1.0:
             raise ValueError(f"hit_loss_budget must be in [0, 1), got {self.hit_loss_budget}")
@@ -204,18 +211,20 @@ class ReuseConfig:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
 
 
-_HITS, _DEPTHS, _IDLE = 4, 8, 16
+_HITS, _DEPTHS, _IDLE, _SUBTREES = 4, 8, 16, 8
 
 
-def block_class(hits: int, depth: int, idle_s: float, shape: int) -> int:
+def block_class(hits: int, depth: int, idle_s: float, shape: int, subtree: int = 0) -> int:
     """The class a demoted block is learned in: hits so far, depth and idle time (bucketed),
     and its shape: 0 a leaf that never lost a child to admission (a request's partial last
     block never gets a child and is almost never read again), 1 a leaf whose child admission
-    skipped, 2 a block with cached children."""
+    skipped, 2 a block with cached children; with ``subtree`` (the cached descendants, log2
+    buckets) for rules that class by it."""
     h = min(hits, _HITS - 1)
     d = min(int(math.log2(depth + 1)), _DEPTHS - 1)
     i = min(int(math.log2(max(idle_s, 0.0) + 1.0)), _IDLE - 1)
-    return ((shape * _HITS + h) * _DEPTHS + d) * _IDLE + i
+    t = min(int(math.log2(subtree + 1)), _SUBTREES - 1)
+    return (((t * 3 + shape) * _HITS + h) * _DEPTHS + d) * _IDLE + i
 
 
 class ReuseAdmission(Admission):
@@ -227,7 +236,9 @@ class ReuseAdmission(Admission):
     def __init__(self, config: ReuseConfig | None = None) -> None:
         super().__init__(config or ReuseConfig())
         self.inner = self.config.inner
-        n = 3 * _HITS * _DEPTHS * _IDLE
+        n = _SUBTREES * 3 * _HITS * _DEPTHS * _IDLE if self.config.subtree else 3 * _HITS * _DEPTHS * _IDLE
+        self.children_of: ChildIndex | None = None
+        self._sized = (-1, 0)  # (block id, its subtree size) of the last decision asked about
         self.seen = np.zeros(n)  # decisions per class whose outcome is known (decayed)
         self.reused = np.zeros(n)  # of them, read (or put) again within the horizon
         self.skip = np.zeros(n, dtype=bool)  # the classes skipped now
@@ -257,8 +268,18 @@ class ReuseAdmission(Admission):
 
     def _class(self, bid: int, key: bytes, now: float) -> int:
         v = self.view
-        shape = 2 if int(v.children[bid]) else int(key in self.parents)
-        return block_class(int(v.hits[bid]), int(v.depth[bid]), now - float(v.last_access[bid]), shape)
+        inner = bool(int(v.children[bid]))
+        shape = 2 if inner else int(key in self.parents)
+        return block_class(int(v.hits[bid]), int(v.depth[bid]), now - float(v.last_access[bid]), shape,
+                           self._subtree(bid) if inner and self.config.subtree else 0)
+
+    def _subtree(self, bid: int) -> int:
+        """The cached descendants of ``bid`` (asked twice per decision: remembered once)."""
+        if self._sized[0] != bid:
+            if self.children_of is None:
+                self.children_of = ChildIndex(self.view)  # type: ignore[arg-type]
+            self._sized = (bid, len(self.children_of.below(bid)))
+        return self._sized[1]
 
     def _hollow_parent(self, bid: int) -> bool:
         parent = int(self.view.parent[bid])
@@ -282,6 +303,7 @@ class ReuseAdmission(Admission):
             return False
         self._due(now)
         c = self._class(bid, key, now)
+        self._sized = (-1, 0)  # the next decision about this id may see another subtree
         self.decisions += 1
         stored = not self.skip[c]
         self.pending.append((now, key, c, int(v.hits[bid]), stored))

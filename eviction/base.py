@@ -112,6 +112,29 @@ class EvictionPolicy(ABC):
         the first offer; a policy may answer it without building an iterator."""
         return next(self.candidates(), None)
 
+    runs: bool = False
+    """Whether :meth:`victims` may answer more than one block (the store then takes a run of
+    last-tier victims with one call each to :meth:`victims` and :meth:`remove_leaves`)."""
+
+    def victims(self, n: int) -> list[int]:
+        """Last tier: up to ``n`` blocks that :meth:`first` would offer one after the other if
+        the store took each in turn (:meth:`remove_leaves`: removed, its parent offered when
+        left childless), at least one while any block is offered. Changes no order: the store
+        takes a leading part of the answer with :meth:`remove_leaves` and, where it stops,
+        asks :meth:`first` again. A policy whose next victim may be a parent just offered
+        answers one block (the default, for a policy whose :meth:`first` changes nothing)."""
+        bid = self.first()
+        return [] if bid is None else [bid]
+
+    def remove_leaves(self, bids: list[int], parents: list[int]) -> None:
+        """``remove(bids[i])`` then, when ``parents[i] >= 0``, ``offer(parents[i])``, for each
+        ``i`` in order: the leaves of a batched eviction that :meth:`victims` answered (or
+        any leaves); a policy may override it with one loop of the same outcome."""
+        for bid, p in zip(bids, parents, strict=True):
+            self.remove(bid)
+            if p >= 0:
+                self.offer(p)
+
     @abstractmethod
     def __len__(self) -> int: ...
 

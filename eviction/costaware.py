@@ -69,9 +69,12 @@ class CostAwarePolicy(DensityPolicy):
         if view is None or not ids.size:
             return None
         depth = view.depth[ids]
-        top = int(np.maximum.reduce(depth))  # (the ufunc: no Python wrapper)
-        if top >= self._by_depth.size:
-            model = self._cost_model(int(view.size[ids[0]]))
-            depths = np.arange(max(top + 1, 2 * self._by_depth.size, 64))
-            self._by_depth = model.hit_value(depths, model.block_bytes or float(view.size[ids[0]]), self._tier.kind, self._tier.next_kind)
+        try:
+            return self._by_depth[depth]  # (a depth past the table raises: no max to find first)
+        except IndexError:
+            pass
+        top = int(np.maximum.reduce(depth))
+        model = self._cost_model(int(view.size[ids[0]]))
+        depths = np.arange(max(top + 1, 2 * self._by_depth.size, 64))
+        self._by_depth = model.hit_value(depths, model.block_bytes or float(view.size[ids[0]]), self._tier.kind, self._tier.next_kind)
         return self._by_depth[depth]

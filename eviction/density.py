@@ -57,6 +57,9 @@ _LOW = np.concatenate([[0.0], _UP[:-1]])
 _MID = (_LOW + _UP) / 2
 _HELD = -2
 """``_pos`` of a resident block held out of the ranking (last tier, it has cached children)."""
+_KEY_SHIFT = 40
+_KEY_TICKS = 1 << _KEY_SHIFT
+"""A refill orders blocks by one integer, ``rank << _KEY_SHIFT | last``, while ticks fit."""
 _HIT_CLASSES = 6  # hits 0, 1, 2, 3-4, 5-8, 9+
 NUM_CLASSES = _HIT_CLASSES * 2  # x (chain extended past the block or not)
 
@@ -127,17 +130,24 @@ def density_table(reuses: np.ndarray, exposure: np.ndarray) -> np.ndarray:
     ones = np.ones((reuses.shape[0], 1))
     survival = np.cumprod(np.concatenate([ones, 1.0 - hazard[:, :-1]], axis=1), axis=1)
     mass = survival * hazard  # P(reuse in bucket k)
-    out = np.zeros_like(reuses, dtype=np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):  # once: entering it costs more than a bucket
-        for a in range(NUM_BUCKETS):
-            age = _LOW[a]
-            m = mass[:, a:]
-            hits = np.cumsum(m, axis=1)
-            held = np.cumsum(m * np.maximum(_MID[a:] - age, 0.5), axis=1)
-            held += (survival[:, a : a + 1] - hits) * (_UP[a:] - age)
-            d = np.where(held > 0, hits / held, 0.0)
-            out[:, a] = d.max(axis=1)
-    return out
+    # Every current age bucket a at once, over stopping buckets j >= a (axis 2): the sums
+    # run from j = a as in one bucket at a time (the entries before a are exact zeros, and a
+    # cumulative sum adds in order), and those entries are left out of the maximum.
+    later = _LATER  # [a, j]: j >= a
+    m = np.where(later, mass[:, None, :], 0.0)
+    hits = np.cumsum(m, axis=2)
+    held = np.cumsum(m * _STAY, axis=2)
+    held += (survival[:, :, None] - hits) * _REST
+    with np.errstate(invalid="ignore", divide="ignore"):
+        d = np.where(held > 0, hits / held, 0.0)
+    return np.where(later, d, -np.inf).max(axis=2)
+
+
+_LATER = np.arange(NUM_BUCKETS)[None, :] >= np.arange(NUM_BUCKETS)[:, None]
+_STAY = np.maximum(_MID[None, :] - _LOW[:, None], 0.5)
+"""[a, j]: the time held, from an age at the start of bucket a, by a reuse in bucket j."""
+_REST = _UP[None, :] - _LOW[:, None]
+"""[a, j]: the time held, from an age at the start of bucket a, to the end of bucket j."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +244,7 @@ class DensityPolicy(EvictionPolicy):
     name = "density"
     Config = DensityConfig
     weighted = False  # whether weights() says more than "all equal"
+    runs = True  # victims(): a parent offered waits for the next refill, so a run is exact
 
     def __init__(self, config: DensityConfig | None = None) -> None:
         self.config = config or DensityConfig()
@@ -249,6 +260,8 @@ class DensityPolicy(EvictionPolicy):
         self._ended_flat = [0.0] * (NUM_CLASSES * NUM_BUCKETS)
         self._reuses_flat = [0.0] * (NUM_CLASSES * NUM_BUCKETS)
         self._table: np.ndarray | None = None
+        # Per table value, its rank among them (ties equal) << _KEY_SHIFT: a refill's keys.
+        self._rank = np.zeros(NUM_CLASSES * NUM_BUCKETS, np.int64)
         self._ghosts = _Ghosts()
         # Blocks removed since the ghost ring last learned of them (hash, id, the ring's limit
         # at the removal): a batched eviction's ghosts enter the ring in one pass
@@ -257,6 +270,8 @@ class DensityPolicy(EvictionPolicy):
         self._gone_ids: list[int] = []
         self._gone_limits: list[float] = []
         self._queue: list[tuple[int, int, float]] = []  # (bid, last access, score), best last
+        self._answered = 0  # queue entries (at its end) that victims() answered last
+        self._repeats = False  # the last refill sampled with replacement: a bid may repeat
         self._n = 0  # ranked blocks: _resident[:_n]
         self._held: set[int] = set()  # resident blocks held out of the ranking (last tier)
         self._cap = 0
@@ -373,7 +388,7 @@ class DensityPolicy(EvictionPolicy):
             return
         if self._gone_keys:
             self._flush_gone()
-        self._grow(int(ids.max()) + 1)
+        self._grow(int(np.maximum.reduce(ids)) + 1)  # (the ufunc: no Python wrapper)
         pos = self._pos
         # Repeats and blocks already resident are no-ops (neither advances the clock).
         fresh = [b for b in dict.fromkeys(ids.tolist()) if pos[b] == -1]
@@ -534,13 +549,21 @@ class DensityPolicy(EvictionPolicy):
         if from_ring:
             cap, gkeys = g.cap, g.keys
             live = []
-            for j in range(g.head, g.head + from_ring):
-                s = j % cap
-                key = gkeys[s]
-                if key is not None:
-                    gkeys[s] = None
-                    del where[key]
-                    live.append(s)
+            a = g.head % cap
+            if a + from_ring <= cap:  # the usual case: one slice of the ring
+                for s, key in enumerate(gkeys[a : a + from_ring], a):
+                    if key is not None:
+                        del where[key]
+                        live.append(s)
+                gkeys[a : a + from_ring] = [None] * from_ring
+            else:
+                for j in range(g.head, g.head + from_ring):
+                    s = j % cap
+                    key = gkeys[s]
+                    if key is not None:
+                        gkeys[s] = None
+                        del where[key]
+                        live.append(s)
             g.head += from_ring
             if live:
                 slots = np.array(live, np.int64)
@@ -559,14 +582,19 @@ class DensityPolicy(EvictionPolicy):
             return
         while len(g) + k > g.cap:
             g._grow()
-        slots = (g.tail + np.arange(k)) % g.cap
+        s0 = g.tail % g.cap
+        slots: slice | np.ndarray = slice(s0, s0 + k) if s0 + k <= g.cap else (g.tail + np.arange(k)) % g.cap
         g.cls[slots], g.t0[slots] = cls[gone:], t0[gone:]
         hits = self._hits
         g.hits[slots] = [hits[b] for b in ids[gone:]]
         gkeys, where = g.keys, g.where  # (new ones if the ring grew)
-        for s, key in zip(slots.tolist(), keys[gone:], strict=True):
-            gkeys[s] = key
-            where[key] = s
+        if isinstance(slots, slice):  # the usual case: one slice of the ring
+            gkeys[slots] = keys[gone:]
+            where.update(zip(keys[gone:], range(s0, s0 + k), strict=True))
+        else:
+            for s, key in zip(slots.tolist(), keys[gone:], strict=True):
+                gkeys[s] = key
+                where[key] = s
         g.tail += k
 
     def _push_ghosts_in_order(self, keys: list[bytes], ids: list[int], limits: list[float]) -> None:
@@ -581,6 +609,7 @@ class DensityPolicy(EvictionPolicy):
 
     def first(self) -> int | None:
         # candidates()'s first step without its generator: the entry is taken off the queue.
+        self._answered = 0
         pos, last_of = self._pos, self._last
         while True:
             if not self._queue:
@@ -590,6 +619,87 @@ class DensityPolicy(EvictionPolicy):
             bid, last, _ = self._queue.pop()
             if pos[bid] >= 0 and last_of[bid] == last:
                 return bid
+
+    def victims(self, n: int) -> list[int]:
+        """The queue's next valid entries, up to ``n`` (a refill first if it holds none): what
+        :meth:`first` answers one after the other while the store takes each, because a
+        parent offered meanwhile is ranked at the next refill only. They stay on the queue
+        (stale entries between them are dropped, as :meth:`first` drops them on its way) until
+        :meth:`remove_leaves` takes them off."""
+        q, pos, last_of = self._queue, self._pos, self._last
+        self._answered = 0
+        while True:
+            if not q:
+                self._refill(set())
+                q = self._queue  # (a new list)
+                if not q:
+                    return []
+            bid, last, _ = q[-1]
+            if pos[bid] >= 0 and last_of[bid] == last:
+                break
+            q.pop()
+        out: list[int] = []
+        i, clean, low = len(q) - 1, True, len(q)
+        seen = set() if self._repeats else None
+        while i >= 0 and len(out) < n:
+            bid, last, _ = q[i]
+            if last_of[bid] != last or pos[bid] == -1:
+                clean = False  # stale for good: removed, or accessed since
+            elif pos[bid] == _HELD or (seen is not None and bid in seen):
+                # Held: an offer in the run may make it valid again; a sample drawn twice is
+                # stale once the first is taken. Either way first() decides there.
+                break
+            else:
+                if seen is not None:
+                    seen.add(bid)
+                out.append(bid)
+                low = i
+            i -= 1
+        if not clean:  # (those below the last one answered stay, as first() leaves them)
+            tail = [e for e in q[low:] if pos[e[0]] >= 0 and last_of[e[0]] == e[1]]
+            del q[low:]
+            q.extend(tail)
+        self._answered = len(out)
+        return out
+
+    def remove_leaves(self, bids: list[int], parents: list[int]) -> None:
+        """``remove`` then ``offer`` of each pair in one loop; the entries :meth:`victims`
+        answered leave the queue as :meth:`first` would have taken them."""
+        q, pos, resident, held, cap = self._queue, self._pos, self._resident, self._held, self._cap
+        factor = self.config.ghost_factor
+        view = self._view
+        ghosts = view is not None and factor > 0
+        hash_of = view.hash_of if view is not None else None
+        gone_keys, gone_ids, gone_limits = self._gone_keys, self._gone_ids, self._gone_limits
+        answered = self._answered
+        n = self._n
+        total = n + len(held)  # resident, ranked and held: each removal lowers it, an offer does not
+        for bid, p in zip(bids, parents, strict=True):
+            if answered and q and q[-1][0] == bid:
+                q.pop()
+                answered -= 1
+            if bid < cap and (i := pos[bid]) != -1:
+                if ghosts:
+                    gone_keys.append(hash_of(bid))  # type: ignore[misc]
+                    gone_ids.append(bid)
+                    gone_limits.append(factor * max(total, 64))
+                total -= 1
+                if i == _HELD:
+                    held.discard(bid)
+                else:
+                    n -= 1
+                    moved = int(resident[n])
+                    if moved != bid:
+                        resident[i] = moved
+                        pos[moved] = i
+                pos[bid] = -1
+            if 0 <= p < cap and pos[p] == _HELD:
+                held.discard(p)
+                pos[p] = n
+                resident[n] = p
+                n += 1
+        self._n = n
+        self._answered = answered
 
     def candidates(self) -> Iterator[int]:
         offered: set[int] = set()  # the store skipped these (pinned, in use): rank the rest
@@ -609,17 +719,21 @@ class DensityPolicy(EvictionPolicy):
         """Rebuild the density tables; blocks resident or in the ghost ring count as censored
         at their current age (not reused yet), then past counts decay."""
         self._since_rebuild = 0
-        pending = np.zeros((NUM_CLASSES, NUM_BUCKETS))
         ids = self._resident[: self._n]
         if self._held:  # held blocks are resident too: censored like the ranked ones
             ids = np.concatenate([ids, np.fromiter(self._held, np.int64, len(self._held))])
-        np.add.at(pending, (self._cls[ids], age_buckets(self._tick - self._last[ids])), 1)
         g = self._ghosts
         live = g.live()
-        np.add.at(pending, (g.cls[live], age_buckets(self._tick - g.t0[live])), 1)
+        flat = np.concatenate([
+            self._cls[ids].astype(np.int64) * NUM_BUCKETS + age_buckets(self._tick - self._last[ids]),
+            g.cls[live].astype(np.int64) * NUM_BUCKETS + age_buckets(self._tick - g.t0[live]),
+        ])
+        # Counts (whole numbers, exact in floats): the same as adding one at a time.
+        pending = np.bincount(flat, minlength=NUM_CLASSES * NUM_BUCKETS).reshape(NUM_CLASSES, NUM_BUCKETS)
         ended = self._ended + pending
         reached = np.cumsum(ended[:, ::-1], axis=1)[:, ::-1]
         self._table = density_table(self._reuses, reached)
+        self._rank = np.unique(self._table.ravel(), return_inverse=True)[1].astype(np.int64) << _KEY_SHIFT
         decay = self.config.decay
         self._reuses_flat = [x * decay for x in self._reuses_flat]
         self._ended_flat = [x * decay for x in self._ended_flat]
@@ -642,21 +756,39 @@ class DensityPolicy(EvictionPolicy):
             ids = ids[~skip[ids]]
             if not ids.size:
                 return
-        if ids.size > cfg.sample:  # with replacement: O(sample), and a repeat is harmless
+        self._repeats = ids.size > cfg.sample
+        if self._repeats:  # with replacement: O(sample), and a repeat is harmless
             ids = ids[self._rng.integers(0, ids.size, cfg.sample)]
         take = max(cfg.queue_min, int(ids.size * cfg.queue_fraction))
         last = self._last[ids]
         if self._table is None:
             score = last.astype(np.float64)  # no statistics yet: least recently used first
         else:
-            score = self._table.ravel().take(self._cls[ids] * NUM_BUCKETS + age_buckets(self._tick - last))
+            ages = self._tick - last
+            # A sorted search of ~400 ages in 63 first ages (in cache) costs less here than
+            # the 1 MiB bucket table, whose lines the rest of a put has evicted by now.
+            buckets = _FIRST_AGES.searchsorted(ages, side="right")
+            flat = self._cls[ids] * NUM_BUCKETS + buckets
+            if not (self.weighted or self._repeats) and self._tick < _KEY_TICKS:
+                # One integer per block orders as (score, last access) do: the score's rank
+                # among the table's values, then the last access (distinct: one event each).
+                key = self._rank.take(flat) | last
+                if take < ids.size:
+                    sel = key.argpartition(take - 1)[:take]  # (the method: no Python wrapper)
+                    sel = sel[key[sel].argsort()[::-1]]
+                else:
+                    sel = key.argsort()[::-1]  # best victim last
+                self._queue = list(zip(
+                    ids[sel].tolist(), last[sel].tolist(), self._table.ravel().take(flat[sel]).tolist(), strict=True))
+                return
+            score = self._table.ravel().take(flat)
             w = self.weights(ids)
             if w is not None:
                 score = score * w
         if take < ids.size:
             # Every block tied with the take-th score stays in the running, so that the older
             # wins a tie whatever the order of the resident array (scores take few values).
-            kth = np.partition(score, take - 1)[take - 1]
+            kth = score[score.argpartition(take - 1)[take - 1]]
             keep = np.flatnonzero(score <= kth)
             ids, last, score = ids[keep], last[keep], score[keep]
         order = np.lexsort((last, score))[:take][::-1]  # ties: the older first; best victim last

@@ -9,10 +9,10 @@ transport's loop thread (``exchange``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import socket
-import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -34,7 +34,7 @@ from kvstore.errors import (
 from kvstore.server import protocol as P
 from kvstore.server.fdpass import receive_fds
 from kvstore.shm import Segment, attach_arena
-from kvstore.ucxenv import apply_ucx_env, transfer_all
+from kvstore.ucxenv import Progress, apply_ucx_env, recv_all, send_all
 
 log = logging.getLogger("kvstore.client")
 
@@ -144,27 +144,49 @@ def import_ucxx() -> Any:
 
 
 class UcxTransport:
-    """ucxx is asyncio-only: a private event loop on a thread runs its calls."""
+    """ucxx is asyncio-only: a private event loop runs its calls, in the calling thread (the
+    client's lock makes calls one at a time), and waits in that loop's epoll for the worker's
+    events (:class:`kvstore.ucxenv.Progress`: no core spins). A caller whose thread already
+    runs an event loop of its own gets the loop run on a helper thread instead."""
 
     def __init__(self, host: str, port: int, timeout: float) -> None:
         self.ucxx = import_ucxx()
         self.timeout = timeout
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-ucx", daemon=True)
-        self._thread.start()
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
         self._errors = (self.ucxx.exceptions.UCXError, TimeoutError)
+        self._progress: Progress | None = None
         try:
-            self.ep = self._run(self.ucxx.create_endpoint(host, port))
+            self.ep = self._run(self._connect(host, port))
         except ConnectionLost:
             self._stop_loop()
             raise
 
+    async def _connect(self, host: str, port: int) -> Any:
+        self._progress = Progress.of_running_loop()
+        with self._held():  # ucxx's own handshake timeout is 5 s: too short for a loaded machine
+            return await self.ucxx.create_endpoint(host, port, connect_timeout=self.timeout)
+
+    def _held(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if self._progress is None else self._progress.held()
+
+    async def _close(self) -> None:
+        with self._held():
+            await self.ep.close()
+
     def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        """Run ``coro`` on the private loop, here: a trip into a loop thread and back cost two
+        thread wake-ups per request, each a wait for a core on a loaded machine."""
+        bounded = asyncio.wait_for(coro, self.timeout)
         try:
-            return fut.result(self.timeout)
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop runs in this thread: run ours here
+                return self._loop.run_until_complete(bounded)
+            if self._helper is None:
+                self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-ucx")
+            return self._helper.submit(self._loop.run_until_complete, bounded).result()
         except self._errors as e:
-            fut.cancel()
             raise ConnectionLost(f"UCX transfer failed: {e}") from e
 
     @staticmethod
@@ -172,10 +194,10 @@ class UcxTransport:
         return np.frombuffer(b, dtype=np.uint8)
 
     async def _send(self, bufs: Sequence[bytes | memoryview]) -> None:
-        await transfer_all([self.ep.send(self._arr(b)) for b in bufs if len(b)])
+        await send_all(self.ep, [self._arr(b) for b in bufs if len(b)])
 
     async def _recv(self, bufs: Sequence[memoryview]) -> None:
-        await transfer_all([self.ep.recv(self._arr(b)) for b in bufs if len(b)])
+        await recv_all(self.ep, [self._arr(b) for b in bufs if len(b)])
 
     def send(self, bufs: Sequence[bytes | memoryview]) -> None:
         self._run(self._send(list(bufs)))
@@ -188,18 +210,21 @@ class UcxTransport:
         await self._recv(steps.payload())
 
     def exchange(self, frame: Sequence[bytes | memoryview], head: memoryview, steps: ReplySteps) -> None:
-        """As :meth:`TcpTransport.exchange`, in one trip into the UCX loop's thread: a request
-        and its reply's header, metadata and payload took four, each a wake-up of two threads,
-        which at a load of 10-16 on two cores cost tens of milliseconds each."""
+        """As :meth:`TcpTransport.exchange`, in one run of the UCX loop: a request and its
+        reply's header, metadata and payload took four trips into its thread, each a wake-up of
+        two threads, which at a load of 10-16 on two cores cost tens of milliseconds each."""
         self._run(self._exchange(list(frame), head, steps))
 
     def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+        if self._progress is not None:
+            self._progress.close()
+        self._loop.close()
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
 
     def close(self) -> None:
         with contextlib.suppress(ConnectionLost):  # the daemon is gone already
-            self._run(self.ep.close())
+            self._run(self._close())
         self._stop_loop()
 
 

@@ -54,7 +54,7 @@ FRAME_TIMEOUT_S = 60.0
 """Once a header has arrived, the rest of its frame (and the reply) must move within this."""
 _IOV_MAX = 512
 RUN_MESSAGE_BYTES = 16 << 20
-"""GET_RUNS: the largest run of blocks sent as one message (UCX_TCP_*_SEG_SIZE stays 1 MiB)."""
+"""GET_RUNS: the largest run of blocks sent as one message (on UCX one rendezvous each)."""
 _METRIC_OP = {P.Op.GET_RUNS: "get"}
 """The ``op`` label of ``kvstore_request_seconds``: a GET_RUNS is a get (the same request, its
 payload sent in runs), so dashboards keep one series per operation whichever form a client uses."""
@@ -74,6 +74,13 @@ class Channel(ABC):
     @abstractmethod
     async def recv_into(self, buf: memoryview) -> None:
         """Fill ``buf`` exactly, or raise ChannelClosed."""
+
+    async def recv_many(self, bufs: Sequence[memoryview], received: Callable[[int], None]) -> None:
+        """Fill each of ``bufs`` in order (on UCX: one message each, all posted at once);
+        ``received(n)`` is told of the bytes in as they land."""
+        for b in bufs:
+            await self.recv_into(b)
+            received(len(b))
 
     async def recv_some(self, buf: memoryview) -> int:
         """Wait for the first bytes of ``buf`` and return how many arrived (at least one; on a
@@ -297,6 +304,9 @@ class Session:
         n = sum(len(v) for v in payload)
         await self.ch.send([P.encode_header(P.Op.REPLY, req_id, meta, n), meta, *payload])
 
+    def _received(self, n: int) -> None:
+        self._unread -= n
+
     async def _drain(self) -> None:
         scratch = memoryview(bytearray(min(self._unread, 1 << 20)))
         while self._unread:
@@ -491,9 +501,9 @@ class Session:
             try:
                 buf = np.empty(count * bb, np.uint8)
                 mv = memoryview(buf)
-                for i in range(count):  # one receive per block: UCX messages are blocks
-                    await self.ch.recv_into(mv[i * bb : (i + 1) * bb])
-                    self._unread -= bb
+                # One receive per block (UCX messages are blocks), posted at once on UCX: one
+                # at a time, each block's rendezvous waited for the one before.
+                await self.ch.recv_many([mv[i * bb : (i + 1) * bb] for i in range(count)], self._received)
                 tokens = None
                 if tok_bytes:  # one more message: the token ids
                     tokens = np.empty(tok_bytes // 4, "<i4")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,9 +34,14 @@ from kvstore.server.dataplane import (
     reap_leases,
     stop_sessions,
 )
-from kvstore.ucxenv import apply_ucx_env, transfer_all
+from kvstore.ucxenv import Progress, apply_ucx_env, recv_all, send_all
 
 apply_ucx_env()  # before ucxx is imported
+
+
+HANDSHAKE_S = 30.0
+"""How long a new UCX connection may take to exchange ucxx's peer information (the client's
+default timeout)."""
 
 
 def import_ucxx() -> Any:
@@ -69,13 +74,20 @@ class UcxChannel(Channel):
         if not len(buf):
             return
         try:
-            await self.ep.recv(as_array(buf))
+            await recv_all(self.ep, [as_array(buf)])
         except self._errors as e:
             raise ChannelClosed(f"UCX receive failed: {e}") from e
 
+    async def recv_many(self, bufs: Sequence[memoryview], received: Callable[[int], None]) -> None:
+        try:  # all posted at once: one block's rendezvous overlaps the next
+            await recv_all(self.ep, [as_array(b) for b in bufs if len(b)])
+        except self._errors as e:
+            raise ChannelClosed(f"UCX receive failed: {e}") from e
+        received(sum(len(b) for b in bufs))
+
     async def send(self, bufs: Sequence[bytes | memoryview]) -> None:
-        try:  # all posted at once: one block's rendezvous overlaps the next (transfer_all)
-            await transfer_all([self.ep.send(as_array(b)) for b in bufs if len(b)])
+        try:  # all posted at once: one block's rendezvous overlaps the next
+            await send_all(self.ep, [as_array(b) for b in bufs if len(b)])
         except self._errors as e:
             raise ChannelClosed(f"UCX send failed: {e}") from e
 
@@ -92,10 +104,16 @@ class UcxDataServer:
         self._listener: Any = None
         self._reaper: asyncio.Task[None] | None = None
         self._errors: tuple[type[BaseException], ...] = (self.ucxx.exceptions.UCXError,)  # the base class of every ucxx error
+        self._progress: Progress | None = None
 
     def start(self, port: int) -> int:
+        self._progress = Progress.of_running_loop()  # before ucxx would spin a task of its own
+        if self._progress is not None:
+            self._progress.hold()  # connections come in unasked: watch for as long as it listens
         # endpoint_error_handling=True: a client that dies must not abort the daemon.
-        self._listener = self.ucxx.create_listener(self._handle, port=port, endpoint_error_handling=True)
+        # connect_timeout: ucxx's 5 s for the handshake was too short on a loaded 2-core box.
+        self._listener = self.ucxx.create_listener(self._handle, port=port, endpoint_error_handling=True,
+                                                   connect_timeout=HANDSHAKE_S)
         self._reaper = asyncio.get_running_loop().create_task(reap_leases(self.sessions, lease_check_interval(self.ctx)))
         return int(self._listener.port)
 
@@ -121,3 +139,6 @@ class UcxDataServer:
         if self._reaper is not None:
             self._reaper.cancel()
         await stop_sessions(self.sessions, grace_s)
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None

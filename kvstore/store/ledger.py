@@ -179,7 +179,7 @@ class Ledger:
         ids = np.array([bid for _, bid, _ in placed], np.int64)
         sizes = np.array([size for _, _, size in placed], np.int64)
         here = (idx.tiers[ids] & np.uint8(1 << k)) != 0  # still there (a removed block is in no tier)
-        if not here.all():
+        if not np.logical_and.reduce(here):  # (the ufunc: no Python wrapper)
             ids, sizes = ids[here], sizes[here]
         self.policies[k].insert_many(ids, sizes, now)
 
@@ -225,6 +225,23 @@ class Ledger:
             left[p] = c
             if not c and int(idx.tiers[p]) & self._last_bit:
                 self.policies[self.last].offer(p)
+
+    def forget_leaves(self, bids: list[int], left: dict[int, int]) -> None:
+        """:meth:`forget_leaf` of each of ``bids`` in order (leaves whose only copy is on the
+        last tier), with one call to its policy (:meth:`EvictionPolicy.remove_leaves`)."""
+        idx, lb = self.index, self._last_bit
+        parent, children, tiers = idx.parent, idx.children, idx.tiers
+        offers = []
+        for b in bids:  # (a run is short: scalar reads cost less than an array of it)
+            p = int(parent[b])
+            if p == NO_PARENT:
+                offers.append(-1)
+                continue
+            c = left.get(p)
+            c = (int(children[p]) if c is None else c) - 1
+            left[p] = c
+            offers.append(p if not c and int(tiers[p]) & lb else -1)
+        self.policies[self.last].remove_leaves(bids, offers)
 
     def drop_leaves(self, bids: list[int], k: int, reason: str) -> list[BlockHash]:
         """The leaves :meth:`forget_leaf` took (in order, each copy on tier ``k`` only) leave

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eviction.admission import ChildIndex
+from eviction.base import EvictionPolicy
 from kvstore.block import CHECKSUM_DEFERRED, BlockMeta, payload_checksum
 from kvstore.clock import Clock
 from kvstore.config import StoreConfig
@@ -282,8 +283,15 @@ class Placer:
         batch: list[int] = []
         left: dict[int, int] = {}  # cached children of the batch's parents, less the batch's
         done, result = 0, True
+        runs = evict_leaves and k == self.last and pol.runs
         try:
             while done < n:
+                if runs:
+                    taken, whole = self._take_run(pol, n - done, size, protect, stuck, left, batch)
+                    done += taken
+                    if whole and taken:
+                        continue  # (the policy answers the next run; done < n is checked first)
+                    # The run stopped at a block that is no plain leaf victim: one step below.
                 bid = pol.first()
                 if bid is None or bid in protect or bid in stuck or in_use[bid]:
                     result = None
@@ -311,6 +319,35 @@ class Placer:
         finally:
             self._evict_batch(k, batch)
         return done, result
+
+    def _take_run(
+        self, pol: EvictionPolicy, n: int, size: int, protect: set[int], stuck: set[int], left: dict[int, int], batch: list[int]
+    ) -> tuple[int, bool]:
+        """:meth:`_take`'s steps for a run of last-tier victims that the policy answers at
+        once (:meth:`EvictionPolicy.victims`): the leading leaves that may leave (each passes
+        the checks of one step) are forgotten with one ledger call and join ``batch``.
+        Returns how many, and whether that was the whole run (else the next offer is for one
+        step of :meth:`_take`)."""
+        run = pol.victims(n)
+        idx = self.index
+        in_use, sizes, masks, pins, children = idx.in_use, idx.size, idx.tiers, idx.pins, idx.children
+        k = self.last
+        bit, tier = 1 << k, self.tiers[k]
+        j = 0
+        for bid in run:
+            if bid in protect or bid in stuck or in_use[bid] or pins[bid] or int(masks[bid]) != bit:
+                break
+            bsize = int(sizes[bid])
+            if bsize != size and (bsize < size or tier.size_class(bsize) != tier.size_class(size)):
+                break
+            if left[bid] if bid in left else children[bid]:
+                break
+            j += 1
+        if j:
+            took = run if j == len(run) else run[:j]
+            self.ledger.forget_leaves(took, left)
+            batch.extend(took)
+        return j, j == len(run)
 
     def _evict_batch(self, k: int, batch: list[int]) -> None:
         """The leaves :meth:`_take` chose (the policy forgot them) leave the store; empties

@@ -112,6 +112,37 @@ def _check(lm: HybridLM, plain: HybridLM, prompt: torch.Tensor, checkpoint: int,
             assert pre.replayed_tokens <= (C - 1) * BT
     assert rel_err(pre.logits, ref.logits) <= 1e-4
     assert tokens == ref_tokens
+    if lm.cone and pre.replayed_tokens:  # the replay computed its dependency cone, exactly
+        assert pre.cone == _cone_oracle(lm, checkpoint, replayed_blocks, prompt.numel())
+        assert sum(pre.cone) < len(pre.cone) * pre.computed_tokens
+    else:
+        assert pre.cone == ()
+
+
+def _cone_oracle(lm: HybridLM, checkpoint: int, replayed_blocks: int, total: int) -> tuple[int, ...]:
+    """Positions each layer must compute, by dependency sets, top layer first: the top layer's
+    output is needed for the new tokens; a full layer needs its input where its output is
+    needed (its KV before the hit's end is loaded); a sliding layer also needs its input at the
+    ``W - 1`` positions before each needed output, and from the first block of a window piece
+    the prefill stores (its new checkpoints' pieces) on; the hit's checkpoint bounds them all."""
+    start, end = (checkpoint + 1) * BT, (checkpoint + 1 + replayed_blocks) * BT
+    ckpts = set(lm.policy.new_checkpoints(checkpoint + 1, total // BT - 1))
+    if lm.policy.at_hits:
+        ckpts.add(checkpoint + replayed_blocks)
+    pieces = [j for p in ckpts for j in lm.hyb.checkpoint_blocks(p) if start <= j * BT < end]
+    need = set(range(end, total))
+    rows = []
+    for kind, w in reversed(list(zip(lm.plan.kinds, lm.plan.windows, strict=True))):
+        inputs = set(need)
+        if kind == "sliding":
+            for q in need:
+                inputs |= set(range(q - w + 1, q + 1))
+            if pieces:
+                inputs |= set(range(min(pieces) * BT, total))
+        need = {p for p in inputs if p >= start}
+        assert need == set(range(min(need), total))  # a suffix: a slice of the hidden states
+        rows.append(len(need))
+    return tuple(reversed(rows))
 
 
 def _scenarios(lm: HybridLM, plain: HybridLM, seed: int) -> None:
@@ -173,7 +204,7 @@ def test_a_replayed_hit_stores_a_checkpoint_where_it_ended(model: Any, tmp_path:
         _check(lm, plain, torch.cat([base[:48], _tokens(9, 21)]), checkpoint=5, replayed_blocks=0)
         off = HybridLM(model, store, replace(ns, model_id="test/hybrid-no-hits"),
                        policy=CheckpointPolicy(every_blocks=C, at_hits=False))
-        lm.close()  # no hooks on the CPU; idempotent
+        lm.close()  # idempotent
         off.prefill(base)
         _check(off, plain, torch.cat([base[:48], _tokens(8, 20)]), checkpoint=3, replayed_blocks=2)
         _check(off, plain, torch.cat([base[:48], _tokens(9, 21)]), checkpoint=3, replayed_blocks=2)
@@ -286,6 +317,39 @@ def test_more_architectures(make: Callable[[], Any], kinds: list[str], tmp_path:
         store.close()
 
 
+def test_the_cone_prunes_a_long_replay_to_what_the_answer_needs(tmp_path: Path) -> None:
+    """An 8-layer Gemma-3 (alternating), a checkpoint every 8 blocks, a hit that replays 7 blocks
+    (56 tokens) with 10 new tokens: the top full layer computes only the new tokens, each
+    sliding layer below it ``W - 1`` more positions (first the stored pieces' 16), the lowest
+    the whole replay: 315 of 528 layer-positions (322 when it stores the hit's window). The answer equals the uncached prefill and
+    the engine without the cone (float32, the same greedy continuation)."""
+    cfg = transformers.Gemma3TextConfig(sliding_window=W, sliding_window_pattern=2, **{**_SIZES, "num_hidden_layers": 8})
+    torch.manual_seed(5)
+    m = transformers.Gemma3ForCausalLM(cfg).float().eval()
+    store = _store(tmp_path)
+    ns = namespace_of(m, "test/cone", BT)
+    policy = CheckpointPolicy(every_blocks=8)
+    try:
+        lm = HybridLM(m, store, ns, policy=policy)
+        assert lm.cone
+        base = _tokens(31, 200)
+        lm.prefill(base)
+        prompt = torch.cat([base[:184], _tokens(32, 10)])
+        plain = HybridLM(m, None, ns)
+        uncone = HybridLM(m, store, ns, policy=policy, cone=False)
+        b = uncone.prefill(prompt, store=False)
+        assert b.cone == () and b.checkpoint == 15 and b.replayed_tokens == 56
+        pre = lm.prefill(prompt, store=False)  # nothing to store: no piece widens the cone
+        assert pre.cone == (66, 55, 55, 40, 40, 25, 25, 10)
+        assert rel_err(pre.logits, b.logits) <= 1e-4
+        # Stored: the window pieces at the hit's end (blocks 21 and 22) need one position more.
+        _check(lm, plain, prompt, checkpoint=15, replayed_blocks=7, bounded=False)
+        # Those pieces came out of the cone: a prompt that leaves the chain there hits them, right.
+        _check(lm, plain, torch.cat([base[:184], _tokens(33, 12)]), checkpoint=22, replayed_blocks=0)
+    finally:
+        store.close()
+
+
 def test_unsupported_layer_types_are_refused() -> None:
     cfg = transformers.Gemma3TextConfig(sliding_window=W, sliding_window_pattern=2, **_SIZES)
     cfg.layer_types = ["sliding_attention", "hybrid", "full_attention", "full_attention"]
@@ -300,6 +364,8 @@ def test_flash_attention_needs_cuda_and_refuses_what_it_cannot_compute() -> None
     ns = namespace_of(m, "test/flash-refusal", BT)
     with pytest.raises(UsageError, match="CUDA"):
         HybridLM(m, None, ns, attention="flash")
+    with pytest.raises(UsageError, match="CUDA"):
+        HybridLM(m, None, ns, attention="cudnn")
     with pytest.raises(UsageError, match="attention must be"):
         HybridLM(m, None, ns, attention="sdpa")
     assert HybridLM(m, None, ns).attention == "model"  # auto on the CPU
@@ -326,6 +392,45 @@ def test_flash_attention_gives_the_models_answer_on_cuda(tmp_path: Path) -> None
             assert int(a.logits.argmax()) == int(b.logits.argmax())
             assert float((a.logits - b.logits).abs().max() / a.logits.abs().max()) <= 2e-2
         model_attn.close()
+        flash.close()
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuDNN attention)")
+def test_cudnn_full_layers_give_flash_attentions_answer_on_cuda(tmp_path: Path) -> None:
+    """On CUDA (bf16): cuDNN for the full layers (bottom-right causal by a split and a log-sum-exp
+    merge) equals FlashAttention-2 on random inputs of many shapes, and through the engine gives
+    the same next token, with and without the cone (CI has no CUDA: this runs on a GPU machine)."""
+    from engine.hybrid import _cudnn_full, _flash_window, cudnn_check
+
+    dev = torch.device("cuda")
+    mode = cudnn_check(dev)
+    assert mode in ("gqa", "expand")
+    for s_q, t in ((1, 1), (7, 7), (5, 300), (130, 1000), (512, 4096)):
+        g = torch.Generator(device=dev).manual_seed(s_q * 7 + t)
+        q = torch.randn((1, s_q, 8, 128), device=dev, dtype=torch.bfloat16, generator=g).transpose(1, 2)
+        k = torch.randn((1, 2, t, 128), device=dev, dtype=torch.bfloat16, generator=g)
+        v = torch.randn((1, 2, t, 128), device=dev, dtype=torch.bfloat16, generator=g)
+        ref = _flash_window(None, q, k, v, None, 0.088)[0].float()
+        out = _cudnn_full(q, k, v, 0.088, mode).float()
+        assert float((out - ref).norm() / ref.norm()) < 1e-2, (s_q, t)
+    m = gemma3().to(device="cuda", dtype=torch.bfloat16)
+    ns = namespace_of(m, "test/cudnn", BT)
+    store = _store(tmp_path)
+    try:
+        flash = HybridLM(m, store, ns, policy=CheckpointPolicy(every_blocks=C), attention="flash", cone=False)
+        base = _tokens(11, 120)
+        flash.prefill(base)
+        prompt = torch.cat([base[:90], _tokens(12, 20)])  # leaves the chain between checkpoints
+        b = flash.prefill(prompt, store=False)
+        for cone in (False, True):
+            lm = HybridLM(m, store, ns, policy=CheckpointPolicy(every_blocks=C), attention="cudnn", cone=cone)
+            a = lm.prefill(prompt, store=False)
+            assert a.replayed_tokens == b.replayed_tokens > 0 and bool(a.cone) == cone
+            assert int(a.logits.argmax()) == int(b.logits.argmax())
+            assert float((a.logits - b.logits).abs().max() / b.logits.abs().max()) <= 2e-2
+            lm.close()
         flash.close()
     finally:
         store.close()

@@ -373,3 +373,20 @@ def test_the_daemon_runs_admission_and_reports_it(tmp_path: Path) -> None:
     assert st["skipped_writes"] > 0 and st["skipped_bytes"] == st["skipped_writes"] * BB
     assert st["admission"]["cut_descendants"] > 0  # inner blocks left with their subtrees
     assert f"kvstore_skipped_writes_total {float(st['skipped_writes'])}" in text
+
+
+def test_subtree_classes_tell_big_subtrees_from_small() -> None:
+    idx = RadixIndex()
+    small = idx.insert_chain([b"s%d" % i for i in range(2)], NO_PARENT, 0, 1, 0, 1, 0.0, 1e9).tolist()
+    big = idx.insert_chain([b"b%d" % i for i in range(9)], NO_PARENT, 0, 1, 0, 1, 0.0, 1e9).tolist()
+    adm = ReuseAdmission(ReuseConfig(subtree=True))
+    adm.bind(idx, lambda: 0)
+    # Two blocks alike but for the subtree a refusal would take: 1 and 8 cached descendants.
+    assert adm._class(small[0], idx.hash_of(small[0]), 0.0) == block_class(0, 0, 0.0, 2, 1)
+    assert adm._class(big[0], idx.hash_of(big[0]), 0.0) == block_class(0, 0, 0.0, 2, 8)
+    assert block_class(0, 0, 0.0, 2, 1) != block_class(0, 0, 0.0, 2, 8)
+    assert adm.admit(big[0], 0.0)  # nothing learned yet: written
+    # Without the option every subtree is one class, the ids of the rule before it.
+    plain = ReuseAdmission(ReuseConfig())
+    plain.bind(idx, lambda: 0)
+    assert plain._class(big[0], idx.hash_of(big[0]), 0.0) == block_class(0, 0, 0.0, 2) == block_class(0, 0, 0.0, 2, 0)

@@ -39,7 +39,12 @@ def test_ucx_bench_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("ucxx")
     assert main(["ucx", "--json", "--quick"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["baseline_kind"] for r in rows] == ["raw ucxx", "raw socket recv_into"]
-    for r in rows:  # the figure is the median-ratio trial of the three
-        assert r["value"] > 0 and r["baseline"] > 0 and len(r["trial_ratios"]) == 3
+    assert [(r["metric"].split("_")[0], r["baseline_kind"]) for r in rows] == [
+        ("get", "raw ucxx"), ("get", "raw socket recv_into"), ("cpu", "raw ucxx"), ("cpu", "raw socket recv_into")]
+    for r in rows[:2]:  # the figure is the median-ratio trial of the three
+        assert r["unit"] == "GB/s" and r["value"] > 0 and r["baseline"] > 0 and len(r["trial_ratios"]) == 3
         assert r["ratio"] in r["trial_ratios"]
+    for r in rows[2:]:  # processor time of both processes of each side, per 64 MiB
+        assert r["unit"] == "ms" and r["value"] == pytest.approx(r["receiver_ms"] + r["sender_ms"], abs=0.01)
+        assert r["baseline"] == pytest.approx(r["baseline_receiver_ms"] + r["baseline_sender_ms"], abs=0.01)
+        assert r["idle_ms_per_s"].keys() == {"client", "daemon", "raw_ucxx_sender"}

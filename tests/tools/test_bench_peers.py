@@ -253,6 +253,18 @@ def test_paired_ratios_are_call_by_call() -> None:
     assert paired_ratios({**kv, "paired": False}, peer, "store") == {}
 
 
+def test_a_child_that_dies_without_a_result_never_reports_the_last_sizes(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import sys
+
+    from tools.bench import peers
+
+    w = Workload(tokens=256, fit=1, geometry=Geometry(layers=2))
+    (tmp_path / "memcpy.out.json").write_text(json.dumps({"figures": {}, "missing_tokens": 0, "wrong_chunks": 0}))
+    monkeypatch.setattr(peers, "_command", lambda names, spec: ([sys.executable, "-c", "raise SystemExit(3)"], {}))
+    res = peers.run_child("memcpy", w, tmp_path, 60)
+    assert res["failed"].startswith("exit 3 without a result"), res
+
+
 def test_child_spec_round_trips_the_workload(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from dataclasses import asdict
 
@@ -334,19 +346,31 @@ def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.Captu
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     by = {r["metric"]: r for r in rows}
-    for peer in ("kvstore", "kvstore-whole", "kvstore-rows"):
+    for peer in ("kvstore", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
         for op in ("restore", "save"):
             r = by[f"{peer}_paged_64_{op}"]
             assert r["verified"] and r["wrong_pages"] == 0 and r["missing_tokens"] == 0, r
             assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == 4 * r["block_bytes"]
+    assert set(by["kvstore-blocks_paged_64_restore"]["phases_ms"]) == {"hash", "lease", "queue"}
     # LMCache's vLLM connector is CUDA only: one row says so, the kvstore rows still came
     (lm,) = [r for r in rows if r.get("peer") == "lmcache"]
     assert lm["status"] == "unavailable" and "CUDA" in lm["error"]
     assert not list(tmp_path.iterdir())
 
 
+def test_copy_scale_rows_name_each_thread_count_against_one_thread() -> None:
+    from tools.bench._peers.copyscale import run, thread_counts
+
+    assert thread_counts(16) == [1, 2, 4, 8, 16]
+    assert thread_counts(6) == [1, 2, 4, 6]
+    assert thread_counts(2) == [1, 2]
+    rows = list(run(mib=4, reps=1, threads=[2]))
+    assert [r["metric"] for r in rows] == ["copy_threads_1", "copy_threads_2"]
+    assert rows[0]["ratio"] == 1.0 and all(r["value"] > 0 and r["default_copy_threads"] >= 1 for r in rows)
+
+
 def test_paged_only_names_the_paged_stores() -> None:
-    with pytest.raises(SystemExit, match="known: kvstore, kvstore-whole, kvstore-rows, lmcache"):
+    with pytest.raises(SystemExit, match="known: kvstore, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
         list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
             parser().parse_args(["--device", "cpu", "--only", "mooncake"])))
 

@@ -38,6 +38,7 @@ from kvstore.hybrid import CheckpointPolicy, HybridNamespaces
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.store import KVStore
 from tools.bench._common import best_of, result
+from tools.bench.hybrid_kernels import attention_rows
 
 CONTEXT = 32_768
 BT = 64
@@ -269,7 +270,7 @@ def _summary(tl: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def ttft_rows(quick: bool, intervals: tuple[int, ...] | None = None, attentions: tuple[str, ...] | None = None,
-              trace: bool = False) -> Iterator[dict[str, Any]]:
+              trace: bool = False, cones: tuple[bool, ...] = (True,)) -> Iterator[dict[str, Any]]:
     """Two store-everything baselines on the same blocks (every layer of every block stored):
     ``everything`` loads every layer of the cached blocks, as a store-everything connector does
     (the goal's baseline); ``everything_needed`` loads only what the model reads (full layers,
@@ -306,8 +307,9 @@ def ttft_rows(quick: bool, intervals: tuple[int, ...] | None = None, attentions:
                 kw = {"attention": attention}
                 every = HybridLM(model, store, ns_all, everything=True, **kw)
                 needed = HybridLM(model, store, ns_all, everything=True, all_layers=False, **kw)
-                for c in intervals:
-                    lm = HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}"), policy=CheckpointPolicy(every_blocks=c), **kw)
+                for c, cone in ((c, cone) for c in intervals for cone in cones):
+                    lm = HybridLM(model, store, replace(ns, model_id=f"{ns.model_id}-C{c}"), policy=CheckpointPolicy(every_blocks=c),
+                                  cone=cone, **kw)
                     # A hit on a checkpoint (the stored prompt's end), and hits that leave the chain
                     # r blocks after periodic checkpoint p, so that r blocks replay (at most C - 1).
                     p = (n_blocks - c) // c * c - 1
@@ -315,6 +317,8 @@ def ttft_rows(quick: bool, intervals: tuple[int, ...] | None = None, attentions:
                     for r in sorted({c // 4, c // 2, 3 * c // 4, c - 1}):
                         prompts[r] = torch.cat([prefix[: (p + 1 + r) * BT], tail])
                     for r, prompt in prompts.items():
+                        if not cone and r == 0:
+                            continue  # the same as with the cone: nothing replays
                         a = lm.prefill(prompt, store=False)
                         b = every.prefill(prompt, store=False)
                         assert a.replayed_tokens == r * BT, (r, a.replayed_tokens)
@@ -337,9 +341,10 @@ def ttft_rows(quick: bool, intervals: tuple[int, ...] | None = None, attentions:
                         if r == 0:  # the same prompt as the full prefill: the loaded path against no cache
                             vs_full = {"same_next_token_as_full_prefill": bool(a.logits.argmax() == ref.argmax()),
                                        "logits_rel_err_vs_full_prefill": round(float((a.logits - ref).abs().max() / ref.abs().max()), 4)}
-                        case = "on_checkpoint" if r == 0 else f"replay_{r}_blocks"
+                        case = ("on_checkpoint" if r == 0 else f"replay_{r}_blocks") + ("" if cone or r == 0 else "_no_cone")
                         yield result(
                             "hybrid", f"ttft_{prefix_len}_C{c}_{case}_{suffix}_new", t_h * 1e3, "ms", t_e * 1e3,
+                            cone=list(ha.cone), cone_share=round(sum(ha.cone) / (len(ha.cone) * ha.computed_tokens), 4) if ha.cone else 1.0,
                             baseline_is="store-everything", goal_ratio=1.1, full_prefill_ms=round(full_t * 1e3, 2),
                             speedup_vs_full=round(full_t / t_h, 2), every_blocks=c, replayed_tokens=a.replayed_tokens,
                             hit_tokens=a.hit_tokens, loaded_bytes=a.loaded_bytes, everything_loaded_bytes=b.loaded_bytes,
@@ -353,6 +358,37 @@ def ttft_rows(quick: bool, intervals: tuple[int, ...] | None = None, attentions:
                     lm.close()
                 every.close()
                 needed.close()
+        finally:
+            store.close()
+
+
+def profile_part(quick: bool, c: int = 21, replays: tuple[int, ...] = (0, 10, 20)) -> Iterator[dict[str, Any]]:
+    """Kernel time by kind (``tools.bench.hybrid_kernels.profile_rows``) of hybrid hits at C = ``c``
+    that replay ``replays`` blocks, the 32K prefix and model of the TTFT rows (CUDA only)."""
+    if not torch.cuda.is_available():
+        print("hybrid profile: skipped, needs a CUDA device", flush=True)
+        return
+    from tools.bench.hybrid_kernels import profile_row
+
+    model, prefix_len = _gpu_model(quick), (4096 if quick else CONTEXT)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, model.config.vocab_size, (prefix_len,), generator=g)
+    tail = torch.randint(0, model.config.vocab_size, (512,), generator=g)
+    ns = namespace_of(model, "bench/gemma3-8b-shape-profile", BT)
+    n_blocks = prefix_len // BT
+    with tempfile.TemporaryDirectory() as d:
+        store = _dram_store(d, -(-(n_blocks + 8) * ns.block_bytes // (64 << 20)) * (64 << 20) + (128 << 20))
+        try:
+            lm = HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=c))
+            lm.prefill(prefix)
+            p = (n_blocks - c) // c * c - 1
+            first = 0.0
+            for r in replays:
+                prompt = torch.cat([prefix, tail]) if r == 0 else torch.cat([prefix[: (p + 1 + r) * BT], tail])
+                row = profile_row(lambda prompt=prompt: lm.prefill(prompt, store=False), f"C{c}_replay_{r}_blocks_{lm.attention}", first)
+                first = first or row["value"]
+                yield row
+            lm.close()
         finally:
             store.close()
 
@@ -519,20 +555,23 @@ def main(argv: list[str]) -> None:
         "document-QA traces and, on CUDA, TTFT against store-everything; JSON lines on stdout.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    p.add_argument("parts", nargs="*", choices=["bytes", "replay", "trace", "ttft", "trace_ttft", "syncs"])
+    p.add_argument("parts", nargs="*", choices=["bytes", "replay", "trace", "ttft", "trace_ttft", "syncs",
+                                                  "attention", "profile"])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--c", default="", help="checkpoint intervals of the TTFT rows, comma-separated")
     p.add_argument("--attention", default="", help="attention of the TTFT rows (auto, model, flash), comma-separated")
     p.add_argument("--trace", action="store_true", help="per-layer device timelines in the TTFT rows")
+    p.add_argument("--cone", default="on", help="TTFT rows: the hybrid engine with its dependency cone (on), without (off), or both (on,off)")
     a = p.parse_args(argv)
     cs = tuple(int(x) for x in a.c.split(",") if x) or None
     vs = tuple(x for x in a.attention.split(",") if x) or None
     parts = {
         "bytes": lambda: bytes_rows(a.quick), "replay": lambda: replay_rows(a.quick), "trace": lambda: trace_rows(a.quick),
-        "ttft": lambda: ttft_rows(a.quick, cs, vs, a.trace), "trace_ttft": lambda: trace_ttft_rows(a.quick, vs[0] if vs else None),
-        "syncs": lambda: syncs_rows(a.quick),
+        "ttft": lambda: ttft_rows(a.quick, cs, vs, a.trace, tuple(x == "on" for x in a.cone.split(",") if x)), "trace_ttft": lambda: trace_ttft_rows(a.quick, vs[0] if vs else None),
+        "syncs": lambda: syncs_rows(a.quick), "attention": lambda: attention_rows(a.quick),
+        "profile": lambda: profile_part(a.quick, cs[0] if cs else 21),
     }
-    for name in a.parts or [k for k in parts if k != "syncs"]:
+    for name in a.parts or [k for k in parts if k not in ("syncs", "attention", "profile")]:
         for row in parts[name]():
             print(json.dumps(row), flush=True)
 

@@ -192,6 +192,9 @@ def run_child(peer: str | list[str], w: Workload, tmp: Path, timeout: float) -> 
     wd = asdict(w)
     who = {"peer": peer} if isinstance(peer, str) else {"peers": peers}
     spec.write_text(json.dumps({**who, "workload": wd, "out": str(out)}))
+    # The file names repeat from size to size: a child that dies without a result must not
+    # leave the last size's result to be read as its own (a 32K LMCache-Redis child did).
+    out.unlink(missing_ok=True)
     cmd, env = _command(peers, spec)
     with log.open("wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)

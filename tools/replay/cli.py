@@ -69,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="admission rule of the last tier (all, reuse; eviction/admission.py; default: the store's default, %(default)s)")
     p.add_argument("--admission-option", action="append", default=[], metavar="KEY=VALUE", help="an option of the admission rule's Config")
     p.add_argument("--economics", action="store_true", help="also hits and writes by tier, with Belady-first-tier and admission-oracle references (tools/replay/economics.py)")
+    p.add_argument("--admission-frontier", action="store_true", help="with --economics: the exact subtree-refusal frontier at hit losses of 0.25/0.5/0.75/1/2/5%% (tools/replay/subtree.py; default: at 1%% only)")
     p.add_argument("--json", action="store_true", help="one JSON object per (policy, capacity) on stdout")
     p.add_argument("--plot", metavar="FILE.svg", help="write hit rate against capacity, one line per policy")
     p.add_argument("--events", metavar="DIR", help="write each replay's store event log under DIR/<policy>-<capacity> (for python -m tools.kvreport)")
@@ -200,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
             _emit(row, args.json)
             plot.setdefault(name, []).append((share, metrics["block_hit_rate"]))
         if args.economics:
-            economics.report(trace, spec, tiers, runs, replay, args.admission, cost.block_bytes, args.json)
+            budgets = (0.0025, 0.005, 0.0075, 0.01, 0.02, 0.05) if args.admission_frontier else (0.01,)
+            economics.report(trace, spec, tiers, runs, replay, args.admission, cost.block_bytes, args.json, budgets)
         yardsticks = [("opt_block_hit_rate", "~OPT"), ("infinite_block_hit_rate", "~unlimited")]
         if "lru" not in names:
             yardsticks.append(("lru_block_hit_rate", "lru"))

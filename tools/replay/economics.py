@@ -16,7 +16,10 @@ each hit (cost). Per (policy, capacity) the replay reports:
   bound of admission (:func:`admission_class_bound`): the fewest last-tier writes per hit of any
   rule that decides by the classes the online ``reuse`` rule learns (hits so far x depth x idle
   time x shape), given every class's exact share of blocks read again, at a hit loss within 1%,
-  and its variant for rules that refuse a block with its subtree (:func:`subtree_class_bound`).
+  and its variant for rules that refuse a block with its subtree (:func:`subtree_class_bound`,
+  which counts one lost hit per refusal: optimistic), and that variant with the loss counted
+  exactly, per class set, learned and known (:func:`exact_subtree_bounds`,
+  tools/replay/subtree.py).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from tools.replay.bounds import (
     window_bound,
 )
 from tools.replay.sim import _EPOCH, StoreRun, TierCapacity
+from tools.replay.subtree import Decisions, TraceTree, class_frontier, holdout, standalone_costs
 from tools.replay.trace import Trace
 
 _INF = re.compile(r"(^|[=,])\s*(inf|unlimited)\s*(?=,|$)", re.IGNORECASE)
@@ -60,9 +64,16 @@ _FUTURES: dict[str, np.ndarray] = {}
 """Per registered trace, the last access time (store clock, seconds) of every block id."""
 
 
-def register_future(name: str, last_access_s: np.ndarray) -> None:
-    """Make ``last_access_s`` (per block id) known to :class:`OracleAdmission` as ``name``."""
+_TREES: dict[str, tuple[Trace, TraceTree]] = {}
+"""Per registered trace, its prefix tree, for :class:`ClassRecorder`'s subtree columns."""
+
+
+def register_future(name: str, last_access_s: np.ndarray, trace: Trace | None = None) -> None:
+    """Make ``last_access_s`` (per block id) known to :class:`OracleAdmission` as ``name``;
+    with ``trace``, also its prefix tree (:class:`ClassRecorder` records subtrees)."""
     _FUTURES[name] = last_access_s
+    if trace is not None:
+        _TREES[name] = (trace, TraceTree.of(trace, block_parents(trace)))
     register_admission("oracle", "tools.replay.economics:OracleAdmission")
     register_admission("record", "tools.replay.economics:ClassRecorder")
 
@@ -79,6 +90,9 @@ class OracleAdmission(Admission):
         future: str = ""
         inner: bool = True
         """False: asked about leaves only, like the store's online rules (a bound for them)."""
+        upper: int = 1
+        """The tiers above the one a decision's block leaves, as a bit mask (the first tier of
+        three): :class:`ClassRecorder`'s subtree is free to go only with no copy there."""
 
     def __init__(self, config: Any = None) -> None:
         super().__init__(config)
@@ -98,18 +112,31 @@ _RECORDS: dict[str, ClassRecorder] = {}
 
 class ClassRecorder(OracleAdmission):
     """Admits everything (the store-all run) and records, per decision, the class the ``reuse``
-    rule would learn it in and whether the trace reads the block again."""
+    rule would learn it in and whether the trace reads the block again; with the trace
+    registered (:func:`register_future`), also what tools/replay/subtree.py replays refusals
+    from: the request it followed, whether its cached subtree was free to leave with it (no copy
+    above the demoting tier, none in use or pinned: the store's check), and the columns of the
+    richer classes (:func:`decision_classes`)."""
 
     name = "record"
     inner = True
+    COLUMNS = ("hits", "depth", "idle", "parent_hits", "age", "span", "subtree", "req", "free")
 
     def __init__(self, config: Any = None) -> None:
         super().__init__(config)
         self.inner = True
+        self.upper = int(getattr(config, "upper", 1))
         self.classes: list[int] = []
         self.reused: list[bool] = []
         self.leaf: list[bool] = []
         self.blocks: list[int] = []
+        self.columns: dict[str, list[float]] = {c: [] for c in self.COLUMNS}
+        self.tree = _TREES.get(config.future)
+        if self.tree is not None:
+            trace, tree = self.tree
+            self._first_s = _EPOCH + trace.timestamps_ms[np.minimum(tree.first_req, trace.num_requests - 1)] / 1000.0
+            self._hits_after = np.cumsum(unlimited(trace))
+            self._bid = np.full(tree.parent.size, -1, np.int64)  # trace id -> index id (a store-all run keeps them)
         _RECORDS[config.future] = self
 
     def refuses(self, bid: int, now: float) -> bool:
@@ -118,11 +145,59 @@ class ClassRecorder(OracleAdmission):
     def admit(self, bid: int, now: float) -> bool:
         v = self.view
         leaf = not int(v.children[bid])
-        self.classes.append(block_class(int(v.hits[bid]), int(v.depth[bid]), now - float(v.last_access[bid]), 0 if leaf else 2))
+        hits, depth, idle = int(v.hits[bid]), int(v.depth[bid]), now - float(v.last_access[bid])
+        self.classes.append(block_class(hits, depth, idle, 0 if leaf else 2))
         self.reused.append(super().admit(bid, now))
         self.leaf.append(leaf)
-        self.blocks.append(int.from_bytes(v.hash_of(bid), "little"))
+        b = int.from_bytes(v.hash_of(bid), "little")
+        self.blocks.append(b)
+        if self.tree is not None:
+            self._record(bid, b, leaf, hits, depth, idle, now)
         return True
+
+    def _record(self, bid: int, b: int, leaf: bool, hits: int, depth: int, idle: float, now: float) -> None:
+        v, (_, tree), col = self.view, self.tree, self.columns  # type: ignore[misc]
+        r = max(tree.request_at(len(v)), int(np.searchsorted(self._hits_after, self.hits(), side="left")))  # type: ignore[arg-type]
+        below = tree.seen_subtree(b, r)[1:]  # preorder: the block itself first
+        free = True
+        if not leaf and below.size:
+            ids = self._bid[below]
+            for j in np.flatnonzero(ids < 0).tolist():
+                found = v.id_of(int(below[j]).to_bytes(16, "little"))
+                ids[j] = self._bid[below[j]] = -1 if found is None else found
+            ids = ids[ids >= 0]
+            free = not (((v.tiers[ids] & self.upper) != 0).any() or v.in_use[ids].any() or v.pins[ids].any())
+        parent = int(v.parent[bid])
+        first = float(self._first_s[b])
+        for name, x in (("hits", hits), ("depth", depth), ("idle", idle),
+                        ("parent_hits", int(v.hits[parent]) if parent >= 0 else -1), ("age", now - first),
+                        ("span", float(v.last_access[bid]) - first), ("subtree", below.size), ("req", r), ("free", free)):
+            col[name].append(x)
+
+
+CLASS_SETS: dict[str, tuple[str, ...]] = {
+    "rule": (),
+    "parent": ("parent_hits",),
+    "span_age_parent": ("span", "age", "parent_hits"),
+    "subtree": ("subtree",),
+    "subtree_span": ("subtree", "span"),
+    "subtree_span_parent": ("subtree", "span", "parent_hits"),
+    "all": ("span", "age", "parent_hits", "subtree"),
+}
+"""Class sets of the subtree frontier: the ``reuse`` rule's classes (hits x depth x idle x
+leaf or inner), and the same with the docs' richer features added (the parent's hits, the span
+from first to last access, the age since the first access) and the size of the cached subtree
+a refusal takes."""
+
+
+def decision_classes(rule: np.ndarray, columns: dict[str, np.ndarray], extra: tuple[str, ...]) -> np.ndarray:
+    """Per decision, a class id: the rule's class crossed with log2 buckets of ``extra``."""
+    keys = [rule.astype(np.int64)]
+    for name in extra:
+        x = np.asarray(columns[name], np.float64)
+        bucket = np.minimum(np.floor(np.log2(np.maximum(x, 0.0) + 1.0)), 16).astype(np.int64)
+        keys.append(np.where(x < 0, -1, bucket))
+    return np.unique(np.stack(keys, axis=1), axis=0, return_inverse=True)[1].ravel()
 
 
 def admission_class_bound(classes: np.ndarray, reused: np.ndarray, lost_allowed: float, may_skip: np.ndarray | None = None) -> int:
@@ -197,6 +272,39 @@ def last_access_s(trace: Trace, epoch: float) -> np.ndarray:
     req = np.repeat(np.arange(trace.num_requests), np.diff(trace.offsets))
     out = np.full(trace.unique_blocks, -np.inf)
     np.maximum.at(out, trace.block_ids, epoch + trace.timestamps_ms[req] / 1000.0)
+    return out
+
+
+def exact_subtree_bounds(trace: Trace, rec: ClassRecorder, hits: int, budgets: tuple[float, ...]) -> dict[str, Any]:
+    """The subtree-refusal frontier counted exactly (tools/replay/subtree.py), per class set of
+    :data:`CLASS_SETS`, at each hit-loss budget: writes per hit and the loss of the best rule
+    found; ``rule_order`` ranks the rule's classes as the ``reuse`` rule does (least read again
+    first) instead of by their standalone cost."""
+    assert rec.tree is not None, "the recorder ran without the trace's tree"
+    _, tree = rec.tree
+    cols = {k: np.asarray(v) for k, v in rec.columns.items()}
+    dec = Decisions(cols["req"].astype(np.int64), np.asarray(rec.blocks, np.int64), cols["free"].astype(bool))
+    rule = np.asarray(rec.classes, np.int64)
+    costs = standalone_costs(trace, tree, dec)
+    per_hit = max(hits, 1)
+    sets: dict[str, tuple[np.ndarray, np.ndarray | None]] = {
+        name: (decision_classes(rule, cols, extra), None) for name, extra in CLASS_SETS.items()}
+    if rule.size:
+        uniq, inv = np.unique(rule, return_inverse=True)
+        rate = np.bincount(inv, weights=np.asarray(rec.reused, np.float64)) / np.bincount(inv)
+        sets["rule_order"] = (rule, uniq[np.argsort(rate, kind="stable")])
+    out: dict[str, Any] = {}
+    served = unlimited(trace)  # a store-all run's hits per request (it keeps every block)
+    for name in CLASS_SETS if rule.size else ():
+        h = holdout(trace, tree, dec, sets[name][0], served, 0.01, costs)
+        out[f"holdout_subtree_{name}"] = {"budget": 0.01, "writes_per_hit": h.writes_per_hit, "hit_loss": h.hit_loss}
+    for name, (classes, order) in sets.items():
+        points = class_frontier(trace, tree, dec, classes, hits, budgets, costs, order) if rule.size else []
+        out[f"exact_subtree_{name}"] = [
+            {"budget": p.budget, "writes_per_hit": round(p.outcome.writes / per_hit, 6),
+             "hit_loss": round(p.outcome.lost / per_hit, 6), "classes_skipped": p.classes_skipped,
+             "share_of_next": round(p.share_of_next, 3),
+             "refused": p.outcome.refused, "cut": p.outcome.cut, "rewrites": p.outcome.rewrites} for p in points]
     return out
 
 
@@ -290,15 +398,18 @@ def report(
     admission: str,
     block_bytes: int,
     as_json: bool,
+    frontier: tuple[float, ...] = (0.01,),
 ) -> list[dict[str, Any]]:
     """The economics rows of one capacity: one per policy run, then the offline references.
     ``replay(policy, admission=..., admission_options=...)`` runs the store again when a comparison
     needs it (the same policy storing everything; the oracle)."""
     first = next(iter(runs))
     key = f"{trace.name}@{spec}"
-    register_future(key, last_access_s(trace, _EPOCH))
+    register_future(key, last_access_s(trace, _EPOCH), trace)
     # The first policy storing everything, recording each last-tier decision for the class bound.
-    recorded = tier_figures(tiers, replay(first, admission="record", admission_options={"future": key}), block_bytes)
+    upper = (1 << max(len(tiers) - 2, 0)) - 1  # the tiers above the one decisions' blocks leave
+    recorded = tier_figures(tiers, replay(first, admission="record", admission_options={"future": key, "upper": upper}),
+                            block_bytes)
     rec = _RECORDS.pop(key)
     rows = []
     for name, run in runs.items():
@@ -328,6 +439,7 @@ def report(
             admission_class_bound(classes, reused, allowed, leaf if leaf.size else None) / per_hit, 6),
         "subtree_class_bound_last_tier_writes_per_hit": round(
             subtree_class_bound(classes, reused, allowed, blocks, block_parents(trace)) / per_hit, 6),
+        **exact_subtree_bounds(trace, rec, recorded["hit_blocks"], frontier),
     })
     for row in rows:
         emit(row, as_json)
@@ -359,6 +471,14 @@ def emit(row: dict[str, Any], as_json: bool) -> None:
               f"at 1% hit loss {row['class_bound_last_tier_writes_per_hit']:.3f} (leaves only "
               f"{row['class_bound_leaves_only_last_tier_writes_per_hit']:.3f}, with subtrees "
               f"{row['subtree_class_bound_last_tier_writes_per_hit']:.3f})", flush=True)
+        exact = "; ".join(
+            f"{k.removeprefix('exact_subtree_')} " + ", ".join(
+                f"{p['writes_per_hit']:.3f} at {100 * p['hit_loss']:.2f}% (budget {100 * p['budget']:g}%)" for p in v)
+            for k, v in row.items() if k.startswith("exact_subtree_"))
+        learned = "; ".join(f"{k.removeprefix('holdout_subtree_')} {v['writes_per_hit']:.3f} at {100 * v['hit_loss']:.2f}%"
+                            for k, v in row.items() if k.startswith("holdout_subtree_"))
+        print(f"{head} subtree refusals counted exactly, writes/hit by class set: {exact}; fitted on the first half, "
+              f"applied to the second (budget 1%): {learned}", flush=True)
         _emit_windows(head, row)
         return
     shares = " ".join(f"{k} {v:.3f}" for k, v in row["hit_share_by_tier"].items())

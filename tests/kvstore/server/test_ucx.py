@@ -40,8 +40,42 @@ def test_round_trip_over_ucx(start_daemon: Callable[..., ThreadedDaemon]) -> Non
         out = np.zeros(6 * BB, np.uint8)
         assert a.get_into(SMALL_NS, chain, out) == 6
         assert np.array_equal(out, blocks)
+        # No loop of this process progresses ucxx's worker by spinning: the daemon's and the
+        # client's loops are driven by kvstore.ucxenv.Progress (ucxx's own blocking mode spins),
+        # and a client with nothing in flight does not even watch the worker's fd.
+        from ucxx._lib_async.application_context import ProgressTasks
+
+        from kvstore.ucxenv import Progress
+
+        assert ProgressTasks and all(isinstance(t, Progress) for t in ProgressTasks.values())
+        assert a._conn is not None
+        client = a._conn.t._progress  # type: ignore[union-attr]
+        assert isinstance(client, Progress) and not client.watching, "an idle client does not watch"
+        assert any(p.watching for p in Progress._all.values()), "the daemon's listener does"
     with connect(d.url, token=TOKEN_B, plane="ucx") as b:  # isolation holds on UCX too
         assert b.get_into(SMALL_NS, chain, np.zeros(6 * BB, np.uint8)) == 0
+
+
+def test_a_ucx_client_called_from_inside_a_running_event_loop(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    """The client runs its UCX loop in the calling thread; a caller already inside an event loop
+    (a blocking call from async code) gets it run on a helper thread, and the calls still work."""
+    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore[ucx]')")
+    import asyncio
+
+    from kvstore.client import connect
+
+    d = start_daemon(TENANTS, ucx=True)
+    chain = chain_for(3, 4)
+    blocks = np.frombuffer(b"".join(payload(x) for x in chain), np.uint8)
+
+    async def inside() -> np.ndarray:
+        with connect(d.url, token=TOKEN_A, plane="ucx") as c:
+            assert c.put(SMALL_NS, chain, blocks) == 4
+            out = np.zeros(4 * BB, np.uint8)
+            assert c.get_into(SMALL_NS, chain, out) == 4
+            return out
+
+    assert np.array_equal(asyncio.run(inside()), blocks)
 
 
 def test_clients_killed_mid_transfer_over_ucx_never_take_the_daemon_down(tmp_path: Path) -> None:

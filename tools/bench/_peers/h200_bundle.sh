@@ -1,7 +1,8 @@
 #!/bin/bash
 # Build the H200 bundle of the paged peer bench: DEST/bundle/ (this checkout's code, wheels/ with
-# lmcache 0.5.3 and the packages the H200 image lacks, run.sh), DEST/run.sh, then DEST/READY.
-# Usage: tools/bench/_peers/h200_bundle.sh DEST [WHEEL_CACHE]
+# lmcache 0.5.3 and the packages the H200 image lacks, run.sh), DEST/run.sh, then DEST/$MARK
+# (READY unless MARK says otherwise, e.g. MARK=READY2 for a second hand-off).
+# Usage: [MARK=READY2] tools/bench/_peers/h200_bundle.sh DEST [WHEEL_CACHE]
 set -euo pipefail
 DEST=${1:?usage: h200_bundle.sh DEST [WHEEL_CACHE]}
 WHEELS=${2:-/tmp/peers-wheels}
@@ -30,4 +31,4 @@ cp "$ROOT/tools/bench/_peers/h200_run.sh" "$DEST/bundle/run.sh"
 cp "$ROOT/tools/bench/_peers/h200_run.sh" "$DEST/run.sh"
 ls "$DEST/bundle/wheels"
 du -sh "$DEST/bundle" "$DEST/bundle/wheels"
-touch "$DEST/READY"
+touch "$DEST/${MARK:-READY}"

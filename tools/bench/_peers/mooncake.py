@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -54,6 +55,9 @@ class MooncakeStore(Adapter):
             self._stack.close()
             raise PeerUnavailable(f"MooncakeDistributedStore.setup returned {rc}")
         self._registered: set[int] = set()
+        # The concurrent phase's clients share this adapter: two registering one buffer at once
+        # made Mooncake refuse the second (register_buffer returned -600) and broke the phase.
+        self._register_lock = threading.Lock()
         self.failed_puts = 0
         self._client_listen = listening(os.getpid())
 
@@ -62,11 +66,12 @@ class MooncakeStore(Adapter):
 
     def _ptrs(self, buf: np.ndarray, n: int) -> tuple[list[int], list[int]]:
         base = buf.ctypes.data
-        if base not in self._registered:
-            rc = self.s.register_buffer(base, buf.nbytes)
-            if rc != 0:
-                raise RuntimeError(f"Mooncake register_buffer of {buf.nbytes} bytes returned {rc}")
-            self._registered.add(base)
+        with self._register_lock:
+            if base not in self._registered:
+                rc = self.s.register_buffer(base, buf.nbytes)
+                if rc != 0:
+                    raise RuntimeError(f"Mooncake register_buffer of {buf.nbytes} bytes returned {rc}")
+                self._registered.add(base)
         cb = self.w.geometry.chunk_bytes
         return [base + i * cb for i in range(n)], [cb] * n
 

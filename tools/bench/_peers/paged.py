@@ -27,7 +27,12 @@ The stores:
   blocks in the arena), 8 layers at a time on a copy stream, and scatters each group into the
   pages (``PagedKV.scatter_layer``) as soon as it lands. (The first H200 run, 2026-12-01 20:26,
   copied all layers before scattering and saved as ``kvstore-rows`` does; the pipelined restore
-  and the device-staged save came after it.)
+  and the device-staged save came after it; the pieced save and ``kvstore-blocks`` in the fifth
+  session.) Its rows carry ``phases_ms``: the host's time to hash the prompt, take the lease and
+  queue the copies, medians of the trials, so a restore's gap to the link can be read apart.
+* ``kvstore-blocks``: the same, pipelined by blocks instead of layers: ``BLOCK_GROUPS`` ranges of
+  whole blocks, each one DMA of back-to-back rows (no 2-D pitch), every layer of a range scattered
+  as soon as it lands;
 * ``kvstore-whole``: the same, every layer copied before any is scattered (no overlap);
 * ``kvstore-rows``: the same store used as ``engine/vllm/connector.py`` does today over shared
   memory: restored with each layer's rows of the arena handed to ``scatter_layer`` as a host
@@ -69,8 +74,10 @@ BLOCK = 16
 CHUNK = 256  # LMCache's default chunk
 SLAB = 64 << 20
 LAYER_GROUP = 8  # layers a restore copies to the device at a time (kvstore's pipelined restore)
+BLOCK_GROUPS = 4  # block ranges kvstore-blocks copies (whole blocks, back to back) and scatters in turn
+SAVE_PIECES = 4  # block ranges a save copies to the host and puts in turn (the copy of one under the put of the last)
 GiB = float(1 << 30)
-PEERS = ("kvstore", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
+PEERS = ("kvstore", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
 GOALS = {"lmcache": 1.2}
 SETTLE_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 20.0  # issue 20: kvstore >= 1.2x LMCache
@@ -185,6 +192,8 @@ class KvstorePaged:
         self._host: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None
         self._stream: Any = None
+        self.phases: dict[str, list[float]] = {}
+        """Host seconds of each restore's steps (``restore``), read and cleared per size."""
 
     def prepare(self, tokens: int) -> None:
         """Buffers for a ``tokens``-long prefix, allocated once (untimed), as an engine does."""
@@ -198,28 +207,59 @@ class KvstorePaged:
             self._staging = torch.empty((n, bb), dtype=torch.uint8, device=self.cache.device)
 
     def save(self, tokens: np.ndarray, ids: list[int]) -> None:
-        """Gather the pages into device staging (``PagedKV.gather`` on the device), one copy to
-        the pinned host buffer, one put. (Gathering straight into the pinned buffer, as
-        ``KvstoreRows`` and the connector do, is a strided device-to-host copy per layer: on
-        the H200 it ran at 0.8-1.2 GB/s.)"""
+        """Gather the pages into device staging (``PagedKV.gather`` on the device), then copy it
+        to the pinned host buffer in ``SAVE_PIECES`` block ranges on the copy stream and put each
+        range once it has landed, so the put's copy into the arena runs under the next range's
+        DMA. (Gathering straight into the pinned buffer, as ``KvstoreRows`` and the connector
+        do, is a strided device-to-host copy per layer: on the H200 it ran at 0.8-1.2 GB/s.)"""
         n = len(ids)
         assert self._host is not None and self._staging is not None
         buf, staging = self._host[:n], self._staging[:n]
+        hashes = hash_blocks(self.ns, tokens)
         self.pages.gather(ids, staging)
-        buf.copy_(staging, non_blocking=True)
-        sync(self.cache.device)
-        self.kv.put(self.ns, hash_blocks(self.ns, tokens), buf.view(-1).numpy())
+        cuts = [i * n // SAVE_PIECES for i in range(SAVE_PIECES + 1)]
+        pieces = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+        dev = self.cache.device
+        if dev.type != "cuda":
+            buf.copy_(staging)
+            landed: list[Any] = [None] * len(pieces)
+        else:
+            copy = self._copy_stream()
+            copy.wait_stream(torch.cuda.current_stream(dev))  # the gather has written the staging
+            landed = []
+            with torch.cuda.stream(copy):
+                for a, b in pieces:
+                    buf[a:b].copy_(staging[a:b], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(copy)
+                    landed.append(ev)
+        for (a, b), ev in zip(pieces, landed, strict=True):
+            if ev is not None:
+                ev.synchronize()
+            self.kv.put(self.ns, hashes[:b], buf[a:b].view(-1).numpy(), start=a)
+
+    def _copy_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.cache.device)
+        return self._stream
 
     def restore(self, tokens: np.ndarray, ids: list[int]) -> int:
-        lease = self.kv.acquire(self.ns, hash_blocks(self.ns, tokens))
+        t0 = time.perf_counter()
+        hashes = hash_blocks(self.ns, tokens)
+        t1 = time.perf_counter()
+        lease = self.kv.acquire(self.ns, hashes)
         blocks = ArenaBlocks(self.kv, lease)
+        t2 = time.perf_counter()
         try:
             n = blocks.num_blocks
             if n:
                 self._scatter(blocks, ids[:n])
+            t3 = time.perf_counter()
             sync(self.cache.device)
         finally:
             blocks.release()
+        for k, v in (("hash", t1 - t0), ("lease", t2 - t1), ("queue", t3 - t2)):
+            self.phases.setdefault(k, []).append(v)
         return n * BLOCK
 
     def _scatter(self, blocks: ArenaBlocks, ids: list[int]) -> None:
@@ -238,9 +278,7 @@ class KvstorePaged:
                 kv.scatter_layer(layer, idx, staging[:, layer * pb : (layer + 1) * pb])
             return
         main = torch.cuda.current_stream(dev)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(dev)
-        copy = self._stream
+        copy = self._copy_stream()
         copy.wait_stream(main)  # the staging's last readers are done
         landed = []
         with torch.cuda.stream(copy):
@@ -255,13 +293,52 @@ class KvstorePaged:
                 kv.scatter_layer(layer, idx, staging[:, layer * pb : (layer + 1) * pb])
 
     def info(self) -> dict[str, Any]:
-        return {"block_tokens": BLOCK, "block_bytes": self.spec.block_bytes}
+        phases = {k: round(statistics.median(v) * 1e3, 3) for k, v in self.phases.items() if v}
+        self.phases = {}
+        return {"block_tokens": BLOCK, "block_bytes": self.spec.block_bytes,
+                **({"phases_ms": phases} if phases else {})}
 
     def close(self) -> None:
         self._host = self._staging = None
         release_arenas()  # no lease is held: unregister and unmap before the store goes
         self.kv.close()
         shutil.rmtree(self._root, ignore_errors=True)
+
+
+class KvstoreBlocks(KvstorePaged):
+    """The same store, pipelined by blocks: ``BLOCK_GROUPS`` ranges of whole blocks, each
+    copied to the device as back-to-back rows (one DMA per run of the lease, no 2-D pitch),
+    and every layer of a range scattered as soon as that range lands."""
+
+    name = "kvstore-blocks"
+
+    def _scatter(self, blocks: ArenaBlocks, ids: list[int]) -> None:
+        assert self._staging is not None
+        n, pb, kv, bb = len(ids), self.spec.page_bytes, self.pages, self.spec.block_bytes
+        staging = self._staging[:n]
+        cuts = [i * n // BLOCK_GROUPS for i in range(BLOCK_GROUPS + 1)]
+        ranges = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+        dev = self.cache.device
+        if dev.type != "cuda":
+            blocks.copy_range(staging, 0, bb)
+            landed: list[Any] = [None] * len(ranges)
+        else:
+            main = torch.cuda.current_stream(dev)
+            copy = self._copy_stream()
+            copy.wait_stream(main)
+            landed = []
+            with torch.cuda.stream(copy):
+                for a, b in ranges:
+                    blocks.copy_into(staging[a:b], 0, bb, first=a)
+                    ev = torch.cuda.Event()
+                    ev.record(copy)
+                    landed.append(ev)
+        for (a, b), ev in zip(ranges, landed, strict=True):
+            if ev is not None:
+                torch.cuda.current_stream(dev).wait_event(ev)
+            idx = kv.block_ids(ids[a:b])
+            for layer in range(kv.num_layers):
+                kv.scatter_layer(layer, idx, staging[a:b, layer * pb : (layer + 1) * pb])
 
 
 class KvstoreWhole(KvstorePaged):
@@ -386,7 +463,8 @@ class LmcacheNhd(LmcachePaged):
     layout = "NHD"
 
 
-STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-whole": KvstoreWhole, "kvstore-rows": KvstoreRows,
+STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-blocks": KvstoreBlocks,
+                                        "kvstore-whole": KvstoreWhole, "kvstore-rows": KvstoreRows,
                                         "lmcache": LmcachePaged, "lmcache-nhd": LmcacheNhd}
 
 
@@ -439,7 +517,7 @@ def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, 
             with contextlib.suppress(Exception):
                 s.close()
     for tokens in sizes:
-        for kv in ("kvstore", "kvstore-whole", "kvstore-rows"):
+        for kv in ("kvstore", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
             for peer in ("lmcache", "lmcache-nhd"):
                 a, b = figures.get((kv, tokens)), figures.get((peer, tokens))
                 if a and b:
