@@ -24,6 +24,10 @@ insert/touch, so it is scale-free across traces and request rates):
 * a ghost that falls off the ring, and every block still resident or in the ring when the tables
   are rebuilt: censored at its age (not reused *yet*), a Kaplan-Meier estimate.
 
+A block's hits are the store's (the index's count, which every tier's hits raise), so a block
+that comes back after its ghost left the ring keeps its class; its reuse is learned only through
+the ring.
+
 Counts decay by ``decay`` at every rebuild (every ``period`` events), so the tables follow a
 changing workload. Before the first rebuild the order is least-recently-used.
 
@@ -355,6 +359,9 @@ class DensityPolicy(EvictionPolicy):
                 cls, t0, hits = back
                 self._resolve(cls, self._tick - t0, True)
                 self._hits[bid] = hits + 1
+            # The class counts every hit the store saw (the index's count), so a block that
+            # returns after its ghost left the ring is not taken for a new one.
+            self._hits[bid] = max(self._hits[bid], int(view.hits[bid]))
             parent = int(view.parent[bid])
             if 0 <= parent < self._cap and self._pos[parent] != -1 and not self._extended[parent]:
                 self._extended[parent] = True
@@ -407,6 +414,7 @@ class DensityPolicy(EvictionPolicy):
         self._since_rebuild += m
         view = self._view
         kids = view.children[ids].tolist() if view is not None else [0] * m
+        seen = view.hits[ids].tolist() if view is not None else [0] * m  # the index's hit counts
         parents = view.parent[ids].tolist() if view is not None else [-1] * m
         pos, hits, extended, cap = self._pos, self._hits, self._extended, self._cap
         last_tier = self._tier.last
@@ -432,7 +440,7 @@ class DensityPolicy(EvictionPolicy):
                 if back is not None:  # a reuse the cache missed: learn its true gap
                     self._resolve(back[0], tick - back[1], True)
                     h = back[2] + 1
-            hits[b] = h
+            hits[b] = h = max(h, seen[j])
             p = parents[j]
             if 0 <= p < cap and pos[p] != -1 and not extended[p]:
                 extended[p] = True

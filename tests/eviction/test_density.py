@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eviction.base import TierContext
 from eviction.density import (
     _LOW,
     _LUT_AGES,
@@ -127,6 +128,28 @@ def test_ghosts_of_a_batch_of_removals_equal_those_of_one_at_a_time(factor: floa
     _drive([eager, lazy], view, rng, 3000, take, chains=0.55)
     assert lazy._ghosts.cap > 1024 or factor < 1  # the ring grew on the way
     assert _ghost_state(lazy) == _ghost_state(eager)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_block_back_after_its_ghost_left_keeps_the_stores_hit_count(batched: bool) -> None:
+    """With no ghost ring, a block evicted and promoted back is a stranger to the policy; its
+    class still counts the hits the index saw (every tier's), not zero."""
+    view = FakeView(16)
+    pol = DensityPolicy(DensityConfig(ghost_factor=0.0))
+    pol.bind(view, TierContext("dram", "dram", 0, "nvme"))
+    view.add(0)
+    pol.insert(0, 4096, 0.0)
+    pol.remove(0)
+    view.hits[0] = 3  # hit three times on a tier below while DRAM did not hold it
+    if batched:
+        pol.insert_many(np.array([0]), np.array([4096]), 0.0)
+    else:
+        pol.insert(0, 4096, 0.0)
+    assert pol._hits[0] == 3
+    assert pol._cls[0] == 3 * 2  # hit class 3-4, chain not extended past it
+    view.add(1)  # a new block: the index has no hit for it
+    pol.insert(1, 4096, 0.0)
+    assert pol._hits[1] == 0
 
 
 def _density_table_by_bucket(reuses: np.ndarray, exposure: np.ndarray) -> np.ndarray:

@@ -11,7 +11,10 @@ import pytest
 from tools.replay import economics as E
 from tools.replay.bounds import (
     ClassSegments,
+    age_grid,
     class_bound,
+    holdout_window_hits,
+    keep_until_occupancy,
     policy_class_segments,
     unlimited,
     window_bound,
@@ -133,6 +136,13 @@ def test_cli_prints_economics_and_references(three: Path, capsys: pytest.Capture
     assert ref[0]["class_bound_first_tier_hit_share"] == pytest.approx(4 / 9, abs=1e-3)  # ages on a grid
     assert ref[0]["window_bound_first_tier_hit_share"] == 1.0
     assert ref[0]["rich_window_bound_first_tier_hit_share"] == 1.0
+    # At density's own age resolution the window around age 3 is [2.46, 3.32): still room.
+    assert ref[0]["window_bound_by_age_ratio_first_tier_hit_share"] == {"1.35": 1.0, "1.15": 1.0, "1.05": 1.0}
+    # The second half (accesses 3 and 4) starts no segment that is reused: nothing to score.
+    assert ref[0]["holdout_window_by_age_ratio_first_tier_hit_share"] == {"1.35": 0.0, "1.15": 0.0, "1.05": 0.0, "fine": 0.0}
+    occ = ref[0]["keep_until_occupancy_first_tier_blocks"]
+    assert set(occ) == {"q10", "q50", "q90", "max"} and 0 <= occ["q10"] <= occ["q50"] <= occ["q90"] <= occ["max"]
+    assert 0 <= ref[0]["keep_until_over_capacity_share"] <= 1
 
 
 def test_admission_rule_reports_its_hit_loss(three: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -159,6 +169,50 @@ def test_window_bound_prices_each_age_window() -> None:
     two = ClassSegments([np.array([10.0, 20.0]), np.array([5_000.0, np.inf])], 10_000)
     for cap in (1, 2):
         assert window_bound(two, cap) >= class_bound(two, cap) - 1e-9
+
+
+def test_window_bound_on_a_coarser_age_grid_bounds_fewer_rules() -> None:
+    seg = ClassSegments([np.array([50_000.0, np.inf, np.inf, np.inf])], 100_000)
+    # Ratio 4: the reuse at 50,000 lies in [16,384, 65,536); holding that cell costs the reused
+    # block 33,616 and each other 49,152, 181,072 in all against room for 100,000.
+    assert window_bound(seg, 1, ratio=4.0) == pytest.approx(100_000 / 181_072)
+    # Ratio 2, the cell [32,768, 65,536): 17,232 + 3 x 32,768 = 115,536.
+    assert window_bound(seg, 1, ratio=2.0) == pytest.approx(100_000 / 115_536)
+    # Nested grids (every ratio-4 cell is two ratio-2 cells): the coarser class is smaller.
+    assert window_bound(seg, 1, ratio=4.0) <= window_bound(seg, 1, ratio=2.0) <= window_bound(seg, 1) + 1e-9
+    assert age_grid(10, 2.0).tolist() == [0.0, 1.0, 2.0, 4.0, 8.0, 10.0]
+    with pytest.raises(ValueError, match="ratio"):
+        age_grid(10, 1.0)
+
+
+def test_holdout_window_keeps_the_cells_the_first_half_paid_for() -> None:
+    def segments(late_gap: float) -> ClassSegments:
+        # Class 0: ten blocks reused 100 accesses later in each half (the second half's at
+        # ``late_gap``); class 1: ten blocks never reused in each half.
+        first, second = np.arange(1_000, 1_010), np.arange(11_000, 11_010)
+        g0 = np.concatenate([np.full(10, 100.0), np.full(10, late_gap)])
+        g1 = np.full(20, np.inf)
+        starts = np.concatenate([first, second])
+        return ClassSegments([g0, g1], 20_000, [starts, starts])
+
+    # The same ages in both halves: the cell [64, 128) of class 0, fitted on the first half,
+    # catches all ten reuses of the second.
+    assert holdout_window_hits(segments(100.0), 1, ratio=2.0) == (10.0, 10)
+    # The second half's reuses come at 5,000: the cells paid for first (ages up to 4,096) are
+    # worth nothing there, and the room runs out before the one that would be.
+    assert holdout_window_hits(segments(5_000.0), 1, ratio=2.0) == (0.0, 10)
+    # With every reuse statistic known (the bound), the window at 5,000 is found.
+    assert window_bound(segments(5_000.0), 1, ratio=2.0) >= 10
+
+
+def test_keep_until_occupancy_meets_the_capacity_on_average_only() -> None:
+    # Two blocks accessed at ticks 1 and 2, each reused 10 accesses later, over 20 accesses:
+    # room for one block on average (20 block-accesses) keeps both until their reuse.
+    seg = ClassSegments([np.array([10.0, 10.0])], 20, [np.array([1, 2])])
+    assert class_bound(seg, 1) == pytest.approx(2.0)
+    occ = keep_until_occupancy(seg, 1)
+    assert occ.tolist() == [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1] + [0] * 9
+    assert occ.mean() == pytest.approx(1.0)  # the capacity, on average; twice it for 9 accesses
 
 
 def test_policy_class_segments(tmp_path: Path) -> None:

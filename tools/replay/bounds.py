@@ -181,7 +181,7 @@ def policy_class_segments(trace: Trace) -> ClassSegments:
     hits: dict[int, int] = {}
     extended: set[int] = set()
     cls_of: dict[int, tuple[int, bool]] = {}
-    segments: dict[tuple[int, bool], list[float]] = {}
+    segments: dict[tuple[int, bool], list[tuple[float, int]]] = {}  # (gap, start)
     tick = 0
     for r in range(trace.num_requests):
         chain = ids[offsets[r] : offsets[r + 1]]
@@ -190,7 +190,7 @@ def policy_class_segments(trace: Trace) -> ClassSegments:
             if d:
                 extended.add(chain[d - 1])
             if b in last:
-                segments.setdefault(cls_of[b], []).append(float(tick - last[b]))
+                segments.setdefault(cls_of[b], []).append((float(tick - last[b]), last[b]))
                 hits[b] += 1
             else:
                 hits[b] = 0
@@ -199,31 +199,92 @@ def policy_class_segments(trace: Trace) -> ClassSegments:
             h = hits[b]
             cls_of[b] = (h if h < 3 else (3 if h < 5 else (4 if h < 9 else 5)), b in extended)
     for b in last:
-        segments.setdefault(cls_of[b], []).append(np.inf)
-    return ClassSegments([np.sort(np.array(v)) for v in segments.values()], tick)
+        segments.setdefault(cls_of[b], []).append((np.inf, last[b]))
+    pairs = [np.array(sorted(v)) for v in segments.values()]
+    return ClassSegments([p[:, 0] for p in pairs], tick, [p[:, 1].astype(np.int64) for p in pairs])
 
 
 def class_bound(segments: ClassSegments, capacity: int) -> float:
     """The most block hits of :func:`class_segments`' policy family with ``capacity`` blocks."""
+    return _keep_until(segments, capacity)[0]
+
+
+def keep_until_occupancy(segments: ClassSegments, capacity: int) -> np.ndarray:
+    """The blocks :func:`class_bound`'s solution holds after each access, when it is run on
+    the trace without a capacity (each class kept until the age the LP gives it; the class on
+    the budget's edge to the end of its step): the bound meets ``capacity`` on *average* only,
+    and this shows how far the occupancy strays from it (a bursty trace needs many times the
+    room at its peaks, which a real tier does not have, so its policies fall short of the
+    bound). Needs the segments' start ticks."""
+    assert segments.starts is not None, "segments without start ticks"
+    ages = _keep_until(segments, capacity)[1]
+    n = segments.accesses
+    delta = np.zeros(n + 2)
+    for g, start, age in zip(segments.gaps, segments.starts, ages, strict=True):
+        if age <= 0:
+            continue
+        end = np.minimum(start + np.minimum(g, age), n + 1).astype(np.int64)
+        np.add.at(delta, start, 1.0)
+        np.add.at(delta, end, -1.0)
+    return np.cumsum(delta)[1 : n + 1]
+
+
+def _keep_until(segments: ClassSegments, capacity: int) -> tuple[float, list[float]]:
+    """:func:`class_bound`'s LP: its hits, and each class's keep-until age (the horizon of the
+    last hull step it takes; a step taken in part counts whole)."""
     tick = segments.accesses
-    horizons = np.unique(np.concatenate([[0.0], np.geomspace(1, tick, 600)]))
+    horizons = age_grid(tick)
     base_space = base_hits = 0.0
-    steps: list[tuple[float, float, float]] = []  # (hits per space, space, hits)
-    for g in segments.gaps:
+    steps: list[tuple[float, float, float, int, float]] = []  # (hits per space, space, hits, class, age)
+    ages = [0.0] * len(segments.gaps)
+    for c, g in enumerate(segments.gaps):
         reused, space = _keep_curve(g, horizons)
         hull = _upper_hull(space, reused)
         base_space, base_hits = base_space + hull[0][0], base_hits + hull[0][1]
-        steps += [((y2 - y1) / (x2 - x1), x2 - x1, y2 - y1) for (x1, y1), (x2, y2) in zip(hull, hull[1:], strict=False)]
+        ages[c] = _age_at(hull[0][0], space, horizons) if hull[0][1] > 0 else 0.0
+        steps += [((y2 - y1) / (x2 - x1), x2 - x1, y2 - y1, c, _age_at(x2, space, horizons))
+                  for (x1, y1), (x2, y2) in zip(hull, hull[1:], strict=False)]
     budget, total = capacity * tick - base_space, base_hits
-    for _, dx, dy in sorted(steps, reverse=True):
+    for _, dx, dy, c, age in sorted(steps, reverse=True):
         if budget <= 0:
             break
         take = min(1.0, budget / dx)
         total, budget = total + take * dy, budget - take * dx
-    return total
+        ages[c] = max(ages[c], age)
+    return total, ages
 
 
-def window_bound(segments: ClassSegments, capacity: int) -> float:
+def _age_at(spent: float, space: np.ndarray, horizons: np.ndarray) -> float:
+    """The horizon at which a class's space-time curve reaches ``spent``."""
+    return float(horizons[min(int(np.searchsorted(space, spent)), horizons.size - 1)])
+
+
+def age_grid(accesses: int, ratio: float | None = None) -> np.ndarray:
+    """The ages at which a rule of the bounds may change its decision about a block: 600
+    geometric steps up to ``accesses`` (the default, as fine as the trace allows), or, with
+    ``ratio``, the geometric buckets ``[0, 1), [1, ratio), [ratio, ratio**2), ...`` of a rule
+    that knows a block's age only to that resolution (eviction/density.py's tables: its
+    ``RATIO``)."""
+    if ratio is None:
+        return np.unique(np.concatenate([[0.0], np.geomspace(1, max(accesses, 1), 600)]))
+    if ratio <= 1.0:
+        raise ValueError(f"ratio must be > 1, got {ratio}")
+    n = int(np.log(max(accesses, 1)) / np.log(ratio)) + 2
+    return np.unique(np.concatenate([[0.0], np.minimum(ratio ** np.arange(n), max(accesses, 1))]))
+
+
+def _window_cells(gaps: list[np.ndarray], horizons: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per (class, age cell between two horizons), the reuses that fall in it and the
+    space-time of holding the blocks still waiting through it, flattened class by class."""
+    values, costs = [], []
+    for g in gaps:
+        reused, space = _keep_curve(g, horizons)
+        values.append(np.diff(reused))
+        costs.append(np.diff(space))
+    return np.concatenate(values), np.concatenate(costs)
+
+
+def window_bound(segments: ClassSegments, capacity: int, ratio: float | None = None) -> float:
     """The most block hits of a policy that decides, per block class, at which *ages* a block is
     held, with every class's reuse statistics known in advance: :func:`class_bound`'s family
     (hold from age 0 until ``T_c``) widened to any set of age windows per class. With a tier
@@ -233,17 +294,18 @@ def window_bound(segments: ClassSegments, capacity: int) -> float:
     waiting at its ages. Every age window of every class is priced independently (hits per
     unit of space-time, filled greedily: the LP relaxation), so the bound is at least
     :func:`class_bound` and covers any schedule of demotions and prefetches driven by class and
-    age. Block-level, average occupancy, free prefetch: optimistic, so an upper bound."""
-    tick = segments.accesses
-    horizons = np.unique(np.concatenate([[0.0], np.geomspace(1, tick, 600)]))
-    values, costs = [], []
-    for g in segments.gaps:
-        reused, space = _keep_curve(g, horizons)
-        values.append(np.diff(reused))
-        costs.append(np.diff(space))
-    v, c = np.concatenate(values), np.concatenate(costs)
+    age. Block-level, average occupancy, free prefetch: optimistic, so an upper bound.
+
+    The windows are cells of :func:`age_grid`: by default 600 per class, fine enough to pick
+    out the ages where a handful of reuses happened to fall (memorised, not learnable: see
+    :func:`holdout_window_hits`); with ``ratio`` the bound is for rules that know a block's
+    age to that resolution only, such as a prefetch decided from eviction/density.py's own
+    age buckets. A coarser grid is a smaller class of rules, so its bound is lower. Each cell
+    gets one decision for the whole trace: a rule that changes its decisions as the workload
+    drifts is not covered (nor by :func:`class_bound`)."""
+    v, c = _window_cells(segments.gaps, age_grid(segments.accesses, ratio))
     free = c <= 0
-    total, budget = float(v[free].sum()), float(capacity * tick)
+    total, budget = float(v[free].sum()), float(capacity * segments.accesses)
     v, c = v[~free], c[~free]
     order = np.argsort(-v / c, kind="stable")
     cum = np.cumsum(c[order])
@@ -253,6 +315,29 @@ def window_bound(segments: ClassSegments, capacity: int) -> float:
         j = order[k]
         total += float(v[j]) * (budget - (float(cum[k - 1]) if k else 0.0)) / float(c[j])
     return total
+
+
+def holdout_window_hits(segments: ClassSegments, capacity: int, ratio: float | None = None) -> tuple[float, int]:
+    """:func:`window_bound`'s rule *fitted on the first half* of the trace (by access count)
+    and applied to the second: each (class, age cell) ranked by its first-half hits per unit of
+    space-time, and held in that order while the second half's space-time fits ``capacity``
+    blocks. Returns the second half's hits and its reuses (segments that start there and are
+    reused): what the cells are worth when they must be learned rather than known. Not a
+    bound; it shows which grids generalise (fine cells memorise)."""
+    assert segments.starts is not None, "segments without start ticks"
+    mid = segments.accesses // 2
+    horizons = age_grid(segments.accesses, ratio)
+    early = [g[s <= mid] for g, s in zip(segments.gaps, segments.starts, strict=True)]
+    late = [g[s > mid] for g, s in zip(segments.gaps, segments.starts, strict=True)]
+    v1, c1 = _window_cells(early, horizons)
+    v2, c2 = _window_cells(late, horizons)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        score = np.where(c1 > 0, v1 / np.maximum(c1, 1e-12), np.where(v1 > 0, np.inf, 0.0))
+    order = np.argsort(-score, kind="stable")
+    cum = np.cumsum(c2[order])
+    k = int(np.searchsorted(cum, capacity * (segments.accesses - mid), side="right"))
+    reuses = sum(int(np.isfinite(g).sum()) for g in late)
+    return float(v2[order[:k]].sum()), reuses
 
 
 def holdout_class_hits(segments: ClassSegments, capacity: int) -> float:

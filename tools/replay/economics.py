@@ -34,10 +34,13 @@ from typing import Any
 import numpy as np
 
 from eviction.admission import Admission, block_class
+from eviction.density import RATIO
 from kvstore.registry import register_admission
 from tools.replay.bounds import (
     class_bound,
     class_segments,
+    holdout_window_hits,
+    keep_until_occupancy,
     next_use,
     policy_class_segments,
     unlimited,
@@ -331,20 +334,39 @@ def belady_tier_hits(trace: Trace, capacity: int, served: np.ndarray) -> np.ndar
     return out
 
 
-def first_tier_bounds(trace: Trace, capacity: int, served: float) -> dict[str, float]:
+WINDOW_RATIOS = (RATIO, 1.15, 1.05)
+"""Age resolutions of the window bounds printed beside the 600-step one: eviction/density.py's
+own age buckets (``RATIO``), and two finer grids."""
+
+
+def first_tier_bounds(trace: Trace, capacity: int, served: float) -> dict[str, Any]:
     """Bounds on the share of the store's ``served`` hit blocks that a first tier of
     ``capacity`` blocks can serve, for online rules of stated classes (tools/replay/bounds.py),
     each with the exact reuse statistics of its classes known in advance: keep a block until
     an age learned per class (``class_bound``: eviction/density.py's own classes, and the
     richer classes of ``class_segments``), or hold it at any set of ages per class, i.e. evict
-    and prefetch back (``window_bound``, both class sets)."""
+    and prefetch back (``window_bound``, both class sets; for `density`'s classes also at the
+    age resolutions of :data:`WINDOW_RATIOS`, with what each grid is worth when fitted on the
+    first half and applied to the second: ``holdout_window_hits``)."""
     own, rich = policy_class_segments(trace), class_segments(trace)
     share = lambda hits: round(min(hits / max(served, 1.0), 1.0), 6)  # noqa: E731
+    held = lambda got: round(got[0] / max(got[1], 1), 6)  # noqa: E731
+    occupancy = keep_until_occupancy(own, capacity)
     return {
+        # The keep-until bound holds `capacity` blocks on average: how far its occupancy strays.
+        "keep_until_occupancy_first_tier_blocks": {
+            q: float(np.quantile(occupancy, x)) if occupancy.size else 0.0
+            for q, x in (("q10", 0.1), ("q50", 0.5), ("q90", 0.9), ("max", 1.0))},
+        "keep_until_over_capacity_share": round(float((occupancy > capacity).mean()) if occupancy.size else 0.0, 6),
         "class_bound_first_tier_hit_share": share(class_bound(own, capacity)),
         "window_bound_first_tier_hit_share": share(window_bound(own, capacity)),
         "rich_class_bound_first_tier_hit_share": share(class_bound(rich, capacity)),
         "rich_window_bound_first_tier_hit_share": share(window_bound(rich, capacity)),
+        "window_bound_by_age_ratio_first_tier_hit_share": {
+            f"{r:g}": share(window_bound(own, capacity, r)) for r in WINDOW_RATIOS},
+        "holdout_window_by_age_ratio_first_tier_hit_share": {
+            **{f"{r:g}": held(holdout_window_hits(own, capacity, r)) for r in WINDOW_RATIOS},
+            "fine": held(holdout_window_hits(own, capacity))},
     }
 
 
@@ -424,6 +446,17 @@ def report(
     return rows
 
 
+def _emit_windows(head: str, row: dict[str, Any]) -> None:
+    grid = row["window_bound_by_age_ratio_first_tier_hit_share"]
+    fitted = row["holdout_window_by_age_ratio_first_tier_hit_share"]
+    print(f"{head} first-tier window bound by age resolution: "
+          + ", ".join(f"ratio {r} {v:.3f}" for r, v in grid.items())
+          + f", 600 steps {row['window_bound_first_tier_hit_share']:.3f}; fitted on the first half, second half: "
+          + ", ".join(f"{r} {v:.3f}" for r, v in fitted.items())
+          + f"; keep-until occupancy {row['keep_until_occupancy_first_tier_blocks']} blocks, over the tier's"
+          f" capacity at {100 * row['keep_until_over_capacity_share']:.0f}% of accesses", flush=True)
+
+
 def emit(row: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(row), flush=True)
@@ -446,6 +479,7 @@ def emit(row: dict[str, Any], as_json: bool) -> None:
                             for k, v in row.items() if k.startswith("holdout_subtree_"))
         print(f"{head} subtree refusals counted exactly, writes/hit by class set: {exact}; fitted on the first half, "
               f"applied to the second (budget 1%): {learned}", flush=True)
+        _emit_windows(head, row)
         return
     shares = " ".join(f"{k} {v:.3f}" for k, v in row["hit_share_by_tier"].items())
     writes = " ".join(f"{k} {v}" for k, v in row["writes_by_tier"].items())
