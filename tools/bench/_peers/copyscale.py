@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.buffers import CopyPool, default_copy_threads
+from kvstore.version import version
 from tools.bench._common import result
 
 
@@ -78,6 +79,7 @@ def run(mib: int = 512, reps: int = 5, threads: Sequence[int] = ()) -> Iterator[
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.bench._peers.copyscale", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--mib", type=int, default=512, help="MiB copied per call (default 512: one 4K-token request)")
     p.add_argument("--reps", type=int, default=5, help="calls per thread count (default 5)")
     p.add_argument("--threads", default="", help="comma-separated thread counts (default 1, 2, 4, ... up to the cores, at most 16)")
