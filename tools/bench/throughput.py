@@ -32,7 +32,7 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -330,17 +330,43 @@ def _check(lm: BatchedLM, model: Any, cache: EngineCache, prompts: list[torch.Te
             "hit_tokens_alone": [a.hit_tokens for a in want], "hit_tokens_batched": [b.hit_tokens for b in got]}
 
 
-def measure(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+def _nothing(lm: BatchedLM) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What the stream's model decides (Llama-3-8B here; the scaled-down DeepSeek-V3 of
+    :mod:`tools.bench.throughput_mla`): everything else, the stream, the four engines and the
+    rows, is one code for both."""
+
+    name: str  # the namespaces' prefix, ``bench/{name}-{kind}-{h}``
+    command: str  # as ``need_cuda`` names it
+    model: Callable[[bool, bool], Any]  # (smoke, quick) -> the model
+    shape: Callable[[Any, torch.dtype, int], KVShape]  # (config, dtype, block tokens)
+    engine: type[BatchedLM]
+    resident: type[BatchedLM]  # (d): the engine with its hits taken to be in the rows already
+    check: Callable[[BatchedLM, Any, EngineCache, list[torch.Tensor]], dict[str, Any]]
+    flop_bound: Callable[[Any, list[torch.Tensor], list[list[torch.Tensor]]], float]
+    flop_bound_by_length: Callable[[Any, float], dict[str, float]]
+    extra: Callable[[KVShape, int], dict[str, Any]]  # (shape, blocks) -> the model's own fields of the last row
+    after_run: Callable[[BatchedLM], dict[str, Any]] = _nothing  # (store engine) -> {name: value}, kept as f"{kind}_{name}"
+    metric_prefix: str = ""
+    compare_attention: bool = True  # (d) again with the per-request loop when ``--compare-attention``
+
+
+def measure(args: argparse.Namespace, bench: Bench | None = None) -> Iterator[dict[str, Any]]:
+    bench = bench or LLAMA
     smoke = args.smoke
-    if not smoke and not need_cuda("throughput"):
+    if not smoke and not need_cuda(bench.command):
         return
     w = SMOKE if smoke else QUICK if args.quick else H200
     if args.conversations:
         w = replace(w, conversations=args.conversations)
-    model = _model(smoke, args.quick)
+    model = bench.model(smoke, args.quick)
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    shape: KVShape = shape_of(model.config, dtype, w.block_tokens)
+    shape: KVShape = bench.shape(model.config, dtype, w.block_tokens)
     vocab = model.config.vocab_size
     rates = tuple(args.hit) if args.hit else ((0.8,) if smoke else HIT_RATES)
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -358,37 +384,39 @@ def measure(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                     break
                 wh = replace(wh, conversations=wh.conversations - 1)
             runs: dict[str, _Run] = {}
-            extra: dict[str, Any] = {"conversations": wh.conversations, "kv_gib": round(n_blocks * shape.block_bytes / (1 << 30), 1),
-                                     "flop_bound": round(flop_bound(model.config, histories, turns), 2),
-                                     "flop_bound_by_prompt_tokens": flop_bound_by_length(model.config, h)}
+            extra: dict[str, Any] = {**bench.extra(shape, n_blocks), "conversations": wh.conversations,
+                                     "flop_bound": round(bench.flop_bound(model.config, histories, turns), 2),
+                                     "flop_bound_by_prompt_tokens": bench.flop_bound_by_length(model.config, h)}
             for kind in ("none", "ideal", "dram", "hbm"):
-                runs[kind] = _engine_run(kind, h, args, model, shape, wh, histories, turns, n_blocks, chunk_np,
+                runs[kind] = _engine_run(bench, kind, h, args, model, shape, wh, histories, turns, n_blocks, chunk_np,
                                          Path(d) / f"{kind}-{h}", extra, last=h == rates[-1], smoke=smoke)
                 shutil.rmtree(Path(d) / f"{kind}-{h}", ignore_errors=True)
                 gc.collect()
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
-            yield from _rows(h, runs, extra, shape, smoke)
+            for row in _rows(h, runs, extra, shape, smoke):
+                row["metric"] = bench.metric_prefix + row["metric"]
+                yield row
 
 
-def _engine_run(kind: str, h: float, args: argparse.Namespace, model: Any, shape: KVShape, w: Workload,
+def _engine_run(bench: Bench, kind: str, h: float, args: argparse.Namespace, model: Any, shape: KVShape, w: Workload,
                 histories: list[torch.Tensor], turns: list[list[torch.Tensor]], n_blocks: int, chunk: np.ndarray,
                 root: Path, extra: dict[str, Any], *, last: bool, smoke: bool) -> _Run:
     """One engine over the stream, with its own store (a fresh DRAM arena) when it has one."""
     dev = next(model.parameters()).device
     attention = "loop" if smoke else args.attention
     if kind == "none":
-        return _stream(BatchedLM(model, None, attention=attention, block_tokens=w.block_tokens), turns, histories, w, kind, None)
+        return _stream(bench.engine(model, None, attention=attention, block_tokens=w.block_tokens), turns, histories, w, kind, None)
     if kind == "ideal":
-        ideal = _Resident(model, None, attention=attention, block_tokens=w.block_tokens)
+        ideal = bench.resident(model, None, attention=attention, block_tokens=w.block_tokens)
         ideal._rows(w.max_rows)  # allocated (and filled) before the timed rounds
         run = _stream(ideal, turns, histories, w, kind, None)
-        if not smoke and args.compare_attention:
-            alt = _Resident(model, None, attention="loop", block_tokens=w.block_tokens)
+        if not smoke and bench.compare_attention and args.compare_attention:
+            alt = bench.resident(model, None, attention="loop", block_tokens=w.block_tokens)
             extra["ideal_loop_tokens_per_s"] = round(_stream(alt, turns, histories, w, kind, None).rate)
         return run
     store = _store(root, n_blocks, shape.block_bytes)
-    cache = EngineCache(store, shape.namespace(f"bench/throughput-{kind}-{h}"), shape, max_pending=1 << 16)
+    cache = EngineCache(store, shape.namespace(f"bench/{bench.name}-{kind}-{h}"), shape, max_pending=1 << 16)
     hbm = None
     try:
         t0 = time.perf_counter()
@@ -399,13 +427,14 @@ def _engine_run(kind: str, h: float, args: argparse.Namespace, model: Any, shape
             hbm = HbmCache(cache, budget, device=dev)
             extra["hbm_budget_gib"] = round(hbm.budget_bytes / (1 << 30), 2)
         ring = ring_bytes(turns, histories, shape.block_bytes, w.block_tokens) if not smoke else None
-        lm = BatchedLM(model, cache, hbm=hbm, attention=attention, layer_groups=args.layer_groups,
-                       block_tokens=w.block_tokens, store_ring_bytes=ring)
+        lm = bench.engine(model, cache, hbm=hbm, attention=attention, layer_groups=args.layer_groups,
+                          block_tokens=w.block_tokens, store_ring_bytes=ring)
         run = _stream(lm, turns, histories, w, kind, cache)
+        extra.update({f"{kind}_{k}": v for k, v in bench.after_run(lm).items()})
         if hbm is not None:
             extra[f"{kind}_counters"] = {k: getattr(hbm.counters, k) for k in hbm.counters.__slots__}
         if last:  # HBM: the pages' bytes against the same blocks loaded from the store alone
-            extra["check" if kind == "dram" else f"check_{kind}"] = _check(lm, model, cache, [conv[-1] for conv in turns[:2]])
+            extra["check" if kind == "dram" else f"check_{kind}"] = bench.check(lm, model, cache, [conv[-1] for conv in turns[:2]])
         return run
     finally:
         cache.close()
@@ -439,6 +468,13 @@ def _rows(h: float, runs: dict[str, _Run], extra: dict[str, Any], shape: KVShape
     yield result("throughput", f"hbm_vs_ideal_{tag}", runs["hbm"].rate, "tok/s", ideal.rate,
                  dram_vs_ideal=round(runs["dram"].rate / ideal.rate, 4) if ideal.rate else None,
                  goal_ratio=0.9 if h == 0.96 else None, **common, **extra)
+
+
+LLAMA = Bench(
+    name="throughput", command="throughput", model=_model, shape=shape_of, engine=BatchedLM, resident=_Resident,
+    check=_check, flop_bound=flop_bound, flop_bound_by_length=flop_bound_by_length,
+    extra=lambda shape, n_blocks: {"kv_gib": round(n_blocks * shape.block_bytes / (1 << 30), 1)},
+)
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:

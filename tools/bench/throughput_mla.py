@@ -23,42 +23,18 @@ attention over its whole prefix.
 from __future__ import annotations
 
 import argparse
-import gc
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine.batch_mla import BatchedMLA
 from engine.client import EngineCache
-from engine.gpu import release_arenas
-from engine.hbm_cache import HbmCache
-from engine.kvlayout import KVShape
 from engine.mla import latent_shape, mla_config
+from tools.bench import throughput
 from tools.bench._common import result
-from tools.bench._gpu import need_cuda
-from tools.bench.throughput import (
-    H200,
-    HIT_RATES,
-    QUICK,
-    SMOKE,
-    Workload,
-    _blocks_of,
-    _populate,
-    _Resident,
-    _rows,
-    _Run,
-    _store,
-    _stream,
-    conversations,
-    ring_bytes,
-)
+from tools.bench.throughput import Bench, _Resident
 
 
 class _ResidentMLA(_Resident, BatchedMLA):
@@ -133,11 +109,11 @@ def flop_bound_by_length(config: Any, h: float, lengths: tuple[int, ...] = (1024
     return out
 
 
-def _check(lm: BatchedMLA, model: Any, prompts: list[torch.Tensor]) -> dict[str, Any]:
+def _check(lm: BatchedMLA, model: Any, cache: EngineCache, prompts: list[torch.Tensor]) -> dict[str, Any]:
     """The batch against each request alone (the same engine and store, one prompt per pass):
     same greedy token, logits' relative error. (The stream's histories are random latent bytes,
     so a full recompute would not be the reference.)"""
-    alone = BatchedMLA(model, lm.cache, attention=lm.attention, block_tokens=lm.shape.block_tokens, form=lm.form)
+    alone = BatchedMLA(model, cache, attention=lm.attention, block_tokens=lm.shape.block_tokens, form=lm.form)
     want = [alone.prefill([p], store=False)[0] for p in prompts]
     got = lm.prefill(prompts, store=False)
     same = sum(int(a.logits.argmax() == b.logits.argmax()) for a, b in zip(want, got, strict=True))
@@ -146,90 +122,18 @@ def _check(lm: BatchedMLA, model: Any, prompts: list[torch.Tensor]) -> dict[str,
             "hit_tokens_alone": [a.hit_tokens for a in want], "hit_tokens_batched": [b.hit_tokens for b in got]}
 
 
+MLA = Bench(
+    name="throughput-mla", command="throughput --model mla", model=mla_model, shape=latent_shape, engine=BatchedMLA,
+    resident=_ResidentMLA, check=_check, flop_bound=flop_bound, flop_bound_by_length=flop_bound_by_length,
+    extra=lambda shape, n_blocks: {"model": "mla", "layers": shape.num_layers,
+                                   "kv_bytes_per_token": shape.block_bytes // shape.block_tokens,
+                                   "kv_gib": round(n_blocks * shape.block_bytes / (1 << 30), 2)},
+    after_run=lambda lm: {"forms": dict(lm.forms_run)}, metric_prefix="mla_", compare_attention=False,
+)
+
+
 def measure(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    smoke = args.smoke
-    if not smoke and not need_cuda("throughput --model mla"):
-        return
-    w = SMOKE if smoke else QUICK if args.quick else H200
-    if args.conversations:
-        w = replace(w, conversations=args.conversations)
-    model = mla_model(smoke, args.quick)
-    dev = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    shape = latent_shape(model.config, dtype, w.block_tokens)
-    vocab = model.config.vocab_size
-    rates = tuple(args.hit) if args.hit else ((0.8,) if smoke else HIT_RATES)
-    gen = torch.Generator(device=dev).manual_seed(1)
-    chunk_blocks = 8 if smoke else 64
-    chunk = torch.randn(chunk_blocks * shape.block_bytes // dtype.itemsize, dtype=dtype, device=dev, generator=gen)
-    chunk_np = chunk.view(torch.uint8).cpu().numpy()
-    del chunk
-    with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        for h in [r for _ in range(args.repeat) for r in rates]:
-            wh = w
-            while True:
-                histories, turns = conversations(wh, h, vocab)
-                n_blocks = _blocks_of(turns, histories, w.block_tokens)
-                if n_blocks * shape.block_bytes <= w.max_kv_bytes or wh.conversations <= 2:
-                    break
-                wh = replace(wh, conversations=wh.conversations - 1)
-            runs: dict[str, _Run] = {}
-            extra: dict[str, Any] = {
-                "model": "mla", "layers": shape.num_layers, "kv_bytes_per_token": shape.block_bytes // shape.block_tokens,
-                "conversations": wh.conversations, "kv_gib": round(n_blocks * shape.block_bytes / (1 << 30), 2),
-                "flop_bound": round(flop_bound(model.config, histories, turns), 2),
-                "flop_bound_by_prompt_tokens": flop_bound_by_length(model.config, h),
-            }
-            for kind in ("none", "ideal", "dram", "hbm"):
-                runs[kind] = _engine_run(kind, h, args, model, shape, wh, histories, turns, n_blocks, chunk_np,
-                                         Path(d) / f"{kind}-{h}", extra, last=h == rates[-1], smoke=smoke)
-                shutil.rmtree(Path(d) / f"{kind}-{h}", ignore_errors=True)
-                gc.collect()
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-            for row in _rows(h, runs, extra, shape, smoke):
-                row["metric"] = f"mla_{row['metric']}"
-                yield row
-
-
-def _engine_run(kind: str, h: float, args: argparse.Namespace, model: Any, shape: KVShape, w: Workload,
-                histories: list[torch.Tensor], turns: list[list[torch.Tensor]], n_blocks: int, chunk: np.ndarray,
-                root: Path, extra: dict[str, Any], *, last: bool, smoke: bool) -> _Run:
-    """One engine over the stream, with its own store (a fresh DRAM arena) when it has one."""
-    dev = next(model.parameters()).device
-    kw: dict[str, Any] = {"attention": "loop" if smoke else args.attention, "block_tokens": w.block_tokens}
-    if kind == "none":
-        return _stream(BatchedMLA(model, None, **kw), turns, histories, w, kind, None)
-    if kind == "ideal":
-        ideal = _ResidentMLA(model, None, **kw)
-        ideal._rows(w.max_rows)  # allocated (and filled) before the timed rounds
-        return _stream(ideal, turns, histories, w, kind, None)
-    store = _store(root, n_blocks, shape.block_bytes)
-    cache = EngineCache(store, shape.namespace(f"bench/throughput-mla-{kind}-{h}"), shape, max_pending=1 << 16)
-    hbm = None
-    try:
-        t0 = time.perf_counter()
-        _populate(cache, histories, chunk)
-        extra[f"{kind}_populate_s"] = round(time.perf_counter() - t0, 2)
-        if kind == "hbm":
-            budget = int(args.hbm_gib * (1 << 30)) or int(n_blocks * 1.1 + 64) * shape.block_bytes
-            hbm = HbmCache(cache, budget, device=dev)
-            extra["hbm_budget_gib"] = round(hbm.budget_bytes / (1 << 30), 2)
-        ring = ring_bytes(turns, histories, shape.block_bytes, w.block_tokens) if not smoke else None
-        lm = BatchedMLA(model, cache, hbm=hbm, layer_groups=args.layer_groups, store_ring_bytes=ring, **kw)
-        run = _stream(lm, turns, histories, w, kind, cache)
-        extra[f"{kind}_forms"] = dict(lm.forms_run)
-        if hbm is not None:
-            extra[f"{kind}_counters"] = {k: getattr(hbm.counters, k) for k in hbm.counters.__slots__}
-        if last:
-            extra["check" if kind == "dram" else f"check_{kind}"] = _check(lm, model, [conv[-1] for conv in turns[:2]])
-        return run
-    finally:
-        cache.close()
-        if hbm is not None:
-            hbm.close()
-        store.close()
-        release_arenas()
+    yield from throughput.measure(args, MLA)
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
