@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, DaemonUnavailableError
 from kvstore.server.config import ServerConfig
 from kvstore.server.daemon import ThreadedDaemon
 from tests.conftest import BB, SMALL_NS, chain_for, payload
@@ -127,3 +129,39 @@ def test_clients_killed_mid_transfer_over_ucx_never_take_the_daemon_down(tmp_pat
                 out = np.zeros(6 * BB, np.uint8)
                 assert c.get_into(SMALL_NS, chain, out) == 6 and np.array_equal(out, blocks)
         assert d.proc.poll() is None
+
+
+def test_a_frozen_daemon_fails_a_ucx_call_with_daemon_unavailable_not_a_hang(tmp_path: Path) -> None:
+    """The UCX client runs its loop in the calling thread now: a call to a daemon that stopped
+    answering (SIGSTOP, a real process) must still end within the client's timeout with
+    DaemonUnavailableError, the error an engine treats as a miss, and the same client must
+    work again once the daemon resumes."""
+    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore[ucx]')")
+    from kvstore.client import connect
+    from kvstore.client.spawn import start_daemon
+
+    config = tmp_path / "kvstore.toml"
+    config.write_text(textwrap.dedent(f"""
+        [server]
+        ucx = true
+        [[tenants]]
+        name = "a"
+        token = "{TOKEN_A}"
+    """))
+    chain = chain_for(5, 4)
+    blocks = np.frombuffer(b"".join(payload(x) for x in chain), np.uint8)
+    with (
+        start_daemon(tmp_path / "store", config=config) as d,
+        connect(d.url, token=TOKEN_A, plane="ucx", timeout=10.0, retries=1) as c,
+    ):
+        assert c.put(SMALL_NS, chain, blocks) == 4
+        out = np.zeros(4 * BB, np.uint8)
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DaemonUnavailableError):
+                c.get_into(SMALL_NS, chain, out)
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        out[:] = 0
+        assert c.get_into(SMALL_NS, chain, out) == 4
+        assert out.tobytes() == blocks.tobytes()
