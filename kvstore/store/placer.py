@@ -187,14 +187,23 @@ class Placer:
         filled (no extra read). Returns how many leading blocks ``target`` holds afterwards."""
         protect = set(ids.tolist())
         lead = -1
+        tier = self.tiers[target]
         for i in range(len(served)):
             bid = int(ids[i])
             if int(self.index.tiers[bid]) & (1 << target):
                 continue
-            if self.place(bid, target, bufs[i], self.meta_for(bid), protect):
+            meta = self.meta_for(bid)
+            if self.place(bid, target, bufs[i], meta, protect):
                 self.ledger.counters.promotions += 1
-            elif lead < 0:
+                continue
+            if lead < 0:
                 lead = i
+            if not tier.fits(meta.size):
+                # No room could be made: what the tier could give up is this load's own blocks
+                # (protected), and the rest of the load only adds to them. Asking again for
+                # each block would walk the whole tier per block, quadratic in a chain longer
+                # than the tier (a coding agent's 1,000-block prefix over a smaller DRAM).
+                break
         return len(served) if lead < 0 else lead
 
     # ---- making room ----------------------------------------------------------------------------
