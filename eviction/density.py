@@ -244,6 +244,9 @@ class DensityPolicy(EvictionPolicy):
     name = "density"
     Config = DensityConfig
     weighted = False  # whether weights() says more than "all equal"
+    joins_queue = True
+    """Whether a new block whose table score is no better than the next victim's joins the victim
+    queue at once (a subclass that ranks by other scores turns it off)."""
     runs = True  # victims(): a parent offered waits for the next refill, so a run is exact
 
     def __init__(self, config: DensityConfig | None = None) -> None:
@@ -371,7 +374,7 @@ class DensityPolicy(EvictionPolicy):
             self.hold(bid)  # it has cached children: it may not leave before them
             return
         queue = self._queue
-        if queue and self._table is not None:
+        if queue and self._table is not None and self.joins_queue:
             # A block worth no more than the next victim goes next, without waiting for a
             # refill: most new blocks are never reused, and they arrive between refills.
             score = float(self._table[cls, 0])
@@ -422,7 +425,7 @@ class DensityPolicy(EvictionPolicy):
         take = ghosts.take if view is not None and ghosts.where else None
         hash_of = view.hash_of if view is not None else None
         queue = self._queue
-        joining = bool(queue) and self._table is not None
+        joining = bool(queue) and self._table is not None and self.joins_queue
         if joining:
             table0 = self._table[:, 0].tolist()  # type: ignore[index]
             weights = self.weights(ids).tolist() if self.weighted else None  # type: ignore[union-attr]

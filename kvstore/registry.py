@@ -28,6 +28,7 @@ POLICIES: dict[str, str] = {
     "arc": "eviction.arc:ARCPolicy",
     "density": "eviction.density:DensityPolicy",
     "cost": "eviction.costaware:CostAwarePolicy",
+    "lrb": "eviction.lrb:LRBPolicy",
 }
 ADMISSIONS: dict[str, str] = {
     "all": "eviction.admission:Admission",  # write every demoted block

@@ -15,6 +15,7 @@ from eviction.arc import ARCPolicy
 from eviction.base import EvictionPolicy, TierContext
 from eviction.costaware import CostAwarePolicy
 from eviction.density import DensityConfig, DensityPolicy
+from eviction.lrb import LRBPolicy
 from eviction.lru import LRUPolicy
 from kvstore.clock import FakeClock
 from kvstore.config import StoreConfig, TierSpec
@@ -348,4 +349,4 @@ def test_make_policies_binds_every_tier(tmp_path: Path) -> None:
 def test_store_default_policy_is_density() -> None:
     assert StoreConfig().policy == "density"
     assert policy_class(StoreConfig().policy) is DensityPolicy
-    assert {LRUPolicy, ARCPolicy, DensityPolicy, CostAwarePolicy} == {policy_class(n) for n in NAMES}
+    assert {LRUPolicy, ARCPolicy, DensityPolicy, CostAwarePolicy, LRBPolicy} == {policy_class(n) for n in NAMES}
