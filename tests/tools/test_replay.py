@@ -161,7 +161,7 @@ def test_cli_every_policy_two_tiers_and_a_plot(small: Path, tmp_path: Path, caps
     argv = [str(small), "--capacity", "a=2,b=2", "--capacity", "50%", "--policy", "all", "--json", "--plot", str(svg)]
     assert main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert {r["policy"] for r in rows} == {"arc", "cost", "density", "lru"}
+    assert {r["policy"] for r in rows} == {"arc", "cost", "density", "lrb", "lru"}
     assert {r["capacity"] for r in rows} == {"a=2,b=2", "50%"}
     assert all(r["tiers"] == {"a": 2, "b": 2} for r in rows if r["capacity"] == "a=2,b=2")
     assert svg.read_text().startswith("<svg") and "OPT" in svg.read_text()
@@ -179,6 +179,7 @@ def test_cli_text_output(small: Path, capsys: pytest.CaptureFixture[str]) -> Non
     [(["/nonexistent/trace.jsonl"], "does not exist"), (["TRACE", "--capacity", "5x"], "cannot read"),
      (["TRACE", "--policy", "fifo"], "unknown eviction policy"), (["TRACE", "--policy-option", "decay"], "KEY=VALUE"),
      (["TRACE", "--policy", "density", "--policy-option", "decay=2"], "decay"),
+     (["TRACE", "--policy", "lrb", "--policy-option", "objective=oracle"], "objective must be one of"),
      (["TRACE", "--block-tokens", "0"], "block-tokens")],
 )
 def test_cli_bad_input_exits_2(small: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
