@@ -217,6 +217,13 @@ class DramTier(Tier):
             entry = self._map.get(key)
         return None if entry is None else (entry[0], entry[1].size)
 
+    def locations(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
+        """:meth:`location` of every key, under one lock (a lease of thousands of blocks)."""
+        get = self._map.get
+        with self._lock:
+            entries = [get(k) for k in keys]  # type: ignore[call-overload]
+        return [None if e is None else (e[0], e[1].size) for e in entries]
+
     # ---- Tier --------------------------------------------------------------------------------
 
     def contains(self, key: BlockHash) -> bool:
