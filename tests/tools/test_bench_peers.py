@@ -352,6 +352,7 @@ def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.Captu
             assert r["verified"] and r["wrong_pages"] == 0 and r["missing_tokens"] == 0, r
             assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == 4 * r["block_bytes"]
     assert set(by["kvstore-blocks_paged_64_restore"]["phases_ms"]) == {"hash", "lease", "queue"}
+    assert set(by["kvstore_paged_64_save"]["save_phases_ms"]) == {"queue", "wait", "put", "pieces"}
     # LMCache's vLLM connector is CUDA only: one row says so, the kvstore rows still came
     (lm,) = [r for r in rows if r.get("peer") == "lmcache"]
     assert lm["status"] == "unavailable" and "CUDA" in lm["error"]
@@ -367,6 +368,9 @@ def test_copy_scale_rows_name_each_thread_count_against_one_thread() -> None:
     rows = list(run(mib=4, reps=1, threads=[2]))
     assert [r["metric"] for r in rows] == ["copy_threads_1", "copy_threads_2"]
     assert rows[0]["ratio"] == 1.0 and all(r["value"] > 0 and r["default_copy_threads"] >= 1 for r in rows)
+    into = list(run(mib=4, reps=1, threads=[2], into_arena=True))
+    assert [r["metric"] for r in into] == ["copy_threads_into_1", "copy_threads_into_2"]
+    assert {r["direction"] for r in into} == {"into the arena"}
 
 
 def test_paged_only_names_the_paged_stores() -> None:
@@ -388,3 +392,19 @@ def test_paired_quick_run_drives_the_peers_in_one_child(tmp_path, capsys: pytest
             assert r["paired"] and r["verified"] and r["value"] > 0, r
     assert by["kvstore_1k_store"]["copy_threads"] == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_paged_save_pieces_cover_the_blocks_in_order_and_feed_every_copy_thread() -> None:
+    from kvstore.buffers import PIECE_BYTES
+    from tools.bench._peers.paged import MAX_SAVE_PIECES, KvstorePaged, page_spec
+
+    s = KvstorePaged()
+    s.spec = page_spec()  # 2 MiB blocks
+    for threads, n in ((2, 256), (8, 256), (8, 2048), (16, 2048), (1, 3), (4, 1)):
+        s._copy_threads = threads
+        pieces = s.save_pieces(n)
+        assert pieces[0][0] == 0 and pieces[-1][1] == n
+        assert all(a < b and b == c for (a, b), (c, _) in zip(pieces, pieces[1:] + [(n, n)], strict=True))
+        assert len(pieces) == min(n, max(2, min(MAX_SAVE_PIECES, n * s.spec.block_bytes // (threads * PIECE_BYTES))))
+        if len(pieces) > 2:  # more than the two of the overlap: each piece has a share for every thread
+            assert min(b - a for a, b in pieces) * s.spec.block_bytes >= threads * PIECE_BYTES * 0.99
