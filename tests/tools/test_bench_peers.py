@@ -341,17 +341,20 @@ def test_paged_cache_blocks_are_disjoint_and_a_wrong_page_is_counted() -> None:
 
 
 def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
-    code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "64", "--layers", "2", "--rounds", "1",
+    # 64 tokens: the whole prefix is kvstore's head; 512 (32 blocks): a head of 16 and the rest
+    code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "64,512", "--layers", "2", "--rounds", "1",
                        "--dir", str(tmp_path)])
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     by = {r["metric"]: r for r in rows}
-    for peer in ("kvstore", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
-        for op in ("restore", "save"):
-            r = by[f"{peer}_paged_64_{op}"]
-            assert r["verified"] and r["wrong_pages"] == 0 and r["missing_tokens"] == 0, r
-            assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == 4 * r["block_bytes"]
+    for peer in ("kvstore", "kvstore-nohead", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
+        for size, blocks in ((64, 4), (512, 32)):
+            for op in ("restore", "save"):
+                r = by[f"{peer}_paged_{size}_{op}"]
+                assert r["verified"] and r["wrong_pages"] == 0 and r["missing_tokens"] == 0, r
+                assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == blocks * r["block_bytes"]
     assert set(by["kvstore-blocks_paged_64_restore"]["phases_ms"]) == {"hash", "lease", "queue"}
+    assert set(by["kvstore_paged_512_restore"]["phases_ms"]) == {"head", "hash", "lease", "queue"}
     assert set(by["kvstore_paged_64_save"]["save_phases_ms"]) == {"queue", "wait", "put", "pieces"}
     # LMCache's vLLM connector is CUDA only: one row says so, the kvstore rows still came
     (lm,) = [r for r in rows if r.get("peer") == "lmcache"]
@@ -374,7 +377,7 @@ def test_copy_scale_rows_name_each_thread_count_against_one_thread() -> None:
 
 
 def test_paged_only_names_the_paged_stores() -> None:
-    with pytest.raises(SystemExit, match="known: kvstore, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
+    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
         list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
             parser().parse_args(["--device", "cpu", "--only", "mooncake"])))
 
@@ -408,3 +411,12 @@ def test_paged_save_pieces_cover_the_blocks_in_order_and_feed_every_copy_thread(
         assert len(pieces) == min(n, max(2, min(MAX_SAVE_PIECES, n * s.spec.block_bytes // (threads * PIECE_BYTES))))
         if len(pieces) > 2:  # more than the two of the overlap: each piece has a share for every thread
             assert min(b - a for a, b in pieces) * s.spec.block_bytes >= threads * PIECE_BYTES * 0.99
+
+
+def test_paged_layer_groups_end_with_a_small_group() -> None:
+    from tools.bench._peers.paged import layer_groups
+
+    assert layer_groups(32) == [(0, 8), (8, 16), (16, 24), (24, 30), (30, 32)]
+    assert layer_groups(2) == [(0, 2)]
+    assert layer_groups(3) == [(0, 1), (1, 3)]
+    assert layer_groups(10, size=4) == [(0, 4), (4, 8), (8, 10)]
