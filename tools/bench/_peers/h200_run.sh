@@ -7,7 +7,8 @@
 # the GPU machine (no network there): installs the wheels, probes, runs the bench once with the
 # kvstore variants and both LMCache layouts, twice more with the goal row's stores (a spread of
 # three), kvstore's save with 4 and 16 copy threads beside the default, then the host copy's
-# scaling with threads, out of and into the arena; writes JSON lines and a log under
+# scaling with threads, out of and into the arena (and into it with glibc's non-temporal
+# threshold at 4 MiB); writes JSON lines and a log under
 # "$OUT/peers/". Every step checks the time left: under 290 s in all (`timeout 300 bash run.sh`).
 set -u
 OUTD="${OUT:-/tmp/peers-out}/peers"
@@ -24,6 +25,7 @@ export PYTHONPATH="$PWD:/tmp/peers-site" LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=
 echo "== probe ($(date -u +%T))"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 nproc || true
+(lscpu | grep -i -e "model name" -e "cache" -e "numa node(s)"; ldd --version | head -1) || true
 timeout 60 python3 - <<'PY' || echo "peers: probe failed (rc $?), the bench runs anyway"
 import sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
@@ -80,4 +82,13 @@ for way in out into; do
     timeout $((t - 4)) python3 -m tools.bench._peers.copyscale --json $flag > "$OUTD/copy-threads-$way.jsonl"
     echo "peers: copy threads ($way) exit $?"
 done
+t=$(left)
+if [ "$t" -gt 12 ]; then
+    # glibc copies with non-temporal stores only above a threshold (a share of the L3): the same
+    # copy into the arena with the threshold at 4 MiB says whether the 32 MiB pieces miss them.
+    echo "== host copy threads into the arena, non-temporal from 4 MiB ($(date -u +%T))"
+    GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x400000 timeout $((t - 4)) \
+        python3 -m tools.bench._peers.copyscale --json --into-arena > "$OUTD/copy-threads-into-nt4m.jsonl"
+    echo "peers: copy threads (into, nt 4 MiB) exit $?"
+fi
 echo "== done after $((SECONDS - START)) s ($(date -u +%T))"
