@@ -420,3 +420,14 @@ def test_paged_layer_groups_end_with_a_small_group() -> None:
     assert layer_groups(2) == [(0, 2)]
     assert layer_groups(3) == [(0, 1), (1, 3)]
     assert layer_groups(10, size=4) == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_lease_rows_time_a_whole_lease_against_a_lookup() -> None:
+    from tools.bench._peers.lease import main, run
+
+    rows = list(run(blocks=[3, 40], reps=2)) + list(run(blocks=[5], reps=1, policy="lru"))
+    assert [r["metric"] for r in rows] == ["lease_3", "lease_40", "lease_5"]
+    assert rows[-1]["policy"] == "lru"
+    assert all(r["value"] > 0 and r["baseline"] > 0 and r["unit"] == "ms" for r in rows)
+    with pytest.raises(SystemExit):
+        main(["--blocks", "0"])
