@@ -254,10 +254,11 @@ class KvstorePaged:
         return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
     def save(self, tokens: np.ndarray, ids: list[int]) -> None:
-        """Gather the pages into device staging (``PagedKV.gather`` on the device), then copy it
-        to the pinned host buffer in block ranges (:meth:`save_pieces`) on the copy stream and
-        put each range once it has landed, so the put's copy into the arena runs under the next
-        range's DMA: one device-to-host copy and one host copy (the put's) per byte. (Gathering
+        """In block ranges (:meth:`save_pieces`): gather a range's pages into device staging
+        (``PagedKV.gather`` on the device), copy it to the pinned host buffer on the copy stream
+        as soon as it is gathered, and put each range once it has landed, so the put's copy into
+        the arena runs under the next range's DMA: one device-to-host copy and one host copy
+        (the put's) per byte. (Gathering
         straight into the pinned buffer, as ``KvstoreRows`` and the connector do, is a strided
         device-to-host copy per layer: on the H200 it ran at 0.8-1.2 GB/s.)"""
         t0 = time.perf_counter()
@@ -265,22 +266,25 @@ class KvstorePaged:
         assert self._host is not None and self._staging is not None
         buf, staging = self._host[:n], self._staging[:n]
         hashes = hash_blocks(self.ns, tokens)
-        self.pages.gather(ids, staging)
         pieces = self.save_pieces(n)
         dev = self.cache.device
         if dev.type != "cuda":
+            self.pages.gather(ids, staging)
             buf.copy_(staging)
             landed: list[Any] = [None] * len(pieces)
         else:
-            copy = self._copy_stream()
-            copy.wait_stream(torch.cuda.current_stream(dev))  # the gather has written the staging
+            main, copy = torch.cuda.current_stream(dev), self._copy_stream()
             landed = []
-            with torch.cuda.stream(copy):
-                for a, b in pieces:
+            for a, b in pieces:  # each piece's D2H starts once its own gather is done
+                self.pages.gather(ids[a:b], staging[a:b])
+                gathered = torch.cuda.Event()
+                gathered.record(main)
+                with torch.cuda.stream(copy):
+                    copy.wait_event(gathered)
                     buf[a:b].copy_(staging[a:b], non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(copy)
-                    landed.append(ev)
+                landed.append(ev)
         t1 = time.perf_counter()
         wait = put = 0.0
         for (a, b), ev in zip(pieces, landed, strict=True):
