@@ -398,8 +398,10 @@ def test_paired_quick_run_drives_the_peers_in_one_child(tmp_path, capsys: pytest
 
 
 def test_paged_save_pieces_cover_the_blocks_in_order_and_feed_every_copy_thread() -> None:
-    from kvstore.buffers import PIECE_BYTES
+    from kvstore.buffers import default_piece_bytes
     from tools.bench._peers.paged import MAX_SAVE_PIECES, KvstorePaged, page_spec
+
+    PIECE_BYTES = default_piece_bytes()  # noqa: N806
 
     s = KvstorePaged()
     s.spec = page_spec()  # 2 MiB blocks

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The H200 part of `tools.bench peers` (issue 20), third bundle (sixth session): kvstore's GPU
+# The H200 part of `tools.bench peers` (issue 20), third and fourth bundles (sixth session): kvstore's GPU
 # load and save paths against LMCache 0.5.3's CUDA paged-KV connector, one prefix restored into
 # and saved from a vLLM-layout paged cache, 4K and 32K tokens, each restore beside the same run's
 # pinned host->device copy (the link) and each save beside a device->pinned copy. Run from inside
@@ -77,8 +77,8 @@ done
 for way in out into; do
     t=$(left)
     if [ "$t" -lt 12 ]; then echo "peers: $t s left, copy threads ($way) skipped"; continue; fi
-    echo "== host copy threads, $way of the arena ($(date -u +%T))"
-    flag=""; [ $way = into ] && flag="--into-arena"
+    flag=""; what="out of the arena"; [ $way = into ] && flag="--into-arena" && what="into the arena"
+    echo "== host copy threads, $what ($(date -u +%T))"
     timeout $((t - 4)) python3 -m tools.bench._peers.copyscale --json $flag > "$OUTD/copy-threads-$way.jsonl"
     echo "peers: copy threads ($way) exit $?"
 done

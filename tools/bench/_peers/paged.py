@@ -72,7 +72,7 @@ import torch
 
 from engine.gpu import ArenaBlocks, release_arenas
 from engine.vllm.pages import PagedKV, PageSpec, layer_rows
-from kvstore.buffers import PIECE_BYTES
+from kvstore.buffers import default_piece_bytes
 from kvstore.config import StoreConfig, TierSpec
 from kvstore.keys import hash_blocks
 from kvstore.store import KVStore
@@ -245,11 +245,12 @@ class KvstorePaged:
 
     def save_pieces(self, n: int) -> list[tuple[int, int]]:
         """The block ranges a save of ``n`` blocks copies to the host and puts in turn: each at
-        least ``copy_threads`` x ``PIECE_BYTES``, so that every copy thread of the put has a piece
-        of it (a smaller put is copied by fewer threads), and at least two, so that the put of
-        the first runs under the device-to-host copy of the second."""
+        least ``copy_threads`` x the copy pool's piece (``default_piece_bytes``: 32 MiB, or glibc's
+        non-temporal threshold), so that every copy thread of the put has a piece of it (a smaller
+        put is copied by fewer threads), and at least two, so that the put of the first runs
+        under the device-to-host copy of the second."""
         nbytes = n * self.spec.block_bytes
-        k = max(2, min(MAX_SAVE_PIECES, nbytes // (self._copy_threads * PIECE_BYTES)))
+        k = max(2, min(MAX_SAVE_PIECES, nbytes // (self._copy_threads * default_piece_bytes())))
         cuts = [i * n // k for i in range(k + 1)]
         return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
