@@ -34,8 +34,9 @@ import lmcache
 print("lmcache", getattr(lmcache, "__version__", "?"), lmcache.__file__)
 from lmcache.v1.gpu_connector.gpu_connectors import VLLMPagedMemGPUConnectorV2  # noqa: F401
 import kvstore, engine.gpu  # noqa: F401
-from kvstore.buffers import default_copy_threads
-print("imports ok; default copy_threads", default_copy_threads())
+from kvstore.buffers import default_copy_threads, default_piece_bytes, nontemporal_threshold
+print("imports ok; default copy_threads", default_copy_threads(), "glibc non-temporal threshold",
+      hex(nontemporal_threshold()), "copy piece", default_piece_bytes())
 PY
 
 GOAL=kvstore,kvstore-nohead,lmcache-nhd
