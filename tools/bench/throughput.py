@@ -30,6 +30,7 @@ import argparse
 import gc
 import math
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -388,8 +389,12 @@ def measure(args: argparse.Namespace, bench: Bench | None = None) -> Iterator[di
                                      "flop_bound": round(bench.flop_bound(model.config, histories, turns), 2),
                                      "flop_bound_by_prompt_tokens": bench.flop_bound_by_length(model.config, h)}
             for kind in ("none", "ideal", "dram", "hbm"):
+                t0 = time.perf_counter()
                 runs[kind] = _engine_run(bench, kind, h, args, model, shape, wh, histories, turns, n_blocks, chunk_np,
                                          Path(d) / f"{kind}-{h}", extra, last=h == rates[-1], smoke=smoke)
+                # Progress on stderr: a run cut by its time limit still says how far each point got.
+                print(f"throughput {bench.name}: {kind} at {h} took {time.perf_counter() - t0:.1f} s "
+                      f"({runs[kind].tokens} tokens)", file=sys.stderr, flush=True)
                 shutil.rmtree(Path(d) / f"{kind}-{h}", ignore_errors=True)
                 gc.collect()
                 if dev.type == "cuda":
