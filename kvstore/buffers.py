@@ -164,9 +164,9 @@ def nontemporal_threshold() -> int:
     """glibc's ``x86_non_temporal_threshold`` in this process, in bytes (0 when not known: not
     glibc on x86-64, or a glibc before 2.33). A ``memmove`` of at least this many bytes writes
     with non-temporal stores; a smaller one writes through the caches, which on a large host
-    halves a copy's speed (the H200's 16-core host, glibc 2.39, 300 MiB of L3: a threshold of
-    ~75 MiB; 512 MiB into the arena in 32 MiB pieces, 8 threads: 23.5 GB/s, and 39.2 with the
-    threshold at 4 MiB). Read once, from ``ld.so --list-tunables`` (which sees this process's
+    halves a copy's speed (the H200's 16-core host, glibc 2.39, 300 MiB of L3, so ~75 MiB by
+    glibc's rule of a quarter of the L3: 512 MiB into the arena in 32 MiB pieces, 8 threads,
+    23.5 GB/s, and 39.2 with ``GLIBC_TUNABLES`` setting the threshold to 4 MiB). Read once, from ``ld.so --list-tunables`` (which sees this process's
     ``GLIBC_TUNABLES``)."""
     if not _NT:
         _NT.append(_read_nontemporal_threshold())
