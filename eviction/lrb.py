@@ -137,12 +137,12 @@ class Model:
         a group: its bins are disjoint, so its Hessian is diagonal), warm-started."""
         logit = self.logit(bins)
         for _ in range(sweeps):
-            p = 1.0 / (1.0 + np.exp(-logit))
+            p = 1.0 / (1.0 + np.exp(-np.clip(logit, -30.0, 30.0)))  # (no overflow: p is 0 or 1 there)
             step = float((y - p).sum() / max(float((p * (1 - p)).sum()), 1e-9))
             self.bias += step
             logit += step
             for g, (w, b) in enumerate(zip(self.weights, bins, strict=True)):
-                p = 1.0 / (1.0 + np.exp(-logit))
+                p = 1.0 / (1.0 + np.exp(-np.clip(logit, -30.0, 30.0)))  # (no overflow: p is 0 or 1 there)
                 n = w.size
                 grad = np.bincount(b, y - p, n) - ridge * w
                 hess = np.bincount(b, p * (1 - p), n) + ridge
@@ -168,13 +168,14 @@ class LRBPolicy(DensityPolicy):
         # access here (-1: none yet; -2: the block left the store) and the block, watched
         # through ``_watch`` (bid -> its pending slot, -1 none) until its next access.
         r = self.lrb.max_samples
-        self._s_bins = np.zeros((len(GROUPS), r), np.int64)
+        names = self.lrb.groups or tuple(g for g, _ in GROUPS)
+        self._use = [i for i, (g, _) in enumerate(GROUPS) if g in names]
+        self._crosses = any(" x " in GROUPS[g][0] for g in self._use)
+        self._s_bins = np.zeros((len(self._use), r), np.int64)
         self._s_tick = np.zeros(r, np.int64)
         self._s_gap = np.full(r, -2, np.int64)
         self._s_bid = np.full(r, -1, np.int64)
         self._s_next = 0
-        names = self.lrb.groups or tuple(g for g, _ in GROUPS)
-        self._use = [i for i, (g, _) in enumerate(GROUPS) if g in names]
         self._draw = np.random.default_rng(self.lrb.seed + 1)
 
     # ---- per-block features kept beside density's columns --------------------------------------
@@ -286,8 +287,9 @@ class LRBPolicy(DensityPolicy):
             return
         before = int(self._last[bid])
         super().touch(bid, now)
-        self._gap2[bid] = self._gap1[bid]
-        self._gap1[bid] = int(self._last[bid]) - before
+        g1 = self._gap1
+        self._gap2[bid] = g1[bid]
+        g1[bid] = self._tick - before  # (the touch set the block's last access to the tick)
         s = self._watch[bid]
         if s >= 0:
             self._watch[bid] = -1
@@ -296,7 +298,8 @@ class LRBPolicy(DensityPolicy):
     # ---- features, samples, the model -------------------------------------------------------
 
     def features(self, ids: np.ndarray) -> np.ndarray:
-        """[groups, len(ids)] bin indices of each block's features now (GROUPS' order)."""
+        """[groups used, len(ids)] bin indices of each block's features now (the used groups,
+        in GROUPS' order)."""
         tick = self._tick
         last = self._last[ids]
         age = tick - last
@@ -312,11 +315,7 @@ class LRBPolicy(DensityPolicy):
             hits = depth = kids = np.zeros(ids.size, np.int64)
             root = ids
             root_hits = hits
-        root_age = tick - self._last[root]
-        a, a2 = _log_bins(age, 1.5, _AGE), _log_bins(age, 2.0, _AGE2)
-        g1 = _log_bins(self._gap1[ids], 2.0, _GAP)
         h = _log_bins(hits, 2.0, _HITS)
-        d2 = _log_bins(depth, 4.0, _DEPTH2)
         shape = self._tail[ids] * 3 + np.minimum(kids, 2)
         rh = _log_bins(root_hits, 2.0, _ROOTH)
         if self._table is None:
@@ -324,12 +323,25 @@ class LRBPolicy(DensityPolicy):
         else:
             d = self._table.ravel().take(self._cls[ids].astype(np.int64) * NUM_BUCKETS + age_buckets(age))
             dens = np.where(d > 0, np.clip(np.log2(np.maximum(d, 1e-300)).astype(np.int64) + _DENS, 1, _DENS - 1), 0)
-        return np.stack([
-            a, g1, _log_bins(self._gap2[ids], 2.0, _GAP), h, _log_bins(depth, 2.0, _DEPTH), shape,
-            _log_bins(self._put_len[ids], 2.0, _LEN), rh, _log_bins(root_age, 2.0, _ROOTA), dens,
-            a2 * _HITS + h, a2 * _SHAPE + shape, a2 * _GAP2C + _log_bins(self._gap1[ids], 4.0, _GAP2C),
-            a2 * _DEPTH2 + d2, a2 * _ROOTH2 + np.minimum(rh, _ROOTH2 - 1),
-        ])
+        a2 = _log_bins(age, 2.0, _AGE2) if self._crosses else age
+        make = {  # (only the groups the model uses are computed)
+            "age": lambda: _log_bins(age, 1.5, _AGE),
+            "gap1": lambda: _log_bins(self._gap1[ids], 2.0, _GAP),
+            "gap2": lambda: _log_bins(self._gap2[ids], 2.0, _GAP),
+            "hits": lambda: h,
+            "depth": lambda: _log_bins(depth, 2.0, _DEPTH),
+            "shape": lambda: shape,
+            "put_len": lambda: _log_bins(self._put_len[ids], 2.0, _LEN),
+            "root_hits": lambda: rh,
+            "root_age": lambda: _log_bins(tick - self._last[root], 2.0, _ROOTA),
+            "density": lambda: dens,
+            "age x hits": lambda: a2 * _HITS + h,
+            "age x shape": lambda: a2 * _SHAPE + shape,
+            "age x gap1": lambda: a2 * _GAP2C + _log_bins(self._gap1[ids], 4.0, _GAP2C),
+            "age x depth": lambda: a2 * _DEPTH2 + _log_bins(depth, 4.0, _DEPTH2),
+            "age x root_hits": lambda: a2 * _ROOTH2 + np.minimum(rh, _ROOTH2 - 1),
+        }
+        return np.stack([make[GROUPS[g][0]]() for g in self._use])
 
     def _record(self, ids: np.ndarray, bins: np.ndarray) -> None:
         """A few of a refill's ranked blocks become training samples (their features are
@@ -365,7 +377,7 @@ class LRBPolicy(DensityPolicy):
             return
         gap = self._s_gap[ok]
         gap = np.where((gap < 0) | (gap > horizon), horizon, np.maximum(gap, 1))
-        bins = self._s_bins[:, ok][self._use]
+        bins = self._s_bins[:, ok]
         sizes = [GROUPS[g][1] for g in self._use]
         model = self.model or Model.zero(sizes)
         model.fit(bins, (gap < horizon).astype(np.float64), cfg.ridge, cfg.sweeps)
@@ -404,7 +416,7 @@ class LRBPolicy(DensityPolicy):
             # density's order, its ties (blocks of one class and age bucket) broken by the model
             flat = self._cls[ids].astype(np.int64) * NUM_BUCKETS + age_buckets(self._tick - last)
             score = self._table.ravel().take(flat)
-            second = self.model.logit(bins[self._use])
+            second = self.model.logit(bins)
             if take < ids.size:
                 kth = score[score.argpartition(take - 1)[take - 1]]
                 keep = np.flatnonzero(score <= kth)
@@ -412,7 +424,7 @@ class LRBPolicy(DensityPolicy):
             order = np.lexsort((second, score))[:take][::-1]
             self._queue = list(zip(ids[order].tolist(), last[order].tolist(), score[order].tolist(), strict=True))
             return
-        score = self.model.logit(bins[self._use])
+        score = self.model.logit(bins)
         if take < ids.size:
             kth = score[score.argpartition(take - 1)[take - 1]]
             keep = np.flatnonzero(score <= kth)

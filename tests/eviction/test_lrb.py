@@ -86,7 +86,7 @@ def test_once_fitted_the_model_keeps_blocks_that_come_back(objective: str) -> No
     hot, cold = np.arange(0, 40), np.arange(880, 940)  # (940 blocks in all)
     hot = hot[[pol._pos[b] >= 0 for b in hot]]
     # (the last cold blocks: most have left already, so their features are of their last access)
-    score = pol.model.logit(pol.features(np.concatenate([hot, cold]))[pol._use])
+    score = pol.model.logit(pol.features(np.concatenate([hot, cold])))
     assert hot.size and cold.size and score[: hot.size].mean() > score[hot.size :].mean()
     assert hot.size >= 30, objective  # most hot blocks are resident at the end (LRU keeps 30)
 
