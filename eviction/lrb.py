@@ -114,6 +114,11 @@ class LRBConfig(DensityConfig):
 
 
 
+def _sigmoid(logit: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # a very negative logit: exp overflows to inf, p is 0
+        return 1.0 / (1.0 + np.exp(-logit))
+
+
 @dataclass(slots=True)
 class Model:
     """Additive log-odds over binned features: ``bias + sum_g w[g][bin_g]``."""
@@ -137,12 +142,12 @@ class Model:
         a group: its bins are disjoint, so its Hessian is diagonal), warm-started."""
         logit = self.logit(bins)
         for _ in range(sweeps):
-            p = 1.0 / (1.0 + np.exp(-np.clip(logit, -30.0, 30.0)))  # (no overflow: p is 0 or 1 there)
+            p = _sigmoid(logit)
             step = float((y - p).sum() / max(float((p * (1 - p)).sum()), 1e-9))
             self.bias += step
             logit += step
             for g, (w, b) in enumerate(zip(self.weights, bins, strict=True)):
-                p = 1.0 / (1.0 + np.exp(-np.clip(logit, -30.0, 30.0)))  # (no overflow: p is 0 or 1 there)
+                p = _sigmoid(logit)
                 n = w.size
                 grad = np.bincount(b, y - p, n) - ridge * w
                 hess = np.bincount(b, p * (1 - p), n) + ridge
