@@ -38,7 +38,7 @@ from kvstore.store import KVStore
 from tests.conftest import hypothesis_examples
 from tests.kvstore.store.conftest import BLOCK, NS
 
-POLICIES = ("lru", "density", "arc", "cost")
+POLICIES = ("lru", "density", "arc", "cost", "lrb")
 
 
 class Coin(Admission):
