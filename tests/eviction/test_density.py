@@ -298,3 +298,79 @@ def test_a_refill_ranks_as_the_lexsort_of_score_and_last_access(name: str) -> No
 
     _drive([pol], view, rng, 2500, take)
     assert sum(checked) > 200 and not all(checked)
+
+
+@pytest.mark.parametrize(("name", "seed"), [("density", 1), ("density", 2), ("cost", 3), ("cost", 4)])
+def test_refills_at_one_tick_from_the_kept_ranking_equal_whole_refills(name: str, seed: int) -> None:
+    """Refills while the clock stands still take their victims from the last whole ranking
+    and the blocks offered since (:meth:`DensityPolicy._refill_from_order`): the same queue,
+    victims and state as ranking every block again, through runs taken whole or in part, first
+    offers the store skips (the block stays ranked), holds and offers between refills, ties
+    at zero scores and tables rebuilt."""
+    from eviction.costaware import CostAwarePolicy
+
+    cls = CostAwarePolicy if name == "cost" else DensityPolicy
+
+    class Whole(cls):  # type: ignore[misc, valid-type]
+        def _keep_order(self, *args: object) -> None:
+            super()._keep_order(*args)
+            self._order_tick = -1  # never reused: every refill ranks all
+
+    rng = np.random.default_rng(seed)
+    view = FakeView(60_000)
+    cfg = cls.Config(period=256, queue_min=2)  # type: ignore[call-arg]
+    kept, whole = cls(cfg), Whole(cfg)
+    for pol in (kept, whole):
+        pol.bind(view, LAST)
+    reused = {"order": 0}
+    kept_refill = kept._refill_from_order
+
+    def counted(take: int) -> None:
+        reused["order"] += 1
+        kept_refill(take)
+
+    kept._refill_from_order = counted  # type: ignore[method-assign]
+
+    def take(view: FakeView, resident: list[int], gone: list[bytes]) -> None:
+        held: list[int] = []
+        for _ in range(int(rng.integers(1, 12))):
+            r = rng.random()
+            if r < 0.15 and kept._n > 1:  # a ranked block gains a child for a while
+                bid = int(kept._resident[int(rng.integers(kept._n))])
+                for pol in (kept, whole):
+                    pol.hold(bid)
+                held.append(bid)
+                continue
+            if r < 0.25 and held:
+                bid = held.pop(int(rng.integers(len(held))))
+                for pol in (kept, whole):
+                    pol.offer(bid)
+                continue
+            if r < 0.35:  # the store skips the first offer (pinned, in use): it stays ranked
+                assert kept.first() == whole.first()
+                continue
+            n = int(rng.integers(1, 10))
+            run = kept.victims(n)
+            assert run == whole.victims(n)
+            part = run[: int(rng.integers(0, len(run) + 1))] if rng.random() < 0.3 else run
+            left: dict[int, int] = {}
+            offers = []
+            for b in part:
+                p = int(view.parent[b])
+                if p >= 0:
+                    left[p] = left.get(p, int(view.children[p])) - 1
+                offers.append(p if p >= 0 and not left[p] and p not in held else -1)
+            for pol in (kept, whole):
+                pol.remove_leaves(part, offers)
+            for b in part:
+                gone.append(view.hash_of(b))
+                view.drop(b)
+                resident.remove(b)
+            assert kept._queue == whole._queue
+        for bid in held:
+            for pol in (kept, whole):
+                pol.offer(bid)
+
+    _drive([kept, whole], view, rng, 2500, take, chains=0.3)
+    assert _ghost_state(kept) == _ghost_state(whole)
+    assert reused["order"] > 300
