@@ -272,13 +272,6 @@ class DensityPolicy(EvictionPolicy):
         self._queue: list[tuple[int, int, float]] = []  # (bid, last access, score), best last
         self._answered = 0  # queue entries (at its end) that victims() answered last
         self._repeats = False  # the last refill sampled with replacement: a bid may repeat
-        # The whole ranking of the last full refill (best victim first), valid while the event
-        # clock stands (no score changes): a later refill at the same tick takes the next
-        # victims from it and from the blocks offered since, instead of ranking all again.
-        self._order_tick = -1
-        self._order: tuple[list[int], list[int], list[float]] = ([], [], [])
-        self._order_at = 0  # entries before this left the ranking
-        self._offered: list[int] = []  # blocks offered since the ranking was made
         self._n = 0  # ranked blocks: _resident[:_n]
         self._held: set[int] = set()  # resident blocks held out of the ranking (last tier)
         self._cap = 0
@@ -496,7 +489,6 @@ class DensityPolicy(EvictionPolicy):
     def offer(self, bid: int) -> None:
         if bid < self._cap and self._pos[bid] == _HELD:
             self._held.discard(bid)
-            self._offered.append(bid)
             self._pos[bid] = self._n
             self._resident[self._n] = bid
             self._n += 1
@@ -703,7 +695,6 @@ class DensityPolicy(EvictionPolicy):
                 pos[bid] = -1
             if 0 <= p < cap and pos[p] == _HELD:
                 held.discard(p)
-                self._offered.append(p)
                 pos[p] = n
                 resident[n] = p
                 n += 1
@@ -757,11 +748,6 @@ class DensityPolicy(EvictionPolicy):
         if not n:
             return
         cfg = self.config
-        take = max(cfg.queue_min, int(n * cfg.queue_fraction))
-        if not offered and self._order_tick == self._tick and n <= cfg.sample:
-            self._refill_from_order(take)
-            return
-        self._order_tick = -1
         ids = self._resident[:n]
         if offered:
             out = np.fromiter(offered, np.int64, len(offered))
@@ -770,12 +756,10 @@ class DensityPolicy(EvictionPolicy):
             ids = ids[~skip[ids]]
             if not ids.size:
                 return
-            take = max(cfg.queue_min, int(ids.size * cfg.queue_fraction))
         self._repeats = ids.size > cfg.sample
         if self._repeats:  # with replacement: O(sample), and a repeat is harmless
             ids = ids[self._rng.integers(0, ids.size, cfg.sample)]
-            take = max(cfg.queue_min, int(ids.size * cfg.queue_fraction))
-        whole = not (offered or self._repeats)  # every ranked block: keep the whole order
+        take = max(cfg.queue_min, int(ids.size * cfg.queue_fraction))
         last = self._last[ids]
         if self._table is None:
             score = last.astype(np.float64)  # no statistics yet: least recently used first
@@ -789,10 +773,6 @@ class DensityPolicy(EvictionPolicy):
                 # One integer per block orders as (score, last access) do: the score's rank
                 # among the table's values, then the last access (distinct: one event each).
                 key = self._rank.take(flat) | last
-                if whole:
-                    sel = key.argsort()
-                    self._keep_order(ids[sel], last[sel], self._table.ravel().take(flat[sel]), take)
-                    return
                 if take < ids.size:
                     sel = key.argpartition(take - 1)[:take]  # (the method: no Python wrapper)
                     sel = sel[key[sel].argsort()[::-1]]
@@ -805,10 +785,6 @@ class DensityPolicy(EvictionPolicy):
             w = self.weights(ids)
             if w is not None:
                 score = score * w
-        if whole:
-            sel = np.lexsort((last, score))
-            self._keep_order(ids[sel], last[sel], score[sel], take)
-            return
         if take < ids.size:
             # Every block tied with the take-th score stays in the running, so that the older
             # wins a tie whatever the order of the resident array (scores take few values).
@@ -817,59 +793,3 @@ class DensityPolicy(EvictionPolicy):
             ids, last, score = ids[keep], last[keep], score[keep]
         order = np.lexsort((last, score))[:take][::-1]  # ties: the older first; best victim last
         self._queue = list(zip(ids[order].tolist(), last[order].tolist(), score[order].tolist(), strict=True))
-
-    def _scores(self, ids: np.ndarray, last: np.ndarray) -> np.ndarray:
-        """The refill's score of each of ``ids`` now (its class's density at its age bucket,
-        times its weight), computed as :meth:`_refill` does."""
-        if self._table is None:
-            return last.astype(np.float64)
-        flat = self._cls[ids] * NUM_BUCKETS + _FIRST_AGES.searchsorted(self._tick - last, side="right")
-        score = self._table.ravel().take(flat)
-        w = self.weights(ids)
-        return score if w is None else score * w
-
-    def _keep_order(self, ids: np.ndarray, last: np.ndarray, score: np.ndarray, take: int) -> None:
-        """The queue from a whole ranking (best victim first), which is kept for the refills
-        that follow at the same tick (:meth:`_refill_from_order`)."""
-        bids, lasts, scores = ids.tolist(), last.tolist(), score.tolist()
-        self._order, self._order_at, self._order_tick = (bids, lasts, scores), 0, self._tick
-        self._offered = []
-        self._queue = list(zip(bids[:take][::-1], lasts[:take][::-1], scores[:take][::-1], strict=True))
-
-    def _refill_from_order(self, take: int) -> None:
-        """A refill while the clock stands still since the last whole ranking: no score
-        changed, and the ranked blocks are those of that ranking still ranked (neither
-        removed nor held) and those offered since. So the ``take`` best victims are the first
-        of the kept order that are still ranked, merged with the offered ones by (score, last
-        access): the queue a whole ranking would build now, without ranking all again."""
-        pos = self._pos
-        bids, lasts, scores = self._order
-        extra: list[tuple[float, int, int]] = []
-        if self._offered:
-            again = [b for b in dict.fromkeys(self._offered) if pos[b] >= 0]
-            if again:
-                arr = np.array(again, np.int64)
-                last = self._last[arr]
-                extra = sorted(zip(self._scores(arr, last).tolist(), last.tolist(), again, strict=True))
-        skip = {e[2] for e in extra}  # (a block held and offered again: ranked from extra)
-        i, m = self._order_at, len(bids)
-        while i < m and pos[bids[i]] < 0:  # left the ranking for good at this tick (or offered again)
-            i += 1
-        self._order_at = i
-        out: list[tuple[int, int, float]] = []
-        j, ne = 0, len(extra)
-        while len(out) < take:
-            while i < m and (pos[bids[i]] < 0 or bids[i] in skip):
-                i += 1
-            if j < ne and (i >= m or (extra[j][0], extra[j][1]) < (scores[i], lasts[i])):
-                s, t, b = extra[j]
-                out.append((b, t, s))
-                j += 1
-            elif i < m:
-                out.append((bids[i], lasts[i], scores[i]))
-                i += 1
-            else:
-                break
-        out.reverse()  # best victim last
-        self._queue = out
-        self._repeats = False
