@@ -427,11 +427,13 @@ class ReuseAdmission(Admission):
 
 @dataclass(frozen=True, slots=True)
 class LearnedConfig:
-    hit_loss_budget: float = 0.0075
-    """As :class:`ReuseConfig`'s: hits that skipped writes may cost, a share of the store's hits."""
+    hit_loss_budget: float = 0.01
+    """As :class:`ReuseConfig`'s: hits that skipped writes may cost, a share of the store's
+    hits. The rule keeps the measured loss *plus* the expected loss of its skipped decisions
+    still within their horizon under it, so it loses less than the budget on a finite trace."""
     margin: float = 0.5
     """Share of the budget the model's *expected* loss of the skipped decisions may use."""
-    horizon_s: float = 600.0
+    horizon_s: float = 1200.0
     """A decision is labelled (read or put again, or not) once this long has passed since it:
     the model learns only from outcomes that are in the past."""
     poll: int = 512
@@ -447,8 +449,14 @@ class LearnedConfig:
     reference: int = 8192
     """The latest decisions the threshold is planned on (their predicted probabilities)."""
     l2: float = 1.0
+    prior_weight: float = 4.0
+    """Hits lost per predicted reuse before any is measured (a refusal's subtree comes back
+    with it, and returns after the horizon count too; :meth:`LearnedAdmission.weight`)."""
     inner: bool = True
     """As :class:`ReuseConfig`'s: also decide about blocks with cached children."""
+    subtree_cost: bool = True
+    """Score a block with cached children that the threshold may skip by its subtree too
+    (:meth:`LearnedAdmission._score`; a walk of the subtree, for those blocks only)."""
 
     def __post_init__(self) -> None:
         _check_budget(self.hit_loss_budget, self.margin, self.horizon_s)
@@ -485,6 +493,13 @@ _LEARNED_EDGES: tuple[list[float], ...] = (
 _LEARNED_CROSSES = ((0, 2), (3, 2), (6, 2))  # hits, shape and the parent's lead, each by idle time
 
 
+_PRIOR = 16.0
+"""Predicted reuses the prior loss weight is worth (:meth:`LearnedAdmission.weight`)."""
+_RAMP = 16
+"""The skipped share of the reference decisions grows by at most 1/``_RAMP`` per plan: the
+first plans have a weight measured on few returns."""
+
+
 class LearnedAdmission(ReuseAdmission):
     """Skip the decisions a model learned online predicts least likely to be read again.
 
@@ -509,6 +524,7 @@ class LearnedAdmission(ReuseAdmission):
                                              min_samples=cfg.min_samples, l2=cfg.l2))
         self.threshold = 0.0
         """Decisions predicted below this probability are skipped (0: none)."""
+        self._skipping = 0  # of the reference decisions, how many the threshold skips
         w = cfg.window
         # Per decision row (decision number mod window): its features, time, block, hits then,
         # whether it was stored and whether it was read (or put) again by now.
@@ -518,7 +534,15 @@ class LearnedAdmission(ReuseAdmission):
         self._hits_at = np.zeros(w, np.int64)
         self._stored = np.zeros(w, bool)
         self._again = np.zeros(w, bool)
+        self._p = np.zeros(w)  # predicted blocks read again if refused: probability x blocks taken
+        self._ratio = np.ones(w)  # blocks a refusal takes / writes it saves (1 unless measured)
+        self._tk = np.ones(w)  # blocks a refusal takes (1 unless measured)
+        self.children_of: ChildIndex | None = None
+        self._took = self._saved = self._p_now = 1.0
         self._keys: list[bytes] = [b""] * w
+        self.expected = 0.0
+        """Predicted reuses of the skipped decisions so far (the measured loss over it is the
+        loss per predicted reuse: the weight of every prediction)."""
         self._head = 0
         """The oldest decision whose label is not final yet (decisions before it are labelled)."""
         self._asked: tuple[int, float, tuple[int, ...], float] = (-1, 0.0, (), 0.0)
@@ -544,15 +568,29 @@ class LearnedAdmission(ReuseAdmission):
         return [hits, int(v.depth[bid]), now - last, shape, kids, *up]
 
     def _score(self, bid: int, now: float) -> tuple[tuple[int, ...], float]:
-        """The decision's encoded features and predicted probability (asked twice per
-        decision, by :meth:`refuses` and :meth:`admit`: computed once)."""
-        b, t, cols, p = self._asked
+        """The decision's encoded features and score: the predicted probability, and for a
+        block with cached children that the threshold might skip, that probability x the
+        blocks a refusal takes (they come back with it) / the writes it saves (the block and
+        its descendants not written to a lower tier yet). Asked twice per decision, by
+        :meth:`refuses` and :meth:`admit`: computed once."""
+        b, t, cols, score = self._asked
         if b == bid and t == now:
-            return cols, p
+            return cols, score
         cols = self.model.encode(self.features(bid, now))
         p = self.model.predict(cols) if self.model.ready else 1.0
-        self._asked = (bid, now, cols, p)
-        return cols, p
+        took, saved = 1.0, 1.0
+        if p < self.threshold and self.config.subtree_cost and int(self.view.children[bid]):
+            if self.children_of is None:
+                self.children_of = ChildIndex(self.view)  # type: ignore[arg-type]
+            below = self.children_of.below(bid)
+            took = 1.0 + len(below)
+            if below:
+                masks = self.view.tiers[np.array(below, np.int64)]
+                saved += float((masks < (1 << int(self.view.tiers[bid]).bit_length())).sum())
+        self._took, self._saved, self._p_now = took, saved, p
+        score = p * took / saved
+        self._asked = (bid, now, cols, score)
+        return cols, score
 
     def refuses(self, bid: int, now: float) -> bool:
         if self._hollow_parent(bid):
@@ -566,9 +604,9 @@ class LearnedAdmission(ReuseAdmission):
         if self._unreachable(bid, key):
             return False
         self._due(now)
-        cols, p = self._score(bid, now)
+        cols, score = self._score(bid, now)
         self._asked = (-1, 0.0, (), 0.0)
-        stored = p >= self.threshold
+        stored = score >= self.threshold
         cfg = self.config
         if self.decisions - self._head >= cfg.window:
             self._label(self._head + 1)  # the oldest row is needed: labelled early
@@ -576,6 +614,11 @@ class LearnedAdmission(ReuseAdmission):
         self._cols[row] = cols
         self._time[row], self._bid[row], self._hits_at[row] = now, bid, int(v.hits[bid])
         self._stored[row], self._again[row], self._keys[row] = stored, False, key
+        self._p[row] = self._p_now * self._took
+        self._ratio[row] = self._took / self._saved
+        self._tk[row] = self._took
+        if not stored:
+            self.expected += self._p[row]
         self.decisions += 1
         self._note_parent(bid, key, stored)
         return stored
@@ -620,22 +663,44 @@ class LearnedAdmission(ReuseAdmission):
         self.lost += len(back)
         self._plan()
 
+    def weight(self) -> float:
+        """Hits lost per predicted reuse of a skipped decision: measured (every return of a
+        skipped block or of a descendant cut with it, whenever it came, over the predicted
+        reuses of every skipped decision; it lags the returns, so it rises as they come in),
+        with a prior of ``prior_weight`` worth ``_PRIOR`` predicted reuses."""
+        w0 = self.config.prior_weight
+        return max(1.0, (self.lost + _PRIOR * w0) / (self.expected + _PRIOR))
+
     def _plan(self) -> None:
+        """The threshold: the latest ``reference`` decisions' predictions, least likely first,
+        skipped while their expected loss (prediction x :meth:`weight`) stays within the
+        budget's ``margin`` (scaled to the hits earned over as many decisions); none while the
+        measured loss plus the expected loss of the skipped decisions still in their horizon
+        is past the whole budget."""
         cfg = self.config
         self.threshold = 0.0
         hits = max(self.hits(), 1)
-        if cfg.hit_loss_budget == 0 or not self.model.ready or self.lost > cfg.hit_loss_budget * hits:
+        skipping, self._skipping = self._skipping, 0
+        if cfg.hit_loss_budget == 0 or not self.model.ready:
+            return
+        weight = self.weight()
+        rows = self._rows(self._head, self.decisions)
+        out = rows[~self._stored[rows] & ~self._again[rows]]
+        slack = cfg.hit_loss_budget * hits - self.lost - weight * float(self._p[out].sum())
+        if slack <= 0:
             return
         n = min(self.decisions, cfg.window, cfg.reference)
-        if not n:
-            return
         rows = (self.decisions - n + np.arange(n)) % cfg.window
-        p = np.sort(self.model.predict_many(self._cols[rows]))
-        weight = max(1.0, self.lost / self.returns) if self.returns else 1.0
-        allowance = cfg.margin * cfg.hit_loss_budget * hits / max(self.decisions, 1) * n
-        k = int(np.searchsorted(np.cumsum(weight * p), allowance, side="right"))
+        p = self.model.predict_many(self._cols[rows])
+        score = p * self._ratio[rows]
+        order = np.argsort(score, kind="stable")
+        score, cost = score[order], (p * self._tk[rows])[order]
+        allowance = cfg.margin * slack
+        k = int(np.searchsorted(np.cumsum(weight * cost), allowance, side="right"))
+        k = min(k, skipping + n // _RAMP)
+        self._skipping = k
         if k:
-            self.threshold = float(p[k - 1]) if k == n else float(p[k - 1] + p[k]) / 2
+            self.threshold = float(score[k - 1]) if k == n else float(score[k - 1] + score[k]) / 2
 
     def describe(self) -> dict[str, Any]:
         return {

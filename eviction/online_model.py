@@ -28,6 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 
 
+_MAX_STEP = 2.0
+"""The largest change of one weight per Newton step (in log-odds): a group whose curvature is
+near zero (all its samples predicted near 0 or 1) would otherwise step far past the optimum."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     window: int = 1 << 15
@@ -174,7 +179,7 @@ class OnlineModel:
                 g = np.bincount(col, weights=p - y, minlength=d) + penalty * w
                 h = np.bincount(col, weights=p * (1.0 - p), minlength=d) + penalty
                 lo, hi = self._group(a)
-                step = g[lo:hi] / h[lo:hi]
+                step = np.clip(g[lo:hi] / h[lo:hi], -_MAX_STEP, _MAX_STEP)
                 w[lo:hi] -= step
                 z -= step[col - lo]
                 moved = max(moved, float(np.abs(step).max()))

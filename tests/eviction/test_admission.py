@@ -465,11 +465,11 @@ def test_learned_stops_skipping_when_the_measured_loss_passes_the_budget() -> No
         view.last_access[b] = float(b)
         adm.admit(b, float(b))
     refused = [b for b in range(100, 200) if not adm.admit(b, float(b))]
-    assert len(refused) > 20
-    view.live |= set(refused[:20])  # put again: 20 lost hits, past 1% of the hits so far
+    assert len(refused) > 12
+    view.live |= set(refused[:12])  # put again: 12 lost hits, past 1% of the 5 x 215 hits
     for b in range(200, 215):
         adm.admit(b, float(b))
-    assert adm.lost >= 20
+    assert adm.lost >= 12
     assert adm.threshold == 0.0
     assert all(adm.admit(b, float(b)) for b in range(215, 240))
 
@@ -479,7 +479,8 @@ def test_learned_refuses_answers_what_admit_will() -> None:
     view.children[::3] = 1
     view.depth[:] = np.arange(600) % 7
     view.parent[1:] = np.arange(599)
-    adm = _learned(view, 0.2, hit_loss_budget=0.05, margin=1.0)
+    # (a fake view has no subtrees to walk: scored by probability alone)
+    adm = _learned(view, 0.2, hit_loss_budget=0.05, margin=1.0, subtree_cost=False)
     answers = []
     for b in range(500):
         view.last_access[b] = float(b)
