@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
 _MAX_STEP = 2.0
 """The largest change of one weight per Newton step (in log-odds): a group whose curvature is
 near zero (all its samples predicted near 0 or 1) would otherwise step far past the optimum."""
