@@ -479,7 +479,7 @@ parent was last read than the block (a later turn went through the parent and no
 block: the conversation moved on past it), its cached children, and how many of the parent's
 hits did not reach the block."""
 
-_LEARNED_EDGES: tuple[list[float], ...] = (
+LEARNED_EDGES: tuple[list[float], ...] = (
     [0.5, 1.5, 2.5, 3.5, 5.5, 9.5],
     _log2_edges(10),
     _log2_edges(14),
@@ -490,7 +490,24 @@ _LEARNED_EDGES: tuple[list[float], ...] = (
     [-0.5, 1.5, 2.5, 4.5, 8.5, 16.5],
     [-0.5, 0.5, 1.5, 3.5, 7.5, 15.5],
 )
-_LEARNED_CROSSES = ((0, 2), (3, 2), (6, 2))  # hits, shape and the parent's lead, each by idle time
+LEARNED_CROSSES = ((0, 2), (3, 2), (6, 2))
+"""Crossed pairs of :data:`LEARNED_FEATURES`: hits, shape and the parent's lead, each by idle time."""
+
+
+def learned_features(view: IndexView, bid: int, now: float, child_skipped: bool = False) -> list[float]:
+    """:data:`LEARNED_FEATURES` of ``bid`` now (``child_skipped``: admission skipped a child of
+    this leaf)."""
+    v = view
+    hits, last = int(v.hits[bid]), float(v.last_access[bid])
+    kids = int(v.children[bid])
+    shape = 2 if kids else int(child_skipped)
+    parent = int(v.parent[bid])
+    if parent >= 0:
+        ph = int(v.hits[parent])
+        up = (ph, float(v.last_access[parent]) - last, int(v.children[parent]), max(ph - hits, 0))
+    else:
+        up = (-1, -1.0, -1, -1)
+    return [hits, int(v.depth[bid]), now - last, shape, kids, *up]
 
 
 _PRIOR = 16.0
@@ -519,7 +536,7 @@ class LearnedAdmission(ReuseAdmission):
         cfg = config or LearnedConfig()
         Admission.__init__(self, cfg)
         self.inner = cfg.inner
-        self.model = OnlineModel(_LEARNED_EDGES, _LEARNED_CROSSES,
+        self.model = OnlineModel(LEARNED_EDGES, LEARNED_CROSSES,
                                  ModelConfig(window=cfg.train_window, refit_every=cfg.refit_every,
                                              min_samples=cfg.min_samples, l2=cfg.l2))
         self.threshold = 0.0
@@ -555,17 +572,7 @@ class LearnedAdmission(ReuseAdmission):
 
     def features(self, bid: int, now: float) -> list[float]:
         """:data:`LEARNED_FEATURES` of ``bid`` now."""
-        v = self.view
-        hits, last = int(v.hits[bid]), float(v.last_access[bid])
-        kids = int(v.children[bid])
-        shape = 2 if kids else int(bytes(v.hash_of(bid)) in self.parents)
-        parent = int(v.parent[bid])
-        if parent >= 0:
-            ph = int(v.hits[parent])
-            up = (ph, float(v.last_access[parent]) - last, int(v.children[parent]), max(ph - hits, 0))
-        else:
-            up = (-1, -1.0, -1, -1)
-        return [hits, int(v.depth[bid]), now - last, shape, kids, *up]
+        return learned_features(self.view, bid, now, bytes(self.view.hash_of(bid)) in self.parents)
 
     def _score(self, bid: int, now: float) -> tuple[tuple[int, ...], float]:
         """The decision's encoded features and score: the predicted probability, and for a
