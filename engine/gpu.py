@@ -134,6 +134,7 @@ class ArenaBlocks:
         self.lease = lease
         self.host = arena_tensor(lease.arena) if lease.num_blocks else torch.empty(0, dtype=torch.uint8)
         self._runs = runs([off for off, _ in lease.locations])
+        self._runs_of: dict[tuple[int, int], list[tuple[int, int, int]]] = {(0, len(lease.locations)): self._runs}
 
     @property
     def num_blocks(self) -> int:
@@ -150,10 +151,12 @@ class ArenaBlocks:
         self.copy_into(dst[:, lo:hi], lo, hi)
 
     def runs_of(self, first: int, count: int) -> list[tuple[int, int, int]]:
-        """:func:`runs` of blocks ``first .. first+count-1`` (relative to ``first``)."""
-        if first == 0 and count == len(self.lease.locations):
-            return self._runs
-        return runs([off for off, _ in self.lease.locations[first : first + count]])
+        """:func:`runs` of blocks ``first .. first+count-1`` (relative to ``first``), computed
+        once per range (a restore copies the same range once per layer group)."""
+        got = self._runs_of.get((first, count))
+        if got is None:
+            got = self._runs_of[first, count] = runs([off for off, _ in self.lease.locations[first : first + count]])
+        return got
 
     def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0) -> int:
         """Bytes ``lo:hi`` of blocks ``first, first+1, ...`` into the rows of ``dst`` (``[count,

@@ -55,7 +55,8 @@ class DramConfig:
     size class grows by; must hold the largest block. ``shm_name``: the segment's name without a
     leading slash; empty picks a unique one (``kvs-<pid>-<tier>-<random>``). ``copy_threads``:
     threads that copy one batched read or write of 64 MiB or more (``read_many``/``write_many``,
-    and one large block); 0 picks ``min(4, cores)``, 1 copies in the calling thread only."""
+    and one large block); 0 picks ``max(min(4, cores), min(16, cores // 2))`` (2 on 2 cores, 8 on
+    16), 1 copies in the calling thread only."""
 
     capacity_bytes: int
     slab_bytes: int = 64 * _MiB
@@ -82,7 +83,7 @@ class DramConfig:
         if (isinstance(self.copy_threads, bool) or not isinstance(self.copy_threads, int)
                 or not 0 <= self.copy_threads <= MAX_COPY_THREADS):
             raise ConfigError(
-                f"dram copy_threads must be a whole number in 0..{MAX_COPY_THREADS} (0: min(4, cores)), "
+                f"dram copy_threads must be a whole number in 0..{MAX_COPY_THREADS} (0: picked from the cores), "
                 f"got {self.copy_threads!r}"
             )
         if self.shm_name and (
@@ -216,6 +217,13 @@ class DramTier(Tier):
         with self._lock:
             entry = self._map.get(key)
         return None if entry is None else (entry[0], entry[1].size)
+
+    def locations(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
+        """:meth:`location` of every key, under one lock (a lease of thousands of blocks)."""
+        get = self._map.get
+        with self._lock:
+            entries = [get(k) for k in keys]  # type: ignore[call-overload]
+        return [None if e is None else (e[0], e[1].size) for e in entries]
 
     # ---- Tier --------------------------------------------------------------------------------
 

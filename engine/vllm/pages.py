@@ -28,6 +28,10 @@ import torch
 from kvstore.errors import UsageError
 from kvstore.keys import KVLayout, LayerGroup, Namespace
 
+GATHER_STAGE_BYTES = 128 << 20
+"""The device staging a gather into host memory uses at most (what a layer's ``index_select`` of
+2,048 blocks of Llama-8B takes anyway)."""
+
 PAGE_FORMAT = "vllm-HNC1"
 """Version of the block format above; part of every namespace (a change is a new namespace)."""
 
@@ -151,10 +155,26 @@ class PagedKV:
         return torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        """Copy pages ``block_ids`` of every layer into ``out`` (``[n, block_bytes]`` uint8)."""
-        n = len(block_ids)
-        ids = self._ids(block_ids)
-        pb = self.spec.page_bytes
+        """Copy pages ``block_ids`` of every layer into ``out`` (``[n, block_bytes]`` uint8), on
+        the current stream. An ``out`` off the pages' device (a pinned host buffer) is filled
+        from a device staging buffer of at most ``GATHER_STAGE_BYTES``, one contiguous copy per
+        piece: a strided device-to-host copy per layer ran at 0.6-1.2 GB/s on the H200."""
+        if out.device == self.device:
+            self._gather(self._ids(block_ids), out)
+        else:
+            self._gather_staged(block_ids, out)
+
+    def _gather_staged(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        n, bb = len(block_ids), self.spec.block_bytes
+        step = max(1, min(n, GATHER_STAGE_BYTES // bb))
+        staged = torch.empty((step, bb), dtype=torch.uint8, device=self.device)
+        for a in range(0, n, step):  # one stream: a piece's gather waits for the last one's copy out
+            b = min(a + step, n)
+            self._gather(self._ids(block_ids[a:b]), staged[: b - a])
+            out[a:b].copy_(staged[: b - a], non_blocking=True)
+
+    def _gather(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        n, pb = ids.numel(), self.spec.page_bytes
         dst = out.view(n, self.num_layers, pb)
         for i, t in enumerate(self.layers):
             dst[:, i].view(self.spec.dtype).view(n, *self._page).copy_(t.index_select(0, ids))

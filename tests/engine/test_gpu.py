@@ -51,6 +51,27 @@ def test_arena_blocks_copy_from_a_lease(make_store) -> None:
     assert (s.index.in_use[s.index.live_ids()] == 0).all()
 
 
+def test_arena_blocks_copy_a_later_range_in_column_pieces(make_store) -> None:
+    """Blocks ``first..`` of a lease, copied a column range at a time (a restore's layer groups
+    past its head): every byte lands, and the range's runs are worked out once."""
+    from engine.gpu import ArenaBlocks
+    from tests.conftest import BB, SMALL_NS, chain_for, payload
+
+    s = make_store()
+    chain = chain_for(12, 6)
+    s.put(SMALL_NS, chain, [payload(h) for h in chain])
+    blocks = ArenaBlocks(s, s.acquire(SMALL_NS, chain))
+    dst = torch.zeros(6, BB, dtype=torch.uint8)
+    half = BB // 2
+    for lo, hi in ((0, half), (half, BB)):
+        blocks.copy_into(dst[2:, lo:hi], lo, hi, first=2)
+    assert int(dst[:2].count_nonzero()) == 0
+    for i, h in enumerate(chain[2:], start=2):
+        assert bytes(dst[i].numpy()) == payload(h)
+    assert blocks.runs_of(2, 4) is blocks.runs_of(2, 4)
+    blocks.release()
+
+
 def test_host_ring_hands_out_space_in_order_and_reuses_it() -> None:
     ring = HostRing(100, pin=False)
     a, ta = ring.take(40)

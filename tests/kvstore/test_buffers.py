@@ -144,7 +144,34 @@ def test_mismatched_lengths_and_bad_sizes_are_refused() -> None:
 
 
 def test_pools_are_shared_per_size() -> None:
-    assert 1 <= default_copy_threads() <= 4
+    assert 1 <= default_copy_threads() <= 16
     assert copy_pool(2) is copy_pool(2)
     assert copy_pool(0) is copy_pool(default_copy_threads())
     assert copy_pool(1).threads == 1
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 2), (3, 3), (4, 4), (8, 4), (9, 4), (10, 5), (16, 8),
+                                                (24, 12), (32, 16), (128, 16)])
+def test_the_default_copy_threads_scale_with_the_cores(monkeypatch: pytest.MonkeyPatch, cores: int, threads: int) -> None:
+    """As a 2-core VM always had (2), half the cores on a large host (8 on the H200's 16: 32.6 GB/s
+    against 19.6 with 4), never more than 16."""
+    monkeypatch.setattr(buffers.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert default_copy_threads() == threads
+
+
+def test_default_pieces_reach_glibcs_non_temporal_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A piece under glibc's threshold is copied through the caches (half speed on a large host):
+    the default piece is the larger of PIECE_BYTES and the threshold, page-rounded."""
+    monkeypatch.setattr(buffers, "_NT", [75 * 1024 * 1024 + 1])
+    assert buffers.default_piece_bytes() == 75 * 1024 * 1024 + 4096
+    assert CopyPool(1).piece_bytes == 75 * 1024 * 1024 + 4096
+    assert CopyPool(1, piece_bytes=8 * KiB).piece_bytes == 8 * KiB  # an explicit size stays
+    monkeypatch.setattr(buffers, "_NT", [1 << 20])  # a small threshold: PIECE_BYTES
+    assert buffers.default_piece_bytes() == buffers.PIECE_BYTES
+    monkeypatch.setattr(buffers, "_NT", [0])  # not known
+    assert buffers.default_piece_bytes() == buffers.PIECE_BYTES
+
+
+def test_the_non_temporal_threshold_is_read_from_glibc_or_is_zero() -> None:
+    nt = buffers._read_nontemporal_threshold()
+    assert nt == 0 or nt >= 0x4040  # glibc's own minimum

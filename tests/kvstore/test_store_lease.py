@@ -123,3 +123,48 @@ def test_namespace_usage_counts_blocks_and_bytes(make_store: Callable[..., KVSto
     store = make_store()
     _put(store, chain_for(6, 5))
     assert store.namespace_usage() == {bytes(SMALL_NS.root): (5, 5 * BB)}
+
+
+def _in_use(store: KVStore, chain: list[bytes]) -> list[int]:
+    return [row["in_use"] for row in store.iter_blocks(chain)]
+
+
+@pytest.mark.parametrize("promote", [True, False])
+def test_a_lease_holds_exactly_its_blocks_until_released(make_store: Callable[..., KVStore], promote: bool) -> None:
+    """The lease's blocks are in use once each, no other block is, and none after the release:
+    both when every block is in the arena (served in place, no read) and when the tail comes
+    from a slower tier (promoted, or left out without ``promote_on_hit``)."""
+    store = make_store(promote_on_hit=promote)
+    cold = chain_for(50, 3)
+    _put(store, cold)
+    for seed in range(51, 55):  # push the cold chain out of DRAM
+        _put(store, chain_for(seed, 4))
+    assert store.lookup(SMALL_NS, cold).tiers[0] != "dram"
+    hot = chain_for(60, 5)
+    _put(store, hot)
+    other = chain_for(61, 2)
+    _put(store, other)
+    assert store.lookup(SMALL_NS, hot).tiers == ("dram",) * 5
+    lease = store.acquire(SMALL_NS, hot + chain_for(62, 2))  # two uncached blocks past the prefix
+    assert lease.num_blocks == 5
+    assert [off for off, _ in lease.locations] == [store.tiers[0].location(h)[0] for h in hot]
+    assert _in_use(store, hot) == [1] * 5 and _in_use(store, other) == [0, 0] and _in_use(store, cold) == [0] * 3
+    store.release(lease)
+    assert _in_use(store, hot) == [0] * 5
+    lease = store.acquire(SMALL_NS, cold)
+    held = 3 if promote else 0
+    assert lease.num_blocks == held
+    assert _in_use(store, cold) == [1] * held + [0] * (3 - held)
+    if held:
+        assert _arena_bytes(store, lease.locations) == [payload(h) for h in cold]
+    store.release(lease)
+    assert _in_use(store, cold) == [0] * 3 and _in_use(store, hot) == [0] * 5
+
+
+def test_dram_locations_answer_every_key_at_once(make_store: Callable[..., KVStore]) -> None:
+    store = make_store()
+    chain = chain_for(70, 3)
+    _put(store, chain)
+    dram = store.tiers[0]
+    missing = chain_for(71, 1)[0]
+    assert dram.locations([*chain, missing]) == [dram.location(h) for h in chain] + [None]

@@ -341,17 +341,21 @@ def test_paged_cache_blocks_are_disjoint_and_a_wrong_page_is_counted() -> None:
 
 
 def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
-    code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "64", "--layers", "2", "--rounds", "1",
+    # 64 tokens: the whole prefix is kvstore's head; 512 (32 blocks): a head of 16 and the rest
+    code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "64,512", "--layers", "2", "--rounds", "1",
                        "--dir", str(tmp_path)])
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     by = {r["metric"]: r for r in rows}
-    for peer in ("kvstore", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
-        for op in ("restore", "save"):
-            r = by[f"{peer}_paged_64_{op}"]
-            assert r["verified"] and r["wrong_pages"] == 0 and r["missing_tokens"] == 0, r
-            assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == 4 * r["block_bytes"]
+    for peer in ("kvstore", "kvstore-nohead", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
+        for size, blocks in ((64, 4), (512, 32)):
+            for op in ("restore", "save"):
+                r = by[f"{peer}_paged_{size}_{op}"]
+                assert r["verified"] and r["wrong_pages"] == 0 and r["missing_tokens"] == 0, r
+                assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == blocks * r["block_bytes"]
     assert set(by["kvstore-blocks_paged_64_restore"]["phases_ms"]) == {"hash", "lease", "queue"}
+    assert set(by["kvstore_paged_512_restore"]["phases_ms"]) == {"head", "hash", "lease", "queue"}
+    assert set(by["kvstore_paged_64_save"]["save_phases_ms"]) == {"queue", "wait", "put", "pieces"}
     # LMCache's vLLM connector is CUDA only: one row says so, the kvstore rows still came
     (lm,) = [r for r in rows if r.get("peer") == "lmcache"]
     assert lm["status"] == "unavailable" and "CUDA" in lm["error"]
@@ -367,10 +371,13 @@ def test_copy_scale_rows_name_each_thread_count_against_one_thread() -> None:
     rows = list(run(mib=4, reps=1, threads=[2]))
     assert [r["metric"] for r in rows] == ["copy_threads_1", "copy_threads_2"]
     assert rows[0]["ratio"] == 1.0 and all(r["value"] > 0 and r["default_copy_threads"] >= 1 for r in rows)
+    into = list(run(mib=4, reps=1, threads=[2], into_arena=True))
+    assert [r["metric"] for r in into] == ["copy_threads_into_1", "copy_threads_into_2"]
+    assert {r["direction"] for r in into} == {"into the arena"}
 
 
 def test_paged_only_names_the_paged_stores() -> None:
-    with pytest.raises(SystemExit, match="known: kvstore, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
+    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
         list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
             parser().parse_args(["--device", "cpu", "--only", "mooncake"])))
 
@@ -388,3 +395,41 @@ def test_paired_quick_run_drives_the_peers_in_one_child(tmp_path, capsys: pytest
             assert r["paired"] and r["verified"] and r["value"] > 0, r
     assert by["kvstore_1k_store"]["copy_threads"] == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_paged_save_pieces_cover_the_blocks_in_order_and_feed_every_copy_thread() -> None:
+    from kvstore.buffers import default_piece_bytes
+    from tools.bench._peers.paged import MAX_SAVE_PIECES, KvstorePaged, page_spec
+
+    PIECE_BYTES = default_piece_bytes()  # noqa: N806
+
+    s = KvstorePaged()
+    s.spec = page_spec()  # 2 MiB blocks
+    for threads, n in ((2, 256), (8, 256), (8, 2048), (16, 2048), (1, 3), (4, 1)):
+        s._copy_threads = threads
+        pieces = s.save_pieces(n)
+        assert pieces[0][0] == 0 and pieces[-1][1] == n
+        assert all(a < b and b == c for (a, b), (c, _) in zip(pieces, pieces[1:] + [(n, n)], strict=True))
+        assert len(pieces) == min(n, max(2, min(MAX_SAVE_PIECES, n * s.spec.block_bytes // (threads * PIECE_BYTES))))
+        if len(pieces) > 2:  # more than the two of the overlap: each piece has a share for every thread
+            assert min(b - a for a, b in pieces) * s.spec.block_bytes >= threads * PIECE_BYTES * 0.99
+
+
+def test_paged_layer_groups_end_with_a_small_group() -> None:
+    from tools.bench._peers.paged import layer_groups
+
+    assert layer_groups(32) == [(0, 8), (8, 16), (16, 24), (24, 30), (30, 32)]
+    assert layer_groups(2) == [(0, 2)]
+    assert layer_groups(3) == [(0, 1), (1, 3)]
+    assert layer_groups(10, size=4) == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_lease_rows_time_a_whole_lease_against_a_lookup() -> None:
+    from tools.bench._peers.lease import main, run
+
+    rows = list(run(blocks=[3, 40], reps=2)) + list(run(blocks=[5], reps=1, policy="lru"))
+    assert [r["metric"] for r in rows] == ["lease_3", "lease_40", "lease_5"]
+    assert rows[-1]["policy"] == "lru"
+    assert all(r["value"] > 0 and r["baseline"] > 0 and r["unit"] == "ms" for r in rows)
+    with pytest.raises(SystemExit):
+        main(["--blocks", "0"])

@@ -30,6 +30,7 @@ def test_mla_throughput_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         assert check["same_greedy_token"] == check["checked_requests"] == 2
         assert check["logits_rel_err"] <= 1e-4
         assert check["hit_tokens_alone"] == check["hit_tokens_batched"]
+        assert len(check["top2_margin_alone"]) == 2 and min(check["top2_margin_alone"]) >= 0
 
 
 def test_mla_flop_bound_counts_the_decompression_of_hits() -> None:

@@ -10,7 +10,7 @@ Figures per store and request size, each with a baseline measured in the same pr
 
 * ``{peer}_{size}_store`` / ``_retrieve``: GB/s; baseline: a one-thread memcpy of the same
   bytes; ``{peer}_{size}_store_vs_mt_memcpy`` / ``_retrieve_vs_mt_memcpy``: the same GB/s
-  against a memcpy by ``memcpy_threads`` threads at once (``min(4, cores)``, kvstore's default
+  against a memcpy by ``memcpy_threads`` threads at once (``default_copy_threads()``, kvstore's default
   ``copy_threads``), so that a store copying with several threads is read against both;
 * ``{peer}_{size}_lookup``: median ms of a lookup of a cached request; baseline: hashing its
   tokens (``kvstore.keys.hash_blocks``);
@@ -254,7 +254,7 @@ def paged_rows(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
     yield from paged.run(args.device, sizes, layers=args.layers or 32, trials=args.rounds, only=only,
-                         scratch=args.dir, log=log)
+                         scratch=args.dir, log=log, copy_threads=args.copy_threads)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -282,7 +282,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=0, help="seconds one peer at one size may take")
     p.add_argument("--check", action="store_true", help="exit 3 when a figure misses its goal")
     p.add_argument("--copy-threads", type=int, default=0, metavar="N",
-                   help="kvstore in process: its DRAM tier's copy_threads (default 0: min(4, cores))")
+                   help="kvstore in process (and kvstore on --device): its DRAM tier's copy_threads "
+                        "(default 0: its default, from the cores)")
     p.add_argument("--paired", action="store_true",
                    help="drive the peers together in one process, interleaved call by call (each request stored "
                         "into, then retrieved from, every peer in turn), so that all see the same moments of the "

@@ -10,7 +10,7 @@ Every request's bytes are read back and checked.
 Baseline, same run, interleaved round by round: ``np.copyto`` of the request's bytes between
 two private buffers faulted in before timing (what the issue calls "memcpy same run"), a copy in
 one thread. The 256-token blocks run twice: with the DRAM tier's default ``copy_threads``
-(``min(4, cores)``: a batch of 8 MiB or more is split across threads) and with
+(``default_copy_threads()``: a batch of 64 MiB or more is split across threads) and with
 ``copy_threads = 1`` (rows ending ``_1thread``), so the multi-threaded copy's gain is read in
 one run.
 """

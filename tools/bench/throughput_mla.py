@@ -114,12 +114,7 @@ def _check(lm: BatchedMLA, model: Any, cache: EngineCache, prompts: list[torch.T
     same greedy token, logits' relative error. (The stream's histories are random latent bytes,
     so a full recompute would not be the reference.)"""
     alone = BatchedMLA(model, cache, attention=lm.attention, block_tokens=lm.shape.block_tokens, form=lm.form)
-    want = [alone.prefill([p], store=False)[0] for p in prompts]
-    got = lm.prefill(prompts, store=False)
-    same = sum(int(a.logits.argmax() == b.logits.argmax()) for a, b in zip(want, got, strict=True))
-    err = max(float((a.logits - b.logits).abs().max() / a.logits.abs().max()) for a, b in zip(want, got, strict=True))
-    return {"checked_requests": len(prompts), "same_greedy_token": same, "logits_rel_err": round(err, 5),
-            "hit_tokens_alone": [a.hit_tokens for a in want], "hit_tokens_batched": [b.hit_tokens for b in got]}
+    return throughput.agreement([alone.prefill([p], store=False)[0] for p in prompts], lm.prefill(prompts, store=False))
 
 
 MLA = Bench(

@@ -105,3 +105,18 @@ def test_scatter_into_pages_on_another_device_moves_strided_host_rows_there() ->
     assert kv.layers[1].shape == (10, 2, 32, 128) and kv.layers[1].device.type == "meta"
     with pytest.raises(RuntimeError):  # rows of the wrong size fail loudly, not silently
         kv.scatter_layer(1, ids, rows[:, : SPEC.page_bytes // 2])
+
+
+def test_a_staged_gather_in_pieces_gives_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path of a gather into host memory from device pages (a staging buffer, one copy out per
+    piece), here on the CPU with pieces of 3 blocks: the bytes of a plain gather."""
+    import engine.vllm.pages as pages
+
+    kv = PagedKV(SPEC, _caches(8))
+    ids = [5, 0, 7, 2, 3, 6, 1]
+    want = torch.zeros(len(ids), SPEC.block_bytes, dtype=torch.uint8)
+    kv.gather(ids, want)
+    monkeypatch.setattr(pages, "GATHER_STAGE_BYTES", 3 * SPEC.block_bytes)
+    got = torch.full_like(want, 0xA5)
+    kv._gather_staged(ids, got)
+    assert torch.equal(got, want)

@@ -53,6 +53,21 @@ def test_gather_on_cuda_equals_the_cpu_bytes(order: tuple[int, ...] | None) -> N
     assert torch.equal(pinned, want)
 
 
+def test_gather_into_pinned_memory_in_staged_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More blocks than the device staging holds: pieces of 4 blocks, the bytes of one gather."""
+    import engine.vllm.pages as pages
+
+    cpu, gpu = PagedKV(SPEC, _caches(None, "cpu", 3)), PagedKV(SPEC, _caches(None, "cuda", 3))
+    ids = _table(4, 11)
+    want = torch.zeros((len(ids), SPEC.block_bytes), dtype=torch.uint8)
+    cpu.gather(ids, want)
+    monkeypatch.setattr(pages, "GATHER_STAGE_BYTES", 4 * SPEC.block_bytes)
+    pinned = torch.full_like(want, 0x5A).pin_memory()
+    gpu.gather(ids, pinned)
+    torch.cuda.synchronize()
+    assert torch.equal(pinned, want)
+
+
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("spacing", ["even", "uneven"])
 def test_scatter_from_a_pinned_arena_into_cuda_pages_equals_the_cpu_bytes(order: tuple[int, ...] | None, spacing: str) -> None:

@@ -184,7 +184,7 @@ class LocalCpu(_LMCache):
 
 class LocalCpuMt(LocalCpu):
     """``lmcache-cpu`` with the connector's copies split across threads by kvstore's
-    ``CopyPool`` (``min(4, cores)`` threads): what LMCache's CPU backend reaches with the same
+    ``CopyPool`` (``default_copy_threads()`` threads): what LMCache's CPU backend reaches with the same
     multi-threaded copy as kvstore. Not LMCache's own code (LMCache has no CPU copy-thread
     option); the goal rows compare against ``lmcache-cpu``."""
 

@@ -22,7 +22,7 @@ Phases, for one store at one request size (``drive``):
 A memcpy of the same bytes is timed between the rounds of phases 1 and 3 in the same process:
 the baseline of the store and retrieve figures, one thread (``np.copyto``) and, beside it, the
 same bytes cut into ``memcpy_threads`` equal parts that as many threads ``memmove`` at once
-(``memcpy_mt_gbps``; ``min(4, cores)`` threads, the count a kvstore DRAM tier copies with by
+(``memcpy_mt_gbps``; ``default_copy_threads()`` threads, the count a kvstore DRAM tier copies with by
 default), so that a store that copies with several threads is read against both. Bytes are random (one random tile repeated)
 with each chunk stamped with its request and chunk number, so a chunk served for the wrong
 request or at the wrong place fails the check.
@@ -92,7 +92,7 @@ class Workload:
     scratch: str = "."
     """A directory on the disk for stores that write files (LMCache's disk backend)."""
     copy_threads: int = 0
-    """kvstore's DRAM tier ``copy_threads`` (0: its default, ``min(4, cores)``)."""
+    """kvstore's DRAM tier ``copy_threads`` (0: its default, ``default_copy_threads()``)."""
 
     def __post_init__(self) -> None:
         ct = self.geometry.chunk_tokens
