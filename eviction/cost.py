@@ -151,11 +151,16 @@ class CostModel:
         """Seconds a hit saves per byte-unit of holding price, for blocks kept in tier ``kind``.
 
         On the last tier (``next_kind`` empty) the alternative to a hit is recomputing; above
-        it, loading from the tier below.
+        it, loading from the tier below: the same for every block of a size, so it scales the
+        tier's ranking by reuse without changing it. Where the tier below loads as fast (tiers
+        priced alike, such as the replay's null tiers) a hit saves no load time; the value is
+        then one second per byte-unit, not zero, which would tie every block and erase the
+        ranking (every new block would be the next victim: the tier would keep old blocks
+        before reused ones).
         """
         here = self.load_seconds(nbytes, kind)
         if next_kind:
-            saved = np.full(np.shape(depths), max(self.load_seconds(nbytes, next_kind) - here, 0.0))
+            saved = np.full(np.shape(depths), max(self.load_seconds(nbytes, next_kind) - here, 0.0) or 1.0)
         else:
             saved = np.maximum(self.recompute_seconds(depths) - here, 0.0)
         return saved / (max(nbytes, 1.0) * self.tier(kind).hold_cost)

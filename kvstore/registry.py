@@ -33,6 +33,7 @@ POLICIES: dict[str, str] = {
 ADMISSIONS: dict[str, str] = {
     "all": "eviction.admission:Admission",  # write every demoted block
     "reuse": "eviction.admission:ReuseAdmission",  # skip blocks unlikely to be read again
+    "learned": "eviction.admission:LearnedAdmission",  # the same, by a model learned online
 }
 _INSTALL_HINTS = {
     "s3fs": "pip install 'kvstore[s3]'",

@@ -311,6 +311,40 @@ def test_cost_aware_weighs_a_hit_by_what_it_saves(view: FakeView, tier: TierCont
         assert (w == w[0]).all() and w[0] > 0
 
 
+def test_cost_aware_above_a_tier_priced_alike_ranks_by_reuse_as_density_does() -> None:
+    """Above a tier that loads as fast (the replay's null tiers), a hit saves no load time:
+    the weight stays positive and equal for every block (a zero weight tied every block, so
+    each new block was the next victim and DRAM kept old blocks before reused ones), and the
+    upper tier's order is density's, event for event."""
+    alike = TierContext("t0", "null", 0, "null")
+    view = FakeView()
+    cost = _make("cost", view, alike, block_tokens=512, period=256)
+    dens = _make("density", view, alike, period=256)
+    rng = np.random.default_rng(7)
+    resident: list[int] = []
+    for step in range(3000):
+        r = rng.random()
+        if r < 0.45 or not resident:
+            parent = resident[int(rng.integers(len(resident)))] if resident and rng.random() < 0.5 else -1
+            bid = view.add(step, parent)
+            for pol in (cost, dens):
+                pol.insert(bid, 4096, 0.0)
+            resident.append(bid)
+        elif r < 0.75:
+            bid = resident[int(rng.integers(len(resident)))]
+            for pol in (cost, dens):
+                pol.touch(bid, 0.0)
+        else:
+            victim = cost.first()
+            assert victim == dens.first()
+            for pol in (cost, dens):
+                pol.remove(victim)  # type: ignore[arg-type]
+            resident.remove(victim)  # type: ignore[arg-type]
+    w = cost.weights(np.array(resident))  # type: ignore[attr-defined]
+    assert (w == w[0]).all() and w[0] > 0
+    assert cost._table is not None  # (the learned ranking, not only LRU before the first table)
+
+
 def test_cost_aware_ranks_equal_reuse_by_depth() -> None:
     """With the same learned density everywhere, the density policy offers the older block and
     the cost-aware one the shallower (cheaper to recompute), however young."""

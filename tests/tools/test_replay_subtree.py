@@ -170,3 +170,43 @@ def test_holdout_learns_on_the_first_half_and_pays_on_the_second(tmp_path: Path)
     # The same choice when the second half's class-0 chain 10 comes back: both its hits lost,
     # and its root written again.
     assert run([20, 21]) == (0.5, 1.0)
+
+
+def _many(tmp_path: Path, tail: list[list[int]]) -> tuple[Trace, TraceTree, Decisions, np.ndarray, np.ndarray]:
+    """Sixty two-block chains, each read once more two chains later when it is even (requests
+    10 ms apart; ``tail`` follows); one decision per chain root, at its request."""
+    reqs: list[list[int]] = []
+    for i in range(60):
+        reqs.append([2 * i, 2 * i + 1])
+        if i >= 2 and (i - 2) % 2 == 0:
+            reqs.append([2 * (i - 2), 2 * (i - 2) + 1])
+    trace = _trace(tmp_path / "m_trace.jsonl", reqs + tail)
+    tree = TraceTree.of(trace, E.block_parents(trace))
+    first = tree.first_req[np.arange(0, 120, 2)]
+    dec = Decisions(first, np.arange(0, 120, 2), np.ones(60, bool))
+    times = _EPOCH + trace.timestamps_ms[first] / 1000.0
+    # The feature that tells the two kinds apart: the depth column (even chains "deep").
+    feats = np.zeros((60, 9))
+    feats[:, 1] = np.where(np.arange(60) % 2 == 0, 8.0, 0.0)
+    return trace, tree, dec, times, feats
+
+
+def test_learned_scores_use_only_labels_already_past(tmp_path: Path) -> None:
+    from eviction.online_model import ModelConfig
+    from tools.replay.subtree import learned_scores, score_frontier
+
+    cfg = ModelConfig(window=256, refit_every=4, min_samples=8)
+    trace, tree, dec, times, feats = _many(tmp_path, [])
+    p = learned_scores(trace, tree, dec, times, feats, horizon_s=0.1, config=cfg, batch=1)
+    assert (p[:5] == 1.0).all()  # no label is 100 ms old before then
+    assert p[-1] < 1.0 and p[-2] < 1.0
+    assert p[-2] > 0.5 > p[-1]  # even chains are read again, odd ones not
+    # The same trace with every chain read once more at its end: only labels no decision
+    # waited for change (reads past the horizon), so no score does.
+    more = [[2 * i, 2 * i + 1] for i in range(60)]
+    trace2, tree2, dec2, times2, _ = _many(tmp_path, more)
+    assert np.array_equal(p, learned_scores(trace2, tree2, dec2, times2, feats, horizon_s=0.1, config=cfg, batch=1))
+    hits = int(E.unlimited(trace).sum())
+    (point,) = score_frontier(trace, tree, dec, p, hits, (0.0,))
+    assert point.outcome.lost == 0 and point.outcome.refused > 0  # the odd chains go, at no loss
+    assert point.outcome.writes < 60

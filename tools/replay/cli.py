@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--class-features", default="", metavar="F,F", help=f"with --class-bound: request features added to the class ({', '.join(EXTRA_FEATURES)}); finer classes are partly memorised, see docs/eviction.md")
     p.add_argument("--opt-ties", choices=("deep", "shallow"), default="deep", help="Belady tie-break (shallow reproduces traces/README.md exactly; deep is the prefix-closed optimum)")
     p.add_argument("--admission", default=StoreConfig().admission,
-                   help="admission rule of the last tier (all, reuse; eviction/admission.py; default: the store's default, %(default)s)")
+                   help="admission rule of the last tier (all, reuse, learned; eviction/admission.py; default: the store's default, %(default)s)")
     p.add_argument("--admission-option", action="append", default=[], metavar="KEY=VALUE", help="an option of the admission rule's Config")
     p.add_argument("--economics", action="store_true", help="also hits and writes by tier, with Belady-first-tier and admission-oracle references (tools/replay/economics.py)")
     p.add_argument("--admission-frontier", action="store_true", help="with --economics: the exact subtree-refusal frontier at hit losses of 0.25/0.5/0.75/1/2/5%% (tools/replay/subtree.py; default: at 1%% only)")

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from eviction.admission import Admission, block_class
+from eviction.admission import Admission, block_class, learned_features
 from eviction.density import RATIO
 from kvstore.registry import register_admission
 from tools.replay.bounds import (
@@ -47,7 +47,15 @@ from tools.replay.bounds import (
     window_bound,
 )
 from tools.replay.sim import _EPOCH, StoreRun, TierCapacity
-from tools.replay.subtree import Decisions, TraceTree, class_frontier, holdout, standalone_costs
+from tools.replay.subtree import (
+    Decisions,
+    TraceTree,
+    class_frontier,
+    holdout,
+    learned_scores,
+    score_frontier,
+    standalone_costs,
+)
 from tools.replay.trace import Trace
 
 _INF = re.compile(r"(^|[=,])\s*(inf|unlimited)\s*(?=,|$)", re.IGNORECASE)
@@ -131,6 +139,9 @@ class ClassRecorder(OracleAdmission):
         self.leaf: list[bool] = []
         self.blocks: list[int] = []
         self.columns: dict[str, list[float]] = {c: [] for c in self.COLUMNS}
+        self.learned: list[list[float]] = []
+        """Per decision, what the ``learned`` rule sees (eviction/admission.py, ``learned_features``)."""
+        self.times: list[float] = []
         self.tree = _TREES.get(config.future)
         if self.tree is not None:
             trace, tree = self.tree
@@ -153,6 +164,8 @@ class ClassRecorder(OracleAdmission):
         self.blocks.append(b)
         if self.tree is not None:
             self._record(bid, b, leaf, hits, depth, idle, now)
+            self.learned.append(learned_features(v, bid, now))
+            self.times.append(now)
         return True
 
     def _record(self, bid: int, b: int, leaf: bool, hits: int, depth: int, idle: float, now: float) -> None:
@@ -298,6 +311,13 @@ def exact_subtree_bounds(trace: Trace, rec: ClassRecorder, hits: int, budgets: t
     for name in CLASS_SETS if rule.size else ():
         h = holdout(trace, tree, dec, sets[name][0], served, 0.01, costs)
         out[f"holdout_subtree_{name}"] = {"budget": 0.01, "writes_per_hit": h.writes_per_hit, "hit_loss": h.hit_loss}
+    if rule.size:
+        scores = learned_scores(trace, tree, dec, np.asarray(rec.times), np.asarray(rec.learned, np.float64))
+        out["learned_subtree"] = [
+            {"budget": p.budget, "writes_per_hit": round(p.outcome.writes / per_hit, 6),
+             "hit_loss": round(p.outcome.lost / per_hit, 6), "skipped_share": round(p.share_of_next, 4),
+             "refused": p.outcome.refused, "cut": p.outcome.cut, "rewrites": p.outcome.rewrites}
+            for p in score_frontier(trace, tree, dec, scores, hits, budgets)]
     for name, (classes, order) in sets.items():
         points = class_frontier(trace, tree, dec, classes, hits, budgets, costs, order) if rule.size else []
         out[f"exact_subtree_{name}"] = [
@@ -479,6 +499,10 @@ def emit(row: dict[str, Any], as_json: bool) -> None:
                             for k, v in row.items() if k.startswith("holdout_subtree_"))
         print(f"{head} subtree refusals counted exactly, writes/hit by class set: {exact}; fitted on the first half, "
               f"applied to the second (budget 1%): {learned}", flush=True)
+        online = ", ".join(f"{p['writes_per_hit']:.3f} at {100 * p['hit_loss']:.2f}% (budget {100 * p['budget']:g}%)"
+                           for p in row.get("learned_subtree", []))
+        print(f"{head} the learned rule's online scores, refusing the lowest share (chosen in hindsight): {online}",
+              flush=True)
         _emit_windows(head, row)
         return
     shares = " ".join(f"{k} {v:.3f}" for k, v in row["hit_share_by_tier"].items())

@@ -33,6 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eviction.admission import LEARNED_CROSSES, LEARNED_EDGES
+from eviction.online_model import ModelConfig, OnlineModel
+from tools.replay.sim import _EPOCH
 from tools.replay.trace import Trace
 
 
@@ -307,3 +310,67 @@ def holdout(trace: Trace, tree: TraceTree, dec: Decisions, classes: np.ndarray, 
             hi = k
     o = run(lo, ~first)
     return Holdout(round((o.writes - int(first.sum())) / max(h2, 1.0), 6), round(o.lost / max(h2, 1.0), 6))
+
+
+def learned_scores(trace: Trace, tree: TraceTree, dec: Decisions, times: np.ndarray, features: np.ndarray,
+                   horizon_s: float = 1200.0, config: ModelConfig | None = None, batch: int = 512) -> np.ndarray:
+    """Per decision, the probability that its block is read again within ``horizon_s``, as
+    the ``learned`` admission rule's model (eviction/online_model.py over
+    eviction/admission.py's ``LEARNED_FEATURES``) predicts it *online*: fitted only on the
+    decisions whose horizon had passed (their labels from the trace), refitted as the rule
+    refits, in batches of ``batch`` decisions; 1.0 before the first fit (nothing skipped)."""
+    cfg = config or ModelConfig(window=1 << 15, refit_every=4096, min_samples=2048)
+    model = OnlineModel(LEARNED_EDGES, LEARNED_CROSSES, cfg)
+    reqs = trace.num_requests
+    n = dec.block.size
+    out = np.ones(n)
+    if not n:
+        return out
+    nxt = tree.next_read(dec.block, dec.req, reqs)
+    stamps = _EPOCH + trace.timestamps_ms / 1000.0
+    again = np.where(nxt < reqs, stamps[np.minimum(nxt, reqs - 1)], np.inf) - times <= horizon_s
+    cols = model.encode_many(features)
+    known = times + horizon_s  # when each label is final (decisions are in time order)
+    seen = 0
+    for lo in range(0, n, batch):
+        final = int(np.searchsorted(known, times[lo], side="right"))
+        if final > seen:
+            model.observe_many(cols[seen:final], again[seen:final])
+            seen = final
+        if model.ready:
+            out[lo : lo + batch] = model.predict_many(cols[lo : lo + batch])
+    return out
+
+
+def score_frontier(trace: Trace, tree: TraceTree, dec: Decisions, score: np.ndarray, hits: int,
+                   budgets: tuple[float, ...] = (0.01,), steps: int = 8) -> list[FrontierPoint]:
+    """Per budget, the fewest writes of refusing the decisions scored lowest (the largest share
+    of the scored decisions, ``score < 1``, whose refusal stays within the budget: a binary
+    search of ``steps`` exact replays). The share is chosen knowing the whole trace, so this is
+    what the scores' *ranking* is worth, with the threshold set in hindsight
+    (``FrontierPoint.share_of_next`` holds the share)."""
+    scored = np.flatnonzero(score < 1.0)
+    order = scored[np.argsort(score[scored], kind="stable")]
+
+    def run(share: float) -> Outcome:
+        skip = np.zeros(score.size, bool)
+        skip[order[: int(share * order.size)]] = True
+        return replay_refusals(trace, tree, dec, skip)
+
+    out = []
+    for budget in budgets:
+        allowed = budget * hits
+        lo, hi, best = 0.0, 1.0, run(0.0)
+        top = run(1.0)
+        if top.lost <= allowed:
+            out.append(FrontierPoint(budget, 0, top, 1.0))
+            continue
+        for _ in range(steps):
+            mid = (lo + hi) / 2
+            o = run(mid)
+            if o.lost <= allowed:
+                lo, best = mid, o
+            else:
+                hi = mid
+        out.append(FrontierPoint(budget, 0, best, lo))
+    return out

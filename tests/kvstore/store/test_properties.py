@@ -69,6 +69,7 @@ ADMISSION_RULES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("all", {}),
     ("reuse", _EAGER),
     ("reuse", {**_EAGER, "inner": True}),
+    ("learned", {**_EAGER, "min_samples": 2, "refit_every": 4, "reference": 64}),
     ("coin", {"share": 0.3}),
     ("coin", {"share": 0.8}),
     ("coin", {"share": 0.5, "inner": False}),
