@@ -67,12 +67,18 @@ def llama_8b(quick: bool) -> Any:
         num_hidden_layers=4 if quick else 32, num_attention_heads=32, num_key_value_heads=8,
         max_position_embeddings=131072, rope_theta=500000.0,
     )
+    return random_bf16_on_cuda(transformers.LlamaForCausalLM, cfg)
+
+
+def random_bf16_on_cuda(model_class: Any, config: Any) -> Any:
+    """``model_class(config)`` with random weights (seed 0) built in bf16 straight on the GPU
+    (no float32 copy on the host), in eval mode; the default dtype is restored."""
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            model = transformers.LlamaForCausalLM(cfg)
+            model = model_class(config)
     finally:
         torch.set_default_dtype(prev)
     return model.eval()

@@ -39,6 +39,7 @@ from kvstore.hybrid import CheckpointPolicy, HybridNamespaces
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.store import KVStore
 from tools.bench._common import best_of, result
+from tools.bench._gpu import random_bf16_on_cuda
 from tools.bench.hybrid_kernels import attention_rows
 
 CONTEXT = 32_768
@@ -225,15 +226,7 @@ def _gpu_model(quick: bool) -> Any:
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
         sliding_window=128, sliding_window_pattern=2, attn_implementation="sdpa",
     )
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = transformers.Gemma3ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    return model.eval()
+    return random_bf16_on_cuda(transformers.Gemma3ForCausalLM, cfg)
 
 
 def _runs_here(what: str, quick: bool) -> bool:

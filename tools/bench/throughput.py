@@ -118,25 +118,31 @@ def _prompt_flops(config: Any, n: float, c: float) -> tuple[float, float]:
     return n * per_token + per_pair * n * n / 2, (n - c) * per_token + per_pair * (n * n - c * c) / 2
 
 
-def flop_bound(config: Any, histories: list[torch.Tensor], turns: list[list[torch.Tensor]]) -> float:
+PromptFlops = Callable[[Any, float, float], tuple[float, float]]
+
+
+def flop_bound(config: Any, histories: list[torch.Tensor], turns: list[list[torch.Tensor]],
+               prompt_flops: PromptFlops = _prompt_flops) -> float:
     """Compute of the timed rounds without the store over that with every cached prefix free:
     the speedup at equal MFU. Hits are not free: each new token still attends to the whole
     prefix (``4 * heads * head_dim`` FLOPs per layer and earlier token), so this is below
-    ``1/(1-h)`` for long prompts. Linear layers: 2 FLOPs per weight of a decoder layer."""
+    ``1/(1-h)`` for long prompts. Linear layers: 2 FLOPs per weight of a decoder layer.
+    ``prompt_flops`` counts one prompt (another model's count: :mod:`tools.bench.throughput_mla`)."""
     full = cached = 0.0
     for conv in turns:
         for r in range(1, len(conv)):
-            f, c = _prompt_flops(config, conv[r].numel(), conv[r - 1].numel())
+            f, c = prompt_flops(config, conv[r].numel(), conv[r - 1].numel())
             full += f
             cached += c
     return full / cached if cached else 0.0
 
 
-def flop_bound_by_length(config: Any, h: float, lengths: tuple[int, ...] = (1024, 4096, 8192, 16384, 32768)) -> dict[str, float]:
+def flop_bound_by_length(config: Any, h: float, lengths: tuple[int, ...] = (1024, 4096, 8192, 16384, 32768),
+                         prompt_flops: PromptFlops = _prompt_flops) -> dict[str, float]:
     """The same bound for one prompt of each length with a share ``h`` of it cached."""
     out = {}
     for n in lengths:
-        f, c = _prompt_flops(config, n, n * h)
+        f, c = prompt_flops(config, n, n * h)
         out[str(n)] = round(f / c, 2)
     return out
 

@@ -34,6 +34,7 @@ from engine.client import EngineCache
 from engine.mla import latent_shape, mla_config
 from tools.bench import throughput
 from tools.bench._common import result
+from tools.bench._gpu import random_bf16_on_cuda
 from tools.bench.throughput import Bench, _Resident
 
 
@@ -61,15 +62,7 @@ def mla_model(smoke: bool, quick: bool) -> Any:
         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
         max_position_embeddings=131072,
     )
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = transformers.DeepseekV3ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    return model.eval()
+    return random_bf16_on_cuda(transformers.DeepseekV3ForCausalLM, cfg)
 
 
 def _prompt_flops(config: Any, n: float, c: float) -> tuple[float, float]:
@@ -91,22 +84,13 @@ def _prompt_flops(config: Any, n: float, c: float) -> tuple[float, float]:
 
 def flop_bound(config: Any, histories: list[torch.Tensor], turns: list[list[torch.Tensor]]) -> float:
     """Compute of the timed rounds without the store over that with the prefixes cached (equal
-    MFU): as :func:`tools.bench.throughput.flop_bound`, with MLA's decompression of every hit."""
-    full = cached = 0.0
-    for conv in turns:
-        for r in range(1, len(conv)):
-            f, c = _prompt_flops(config, conv[r].numel(), conv[r - 1].numel())
-            full += f
-            cached += c
-    return full / cached if cached else 0.0
+    MFU): :func:`tools.bench.throughput.flop_bound`, with MLA's decompression of every hit."""
+    return throughput.flop_bound(config, histories, turns, prompt_flops=_prompt_flops)
 
 
-def flop_bound_by_length(config: Any, h: float, lengths: tuple[int, ...] = (1024, 4096, 8192, 16384, 32768)) -> dict[str, float]:
-    out = {}
-    for n in lengths:
-        f, c = _prompt_flops(config, n, n * h)
-        out[str(n)] = round(f / c, 2)
-    return out
+def flop_bound_by_length(config: Any, h: float) -> dict[str, float]:
+    """:func:`tools.bench.throughput.flop_bound_by_length` with MLA's count."""
+    return throughput.flop_bound_by_length(config, h, prompt_flops=_prompt_flops)
 
 
 def _check(lm: BatchedMLA, model: Any, cache: EngineCache, prompts: list[torch.Tensor]) -> dict[str, Any]:
