@@ -241,15 +241,20 @@ class ReuseAdmission(Admission):
 
     def __init__(self, config: ReuseConfig | None = None) -> None:
         super().__init__(config or ReuseConfig())
-        self.inner = self.config.inner
+        self._init_decisions()
         n = _SUBTREES * 3 * _HITS * _DEPTHS * _IDLE if self.config.subtree else 3 * _HITS * _DEPTHS * _IDLE
-        self.children_of: ChildIndex | None = None
         self._sized = (-1, 0)  # (block id, its subtree size) of the last decision asked about
         self.seen = np.zeros(n)  # decisions per class whose outcome is known (decayed)
         self.reused = np.zeros(n)  # of them, read (or put) again within the horizon
         self.skip = np.zeros(n, dtype=bool)  # the classes skipped now
         # (time, key, class, hits at decision, stored), oldest first; outcome not known yet
         self.pending: deque[tuple[float, bytes, int, int, bool]] = deque()
+
+    def _init_decisions(self) -> None:
+        """The state of every rule that decides block by block and may cut subtrees (this
+        one and :class:`LearnedAdmission`): ghosts, parents, counters."""
+        self.inner = self.config.inner
+        self.children_of: ChildIndex | None = None
         # Skipped past the horizon (True) or unreachable (False): a return is still a loss.
         self.ghosts: dict[bytes, bool] = {}
         self.parents: dict[bytes, bool] = {}  # blocks whose child was skipped, oldest first
@@ -295,22 +300,30 @@ class ReuseAdmission(Admission):
         if self._hollow_parent(bid):
             return True
         self._due(now)
-        return bool(self.skip[self._class(bid, bytes(self.view.hash_of(bid)), now)])
+        return self._refused(bid, now)
 
     def admit(self, bid: int, now: float) -> bool:
-        v = self.view
-        key = bytes(v.hash_of(bid))
+        key = bytes(self.view.hash_of(bid))
         if self._unreachable(bid, key):
             return False
         self._due(now)
+        stored = self._decide(bid, key, now)
+        self._note_parent(bid, key, stored)
+        return stored
+
+    def _refused(self, bid: int, now: float) -> bool:
+        """:meth:`refuses` past the hollow-parent check and the poll: the rule's own answer."""
+        return bool(self.skip[self._class(bid, bytes(self.view.hash_of(bid)), now)])
+
+    def _decide(self, bid: int, key: bytes, now: float) -> bool:
+        """:meth:`admit` past the hollow-parent check and the poll: decide and record."""
         c = self._class(bid, key, now)
         self._sized = (-1, 0)  # the next decision about this id may see another subtree
         self.decisions += 1
         stored = not self.skip[c]
-        self.pending.append((now, key, c, int(v.hits[bid]), stored))
+        self.pending.append((now, key, c, int(self.view.hits[bid]), stored))
         if len(self.pending) > self.config.window:
             self._expire(self.pending.popleft())
-        self._note_parent(bid, key, stored)
         return stored
 
     def _note_parent(self, bid: int, key: bytes, stored: bool) -> None:
@@ -535,7 +548,7 @@ class LearnedAdmission(ReuseAdmission):
     def __init__(self, config: LearnedConfig | None = None) -> None:
         cfg = config or LearnedConfig()
         Admission.__init__(self, cfg)
-        self.inner = cfg.inner
+        self._init_decisions()
         self.model = OnlineModel(LEARNED_EDGES, LEARNED_CROSSES,
                                  ModelConfig(window=cfg.train_window, refit_every=cfg.refit_every,
                                              min_samples=cfg.min_samples, l2=cfg.l2))
@@ -554,7 +567,6 @@ class LearnedAdmission(ReuseAdmission):
         self._p = np.zeros(w)  # predicted blocks read again if refused: probability x blocks taken
         self._ratio = np.ones(w)  # blocks a refusal takes / writes it saves (1 unless measured)
         self._tk = np.ones(w)  # blocks a refusal takes (1 unless measured)
-        self.children_of: ChildIndex | None = None
         self._took = self._saved = self._p_now = 1.0
         self._keys: list[bytes] = [b""] * w
         self.expected = 0.0
@@ -563,11 +575,6 @@ class LearnedAdmission(ReuseAdmission):
         self._head = 0
         """The oldest decision whose label is not final yet (decisions before it are labelled)."""
         self._asked: tuple[int, float, tuple[int, ...], float] = (-1, 0.0, (), 0.0)
-        self.ghosts: dict[bytes, bool] = {}
-        self.parents: dict[bytes, bool] = {}
-        self.decisions = 0
-        self._polled = -1
-        self.unreachable = self.cut_blocks = self.returns = self.lost = 0
         self.labelled = 0
 
     def features(self, bid: int, now: float) -> list[float]:
@@ -599,18 +606,11 @@ class LearnedAdmission(ReuseAdmission):
         self._asked = (bid, now, cols, score)
         return cols, score
 
-    def refuses(self, bid: int, now: float) -> bool:
-        if self._hollow_parent(bid):
-            return True
-        self._due(now)
+    def _refused(self, bid: int, now: float) -> bool:
         return self._score(bid, now)[1] < self.threshold
 
-    def admit(self, bid: int, now: float) -> bool:
+    def _decide(self, bid: int, key: bytes, now: float) -> bool:
         v = self.view
-        key = bytes(v.hash_of(bid))
-        if self._unreachable(bid, key):
-            return False
-        self._due(now)
         cols, score = self._score(bid, now)
         self._asked = (-1, 0.0, (), 0.0)
         stored = score >= self.threshold
@@ -627,7 +627,6 @@ class LearnedAdmission(ReuseAdmission):
         if not stored:
             self.expected += self._p[row]
         self.decisions += 1
-        self._note_parent(bid, key, stored)
         return stored
 
     def _rows(self, lo: int, hi: int) -> np.ndarray:
