@@ -80,14 +80,9 @@ def test_a_ucx_client_called_from_inside_a_running_event_loop(start_daemon: Call
     assert np.array_equal(asyncio.run(inside()), blocks)
 
 
-def test_clients_killed_mid_transfer_over_ucx_never_take_the_daemon_down(tmp_path: Path) -> None:
-    """The trade-off docs/daemon.md describes, checked with real processes: the daemon's UCX
-    endpoints run with peer error handling, so a client SIGKILLed in the middle of its puts and
-    gets ends its own session only; the daemon (its own process) keeps serving UCX clients."""
-    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore[ucx]')")
-    from kvstore.client import connect
-    from kvstore.client.spawn import start_daemon
-
+def _ucx_config(tmp_path: Path) -> Path:
+    """A daemon config with the UCX listener on and one tenant (``TOKEN_A``), for a daemon
+    started as its own process."""
     config = tmp_path / "kvstore.toml"
     config.write_text(textwrap.dedent(f"""
         [server]
@@ -96,6 +91,18 @@ def test_clients_killed_mid_transfer_over_ucx_never_take_the_daemon_down(tmp_pat
         name = "a"
         token = "{TOKEN_A}"
     """))
+    return config
+
+
+def test_clients_killed_mid_transfer_over_ucx_never_take_the_daemon_down(tmp_path: Path) -> None:
+    """The trade-off docs/daemon.md describes, checked with real processes: the daemon's UCX
+    endpoints run with peer error handling, so a client SIGKILLed in the middle of its puts and
+    gets ends its own session only; the daemon (its own process) keeps serving UCX clients."""
+    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore[ucx]')")
+    from kvstore.client import connect
+    from kvstore.client.spawn import start_daemon
+
+    config = _ucx_config(tmp_path)
     script = textwrap.dedent("""
         import sys
         import numpy as np
@@ -140,14 +147,7 @@ def test_a_frozen_daemon_fails_a_ucx_call_with_daemon_unavailable_not_a_hang(tmp
     from kvstore.client import connect
     from kvstore.client.spawn import start_daemon
 
-    config = tmp_path / "kvstore.toml"
-    config.write_text(textwrap.dedent(f"""
-        [server]
-        ucx = true
-        [[tenants]]
-        name = "a"
-        token = "{TOKEN_A}"
-    """))
+    config = _ucx_config(tmp_path)
     chain = chain_for(5, 4)
     blocks = np.frombuffer(b"".join(payload(x) for x in chain), np.uint8)
     with (
