@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="llama", choices=["llama", "mla"],
                    help="throughput: Llama-3-8B, or a scaled-down DeepSeek-V3 with a latent (MLA) cache")
     p.add_argument("--conversations", type=int, default=0, help="throughput: concurrent conversations (default 16)")
+    p.add_argument("--check-requests", type=int, default=2,
+                   help="throughput: conversations whose last prompt is checked against the request run alone (default 2)")
     p.add_argument("--repeat", type=int, default=1, help="throughput: run the hit rates this many times (the spread)")
     p.add_argument("--no-compare-attention", dest="compare_attention", action="store_false",
                    help="throughput: skip timing the ideal with the per-request attention loop")

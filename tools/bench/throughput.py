@@ -326,27 +326,57 @@ def _blocks_of(turns: list[list[torch.Tensor]], histories: list[torch.Tensor], b
     return sum(conv[-1].numel() // bt for conv in turns) + len(histories)
 
 
-def agreement(want: list[Any], got: list[Any]) -> dict[str, Any]:
+def agreement(want: list[Any], got: list[Any], floor: list[Any] | None = None) -> dict[str, Any]:
     """How the batch's results (``got``) agree with each request run alone (``want``): the same
     greedy token, the logits' relative error, the hit tokens; and each request's top-2 margin
-    alone (``(top1 - top2) / |top1|``): a greedy token that differs where the margin is under
-    the logits' error is a near tie broken by rounding (bf16 with random weights), not a wrong
-    result."""
-    same = sum(int(a.logits.argmax() == b.logits.argmax()) for a, b in zip(want, got, strict=True))
-    err = max(float((a.logits - b.logits).abs().max() / a.logits.abs().max()) for a, b in zip(want, got, strict=True))
-    margins = []
-    for a in want:
-        top = a.logits.float().topk(2).values
+    alone (``(top1 - top2) / |top1|``, and ``top1 - top2``).
+
+    ``floor``: each request alone again, computed with another exact attention kernel (a change
+    of rounding only). Its largest absolute logit difference from ``want``, ``d0``, is how far
+    bf16 rounding alone moves these logits. A greedy token can change under a perturbation of
+    size ``d`` only where ``top1 - top2 <= 2 d``; ``flips_beyond_rounding`` counts the batch's
+    differing tokens whose margin alone exceeds ``2 d0`` (a change rounding does not explain:
+    it must be 0), and ``floor_flips`` the requests whose greedy token the kernel change alone
+    flips (there the token is decided by rounding, in any engine)."""
+    same = 0
+    err = 0.0
+    margins: list[float] = []
+    abs_margins: list[float] = []
+    abs_diffs: list[float] = []
+    for a, b in zip(want, got, strict=True):
+        la, lb = a.logits.float(), b.logits.float()
+        top = la.topk(2).values
+        same += int(la.argmax() == lb.argmax())
+        diff = float((la - lb).abs().max())
+        err = max(err, diff / float(la.abs().max()))
         margins.append(round(float((top[0] - top[1]) / top[0].abs()), 5))
-    return {"checked_requests": len(want), "same_greedy_token": same, "logits_rel_err": round(err, 5),
-            "top2_margin_alone": margins,
-            "hit_tokens_alone": [a.hit_tokens for a in want], "hit_tokens_batched": [b.hit_tokens for b in got]}
+        abs_margins.append(round(float(top[0] - top[1]), 5))
+        abs_diffs.append(round(diff, 5))
+    out: dict[str, Any] = {
+        "checked_requests": len(want), "same_greedy_token": same, "logits_rel_err": round(err, 5),
+        "top2_margin_alone": margins, "top2_margin_abs": abs_margins, "logits_abs_diff": abs_diffs,
+        "hit_tokens_alone": [a.hit_tokens for a in want], "hit_tokens_batched": [b.hit_tokens for b in got]}
+    if floor is not None:
+        d0 = [float((a.logits.float() - f.logits.float()).abs().max()) for a, f in zip(want, floor, strict=True)]
+        out["floor_abs_diff"] = [round(d, 5) for d in d0]
+        out["floor_flips"] = sum(int(a.logits.argmax() != f.logits.argmax()) for a, f in zip(want, floor, strict=True))
+        out["flips_beyond_rounding"] = sum(
+            int(a.logits.argmax() != b.logits.argmax() and m > 2 * d)
+            for a, b, m, d in zip(want, got, abs_margins, d0, strict=True))
+    return out
 
 
 def _check(lm: BatchedLM, model: Any, cache: EngineCache, prompts: list[torch.Tensor]) -> dict[str, Any]:
-    """The batch against each request alone (CachedLM, same store): same greedy token."""
+    """The batch against each request alone (CachedLM, same store): same greedy token; the floor
+    is each request alone again with SDPA's math kernel instead of its fused one (on the CPU the
+    two may be the same kernel: a floor of 0)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     alone = CachedLM(model, cache)
-    return agreement([alone.prefill(p, store=False) for p in prompts], lm.prefill(prompts, store=False))
+    want = [alone.prefill(p, store=False) for p in prompts]
+    with sdpa_kernel([SDPBackend.MATH]):
+        floor = [alone.prefill(p, store=False) for p in prompts]
+    return agreement(want, lm.prefill(prompts, store=False), floor)
 
 
 def _nothing(lm: BatchedLM) -> dict[str, Any]:
@@ -457,7 +487,8 @@ def _engine_run(bench: Bench, kind: str, h: float, args: argparse.Namespace, mod
         if hbm is not None:
             extra[f"{kind}_counters"] = {k: getattr(hbm.counters, k) for k in hbm.counters.__slots__}
         if last:  # HBM: the pages' bytes against the same blocks loaded from the store alone
-            extra["check" if kind == "dram" else f"check_{kind}"] = bench.check(lm, model, cache, [conv[-1] for conv in turns[:2]])
+            check_n = 2 if smoke else getattr(args, "check_requests", 2)
+            extra["check" if kind == "dram" else f"check_{kind}"] = bench.check(lm, model, cache, [conv[-1] for conv in turns[:check_n]])
         return run
     finally:
         cache.close()
