@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -373,10 +374,16 @@ def _check(lm: BatchedLM, model: Any, cache: EngineCache, prompts: list[torch.Te
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     alone = CachedLM(model, cache)
-    want = [alone.prefill(p, store=False) for p in prompts]
+    want = [_outcome(alone.prefill(p, store=False)) for p in prompts]
     with sdpa_kernel([SDPBackend.MATH]):
-        floor = [alone.prefill(p, store=False) for p in prompts]
+        floor = [_outcome(alone.prefill(p, store=False)) for p in prompts]
     return agreement(want, lm.prefill(prompts, store=False), floor)
+
+
+def _outcome(result: Any) -> SimpleNamespace:
+    """What the check compares (logits, hit tokens), without the prefill's KV cache: a 28K-token
+    prompt's cache is 3.5 GiB on the device, and the check holds many results at once."""
+    return SimpleNamespace(logits=result.logits, hit_tokens=result.hit_tokens)
 
 
 def _nothing(lm: BatchedLM) -> dict[str, Any]:
