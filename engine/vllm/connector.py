@@ -468,11 +468,15 @@ class _Worker:
                 self.counters.saves_dropped += 1
                 continue
             ns, chain = self._chain(sv.req_id, sv.start + len(sv.block_ids))
-            buf = torch.empty((len(sv.block_ids), self.spec.block_bytes), dtype=torch.uint8,
-                              pin_memory=self.kv.device.type == "cuda")
-            self.kv.gather(sv.block_ids, buf)
-            if self.kv.device.type == "cuda":
-                torch.cuda.current_stream(self.kv.device).synchronize()
+            try:
+                buf = self._gather(sv.block_ids)
+            except (torch.OutOfMemoryError, MemoryError) as e:
+                # The save's host buffer or its device staging did not fit: vLLM's step must go
+                # on, and the pages are recomputed the next time they are needed.
+                self._save_slots.release()
+                self.counters.saves_dropped += 1
+                log.warning("kvstore save of %d blocks dropped: out of memory (%s)", len(sv.block_ids), e)
+                continue
             self.counters.saves_submitted += 1
             end = sv.start + len(sv.block_ids)
             # The blocks' token ids go with the save (4 bytes a token): the daemon's KV events
@@ -481,6 +485,16 @@ class _Worker:
             with self._save_wake:
                 self._saves.append((ns, chain[:end], sv.start, buf, tokens))
                 self._save_wake.notify()
+
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        """The pages of ``block_ids`` in one host buffer (pinned on CUDA), copied and synchronised."""
+        assert self.kv is not None
+        buf = torch.empty((len(block_ids), self.spec.block_bytes), dtype=torch.uint8,
+                          pin_memory=self.kv.device.type == "cuda")
+        self.kv.gather(block_ids, buf)
+        if self.kv.device.type == "cuda":
+            torch.cuda.current_stream(self.kv.device).synchronize()
+        return buf
 
     def _collect(self, job: _LoadJob, in_step: bool = False) -> None:
         with job.lock:

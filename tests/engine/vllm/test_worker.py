@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -141,3 +141,37 @@ def test_a_frozen_daemon_never_blocks_the_step(stored: tuple[LocalDaemon, dict[s
     for name in SPEC.layer_names:
         assert torch.equal(dst[name][5:9], src[name][1:5])
     w.close()
+
+
+class OomKV(PagedKV):
+    """vLLM's pages whose gather runs out of memory ``fails`` times (a save's staging that does
+    not fit), then works."""
+
+    def __init__(self, spec: PageSpec, caches: dict[str, torch.Tensor], fails: int) -> None:
+        super().__init__(spec, caches)
+        self.fails = fails
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        if self.fails > 0:
+            self.fails -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 MiB")
+        super().gather(block_ids, out)
+
+
+def test_a_save_that_runs_out_of_memory_is_dropped_not_raised(tmp_path: Path) -> None:
+    """An out-of-memory error while a save gathers its pages reaches vLLM's step as a dropped save,
+    never as an exception, and gives its save slot back: more failures than there are slots, then
+    a save that fits lands."""
+    with small_daemon(tmp_path, dram="32MiB") as d:
+        w = _worker(d.url)
+        src = _caches(seed=3)
+        w.register_kv_caches(src)
+        fails = w.cfg.max_pending_saves + 1
+        w.kv = OomKV(SPEC, src, fails=fails)
+        for _ in range(fails):
+            _step(w, KVStoreMetadata(infos={"a": ReqInfo(A, "", b"")}, saves=[SaveSpec("a", 0, [1, 2, 3, 4])]))
+        assert w.counters.saves_dropped == fails and w.counters.saves_submitted == 0
+        _step(w, KVStoreMetadata(infos={"a": ReqInfo(A, "", b"")}, saves=[SaveSpec("a", 0, [1, 2, 3, 4])]))
+        w.flush()
+        assert w.counters.saves_submitted == 1 and w.counters.saved_blocks == 4
+        w.close()
