@@ -495,7 +495,9 @@ def _engine_run(bench: Bench, kind: str, h: float, args: argparse.Namespace, mod
             extra[f"{kind}_counters"] = {k: getattr(hbm.counters, k) for k in hbm.counters.__slots__}
         if last:  # HBM: the pages' bytes against the same blocks loaded from the store alone
             check_n = 2 if smoke else getattr(args, "check_requests", 2)
-            extra["check" if kind == "dram" else f"check_{kind}"] = bench.check(lm, model, cache, [conv[-1] for conv in turns[:check_n]])
+            check = bench.check(lm, model, cache, [conv[-1] for conv in turns[:check_n]])
+            extra["check" if kind == "dram" else f"check_{kind}"] = check
+            print(f"throughput {bench.name}: {kind} check {check}", file=sys.stderr, flush=True)  # (kept if a later engine fails)
         return run
     finally:
         cache.close()
