@@ -37,7 +37,7 @@ def test_agreement_weighs_a_flip_against_the_rounding_floor() -> None:
     batched = [_res([2.9, 3.0, -1.0], 64), _res([0.2, 0.3, 0.0], 32), _res([0.0, 5.0, 1.0], 16)]
     floor = [_res([2.92, 2.96, -1.0], 64), _res([1.01, 0.0, 0.0], 32), _res([0.0, 5.0, 1.0], 16)]
     a = agreement(alone, batched, floor)
-    assert a["same_greedy_token"] == 1
+    assert a["same_greedy_token"] == 1 and a["same_greedy_token_each"] == [False, False, True]
     assert a["floor_abs_diff"] == [pytest.approx(0.08, abs=1e-5), pytest.approx(0.01, abs=1e-5), 0.0]
     assert a["floor_flips"] == 1  # the first request's token is decided by rounding
     # first: margin 0.1 <= 2 x 0.08; second: margin 1.0 > 2 x 0.01, a flip rounding does not explain

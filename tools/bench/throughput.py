@@ -339,7 +339,7 @@ def agreement(want: list[Any], got: list[Any], floor: list[Any] | None = None) -
     differing tokens whose margin alone exceeds ``2 d0`` (a change rounding does not explain:
     it must be 0), and ``floor_flips`` the requests whose greedy token the kernel change alone
     flips (there the token is decided by rounding, in any engine)."""
-    same = 0
+    each: list[bool] = []
     err = 0.0
     margins: list[float] = []
     abs_margins: list[float] = []
@@ -347,14 +347,15 @@ def agreement(want: list[Any], got: list[Any], floor: list[Any] | None = None) -
     for a, b in zip(want, got, strict=True):
         la, lb = a.logits.float(), b.logits.float()
         top = la.topk(2).values
-        same += int(la.argmax() == lb.argmax())
+        each.append(bool(la.argmax() == lb.argmax()))
         diff = float((la - lb).abs().max())
         err = max(err, diff / float(la.abs().max()))
         margins.append(round(float((top[0] - top[1]) / top[0].abs()), 5))
         abs_margins.append(round(float(top[0] - top[1]), 5))
         abs_diffs.append(round(diff, 5))
     out: dict[str, Any] = {
-        "checked_requests": len(want), "same_greedy_token": same, "logits_rel_err": round(err, 5),
+        "checked_requests": len(want), "same_greedy_token": sum(each), "same_greedy_token_each": each,
+        "logits_rel_err": round(err, 5),
         "top2_margin_alone": margins, "top2_margin_abs": abs_margins, "logits_abs_diff": abs_diffs,
         "hit_tokens_alone": [a.hit_tokens for a in want], "hit_tokens_batched": [b.hit_tokens for b in got]}
     if floor is not None:
