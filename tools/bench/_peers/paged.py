@@ -29,7 +29,8 @@ The stores:
   slots into the registered arena), waits, and commits: one device-to-host copy per byte and no
   host copy, as LMCache's save. A restore leases the head of the
   prefix (``HEAD_BLOCKS``, or 1/``HEAD_SHARE`` of it) and queues its copy to a device staging
-  buffer at once, then hashes and leases the whole prefix and copies the rest
+  buffer at once, then hashes the rest (going on from the head's last hash: each block hashed
+  once), leases the whole prefix and copies the rest
   (``engine.gpu.ArenaBlocks``: one 2-D DMA per run of blocks in the arena) by layer groups
   (8 layers, the last 2 apart: ``layer_groups``) on a copy stream, and scatters each group into
   the pages (``PagedKV.scatter_layer``) as soon as it lands. (The first H200 run, 2026-12-01
@@ -241,6 +242,7 @@ class KvstorePaged:
         self._staging: torch.Tensor | None = None
         self._stream: Any = None
         self._head: tuple[int, Any] | None = None  # (blocks, landed event) of the restore's head copy
+        self._head_event: Any = None
         self.phases: dict[str, list[float]] = {}
         """Host seconds of each restore's steps (``restore``), read and cleared per size."""
         self.save_phases: dict[str, float] = {}
@@ -386,12 +388,15 @@ class KvstorePaged:
         self._head = None
         n_all = len(tokens) // BLOCK
         h = min(max(self.head_blocks, n_all // HEAD_SHARE), n_all) if self.head_blocks else 0
+        hashes: list[Any] = []
         if h:
-            head = ArenaBlocks(self.kv, self.kv.acquire(self.ns, hash_blocks(self.ns, tokens[: h * BLOCK])))
+            hashes = hash_blocks(self.ns, tokens[: h * BLOCK])
+            head = ArenaBlocks(self.kv, self.kv.acquire(self.ns, hashes))
             if head.num_blocks:
                 self._head = (head.num_blocks, self._queue_head(head))
         t1 = time.perf_counter()
-        hashes = hash_blocks(self.ns, tokens)
+        # The rest of the chain goes on from the head's last hash (each block hashed once).
+        hashes += hash_blocks(self.ns, tokens[h * BLOCK :], parent=hashes[-1] if hashes else None)
         t2 = time.perf_counter()
         lease = self.kv.acquire(self.ns, hashes)
         blocks = ArenaBlocks(self.kv, lease)
@@ -419,13 +424,19 @@ class KvstorePaged:
         if self.cache.device.type != "cuda":
             head.copy_into(dst, 0, self.spec.block_bytes)
             return None
-        copy = self._copy_stream()
-        copy.wait_stream(torch.cuda.current_stream(self.cache.device))  # the staging's last readers are done
+        # No wait for the staging's last readers (a wait_stream is an event made, recorded and
+        # waited on before the first DMA): every restore ends with a device synchronize. The
+        # event is made once and recorded again in each restore.
+        copy, ev = self._copy_stream(), self._head_landed()
         with torch.cuda.stream(copy):
             head.copy_into(dst, 0, self.spec.block_bytes)
-            ev = torch.cuda.Event()
             ev.record(copy)
         return ev
+
+    def _head_landed(self) -> Any:
+        if self._head_event is None:
+            self._head_event = torch.cuda.Event()
+        return self._head_event
 
     def _scatter(self, blocks: ArenaBlocks, ids: list[int]) -> None:
         """The blocks past the head (:meth:`restore`) copied to the device by layer groups on a
