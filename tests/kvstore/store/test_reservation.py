@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from kvstore.config import TierSpec
-from kvstore.errors import MissingPrefixError, UsageError
+from kvstore.errors import MissingPrefixError, TierIOError, UsageError
 from kvstore.store import KVStore
 from tests.conftest import BB, SMALL_NS, chain_for, payload, small_tiers
 
@@ -135,6 +135,24 @@ def test_failure_in_the_middle_of_the_copy_leaves_the_store_consistent(make_stor
     assert served(store, chain) == 3
     assert store.put(SMALL_NS, chain, [payload(h) for h in chain[3:]], start=3) == 3
     assert served(store, chain) == 6
+
+
+def test_a_commit_the_tier_refuses_publishes_nothing(make_store: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = make_store()
+    chain = chain_for(15, 4)
+    res = store.reserve(SMALL_NS, chain)
+    write(res, chain)
+
+    def broken(items: object) -> None:
+        raise TierIOError("the arena is gone")
+
+    monkeypatch.setattr(store.tiers[0], "publish_slots", broken)
+    with pytest.raises(TierIOError):
+        res.commit()
+    monkeypatch.undo()
+    assert served(store, chain) == 0
+    assert (used(store), list(store.iter_blocks())) == (0, [])  # slots back, no hollow block left
+    assert store.put(SMALL_NS, chain, [payload(h) for h in chain]) == 4
 
 
 def test_start_skips_the_cached_prefix_and_cached_blocks(make_store: Make) -> None:
