@@ -249,15 +249,24 @@ class KvstorePaged:
         """Host seconds of the last save's steps (``save``)."""
 
     def prepare(self, tokens: int) -> None:
-        """Buffers for a ``tokens``-long prefix, allocated once (untimed), as an engine does."""
+        """Buffers for a ``tokens``-long prefix, allocated once (untimed), as an engine does: the
+        device staging, and the pinned host buffer of a save by ``put`` (a reserved save has
+        none: it copies into the arena)."""
         n, bb = tokens // BLOCK, self.spec.block_bytes
-        pin = self.cache.device.type == "cuda"
-        if self._host is None or self._host.shape[0] < n:
-            self._host = None
-            self._host = torch.empty((n, bb), dtype=torch.uint8, pin_memory=pin)
+        if self.save_by == "put":
+            self._host_buffer(n)
         if self._staging is None or self._staging.shape[0] < n:
             self._staging = None
             self._staging = torch.empty((n, bb), dtype=torch.uint8, device=self.cache.device)
+
+    def _host_buffer(self, n: int) -> torch.Tensor:
+        """The pinned host buffer of a save by ``put``, of ``n`` blocks at least (allocated here
+        only by :meth:`prepare`, or in a save whose store refused the reserve)."""
+        if self._host is None or self._host.shape[0] < n:
+            self._host = None
+            pin = self.cache.device.type == "cuda"
+            self._host = torch.empty((n, self.spec.block_bytes), dtype=torch.uint8, pin_memory=pin)
+        return self._host[:n]
 
     def save_pieces(self, n: int) -> list[tuple[int, int]]:
         """The block ranges a save of ``n`` blocks copies to the host and puts in turn: each at
@@ -356,8 +365,7 @@ class KvstorePaged:
         connector do, is a strided device-to-host copy per layer: on the H200 it ran at 0.8-1.2
         GB/s.)"""
         n = len(ids)
-        assert self._host is not None
-        buf = self._host[:n]
+        buf = self._host_buffer(n)
         pieces = self.save_pieces(n)
         landed = self._gather_out(ids, pieces, lambda a, b, staged: buf[a:b].copy_(staged, non_blocking=True))
         t1 = time.perf_counter()
@@ -572,12 +580,12 @@ class KvstoreRows(KvstorePaged):
 
     name = "kvstore-rows"
     head_blocks = 0
+    save_by = "put"
 
     def save(self, tokens: np.ndarray, ids: list[int]) -> None:
         """As the connector saves: the pages gathered straight into the pinned host buffer."""
         n = len(ids)
-        assert self._host is not None
-        buf = self._host[:n]
+        buf = self._host_buffer(n)
         self.pages.gather(ids, buf)
         sync(self.cache.device)
         self.kv.put(self.ns, hash_blocks(self.ns, tokens), buf.view(-1).numpy())
