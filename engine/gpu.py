@@ -126,23 +126,72 @@ def release_arenas() -> None:
             shm.close()
 
 
-class ArenaBlocks:
-    """The leading cached blocks of a prompt, held in the arena by a lease."""
+class _ArenaRows:
+    """Blocks at ``locations`` (``(offset, size)`` each) of a shared-memory arena, mapped and
+    registered once per process (:func:`arena_tensor`), and the 2-D DMAs between them and rows
+    of a device tensor."""
 
-    def __init__(self, store: Any, lease: Any) -> None:
-        self._store = store
-        self.lease = lease
-        self.host = arena_tensor(lease.arena) if lease.num_blocks else torch.empty(0, dtype=torch.uint8)
-        self._runs = runs([off for off, _ in lease.locations])
-        self._runs_of: dict[tuple[int, int], list[tuple[int, int, int]]] = {(0, len(lease.locations)): self._runs}
+    def __init__(self, arena: str, locations: tuple[tuple[int, int], ...]) -> None:
+        self.locations = locations
+        self.host = arena_tensor(arena) if locations else torch.empty(0, dtype=torch.uint8)
+        self._runs_of: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
 
     @property
     def num_blocks(self) -> int:
-        return int(self.lease.num_blocks)
+        return len(self.locations)
 
     def block(self, i: int) -> torch.Tensor:
-        off, size = self.lease.locations[i]
+        off, size = self.locations[i]
         return self.host[off : off + size]
+
+    def runs_of(self, first: int, count: int) -> list[tuple[int, int, int]]:
+        """:func:`runs` of blocks ``first .. first+count-1`` (relative to ``first``), computed
+        once per range (a restore copies the same range once per layer group)."""
+        got = self._runs_of.get((first, count))
+        if got is None:
+            got = self._runs_of[first, count] = runs([off for off, _ in self.locations[first : first + count]])
+        return got
+
+    def _copy(self, dev: torch.Tensor, lo: int, hi: int, first: int, to_device: bool) -> int:
+        """Bytes ``lo:hi`` of blocks ``first, first+1, ...`` to (or from) the rows of ``dev``
+        (``[count, hi-lo]`` uint8, any row pitch), asynchronously on the current stream: one
+        ``cudaMemcpy2DAsync`` per run of equally spaced blocks in the arena (one copy per block
+        when the CUDA runtime cannot be called directly, or ``dev`` is in host memory). Returns
+        the copy calls it queued."""
+        count = dev.shape[0]
+        locs = self.locations
+        if first + count > len(locs):
+            raise IndexError(f"blocks {first}..{first + count - 1} of {len(locs)} in the arena")
+        copy2d = _memcpy2d() if dev.is_cuda else None
+        if copy2d is None or dev.stride(1) != 1:
+            for i in range(count):
+                off = locs[first + i][0]
+                if to_device:
+                    dev[i].copy_(self.host[off + lo : off + hi], non_blocking=True)
+                else:
+                    self.host[off + lo : off + hi].copy_(dev[i], non_blocking=True)
+            return count
+        stream = torch.cuda.current_stream(dev.device).cuda_stream
+        base, dpitch, width = self.host.data_ptr(), dev.stride(0), hi - lo
+        runs_ = self.runs_of(first, count)
+        for r0, n, stride in runs_:
+            d, h, hpitch = dev.data_ptr() + r0 * dpitch, base + locs[first + r0][0] + lo, stride or width
+            if to_device:  # 1: cudaMemcpyHostToDevice, 2: cudaMemcpyDeviceToHost
+                err = copy2d(d, dpitch, h, hpitch, width, n, 1, stream)
+            else:
+                err = copy2d(h, hpitch, d, dpitch, width, n, 2, stream)
+            if err:
+                raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err}")
+        return len(runs_)
+
+
+class ArenaBlocks(_ArenaRows):
+    """The leading cached blocks of a prompt, held in the arena by a lease."""
+
+    def __init__(self, store: Any, lease: Any) -> None:
+        super().__init__(lease.arena, tuple(lease.locations) if lease.num_blocks else ())
+        self._store = store
+        self.lease = lease
 
     def copy_range(self, dst: torch.Tensor, lo: int, hi: int) -> None:
         """Bytes ``lo:hi`` of every block into ``dst[i, lo:hi]`` (asynchronous on the current
@@ -150,44 +199,45 @@ class ArenaBlocks:
         the CUDA runtime cannot be called directly)."""
         self.copy_into(dst[:, lo:hi], lo, hi)
 
-    def runs_of(self, first: int, count: int) -> list[tuple[int, int, int]]:
-        """:func:`runs` of blocks ``first .. first+count-1`` (relative to ``first``), computed
-        once per range (a restore copies the same range once per layer group)."""
-        got = self._runs_of.get((first, count))
-        if got is None:
-            got = self._runs_of[first, count] = runs([off for off, _ in self.lease.locations[first : first + count]])
-        return got
-
     def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0) -> int:
         """Bytes ``lo:hi`` of blocks ``first, first+1, ...`` into the rows of ``dst`` (``[count,
         hi-lo]`` uint8, any row pitch), asynchronously on the current stream. Returns the copy
         calls it queued."""
-        count = dst.shape[0]
-        locs = self.lease.locations
-        if first + count > len(locs):
-            raise IndexError(f"blocks {first}..{first + count - 1} of a {len(locs)}-block lease")
-        copy2d = _memcpy2d() if dst.is_cuda else None
-        if copy2d is None or dst.stride(1) != 1:
-            for i in range(count):
-                off = locs[first + i][0]
-                dst[i].copy_(self.host[off + lo : off + hi], non_blocking=True)
-            return count
-        stream = torch.cuda.current_stream(dst.device).cuda_stream
-        base, dpitch, width = self.host.data_ptr(), dst.stride(0), hi - lo
-        runs_ = self.runs_of(first, count)
-        for r0, n, stride in runs_:
-            off = locs[first + r0][0]
-            err = copy2d(
-                dst.data_ptr() + r0 * dpitch, dpitch, base + off + lo, stride or width,
-                width, n, 1, stream,  # 1: cudaMemcpyHostToDevice
-            )
-            if err:
-                raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err}")
-        return len(runs_)
+        return self._copy(dst, lo, hi, first, True)
 
     def release(self) -> None:
         """Give the lease back; call only after the copies that read the blocks completed."""
         self._store.release(self.lease)
+
+
+class ArenaSlots(_ArenaRows):
+    """The arena slots of a store reservation (:meth:`kvstore.store.KVStore.reserve`), written
+    straight from the device: a save's one device-to-host copy lands where the store keeps the
+    block, and nothing copies it again on the host. Only for an in-process store (a daemon's
+    clients map its arena read-only)."""
+
+    def __init__(self, reservation: Any) -> None:
+        super().__init__(reservation.arena, tuple(reservation.locations))
+        self.reservation = reservation
+
+    @property
+    def first(self) -> int:
+        """Chain position of the first slot's block."""
+        return int(self.reservation.first)
+
+    def copy_from(self, src: torch.Tensor, first: int = 0) -> int:
+        """Rows of ``src`` (``[count, block_bytes]`` uint8 on the device, any row pitch) into
+        slots ``first, first+1, ...``, asynchronously on the current stream (one 2-D DMA per run
+        of equally spaced slots). Returns the copy calls it queued."""
+        return self._copy(src, 0, src.shape[1], first, False)
+
+    def commit(self, count: int | None = None) -> int:
+        """Publish the leading ``count`` slots (default: all); call only once the copies into
+        them completed. Returns the blocks that were new."""
+        return int(self.reservation.commit(count))
+
+    def abort(self) -> None:
+        self.reservation.abort()
 
 
 class HostBlocks:

@@ -123,6 +123,9 @@ class KVCacheAPI(Protocol[L]):
     LayoutMismatchError when the deployment is registered with another layout), :meth:`acquire` on a
     client needs the shared-memory plane (UsageError otherwise), and :meth:`stats` of a client
     is the daemon's view for its tenant (``usage``; the store's ``store`` only for an admin).
+    The two-phase put (``KVStore.reserve``: arena slots the caller writes, then a commit) is
+    not part of it, on purpose: it hands out writable arena memory, and a daemon maps its
+    arena read-only into its clients; through a daemon a save is a :meth:`put`.
     """
 
     def register_namespace(self, ns: Namespace, ttl_s: float | None = None) -> None:

@@ -249,11 +249,16 @@ def hash_blocks(
     ns: Namespace,
     tokens: Any,
     extra_keys: bytes | Sequence[bytes] | None = None,
+    *,
+    parent: bytes | None = None,
 ) -> list[BlockHash]:
     """Chained hashes of every *full* block of ``tokens`` under ``ns``.
 
     ``tokens``: a list, numpy array or torch tensor of token ids. ``extra_keys``: bytes appended
-    to every block (e.g. a multimodal content hash), or one bytes per full block.
+    to every block (e.g. a multimodal content hash), or one bytes per full block. ``parent``:
+    the hash of the block these tokens follow, to go on with a chain hashed in parts
+    (``hash_blocks(ns, t[:k * bt]) + hash_blocks(ns, t[k * bt:], parent=<its last hash>)`` is
+    ``hash_blocks(ns, t)``); None starts at the namespace's root.
     """
     tok = _token_bytes(tokens)
     bt = ns.layout.block_tokens
@@ -268,7 +273,7 @@ def hash_blocks(
             raise UsageError(f"extra_keys has {len(extras)} entries for {n} full blocks")
         blocks = tok[: n * bt].view(np.uint8).reshape(n, bt * 4)
         chain: list[BlockHash] = []
-        prev = ns.root
+        prev = ns.root if parent is None else bytes(parent)
         for i in range(n):
             prev = BlockHash(hasher(prev + blocks[i].tobytes() + bytes(extras[i])))
             chain.append(prev)
@@ -280,7 +285,7 @@ def hash_blocks(
     step = bt * 4
     out: list[BlockHash] = []
     append = out.append
-    prev = ns.root
+    prev = ns.root if parent is None else bytes(parent)
     for off in range(0, n * step, step):
         prev = hasher(prev + tb[off : off + step] + extra)
         append(prev)

@@ -322,10 +322,52 @@ class DramTier(Tier):
 
     def _publish(self, key: BlockHash, off: int, meta: BlockMeta, fresh: bool) -> None:
         with self._lock:
-            prev = self._map.get(key)
-            self._map[key] = (off, meta)
-            if fresh and prev is not None:
-                self._alloc.free(prev[0])
+            self._enter(key, off, meta, fresh)
+
+    def _enter(self, key: BlockHash, off: int, meta: BlockMeta, fresh: bool) -> None:
+        """``key``'s payload is at ``off`` from now on (the caller holds ``_lock``)."""
+        prev = self._map.get(key)
+        self._map[key] = (off, meta)
+        if fresh and prev is not None:
+            self._alloc.free(prev[0])
+
+    # ---- reserved slots (KVStore.reserve) ----------------------------------------------------
+
+    def reserve_slots(self, size: int, count: int) -> list[int]:
+        """Up to ``count`` fresh slots for ``size``-byte blocks, allocated now and named by no
+        key: no read finds them and no delete frees them until :meth:`publish_slots` enters
+        them (or :meth:`free_slots` gives them back). Fewer when the arena runs out of slots of
+        that class. The caller writes the payloads in between (into :meth:`slot_view`, or into
+        its own mapping of the arena at these offsets)."""
+        self._alloc.slot_bytes(size)  # UsageError when no slab can hold it
+        out: list[int] = []
+        with self._lock:
+            if self._buf is None:
+                raise TierIOError(f"dram tier {self.name!r} is closed")
+            for _ in range(count):
+                off = self._alloc.alloc(size)
+                if off is None:
+                    break
+                out.append(off)
+        return out
+
+    def slot_view(self, off: int, size: int) -> memoryview:
+        """A writable view of a reserved slot (drop it before the slot is published or freed)."""
+        return self._buf[off : off + size]
+
+    def publish_slots(self, items: Sequence[tuple[BlockHash, int, BlockMeta]]) -> None:
+        """Enter reserved slots ``(key, offset, meta)`` whose payloads are written, under one lock."""
+        with self._lock:
+            if self._buf is None:
+                raise TierIOError(f"dram tier {self.name!r} is closed")
+            for key, off, meta in items:
+                self._enter(key, off, meta, True)
+
+    def free_slots(self, offsets: Iterable[int]) -> None:
+        """Give back reserved slots that were not published."""
+        with self._lock:
+            for off in offsets:
+                self._alloc.free(off)
 
     def meta(self, key: BlockHash) -> BlockMeta | None:
         entry = self._map.get(key)

@@ -19,7 +19,7 @@ order (``KVCacheLayout``) is not part of the key: a block holds the same bytes w
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,16 +162,26 @@ class PagedKV:
         if out.device == self.device:
             self._gather(self._ids(block_ids), out)
         else:
-            self._gather_staged(block_ids, out)
+            self._gather_staged(block_ids, lambda a, b, staged: out[a:b].copy_(staged, non_blocking=True))
 
-    def _gather_staged(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    def gather_to_slots(self, block_ids: Sequence[int], slots: Any) -> None:
+        """Copy pages ``block_ids`` of every layer into the arena slots of a store reservation
+        (``engine.gpu.ArenaSlots``, slot ``i`` for block ``block_ids[i]``), on the current
+        stream: gathered into device staging as :meth:`gather` does, each piece copied to the
+        host by one DMA per run of slots, straight into the memory the store keeps the blocks
+        in (no pinned buffer, no host copy). Commit the slots once the stream has synchronized."""
+        self._gather_staged(block_ids, lambda a, b, staged: slots.copy_from(staged, first=a))
+
+    def _gather_staged(self, block_ids: Sequence[int], out: Callable[[int, int, torch.Tensor], Any]) -> None:
+        """Gather blocks ``a:b`` of ``block_ids`` into a device staging buffer, piece by piece,
+        and hand each piece to ``out(a, b, staged)`` to copy off the device."""
         n, bb = len(block_ids), self.spec.block_bytes
         step = max(1, min(n, GATHER_STAGE_BYTES // bb))
         staged = torch.empty((step, bb), dtype=torch.uint8, device=self.device)
         for a in range(0, n, step):  # one stream: a piece's gather waits for the last one's copy out
             b = min(a + step, n)
             self._gather(self._ids(block_ids[a:b]), staged[: b - a])
-            out[a:b].copy_(staged[: b - a], non_blocking=True)
+            out(a, b, staged[: b - a])
 
     def _gather(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         n, pb = ids.numel(), self.spec.page_bytes

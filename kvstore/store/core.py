@@ -48,6 +48,7 @@ from kvstore.store.loads import Loader
 from kvstore.store.namespaces import NamespaceTable, NsInfo
 from kvstore.store.placer import Placer
 from kvstore.store.puts import Storer
+from kvstore.store.reservation import Reservation
 
 log = logging.getLogger("kvstore.store")
 
@@ -368,6 +369,49 @@ class KVStore:
             finally:
                 storer.complete_store(plan)
             return plan.new
+
+    def reserve(
+        self, ns: Namespace, hashes: Sequence[bytes], *, start: int = 0, tokens: Any | None = None
+    ) -> Reservation:
+        """The first half of a put whose caller writes the payloads itself, into the arena.
+
+        Validates and pins the chain as :meth:`put` does (blocks before ``start`` must be
+        cached; cached blocks are skipped; room is made now, and a chain longer than the room
+        that can be made gets slots for its leading blocks) and returns a
+        :class:`~kvstore.store.reservation.Reservation`: arena slots for the new blocks, which
+        no lookup or load sees until :meth:`Reservation.commit` publishes the leading ones
+        written. Only on a store whose first tier is a shared-memory DRAM arena whose policy
+        admits every block (UsageError otherwise: use :meth:`put`). Not durable (a durable
+        put writes its blocks synced to a persistent tier: :meth:`put` with ``durable=True``).
+        In process only, not on :class:`~kvstore.api.KVCacheAPI`: a daemon's clients map its
+        arena read-only. ``tokens``: as in :meth:`put`, for the event sinks at the commit.
+        """
+        info = self._ns(ns)
+        n = len(hashes)
+        if not 0 <= start <= n:
+            raise UsageError(f"start={start} is outside the chain of {n} blocks")
+        storer = self._storer
+        why = storer.reservable()
+        if why is not None:
+            raise UsageError(f"reserve needs a store whose first tier is a shared-memory DRAM arena; {why}: use put")
+        bt = info.namespace.block_tokens  # type: ignore[union-attr]
+        put_tokens = None if tokens is None else put_tokens_of(hashes[start:], tokens, bt)
+        with self._lock, self.events.batch():  # (making room: copies moved down or dropped)
+            plan = storer.prepare_store(info, hashes, start, [], self._clock())
+            try:
+                first, slots = storer.reserve(plan)
+            except BaseException:
+                storer.complete_store(plan)
+                raise
+        tier, bb = self.tiers[0], info.block_bytes
+
+        def finish(count: int) -> int:
+            with self._lock, self.events.batch(put_tokens, info.namespace, hashes):  # (the new copies)
+                storer.commit(plan, first, slots, count)
+            return plan.new
+
+        return Reservation(tier.shm_name, first, plan.stored_to, tuple((off, bb) for off in slots),
+                           lambda: [tier.slot_view(off, bb) for off in slots], finish)
 
     # ---- pins, deletes, maintenance -----------------------------------------------------------
 

@@ -41,7 +41,7 @@ from kvstore.index import NO_PARENT
 from kvstore.keys import BlockHash
 from kvstore.store.ledger import Ledger, lowest_bit
 from kvstore.store.namespaces import NsInfo
-from kvstore.store.placer import Placer
+from kvstore.store.placer import WRITE_ATTEMPTS, Placer
 
 log = logging.getLogger("kvstore.store")
 
@@ -261,6 +261,74 @@ class Storer:
         self.ledger.unpin(plan.pinned)
         if plan.stored_to < len(plan.hashes):  # (a whole chain stored leaves no hollow block)
             self.ledger.drop_hollow_leaves(plan.pinned)
+
+    # ---- reserve / commit (KVStore.reserve) ------------------------------------------------------
+
+    def reservable(self) -> str | None:
+        """None when :meth:`reserve` can serve this store, else why not: the first tier must
+        hand out arena slots (a shared-memory DRAM tier) and admit every block."""
+        first = self.tiers[0]
+        if not callable(getattr(first, "reserve_slots", None)):
+            return f"its first tier {first.name!r} ({first.kind}) is no shared-memory DRAM arena"
+        if not self._direct():
+            return f"its first tier's policy ({type(self.ledger.policies[0]).__name__}) may refuse blocks"
+        return None
+
+    def reserve(self, plan: StorePlan) -> tuple[int, list[int]]:
+        """Under the lock, after :meth:`prepare_store`: slots in the first tier (a DRAM arena)
+        for the new blocks of the chain, which stay hollow and pinned until :meth:`commit`.
+        Returns the chain position of the first slot and the slots' offsets (one per block
+        from there on, in order). The blocks from ``start`` that are cached already count as
+        deduplicated; one that is not but that the index knows (another put is writing it)
+        ends the reservation there, with no slot; room is made as a put makes it, and a chain
+        longer than the room that can be made gets slots for its leading blocks."""
+        c = self.ledger.counters
+        ids, n, start, fresh = plan.ids, len(plan.hashes), plan.start, plan.fresh
+        lead = _cached(self.ledger, ids[start:fresh]) if start < fresh else 0
+        c.dedup_blocks += lead
+        plan.stored_to = start + lead
+        if plan.stored_to < fresh or fresh >= n:
+            return plan.stored_to, []
+        tier, bb, protect = self.tiers[0], plan.info.block_bytes, set(ids)
+        want = n - fresh
+        if want > 1:
+            self.placer.reserve(0, want, bb, protect)
+        slots = tier.reserve_slots(bb, want)
+        misses = 0
+        try:
+            while len(slots) < want and misses < WRITE_ATTEMPTS and self.placer.make_room(0, bb, protect):
+                got = tier.reserve_slots(bb, want - len(slots))
+                misses += not got
+                slots += got
+        except BaseException:
+            tier.free_slots(slots)
+            raise
+        if len(slots) < want:
+            c.truncated_puts += 1  # the leading blocks that fit, as a put stores them
+        self.writing.update(ids[fresh : fresh + len(slots)])
+        return fresh, slots
+
+    def commit(self, plan: StorePlan, first: int, slots: list[int], count: int) -> None:
+        """Under the lock: publish the leading ``count`` reserved slots (their payloads are
+        written) as the chain's blocks ``first, first+1, ...``, and give the rest back; then
+        :meth:`complete_store` as after a put."""
+        info, hashes, ids, now = plan.info, plan.hashes, plan.ids, plan.now
+        tier, bb, digest = self.tiers[0], info.block_bytes, info.digest
+        self.writing.difference_update(ids[first : first + len(slots)])
+        try:
+            if count:
+                a, b = first, first + count
+                parents = list(hashes[a - 1 : b - 1]) if a else [digest, *hashes[: b - 1]]
+                # A volatile tier's copies defer their checksums (CHECKSUM_DEFERRED), as in a put.
+                metas = BlockMeta.of_chain(digest, parents, a, bb, now + info.ttl_s, [CHECKSUM_DEFERRED] * count, now)
+                tier.publish_slots(list(zip(cast("list[BlockHash]", hashes[a:b]), slots[:count], metas, strict=True)))
+                slots = slots[count:]
+                self.ledger.add_copies(ids[a:b], hashes[a:b], a, 0, bb, now, plan.placed)
+                plan.new, plan.stored_to = count, b
+                self.ledger.counters.put_blocks += count
+        finally:
+            tier.free_slots(slots)
+            self.complete_store(plan)
 
     # ---- durability -------------------------------------------------------------------------------
 

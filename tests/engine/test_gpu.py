@@ -72,6 +72,31 @@ def test_arena_blocks_copy_a_later_range_in_column_pieces(make_store) -> None:
     blocks.release()
 
 
+def test_arena_slots_take_rows_into_a_reservation(make_store) -> None:
+    """A save's device-to-host copy straight into a reservation's slots (here from host rows,
+    in two ranges): after the commit the blocks load with those bytes; an abort leaves none."""
+    from engine.gpu import ArenaSlots
+    from tests.conftest import BB, SMALL_NS, chain_for, payload
+
+    s = make_store()
+    chain = chain_for(13, 6)
+    src = torch.stack([torch.frombuffer(bytearray(payload(h)), dtype=torch.uint8) for h in chain])
+    slots = ArenaSlots(s.reserve(SMALL_NS, chain))
+    assert (slots.num_blocks, slots.first) == (6, 0)
+    assert slots.copy_from(src[2:], first=2) >= 1
+    slots.copy_from(src[:2])
+    assert s.lookup(SMALL_NS, chain).num_blocks == 0  # nothing before the commit
+    assert slots.commit() == 6
+    got = torch.zeros(6, BB, dtype=torch.uint8)
+    assert s.get_into(SMALL_NS, chain, got.numpy()) == 6
+    assert torch.equal(got, src)
+    other = chain_for(14, 3)
+    aborted = ArenaSlots(s.reserve(SMALL_NS, other))
+    aborted.copy_from(src[:3])
+    aborted.abort()
+    assert s.lookup(SMALL_NS, other).num_blocks == 0
+
+
 def test_host_ring_hands_out_space_in_order_and_reuses_it() -> None:
     ring = HostRing(100, pin=False)
     a, ta = ring.take(40)

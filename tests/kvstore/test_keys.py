@@ -94,6 +94,16 @@ def test_only_full_blocks_and_prefix_property() -> None:
     assert h2[0] == full[0] and all(a != b for a, b in zip(h2[1:], full[1:], strict=True))
 
 
+def test_a_chain_hashed_in_parts_is_the_chain_hashed_at_once() -> None:
+    t = np.arange(100)
+    full = hash_blocks(LLAMA, t)
+    head = hash_blocks(LLAMA, t[:32])
+    assert head + hash_blocks(LLAMA, t[32:], parent=head[-1]) == full
+    extras = [bytes([i]) for i in range(6)]
+    whole = hash_blocks(LLAMA, t, extras)
+    assert hash_blocks(LLAMA, t[16:], extras[1:], parent=whole[0]) == whole[1:]
+
+
 def test_input_types_agree() -> None:
     toks = [5, 1, 2**31 - 1, 0] * 16
     ref = hash_blocks(LLAMA, toks)

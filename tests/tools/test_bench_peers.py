@@ -347,7 +347,7 @@ def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.Captu
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     by = {r["metric"]: r for r in rows}
-    for peer in ("kvstore", "kvstore-nohead", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
+    for peer in ("kvstore", "kvstore-nohead", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
         for size, blocks in ((64, 4), (512, 32)):
             for op in ("restore", "save"):
                 r = by[f"{peer}_paged_{size}_{op}"]
@@ -355,7 +355,8 @@ def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.Captu
                 assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == blocks * r["block_bytes"]
     assert set(by["kvstore-blocks_paged_64_restore"]["phases_ms"]) == {"hash", "lease", "queue"}
     assert set(by["kvstore_paged_512_restore"]["phases_ms"]) == {"head", "hash", "lease", "queue"}
-    assert set(by["kvstore_paged_64_save"]["save_phases_ms"]) == {"queue", "wait", "put", "pieces"}
+    assert set(by["kvstore_paged_64_save"]["save_phases_ms"]) == {"reserve", "queue", "wait", "commit", "pieces"}
+    assert set(by["kvstore-put_paged_64_save"]["save_phases_ms"]) == {"queue", "wait", "put", "pieces"}
     # LMCache's vLLM connector is CUDA only: one row says so, the kvstore rows still came
     (lm,) = [r for r in rows if r.get("peer") == "lmcache"]
     assert lm["status"] == "unavailable" and "CUDA" in lm["error"]
@@ -377,7 +378,7 @@ def test_copy_scale_rows_name_each_thread_count_against_one_thread() -> None:
 
 
 def test_paged_only_names_the_paged_stores() -> None:
-    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
+    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-put, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
         list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
             parser().parse_args(["--device", "cpu", "--only", "mooncake"])))
 
@@ -413,6 +414,18 @@ def test_paged_save_pieces_cover_the_blocks_in_order_and_feed_every_copy_thread(
         assert len(pieces) == min(n, max(2, min(MAX_SAVE_PIECES, n * s.spec.block_bytes // (threads * PIECE_BYTES))))
         if len(pieces) > 2:  # more than the two of the overlap: each piece has a share for every thread
             assert min(b - a for a, b in pieces) * s.spec.block_bytes >= threads * PIECE_BYTES * 0.99
+
+
+def test_paged_d2h_pieces_cover_the_blocks_in_order() -> None:
+    from tools.bench._peers.paged import D2H_PIECE_BYTES, MAX_SAVE_PIECES, KvstorePaged, page_spec
+
+    s = KvstorePaged()
+    s.spec = page_spec()  # 2 MiB blocks
+    for n in (1, 3, 256, 2048):
+        pieces = s.d2h_pieces(n)
+        assert pieces[0][0] == 0 and pieces[-1][1] == n
+        assert all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:], strict=False))
+        assert len(pieces) == min(n, max(2, min(MAX_SAVE_PIECES, n * s.spec.block_bytes // D2H_PIECE_BYTES)))
 
 
 def test_paged_layer_groups_end_with_a_small_group() -> None:

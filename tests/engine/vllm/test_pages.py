@@ -4,13 +4,16 @@ the namespace that records the page, and the strided reads from an arena."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.vllm.pages import PagedKV, PageSpec, layer_rows, page_spec
+from kvstore.config import StoreConfig, TierSpec
 from kvstore.errors import UsageError
+from kvstore.store import KVStore
 
 SPEC = PageSpec(("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn"), 32, 2, 64, torch.bfloat16, "LBHNC")
 
@@ -118,5 +121,35 @@ def test_a_staged_gather_in_pieces_gives_the_same_bytes(monkeypatch: pytest.Monk
     kv.gather(ids, want)
     monkeypatch.setattr(pages, "GATHER_STAGE_BYTES", 3 * SPEC.block_bytes)
     got = torch.full_like(want, 0xA5)
-    kv._gather_staged(ids, got)
+    kv._gather_staged(ids, lambda a, b, staged: got[a:b].copy_(staged))
+    assert torch.equal(got, want)
+
+
+def test_gather_to_slots_stores_the_bytes_of_a_plain_gather(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The save straight into the arena (a store reservation's slots, ``ArenaSlots``), in pieces
+    of 3 blocks on the CPU: the committed blocks load as the bytes of a plain gather."""
+    import engine.vllm.pages as pages
+    from engine.gpu import ArenaSlots, release_arenas
+
+    kv = PagedKV(SPEC, _caches(8))
+    ids = [5, 0, 7, 2, 3, 6, 1]
+    want = torch.zeros(len(ids), SPEC.block_bytes, dtype=torch.uint8)
+    kv.gather(ids, want)
+    monkeypatch.setattr(pages, "GATHER_STAGE_BYTES", 3 * SPEC.block_bytes)
+    bb = SPEC.block_bytes
+    tiers = (TierSpec("dram", "dram", {"capacity_bytes": 16 * bb, "slab_bytes": 4 * -(-bb // 4096) * 4096}),)
+    ns = SPEC.namespace("test/pages", "rev", 0, 1)
+    with KVStore(StoreConfig(root=tmp_path, tiers=tiers, persist_on_close=False)) as store:
+        store.register_namespace(ns)
+        chain = [bytes([i]) * 16 for i in range(1, len(ids) + 1)]
+        slots = ArenaSlots(store.reserve(ns, chain))
+        try:
+            kv.gather_to_slots(ids, slots)
+            assert slots.commit() == len(ids)
+        finally:
+            slots.abort()  # (a no-op after the commit)
+            del slots
+            release_arenas()
+        got = torch.zeros_like(want)
+        assert store.get_into(ns, chain, got.numpy()) == len(ids)
     assert torch.equal(got, want)

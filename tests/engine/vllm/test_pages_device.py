@@ -112,3 +112,36 @@ def test_round_trip_through_device_blocks(order: tuple[int, ...] | None) -> None
     for layer in range(SPEC.num_layers):
         assert torch.equal(dst.layers[layer][targets].cpu(), src.layers[layer][ids].cpu())
         assert not dst.layers[layer][untouched].any()
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_gather_to_slots_on_cuda_stores_the_bytes_of_a_cpu_gather(order: tuple[int, ...] | None, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The GPU save into a store reservation (``cudaMemcpy2DAsync`` device-to-host into the
+    registered arena, ``engine.gpu.ArenaSlots``): the committed blocks load as the bytes of the
+    same gather on the CPU."""
+    from engine.gpu import ArenaSlots, release_arenas
+    from kvstore.config import StoreConfig, TierSpec
+    from kvstore.store import KVStore
+
+    ids = _table(7, 12)
+    want = torch.empty(len(ids), SPEC.block_bytes, dtype=torch.uint8)
+    PagedKV(SPEC, _caches(order, "cpu", 3)).gather(ids, want)
+    kv = PagedKV(SPEC, _caches(order, "cuda", 3))
+    slab = -(-SPEC.block_bytes // 4096) * 4096 * 4
+    tiers = (TierSpec("dram", "dram", {"capacity_bytes": 8 * slab, "slab_bytes": slab}),)
+    ns = SPEC.namespace("test/pages-device", "rev", 0, 1)
+    chain = [bytes([i + 1]) * 16 for i in range(len(ids))]
+    with KVStore(StoreConfig(root=tmp_path, tiers=tiers, persist_on_close=False)) as store:
+        store.register_namespace(ns)
+        slots = ArenaSlots(store.reserve(ns, chain))
+        try:
+            kv.gather_to_slots(ids, slots)
+            torch.cuda.synchronize()
+            assert slots.commit() == len(ids)
+        finally:
+            slots.abort()
+            del slots
+            release_arenas()
+        got = torch.zeros_like(want)
+        assert store.get_into(ns, chain, got.numpy()) == len(ids)
+    assert torch.equal(got, want)

@@ -22,23 +22,30 @@ The stores:
 
 * ``kvstore``: ``KVStore`` with one DRAM tier (its shared-memory arena, registered with CUDA:
   pinned), a block = one vLLM page of every layer (``engine.vllm.pages.PagedKV``), opened and
-  timed once the arena is faulted in (LMCache allocates its pool in its open). A save gathers
-  the pages into device staging, copies that to a pinned host buffer in block ranges big
-  enough for every copy thread (``save_pieces``) and puts each range once it has landed, so the
-  put's copy into the arena runs under the next range's DMA. A restore leases the head of the
+  timed once the arena is faulted in (LMCache allocates its pool in its open). A save hashes the
+  prompt, reserves arena slots for the new blocks (``KVStore.reserve``), gathers the pages into
+  device staging in ranges of ``D2H_PIECE_BYTES`` and copies each range straight into its slots
+  on a copy stream as soon as it is gathered (``engine.gpu.ArenaSlots``: one 2-D DMA per run of
+  slots into the registered arena), waits, and commits: one device-to-host copy per byte and no
+  host copy, as LMCache's save. A restore leases the head of the
   prefix (``HEAD_BLOCKS``, or 1/``HEAD_SHARE`` of it) and queues its copy to a device staging
-  buffer at once, then hashes and leases the whole prefix and copies the rest
+  buffer at once, then hashes the rest (going on from the head's last hash: each block hashed
+  once), leases the whole prefix and copies the rest
   (``engine.gpu.ArenaBlocks``: one 2-D DMA per run of blocks in the arena) by layer groups
   (8 layers, the last 2 apart: ``layer_groups``) on a copy stream, and scatters each group into
   the pages (``PagedKV.scatter_layer``) as soon as it lands. (The first H200 run, 2026-12-01
   20:26, copied all layers before scattering and saved as ``kvstore-rows`` does; the pipelined
   restore and the device-staged save came after it; the pieced save and ``kvstore-blocks`` in
   the fifth session; the head, the small last group, the warm-up and the copy-thread pieces
-  in the sixth.) Its rows carry ``phases_ms``: the host's time to lease and queue the head,
-  hash the prompt, take the lease and queue the copies, medians of the trials, and
-  ``save_phases_ms``: the save's time to queue, to wait for the D2H, to put, and its pieces.
+  in the sixth; the reserved save in the seventh.) Its rows carry ``phases_ms``: the host's
+  time to lease and queue the head, hash the prompt, take the lease and queue the copies,
+  medians of the trials, and ``save_phases_ms``: the save's time to hash and reserve, to queue
+  the gathers and copies, to wait for the last copy, to commit, and its pieces.
 * ``kvstore-nohead``: the same without the head (the whole prefix hashed and leased before the
   first copy): what the head gains;
+* ``kvstore-put``: the same, saved as in the sixth session: each range copied to a pinned host
+  buffer and put (the put copies it into the arena with ``copy_threads`` threads, under the next
+  range's copy; ranges of ``save_pieces``); ``save_phases_ms``: queue, wait, put, pieces;
 * ``kvstore-blocks``: the same, pipelined by blocks instead of layers: ``BLOCK_GROUPS`` ranges of
   whole blocks, each one DMA of back-to-back rows (no 2-D pitch), every layer of a range scattered
   as soon as it lands;
@@ -70,10 +77,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.gpu import ArenaBlocks, release_arenas
+from engine.gpu import ArenaBlocks, ArenaSlots, release_arenas
 from engine.vllm.pages import PagedKV, PageSpec, layer_rows
 from kvstore.buffers import default_piece_bytes
 from kvstore.config import StoreConfig, TierSpec
+from kvstore.errors import UsageError
 from kvstore.keys import hash_blocks
 from kvstore.store import KVStore
 from tools.bench._common import result
@@ -89,16 +97,23 @@ HEAD_BLOCKS = 16  # leading blocks kvstore leases and copies first (at least; 1/
 HEAD_SHARE = 16  # ...so the link is busy while the rest is hashed and leased (~2.5 ms for 2,048 blocks)
 BLOCK_GROUPS = 4  # block ranges kvstore-blocks copies (whole blocks, back to back) and scatters in turn
 MAX_SAVE_PIECES = 16  # block ranges a save copies to the host and puts in turn (the D2H of one under the put of the last)
+D2H_PIECE_BYTES = 128 << 20  # a reserved save's ranges: gathered, then copied into their arena slots in turn
 WARM_TOKENS = 256  # the untimed save and restore every store makes once it is open (one LMCache chunk)
 GiB = float(1 << 30)
-PEERS = ("kvstore", "kvstore-nohead", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
-GOALS = {"lmcache": 1.2}
+PEERS = ("kvstore", "kvstore-nohead", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
+GOALS = {"lmcache": 1.2}  # the restore's; the save's: at least LMCache's (1x)
 SETTLE_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 20.0  # issue 20: kvstore >= 1.2x LMCache
 
 
 def label(tokens: int) -> str:
     return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def _cuts(n: int, k: int) -> list[tuple[int, int]]:
+    """``n`` blocks cut into ``k`` ranges ``(a, b)`` as even as can be (fewer when ``n < k``)."""
+    cuts = [i * n // k for i in range(k + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
 
 def layer_groups(num_layers: int, size: int = LAYER_GROUP, last: int = LAST_GROUP) -> list[tuple[int, int]]:
@@ -227,21 +242,31 @@ class KvstorePaged:
         self._staging: torch.Tensor | None = None
         self._stream: Any = None
         self._head: tuple[int, Any] | None = None  # (blocks, landed event) of the restore's head copy
+        self._head_event: Any = None
         self.phases: dict[str, list[float]] = {}
         """Host seconds of each restore's steps (``restore``), read and cleared per size."""
         self.save_phases: dict[str, float] = {}
         """Host seconds of the last save's steps (``save``)."""
 
     def prepare(self, tokens: int) -> None:
-        """Buffers for a ``tokens``-long prefix, allocated once (untimed), as an engine does."""
+        """Buffers for a ``tokens``-long prefix, allocated once (untimed), as an engine does: the
+        device staging, and the pinned host buffer of a save by ``put`` (a reserved save has
+        none: it copies into the arena)."""
         n, bb = tokens // BLOCK, self.spec.block_bytes
-        pin = self.cache.device.type == "cuda"
-        if self._host is None or self._host.shape[0] < n:
-            self._host = None
-            self._host = torch.empty((n, bb), dtype=torch.uint8, pin_memory=pin)
+        if self.save_by == "put":
+            self._host_buffer(n)
         if self._staging is None or self._staging.shape[0] < n:
             self._staging = None
             self._staging = torch.empty((n, bb), dtype=torch.uint8, device=self.cache.device)
+
+    def _host_buffer(self, n: int) -> torch.Tensor:
+        """The pinned host buffer of a save by ``put``, of ``n`` blocks at least (allocated here
+        only by :meth:`prepare`, or in a save whose store refused the reserve)."""
+        if self._host is None or self._host.shape[0] < n:
+            self._host = None
+            pin = self.cache.device.type == "cuda"
+            self._host = torch.empty((n, self.spec.block_bytes), dtype=torch.uint8, pin_memory=pin)
+        return self._host[:n]
 
     def save_pieces(self, n: int) -> list[tuple[int, int]]:
         """The block ranges a save of ``n`` blocks copies to the host and puts in turn: each at
@@ -251,41 +276,98 @@ class KvstorePaged:
         under the device-to-host copy of the second."""
         nbytes = n * self.spec.block_bytes
         k = max(2, min(MAX_SAVE_PIECES, nbytes // (self._copy_threads * default_piece_bytes())))
-        cuts = [i * n // k for i in range(k + 1)]
-        return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+        return _cuts(n, k)
+
+    save_by = "reserve"
+    """How a save reaches the store: ``reserve`` (the pages' one device-to-host copy lands in
+    arena slots that ``KVStore.reserve`` handed out, then one commit) or ``put`` (the sixth
+    session's: into a pinned host buffer, then a put per range copies it into the arena)."""
 
     def save(self, tokens: np.ndarray, ids: list[int]) -> None:
-        """In block ranges (:meth:`save_pieces`): gather a range's pages into device staging
-        (``PagedKV.gather`` on the device), copy it to the pinned host buffer on the copy stream
-        as soon as it is gathered, and put each range once it has landed, so the put's copy into
-        the arena runs under the next range's DMA: one device-to-host copy and one host copy
-        (the put's) per byte. (Gathering
-        straight into the pinned buffer, as ``KvstoreRows`` and the connector do, is a strided
-        device-to-host copy per layer: on the H200 it ran at 0.8-1.2 GB/s.)"""
+        """Hash, then :meth:`_save_reserved` (or :meth:`_save_put` with ``save_by = "put"``, or
+        where the store cannot reserve)."""
         t0 = time.perf_counter()
-        n = len(ids)
-        assert self._host is not None and self._staging is not None
-        buf, staging = self._host[:n], self._staging[:n]
         hashes = hash_blocks(self.ns, tokens)
-        pieces = self.save_pieces(n)
+        res = None
+        if self.save_by == "reserve":
+            try:
+                res = self.kv.reserve(self.ns, hashes)
+            except UsageError:  # no shared-memory arena first: the put path
+                res = None
+        if res is None:
+            self._save_put(t0, hashes, ids)
+        else:
+            self._save_reserved(t0, res, ids)
+
+    def d2h_pieces(self, n: int) -> list[tuple[int, int]]:
+        """The block ranges a reserved save gathers and copies out in turn: ``D2H_PIECE_BYTES``
+        each (2 to ``MAX_SAVE_PIECES``), so the first copy to the host starts after a small
+        gather and the host queues the rest under it."""
+        k = max(2, min(MAX_SAVE_PIECES, n * self.spec.block_bytes // D2H_PIECE_BYTES))
+        return _cuts(n, k)
+
+    def _save_reserved(self, t0: float, res: Any, ids: list[int]) -> None:
+        """Reserve arena slots for the prefix's new blocks (``KVStore.reserve``), gather each
+        range's pages into device staging (:meth:`d2h_pieces`) and copy it straight into its
+        slots on the copy stream (``engine.gpu.ArenaSlots``: one 2-D DMA per run of slots into
+        the registered arena), wait, and commit: one device-to-host copy per byte, as LMCache's
+        save, and no host copy. An error before the commit gives the slots back."""
+        slots = ArenaSlots(res)
+        try:
+            a0, m = slots.first, slots.num_blocks
+            pieces = self.d2h_pieces(m) if m else []
+            t1 = time.perf_counter()
+            landed = self._gather_out(ids[a0 : a0 + m], pieces, lambda a, b, staged: slots.copy_from(staged, first=a))
+            t2 = time.perf_counter()
+            if landed and landed[-1] is not None:
+                landed[-1].synchronize()  # (one copy stream: the last lands last)
+            t3 = time.perf_counter()
+            slots.commit()
+        finally:
+            slots.abort()  # (a no-op after the commit)
+        self.save_phases = {"reserve": t1 - t0, "queue": t2 - t1, "wait": t3 - t2,
+                            "commit": time.perf_counter() - t3, "pieces": len(pieces)}
+
+    def _gather_out(self, ids: list[int], pieces: list[tuple[int, int]],
+                    out: Callable[[int, int, torch.Tensor], Any]) -> list[Any]:
+        """Gather each range ``a:b`` of ``ids``' pages into the device staging on the current
+        stream and, as soon as it is gathered, ``out(a, b, staged rows)`` on the copy stream (a
+        copy to the host). Returns the event of each range's copy (None on the CPU, where it
+        is done)."""
+        assert self._staging is not None
+        staging = self._staging[: len(ids)]
         dev = self.cache.device
         if dev.type != "cuda":
-            self.pages.gather(ids, staging)
-            buf.copy_(staging)
-            landed: list[Any] = [None] * len(pieces)
-        else:
-            main, copy = torch.cuda.current_stream(dev), self._copy_stream()
-            landed = []
-            for a, b in pieces:  # each piece's D2H starts once its own gather is done
+            for a, b in pieces:
                 self.pages.gather(ids[a:b], staging[a:b])
-                gathered = torch.cuda.Event()
-                gathered.record(main)
-                with torch.cuda.stream(copy):
-                    copy.wait_event(gathered)
-                    buf[a:b].copy_(staging[a:b], non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(copy)
-                landed.append(ev)
+                out(a, b, staging[a:b])
+            return [None] * len(pieces)
+        main, copy = torch.cuda.current_stream(dev), self._copy_stream()
+        landed = []
+        for a, b in pieces:  # each piece's D2H starts once its own gather is done
+            self.pages.gather(ids[a:b], staging[a:b])
+            gathered = torch.cuda.Event()
+            gathered.record(main)
+            with torch.cuda.stream(copy):
+                copy.wait_event(gathered)
+                out(a, b, staging[a:b])
+                ev = torch.cuda.Event()
+                ev.record(copy)
+            landed.append(ev)
+        return landed
+
+    def _save_put(self, t0: float, hashes: list[Any], ids: list[int]) -> None:
+        """The sixth session's save, in block ranges (:meth:`save_pieces`): gather a range's
+        pages into device staging, copy it to the pinned host buffer on the copy stream as soon
+        as it is gathered, and put each range once it has landed, so the put's copy into the
+        arena runs under the next range's DMA: one device-to-host copy and one host copy (the
+        put's) per byte. (Gathering straight into the pinned buffer, as ``KvstoreRows`` and the
+        connector do, is a strided device-to-host copy per layer: on the H200 it ran at 0.8-1.2
+        GB/s.)"""
+        n = len(ids)
+        buf = self._host_buffer(n)
+        pieces = self.save_pieces(n)
+        landed = self._gather_out(ids, pieces, lambda a, b, staged: buf[a:b].copy_(staged, non_blocking=True))
         t1 = time.perf_counter()
         wait = put = 0.0
         for (a, b), ev in zip(pieces, landed, strict=True):
@@ -314,12 +396,15 @@ class KvstorePaged:
         self._head = None
         n_all = len(tokens) // BLOCK
         h = min(max(self.head_blocks, n_all // HEAD_SHARE), n_all) if self.head_blocks else 0
+        hashes: list[Any] = []
         if h:
-            head = ArenaBlocks(self.kv, self.kv.acquire(self.ns, hash_blocks(self.ns, tokens[: h * BLOCK])))
+            hashes = hash_blocks(self.ns, tokens[: h * BLOCK])
+            head = ArenaBlocks(self.kv, self.kv.acquire(self.ns, hashes))
             if head.num_blocks:
                 self._head = (head.num_blocks, self._queue_head(head))
         t1 = time.perf_counter()
-        hashes = hash_blocks(self.ns, tokens)
+        # The rest of the chain goes on from the head's last hash (each block hashed once).
+        hashes += hash_blocks(self.ns, tokens[h * BLOCK :], parent=hashes[-1] if hashes else None)
         t2 = time.perf_counter()
         lease = self.kv.acquire(self.ns, hashes)
         blocks = ArenaBlocks(self.kv, lease)
@@ -347,13 +432,19 @@ class KvstorePaged:
         if self.cache.device.type != "cuda":
             head.copy_into(dst, 0, self.spec.block_bytes)
             return None
-        copy = self._copy_stream()
-        copy.wait_stream(torch.cuda.current_stream(self.cache.device))  # the staging's last readers are done
+        # No wait for the staging's last readers (a wait_stream is an event made, recorded and
+        # waited on before the first DMA): every restore ends with a device synchronize. The
+        # event is made once and recorded again in each restore.
+        copy, ev = self._copy_stream(), self._head_landed()
         with torch.cuda.stream(copy):
             head.copy_into(dst, 0, self.spec.block_bytes)
-            ev = torch.cuda.Event()
             ev.record(copy)
         return ev
+
+    def _head_landed(self) -> Any:
+        if self._head_event is None:
+            self._head_event = torch.cuda.Event()
+        return self._head_event
 
     def _scatter(self, blocks: ArenaBlocks, ids: list[int]) -> None:
         """The blocks past the head (:meth:`restore`) copied to the device by layer groups on a
@@ -422,6 +513,14 @@ class KvstoreNohead(KvstorePaged):
     head_blocks = 0
 
 
+class KvstorePut(KvstorePaged):
+    """The same store and restore, saved as in the sixth session (``save_by = "put"``: a pinned
+    host buffer, then a put per range): beside ``kvstore``, what the reserved save gains."""
+
+    name = "kvstore-put"
+    save_by = "put"
+
+
 class KvstoreBlocks(KvstorePaged):
     """The same store, pipelined by blocks: ``BLOCK_GROUPS`` ranges of whole blocks, each
     copied to the device as back-to-back rows (one DMA per run of the lease, no 2-D pitch),
@@ -434,8 +533,7 @@ class KvstoreBlocks(KvstorePaged):
         assert self._staging is not None
         n, pb, kv, bb = len(ids), self.spec.page_bytes, self.pages, self.spec.block_bytes
         staging = self._staging[:n]
-        cuts = [i * n // BLOCK_GROUPS for i in range(BLOCK_GROUPS + 1)]
-        ranges = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+        ranges = _cuts(n, BLOCK_GROUPS)
         dev = self.cache.device
         if dev.type != "cuda":
             blocks.copy_range(staging, 0, bb)
@@ -482,12 +580,12 @@ class KvstoreRows(KvstorePaged):
 
     name = "kvstore-rows"
     head_blocks = 0
+    save_by = "put"
 
     def save(self, tokens: np.ndarray, ids: list[int]) -> None:
         """As the connector saves: the pages gathered straight into the pinned host buffer."""
         n = len(ids)
-        assert self._host is not None
-        buf = self._host[:n]
+        buf = self._host_buffer(n)
         self.pages.gather(ids, buf)
         sync(self.cache.device)
         self.kv.put(self.ns, hash_blocks(self.ns, tokens), buf.view(-1).numpy())
@@ -583,7 +681,8 @@ class LmcacheNhd(LmcachePaged):
     layout = "NHD"
 
 
-STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-nohead": KvstoreNohead, "kvstore-blocks": KvstoreBlocks,
+STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-nohead": KvstoreNohead, "kvstore-put": KvstorePut,
+                                        "kvstore-blocks": KvstoreBlocks,
                                         "kvstore-whole": KvstoreWhole, "kvstore-rows": KvstoreRows,
                                         "lmcache": LmcachePaged, "lmcache-nhd": LmcacheNhd}
 
@@ -633,7 +732,7 @@ def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, 
     capacity = -(-((sum(sizes) + WARM_TOKENS) * tb + 2 * SLAB) // SLAB) * SLAB
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     caches: dict[str, Cache] = {}
-    figures: dict[tuple[str, int], float] = {}
+    figures: dict[tuple[str, int, str], float] = {}
     for name in only:
         s = STORES[name]()
         if hasattr(s, "copy_threads"):
@@ -657,17 +756,17 @@ def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, 
             with contextlib.suppress(Exception):
                 s.close()
     for tokens in sizes:
-        for kv in ("kvstore", "kvstore-nohead", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
+        for kv in ("kvstore", "kvstore-nohead", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
             for peer in ("lmcache", "lmcache-nhd"):
-                a, b = figures.get((kv, tokens)), figures.get((peer, tokens))
-                if a and b:
-                    yield result("peers", f"{kv}_vs_{peer}_paged_{label(tokens)}_restore", a, "GB/s", b,
-                                 goal_ratio=GOALS["lmcache"] if kv == "kvstore" else None, tokens=tokens,
-                                 device=where)
+                for op, goal in (("restore", GOALS["lmcache"]), ("save", 1.0)):
+                    a, b = figures.get((kv, tokens, op)), figures.get((peer, tokens, op))
+                    if a and b:
+                        yield result("peers", f"{kv}_vs_{peer}_paged_{label(tokens)}_{op}", a, "GB/s", b,
+                                     goal_ratio=goal if kv == "kvstore" else None, tokens=tokens, device=where)
 
 
 def _one_size(s: Any, cache: Cache, tokens: int, trials: int, where: str,
-              figures: dict[tuple[str, int], float], log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+              figures: dict[tuple[str, int, str], float], log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
     dev, size, name = cache.device, label(tokens), s.name
     nbytes = tokens // BLOCK * cache.spec.block_bytes
     src, dst = cache.blocks(tokens)
@@ -701,7 +800,8 @@ def _one_size(s: Any, cache: Cache, tokens: int, trials: int, where: str,
         verified = wrong == 0 and min(got) == tokens
         extra = {**common, "verified": verified, "wrong_pages": wrong, "missing_tokens": tokens - min(got), **s.info(),
                  **({"differs": differs} if differs else {})}
-        figures[(name, tokens)] = nbytes / 1e9 / med if verified else 0.0
+        figures[(name, tokens, "restore")] = nbytes / 1e9 / med if verified else 0.0
+        figures[(name, tokens, "save")] = nbytes / 1e9 / save_s if verified else 0.0
         log(f"{name} {size}: restore {med * 1e3:.2f} ms ({nbytes / 1e9 / med:.2f} GB/s), pinned copy "
             f"{base * 1e3:.2f} ms; save {save_s * 1e3:.1f} ms; verified {verified}")
         yield result("peers", f"{name}_paged_{size}_restore", nbytes / 1e9 / med, "GB/s", nbytes / 1e9 / base,

@@ -1,0 +1,76 @@
+"""A two-phase put into the DRAM arena: :meth:`KVStore.reserve` hands out arena slots for the
+new blocks of a chain, the caller writes the payloads there itself (a device-to-host DMA from a
+GPU, straight into the memory that *is* the store's first tier), and :meth:`Reservation.commit`
+publishes them. In process only: a daemon's clients map the arena read-only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvstore.errors import UsageError
+
+
+class Reservation:
+    """Arena slots for blocks ``first, first+1, ...`` of a chain (``locations[i]`` is block
+    ``first + i``'s ``(offset, size)`` in the arena named ``arena``), from
+    :meth:`KVStore.reserve`.
+
+    Contract: until :meth:`commit` or :meth:`abort` the blocks are in the store's index as
+    hollow nodes (a lookup or a load stops before them, another put of the chain stops at them)
+    and the chain is pinned; nothing of a slot is served before it is committed. Write block
+    ``first + i``'s payload into slot ``i`` (``views()[i]``, or the caller's own mapping of the
+    arena at ``locations[i]``), then :meth:`commit` the count of leading slots whose bytes are
+    all written: the rest are given back, never served half-written. :meth:`abort` (or leaving a
+    ``with`` block without a commit, an exception included) commits nothing. Exactly one of them, once; until then the
+    chain stays pinned, so a reservation must not be left behind. Not thread-safe: one owner.
+    """
+
+    def __init__(self, arena: str, first: int, stored: int, locations: tuple[tuple[int, int], ...],
+                 views: Callable[[], list[memoryview]], finish: Callable[[int], int]) -> None:
+        self.arena = arena
+        """The shared-memory arena's name (:func:`kvstore.shm.attach_arena`)."""
+        self.first = first
+        """Chain position of the first slot's block."""
+        self.stored = stored
+        """Leading blocks of the chain cached at the reservation (the put's ``start`` and the
+        blocks after it cached already): ``first`` when there are slots."""
+        self.locations = locations
+        self._views = views
+        self._finish = finish
+        self.done = False
+        """Committed or aborted."""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.locations)
+
+    def views(self) -> list[memoryview]:
+        """A writable view of every slot, in order (drop them before :meth:`commit`)."""
+        if self.done:
+            raise UsageError("this reservation is committed or aborted: its slots are the store's")
+        return self._views()
+
+    def commit(self, count: int | None = None) -> int:
+        """Publish the leading ``count`` slots (default: all) as cached blocks; give the others
+        back. Returns how many blocks were new (as :meth:`KVStore.put` does)."""
+        n = self.num_blocks if count is None else count
+        if not 0 <= n <= self.num_blocks:
+            raise UsageError(f"commit({count}) of a reservation of {self.num_blocks} slots")
+        if self.done:
+            raise UsageError("this reservation is committed or aborted already")
+        self.done = True
+        return self._finish(n)
+
+    def abort(self) -> None:
+        """Commit nothing (idempotent, and a no-op after :meth:`commit`)."""
+        if not self.done:
+            self.done = True
+            self._finish(0)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Whatever was not committed in the block is aborted (an exception, or no commit)."""
+        self.abort()
