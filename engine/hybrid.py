@@ -596,6 +596,8 @@ class HybridLM:
                     lay.update_conv_state(t, state_idx=slot.index, conv_kernel_size=slot.shape[-1])
                 else:
                     lay.update_recurrent_state(t, state_idx=slot.index)
+            for layer in self.plan.recurrent:
+                _set_linear_length(cache.layers[layer], tokens)
         if stream is not None and not self._hooks:  # no per-layer hooks on this model: wait for all
             torch.cuda.current_stream(self.device).wait_stream(stream)
         return cache
@@ -990,6 +992,20 @@ def _in_place_update(lay: Any, kbuf: torch.Tensor, vbuf: torch.Tensor, skips: di
     vbuf[:, :, n0:n1].copy_(v)
     lay.keys, lay.values = kbuf[:, :, :n1], vbuf[:, :, :n1]
     return lay.keys, lay.values
+
+
+def _set_linear_length(lay: Any, tokens: int) -> None:
+    """A recurrent layer whose state was loaded counts ``tokens`` tokens seen.
+
+    transformers 5.25 made a linear-attention cache layer count its tokens itself
+    (``cumulative_length_linear``: its ``get_seq_length``, which ``DynamicCache.get_seq_length()``
+    reports when layer 0 is such a layer, as in Qwen3-Next and LFM2, and the model takes its
+    position ids from). Loading the state with ``update_conv_state`` counts the conv state's
+    width instead (``conv_kernel_size`` tokens), so the replay's positions would start there.
+    Earlier versions have no such count (the cache asked the first attention layer): nothing to do."""
+    n = getattr(lay, "cumulative_length_linear", None)
+    if isinstance(n, torch.Tensor):
+        n.fill_(tokens)
 
 
 def _runs(sorted_ids: list[int]) -> list[tuple[int, int]]:

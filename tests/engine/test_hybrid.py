@@ -112,6 +112,9 @@ def _check(lm: HybridLM, plain: HybridLM, prompt: torch.Tensor, checkpoint: int,
             assert pre.replayed_tokens <= (C - 1) * BT
     assert rel_err(pre.logits, ref.logits) <= 1e-4
     assert tokens == ref_tokens
+    # The cache counts every token seen (the model's positions come from it), loaded ones too:
+    # the prompt and the 7 decode steps after it.
+    assert int(pre.cache.get_seq_length()) == int(ref.cache.get_seq_length()) == prompt.numel() + 7
     if lm.cone and pre.replayed_tokens:  # the replay computed its dependency cone, exactly
         assert pre.cone == _cone_oracle(lm, checkpoint, replayed_blocks, prompt.numel())
         assert sum(pre.cone) < len(pre.cone) * pre.computed_tokens
