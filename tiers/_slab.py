@@ -73,17 +73,10 @@ class SlabAllocator:
         slot = self.slot_bytes(size)
         if self._stale:
             self._settle()
-        partial = self._partial.get(slot)
-        if partial:
-            slab = self._slabs[next(iter(partial))]
-        else:
-            slab_i = self._take_slab()
-            if slab_i is None:
-                return None
-            slab = self._slabs[slab_i]
-            self._assign(slab, slot)
-            partial = self._partial.setdefault(slot, set())
-            partial.add(slab.index)
+        got = self._slab_for(slot)
+        if got is None:
+            return None
+        slab, partial = got
         k = slab.free.pop()
         slab.busy[k] = 1
         slab.used += 1
@@ -102,17 +95,10 @@ class SlabAllocator:
             self._settle()
         out: list[int] = []
         while len(out) < count:
-            partial = self._partial.get(slot)
-            if partial:
-                slab = self._slabs[next(iter(partial))]
-            else:
-                slab_i = self._take_slab()
-                if slab_i is None:
-                    break
-                slab = self._slabs[slab_i]
-                self._assign(slab, slot)
-                partial = self._partial.setdefault(slot, set())
-                partial.add(slab.index)
+            got = self._slab_for(slot)
+            if got is None:
+                break
+            slab, partial = got
             k = min(count - len(out), len(slab.free))
             cut = len(slab.free) - k
             ks = slab.free[cut:][::-1]  # (the order k pops would take them in)
@@ -245,6 +231,21 @@ class SlabAllocator:
         slab.free = list(range(self.slab_bytes // slot - 1, -1, -1))
         slab.busy = bytearray(len(slab.free))
         slab.used = 0
+
+    def _slab_for(self, slot: int) -> tuple[_Slab, set[int]] | None:
+        """A slab of class ``slot`` with a free slot (a partial one, else one taken from the
+        pool and assigned) and the class's partial set, or None when there is none."""
+        partial = self._partial.get(slot)
+        if partial:
+            return self._slabs[next(iter(partial))], partial
+        slab_i = self._take_slab()
+        if slab_i is None:
+            return None
+        slab = self._slabs[slab_i]
+        self._assign(slab, slot)
+        partial = self._partial.setdefault(slot, set())
+        partial.add(slab.index)
+        return slab, partial
 
     def _take_slab(self) -> int | None:
         if self._unassigned:
