@@ -231,6 +231,11 @@ class ArenaSlots(_ArenaRows):
         of equally spaced slots). Returns the copy calls it queued."""
         return self._copy(src, 0, src.shape[1], first, False)
 
+    def prepare(self) -> None:
+        """Build what the commit publishes while the copies are in flight (optional: the
+        commit after it is shorter; ``Reservation.prepare``)."""
+        self.reservation.prepare()
+
     def commit(self, count: int | None = None) -> int:
         """Publish the leading ``count`` slots (default: all); call only once the copies into
         them completed. Returns the blocks that were new."""

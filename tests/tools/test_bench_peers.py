@@ -355,7 +355,7 @@ def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.Captu
                 assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == blocks * r["block_bytes"]
     assert set(by["kvstore-blocks_paged_64_restore"]["phases_ms"]) == {"hash", "lease", "queue"}
     assert set(by["kvstore_paged_512_restore"]["phases_ms"]) == {"head", "hash", "lease", "queue"}
-    assert set(by["kvstore_paged_64_save"]["save_phases_ms"]) == {"reserve", "queue", "wait", "commit", "pieces"}
+    assert set(by["kvstore_paged_64_save"]["save_phases_ms"]) == {"reserve", "queue", "prepare", "wait", "commit", "pieces"}
     assert set(by["kvstore-put_paged_64_save"]["save_phases_ms"]) == {"queue", "wait", "put", "pieces"}
     # LMCache's vLLM connector is CUDA only: one row says so, the kvstore rows still came
     (lm,) = [r for r in rows if r.get("peer") == "lmcache"]

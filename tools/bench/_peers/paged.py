@@ -40,7 +40,8 @@ The stores:
   in the sixth; the reserved save in the seventh.) Its rows carry ``phases_ms``: the host's
   time to lease and queue the head, hash the prompt, take the lease and queue the copies,
   medians of the trials, and ``save_phases_ms``: the save's time to hash and reserve, to queue
-  the gathers and copies, to wait for the last copy, to commit, and its pieces.
+  the gathers and copies, to prepare the commit's records (while the copies are in flight), to
+  wait for the last copy, to commit, and its pieces.
 * ``kvstore-nohead``: the same without the head (the whole prefix hashed and leased before the
   first copy): what the head gains;
 * ``kvstore-put``: the same, saved as in the sixth session: each range copied to a pinned host
@@ -319,13 +320,15 @@ class KvstorePaged:
             t1 = time.perf_counter()
             landed = self._gather_out(ids[a0 : a0 + m], pieces, lambda a, b, staged: slots.copy_from(staged, first=a))
             t2 = time.perf_counter()
+            slots.prepare()  # the commit's records, built while the copies are in flight
+            t2p = time.perf_counter()
             if landed and landed[-1] is not None:
                 landed[-1].synchronize()  # (one copy stream: the last lands last)
             t3 = time.perf_counter()
             slots.commit()
         finally:
             slots.abort()  # (a no-op after the commit)
-        self.save_phases = {"reserve": t1 - t0, "queue": t2 - t1, "wait": t3 - t2,
+        self.save_phases = {"reserve": t1 - t0, "queue": t2 - t1, "prepare": t2p - t2, "wait": t3 - t2p,
                             "commit": time.perf_counter() - t3, "pieces": len(pieces)}
 
     def _gather_out(self, ids: list[int], pieces: list[tuple[int, int]],
