@@ -152,18 +152,22 @@ class _ArenaRows:
             got = self._runs_of[first, count] = runs([off for off, _ in self.locations[first : first + count]])
         return got
 
-    def _copy(self, dev: torch.Tensor, lo: int, hi: int, first: int, to_device: bool) -> int:
+    def _copy(self, dev: torch.Tensor, lo: int, hi: int, first: int, to_device: bool, stream: Any = None) -> int:
         """Bytes ``lo:hi`` of blocks ``first, first+1, ...`` to (or from) the rows of ``dev``
         (``[count, hi-lo]`` uint8, any row pitch), asynchronously on the current stream: one
         ``cudaMemcpy2DAsync`` per run of equally spaced blocks in the arena (one copy per block
         when the CUDA runtime cannot be called directly, or ``dev`` is in host memory). Returns
-        the copy calls it queued."""
+        the copy calls it queued. ``stream``: a ``torch.cuda.Stream`` to queue the DMAs on
+        instead of the current stream (no stream switch where the 2-D DMA is called directly)."""
         count = dev.shape[0]
         locs = self.locations
         if first + count > len(locs):
             raise IndexError(f"blocks {first}..{first + count - 1} of {len(locs)} in the arena")
         copy2d = _memcpy2d() if dev.is_cuda else None
         if copy2d is None or dev.stride(1) != 1:
+            if stream is not None and dev.is_cuda:
+                with torch.cuda.stream(stream):
+                    return self._copy(dev, lo, hi, first, to_device)
             for i in range(count):
                 off = locs[first + i][0]
                 if to_device:
@@ -171,7 +175,7 @@ class _ArenaRows:
                 else:
                     self.host[off + lo : off + hi].copy_(dev[i], non_blocking=True)
             return count
-        stream = torch.cuda.current_stream(dev.device).cuda_stream
+        stream = (torch.cuda.current_stream(dev.device) if stream is None else stream).cuda_stream
         base, dpitch, width = self.host.data_ptr(), dev.stride(0), hi - lo
         runs_ = self.runs_of(first, count)
         for r0, n, stride in runs_:
@@ -199,11 +203,12 @@ class ArenaBlocks(_ArenaRows):
         the CUDA runtime cannot be called directly)."""
         self.copy_into(dst[:, lo:hi], lo, hi)
 
-    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0) -> int:
+    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0, stream: Any = None) -> int:
         """Bytes ``lo:hi`` of blocks ``first, first+1, ...`` into the rows of ``dst`` (``[count,
-        hi-lo]`` uint8, any row pitch), asynchronously on the current stream. Returns the copy
-        calls it queued."""
-        return self._copy(dst, lo, hi, first, True)
+        hi-lo]`` uint8, any row pitch), asynchronously on the current stream (or ``stream``: no
+        stream switch where a caller queues one copy on a side stream). Returns the copy calls
+        it queued."""
+        return self._copy(dst, lo, hi, first, True, stream)
 
     def release(self) -> None:
         """Give the lease back; call only after the copies that read the blocks completed."""
@@ -230,6 +235,11 @@ class ArenaSlots(_ArenaRows):
         slots ``first, first+1, ...``, asynchronously on the current stream (one 2-D DMA per run
         of equally spaced slots). Returns the copy calls it queued."""
         return self._copy(src, 0, src.shape[1], first, False)
+
+    def prepare(self) -> None:
+        """Build what the commit publishes while the copies are in flight (optional: the
+        commit after it is shorter; ``Reservation.prepare``)."""
+        self.reservation.prepare()
 
     def commit(self, count: int | None = None) -> int:
         """Publish the leading ``count`` slots (default: all); call only once the copies into

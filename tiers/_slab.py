@@ -73,17 +73,10 @@ class SlabAllocator:
         slot = self.slot_bytes(size)
         if self._stale:
             self._settle()
-        partial = self._partial.get(slot)
-        if partial:
-            slab = self._slabs[next(iter(partial))]
-        else:
-            slab_i = self._take_slab()
-            if slab_i is None:
-                return None
-            slab = self._slabs[slab_i]
-            self._assign(slab, slot)
-            partial = self._partial.setdefault(slot, set())
-            partial.add(slab.index)
+        got = self._slab_for(slot)
+        if got is None:
+            return None
+        slab, partial = got
         k = slab.free.pop()
         slab.busy[k] = 1
         slab.used += 1
@@ -92,6 +85,33 @@ class SlabAllocator:
             partial.discard(slab.index)
         self.used_bytes += slot
         return slab.index * self.slab_bytes + k * slot
+
+    def alloc_many(self, size: int, count: int) -> list[int]:
+        """Up to ``count`` slots for ``size`` bytes, as ``count`` calls of :meth:`alloc` would
+        hand them out (fewer when the class and the pool run out), taken a slab at a time: one
+        slice of its free list and one busy-mark per slab, not a call per slot."""
+        slot = self.slot_bytes(size)
+        if self._stale:
+            self._settle()
+        out: list[int] = []
+        while len(out) < count:
+            got = self._slab_for(slot)
+            if got is None:
+                break
+            slab, partial = got
+            k = min(count - len(out), len(slab.free))
+            cut = len(slab.free) - k
+            ks = slab.free[cut:][::-1]  # (the order k pops would take them in)
+            del slab.free[cut:]
+            np.frombuffer(slab.busy, np.uint8)[ks] = 1
+            slab.used += k
+            self._empty.discard(slab.index)
+            if not slab.free:
+                partial.discard(slab.index)
+            self.used_bytes += k * slot
+            base = slab.index * self.slab_bytes
+            out += [base + j * slot for j in ks]
+        return out
 
     def free(self, offset: int) -> None:
         slab = self._slabs[offset // self.slab_bytes]
@@ -211,6 +231,21 @@ class SlabAllocator:
         slab.free = list(range(self.slab_bytes // slot - 1, -1, -1))
         slab.busy = bytearray(len(slab.free))
         slab.used = 0
+
+    def _slab_for(self, slot: int) -> tuple[_Slab, set[int]] | None:
+        """A slab of class ``slot`` with a free slot (a partial one, else one taken from the
+        pool and assigned) and the class's partial set, or None when there is none."""
+        partial = self._partial.get(slot)
+        if partial:
+            return self._slabs[next(iter(partial))], partial
+        slab_i = self._take_slab()
+        if slab_i is None:
+            return None
+        slab = self._slabs[slab_i]
+        self._assign(slab, slot)
+        partial = self._partial.setdefault(slot, set())
+        partial.add(slab.index)
+        return slab, partial
 
     def _take_slab(self) -> int | None:
         if self._unassigned:

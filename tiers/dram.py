@@ -340,16 +340,10 @@ class DramTier(Tier):
         that class. The caller writes the payloads in between (into :meth:`slot_view`, or into
         its own mapping of the arena at these offsets)."""
         self._alloc.slot_bytes(size)  # UsageError when no slab can hold it
-        out: list[int] = []
         with self._lock:
             if self._buf is None:
                 raise TierIOError(f"dram tier {self.name!r} is closed")
-            for _ in range(count):
-                off = self._alloc.alloc(size)
-                if off is None:
-                    break
-                out.append(off)
-        return out
+            return self._alloc.alloc_many(size, count)
 
     def slot_view(self, off: int, size: int) -> memoryview:
         """A writable view of a reserved slot (drop it before the slot is published or freed)."""
@@ -360,6 +354,10 @@ class DramTier(Tier):
         with self._lock:
             if self._buf is None:
                 raise TierIOError(f"dram tier {self.name!r} is closed")
+            entries = self._map
+            if entries.keys().isdisjoint([key for key, _, _ in items]):  # (the usual case: new keys)
+                entries.update({key: (off, meta) for key, off, meta in items})
+                return
             for key, off, meta in items:
                 self._enter(key, off, meta, True)
 

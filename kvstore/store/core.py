@@ -404,14 +404,19 @@ class KVStore:
                 storer.complete_store(plan)
                 raise
         tier, bb = self.tiers[0], info.block_bytes
+        ahead: list[Any] = []  # the records of the slots' blocks, when prepared before the commit
+
+        def prepare() -> None:
+            if not ahead:
+                ahead[:] = storer.slot_metas(plan, first, len(slots))
 
         def finish(count: int) -> int:
             with self._lock, self.events.batch(put_tokens, info.namespace, hashes):  # (the new copies)
-                storer.commit(plan, first, slots, count)
+                storer.commit(plan, first, slots, count, ahead or None)
             return plan.new
 
         return Reservation(tier.shm_name, first, plan.stored_to, tuple((off, bb) for off in slots),
-                           lambda: [tier.slot_view(off, bb) for off in slots], finish)
+                           lambda: [tier.slot_view(off, bb) for off in slots], finish, prepare)
 
     # ---- pins, deletes, maintenance -----------------------------------------------------------
 

@@ -308,19 +308,30 @@ class Storer:
         self.writing.update(ids[fresh : fresh + len(slots)])
         return fresh, slots
 
-    def commit(self, plan: StorePlan, first: int, slots: list[int], count: int) -> None:
+    @staticmethod
+    def slot_metas(plan: StorePlan, first: int, count: int) -> list[BlockMeta]:
+        """The records :meth:`commit` publishes with reserved blocks ``first .. first+count-1``.
+        Reads only the plan, fixed at the reservation: no lock needed (a caller may build them
+        while the copies into the slots are in flight, :meth:`Reservation.prepare`)."""
+        info, hashes, now = plan.info, plan.hashes, plan.now
+        digest, a, b = info.digest, first, first + count
+        parents = list(hashes[a - 1 : b - 1]) if a else [digest, *hashes[: b - 1]]
+        # A volatile tier's copies defer their checksums (CHECKSUM_DEFERRED), as in a put.
+        return BlockMeta.of_chain(digest, parents, a, info.block_bytes, now + info.ttl_s, [CHECKSUM_DEFERRED] * count, now)
+
+    def commit(self, plan: StorePlan, first: int, slots: list[int], count: int,
+               metas: list[BlockMeta] | None = None) -> None:
         """Under the lock: publish the leading ``count`` reserved slots (their payloads are
         written) as the chain's blocks ``first, first+1, ...``, and give the rest back; then
-        :meth:`complete_store` as after a put."""
-        info, hashes, ids, now = plan.info, plan.hashes, plan.ids, plan.now
-        tier, bb, digest = self.tiers[0], info.block_bytes, info.digest
+        :meth:`complete_store` as after a put. ``metas``: :meth:`slot_metas` of ``count``
+        blocks at least, built ahead (else built here)."""
+        hashes, ids, now = plan.hashes, plan.ids, plan.now
+        tier, bb = self.tiers[0], plan.info.block_bytes
         self.writing.difference_update(ids[first : first + len(slots)])
         try:
             if count:
                 a, b = first, first + count
-                parents = list(hashes[a - 1 : b - 1]) if a else [digest, *hashes[: b - 1]]
-                # A volatile tier's copies defer their checksums (CHECKSUM_DEFERRED), as in a put.
-                metas = BlockMeta.of_chain(digest, parents, a, bb, now + info.ttl_s, [CHECKSUM_DEFERRED] * count, now)
+                metas = metas[:count] if metas is not None and len(metas) >= count else self.slot_metas(plan, a, count)
                 tier.publish_slots(list(zip(cast("list[BlockHash]", hashes[a:b]), slots[:count], metas, strict=True)))
                 slots = slots[count:]
                 self.ledger.add_copies(ids[a:b], hashes[a:b], a, 0, bb, now, plan.placed)

@@ -27,7 +27,8 @@ class Reservation:
     """
 
     def __init__(self, arena: str, first: int, stored: int, locations: tuple[tuple[int, int], ...],
-                 views: Callable[[], list[memoryview]], finish: Callable[[int], int]) -> None:
+                 views: Callable[[], list[memoryview]], finish: Callable[[int], int],
+                 prepare: Callable[[], None] | None = None) -> None:
         self.arena = arena
         """The shared-memory arena's name (:func:`kvstore.shm.attach_arena`)."""
         self.first = first
@@ -38,6 +39,7 @@ class Reservation:
         self.locations = locations
         self._views = views
         self._finish = finish
+        self._prepare = prepare
         self.done = False
         """Committed or aborted."""
 
@@ -50,6 +52,15 @@ class Reservation:
         if self.done:
             raise UsageError("this reservation is committed or aborted: its slots are the store's")
         return self._views()
+
+    def prepare(self) -> None:
+        """Optional: build what :meth:`commit` publishes (the blocks' records) now, without the
+        store's lock, so that the commit that follows is shorter: call it while the copies into
+        the slots are in flight (a host that waits for a DMA has the time). Idempotent."""
+        if self.done:
+            raise UsageError("this reservation is committed or aborted already")
+        if self._prepare is not None and self.locations:
+            self._prepare()
 
     def commit(self, count: int | None = None) -> int:
         """Publish the leading ``count`` slots (default: all) as cached blocks; give the others

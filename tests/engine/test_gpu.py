@@ -72,6 +72,36 @@ def test_arena_blocks_copy_a_later_range_in_column_pieces(make_store) -> None:
     blocks.release()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_arena_blocks_copy_on_a_given_stream(make_store, device: str) -> None:
+    """``copy_into(..., stream=)`` (a restore's head, queued on the copy stream without making
+    it current): every byte lands once that stream's event has, and the current stream is left
+    as it was. On the CPU the stream is not used (the copy is done at once)."""
+    from engine.gpu import ArenaBlocks
+    from tests.conftest import BB, SMALL_NS, chain_for, payload
+
+    s = make_store()
+    chain = chain_for(13, 5)
+    s.put(SMALL_NS, chain, [payload(h) for h in chain])
+    blocks = ArenaBlocks(s, s.acquire(SMALL_NS, chain))
+    dst = torch.zeros(5, BB, dtype=torch.uint8, device=device)
+    if device == "cuda":
+        side, before = torch.cuda.Stream(), torch.cuda.current_stream()
+        blocks.copy_into(dst[1:], 0, BB, first=1, stream=side)
+        assert torch.cuda.current_stream() == before
+        ev = torch.cuda.Event()
+        ev.record(side)
+        ev.synchronize()
+    else:
+        blocks.copy_into(dst[1:], 0, BB, first=1, stream=None)
+    got = dst.cpu()
+    assert int(got[0].count_nonzero()) == 0
+    for i, h in enumerate(chain[1:], start=1):
+        assert bytes(got[i].numpy()) == payload(h)
+    blocks.release()
+
+
 def test_arena_slots_take_rows_into_a_reservation(make_store) -> None:
     """A save's device-to-host copy straight into a reservation's slots (here from host rows,
     in two ranges): after the commit the blocks load with those bytes; an abort leaves none."""

@@ -199,3 +199,38 @@ def test_claims_settle_into_free_lists() -> None:
     a.free(12288)
     assert a.fits(16384)  # the emptied slab serves another class
     assert a.alloc(16384) is not None and a.alloc(16384) is not None
+
+
+def _books(a: SlabAllocator) -> tuple[object, ...]:
+    a._settle()
+    return (a.used_bytes, sorted(a._unassigned), sorted(a._empty), {c: sorted(s) for c, s in a._partial.items() if s},
+            [(s.slot_bytes, sorted(s.free), bytes(s.busy), s.used) for s in a._slabs])
+
+
+@pytest.mark.parametrize("count", [0, 1, 5, 16, 17, 40, 200])
+def test_alloc_many_hands_out_what_as_many_allocs_would(count: int) -> None:
+    """The reserve path's bulk allocation: the same offsets, in order, and the same books as
+    ``count`` calls of ``alloc`` (across a partly used slab, fresh slabs, a full pool)."""
+    rng = np.random.default_rng(count)
+    one, many = SlabAllocator(5 * SLAB, SLAB), SlabAllocator(5 * SLAB, SLAB)
+    for a in (one, many):  # the same history: a partly used slab of the class, another class
+        offs = [a.alloc(4 * KiB) for _ in range(10)]
+        a.alloc(8 * KiB)
+        for i in rng.permutation(10)[:4].tolist():
+            a.free(offs[i])
+        rng = np.random.default_rng(count)
+    want = []
+    for _ in range(count):
+        off = one.alloc(4 * KiB)
+        if off is None:
+            break
+        want.append(off)
+    got = many.alloc_many(4 * KiB, count)
+    assert got == want
+    assert len(set(got)) == len(got)
+    assert _books(many) == _books(one)
+    for off in got:  # every one is a live slot: freed once, refused twice
+        many.free(off)
+    if got:
+        with pytest.raises(RuntimeError, match="double free"):
+            many.free(got[0])

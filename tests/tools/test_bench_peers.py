@@ -347,7 +347,7 @@ def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.Captu
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     by = {r["metric"]: r for r in rows}
-    for peer in ("kvstore", "kvstore-nohead", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
+    for peer in ("kvstore", "kvstore-nohead", "kvstore-head4", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
         for size, blocks in ((64, 4), (512, 32)):
             for op in ("restore", "save"):
                 r = by[f"{peer}_paged_{size}_{op}"]
@@ -355,7 +355,8 @@ def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.Captu
                 assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == blocks * r["block_bytes"]
     assert set(by["kvstore-blocks_paged_64_restore"]["phases_ms"]) == {"hash", "lease", "queue"}
     assert set(by["kvstore_paged_512_restore"]["phases_ms"]) == {"head", "hash", "lease", "queue"}
-    assert set(by["kvstore_paged_64_save"]["save_phases_ms"]) == {"reserve", "queue", "wait", "commit", "pieces"}
+    assert set(by["kvstore-head4_paged_512_restore"]["phases_ms"]) == {"head", "hash", "lease", "queue"}
+    assert set(by["kvstore_paged_64_save"]["save_phases_ms"]) == {"reserve", "queue", "prepare", "wait", "commit", "pieces"}
     assert set(by["kvstore-put_paged_64_save"]["save_phases_ms"]) == {"queue", "wait", "put", "pieces"}
     # LMCache's vLLM connector is CUDA only: one row says so, the kvstore rows still came
     (lm,) = [r for r in rows if r.get("peer") == "lmcache"]
@@ -378,7 +379,7 @@ def test_copy_scale_rows_name_each_thread_count_against_one_thread() -> None:
 
 
 def test_paged_only_names_the_paged_stores() -> None:
-    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-put, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
+    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-head4, kvstore-put, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
         list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
             parser().parse_args(["--device", "cpu", "--only", "mooncake"])))
 

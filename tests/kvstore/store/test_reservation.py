@@ -117,6 +117,34 @@ def test_commit_of_fewer_blocks_than_reserved(make_store: Make) -> None:
     assert served(store, chain) == 2
 
 
+@pytest.mark.parametrize(("start", "count"), [(0, None), (0, 3), (2, None)])
+def test_prepare_before_the_commit_publishes_the_same_records(make_store: Make, start: int, count: int | None) -> None:
+    """``prepare`` (the records built while the copies are in flight) changes nothing that the
+    commit publishes: the same metadata as a commit without it, for all or the leading slots,
+    from the chain's start or after a cached prefix."""
+    store = make_store()
+    records = []
+    for ahead, chain in ((False, chain_for(16, 6)), (True, chain_for(17, 6))):
+        if start:
+            store.put(SMALL_NS, chain[:start], [payload(h) for h in chain[:start]])
+        res = store.reserve(SMALL_NS, chain)
+        write(res, chain)
+        if ahead:
+            res.prepare()
+            res.prepare()  # idempotent
+        n = res.commit(count)
+        assert n == (count if count is not None else 6 - start)
+        assert served(store, chain) == start + n
+        with pytest.raises(UsageError):
+            res.prepare()  # after the commit: the slots are the store's
+        metas = {bytes(k): m for k, m in store.tiers[0].scan()}
+        got = [metas[h] for h in chain[start : start + n]]
+        assert [m.depth for m in got] == list(range(start, start + n))
+        assert [m.parent for m in got[1:]] == list(chain[start : start + n - 1])
+        records.append([(m.ns, m.size, m.checksum, m.expiry - m.created) for m in got])
+    assert records[0] == records[1]
+
+
 def test_failure_in_the_middle_of_the_copy_leaves_the_store_consistent(make_store: Make) -> None:
     store = make_store()
     chain = chain_for(6, 6)

@@ -40,9 +40,12 @@ The stores:
   in the sixth; the reserved save in the seventh.) Its rows carry ``phases_ms``: the host's
   time to lease and queue the head, hash the prompt, take the lease and queue the copies,
   medians of the trials, and ``save_phases_ms``: the save's time to hash and reserve, to queue
-  the gathers and copies, to wait for the last copy, to commit, and its pieces.
+  the gathers and copies, to prepare the commit's records (while the copies are in flight), to
+  wait for the last copy, to commit, and its pieces.
 * ``kvstore-nohead``: the same without the head (the whole prefix hashed and leased before the
   first copy): what the head gains;
+* ``kvstore-head4``: a smaller head (4 blocks at 4K, 1/64 of the prefix at 32K, instead of 16 and
+  1/16): whether less leased before the first copy gains more than the link idle it may leave;
 * ``kvstore-put``: the same, saved as in the sixth session: each range copied to a pinned host
   buffer and put (the put copies it into the arena with ``copy_threads`` threads, under the next
   range's copy; ranges of ``save_pieces``); ``save_phases_ms``: queue, wait, put, pieces;
@@ -100,7 +103,7 @@ MAX_SAVE_PIECES = 16  # block ranges a save copies to the host and puts in turn 
 D2H_PIECE_BYTES = 128 << 20  # a reserved save's ranges: gathered, then copied into their arena slots in turn
 WARM_TOKENS = 256  # the untimed save and restore every store makes once it is open (one LMCache chunk)
 GiB = float(1 << 30)
-PEERS = ("kvstore", "kvstore-nohead", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
+PEERS = ("kvstore", "kvstore-nohead", "kvstore-head4", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
 GOALS = {"lmcache": 1.2}  # the restore's; the save's: at least LMCache's (1x)
 SETTLE_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 20.0  # issue 20: kvstore >= 1.2x LMCache
@@ -319,13 +322,15 @@ class KvstorePaged:
             t1 = time.perf_counter()
             landed = self._gather_out(ids[a0 : a0 + m], pieces, lambda a, b, staged: slots.copy_from(staged, first=a))
             t2 = time.perf_counter()
+            slots.prepare()  # the commit's records, built while the copies are in flight
+            t2p = time.perf_counter()
             if landed and landed[-1] is not None:
                 landed[-1].synchronize()  # (one copy stream: the last lands last)
             t3 = time.perf_counter()
             slots.commit()
         finally:
             slots.abort()  # (a no-op after the commit)
-        self.save_phases = {"reserve": t1 - t0, "queue": t2 - t1, "wait": t3 - t2,
+        self.save_phases = {"reserve": t1 - t0, "queue": t2 - t1, "prepare": t2p - t2, "wait": t3 - t2p,
                             "commit": time.perf_counter() - t3, "pieces": len(pieces)}
 
     def _gather_out(self, ids: list[int], pieces: list[tuple[int, int]],
@@ -386,6 +391,8 @@ class KvstorePaged:
 
     head_blocks = HEAD_BLOCKS
     """Leading blocks leased and copied before the whole prefix is hashed and leased (0: none)."""
+    head_share = HEAD_SHARE
+    """...or ``1/head_share`` of the prefix when that is more."""
 
     def restore(self, tokens: np.ndarray, ids: list[int]) -> int:
         """Lease the head of the prefix and queue its copy to the device, so that the link
@@ -395,7 +402,7 @@ class KvstorePaged:
         head: ArenaBlocks | None = None
         self._head = None
         n_all = len(tokens) // BLOCK
-        h = min(max(self.head_blocks, n_all // HEAD_SHARE), n_all) if self.head_blocks else 0
+        h = min(max(self.head_blocks, n_all // self.head_share), n_all) if self.head_blocks else 0
         hashes: list[Any] = []
         if h:
             hashes = hash_blocks(self.ns, tokens[: h * BLOCK])
@@ -435,10 +442,11 @@ class KvstorePaged:
         # No wait for the staging's last readers (a wait_stream is an event made, recorded and
         # waited on before the first DMA): every restore ends with a device synchronize. The
         # event is made once and recorded again in each restore.
+        # Queued on the copy stream without making it current (no stream switch before the
+        # restore's first DMA).
         copy, ev = self._copy_stream(), self._head_landed()
-        with torch.cuda.stream(copy):
-            head.copy_into(dst, 0, self.spec.block_bytes)
-            ev.record(copy)
+        head.copy_into(dst, 0, self.spec.block_bytes, stream=copy)
+        ev.record(copy)
         return ev
 
     def _head_landed(self) -> Any:
@@ -511,6 +519,16 @@ class KvstoreNohead(KvstorePaged):
 
     name = "kvstore-nohead"
     head_blocks = 0
+
+
+class KvstoreHead4(KvstorePaged):
+    """A smaller head: 4 blocks at 4K (1/64 of the prefix: 32 blocks at 32K) instead of 16 and
+    128, so that less is hashed and leased before the first copy; what it gains or loses
+    against ``kvstore`` (a head whose copy ends before the rest is leased leaves the link idle)."""
+
+    name = "kvstore-head4"
+    head_blocks = 4
+    head_share = 64
 
 
 class KvstorePut(KvstorePaged):
@@ -681,7 +699,7 @@ class LmcacheNhd(LmcachePaged):
     layout = "NHD"
 
 
-STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-nohead": KvstoreNohead, "kvstore-put": KvstorePut,
+STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-nohead": KvstoreNohead, "kvstore-head4": KvstoreHead4, "kvstore-put": KvstorePut,
                                         "kvstore-blocks": KvstoreBlocks,
                                         "kvstore-whole": KvstoreWhole, "kvstore-rows": KvstoreRows,
                                         "lmcache": LmcachePaged, "lmcache-nhd": LmcacheNhd}
@@ -756,7 +774,7 @@ def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, 
             with contextlib.suppress(Exception):
                 s.close()
     for tokens in sizes:
-        for kv in ("kvstore", "kvstore-nohead", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
+        for kv in ("kvstore", "kvstore-nohead", "kvstore-head4", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
             for peer in ("lmcache", "lmcache-nhd"):
                 for op, goal in (("restore", GOALS["lmcache"]), ("save", 1.0)):
                     a, b = figures.get((kv, tokens, op)), figures.get((peer, tokens, op))
