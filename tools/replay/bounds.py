@@ -538,10 +538,11 @@ def priority_order_hits(segments: ClassSegments, capacity: int, ratio: float | N
     """The block hits of one rule that :func:`instant_window_bound`'s family leaves out: a
     *priority order* over the same (class, age cell)s, ranked by each cell's whole-trace reuses
     per unit of space-time (exact statistics known in advance, as for the bounds), that holds
-    at every access tick the ``capacity`` blocks of the best-ranked cells (free prefetch; the
-    cell on the edge is held in part, a random share of its blocks, so this is the expected
-    count of a rule a tier could run). Its cut moves with the tier's load, which no table does.
-    Not a bound: one rule's hits, so a lower bound on the best priority order's."""
+    at every access tick the ``capacity`` blocks of the best-ranked cells (prefetch free and
+    instant, as for the bounds; the cell on the edge is held in part, a random share of its
+    blocks, so this is an expected count, with no tie broken by the future). Its cut moves
+    with the tier's load, which no table does. Not a bound: one rule's hits, so a lower bound
+    on the best priority order's."""
     load, hit_cell, hit_tick = _cell_occupancy(segments, age_grid(segments.accesses, ratio), 1)
     if not load.size:
         return 0.0
