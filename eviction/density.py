@@ -248,6 +248,9 @@ class DensityPolicy(EvictionPolicy):
     """Whether a new block whose table score is no better than the next victim's joins the victim
     queue at once (a subclass that ranks by other scores turns it off)."""
     runs = True  # victims(): a parent offered waits for the next refill, so a run is exact
+    walk_ahead = True
+    """Whether a walk of :meth:`candidates` ranks several refills ahead at once
+    (:meth:`_walk_refill`); off for a subclass whose refill does more than rank."""
 
     def __init__(self, config: DensityConfig | None = None) -> None:
         self.config = config or DensityConfig()
@@ -706,15 +709,65 @@ class DensityPolicy(EvictionPolicy):
 
     def candidates(self) -> Iterator[int]:
         offered: set[int] = set()  # the store skipped these (pinned, in use): rank the rest
+        # Queues ranked ahead by this walk (next one last) while the policy stays as it was:
+        # the refills the walk would make, one ranking for many (see _walk_refill).
+        ahead: list[list[tuple[int, int, float]]] = []
+        state: tuple[int, int, int] | None = None
+        chunks = 4
         while True:
             if not self._queue:
-                self._refill(offered)
+                if ahead and state == (self._tick, self._n, len(self._held)):
+                    self._queue = ahead.pop()
+                elif self.walk_ahead:
+                    ahead = self._walk_refill(offered, chunks)
+                    state, chunks = (self._tick, self._n, len(self._held)), chunks * 4
+                else:
+                    self._refill(offered)
                 if not self._queue:
                     return
             bid, last, _ = self._queue.pop()
             if self._pos[bid] >= 0 and self._last[bid] == last and bid not in offered:
                 offered.add(bid)
                 yield bid
+
+    def _walk_refill(self, offered: set[int], chunks: int) -> list[list[tuple[int, int, float]]]:
+        """:meth:`_refill` for a walk of :meth:`candidates`, ranking up to ``chunks`` refills'
+        worth at once: the queue gets the first, the answer holds the next ones (next last),
+        each the queue that a refill would make once the walk has passed the one before.
+
+        Exact because within a walk the store changes nothing (``choose_room`` only reads):
+        the next refill would rank the same blocks less the ones offered, which are this
+        queue's, in the same total order (keys are distinct: the last access is). Only the
+        plain key ranking qualifies (no sampling, no weights); anything else refills as before.
+        A walk past many blocks the store must skip (a long load's own blocks, protected
+        while it is promoted into a smaller DRAM) took one full ranking per ``queue_min``
+        blocks passed; four times more chunks ranked ahead at each refill take a logarithmic
+        number (the chunks a walk does not reach are dropped with it: the queue it leaves is
+        the one it left before)."""
+        cfg = self.config
+        if self._table is None or self.weighted or self._tick >= _KEY_TICKS:
+            self._refill(offered)
+            return []
+        pos = self._pos
+        n = self._n - sum(1 for bid in offered if pos[bid] >= 0)  # the blocks _refill ranks
+        if n > cfg.sample:
+            self._refill(offered)
+            return []
+        if n <= 0:
+            return []  # nothing left to rank: the walk ends, as an empty refill ends it
+        sizes: list[int] = []
+        left = n
+        while left > 0 and len(sizes) < chunks:
+            take = min(max(cfg.queue_min, int(left * cfg.queue_fraction)), left)
+            sizes.append(take)
+            left -= take
+        self._refill(offered, sum(sizes))
+        entries, out = self._queue, []
+        for take in sizes:  # best victim last: each chunk is the tail of what is left
+            out.append(entries[len(entries) - take:])
+            del entries[len(entries) - take:]
+        self._queue = out[0]
+        return out[:0:-1]
 
     # ---- learning and ranking ---------------------------------------------------------------
 
@@ -746,7 +799,9 @@ class DensityPolicy(EvictionPolicy):
         policy overrides it."""
         return None
 
-    def _refill(self, offered: set[int]) -> None:
+    def _refill(self, offered: set[int], take: int | None = None) -> None:
+        """A new victim queue: the lowest-ranked share of a sample of the ranked blocks less
+        ``offered``; ``take`` (:meth:`_walk_refill`) sets how many, for an unsampled ranking."""
         n = self._n
         if not n:
             return
@@ -762,7 +817,8 @@ class DensityPolicy(EvictionPolicy):
         self._repeats = ids.size > cfg.sample
         if self._repeats:  # with replacement: O(sample), and a repeat is harmless
             ids = ids[self._rng.integers(0, ids.size, cfg.sample)]
-        take = max(cfg.queue_min, int(ids.size * cfg.queue_fraction))
+        if take is None or self._repeats:
+            take = max(cfg.queue_min, int(ids.size * cfg.queue_fraction))
         last = self._last[ids]
         if self._table is None:
             score = last.astype(np.float64)  # no statistics yet: least recently used first

@@ -161,6 +161,7 @@ class LRBPolicy(DensityPolicy):
 
     name = "lrb"
     Config = LRBConfig
+    walk_ahead = False  # its refill also draws training samples: one per refill, as before
 
     def __init__(self, config: LRBConfig | None = None) -> None:
         self.lrb = config or LRBConfig()

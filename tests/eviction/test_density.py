@@ -22,7 +22,7 @@ from eviction.density import (
     age_buckets,
     density_table,
 )
-from tests.eviction.conftest import LAST, FakeView
+from tests.eviction.conftest import LAST, UPPER, FakeView
 
 
 def test_whole_ages_fall_in_the_buckets_of_the_log_formula() -> None:
@@ -298,3 +298,59 @@ def test_a_refill_ranks_as_the_lexsort_of_score_and_last_access(name: str) -> No
 
     _drive([pol], view, rng, 2500, take)
     assert sum(checked) > 200 and not all(checked)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_walk_past_skipped_blocks_ranks_ahead_and_offers_the_same_blocks(seed: int) -> None:
+    """A make-room walk that must pass many blocks the store skips (a long load's own blocks,
+    protected while it is promoted into a smaller DRAM) offers the same blocks in the same
+    order, and leaves the same queue, as one refill per ``queue_min`` blocks passed did, with
+    far fewer rankings (one ranking ahead for several refills: ``_walk_refill``)."""
+    rng = np.random.default_rng(seed)
+    view = FakeView(60_000)
+    cfg = DensityConfig(period=256)
+    ahead, plain = DensityPolicy(cfg), DensityPolicy(cfg)
+    plain.walk_ahead = False
+    refills = {"ahead": 0, "plain": 0}
+    for name, pol in (("ahead", ahead), ("plain", plain)):
+        pol.bind(view, UPPER)
+        refill = pol._refill
+
+        def counted(offered: set[int], take: int | None = None, _r=refill, _n=name) -> None:
+            refills[_n] += 1
+            _r(offered, take)
+
+        pol._refill = counted  # type: ignore[method-assign]
+    walked = []
+
+    def take(view: FakeView, resident: list[int], gone: list[bytes]) -> None:
+        protect = {b for b in resident if rng.random() < 0.97}
+        walks = []
+        for pol in (ahead, plain):
+            seq = []
+            for bid in pol.candidates():
+                seq.append(bid)
+                if bid not in protect:
+                    break
+            walks.append(seq)
+        assert walks[0] == walks[1]
+        assert ahead._queue == plain._queue
+        walked.append(len(walks[0]))
+        if walks[0] and walks[0][-1] not in protect:
+            bid = walks[0][-1]
+            for pol in (ahead, plain):
+                pol.remove(bid)
+            resident.remove(bid)
+            gone.append(view.hash_of(bid))
+            view.drop(bid)
+
+    _drive([ahead, plain], view, rng, 2500, take)
+    assert _ghost_state(ahead) == _ghost_state(plain)
+    assert max(walked) > 100 and ahead._table is not None, max(walked)
+    assert refills["ahead"] < refills["plain"] / 2
+    # One walk past every ranked block: a refill per queue_min blocks, against a handful.
+    before = dict(refills)
+    walks = [list(pol.candidates()) for pol in (ahead, plain)]
+    assert walks[0] == walks[1] and len(walks[0]) == ahead._n > 500
+    assert refills["plain"] - before["plain"] > ahead._n // cfg.queue_min // 2
+    assert refills["ahead"] - before["ahead"] <= 6

@@ -11,11 +11,14 @@ import pytest
 from tools.replay import economics as E
 from tools.replay.bounds import (
     ClassSegments,
+    _packing_dual,
     age_grid,
     class_bound,
     holdout_window_hits,
+    instant_window_bound,
     keep_until_occupancy,
     policy_class_segments,
+    priority_order_hits,
     unlimited,
     window_bound,
 )
@@ -138,6 +141,11 @@ def test_cli_prints_economics_and_references(three: Path, capsys: pytest.Capture
     assert ref[0]["rich_window_bound_first_tier_hit_share"] == 1.0
     # At density's own age resolution the window around age 3 is [2.46, 3.32): still room.
     assert ref[0]["window_bound_by_age_ratio_first_tier_hit_share"] == {"1.35": 1.0, "1.15": 1.0, "1.05": 1.0}
+    # Held to the room at every access: block 0 alone is in that window at its reuse.
+    assert ref[0]["instant_window_bound_first_tier_hit_share"] == pytest.approx(1.0, abs=0.01)
+    assert ref[0]["instant_window_bound_halves_first_tier_hit_share"] == pytest.approx(1.0, abs=0.01)
+    assert ref[0]["instant_window_feasible_first_tier_hit_share"] <= ref[0]["instant_window_bound_first_tier_hit_share"]
+    assert ref[0]["priority_order_first_tier_hit_share"] == 1.0
     # The second half (accesses 3 and 4) starts no segment that is reused: nothing to score.
     assert ref[0]["holdout_window_by_age_ratio_first_tier_hit_share"] == {"1.35": 0.0, "1.15": 0.0, "1.05": 0.0, "fine": 0.0}
     occ = ref[0]["keep_until_occupancy_first_tier_blocks"]
@@ -213,6 +221,73 @@ def test_keep_until_occupancy_meets_the_capacity_on_average_only() -> None:
     occ = keep_until_occupancy(seg, 1)
     assert occ.tolist() == [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1] + [0] * 9
     assert occ.mean() == pytest.approx(1.0)  # the capacity, on average; twice it for 9 accesses
+
+
+def test_instant_window_bound_holds_the_capacity_at_every_tick() -> None:
+    # keep_until_occupancy's example: two blocks accessed at ticks 1 and 2, each reused 10
+    # accesses later. On average one block of room keeps both; at ticks 11 both wait in the age
+    # cell (8, 16] of their reuse, so a table over that cell holds at most half of each.
+    seg = ClassSegments([np.array([10.0, 10.0])], 20, [np.array([1, 2])])
+    assert window_bound(seg, 1, ratio=2.0) == pytest.approx(2.0)
+    got = instant_window_bound(seg, 1, ratio=2.0, step=1)
+    assert got.feasible - 1e-6 <= 1.0 <= got.bound + 1e-6
+    assert got.bound == pytest.approx(1.0, abs=0.02)
+    assert (got.cells, got.rows) == (1, 20)
+    # Merging ticks into rows relaxes the capacity (here to the average): a bound still, higher.
+    assert instant_window_bound(seg, 1, ratio=2.0, step=20).bound == pytest.approx(2.0, abs=0.02)
+    # A table per epoch is a larger family: never lower.
+    assert instant_window_bound(seg, 1, ratio=2.0, step=1, epochs=4).bound >= got.bound - 0.02
+    with pytest.raises(ValueError, match="epochs"):
+        instant_window_bound(seg, 1, epochs=0)
+
+
+def test_instant_window_bound_is_above_every_table_that_fits(tmp_path: Path) -> None:
+    # Every 0/1 table over the cells of a small trace that never holds more than the capacity
+    # (checked tick by tick, by brute force) hits at most the bound; the average bound is higher.
+    rng = np.random.default_rng(3)
+    reqs = [(t, [int(b) for b in rng.choice(5, size=rng.integers(1, 3), replace=False)]) for t in range(14)]
+    seg = policy_class_segments(load_trace(_write(tmp_path / "r_trace.jsonl", reqs)))
+    horizons = age_grid(seg.accesses, 3.0)
+    cells = []  # (class, cell index): ticks held, reuse ticks
+    for g, s in zip(seg.gaps, seg.starts, strict=True):
+        for j in range(horizons.size - 1):
+            lo, hi = np.floor(horizons[j]), np.floor(horizons[j + 1])
+            held = [int(s0 + a) for s0, g0 in zip(s, g, strict=True) for a in range(int(lo) + 1, int(hi) + 1)
+                    if a <= min(g0, seg.accesses - s0)]
+            reused = [int(s0 + g0) for s0, g0 in zip(s, g, strict=True) if np.isfinite(g0) and lo < g0 <= hi]
+            if reused:
+                cells.append((held, reused))
+    assert 2 <= len(cells) <= 14
+    for capacity in (1, 2, 3):
+        best = 0
+        for mask in range(1 << len(cells)):
+            chosen = [c for k, c in enumerate(cells) if mask >> k & 1]
+            load = np.bincount([t for held, _ in chosen for t in held], minlength=seg.accesses + 1)
+            if load.max(initial=0) <= capacity:
+                best = max(best, sum(len(r) for _, r in chosen))
+        got = instant_window_bound(seg, capacity, ratio=3.0, step=1)
+        assert best - 1e-6 <= got.bound <= window_bound(seg, capacity, ratio=3.0) + 1e-6
+        assert got.feasible <= got.bound + 1e-6
+    assert instant_window_bound(seg, 1, ratio=3.0, step=1).bound < window_bound(seg, 1, ratio=3.0) - 1  # it bites
+
+
+def test_packing_dual_brackets_the_optimum() -> None:
+    # Two cells sharing one row of room 1 (max x0 + 2 x1, x0 + x1 <= 1): the optimum is 2.
+    bound, feasible = _packing_dual(np.array([1.0, 2.0]), np.array([[1.0], [1.0]]), 2_000)
+    assert feasible <= 2.0 + 1e-9 <= bound + 2e-9
+    assert bound == pytest.approx(2.0, abs=0.01) and feasible == pytest.approx(2.0, abs=0.01)
+    # No row: every cell is held.
+    assert _packing_dual(np.array([1.0, 2.0]), np.zeros((2, 0)), 10) == (3.0, 3.0)
+
+
+def test_priority_order_moves_its_cut_with_the_load() -> None:
+    # One class, two blocks reused at age 10 (ticks 11 and 12) and nothing else: with room for
+    # one block, the only cell ranks first and a random half of its two waiting blocks is held
+    # at tick 11 (both wait), the whole of the one left at tick 12: 1.5 hits in expectation,
+    # above the table bound of 1 (a table cannot hold more of the cell when it empties).
+    seg = ClassSegments([np.array([10.0, 10.0])], 20, [np.array([1, 2])])
+    assert priority_order_hits(seg, 1, ratio=2.0) == pytest.approx(1.5)
+    assert priority_order_hits(seg, 2, ratio=2.0) == pytest.approx(2.0)
 
 
 def test_policy_class_segments(tmp_path: Path) -> None:

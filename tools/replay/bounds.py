@@ -396,3 +396,166 @@ def _upper_hull(xs: np.ndarray, ys: np.ndarray) -> list[tuple[float, float]]:
         if p[1] > out[-1][1]:
             out.append(p)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class InstantBound:
+    """:func:`instant_window_bound`'s answer, in block hits."""
+
+    bound: float
+    """The dual value at the multipliers found: an upper bound on the LP optimum whatever the
+    multipliers (weak duality), so it holds however far the optimiser got."""
+    feasible: float
+    """The hits of a fractional rule that the solver found and that meets every constraint of
+    the relaxation: the LP optimum lies in ``[feasible, bound]``."""
+    cells: int
+    """Decision cells with at least one reuse (class x age cell, x epoch)."""
+    rows: int
+    """Capacity constraints (one per ``step`` accesses)."""
+
+
+def _cell_occupancy(segments: ClassSegments, horizons: np.ndarray, step: int,
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per (class, age cell) with a reuse: the reuses per access tick at which they happen
+    (``hits``: cells x ticks, sparse as (cell, tick) pairs) and the blocks the cell holds,
+    summed over each ``step`` accesses (``load``: cells x rows). A segment that starts at
+    tick ``s`` is in cell ``(h_j, h_{j+1}]`` at the ticks ``t`` with ``t - s`` in the cell and
+    ``t - s <= g``: the reused block is held at the instant of its reuse."""
+    n = segments.accesses
+    rows = -(-n // step)
+    assert segments.starts is not None, "segments without start ticks"
+    floors = np.floor(horizons).astype(np.int64)
+    loads, hit_cells, hit_ticks = [], [], []
+    cell = 0
+    for g, s in zip(segments.gaps, segments.starts, strict=True):
+        gap = np.where(np.isfinite(g), g, n + 1).astype(np.int64)
+        reused = np.isfinite(g)
+        which = np.searchsorted(floors, gap, side="left") - 1  # floor(h_j) < g <= floor(h_j+1)
+        for j in range(horizons.size - 1):
+            got = reused & (which == j)
+            if not got.any():
+                continue
+            lo = s + floors[j] + 1
+            hi = np.minimum(s + np.minimum(floors[j + 1], gap), n)
+            keep = lo <= hi
+            delta = np.zeros(n + 2)
+            np.add.at(delta, lo[keep], 1.0)
+            np.add.at(delta, hi[keep] + 1, -1.0)
+            held = np.cumsum(delta)[1 : n + 1]
+            held = np.concatenate([held, np.zeros(rows * step - n)])
+            loads.append(held.reshape(rows, step).sum(axis=1))
+            hit_cells.append(np.full(int(got.sum()), cell))
+            hit_ticks.append((s[got] + gap[got]).astype(np.int64))
+            cell += 1
+    if not loads:
+        return np.zeros((0, rows)), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.array(loads), np.concatenate(hit_cells), np.concatenate(hit_ticks)
+
+
+def _packing_dual(v: np.ndarray, a: np.ndarray, iterations: int) -> tuple[float, float]:
+    """Bounds on ``max v.x`` subject to ``a.T @ x <= 1`` and ``0 <= x <= 1`` (``a``: cells x
+    rows, non-negative): the dual ``sum(mu) + sum(max(0, v - a @ mu))`` at the best
+    multipliers found (an upper bound for *any* ``mu >= 0``: weak duality), and the value of
+    the best feasible ``x`` found (scaled down until it fits). The solver is a diagonally
+    preconditioned primal-dual hybrid gradient (Chambolle-Pock; PDLP's core) restarted at its
+    running averages; a primal weight of 0.02 suits these LPs (checked against HiGHS on the
+    shared traces: docs/eviction.md)."""
+    if v.size == 0:
+        return 0.0, 0.0
+    if a.shape[1] == 0:
+        return float(v.sum()), float(v.sum())
+
+    def dual(mu: np.ndarray) -> float:
+        return float(mu.sum() + np.maximum(v - a @ mu, 0.0).sum())
+
+    def fitted(x: np.ndarray) -> float:
+        return float(v @ x) / max(float((a.T @ x).max()), 1.0)
+
+    weight, period = 0.02, 500
+    tau = weight / np.maximum(a.sum(axis=1), 1e-12)
+    sigma = 1.0 / weight / np.maximum(a.sum(axis=0), 1e-12)
+    x, mu = np.zeros(v.size), np.zeros(a.shape[1])
+    x_sum, mu_sum, n = np.zeros_like(x), np.zeros_like(mu), 0
+    best_dual, best_fit = dual(mu), 0.0
+    for i in range(iterations):
+        x_next = np.clip(x + tau * (v - a @ mu), 0.0, 1.0)
+        mu = np.maximum(mu + sigma * (a.T @ (2.0 * x_next - x) - 1.0), 0.0)
+        x = x_next
+        x_sum, mu_sum, n = x_sum + x, mu_sum + mu, n + 1
+        if i % 50 == 49 or i == iterations - 1:
+            best_dual = min(best_dual, dual(mu), dual(mu_sum / n))
+            best_fit = max(best_fit, fitted(x), fitted(x_sum / n))
+        if i % period == period - 1:
+            if dual(mu_sum / n) < dual(mu):  # restart at the average when it is the better point
+                x, mu = x_sum / n, mu_sum / n
+            x_sum, mu_sum, n = np.zeros_like(x), np.zeros_like(mu), 0
+    return best_dual, best_fit
+
+
+def instant_window_bound(segments: ClassSegments, capacity: int, ratio: float | None = None,
+                         epochs: int = 1, step: int = 16, iterations: int = 6000) -> InstantBound:
+    """:func:`window_bound`'s family held to ``capacity`` at every instant instead of on
+    average: the most block hits of a rule that holds a block, at each access tick, with a
+    probability that depends only on its class, its age cell (:func:`age_grid` at ``ratio``)
+    and, with ``epochs`` above 1, on which of that many equal runs of the trace the tick falls
+    in (a table rebuilt that often, each chosen in hindsight), and that never holds more than
+    ``capacity`` blocks. Prefetch is free (a block may be held at any set of its ages), admission is
+    free, reuses count block by block without the prefix constraint, and each class's
+    statistics (each epoch's, with ``epochs``) are known exactly: optimistic in all of these,
+    so an upper bound for that family. A deterministic rule of the family is the case of
+    probabilities 0 and 1; keep-until rules are the case of a window that starts at age 0.
+
+    The family does *not* contain rules whose decision for a cell moves with the tier's load
+    within an epoch (a priority order that evicts the lowest-ranked block when
+    the tier is full, as eviction/density.py does): the rule is a table, not an order. Nor
+    does it contain the rules of :func:`class_bound` and :func:`window_bound`, which hold
+    their capacity on average only (a real tier cannot), so it is lower than both.
+
+    The LP (one variable per cell with a reuse, one capacity row per ``step`` accesses: the
+    blocks held summed over the step, at most ``capacity * step``; merging rows relaxes the
+    per-tick rows, so the bound stays a bound) is solved through its dual, and ``bound`` is the
+    dual's value at the multipliers found, a true upper bound however far the solver got;
+    ``feasible`` is a rule of the relaxation it found, so the gap shows how tight it is.
+    Epochs are independent LPs (a row involves only its epoch's cells), summed."""
+    if step < 1 or epochs < 1:
+        raise ValueError(f"step and epochs must be >= 1, got step={step}, epochs={epochs}")
+    load, hit_cell, hit_tick = _cell_occupancy(segments, age_grid(segments.accesses, ratio), step)
+    rows = load.shape[1]
+    per = max(-(-rows // epochs), 1)
+    bound = feasible = 0.0
+    cells = 0
+    for first in range(0, rows, per):
+        last = min(first + per, rows)
+        inside = (hit_tick > first * step) & (hit_tick <= last * step)
+        v = np.bincount(hit_cell[inside], minlength=load.shape[0]).astype(np.float64)
+        used = v > 0
+        b, f = _packing_dual(v[used], load[used, first:last] / (capacity * step), iterations)
+        bound, feasible, cells = bound + b, feasible + f, cells + int(used.sum())
+    return InstantBound(bound, feasible, cells, rows)
+
+
+def priority_order_hits(segments: ClassSegments, capacity: int, ratio: float | None = None) -> float:
+    """The block hits of one rule that :func:`instant_window_bound`'s family leaves out: a
+    *priority order* over the same (class, age cell)s, ranked by each cell's whole-trace reuses
+    per unit of space-time (exact statistics known in advance, as for the bounds), that holds
+    at every access tick the ``capacity`` blocks of the best-ranked cells (prefetch free and
+    instant, as for the bounds; the cell on the edge is held in part, a random share of its
+    blocks, so this is an expected count, with no tie broken by the future). Its cut moves
+    with the tier's load, which no table does. Not a bound: one rule's hits, so a lower bound
+    on the best priority order's."""
+    load, hit_cell, hit_tick = _cell_occupancy(segments, age_grid(segments.accesses, ratio), 1)
+    if not load.size:
+        return 0.0
+    reuses = np.bincount(hit_cell, minlength=load.shape[0]).astype(np.float64)
+    order = np.argsort(-reuses / np.maximum(load.sum(axis=1), 1.0), kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    tick = hit_tick - 1
+    above = np.zeros(tick.size)
+    for first in range(0, load.shape[1], 65_536):  # the running total over ranks, a slice of ticks at a time
+        inside = (tick >= first) & (tick < first + 65_536)
+        held = np.cumsum(load[order, first : first + 65_536], axis=0)
+        r, t = rank[hit_cell[inside]], tick[inside] - first
+        above[inside] = np.where(r > 0, held[np.maximum(r - 1, 0), t], 0.0)
+    share = (capacity - above) / np.maximum(load[hit_cell, tick], 1.0)
+    return float(np.clip(share, 0.0, 1.0).sum())

@@ -40,9 +40,11 @@ from tools.replay.bounds import (
     class_bound,
     class_segments,
     holdout_window_hits,
+    instant_window_bound,
     keep_until_occupancy,
     next_use,
     policy_class_segments,
+    priority_order_hits,
     unlimited,
     window_bound,
 )
@@ -367,11 +369,16 @@ def first_tier_bounds(trace: Trace, capacity: int, served: float) -> dict[str, A
     richer classes of ``class_segments``), or hold it at any set of ages per class, i.e. evict
     and prefetch back (``window_bound``, both class sets; for `density`'s classes also at the
     age resolutions of :data:`WINDOW_RATIOS`, with what each grid is worth when fitted on the
-    first half and applied to the second: ``holdout_window_hits``)."""
+    first half and applied to the second: ``holdout_window_hits``). Those hold the tier's
+    capacity on average only; ``instant_window_bound`` holds it at every instant, for rules
+    that hold by a table over `density`'s cells (static, or rebuilt once halfway with each
+    half's statistics), beside the hits of one priority order over the same cells that its
+    family leaves out (``priority_order_hits``: not a bound)."""
     own, rich = policy_class_segments(trace), class_segments(trace)
     share = lambda hits: round(min(hits / max(served, 1.0), 1.0), 6)  # noqa: E731
     held = lambda got: round(got[0] / max(got[1], 1), 6)  # noqa: E731
     occupancy = keep_until_occupancy(own, capacity)
+    instant = instant_window_bound(own, capacity, RATIO)
     return {
         # The keep-until bound holds `capacity` blocks on average: how far its occupancy strays.
         "keep_until_occupancy_first_tier_blocks": {
@@ -387,6 +394,12 @@ def first_tier_bounds(trace: Trace, capacity: int, served: float) -> dict[str, A
         "holdout_window_by_age_ratio_first_tier_hit_share": {
             **{f"{r:g}": held(holdout_window_hits(own, capacity, r)) for r in WINDOW_RATIOS},
             "fine": held(holdout_window_hits(own, capacity))},
+        # Held to the capacity at every instant (tables over density's cells; LP, certified dual).
+        "instant_window_bound_first_tier_hit_share": share(instant.bound),
+        "instant_window_feasible_first_tier_hit_share": share(instant.feasible),
+        "instant_window_bound_halves_first_tier_hit_share": share(
+            instant_window_bound(own, capacity, RATIO, epochs=2).bound),
+        "priority_order_first_tier_hit_share": share(priority_order_hits(own, capacity, RATIO)),
     }
 
 
@@ -474,7 +487,11 @@ def _emit_windows(head: str, row: dict[str, Any]) -> None:
           + f", 600 steps {row['window_bound_first_tier_hit_share']:.3f}; fitted on the first half, second half: "
           + ", ".join(f"{r} {v:.3f}" for r, v in fitted.items())
           + f"; keep-until occupancy {row['keep_until_occupancy_first_tier_blocks']} blocks, over the tier's"
-          f" capacity at {100 * row['keep_until_over_capacity_share']:.0f}% of accesses", flush=True)
+          f" capacity at {100 * row['keep_until_over_capacity_share']:.0f}% of accesses; held to the capacity at every"
+          f" instant, density's buckets: table {row['instant_window_bound_first_tier_hit_share']:.3f} (a feasible"
+          f" one {row['instant_window_feasible_first_tier_hit_share']:.3f}), rebuilt halfway"
+          f" {row['instant_window_bound_halves_first_tier_hit_share']:.3f}; one priority order (not a bound)"
+          f" {row['priority_order_first_tier_hit_share']:.3f}", flush=True)
 
 
 def emit(row: dict[str, Any], as_json: bool) -> None:
