@@ -44,8 +44,9 @@ from eviction.density import NUM_BUCKETS, DensityConfig, DensityPolicy, age_buck
 from kvstore.errors import ConfigError
 
 
-def _log_bins(x: np.ndarray, base: float, top: int) -> np.ndarray:
-    """0 for x <= 0, else ``1 + floor(log_base(x))``, clipped to ``top - 1``."""
+def _log_bins(x: np.ndarray, base: float, top: int | np.ndarray) -> np.ndarray:
+    """0 for x <= 0, else ``1 + floor(log_base(x))``, clipped to ``top - 1`` (``top``: one per
+    row of a 2-D ``x`` as a column, so that several features are binned in one pass)."""
     xf = np.maximum(x, 1).astype(np.float64)
     out = (np.log(xf) * (1.0 / np.log(base))).astype(np.int64) + 1
     out[x <= 0] = 0
@@ -62,6 +63,9 @@ GROUPS: tuple[tuple[str, int], ...] = (
 )
 """The model's feature groups (name, bins); one weight per bin."""
 
+
+_BASE2 = {"gap1": _GAP, "gap2": _GAP, "depth": _DEPTH, "put_len": _LEN, "root_age": _ROOTA}
+"""The features, beside hits and root hits, binned by ``_log_bins(x, 2.0, bins)``, with their bins."""
 
 OBJECTIVES = ("tiebreak", "window")
 BASE_GROUPS = tuple(g for g, _ in GROUPS if " x " not in g)
@@ -177,6 +181,8 @@ class LRBPolicy(DensityPolicy):
         names = self.lrb.groups or tuple(g for g, _ in GROUPS)
         self._use = [i for i, (g, _) in enumerate(GROUPS) if g in names]
         self._crosses = any(" x " in GROUPS[g][0] for g in self._use)
+        self._base2 = [GROUPS[g][0] for g in self._use if GROUPS[g][0] in _BASE2]
+        self._tops2 = np.array([_HITS, _ROOTH, *(_BASE2[n] for n in self._base2)])[:, None]  # (features' rows)
         self._s_bins = np.zeros((len(self._use), r), np.int64)
         self._s_tick = np.zeros(r, np.int64)
         self._s_gap = np.full(r, -2, np.int64)
@@ -321,9 +327,16 @@ class LRBPolicy(DensityPolicy):
             hits = depth = kids = np.zeros(ids.size, np.int64)
             root = ids
             root_hits = hits
-        h = _log_bins(hits, 2.0, _HITS)
+        # The base-2 features the model uses, binned in one pass (the same bins one by one).
+        raw = [hits, root_hits]
+        for name in self._base2:
+            raw.append(self._gap1[ids] if name == "gap1" else self._gap2[ids] if name == "gap2"
+                       else depth if name == "depth" else self._put_len[ids] if name == "put_len"
+                       else tick - self._last[root])
+        binned = _log_bins(np.stack(raw), 2.0, self._tops2)
+        h, rh = binned[0], binned[1]
+        col = {name: binned[2 + i] for i, name in enumerate(self._base2)}
         shape = self._tail[ids] * 3 + np.minimum(kids, 2)
-        rh = _log_bins(root_hits, 2.0, _ROOTH)
         if self._table is None:
             dens = np.zeros(ids.size, np.int64)
         else:
@@ -332,14 +345,14 @@ class LRBPolicy(DensityPolicy):
         a2 = _log_bins(age, 2.0, _AGE2) if self._crosses else age
         make = {  # (only the groups the model uses are computed)
             "age": lambda: _log_bins(age, 1.5, _AGE),
-            "gap1": lambda: _log_bins(self._gap1[ids], 2.0, _GAP),
-            "gap2": lambda: _log_bins(self._gap2[ids], 2.0, _GAP),
+            "gap1": lambda: col["gap1"],
+            "gap2": lambda: col["gap2"],
             "hits": lambda: h,
-            "depth": lambda: _log_bins(depth, 2.0, _DEPTH),
+            "depth": lambda: col["depth"],
             "shape": lambda: shape,
-            "put_len": lambda: _log_bins(self._put_len[ids], 2.0, _LEN),
+            "put_len": lambda: col["put_len"],
             "root_hits": lambda: rh,
-            "root_age": lambda: _log_bins(tick - self._last[root], 2.0, _ROOTA),
+            "root_age": lambda: col["root_age"],
             "density": lambda: dens,
             "age x hits": lambda: a2 * _HITS + h,
             "age x shape": lambda: a2 * _SHAPE + shape,
