@@ -304,7 +304,7 @@ class Ledger:
         policies = self.policies
         rev = hit[::-1].tolist()
         masks = idx.tiers[hit[::-1]].tolist()
-        if masks.count(masks[0]) == len(masks):
+        if masks and masks.count(masks[0]) == len(masks):
             # Every block in the same tiers (a hit's usual case): one loop per tier, no mask walk
             # per block; each policy sees the same touches in the same order.
             for k in bits(masks[0]):

@@ -167,15 +167,14 @@ class Storer:
     def write_staged(self, plan: StorePlan) -> None:
         """Outside the lock: the staged payloads into the first tier, one ``write_many``."""
         info, hashes, srcs, start, now = plan.info, plan.hashes, plan.srcs, plan.start, plan.now
-        digest, staged = info.digest, plan.staged
+        staged = plan.staged
         a, b = staged[0], staged[-1] + 1  # (consecutive positions: the new suffix)
-        parents = list(hashes[a - 1 : b - 1]) if a else [digest, *hashes[: b - 1]]
         views = srcs[a - start : b - start]
         if self.tiers[0].persistent:
             checksums = [payload_checksum(v) for v in views]
         else:  # a volatile tier's copies defer theirs (CHECKSUM_DEFERRED)
             checksums = [CHECKSUM_DEFERRED] * len(views)
-        plan.metas = metas = BlockMeta.of_chain(digest, parents, a, info.block_bytes, now + info.ttl_s, checksums, now)
+        plan.metas = metas = _chain_metas(info, hashes, a, checksums, now)
         items = list(zip(cast("list[BlockHash]", hashes[a:b]), views, metas, strict=True))
         try:
             results = self.tiers[0].write_many(items)
@@ -313,11 +312,8 @@ class Storer:
         """The records :meth:`commit` publishes with reserved blocks ``first .. first+count-1``.
         Reads only the plan, fixed at the reservation: no lock needed (a caller may build them
         while the copies into the slots are in flight, :meth:`Reservation.prepare`)."""
-        info, hashes, now = plan.info, plan.hashes, plan.now
-        digest, a, b = info.digest, first, first + count
-        parents = list(hashes[a - 1 : b - 1]) if a else [digest, *hashes[: b - 1]]
         # A volatile tier's copies defer their checksums (CHECKSUM_DEFERRED), as in a put.
-        return BlockMeta.of_chain(digest, parents, a, info.block_bytes, now + info.ttl_s, [CHECKSUM_DEFERRED] * count, now)
+        return _chain_metas(plan.info, plan.hashes, first, [CHECKSUM_DEFERRED] * count, plan.now)
 
     def commit(self, plan: StorePlan, first: int, slots: list[int], count: int,
                metas: list[BlockMeta] | None = None) -> None:
@@ -412,3 +408,10 @@ class Storer:
             finally:
                 del src
         self.tiers[p].flush()
+
+
+def _chain_metas(info: NsInfo, hashes: Sequence[bytes], a: int, checksums: list[int], now: float) -> list[BlockMeta]:
+    """The records of the chain's blocks ``a .. a+len(checksums)-1``, stored at ``now``."""
+    b = a + len(checksums)
+    parents = list(hashes[a - 1 : b - 1]) if a else [info.digest, *hashes[: b - 1]]
+    return BlockMeta.of_chain(info.digest, parents, a, info.block_bytes, now + info.ttl_s, checksums, now)
