@@ -328,12 +328,11 @@ class LRBPolicy(DensityPolicy):
             root = ids
             root_hits = hits
         # The base-2 features the model uses, binned in one pass (the same bins one by one).
-        raw = [hits, root_hits]
-        for name in self._base2:
-            raw.append(self._gap1[ids] if name == "gap1" else self._gap2[ids] if name == "gap2"
-                       else depth if name == "depth" else self._put_len[ids] if name == "put_len"
-                       else tick - self._last[root])
-        binned = _log_bins(np.stack(raw), 2.0, self._tops2)
+        inputs = {
+            "gap1": lambda: self._gap1[ids], "gap2": lambda: self._gap2[ids], "depth": lambda: depth,
+            "put_len": lambda: self._put_len[ids], "root_age": lambda: tick - self._last[root],
+        }
+        binned = _log_bins(np.stack([hits, root_hits, *(inputs[name]() for name in self._base2)]), 2.0, self._tops2)
         h, rh = binned[0], binned[1]
         col = {name: binned[2 + i] for i, name in enumerate(self._base2)}
         shape = self._tail[ids] * 3 + np.minimum(kids, 2)
