@@ -368,3 +368,14 @@ def test_store_then_retrieve_on_a_full_dram_tier_hits_all(tmp_path: Path) -> Non
             buf = np.zeros(8 * BB, np.uint8)
             assert s.get_into(SMALL_NS, c, buf) == 8
             assert buf[:BB].tobytes() == payload(c[0])
+
+
+def test_touching_an_empty_hit_raises_nothing_and_reorders_nothing(null_store: Make) -> None:
+    """``Ledger.touch_hits`` of no blocks (its same-tiers fast path reads the first block's tiers)
+    leaves every policy's order as it was: the oldest leaf still leaves first."""
+    s = null_store(2)
+    put(s, ["a0"])
+    put(s, ["b0"])
+    s._ledger.touch_hits(np.empty(0, np.int64), 10.0, 20.0)  # noqa: SLF001 - the ledger's own call
+    put(s, ["c0"])
+    assert resident(s) == {"b0", "c0"}
