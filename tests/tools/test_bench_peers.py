@@ -341,21 +341,24 @@ def test_paged_cache_blocks_are_disjoint_and_a_wrong_page_is_counted() -> None:
 
 
 def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
-    # 64 tokens: the whole prefix is kvstore's head; 512 (32 blocks): a head of 16 and the rest
-    code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "64,512", "--layers", "2", "--rounds", "1",
+    # 64 tokens: the whole prefix is kvstore's head; 1,024 (64 blocks): a head of 16 and the rest
+    # (kvstore-ranges: the head, 32 blocks in whole-block ranges, a tail of 16 by layer groups)
+    code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "64,1024", "--layers", "2", "--rounds", "1",
                        "--dir", str(tmp_path)])
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     by = {r["metric"]: r for r in rows}
-    for peer in ("kvstore", "kvstore-nohead", "kvstore-head4", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
-        for size, blocks in ((64, 4), (512, 32)):
+    for peer in ("kvstore", "kvstore-nohead", "kvstore-head4", "kvstore-g16", "kvstore-ranges", "kvstore-put",
+                 "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
+        for size, blocks in ((64, 4), ("1k", 64)):
             for op in ("restore", "save"):
                 r = by[f"{peer}_paged_{size}_{op}"]
                 assert r["verified"] and r["wrong_pages"] == 0 and r["missing_tokens"] == 0, r
                 assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == blocks * r["block_bytes"]
     assert set(by["kvstore-blocks_paged_64_restore"]["phases_ms"]) == {"hash", "lease", "queue"}
-    assert set(by["kvstore_paged_512_restore"]["phases_ms"]) == {"head", "hash", "lease", "queue"}
-    assert set(by["kvstore-head4_paged_512_restore"]["phases_ms"]) == {"head", "hash", "lease", "queue"}
+    head = {"head", "head_hash", "head_lease", "head_queue", "hash", "lease", "queue"}
+    assert set(by["kvstore_paged_1k_restore"]["phases_ms"]) == head
+    assert set(by["kvstore-head4_paged_1k_restore"]["phases_ms"]) == head
     assert set(by["kvstore_paged_64_save"]["save_phases_ms"]) == {"reserve", "queue", "prepare", "wait", "commit", "pieces"}
     assert set(by["kvstore-put_paged_64_save"]["save_phases_ms"]) == {"queue", "wait", "put", "pieces"}
     # LMCache's vLLM connector is CUDA only: one row says so, the kvstore rows still came
@@ -379,7 +382,7 @@ def test_copy_scale_rows_name_each_thread_count_against_one_thread() -> None:
 
 
 def test_paged_only_names_the_paged_stores() -> None:
-    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-head4, kvstore-put, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
+    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-head4, kvstore-g16, kvstore-ranges, kvstore-put, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
         list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
             parser().parse_args(["--device", "cpu", "--only", "mooncake"])))
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import statistics
 import time
@@ -151,6 +152,28 @@ def main() -> None:
     step["block_ids_256_pinned"] = _us(
         lambda: torch.as_tensor(dst, dtype=torch.long).pin_memory().to(dev, non_blocking=True), 100)
     print(json.dumps({"probe": "head", "us": step}), flush=True)
+    # The bench's own loop (zero the pages, a timed pinned copy, a timed restore), with the
+    # collector on and off: whether the head's time in the bench is the collector's.
+    h2d = lambda: flat.copy_(pinned, non_blocking=True)  # noqa: E731
+    for label, off in (("gc_on", False), ("gc_off", True), ("gc_on_again", False)):
+        if off:
+            gc.disable()
+        before = sum(st["collections"] for st in gc.get_stats())
+        s.phases = {}
+        times = []
+        for _ in range(16):
+            cache.zero(dst)
+            _ms(h2d, 1)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            s.restore(prompt, dst)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        gc.enable()
+        phases = {k: round(statistics.median(v) * 1e3, 3) for k, v in s.phases.items()}
+        print(json.dumps({"probe": "restore_loop", "gc": label, "ms": round(statistics.median(times[1:]) * 1e3, 3),
+                          "ms_min": round(min(times[1:]) * 1e3, 3), "phases_ms": phases,
+                          "collections": sum(st["collections"] for st in gc.get_stats()) - before}), flush=True)
     s.close()
 
 
