@@ -215,6 +215,24 @@ class ArenaBlocks(_ArenaRows):
         self._store.release(self.lease)
 
 
+class PeekedBlocks(_ArenaRows):
+    """Blocks where the arena held them at a :meth:`kvstore.store.KVStore.peek_arena`, held by
+    nothing: a copy from them may be queued before the lease is taken, and is kept only for the
+    leading blocks :meth:`kvstore.store.KVStore.confirm_peek` confirms against that lease (the
+    rest are copied again from the lease, on the same stream, after it)."""
+
+    def __init__(self, peek: Any) -> None:
+        super().__init__(peek.arena, tuple(peek.locations))
+        self.peek = peek
+
+    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0, stream: Any = None) -> int:
+        """As :meth:`ArenaBlocks.copy_into`."""
+        return self._copy(dst, lo, hi, first, True, stream)
+
+    def release(self) -> None:
+        """Nothing is held."""
+
+
 class ArenaSlots(_ArenaRows):
     """The arena slots of a store reservation (:meth:`kvstore.store.KVStore.reserve`), written
     straight from the device: a save's one device-to-host copy lands where the store keeps the

@@ -58,6 +58,22 @@ class Lease:
         return len(self.locations)
 
 
+@dataclass(frozen=True, slots=True)
+class ArenaPeek:
+    """Where the arena held the leading blocks of a prompt at one instant, *without holding
+    them* (:meth:`KVStore.peek_arena`): a reader may start copying them at once, and keeps
+    the copy only for the blocks :meth:`KVStore.confirm_peek` confirms once it holds a lease."""
+
+    arena: str
+    locations: tuple[tuple[int, int], ...]
+    stamp: int
+    """The arena's count of freed slots when the locations were read."""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.locations)
+
+
 def field_diffs(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
     """``(dotted key, a's value, b's value)`` of every field where two nested dicts differ."""
     for k in sorted(set(a) | set(b)):

@@ -12,6 +12,7 @@ Not thread-safe by itself: the owning tier holds its lock around calls.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,10 @@ class SlabAllocator:
         self._empty: set[int] = set()  # assigned slabs with no used slot: free for any class
         self._stale: set[int] = set()  # slabs whose free lists wait for claims to settle
         self.used_bytes = 0  # bytes of slots handed out (padded)
+        self.frees = 0
+        """Slots freed so far: the stamp an optimistic reader takes (``freed_since``)."""
+        self.freed_at: dict[int, int] = {}
+        """``offset -> frees`` when that slot was last freed."""
 
     def slot_bytes(self, size: int) -> int:
         """The size class of a ``size``-byte block."""
@@ -124,11 +129,20 @@ class SlabAllocator:
             raise RuntimeError(f"free of offset {offset}: not an allocated slot (double free?)")
         slab.busy[k] = 0
         slab.free.append(k)
+        self.frees += 1
+        self.freed_at[offset] = self.frees
         slab.used -= 1
         self.used_bytes -= slab.slot_bytes
         self._partial.setdefault(slab.slot_bytes, set()).add(slab.index)
         if slab.used == 0:
             self._empty.add(slab.index)
+
+    def freed_since(self, offsets: Iterable[int], stamp: int) -> bool:
+        """Whether any slot at ``offsets`` was freed after ``frees`` was ``stamp``."""
+        if self.frees == stamp:
+            return False
+        at = self.freed_at.get
+        return any(at(o, 0) > stamp for o in offsets)
 
     def claim(self, offset: int, size: int) -> None:
         """Mark the slot at ``offset`` used (rebuilding occupancy after a restart)."""

@@ -225,6 +225,27 @@ class DramTier(Tier):
             entries = [get(k) for k in keys]  # type: ignore[call-overload]
         return [None if e is None else (e[0], e[1].size) for e in entries]
 
+    def peek(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, int]], int]:
+        """``(offset, size)`` of the leading ``keys`` the arena holds now, and the free stamp
+        they were seen at, for a reader that copies them before it holds them (an optimistic
+        read): its bytes are valid only if :meth:`freed_since` says no slot of them was freed
+        since (a slot is never rewritten for another key without being freed first)."""
+        get = self._map.get
+        out: list[tuple[int, int]] = []
+        with self._lock:
+            stamp = self._alloc.frees
+            for k in keys:
+                e = get(k)  # type: ignore[call-overload]
+                if e is None:
+                    break
+                out.append((e[0], e[1].size))
+        return out, stamp
+
+    def freed_since(self, offsets: Iterable[int], stamp: int) -> bool:
+        """Whether a slot at one of ``offsets`` was freed after :meth:`peek` gave ``stamp``."""
+        with self._lock:
+            return self._alloc.freed_since(offsets, stamp)
+
     # ---- Tier --------------------------------------------------------------------------------
 
     def contains(self, key: BlockHash) -> bool:

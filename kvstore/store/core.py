@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.api import Lease, LookupResult
+from kvstore.api import ArenaPeek, Lease, LookupResult
 from kvstore.buffers import dst_views, src_views
 from kvstore.clock import Clock, system_clock
 from kvstore.config import StoreConfig
@@ -288,6 +288,37 @@ class KVStore:
                     self._loader.finish(plan, held)
         trace.done(plan.served[:held])
         return Lease(arena.shm_name, tuple(locations), plan.ids[:held].copy())
+
+    def peek_arena(self, ns: Namespace, hashes: Sequence[bytes]) -> ArenaPeek:
+        """Where the shared-memory arena holds the leading blocks of ``hashes`` now, holding
+        nothing: an optimistic read for a reader that wants its first copy queued before it takes
+        the lease (the GPU restore's head). Counts, touches and checks nothing else (no expiry, no
+        tenant's hit): a block may leave right after, so bytes copied from these locations are
+        kept only for the leading blocks :meth:`confirm_peek` confirms against a lease taken
+        afterwards; the rest are read again from the lease."""
+        self._ns(ns)
+        if self._arena is None:
+            raise UsageError("peek_arena needs a shared-memory tier: add a kind = 'dram' tier first in the config")
+        arena = self.tiers[self._arena]
+        locations, stamp = arena.peek(hashes)  # type: ignore[attr-defined]
+        return ArenaPeek(arena.shm_name, tuple(locations), stamp)  # type: ignore[attr-defined]
+
+    def confirm_peek(self, peek: ArenaPeek, lease: Lease) -> int:
+        """How many leading blocks of ``peek`` a reader that copied them may keep, now that it
+        holds ``lease`` (taken after the peek, for the same prompt): those the lease holds at the
+        same locations, provided no slot of them was freed since the peek (then they held those
+        very blocks throughout, and the lease keeps them there). 0 when any was freed: read them
+        again from the lease."""
+        if self._arena is None or peek.arena != lease.arena:
+            return 0
+        k = 0
+        for a, b in zip(peek.locations, lease.locations, strict=False):
+            if a != b:
+                break
+            k += 1
+        if k and self.tiers[self._arena].freed_since([off for off, _ in peek.locations[:k]], peek.stamp):  # type: ignore[attr-defined]
+            return 0
+        return k
 
     def release(self, lease: Lease) -> None:
         """Give back a :meth:`acquire` lease: its blocks may move and leave again. Idempotent."""

@@ -348,7 +348,7 @@ def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.Captu
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     by = {r["metric"]: r for r in rows}
-    for peer in ("kvstore", "kvstore-nohead", "kvstore-head4", "kvstore-g16", "kvstore-ranges", "kvstore-put",
+    for peer in ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-g16", "kvstore-ranges", "kvstore-put",
                  "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
         for size, blocks in ((64, 4), ("1k", 64)):
             for op in ("restore", "save"):
@@ -359,6 +359,8 @@ def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.Captu
     head = {"head", "head_hash", "head_lease", "head_queue", "hash", "lease", "queue"}
     assert set(by["kvstore_paged_1k_restore"]["phases_ms"]) == head
     assert set(by["kvstore-head4_paged_1k_restore"]["phases_ms"]) == head
+    assert by["kvstore_paged_1k_restore"]["head_by"] == "peek" and by["kvstore_paged_1k_restore"]["head_reread"] == 0
+    assert by["kvstore-leasehead_paged_1k_restore"]["head_by"] == "lease"
     assert set(by["kvstore_paged_64_save"]["save_phases_ms"]) == {"reserve", "queue", "prepare", "wait", "commit", "pieces"}
     assert set(by["kvstore-put_paged_64_save"]["save_phases_ms"]) == {"queue", "wait", "put", "pieces"}
     # LMCache's vLLM connector is CUDA only: one row says so, the kvstore rows still came
@@ -381,8 +383,37 @@ def test_copy_scale_rows_name_each_thread_count_against_one_thread() -> None:
     assert {r["direction"] for r in into} == {"into the arena"}
 
 
+def test_a_peeked_head_the_lease_does_not_confirm_is_copied_again(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+    import torch
+
+    from tools.bench._peers.paged import Cache, KvstorePaged, page_spec
+
+    cache = Cache(page_spec(2), 1024, torch.device("cpu"))
+    s = KvstorePaged()
+    s.open(cache, 64 << 20, str(tmp_path))
+    try:
+        s.prepare(1024)
+        src, dst = cache.blocks(1024)
+        prompt = np.arange(1024, dtype=np.int64)
+        s.save(prompt, src)
+        real = s.kv.peek_arena
+
+        def stale(ns, hashes):  # type: ignore[no-untyped-def]
+            # the head's blocks seen where others lie now (as if they moved after the peek)
+            p = real(ns, hashes)
+            return type(p)(p.arena, p.locations[::-1], p.stamp)
+
+        monkeypatch.setattr(s.kv, "peek_arena", stale)
+        assert s.restore(prompt, dst) == 1024
+        assert s.reread == 1 and s.info()["head_reread"] == 1
+        assert cache.wrong_pages(src, dst) == 0
+    finally:
+        s.close()
+
+
 def test_paged_only_names_the_paged_stores() -> None:
-    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-head4, kvstore-g16, kvstore-ranges, kvstore-put, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
+    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-leasehead, kvstore-head4, kvstore-g16, kvstore-ranges, kvstore-put, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
         list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
             parser().parse_args(["--device", "cpu", "--only", "mooncake"])))
 

@@ -44,7 +44,7 @@ echo "== head probe ($(date -u +%T))"
 timeout 60 python3 -m tools.bench._peers.headprobe > "$OUTD/headprobe.jsonl" || echo "peers: head probe exit $?"
 cat "$OUTD/headprobe.jsonl"
 
-KV=${KV:-kvstore,kvstore-ranges}
+KV=${KV:-kvstore,kvstore-leasehead,kvstore-ranges}
 for i in 1 2 3; do
     t=$(left)
     if [ "$t" -lt 50 ]; then echo "peers: $t s left, run $i skipped"; continue; fi
@@ -72,9 +72,9 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("peers-cuda-r*.jsonl")):
         r = json.loads(line)
         m = r.get("metric", "")
         if m.startswith(("kvstore_vs_lmcache-nhd", "kvstore-put_vs_lmcache-nhd", "kvstore-head4_vs_lmcache-nhd",
-                         "kvstore-g16_vs_lmcache-nhd", "kvstore-ranges_vs_lmcache-nhd")):
+                         "kvstore-g16_vs_lmcache-nhd", "kvstore-ranges_vs_lmcache-nhd", "kvstore-leasehead_vs_lmcache-nhd")):
             print(f.name, m, round(r["ratio"], 3))
-        elif m.startswith(("kvstore_paged_", "kvstore-head4_paged_", "kvstore-g16_paged_", "kvstore-ranges_paged_")) and ("phases_ms" in r or "save_phases_ms" in r):
+        elif m.startswith(("kvstore_paged_", "kvstore-head4_paged_", "kvstore-g16_paged_", "kvstore-ranges_paged_", "kvstore-leasehead_paged_")) and ("phases_ms" in r or "save_phases_ms" in r):
             print(f.name, m, r.get("ms"), r.get("phases_ms") if m.endswith("restore") else r.get("save_phases_ms"))
 PY
 echo "== done after $((SECONDS - START)) s ($(date -u +%T))"

@@ -80,7 +80,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.gpu import ArenaBlocks, ArenaSlots, release_arenas
+from engine.gpu import ArenaBlocks, ArenaSlots, PeekedBlocks, release_arenas
 from engine.vllm.pages import PagedKV, PageSpec, layer_rows
 from kvstore.buffers import default_piece_bytes
 from kvstore.config import StoreConfig, TierSpec
@@ -106,7 +106,7 @@ MAX_SAVE_PIECES = 16  # block ranges a save copies to the host and puts in turn 
 D2H_PIECE_BYTES = 128 << 20  # a reserved save's ranges: gathered, then copied into their arena slots in turn
 WARM_TOKENS = 256  # the untimed save and restore every store makes once it is open (one LMCache chunk)
 GiB = float(1 << 30)
-PEERS = ("kvstore", "kvstore-nohead", "kvstore-head4", "kvstore-g16", "kvstore-ranges", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
+PEERS = ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-g16", "kvstore-ranges", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
 GOALS = {"lmcache": 1.2}  # the restore's; the save's: at least LMCache's (1x)
 SETTLE_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 20.0  # issue 20: kvstore >= 1.2x LMCache
@@ -399,12 +399,19 @@ class KvstorePaged:
     layer_group = LAYER_GROUP
     """Layers the restore copies to the device at a time (the last group: ``LAST_GROUP``)."""
 
+    head_by = "peek"
+    """How the head's copy is queued: ``peek`` (from where :meth:`KVStore.peek_arena` saw its
+    blocks, before any lease; kept for the blocks :meth:`KVStore.confirm_peek` confirms once the
+    whole prefix is leased, the rest copied again from the lease) or ``lease`` (the head leased
+    first, then the whole prefix: two leases; the seventh session's restore)."""
+
     def restore(self, tokens: np.ndarray, ids: list[int]) -> int:
-        """Lease the head of the prefix and queue its copy to the device, so that the link
-        starts moving bytes at once; then hash and lease the whole prefix and queue the rest
-        (:meth:`_scatter`). The two leases hold the head's blocks twice; both go back at the end."""
+        """Queue the head's copy to the device at once, so that the link starts moving bytes
+        (from a peek at the arena, or a lease of the head: :attr:`head_by`); then hash and lease
+        the whole prefix, confirm the head, and queue the rest (:meth:`_scatter`)."""
         t0 = time.perf_counter()
-        head: ArenaBlocks | None = None
+        head: Any = None
+        peek: Any = None
         self._head = None
         n_all = len(tokens) // BLOCK
         h = min(max(self.head_blocks, n_all // self.head_share), n_all) if self.head_blocks else 0
@@ -413,16 +420,25 @@ class KvstorePaged:
         if h:
             hashes = hash_blocks(self.ns, tokens[: h * BLOCK])
             th = time.perf_counter()
-            head = ArenaBlocks(self.kv, self.kv.acquire(self.ns, hashes))
+            if self.head_by == "peek":
+                peek = self.kv.peek_arena(self.ns, hashes)
+                head = PeekedBlocks(peek)
+            else:
+                head = ArenaBlocks(self.kv, self.kv.acquire(self.ns, hashes))
             tl = time.perf_counter()
             if head.num_blocks:
-                self._head = (head.num_blocks, self._queue_head(head))
+                self._head = (head.num_blocks, self._queue_head(head, head.num_blocks))
         t1 = time.perf_counter()
         # The rest of the chain goes on from the head's last hash (each block hashed once).
         hashes += hash_blocks(self.ns, tokens[h * BLOCK :], parent=hashes[-1] if hashes else None)
         t2 = time.perf_counter()
         lease = self.kv.acquire(self.ns, hashes)
         blocks = ArenaBlocks(self.kv, lease)
+        if peek is not None and self._head is not None:
+            hb = min(self._head[0], blocks.num_blocks)
+            if self.kv.confirm_peek(peek, lease) < hb:  # a peeked slot changed: copy the head again
+                self.reread += 1
+                self._head = (hb, self._queue_head(blocks, hb)) if hb else None
         t3 = time.perf_counter()
         try:
             n = blocks.num_blocks
@@ -439,13 +455,17 @@ class KvstorePaged:
             self.phases.setdefault(k, []).append(v)
         return n * BLOCK
 
-    def _queue_head(self, head: ArenaBlocks) -> Any:
-        """Every byte of the head's blocks into the first rows of the staging, on the copy
-        stream; the event that says it landed (None on the CPU, where it has)."""
+    reread = 0
+    """Restores whose peeked head was not confirmed and was copied again from the lease."""
+
+    def _queue_head(self, src: Any, count: int) -> Any:
+        """Every byte of ``src``'s first ``count`` blocks into the first rows of the staging, on
+        the copy stream (after whatever it holds: a head copied again lands after the first
+        copy); the event that says it landed (None on the CPU, where it has)."""
         assert self._staging is not None
-        dst = self._staging[: head.num_blocks]
+        dst = self._staging[:count]
         if self.cache.device.type != "cuda":
-            head.copy_into(dst, 0, self.spec.block_bytes)
+            src.copy_into(dst, 0, self.spec.block_bytes)
             return None
         # No wait for the staging's last readers (a wait_stream is an event made, recorded and
         # waited on before the first DMA): every restore ends with a device synchronize. The
@@ -453,7 +473,7 @@ class KvstorePaged:
         # Queued on the copy stream without making it current (no stream switch before the
         # restore's first DMA).
         copy, ev = self._copy_stream(), self._head_landed()
-        head.copy_into(dst, 0, self.spec.block_bytes, stream=copy)
+        src.copy_into(dst, 0, self.spec.block_bytes, stream=copy)
         ev.record(copy)
         return ev
 
@@ -515,7 +535,9 @@ class KvstorePaged:
         phases = {k: round(statistics.median(v) * 1e3, 3) for k, v in self.phases.items() if v}
         self.phases = {}
         save = {k: (v if k == "pieces" else round(v * 1e3, 3)) for k, v in self.save_phases.items()}
+        reread, self.reread = self.reread, 0
         return {"block_tokens": BLOCK, "block_bytes": self.spec.block_bytes, "copy_threads": self._copy_threads,
+                "head_by": self.head_by if self.head_blocks else None, "head_reread": reread,
                 **({"phases_ms": phases} if phases else {}), **({"save_phases_ms": save} if save else {})}
 
     def close(self) -> None:
@@ -531,6 +553,14 @@ class KvstoreNohead(KvstorePaged):
 
     name = "kvstore-nohead"
     head_blocks = 0
+
+
+class KvstoreLeaseHead(KvstorePaged):
+    """The seventh session's head: leased (a second lease, of the head alone) before its copy is
+    queued, instead of peeked: what the peek gains."""
+
+    name = "kvstore-leasehead"
+    head_by = "lease"
 
 
 class KvstoreHead4(KvstorePaged):
@@ -777,7 +807,7 @@ class LmcacheNhd(LmcachePaged):
     layout = "NHD"
 
 
-STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-nohead": KvstoreNohead, "kvstore-head4": KvstoreHead4, "kvstore-g16": KvstoreG16, "kvstore-ranges": KvstoreRanges, "kvstore-put": KvstorePut,
+STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-nohead": KvstoreNohead, "kvstore-leasehead": KvstoreLeaseHead, "kvstore-head4": KvstoreHead4, "kvstore-g16": KvstoreG16, "kvstore-ranges": KvstoreRanges, "kvstore-put": KvstorePut,
                                         "kvstore-blocks": KvstoreBlocks,
                                         "kvstore-whole": KvstoreWhole, "kvstore-rows": KvstoreRows,
                                         "lmcache": LmcachePaged, "lmcache-nhd": LmcacheNhd}
@@ -852,7 +882,7 @@ def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, 
             with contextlib.suppress(Exception):
                 s.close()
     for tokens in sizes:
-        for kv in ("kvstore", "kvstore-nohead", "kvstore-head4", "kvstore-g16", "kvstore-ranges", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
+        for kv in ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-g16", "kvstore-ranges", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
             for peer in ("lmcache", "lmcache-nhd"):
                 for op, goal in (("restore", GOALS["lmcache"]), ("save", 1.0)):
                     a, b = figures.get((kv, tokens, op)), figures.get((peer, tokens, op))
