@@ -383,6 +383,20 @@ def test_copy_scale_rows_name_each_thread_count_against_one_thread() -> None:
     assert {r["direction"] for r in into} == {"into the arena"}
 
 
+def test_paired_paged_run_drives_the_stores_in_turn(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "1024", "--layers", "2", "--rounds", "2",
+                       "--only", "kvstore,kvstore-ranges,lmcache", "--paired", "--dir", str(tmp_path)])
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by = {r["metric"]: r for r in rows}
+    for peer in ("kvstore", "kvstore-ranges"):
+        restore, save = by[f"{peer}_paged_1k_restore"], by[f"{peer}_paged_1k_save"]
+        assert restore["paired"] and restore["verified"] and restore["trials"] == 2
+        assert save["save_trials"] == 3 and len(save["ms_each"]) == 3 and save["verified"]
+    assert by["lmcache_paged_open_unavailable"]["status"] == "unavailable"
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_peeked_head_the_lease_does_not_confirm_is_copied_again(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     import numpy as np
     import torch

@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
 def paged_rows(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     """``--device cuda|cpu``: the paged-KV restore bench (``tools/bench/_peers/paged.py``)."""
-    from tools.bench._peers import paged
+    from tools.bench._peers import paged, paged_run
 
     want = [x.strip() for x in (args.only or ",".join(paged.PEERS)).split(",") if x.strip()]
     unknown = [x for x in want if x not in paged.PEERS]
@@ -253,8 +253,9 @@ def paged_rows(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     sizes = args.sizes or ((1024,) if args.quick else paged.SIZES)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
-    yield from paged.run(args.device, sizes, layers=args.layers or 32, trials=args.rounds, only=only,
-                         scratch=args.dir, log=log, copy_threads=args.copy_threads)
+    yield from paged_run.run(args.device, sizes, layers=args.layers or 32, trials=args.rounds, only=only,
+                         scratch=args.dir, log=log, copy_threads=args.copy_threads,
+                         paired=args.paired)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -288,7 +289,8 @@ def parser() -> argparse.ArgumentParser:
                    help="drive the peers together in one process, interleaved call by call (each request stored "
                         "into, then retrieved from, every peer in turn), so that all see the same moments of the "
                         "machine; the comparison rows add the call-by-call ratios (paired_median_ratio). Memory: "
-                        "every peer's capacity at once")
+                        "every peer's capacity at once. With --device: every store open at once, saves and "
+                        "restores in turn (each round in another order)")
     p.add_argument("--device", choices=("host", "cuda", "cpu"), default="host",
                    help="host (default): the workload above, host buffers; cuda: one prefix restored into a "
                         "vLLM-layout paged KV cache on the GPU, kvstore against LMCache's CUDA connector "

@@ -40,16 +40,18 @@ print("imports ok; default copy_threads", default_copy_threads(),
       "cudaMemcpy2DAsync", engine.gpu._memcpy2d() is not None)
 PY
 
-echo "== head probe ($(date -u +%T))"
-timeout 60 python3 -m tools.bench._peers.headprobe > "$OUTD/headprobe.jsonl" || echo "peers: head probe exit $?"
-cat "$OUTD/headprobe.jsonl"
+if [ -n "${PROBE:-}" ]; then
+    echo "== head probe ($(date -u +%T))"
+    timeout 60 python3 -m tools.bench._peers.headprobe > "$OUTD/headprobe.jsonl" || echo "peers: head probe exit $?"
+    cat "$OUTD/headprobe.jsonl"
+fi
 
 KV=${KV:-kvstore,kvstore-leasehead,kvstore-ranges}
 for i in 1 2 3; do
     t=$(left)
     if [ "$t" -lt 50 ]; then echo "peers: $t s left, run $i skipped"; continue; fi
-    echo "== run $i: $KV,lmcache-nhd ($(date -u +%T))"
-    timeout $((t - 10)) python3 -m tools.bench peers --device cuda --json --only $KV,lmcache-nhd \
+    echo "== run $i: $KV,lmcache-nhd ${PAIRED---paired} ($(date -u +%T))"
+    timeout $((t - 10)) python3 -m tools.bench peers --device cuda --json --only $KV,lmcache-nhd ${PAIRED---paired} \
         --dir /tmp/peers-scratch > "$OUTD/peers-cuda-r$i.jsonl"
     rc=$?
     echo "peers: run $i exit $rc after $((SECONDS - START)) s"

@@ -15,8 +15,15 @@ page. Every store makes one untimed save and restore of a short prefix of its ow
 * ``{peer}_{size}_restore``: GB/s (and ms) of one retrieve of the whole cached prefix into the
   pages (tokens hashed, looked up, copied, scattered, synchronized); baseline: one ``torch``
   copy of the same bytes from a pinned host tensor to the device, in the same trials;
-* ``{peer}_{size}_save``: GB/s of storing the prefix from the pages; baseline: one ``torch``
-  copy of the same bytes from the device into a pinned host tensor.
+* ``{peer}_{size}_save``: GB/s of storing the prefix from the pages, the median of
+  ``SAVE_TRIALS`` saves up to 8K tokens (one past it), each of another prompt (a second save of a
+  cached prefix stores nothing); baseline: one ``torch`` copy of the same bytes from the device
+  into a pinned host tensor, after each save.
+
+``--paired`` (``paged_run.run(paired=True)``) opens every store at once and drives them in turn,
+save by save and restore by restore, each round starting at another store, so that a slow spell
+of the host lands on every store alike (one store after another, such a spell fell on one store's
+whole block of trials). The drivers are in ``tools/bench/_peers/paged_run.py``.
 
 The stores:
 
@@ -72,8 +79,7 @@ import statistics
 import tempfile
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +93,6 @@ from kvstore.config import StoreConfig, TierSpec
 from kvstore.errors import UsageError
 from kvstore.keys import hash_blocks
 from kvstore.store import KVStore
-from tools.bench._common import result
 from tools.bench._peers.base import PeerUnavailable
 
 SIZES = (4096, 32768)
@@ -104,6 +109,7 @@ TAIL_SHARE = 64
 BLOCK_GROUPS = 4  # block ranges kvstore-blocks copies (whole blocks, back to back) and scatters in turn
 MAX_SAVE_PIECES = 16  # block ranges a save copies to the host and puts in turn (the D2H of one under the put of the last)
 D2H_PIECE_BYTES = 128 << 20  # a reserved save's ranges: gathered, then copied into their arena slots in turn
+SAVE_TRIALS = 3  # saves timed per store up to 8K tokens, each of its own prompt (the median is the figure)
 WARM_TOKENS = 256  # the untimed save and restore every store makes once it is open (one LMCache chunk)
 GiB = float(1 << 30)
 PEERS = ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-g16", "kvstore-ranges", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
@@ -805,136 +811,3 @@ class LmcacheNhd(LmcachePaged):
 
     name = "lmcache-nhd"
     layout = "NHD"
-
-
-STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-nohead": KvstoreNohead, "kvstore-leasehead": KvstoreLeaseHead, "kvstore-head4": KvstoreHead4, "kvstore-g16": KvstoreG16, "kvstore-ranges": KvstoreRanges, "kvstore-put": KvstorePut,
-                                        "kvstore-blocks": KvstoreBlocks,
-                                        "kvstore-whole": KvstoreWhole, "kvstore-rows": KvstoreRows,
-                                        "lmcache": LmcachePaged, "lmcache-nhd": LmcacheNhd}
-
-
-def _warm(s: Any, cache: Cache, tokens: int) -> None:
-    """One untimed save and restore of a short prefix of its own, once a store is open: what
-    runs the first time (kernels loaded, streams and events made, pools touched) stays out of the
-    one timed save of each size. Its blocks stay cached, apart from every timed prefix."""
-    src, dst = cache.blocks(tokens)
-    # (an odd seed: a timed prefix's is its length, a multiple of the block)
-    prompt = np.random.default_rng(tokens + 1).integers(0, 128_000, tokens, dtype=np.int64)
-    s.save(prompt, src)
-    s.restore(prompt, dst)
-    sync(cache.device)
-    if hasattr(s, "phases"):
-        s.phases = {}
-
-
-def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - t0, out
-
-
-def _failure(metric: str, peer: str, tokens: int, e: BaseException) -> dict[str, Any]:
-    status = "unavailable" if isinstance(e, PeerUnavailable) else "failed"
-    return {"bench": "peers", "metric": f"{metric}_{status}", "peer": peer, "tokens": tokens, "device": "",
-            "status": status, "error": f"{type(e).__name__}: {e}",
-            **({} if status == "unavailable" else {"traceback": traceback.format_exc()[-2000:]})}
-
-
-def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, trials: int = 0,
-        only: tuple[str, ...] = PEERS, scratch: str = ".", log: Callable[[str], None] = print,
-        copy_threads: int = 0) -> Iterator[dict[str, Any]]:
-    """Every row of the paged bench, one store after another (each opened, run at every size and
-    closed before the next, so no two pools are held at once); a store that cannot open or
-    fails gives a status row and the others go on. ``copy_threads``: kvstore's DRAM tier's (0:
-    its default)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("peers --device cuda: no CUDA device here (torch.cuda.is_available() is False); "
-                         "use --device cpu for the smoke path")
-    spec = page_spec(layers)
-    tb = spec.block_bytes // BLOCK  # bytes a token
-    capacity = -(-((sum(sizes) + WARM_TOKENS) * tb + 2 * SLAB) // SLAB) * SLAB
-    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    caches: dict[str, Cache] = {}
-    figures: dict[tuple[str, int, str], float] = {}
-    for name in only:
-        s = STORES[name]()
-        if hasattr(s, "copy_threads"):
-            s.copy_threads = copy_threads
-        try:
-            t0 = time.perf_counter()
-            if s.layout not in caches:
-                caches[s.layout] = Cache(spec, max(sizes), dev, layout=s.layout)
-            s.open(caches[s.layout], capacity, scratch)
-            s.prepare(max(sizes))
-            _warm(s, caches[s.layout], min(WARM_TOKENS, *sizes))
-            log(f"{name}: open and warm-up in {time.perf_counter() - t0:.2f} s")
-        except Exception as e:  # noqa: BLE001 - reported as the peer's row, the others go on
-            yield {**_failure(f"{name}_paged_open", name, 0, e), "device": where}
-            continue
-        try:
-            for tokens in sizes:
-                yield from _one_size(s, caches[s.layout], tokens, trials or (5 if tokens <= 8192 else 3), where,
-                                     figures, log)
-        finally:
-            with contextlib.suppress(Exception):
-                s.close()
-    for tokens in sizes:
-        for kv in ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-g16", "kvstore-ranges", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
-            for peer in ("lmcache", "lmcache-nhd"):
-                for op, goal in (("restore", GOALS["lmcache"]), ("save", 1.0)):
-                    a, b = figures.get((kv, tokens, op)), figures.get((peer, tokens, op))
-                    if a and b:
-                        yield result("peers", f"{kv}_vs_{peer}_paged_{label(tokens)}_{op}", a, "GB/s", b,
-                                     goal_ratio=goal if kv == "kvstore" else None, tokens=tokens, device=where)
-
-
-def _one_size(s: Any, cache: Cache, tokens: int, trials: int, where: str,
-              figures: dict[tuple[str, int, str], float], log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
-    dev, size, name = cache.device, label(tokens), s.name
-    nbytes = tokens // BLOCK * cache.spec.block_bytes
-    src, dst = cache.blocks(tokens)
-    rng = np.random.default_rng(tokens)
-    prompt = rng.integers(0, 128_000, tokens, dtype=np.int64)
-    common = {"tokens": tokens, "bytes": nbytes, "device": where, "block_tokens": BLOCK, "trials": trials,
-              "layout": cache.layout, "peer": name}
-    try:
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
-        dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        h2d = lambda: dev_buf.copy_(host, non_blocking=True)  # noqa: E731
-        d2h = lambda: host.copy_(dev_buf, non_blocking=True)  # noqa: E731
-        s.prepare(tokens)
-        _timed(d2h, dev)
-        save_s, _ = _timed(lambda: s.save(prompt, src), dev)  # once: a second put of cached blocks copies nothing
-        save_base = _timed(d2h, dev)[0]
-        wrong, got, rest_t, h2d_t = 0, [], [], []
-        differs: dict[str, float] = {}
-        for i in range(trials + 1):  # trial 0 warms up
-            cache.zero(dst)
-            b, _ = _timed(h2d, dev)
-            dt, n = _timed(lambda: s.restore(prompt, dst), dev)
-            if i == trials:
-                wrong = cache.wrong_pages(src[: n // BLOCK], dst[: n // BLOCK])
-                differs = cache.what_differs(src[: n // BLOCK], dst[: n // BLOCK]) if wrong else {}
-            got.append(n)
-            if i:
-                rest_t.append(dt)
-                h2d_t.append(b)
-        med, base = statistics.median(rest_t), statistics.median(h2d_t)
-        verified = wrong == 0 and min(got) == tokens
-        extra = {**common, "verified": verified, "wrong_pages": wrong, "missing_tokens": tokens - min(got), **s.info(),
-                 **({"differs": differs} if differs else {})}
-        figures[(name, tokens, "restore")] = nbytes / 1e9 / med if verified else 0.0
-        figures[(name, tokens, "save")] = nbytes / 1e9 / save_s if verified else 0.0
-        log(f"{name} {size}: restore {med * 1e3:.2f} ms ({nbytes / 1e9 / med:.2f} GB/s), pinned copy "
-            f"{base * 1e3:.2f} ms; save {save_s * 1e3:.1f} ms; verified {verified}")
-        yield result("peers", f"{name}_paged_{size}_restore", nbytes / 1e9 / med, "GB/s", nbytes / 1e9 / base,
-                     ms=round(med * 1e3, 3), ms_min=round(min(rest_t) * 1e3, 3), baseline_ms=round(base * 1e3, 3),
-                     baseline_what="torch pinned host->device copy", **extra)
-        yield result("peers", f"{name}_paged_{size}_save", nbytes / 1e9 / save_s, "GB/s", nbytes / 1e9 / save_base,
-                     ms=round(save_s * 1e3, 3), baseline_what="torch device->pinned host copy", **extra)
-    except Exception as e:  # noqa: BLE001 - reported as the peer's row, the others go on
-        log(f"{name} {size}: {type(e).__name__}: {e}")
-        yield {**_failure(f"{name}_paged_{size}", name, tokens, e), "device": where}
