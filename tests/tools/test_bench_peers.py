@@ -342,13 +342,13 @@ def test_paged_cache_blocks_are_disjoint_and_a_wrong_page_is_counted() -> None:
 
 def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     # 64 tokens: the whole prefix is kvstore's head; 1,024 (64 blocks): a head of 16 and the rest
-    # (kvstore-ranges: the head, 32 blocks in whole-block ranges, a tail of 16 by layer groups)
+    # (kvstore: the head, 32 blocks in whole-block ranges, a tail of 16 by layer groups)
     code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "64,1024", "--layers", "2", "--rounds", "1",
                        "--dir", str(tmp_path)])
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     by = {r["metric"]: r for r in rows}
-    for peer in ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-g16", "kvstore-ranges", "kvstore-put",
+    for peer in ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-groups", "kvstore-g16", "kvstore-put",
                  "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
         for size, blocks in ((64, 4), ("1k", 64)):
             for op in ("restore", "save"):
@@ -385,11 +385,11 @@ def test_copy_scale_rows_name_each_thread_count_against_one_thread() -> None:
 
 def test_paired_paged_run_drives_the_stores_in_turn(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "1024", "--layers", "2", "--rounds", "2",
-                       "--only", "kvstore,kvstore-ranges,lmcache", "--paired", "--dir", str(tmp_path)])
+                       "--only", "kvstore,kvstore-groups,lmcache", "--paired", "--dir", str(tmp_path)])
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     by = {r["metric"]: r for r in rows}
-    for peer in ("kvstore", "kvstore-ranges"):
+    for peer in ("kvstore", "kvstore-groups"):
         restore, save = by[f"{peer}_paged_1k_restore"], by[f"{peer}_paged_1k_save"]
         assert restore["paired"] and restore["verified"] and restore["trials"] == 2
         assert save["save_trials"] == 3 and len(save["ms_each"]) == 3 and save["verified"]
@@ -427,7 +427,7 @@ def test_a_peeked_head_the_lease_does_not_confirm_is_copied_again(tmp_path, monk
 
 
 def test_paged_only_names_the_paged_stores() -> None:
-    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-leasehead, kvstore-head4, kvstore-g16, kvstore-ranges, kvstore-put, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
+    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-leasehead, kvstore-head4, kvstore-groups, kvstore-g16, kvstore-put, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
         list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
             parser().parse_args(["--device", "cpu", "--only", "mooncake"])))
 

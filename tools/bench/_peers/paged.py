@@ -34,23 +34,33 @@ The stores:
   device staging in ranges of ``D2H_PIECE_BYTES`` and copies each range straight into its slots
   on a copy stream as soon as it is gathered (``engine.gpu.ArenaSlots``: one 2-D DMA per run of
   slots into the registered arena), waits, and commits: one device-to-host copy per byte and no
-  host copy, as LMCache's save. A restore leases the head of the
-  prefix (``HEAD_BLOCKS``, or 1/``HEAD_SHARE`` of it) and queues its copy to a device staging
-  buffer at once, then hashes the rest (going on from the head's last hash: each block hashed
-  once), leases the whole prefix and copies the rest
-  (``engine.gpu.ArenaBlocks``: one 2-D DMA per run of blocks in the arena) by layer groups
-  (8 layers, the last 2 apart: ``layer_groups``) on a copy stream, and scatters each group into
-  the pages (``PagedKV.scatter_layer``) as soon as it lands. (The first H200 run, 2026-12-01
+  host copy, as LMCache's save. A restore hashes the head of the prefix (``HEAD_BLOCKS``, or
+  1/``HEAD_SHARE`` of it), peeks at where the arena holds it (``KVStore.peek_arena``: no lease)
+  and queues its copy to a device staging buffer at once, then hashes the rest (going on from
+  the head's last hash: each block hashed once), leases the whole prefix, keeps the head's copy
+  where the lease confirms it (``KVStore.confirm_peek``; copied again from the lease otherwise,
+  ``head_reread``), and copies the rest on a copy stream (``engine.gpu.ArenaBlocks``: one DMA
+  per run of blocks in the arena) as whole blocks in ``BODY_RANGES`` ranges, each scattered into
+  the pages (``PagedKV.scatter_layer``) as soon as it lands, and a small tail by layer groups
+  (8 layers, the last 2 apart: ``layer_groups``), so that little scatter is left when the link
+  is done. (The first H200 run, 2026-12-01
   20:26, copied all layers before scattering and saved as ``kvstore-rows`` does; the pipelined
   restore and the device-staged save came after it; the pieced save and ``kvstore-blocks`` in
   the fifth session; the head, the small last group, the warm-up and the copy-thread pieces
-  in the sixth; the reserved save in the seventh.) Its rows carry ``phases_ms``: the host's
-  time to lease and queue the head, hash the prompt, take the lease and queue the copies,
+  in the sixth; the reserved save in the seventh; the peeked head and the whole-block ranges in
+  the eighth.) Its rows carry ``phases_ms``: the host's time to hash, peek at and queue the head
+  (``head``, and its steps ``head_hash``, ``head_lease``, ``head_queue``), hash the rest, take
+  the lease and queue the copies,
   medians of the trials, and ``save_phases_ms``: the save's time to hash and reserve, to queue
   the gathers and copies, to prepare the commit's records (while the copies are in flight), to
   wait for the last copy, to commit, and its pieces.
 * ``kvstore-nohead``: the same without the head (the whole prefix hashed and leased before the
   first copy): what the head gains;
+* ``kvstore-leasehead``: the head leased (a lease of its own) before its copy is queued, instead
+  of peeked (the seventh session's head): what the peek gains;
+* ``kvstore-groups``: the rest copied by layer groups of every block (2-D DMAs with a row pitch)
+  instead of whole-block ranges (the fifth to seventh sessions' restore); ``kvstore-g16``: the
+  same with groups of 16 layers;
 * ``kvstore-head4``: a smaller head (4 blocks at 4K, 1/64 of the prefix at 32K, instead of 16 and
   1/16): whether less leased before the first copy gains more than the link idle it may leave;
 * ``kvstore-put``: the same, saved as in the sixth session: each range copied to a pinned host
@@ -103,8 +113,8 @@ LAYER_GROUP = 8  # layers a restore copies to the device at a time (kvstore's pi
 LAST_GROUP = 2  # layers in the last group: its scatter, after the last copy, is the restore's tail
 HEAD_BLOCKS = 16  # leading blocks kvstore leases and copies first (at least; 1/HEAD_SHARE of the prefix)...
 HEAD_SHARE = 16  # ...so the link is busy while the rest is hashed and leased (~2.5 ms for 2,048 blocks)
-BODY_RANGES = 4  # kvstore-ranges: whole-block ranges between the head and the tail, each scattered as it lands
-TAIL_BLOCKS = 16  # kvstore-ranges: the last blocks, copied by layer groups (at least; 1/TAIL_SHARE of the prefix)
+BODY_RANGES = 4  # kvstore's restore: whole-block ranges between the head and the tail, each scattered as it lands
+TAIL_BLOCKS = 16  # kvstore's restore: the last blocks, copied by layer groups (at least; 1/TAIL_SHARE of the prefix)
 TAIL_SHARE = 64
 BLOCK_GROUPS = 4  # block ranges kvstore-blocks copies (whole blocks, back to back) and scatters in turn
 MAX_SAVE_PIECES = 16  # block ranges a save copies to the host and puts in turn (the D2H of one under the put of the last)
@@ -112,7 +122,7 @@ D2H_PIECE_BYTES = 128 << 20  # a reserved save's ranges: gathered, then copied i
 SAVE_TRIALS = 3  # saves timed per store up to 8K tokens, each of its own prompt (the median is the figure)
 WARM_TOKENS = 256  # the untimed save and restore every store makes once it is open (one LMCache chunk)
 GiB = float(1 << 30)
-PEERS = ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-g16", "kvstore-ranges", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
+PEERS = ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-groups", "kvstore-g16", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
 GOALS = {"lmcache": 1.2}  # the restore's; the save's: at least LMCache's (1x)
 SETTLE_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 20.0  # issue 20: kvstore >= 1.2x LMCache
@@ -489,47 +499,60 @@ class KvstorePaged:
         return self._head_event
 
     def _scatter(self, blocks: ArenaBlocks, ids: list[int]) -> None:
-        """The blocks past the head (:meth:`restore`) copied to the device by layer groups on a
-        copy stream (:func:`layer_groups`), the head's pages scattered once it has landed, and
-        each group scattered into the pages as soon as it lands, so the scatter hides under the
-        copy (the engine's layer-wise pattern, ``ArenaBlocks.copy_into``); the last group is
-        small, so little scatter is left once the link is done."""
+        """The blocks past the head (:meth:`restore`) copied to the device on a copy stream as
+        whole blocks (one 1-D DMA per run of the lease) in ``BODY_RANGES`` block ranges, each
+        range's every layer scattered into the pages (``PagedKV.scatter_layer``) as soon as it
+        lands, and the last ``1/TAIL_SHARE`` of the prefix (``TAIL_BLOCKS`` at least) copied by
+        layer groups (:func:`layer_groups`, ``ArenaBlocks.copy_into`` with a row pitch), so that
+        little scatter is left once the link is done. (A 2-D copy by layer groups of the whole
+        rest, ``kvstore-groups``, moved 512 MiB in 9.81-10.10 ms on the H100 against 9.76-9.96 for
+        whole blocks.)"""
         assert self._staging is not None
         n, pb, kv, bb = len(ids), self.spec.page_bytes, self.pages, self.spec.block_bytes
         h, head_ev = self._head if self._head is not None else (0, None)
         h = min(h, n)
         staging = self._staging[:n]
-        groups = layer_groups(kv.num_layers, self.layer_group)
-        dev = self.cache.device
-        if dev.type != "cuda":
-            if h < n:
-                blocks.copy_into(staging[h:], 0, bb, first=h)
-            idx = kv.block_ids(ids)
-            for layer in range(kv.num_layers):
-                kv.scatter_layer(layer, idx, staging[:, layer * pb : (layer + 1) * pb])
-            return
-        main = torch.cuda.current_stream(dev)
-        copy = self._copy_stream()
-        copy.wait_stream(main)  # the staging's last readers are done
-        landed = []
-        with torch.cuda.stream(copy):
+        tail = min(n - h, max(TAIL_BLOCKS, n // TAIL_SHARE))
+        t0 = n - tail
+        body = [(h + a, h + b) for a, b in _cuts(t0 - h, BODY_RANGES)]
+        groups = layer_groups(kv.num_layers, self.layer_group) if tail else []
+        cuda = self.cache.device.type == "cuda"  # (on the CPU every copy is done when it returns)
+        main = torch.cuda.current_stream(self.cache.device) if cuda else None
+        copy = self._copy_stream() if cuda else None
+
+        def landed() -> Any:
+            if copy is None:
+                return None
+            ev = torch.cuda.Event()
+            ev.record(copy)
+            return ev
+
+        def wait(ev: Any) -> None:
+            if ev is not None and main is not None:
+                main.wait_event(ev)
+
+        if copy is not None:
+            copy.wait_stream(main)  # the staging's last readers are done
+        with torch.cuda.stream(copy) if copy is not None else contextlib.nullcontext():
+            body_landed = []
+            for a, b in body:
+                blocks.copy_into(staging[a:b], 0, bb, first=a)
+                body_landed.append(landed())
+            tail_landed = []
             for lo, hi in groups:
-                if h < n:
-                    blocks.copy_into(staging[h:, lo * pb : hi * pb], lo * pb, hi * pb, first=h)
-                ev = torch.cuda.Event()
-                ev.record(copy)
-                landed.append(ev)
-        # Block ids go to the device in one small copy, after the DMAs are queued and before any
-        # wait (from pageable memory, torch's copy waits for the current stream).
+                blocks.copy_into(staging[t0:, lo * pb : hi * pb], lo * pb, hi * pb, first=t0)
+                tail_landed.append(landed())
         idx_all = kv.block_ids(ids)
+        layers = range(kv.num_layers)
         if h:
-            main.wait_event(head_ev)
-            self._scatter_rows(idx_all[:h], staging[:h], range(kv.num_layers))
-        if h == n:
-            return
-        for (lo, hi), ev in zip(groups, landed, strict=True):
-            main.wait_event(ev)
-            self._scatter_rows(idx_all[h:], staging[h:], range(lo, hi))
+            wait(head_ev)
+            self._scatter_rows(idx_all[:h], staging[:h], layers)
+        for (a, b), ev in zip(body, body_landed, strict=True):
+            wait(ev)
+            self._scatter_rows(idx_all[a:b], staging[a:b], layers)
+        for (lo, hi), ev in zip(groups, tail_landed, strict=True):
+            wait(ev)
+            self._scatter_rows(idx_all[t0:], staging[t0:], range(lo, hi))
 
     def _scatter_rows(self, idx: torch.Tensor, rows: torch.Tensor, layers: range) -> None:
         """Layers ``layers`` of staged blocks ``rows`` into the pages ``idx``."""
@@ -579,66 +602,59 @@ class KvstoreHead4(KvstorePaged):
     head_share = 64
 
 
-class KvstoreRanges(KvstorePaged):
-    """The same head, then the rest copied as whole blocks (one 1-D DMA per run of the lease:
-    on the H100 a 512 MiB restore moved 9.96 ms so against 10.10 ms by 2-D layer groups) in
-    ``BODY_RANGES`` block ranges, each range's every layer scattered as soon as it lands; the
-    last ``TAIL_SHARE``-th of the prefix (``TAIL_BLOCKS`` at least) copied by layer groups, so
-    that little scatter is left once the link is done."""
+class KvstoreGroups(KvstorePaged):
+    """The same head, then the whole rest copied by layer groups (``LAYER_GROUP`` layers of
+    every block per 2-D DMA, the last ``LAST_GROUP`` apart) and each group scattered as soon as it
+    lands: the restore of the fifth to seventh sessions, before whole-block ranges."""
 
-    name = "kvstore-ranges"
+    name = "kvstore-groups"
 
     def _scatter(self, blocks: ArenaBlocks, ids: list[int]) -> None:
+        """The blocks past the head (:meth:`restore`) copied to the device by layer groups on a
+        copy stream (:func:`layer_groups`), the head's pages scattered once it has landed, and
+        each group scattered into the pages as soon as it lands, so the scatter hides under the
+        copy (the engine's layer-wise pattern, ``ArenaBlocks.copy_into``); the last group is
+        small, so little scatter is left once the link is done."""
         assert self._staging is not None
         n, pb, kv, bb = len(ids), self.spec.page_bytes, self.pages, self.spec.block_bytes
         h, head_ev = self._head if self._head is not None else (0, None)
         h = min(h, n)
         staging = self._staging[:n]
-        tail = min(n - h, max(TAIL_BLOCKS, n // TAIL_SHARE))
-        t0 = n - tail
-        body = [(h + a, h + b) for a, b in _cuts(t0 - h, BODY_RANGES)]
-        groups = layer_groups(kv.num_layers, self.layer_group) if tail else []
-        cuda = self.cache.device.type == "cuda"  # (on the CPU every copy is done when it returns)
-        main = torch.cuda.current_stream(self.cache.device) if cuda else None
-        copy = self._copy_stream() if cuda else None
-
-        def landed() -> Any:
-            if copy is None:
-                return None
-            ev = torch.cuda.Event()
-            ev.record(copy)
-            return ev
-
-        def wait(ev: Any) -> None:
-            if ev is not None and main is not None:
-                main.wait_event(ev)
-
-        if copy is not None:
-            copy.wait_stream(main)  # the staging's last readers are done
-        with torch.cuda.stream(copy) if copy is not None else contextlib.nullcontext():
-            body_landed = []
-            for a, b in body:
-                blocks.copy_into(staging[a:b], 0, bb, first=a)
-                body_landed.append(landed())
-            tail_landed = []
+        groups = layer_groups(kv.num_layers, self.layer_group)
+        dev = self.cache.device
+        if dev.type != "cuda":
+            if h < n:
+                blocks.copy_into(staging[h:], 0, bb, first=h)
+            idx = kv.block_ids(ids)
+            for layer in range(kv.num_layers):
+                kv.scatter_layer(layer, idx, staging[:, layer * pb : (layer + 1) * pb])
+            return
+        main = torch.cuda.current_stream(dev)
+        copy = self._copy_stream()
+        copy.wait_stream(main)  # the staging's last readers are done
+        landed = []
+        with torch.cuda.stream(copy):
             for lo, hi in groups:
-                blocks.copy_into(staging[t0:, lo * pb : hi * pb], lo * pb, hi * pb, first=t0)
-                tail_landed.append(landed())
+                if h < n:
+                    blocks.copy_into(staging[h:, lo * pb : hi * pb], lo * pb, hi * pb, first=h)
+                ev = torch.cuda.Event()
+                ev.record(copy)
+                landed.append(ev)
+        # Block ids go to the device in one small copy, after the DMAs are queued and before any
+        # wait (from pageable memory, torch's copy waits for the current stream).
         idx_all = kv.block_ids(ids)
-        layers = range(kv.num_layers)
         if h:
-            wait(head_ev)
-            self._scatter_rows(idx_all[:h], staging[:h], layers)
-        for (a, b), ev in zip(body, body_landed, strict=True):
-            wait(ev)
-            self._scatter_rows(idx_all[a:b], staging[a:b], layers)
-        for (lo, hi), ev in zip(groups, tail_landed, strict=True):
-            wait(ev)
-            self._scatter_rows(idx_all[t0:], staging[t0:], range(lo, hi))
+            main.wait_event(head_ev)
+            self._scatter_rows(idx_all[:h], staging[:h], range(kv.num_layers))
+        if h == n:
+            return
+        for (lo, hi), ev in zip(groups, landed, strict=True):
+            main.wait_event(ev)
+            self._scatter_rows(idx_all[h:], staging[h:], range(lo, hi))
 
 
-class KvstoreG16(KvstorePaged):
-    """The same restore with layer groups of 16 (16, 14, 2 layers) instead of 8: fewer, wider
+class KvstoreG16(KvstoreGroups):
+    """``kvstore-groups`` with layer groups of 16 (16, 14, 2 layers) instead of 8: fewer, wider
     rows per 2-D copy (1 MiB instead of 512 KiB), more scatter left after each group lands."""
 
     name = "kvstore-g16"
