@@ -427,7 +427,7 @@ def test_a_peeked_head_the_lease_does_not_confirm_is_copied_again(tmp_path, monk
 
 
 def test_paged_only_names_the_paged_stores() -> None:
-    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-leasehead, kvstore-head4, kvstore-groups, kvstore-g16, kvstore-put, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
+    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-leasehead, kvstore-head4, kvstore-head32, kvstore-groups, kvstore-g16, kvstore-put, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
         list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
             parser().parse_args(["--device", "cpu", "--only", "mooncake"])))
 

@@ -46,7 +46,7 @@ if [ -n "${PROBE:-}" ]; then
     cat "$OUTD/headprobe.jsonl"
 fi
 
-KV=${KV:-kvstore,kvstore-groups,kvstore-leasehead}
+KV=${KV:-kvstore,kvstore-head32,kvstore-leasehead}
 for i in 1 2 3; do
     t=$(left)
     if [ "$t" -lt 50 ]; then echo "peers: $t s left, run $i skipped"; continue; fi
@@ -74,9 +74,9 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("peers-cuda-r*.jsonl")):
         r = json.loads(line)
         m = r.get("metric", "")
         if m.startswith(("kvstore_vs_lmcache-nhd", "kvstore-put_vs_lmcache-nhd", "kvstore-head4_vs_lmcache-nhd",
-                         "kvstore-g16_vs_lmcache-nhd", "kvstore-groups_vs_lmcache-nhd", "kvstore-leasehead_vs_lmcache-nhd")):
+                         "kvstore-g16_vs_lmcache-nhd", "kvstore-groups_vs_lmcache-nhd", "kvstore-leasehead_vs_lmcache-nhd", "kvstore-head32_vs_lmcache-nhd")):
             print(f.name, m, round(r["ratio"], 3))
-        elif m.startswith(("kvstore_paged_", "kvstore-head4_paged_", "kvstore-g16_paged_", "kvstore-groups_paged_", "kvstore-leasehead_paged_")) and ("phases_ms" in r or "save_phases_ms" in r):
+        elif m.startswith(("kvstore_paged_", "kvstore-head4_paged_", "kvstore-g16_paged_", "kvstore-groups_paged_", "kvstore-leasehead_paged_", "kvstore-head32_paged_")) and ("phases_ms" in r or "save_phases_ms" in r):
             print(f.name, m, r.get("ms"), r.get("phases_ms") if m.endswith("restore") else r.get("save_phases_ms"))
 PY
 echo "== done after $((SECONDS - START)) s ($(date -u +%T))"

@@ -58,6 +58,7 @@ The stores:
   first copy): what the head gains;
 * ``kvstore-leasehead``: the head leased (a lease of its own) before its copy is queued, instead
   of peeked (the seventh session's head): what the peek gains;
+* ``kvstore-head32``: a larger head (32 blocks at 4K, 1/8 of the prefix at 32K);
 * ``kvstore-groups``: the rest copied by layer groups of every block (2-D DMAs with a row pitch)
   instead of whole-block ranges (the fifth to seventh sessions' restore); ``kvstore-g16``: the
   same with groups of 16 layers;
@@ -122,7 +123,7 @@ D2H_PIECE_BYTES = 128 << 20  # a reserved save's ranges: gathered, then copied i
 SAVE_TRIALS = 3  # saves timed per store up to 8K tokens, each of its own prompt (the median is the figure)
 WARM_TOKENS = 256  # the untimed save and restore every store makes once it is open (one LMCache chunk)
 GiB = float(1 << 30)
-PEERS = ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-groups", "kvstore-g16", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
+PEERS = ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-head32", "kvstore-groups", "kvstore-g16", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
 GOALS = {"lmcache": 1.2}  # the restore's; the save's: at least LMCache's (1x)
 SETTLE_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 20.0  # issue 20: kvstore >= 1.2x LMCache
@@ -600,6 +601,15 @@ class KvstoreHead4(KvstorePaged):
     name = "kvstore-head4"
     head_blocks = 4
     head_share = 64
+
+
+class KvstoreHead32(KvstorePaged):
+    """A larger head: 32 blocks at 4K (1/8 of the prefix: 256 at 32K) instead of 16 and 128, so
+    that the head's copy, now queued from a peek, still covers the rest's hash and lease."""
+
+    name = "kvstore-head32"
+    head_blocks = 32
+    head_share = 8
 
 
 class KvstoreGroups(KvstorePaged):

@@ -29,6 +29,7 @@ from tools.bench._peers.paged import (
     KvstoreG16,
     KvstoreGroups,
     KvstoreHead4,
+    KvstoreHead32,
     KvstoreLeaseHead,
     KvstoreNohead,
     KvstorePaged,
@@ -42,7 +43,7 @@ from tools.bench._peers.paged import (
     sync,
 )
 
-STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-nohead": KvstoreNohead, "kvstore-leasehead": KvstoreLeaseHead, "kvstore-head4": KvstoreHead4, "kvstore-g16": KvstoreG16, "kvstore-groups": KvstoreGroups, "kvstore-put": KvstorePut,
+STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-nohead": KvstoreNohead, "kvstore-leasehead": KvstoreLeaseHead, "kvstore-head4": KvstoreHead4, "kvstore-head32": KvstoreHead32, "kvstore-g16": KvstoreG16, "kvstore-groups": KvstoreGroups, "kvstore-put": KvstorePut,
                                         "kvstore-blocks": KvstoreBlocks,
                                         "kvstore-whole": KvstoreWhole, "kvstore-rows": KvstoreRows,
                                         "lmcache": LmcachePaged, "lmcache-nhd": LmcacheNhd}
@@ -146,7 +147,7 @@ def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, 
             with contextlib.suppress(Exception):
                 s.close()
     for tokens in sizes:
-        for kv in ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-groups", "kvstore-g16", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
+        for kv in ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-head32", "kvstore-groups", "kvstore-g16", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
             for peer in ("lmcache", "lmcache-nhd"):
                 for op, goal in (("restore", GOALS["lmcache"]), ("save", 1.0)):
                     a, b = figures.get((kv, tokens, op)), figures.get((peer, tokens, op))
