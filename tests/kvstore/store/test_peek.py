@@ -3,10 +3,12 @@ head's copy before it holds a lease, and keeps it only where the lease confirms 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import pytest
 
+from kvstore.api import ArenaPeek
 from kvstore.config import TierSpec
 from kvstore.errors import UsageError
 from kvstore.keys import KVLayout, LayerGroup, Namespace
@@ -25,6 +27,23 @@ def put(store: KVStore, chain: list[bytes]) -> None:
     assert store.put(SMALL_NS, chain, [payload(h) for h in chain]) == len(chain)
 
 
+@contextlib.contextmanager
+def leased(store: KVStore, chain: list[bytes]) -> Iterator[object]:
+    lease = store.acquire(SMALL_NS, chain)
+    try:
+        yield lease
+    finally:
+        store.release(lease)
+
+
+def peeked(make_store: Make, seed: int, n: int) -> tuple[KVStore, list[bytes], ArenaPeek]:
+    """A DRAM-only store of 8 blocks holding a chain of ``n``, and a peek at the whole chain."""
+    store = make_store(tiers=dram_only())
+    chain = chain_for(seed, n)
+    put(store, chain)
+    return store, chain, store.peek_arena(SMALL_NS, chain)
+
+
 def arena_bytes(store: KVStore, locations: tuple[tuple[int, int], ...]) -> list[bytes]:
     buf = store.tiers[0]._buf  # noqa: SLF001 - the bytes a reader of the arena would copy
     return [bytes(buf[off : off + size]) for off, size in locations]
@@ -39,12 +58,9 @@ def test_a_peek_confirmed_by_the_lease_read_the_right_bytes(make_store: Make) ->
     assert (peek.arena, peek.num_blocks) == (store.tiers[0].shm_name, 3)
     assert arena_bytes(store, peek.locations) == [payload(h) for h in chain[:3]]
     assert store.stats() == before  # nothing counted, touched or held
-    lease = store.acquire(SMALL_NS, chain)
-    try:
-        assert lease.locations[:3] == peek.locations
-        assert store.confirm_peek(peek, lease) == 3
-    finally:
-        store.release(lease)
+    with leased(store, chain) as lease:
+        assert lease.locations[:3] == peek.locations  # type: ignore[attr-defined]
+        assert store.confirm_peek(peek, lease) == 3  # type: ignore[arg-type]
 
 
 def test_a_peek_stops_at_the_first_block_the_arena_lacks(make_store: Make) -> None:
@@ -56,44 +72,29 @@ def test_a_peek_stops_at_the_first_block_the_arena_lacks(make_store: Make) -> No
 
 
 def test_a_block_that_left_and_came_back_after_the_peek_is_not_confirmed(make_store: Make) -> None:
-    store = make_store(tiers=dram_only(8))
-    chain = chain_for(4, 4)
-    put(store, chain)
-    peek = store.peek_arena(SMALL_NS, chain)
+    store, chain, peek = peeked(make_store, 4, 4)
     assert peek.num_blocks == 4
     for seed in (10, 11, 12):  # 12 other blocks: the arena of 8 evicts the whole chain
         put(store, chain_for(seed, 4))
     assert store.peek_arena(SMALL_NS, chain).num_blocks == 0
     put(store, chain)  # back, in slots that were freed (maybe the same ones) since the peek
-    lease = store.acquire(SMALL_NS, chain)
-    try:
-        assert lease.num_blocks == 4
-        assert store.confirm_peek(peek, lease) == 0
-    finally:
-        store.release(lease)
+    with leased(store, chain) as lease:
+        assert lease.num_blocks == 4  # type: ignore[attr-defined]
+        assert store.confirm_peek(peek, lease) == 0  # type: ignore[arg-type]
 
 
 def test_only_the_leading_blocks_at_the_same_place_are_confirmed(make_store: Make) -> None:
-    store = make_store(tiers=dram_only())
-    chain = chain_for(5, 3)
-    put(store, chain)
-    peek = store.peek_arena(SMALL_NS, chain)
-    lease = store.acquire(SMALL_NS, chain[:2])  # a shorter lease (the prompt's prefix)
-    try:
-        assert store.confirm_peek(peek, lease) == 2
+    store, chain, peek = peeked(make_store, 5, 3)
+    with leased(store, chain[:2]) as lease:  # a shorter lease (the prompt's prefix)
+        assert store.confirm_peek(peek, lease) == 2  # type: ignore[arg-type]
         moved = type(peek)(peek.arena, ((peek.locations[0][0] + BB, BB), *peek.locations[1:]), peek.stamp)
-        assert store.confirm_peek(moved, lease) == 0  # the first differs: nothing kept
+        assert store.confirm_peek(moved, lease) == 0  # type: ignore[arg-type]  # the first differs: nothing kept
         other = type(peek)("another-arena", peek.locations, peek.stamp)
-        assert store.confirm_peek(other, lease) == 0
-    finally:
-        store.release(lease)
+        assert store.confirm_peek(other, lease) == 0  # type: ignore[arg-type]
 
 
 def test_a_slot_freed_for_another_block_is_caught_even_at_the_same_place(make_store: Make) -> None:
-    store = make_store(tiers=dram_only())
-    chain = chain_for(6, 2)
-    put(store, chain)
-    peek = store.peek_arena(SMALL_NS, chain)
+    store, _, peek = peeked(make_store, 6, 2)
     tier = store.tiers[0]
     offsets = [off for off, _ in peek.locations]
     assert not tier.freed_since(offsets, peek.stamp)
