@@ -12,6 +12,7 @@ Not thread-safe by itself: the owning tier holds its lock around calls.
 from __future__ import annotations
 
 import threading
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,8 @@ class _Slab:
     free: list[int] = field(default_factory=list)
     busy: bytearray = field(default_factory=bytearray)  # one byte per slot: catches double frees
     used: int = 0
+    freed: array = field(default_factory=lambda: array("Q"))  # per slot: the allocator's frees at its last free
+    reset_at: int = 0  # the allocator's frees when the slab took its class (its old slots' stamps are gone)
 
 
 class SlabAllocator:
@@ -51,9 +54,8 @@ class SlabAllocator:
         self._stale: set[int] = set()  # slabs whose free lists wait for claims to settle
         self.used_bytes = 0  # bytes of slots handed out (padded)
         self.frees = 0
-        """Slots freed so far: the stamp an optimistic reader takes (``freed_since``)."""
-        self.freed_at: dict[int, int] = {}
-        """``offset -> frees`` when that slot was last freed."""
+        """Slots freed so far: the stamp an optimistic reader takes (``freed_since``); each slot
+        keeps the count at its last free (8 bytes a slot, in its slab)."""
 
     def slot_bytes(self, size: int) -> int:
         """The size class of a ``size``-byte block."""
@@ -130,7 +132,7 @@ class SlabAllocator:
         slab.busy[k] = 0
         slab.free.append(k)
         self.frees += 1
-        self.freed_at[offset] = self.frees
+        slab.freed[k] = self.frees
         slab.used -= 1
         self.used_bytes -= slab.slot_bytes
         self._partial.setdefault(slab.slot_bytes, set()).add(slab.index)
@@ -141,8 +143,13 @@ class SlabAllocator:
         """Whether any slot at ``offsets`` was freed after ``frees`` was ``stamp``."""
         if self.frees == stamp:
             return False
-        at = self.freed_at.get
-        return any(at(o, 0) > stamp for o in offsets)
+        for o in offsets:
+            slab = self._slabs[o // self.slab_bytes]
+            if slab.reset_at > stamp or not slab.slot_bytes:
+                return True
+            if slab.freed[(o - slab.index * self.slab_bytes) // slab.slot_bytes] > stamp:
+                return True
+        return False
 
     def claim(self, offset: int, size: int) -> None:
         """Mark the slot at ``offset`` used (rebuilding occupancy after a restart)."""
@@ -244,6 +251,8 @@ class SlabAllocator:
         # Pop from the end: the lowest slot first, so a fresh arena fills front to back.
         slab.free = list(range(self.slab_bytes // slot - 1, -1, -1))
         slab.busy = bytearray(len(slab.free))
+        slab.freed = array("Q", bytes(8 * len(slab.free)))
+        slab.reset_at = self.frees
         slab.used = 0
 
     def _slab_for(self, slot: int) -> tuple[_Slab, set[int]] | None:
