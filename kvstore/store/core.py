@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,6 +80,10 @@ class KVStore:
         self._clock = clock
         self._lock = threading.RLock()
         self._closed = False
+        self._orphaned: deque[Callable[[int], int]] = deque()
+        """The finishes of reservations dropped without a commit or an abort (appended by their
+        finalizers, at whatever point the collector runs: nothing else is done there), aborted
+        by the next ``reserve``, ``put``, ``stats`` or ``close`` (:meth:`_abort_orphans`)."""
         root = config.root
         try:
             root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -358,6 +362,7 @@ class KVStore:
         n = len(hashes)
         if not 0 <= start <= n:
             raise UsageError(f"start={start} is outside the chain of {n} blocks")
+        self._abort_orphans()
         bt = info.namespace.block_tokens  # type: ignore[union-attr]
         put_tokens = None if tokens is None else put_tokens_of(hashes[start:], tokens, bt)
         srcs = src_views(blocks, info.block_bytes, n - start)
@@ -421,6 +426,7 @@ class KVStore:
         n = len(hashes)
         if not 0 <= start <= n:
             raise UsageError(f"start={start} is outside the chain of {n} blocks")
+        self._abort_orphans()
         storer = self._storer
         why = storer.reservable()
         if why is not None:
@@ -447,7 +453,20 @@ class KVStore:
             return plan.new
 
         return Reservation(tier.shm_name, first, plan.stored_to, tuple((off, bb) for off in slots),
-                           lambda: [tier.slot_view(off, bb) for off in slots], finish, prepare)
+                           lambda: [tier.slot_view(off, bb) for off in slots], finish, prepare,
+                           orphaned=self._orphaned.append)
+
+    def _abort_orphans(self) -> None:
+        """Abort the reservations dropped without a commit or an abort since the last call: their
+        chains are unpinned and their slots given back (``abandoned_reservations``)."""
+        while self._orphaned:
+            finish = self._orphaned.popleft()
+            with self._lock:
+                self.counters.abandoned_reservations += 1
+            try:
+                finish(0)
+            except Exception:  # noqa: BLE001 - a bug, but not the caller's (a put, a stats call): logged
+                log.exception("aborting an abandoned reservation failed; its chain may stay pinned")
 
     # ---- pins, deletes, maintenance -----------------------------------------------------------
 
@@ -559,6 +578,7 @@ class KVStore:
             if self._closed:
                 return
             try:
+                self._abort_orphans()
                 if self.config.persist_on_close:
                     restart.persist_volatile(self._placer)
                 self.flush()
@@ -579,6 +599,7 @@ class KVStore:
     # ---- stats --------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        self._abort_orphans()
         with self._lock:
             c = self.counters
             traffic = [i.traffic() for i in self._namespaces if i.lookup_blocks or i.load_blocks]
@@ -617,6 +638,7 @@ class KVStore:
                 "put_blocks": c.put_blocks,
                 "dedup_blocks": c.dedup_blocks,
                 "truncated_puts": c.truncated_puts,
+                "abandoned_reservations": c.abandoned_reservations,
                 "promotions": c.promotions,
                 "demotions": c.demotions,
                 "evictions": c.evictions,

@@ -56,6 +56,9 @@ class StoreCounters:
     dedup_blocks: int = 0
     truncated_puts: int = 0
     """Puts that stored only the leading blocks that fit (the rest had no room)."""
+    abandoned_reservations: int = 0
+    """Reservations (``KVStore.reserve``) dropped without a commit or an abort, aborted by the
+    store afterwards."""
     promotions: int = 0
     demotions: int = 0
     evictions: int = 0

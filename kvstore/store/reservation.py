@@ -6,6 +6,7 @@ publishes them. In process only: a daemon's clients map the arena read-only.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 from kvstore.errors import UsageError
@@ -23,12 +24,16 @@ class Reservation:
     arena at ``locations[i]``), then :meth:`commit` the count of leading slots whose bytes are
     all written: the rest are given back, never served half-written. :meth:`abort` (or leaving a
     ``with`` block without a commit, an exception included) commits nothing. Exactly one of them, once; until then the
-    chain stays pinned, so a reservation must not be left behind. Not thread-safe: one owner.
+    chain stays pinned. A reservation dropped without either is aborted by the store at its next
+    ``reserve``, ``put``, ``stats`` or ``close`` (counted in ``abandoned_reservations``): its
+    finalizer only hands it over (``orphaned``), so no store code runs inside the collector.
+    Not thread-safe: one owner.
     """
 
     def __init__(self, arena: str, first: int, stored: int, locations: tuple[tuple[int, int], ...],
                  views: Callable[[], list[memoryview]], finish: Callable[[int], int],
-                 prepare: Callable[[], None] | None = None) -> None:
+                 prepare: Callable[[], None] | None = None,
+                 orphaned: Callable[[Callable[[int], int]], None] | None = None) -> None:
         self.arena = arena
         """The shared-memory arena's name (:func:`kvstore.shm.attach_arena`)."""
         self.first = first
@@ -42,6 +47,10 @@ class Reservation:
         self._prepare = prepare
         self.done = False
         """Committed or aborted."""
+        self._orphan: weakref.finalize | None = None
+        if orphaned is not None:
+            self._orphan = weakref.finalize(self, orphaned, finish)
+            self._orphan.atexit = False
 
     @property
     def num_blocks(self) -> int:
@@ -70,14 +79,19 @@ class Reservation:
             raise UsageError(f"commit({count}) of a reservation of {self.num_blocks} slots")
         if self.done:
             raise UsageError("this reservation is committed or aborted already")
-        self.done = True
+        self._settled()
         return self._finish(n)
 
     def abort(self) -> None:
         """Commit nothing (idempotent, and a no-op after :meth:`commit`)."""
         if not self.done:
-            self.done = True
+            self._settled()
             self._finish(0)
+
+    def _settled(self) -> None:
+        self.done = True
+        if self._orphan is not None:
+            self._orphan.detach()
 
     def __enter__(self) -> Reservation:
         return self

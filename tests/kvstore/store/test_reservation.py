@@ -230,3 +230,37 @@ def test_reserve_needs_a_dram_arena_first(make_store: Make) -> None:
     store = make_store(tiers=small_tiers()[1:])
     with pytest.raises(UsageError, match="shared-memory DRAM arena"):
         store.reserve(SMALL_NS, chain_for(12, 2))
+
+
+def test_a_reservation_dropped_without_a_commit_is_aborted_by_the_store(make_store: Make) -> None:
+    import gc
+
+    store = make_store(tiers=dram_only(8))
+    chain = chain_for(40, 6)
+    res = store.reserve(SMALL_NS, chain)
+    assert res.num_blocks == 6 and used(store) == 6 * BB
+    del res  # no commit, no abort: the chain stays pinned and its slots taken until the store sees it
+    gc.collect()
+    assert store.stats()["abandoned_reservations"] == 1  # (stats aborts what was dropped)
+    assert used(store) == 0 and store.lookup(SMALL_NS, chain).num_blocks == 0
+    # the chain is free again: a put stores it whole, and the arena has room for 8 other blocks after
+    assert store.put(SMALL_NS, chain, [payload(h) for h in chain]) == 6
+    assert served(store, chain) == 6
+    other = chain_for(41, 8)
+    assert store.put(SMALL_NS, other, [payload(h) for h in other]) == 8  # the old chain could leave
+
+
+def test_settled_reservations_are_not_counted_as_abandoned(make_store: Make) -> None:
+    import gc
+
+    store = make_store(tiers=dram_only())
+    a, b = chain_for(42, 2), chain_for(43, 2)
+    res = store.reserve(SMALL_NS, a)
+    write(res, a)
+    res.commit()
+    with store.reserve(SMALL_NS, b):
+        pass  # aborted by the with block
+    del res
+    gc.collect()
+    assert store.stats()["abandoned_reservations"] == 0
+    assert store.lookup(SMALL_NS, a).num_blocks == 2 and store.lookup(SMALL_NS, b).num_blocks == 0
