@@ -70,7 +70,8 @@ $(PEERS_STAMP): pyproject.toml
 	touch $(PEERS_STAMP)
 
 # Not echoed: stdout is only the JSON lines (make bench-peers > r.jsonl).
-bench-peers: $(PEERS_STAMP)
+bench-peers:
+	@$(MAKE) --no-print-directory $(PEERS_STAMP) >&2  # building the venv logs to stderr
 	@PYTHONPATH=$(CURDIR) $(PEERS_PY) -m tools.bench peers --json $(PEERS_ARGS)
 
 # The long reliability run (docs/reliability.md): ~8 minutes; figures to reliability-figures.json.
