@@ -189,13 +189,8 @@ class _ArenaRows:
         return len(runs_)
 
 
-class ArenaBlocks(_ArenaRows):
-    """The leading cached blocks of a prompt, held in the arena by a lease."""
-
-    def __init__(self, store: Any, lease: Any) -> None:
-        super().__init__(lease.arena, tuple(lease.locations) if lease.num_blocks else ())
-        self._store = store
-        self.lease = lease
+class _ArenaSource(_ArenaRows):
+    """Arena rows read to the device: the copies of a lease's blocks and of a peek's."""
 
     def copy_range(self, dst: torch.Tensor, lo: int, hi: int) -> None:
         """Bytes ``lo:hi`` of every block into ``dst[i, lo:hi]`` (asynchronous on the current
@@ -210,12 +205,21 @@ class ArenaBlocks(_ArenaRows):
         it queued."""
         return self._copy(dst, lo, hi, first, True, stream)
 
+
+class ArenaBlocks(_ArenaSource):
+    """The leading cached blocks of a prompt, held in the arena by a lease."""
+
+    def __init__(self, store: Any, lease: Any) -> None:
+        super().__init__(lease.arena, tuple(lease.locations) if lease.num_blocks else ())
+        self._store = store
+        self.lease = lease
+
     def release(self) -> None:
         """Give the lease back; call only after the copies that read the blocks completed."""
         self._store.release(self.lease)
 
 
-class PeekedBlocks(_ArenaRows):
+class PeekedBlocks(_ArenaSource):
     """Blocks where the arena held them at a :meth:`kvstore.store.KVStore.peek_arena`, held by
     nothing: a copy from them may be queued before the lease is taken, and is kept only for the
     leading blocks :meth:`kvstore.store.KVStore.confirm_peek` confirms against that lease (the
@@ -224,10 +228,6 @@ class PeekedBlocks(_ArenaRows):
     def __init__(self, peek: Any) -> None:
         super().__init__(peek.arena, tuple(peek.locations))
         self.peek = peek
-
-    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0, stream: Any = None) -> int:
-        """As :meth:`ArenaBlocks.copy_into`."""
-        return self._copy(dst, lo, hi, first, True, stream)
 
     def release(self) -> None:
         """Nothing is held."""
