@@ -27,16 +27,12 @@ import torch
 from engine.gpu import ArenaBlocks, _cudart_candidates, arena_tensor
 from kvstore.keys import hash_blocks
 from tools.bench._peers.paged import BLOCK, Cache, KvstorePaged, layer_groups, page_spec
+from tools.bench._peers.paged_run import _timed
 
 
 def _ms(fn: Callable[[], Any], reps: int = 9) -> float:
-    out = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
+    """Median milliseconds of ``reps`` synchronized calls, after one untimed."""
+    out = [_timed(fn, torch.device("cuda"))[0] for _ in range(reps + 1)]
     return round(statistics.median(out[1:]) * 1e3, 4)
 
 

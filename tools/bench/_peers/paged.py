@@ -67,9 +67,9 @@ The stores:
 * ``kvstore-put``: the same, saved as in the sixth session: each range copied to a pinned host
   buffer and put (the put copies it into the arena with ``copy_threads`` threads, under the next
   range's copy; ranges of ``save_pieces``); ``save_phases_ms``: queue, wait, put, pieces;
-* ``kvstore-blocks``: the same, pipelined by blocks instead of layers: ``BLOCK_GROUPS`` ranges of
-  whole blocks, each one DMA of back-to-back rows (no 2-D pitch), every layer of a range scattered
-  as soon as it lands;
+* ``kvstore-blocks``: the same, pipelined by blocks only (no head, no layer-grouped tail):
+  ``BODY_RANGES`` ranges of whole blocks, each one DMA of back-to-back rows (no 2-D pitch),
+  every layer of a range scattered as soon as it lands;
 * ``kvstore-whole``: the same, every layer copied before any is scattered (no overlap);
 * ``kvstore-rows``: the same store used as ``engine/vllm/connector.py`` does today over shared
   memory: restored with each layer's rows of the arena handed to ``scatter_layer`` as a host
@@ -117,7 +117,6 @@ HEAD_SHARE = 16  # ...so the link is busy while the rest is hashed and leased (~
 BODY_RANGES = 4  # kvstore's restore: whole-block ranges between the head and the tail, each scattered as it lands
 TAIL_BLOCKS = 16  # kvstore's restore: the last blocks, copied by layer groups (at least; 1/TAIL_SHARE of the prefix)
 TAIL_SHARE = 64
-BLOCK_GROUPS = 4  # block ranges kvstore-blocks copies (whole blocks, back to back) and scatters in turn
 MAX_SAVE_PIECES = 16  # block ranges a save copies to the host and puts in turn (the D2H of one under the put of the last)
 D2H_PIECE_BYTES = 128 << 20  # a reserved save's ranges: gathered, then copied into their arena slots in turn
 SAVE_TRIALS = 3  # saves timed per store up to 8K tokens, each of its own prompt (the median is the figure)
@@ -415,6 +414,10 @@ class KvstorePaged:
     """...or ``1/head_share`` of the prefix when that is more."""
     layer_group = LAYER_GROUP
     """Layers the restore copies to the device at a time (the last group: ``LAST_GROUP``)."""
+    tail_blocks = TAIL_BLOCKS
+    """Last blocks of the prefix copied by layer groups (at least; 0: none)..."""
+    tail_share = TAIL_SHARE
+    """...or ``1/tail_share`` of the prefix when that is more (0: no share)."""
 
     head_by = "peek"
     """How the head's copy is queued: ``peek`` (from where :meth:`KVStore.peek_arena` saw its
@@ -503,7 +506,7 @@ class KvstorePaged:
         """The blocks past the head (:meth:`restore`) copied to the device on a copy stream as
         whole blocks (one 1-D DMA per run of the lease) in ``BODY_RANGES`` block ranges, each
         range's every layer scattered into the pages (``PagedKV.scatter_layer``) as soon as it
-        lands, and the last ``1/TAIL_SHARE`` of the prefix (``TAIL_BLOCKS`` at least) copied by
+        lands, and the last ``1/tail_share`` of the prefix (``tail_blocks`` at least) copied by
         layer groups (:func:`layer_groups`, ``ArenaBlocks.copy_into`` with a row pitch), so that
         little scatter is left once the link is done. (A 2-D copy by layer groups of the whole
         rest, ``kvstore-groups``, moved 512 MiB in 9.81-10.10 ms on the H100 against 9.76-9.96 for
@@ -513,7 +516,7 @@ class KvstorePaged:
         h, head_ev = self._head if self._head is not None else (0, None)
         h = min(h, n)
         staging = self._staging[:n]
-        tail = min(n - h, max(TAIL_BLOCKS, n // TAIL_SHARE))
+        tail = min(n - h, max(self.tail_blocks, n // self.tail_share if self.tail_share else 0))
         t0 = n - tail
         body = [(h + a, h + b) for a, b in _cuts(t0 - h, BODY_RANGES)]
         groups = layer_groups(kv.num_layers, self.layer_group) if tail else []
@@ -680,39 +683,14 @@ class KvstorePut(KvstorePaged):
 
 
 class KvstoreBlocks(KvstorePaged):
-    """The same store, pipelined by blocks: ``BLOCK_GROUPS`` ranges of whole blocks, each
-    copied to the device as back-to-back rows (one DMA per run of the lease, no 2-D pitch),
-    and every layer of a range scattered as soon as that range lands."""
+    """The same store, pipelined by blocks only: no head and no layer-grouped tail, the whole
+    prefix in ``BODY_RANGES`` ranges of whole blocks (one DMA per run of the lease, no 2-D
+    pitch), every layer of a range scattered as soon as that range lands."""
 
     name = "kvstore-blocks"
     head_blocks = 0
-
-    def _scatter(self, blocks: ArenaBlocks, ids: list[int]) -> None:
-        assert self._staging is not None
-        n, pb, kv, bb = len(ids), self.spec.page_bytes, self.pages, self.spec.block_bytes
-        staging = self._staging[:n]
-        ranges = _cuts(n, BLOCK_GROUPS)
-        dev = self.cache.device
-        if dev.type != "cuda":
-            blocks.copy_range(staging, 0, bb)
-            landed: list[Any] = [None] * len(ranges)
-        else:
-            main = torch.cuda.current_stream(dev)
-            copy = self._copy_stream()
-            copy.wait_stream(main)
-            landed = []
-            with torch.cuda.stream(copy):
-                for a, b in ranges:
-                    blocks.copy_into(staging[a:b], 0, bb, first=a)
-                    ev = torch.cuda.Event()
-                    ev.record(copy)
-                    landed.append(ev)
-        for (a, b), ev in zip(ranges, landed, strict=True):
-            if ev is not None:
-                torch.cuda.current_stream(dev).wait_event(ev)
-            idx = kv.block_ids(ids[a:b])
-            for layer in range(kv.num_layers):
-                kv.scatter_layer(layer, idx, staging[a:b, layer * pb : (layer + 1) * pb])
+    tail_blocks = 0
+    tail_share = 0
 
 
 class KvstoreWhole(KvstorePaged):
