@@ -1,0 +1,94 @@
+"""tools/replay/ordersearch.py: the fast evaluation of priority orders and the search over them."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tools.replay import ordersearch as O
+from tools.replay.bounds import ClassSegments, policy_class_segments, priority_order_hits
+from tools.replay.synth import generate, write_trace
+from tools.replay.trace import load_trace
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ordersearch") / "multi_turn_trace.jsonl"
+    write_trace(path, generate("multi-turn", 150, seed=3))
+    return path
+
+
+def _random_instance(rng: np.random.Generator, cells: int, per: int) -> O.Instance:
+    """A made instance: ``per`` reuses per cell, whole-block loads, each reuse's own cell holding
+    at least its block."""
+    n = cells * per
+    loads = rng.integers(0, 6, size=(cells, n)).astype(np.float32)
+    cell = np.repeat(np.arange(cells), per)
+    loads[cell, np.arange(n)] += 1
+    return O.Instance(loads, loads[cell, np.arange(n)].astype(np.float64), np.arange(0, n + 1, per),
+                      rng.integers(1, 100, size=cells).astype(np.float64))
+
+
+def test_evaluation_equals_priority_order_hits(made: Path) -> None:
+    seg = policy_class_segments(load_trace(made))
+    inst = O.build(seg)
+    assert inst.cells > 5
+    for capacity in (3, 20, 80):
+        ref = priority_order_hits(seg, capacity, O.RATIO)
+        assert O.order_hits(inst, O.default_order(inst), capacity) == pytest.approx(ref, rel=1e-6)
+        assert O.OrderState(inst, O.default_order(inst), capacity).hits == pytest.approx(ref, rel=1e-6)
+
+
+def test_evaluation_on_the_bounds_example() -> None:
+    # test_priority_order_moves_its_cut_with_the_load's example (tests/tools/test_replay_economics.py).
+    seg = ClassSegments([np.array([10.0, 10.0])], 20, [np.array([1, 2])])
+    inst = O.build(seg, ratio=2.0)
+    assert O.order_hits(inst, O.default_order(inst), 1) == pytest.approx(1.5)
+    assert O.order_hits(inst, O.default_order(inst), 2) == pytest.approx(2.0)
+
+
+def test_incremental_moves_equal_a_fresh_evaluation() -> None:
+    rng = np.random.default_rng(7)
+    inst = _random_instance(rng, 9, 12)
+    state = O.OrderState(inst, rng.permutation(9), capacity=14)
+    for _ in range(200):
+        a, b = (int(x) for x in rng.integers(9, size=2))
+        gains = state.insertion_gains(a)
+        before = state.hits
+        gain = state.move_gain(a, b)
+        assert gains[b] == pytest.approx(gain, abs=1e-9)
+        state.move(a, b)
+        fresh = O.order_hits(inst, state.order, 14)
+        assert state.hits == pytest.approx(fresh, abs=1e-9)
+        assert fresh - before == pytest.approx(gain, abs=1e-9)
+        assert np.array_equal(state.above, O.OrderState(inst, state.order, 14).above)
+
+
+def test_search_finds_the_best_order_of_a_tiny_instance() -> None:
+    rng = np.random.default_rng(1)
+    found = 0
+    for trial in range(4):
+        inst = _random_instance(rng, 6, 5)
+        capacity = float(rng.integers(4, 15))
+        best = max(O.order_hits(inst, np.array(p), capacity) for p in itertools.permutations(range(6)))
+        got = O.search(inst, capacity, seconds=60.0, seed=trial, max_moves=3_000, progress=0)
+        assert got.hits <= best + 1e-9  # a search: never above the best order
+        assert got.hits == pytest.approx(O.order_hits(inst, got.order, capacity))
+        assert got.hits >= got.start_hits - 1e-9
+        found += got.hits == pytest.approx(best, abs=1e-9)
+    assert found == 4
+
+
+def test_cli_prints_one_line_per_capacity(made: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert O.main([str(made), "--capacity", "5%", "--capacity", "dram=10%,nvme=25%,object=inf",
+                   "--seconds", "0.5", "--moves", "2000", "--progress", "0", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    trace = load_trace(made)
+    assert [r["capacity_blocks"] for r in rows] == [int(0.05 * trace.unique_blocks), int(0.1 * trace.unique_blocks)]
+    for r in rows:
+        assert r["start_share"] <= r["best_share"] <= 1.0
+        assert r["seed"] == 0 and r["moves"] > 0
