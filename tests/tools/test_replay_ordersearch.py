@@ -68,6 +68,25 @@ def test_incremental_moves_equal_a_fresh_evaluation() -> None:
         assert np.array_equal(state.above, O.OrderState(inst, state.order, 14).above)
 
 
+def test_cells_without_reuses_score_like_the_others() -> None:
+    # A split of a trace (fitted on its first half) leaves cells with no reuse there, at the
+    # ends and between others: their moves must be scored as exactly as any.
+    rng = np.random.default_rng(3)
+    counts = np.array([0, 3, 0, 0, 5, 2, 0, 4, 0])
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    n, cells = int(bounds[-1]), counts.size
+    loads = rng.integers(0, 6, size=(cells, n)).astype(np.float32)
+    cell = np.repeat(np.arange(cells), counts)
+    loads[cell, np.arange(n)] += 1
+    inst = O.Instance(loads, loads[cell, np.arange(n)].astype(np.float64), bounds, np.ones(cells))
+    state = O.OrderState(inst, rng.permutation(cells), capacity=9)
+    for _ in range(100):
+        a, b = (int(x) for x in rng.integers(cells, size=2))
+        assert state.insertion_gains(a)[b] == pytest.approx(state.move_gain(a, b), abs=1e-9)
+        state.move(a, b)
+        assert state.hits == pytest.approx(O.order_hits(inst, state.order, 9), abs=1e-9)
+
+
 def test_search_finds_the_best_order_of_a_tiny_instance() -> None:
     rng = np.random.default_rng(1)
     found = 0

@@ -118,6 +118,13 @@ def order_hits(inst: Instance, order: np.ndarray, capacity: float) -> float:
     return float(_shares(inst, _above(inst, np.asarray(order)), capacity).sum())
 
 
+def _per_cell(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Per cell, the sum of its reuses' ``values`` (0 for a cell with none: ``np.add.reduceat``
+    would give a neighbour's value there)."""
+    run = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
+    return run[bounds[1:]] - run[bounds[:-1]]
+
+
 class OrderState:
     """One order, its ``above`` per reuse, and incremental scores of single-cell moves."""
 
@@ -183,9 +190,8 @@ class OrderState:
         bare = self.above - np.where(below_c, inst.loads[c], 0.0)
         without = np.clip((cap - bare) / inst.own, 0.0, 1.0)
         with_c = np.clip((cap - bare - inst.loads[c]) / inst.own, 0.0, 1.0)
-        starts = inst.bounds[:-1]
-        per_without = np.add.reduceat(without, starts)[rest]
-        per_with = np.add.reduceat(with_c, starts)[rest]
+        per_without = _per_cell(without, inst.bounds)[rest]
+        per_with = _per_cell(with_c, inst.bounds)[rest]
         # c at rank b: the cells rest[:b] above it keep `without`, rest[b:] get `with`.
         pre_without = np.concatenate([[0.0], np.cumsum(per_without)])
         pre_with = np.concatenate([[0.0], np.cumsum(per_with)])
