@@ -111,3 +111,38 @@ def test_cli_prints_one_line_per_capacity(made: Path, capsys: pytest.CaptureFixt
     for r in rows:
         assert r["start_share"] <= r["best_share"] <= 1.0
         assert r["seed"] == 0 and r["moves"] > 0
+
+
+def test_the_halves_split_the_reuses_of_the_whole(made: Path) -> None:
+    seg = policy_class_segments(load_trace(made))
+    whole = O.build(seg)
+    first, second = O.build_halves(seg)
+    assert first.cells == second.cells == whole.cells
+    assert first.own.size + second.own.size == whole.own.size
+    assert first.own.size > 0 and second.own.size > 0
+    assert np.allclose(first.space + second.space, whole.space)
+    rng = np.random.default_rng(5)
+    for capacity in (3, 20):
+        for _ in range(3):
+            order = rng.permutation(whole.cells)
+            # The same order serves each reuse the same share, in the whole or in its half.
+            assert O.order_hits(first, order, capacity) + O.order_hits(second, order, capacity) == pytest.approx(
+                O.order_hits(whole, order, capacity))
+
+
+def test_cli_holdout_and_rich_classes(made: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert O.main([str(made), "--classes", "rich", "--holdout", "--seconds", "0.3", "--moves", "2000",
+                   "--progress", "0", "--json"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["classes"] == "rich"
+    assert row["cells"] > O.build(policy_class_segments(load_trace(made))).cells  # finer than density's
+    held = row["holdout"]
+    assert held["first_half_reuses"] + held["second_half_reuses"] == row["reuses"]
+    for key in ("fitted_on_first_scored_on_first", "fitted_on_first_scored_on_second", "fitted_on_second_scored_on_second"):
+        assert 0.0 <= held[key] <= 1.0
+
+
+def test_cli_tells_a_bad_capacity(made: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert O.main([str(made), "--capacity", "lots", "--progress", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "lots" in err

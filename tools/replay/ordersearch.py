@@ -35,13 +35,17 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore.errors import ConfigError
+from kvstore.version import version
 from tools.replay.bounds import (
     ClassSegments,
     _cell_occupancy,
     age_grid,
+    class_segments,
     policy_class_segments,
     unlimited,
 )
+from tools.replay.trace import TraceError, load_trace
 
 RATIO = 1.35
 """``density``'s age-bucket ratio (eviction/density.py's ``RATIO``), as in economics.py."""
@@ -74,15 +78,30 @@ def build(segments: ClassSegments, ratio: float | None = RATIO, chunk: int = 64)
     """The :class:`Instance` of ``segments``' cells at ``ratio`` (``_cell_occupancy`` at one
     row per tick, gathered at the reuse ticks a few cells at a time, then dropped)."""
     load, hit_cell, hit_tick = _cell_occupancy(segments, age_grid(segments.accesses, ratio), 1)
+    return _gather(load, hit_cell, hit_tick - 1, slice(None), chunk)
+
+
+def build_halves(segments: ClassSegments, ratio: float | None = RATIO, chunk: int = 64) -> tuple[Instance, Instance]:
+    """Two instances over the same cells: the reuses of the first half of the trace's ticks
+    (and each cell's space-time there), and those of the second half. An order searched on the
+    first and scored on the second is what the statistics are worth *fitted on the past*."""
+    load, hit_cell, hit_tick = _cell_occupancy(segments, age_grid(segments.accesses, ratio), 1)
+    mid = load.shape[1] // 2
+    tick = hit_tick - 1
+    early = tick < mid
+    first = _gather(load, hit_cell[early], tick[early], slice(0, mid), chunk)
+    return first, _gather(load, hit_cell[~early], tick[~early], slice(mid, None), chunk)
+
+
+def _gather(load: np.ndarray, hit_cell: np.ndarray, tick: np.ndarray, span: slice, chunk: int) -> Instance:
+    """The instance of the reuses ``(hit_cell, tick)``, with space-time summed over ``span``."""
     by_cell = np.argsort(hit_cell, kind="stable")
-    tick = hit_tick[by_cell] - 1
-    cell = hit_cell[by_cell]
+    tick, cell = tick[by_cell], hit_cell[by_cell]
     loads = np.empty((load.shape[0], tick.size), dtype=np.float32)
     for first in range(0, load.shape[0], chunk):
         loads[first : first + chunk] = load[first : first + chunk][:, tick]
-    space = load.sum(axis=1)
+    space = load[:, span].sum(axis=1)
     own = np.maximum(load[cell, tick], 1.0)
-    del load
     bounds = np.concatenate([[0], np.cumsum(np.bincount(cell, minlength=loads.shape[0]))]).astype(np.int64)
     return Instance(loads, own, bounds, space)
 
@@ -325,6 +344,11 @@ def first_tier_blocks(spec: str, unique_blocks: int) -> int:
     return parse_capacity(expand_unlimited(spec, unique_blocks), unique_blocks, 1)[0].blocks
 
 
+CLASSES = {"density": policy_class_segments, "rich": class_segments}
+"""The cells searched: `density`'s (hits x extended, the default), or the richer classes of
+:func:`tools.replay.bounds.class_segments` (hits, partial tail, last reuse gap, new, depth)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m tools.replay.ordersearch",
@@ -333,37 +357,63 @@ def main(argv: list[str] | None = None) -> int:
         "whole-trace statistics and free prefetch (tools.replay.bounds.priority_order_hits' rule for any "
         "order). A search, not a bound: 'best' is the share of one order found, a lower bound on the best "
         "order's. Shares are of unlimited(trace).sum(), the served hits of --economics. Prints one line per "
-        "capacity; progress on stderr.")
+        "capacity; progress on stderr. Exit codes: 0 ok, 2 bad input.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("trace", type=Path, help="trace (JSONL, as for python -m tools.replay)")
     p.add_argument("--capacity", action="append", default=None,
                    help="first tier's capacity, as the replay reads it (5%%, 2000, or dram=5%%,nvme=25%%,"
                    "object=inf: its first tier); repeatable (default 5%%)")
-    p.add_argument("--seconds", type=float, default=60.0, help="wall-clock budget per capacity (default 60)")
-    p.add_argument("--moves", type=int, default=10**12, help="budget of single-cell moves scored per capacity")
+    p.add_argument("--classes", choices=sorted(CLASSES), default="density",
+                   help="density: the policy's own cells (default); rich: the richer classes of the bounds")
+    p.add_argument("--holdout", action="store_true",
+                   help="also search on the first half of the trace and score that order on the second half "
+                   "(beside the second half's own search): what the statistics are worth fitted on the past")
+    p.add_argument("--seconds", type=float, default=60.0, help="wall-clock budget per search (default 60)")
+    p.add_argument("--moves", type=int, default=10**12, help="budget of single-cell moves scored per search")
     p.add_argument("--seed", type=int, default=0, help="numpy Generator seed (default 0)")
     p.add_argument("--progress", type=float, default=30.0, help="seconds between progress lines (0: none)")
     p.add_argument("--json", action="store_true", help="JSON lines (the default prints them too, as text)")
     args = p.parse_args(argv)
-    from tools.replay.trace import load_trace
+    try:
+        return _run(args)
+    except (TraceError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
+
+def _run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
+    specs = [(spec, first_tier_blocks(spec, trace.unique_blocks)) for spec in args.capacity or ["5%"]]
     served = float(unlimited(trace).sum())
-    inst = build(policy_class_segments(trace))
-    for spec in args.capacity or ["5%"]:
-        blocks = first_tier_blocks(spec, trace.unique_blocks)
+    segments = CLASSES[args.classes](trace)
+    inst = build(segments)
+    halves = build_halves(segments) if args.holdout else None
+    for spec, blocks in specs:
         got = search(inst, blocks, args.seconds, args.seed, args.moves, args.progress, f"{args.trace.name} {spec}")
-        row = {"trace": args.trace.name, "capacity": spec, "capacity_blocks": blocks, "served": served,
-               "cells": inst.cells, "reuses": int(inst.own.size),
+        row = {"trace": args.trace.name, "classes": args.classes, "capacity": spec, "capacity_blocks": blocks,
+               "served": served, "cells": inst.cells, "reuses": int(inst.own.size),
                "start_share": round(got.start_hits / max(served, 1.0), 6),
                "best_share": round(got.hits / max(served, 1.0), 6), "moves": got.moves, "accepted": got.accepted,
                "climbs": got.climbs, "seconds": round(got.seconds, 1), "seed": args.seed,
                "best_share_at_s": [[t, round(h / max(served, 1.0), 6)] for t, h in got.best_at],
                "best_order": got.order.tolist()}
+        if halves is not None:
+            first, second = halves
+            fit = search(first, blocks, args.seconds, args.seed, args.moves, args.progress, f"{spec} first half")
+            own = search(second, blocks, args.seconds, args.seed, args.moves, args.progress, f"{spec} second half")
+            n1, n2 = max(first.own.size, 1), max(second.own.size, 1)
+            row["holdout"] = {"first_half_reuses": int(first.own.size), "second_half_reuses": int(second.own.size),
+                              "fitted_on_first_scored_on_first": round(fit.hits / n1, 6),
+                              "fitted_on_first_scored_on_second": round(order_hits(second, fit.order, blocks) / n2, 6),
+                              "fitted_on_second_scored_on_second": round(own.hits / n2, 6)}
         if args.json:
             print(json.dumps(row), flush=True)
         else:
-            print(f"{row['trace']} {spec} ({blocks} blocks): start {row['start_share']:.4f} best "
-                  f"{row['best_share']:.4f} ({got.moves} moves, {got.seconds:.0f} s)", flush=True)
+            held = row.get("holdout")
+            print(f"{row['trace']} {spec} ({blocks} blocks, {args.classes} cells): start {row['start_share']:.4f} best "
+                  f"{row['best_share']:.4f} ({got.moves} moves, {got.seconds:.0f} s)"
+                  + (f"; fitted on the first half, the second half's share {held['fitted_on_first_scored_on_second']:.4f}"
+                     f" (its own fit {held['fitted_on_second_scored_on_second']:.4f})" if held else ""), flush=True)
     return 0
 
 
