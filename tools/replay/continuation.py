@@ -30,7 +30,7 @@ import numpy as np
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.version import version
+from tools.replay import tool
 from tools.replay.economics import (
     _RECORDS,
     block_parents,
@@ -46,7 +46,7 @@ from tools.replay.subtree import (
     replay_refusals,
     score_frontier,
 )
-from tools.replay.trace import Trace, TraceError, load_trace
+from tools.replay.trace import Trace, load_trace
 
 BUDGETS = (0.005, 0.01, 0.02)
 
@@ -205,22 +205,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m tools.replay.continuation",
-        description=__doc__.split("\n\n")[1].replace("\n", " ") if __doc__ else None,
-    )
-    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    p.add_argument("trace", help="Mooncake-format JSONL trace file")
+    p = tool.parser("python -m tools.replay.continuation", __doc__)
     p.add_argument("--admission", action="append", metavar="SPEC",
                    help="also the admission frontier at these tiers, e.g. dram=5%%,nvme=25%%,object=inf (repeatable)")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per block of the trace's hash ids (default 512)")
     p.add_argument("--json", action="store_true", help="one JSON object per section")
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except (TraceError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return tool.run(run, p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -18,11 +18,10 @@ from typing import Any
 import numpy as np
 
 from kvstore.config import StoreConfig
-from kvstore.errors import ConfigError
-from kvstore.version import version
+from tools.replay import tool
 from tools.replay.bounds import EXTRA_FEATURES, belady, class_segments, holdout_class_hits
 from tools.replay.sim import parse_capacity, replay_store
-from tools.replay.trace import TraceError, load_trace
+from tools.replay.trace import load_trace
 
 FEATURE_SETS: dict[str, tuple[str, ...]] = {"base": (), "length": ("length",), "all": EXTRA_FEATURES}
 
@@ -56,21 +55,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m tools.replay.holdout",
-        description=__doc__.split("\n\n")[1].replace("\n", " ") if __doc__ else None,
-    )
-    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    p.add_argument("trace", help="Mooncake-format JSONL trace file")
+    p = tool.parser("python -m tools.replay.holdout", __doc__)
     p.add_argument("--capacity", action="append", metavar="SPEC", help="a share of unique blocks or a block count (default: 1%%, 5%%, 10%%; repeatable)")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per block of the trace's hash ids (default 512)")
     p.add_argument("--json", action="store_true", help="one JSON object per capacity")
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except (TraceError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return tool.run(run, p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -35,8 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.errors import ConfigError
-from kvstore.version import version
+from tools.replay import tool
 from tools.replay.bounds import (
     ClassSegments,
     _cell_occupancy,
@@ -45,7 +44,7 @@ from tools.replay.bounds import (
     policy_class_segments,
     unlimited,
 )
-from tools.replay.trace import TraceError, load_trace
+from tools.replay.trace import load_trace
 
 RATIO = 1.35
 """``density``'s age-bucket ratio (eviction/density.py's ``RATIO``), as in economics.py."""
@@ -350,16 +349,14 @@ CLASSES = {"density": policy_class_segments, "rich": class_segments}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m tools.replay.ordersearch",
-        description="Search for a static priority order over eviction/density.py's (class, age cell)s "
+    p = tool.parser(
+        "python -m tools.replay.ordersearch",
+        "Search for a static priority order over eviction/density.py's (class, age cell)s "
         "(ratio 1.35) that serves the most reuses from a first tier of the given capacity, with exact "
         "whole-trace statistics and free prefetch (tools.replay.bounds.priority_order_hits' rule for any "
         "order). A search, not a bound: 'best' is the share of one order found, a lower bound on the best "
         "order's. Shares are of unlimited(trace).sum(), the served hits of --economics. Prints one line per "
         "capacity; progress on stderr. Exit codes: 0 ok, 2 bad input.")
-    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    p.add_argument("trace", type=Path, help="trace (JSONL, as for python -m tools.replay)")
     p.add_argument("--capacity", action="append", default=None,
                    help="first tier's capacity, as the replay reads it (5%%, 2000, or dram=5%%,nvme=25%%,"
                    "object=inf: its first tier); repeatable (default 5%%)")
@@ -373,24 +370,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="numpy Generator seed (default 0)")
     p.add_argument("--progress", type=float, default=30.0, help="seconds between progress lines (0: none)")
     p.add_argument("--json", action="store_true", help="JSON lines (the default prints them too, as text)")
-    args = p.parse_args(argv)
-    try:
-        return _run(args)
-    except (TraceError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return tool.run(_run, p.parse_args(argv))
 
 
 def _run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
+    name = Path(args.trace).name
     specs = [(spec, first_tier_blocks(spec, trace.unique_blocks)) for spec in args.capacity or ["5%"]]
     served = float(unlimited(trace).sum())
     segments = CLASSES[args.classes](trace)
     inst = build(segments)
     halves = build_halves(segments) if args.holdout else None
     for spec, blocks in specs:
-        got = search(inst, blocks, args.seconds, args.seed, args.moves, args.progress, f"{args.trace.name} {spec}")
-        row = {"trace": args.trace.name, "classes": args.classes, "capacity": spec, "capacity_blocks": blocks,
+        got = search(inst, blocks, args.seconds, args.seed, args.moves, args.progress, f"{name} {spec}")
+        row = {"trace": name, "classes": args.classes, "capacity": spec, "capacity_blocks": blocks,
                "served": served, "cells": inst.cells, "reuses": int(inst.own.size),
                "start_share": round(got.start_hits / max(served, 1.0), 6),
                "best_share": round(got.hits / max(served, 1.0), 6), "moves": got.moves, "accepted": got.accepted,
