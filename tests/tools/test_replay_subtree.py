@@ -210,3 +210,13 @@ def test_learned_scores_use_only_labels_already_past(tmp_path: Path) -> None:
     (point,) = score_frontier(trace, tree, dec, p, hits, (0.0,))
     assert point.outcome.lost == 0 and point.outcome.refused > 0  # the odd chains go, at no loss
     assert point.outcome.writes < 60
+
+
+def test_last_read_is_the_latest_request_at_or_before(chat: tuple[Trace, TraceTree]) -> None:
+    trace, tree = chat  # requests: [0, 1, 2], [3], [0, 1, 2]
+    reqs = trace.num_requests
+    assert tree.last_read(np.array([0, 0, 0, 3, 3]), np.array([0, 1, 2, 0, 2]), reqs).tolist() == [0, 0, 2, -1, 1]
+    assert tree.last_read(np.array([2, 3]), 1, reqs).tolist() == [0, 1]
+    # Its mirror: the next read after the last read at or before r is after r.
+    blocks, r = np.array([0, 1, 2, 3]), 1
+    assert (tree.next_read(blocks, r, reqs) > r).all()

@@ -24,7 +24,7 @@ from kvstore.version import version
 from tools.replay import economics
 from tools.replay.bounds import EXTRA_FEATURES, belady, class_bound, class_segments, unlimited
 from tools.replay.plot import write_svg
-from tools.replay.sim import TierCapacity, parse_capacity, replay_store, summarize
+from tools.replay.sim import TierCapacity, replay_store, summarize
 from tools.replay.trace import Trace, TraceError, load_trace
 
 EPILOG = """\
@@ -157,8 +157,7 @@ def run(args: argparse.Namespace) -> int:
         names = sorted(POLICIES)
     given = _options(args.policy_option)
     options = {name: _policy_options(name, given, args) for name in names}
-    capacities = [(spec, parse_capacity(economics.expand_unlimited(spec, trace.unique_blocks), trace.unique_blocks,
-                                        cost.block_bytes)) for spec in specs]
+    capacities = [(spec, economics.parse_tiers(spec, trace.unique_blocks, cost.block_bytes)) for spec in specs]
     progress = _Progress(not args.no_progress)
     features = tuple(f.strip() for f in args.class_features.split(",") if f.strip())
     if features and not args.class_bound:

@@ -34,13 +34,13 @@ from tools.replay import tool
 from tools.replay.economics import (
     _RECORDS,
     block_parents,
-    expand_unlimited,
     last_access_s,
+    parse_tiers,
+    recorder_options,
     register_future,
 )
-from tools.replay.sim import _EPOCH, TierCapacity, parse_capacity, replay_store
+from tools.replay.sim import _EPOCH, TierCapacity, replay_store
 from tools.replay.subtree import (
-    Decisions,
     TraceTree,
     learned_scores,
     replay_refusals,
@@ -77,14 +77,12 @@ def turns(trace: Trace, tree: TraceTree, block_tokens: int = 512) -> Turns:
     stamps = trace.timestamps_ms.astype(np.float64)
     before = np.zeros(reqs)
     gap = np.full(reqs, np.nan)
-    keys = tree.access_keys
     for r in range(reqs):
         chain = ids[off[r] : off[r + 1]]
         seen = np.flatnonzero(tree.first_req[chain] < r)
         seen = seen[seen >= 1]
         if seen.size:
-            b = int(chain[seen[-1]])
-            prev = int(keys[np.searchsorted(keys, b * (reqs + 1) + r, side="left") - 1] % (reqs + 1))
+            prev = int(tree.last_read(chain[seen[-1]], r - 1, reqs))
             before[r] = before[prev] + 1
             gap[r] = (stamps[r] - stamps[prev]) / 1000.0
     feats = {"blocks": length.astype(np.float64), "output_tokens": trace.output_tokens.astype(np.float64),
@@ -146,7 +144,7 @@ def predictability(t: Turns) -> tuple[dict[str, Any], np.ndarray]:
 
 
 def _tiers(trace: Trace, spec: str) -> list[TierCapacity]:
-    tiers = parse_capacity(expand_unlimited(spec, trace.unique_blocks), trace.unique_blocks, 1)
+    tiers = parse_tiers(spec, trace.unique_blocks)
     if len(tiers) < 2:
         raise ConfigError(f"--admission {spec!r}: give two tiers or more, e.g. dram=5%,nvme=25%,object=inf")
     return tiers
@@ -159,17 +157,15 @@ def admission(trace: Trace, spec: str, t: Turns, prob: np.ndarray, block_tokens:
     register_future(key, last_access_s(trace, _EPOCH), trace)
     policy = StoreConfig().policy
     run = replay_store(trace, tiers, policy, block_tokens=block_tokens, admission="record",
-                       admission_options={"future": key, "upper": (1 << max(len(tiers) - 2, 0)) - 1})
+                       admission_options=recorder_options(key, tiers))
     rec = _RECORDS.pop(key)
     assert rec.tree is not None, "the recorder ran without the trace's tree"
     tree = rec.tree[1]
-    cols = {k: np.asarray(v) for k, v in rec.columns.items()}
-    dec = Decisions(cols["req"].astype(np.int64), np.asarray(rec.blocks, np.int64), cols["free"].astype(bool))
+    dec = rec.decisions()
     hits = int(run.hits.sum())
-    reqs, keys = trace.num_requests, tree.access_keys
-    # The request that last read each decision's block, at or before the decision.
-    j = np.searchsorted(keys, dec.block * (reqs + 1) + dec.req, side="right") - 1
-    last_req = (keys[j] % (reqs + 1)).astype(np.int64)
+    # The request that last read each decision's block, at or before the decision (a decision
+    # follows a read of its block, so there is one).
+    last_req = tree.last_read(dec.block, dec.req, trace.num_requests)
     per_hit = max(hits, 1)
 
     def point(o: Any) -> dict[str, float]:

@@ -48,7 +48,7 @@ from tools.replay.bounds import (
     unlimited,
     window_bound,
 )
-from tools.replay.sim import _EPOCH, StoreRun, TierCapacity
+from tools.replay.sim import _EPOCH, StoreRun, TierCapacity, parse_capacity
 from tools.replay.subtree import (
     Decisions,
     TraceTree,
@@ -66,6 +66,19 @@ _INF = re.compile(r"(^|[=,])\s*(inf|unlimited)\s*(?=,|$)", re.IGNORECASE)
 def expand_unlimited(spec: str, unique_blocks: int) -> str:
     """``object=inf`` (or ``unlimited``) as room for every unique block of the trace."""
     return _INF.sub(lambda m: f"{m.group(1)}{unique_blocks}", spec)
+
+
+def parse_tiers(spec: str, unique_blocks: int, block_bytes: int = 1) -> list[TierCapacity]:
+    """The tiers of a capacity string, ``object=inf`` included (:func:`expand_unlimited`, then
+    ``parse_capacity``)."""
+    return parse_capacity(expand_unlimited(spec, unique_blocks), unique_blocks, block_bytes)
+
+
+def recorder_options(key: str, tiers: list[TierCapacity]) -> dict[str, Any]:
+    """``admission_options`` of a :class:`ClassRecorder` run over ``tiers`` for the trace
+    registered as ``key``: its decisions' subtrees are free to go only with no copy in the tiers
+    above the one their blocks leave (the next-to-last)."""
+    return {"future": key, "upper": (1 << max(len(tiers) - 2, 0)) - 1}
 
 
 # ---- the admission oracle ---------------------------------------------------------------------------
@@ -151,6 +164,12 @@ class ClassRecorder(OracleAdmission):
             self._hits_after = np.cumsum(unlimited(trace))
             self._bid = np.full(tree.parent.size, -1, np.int64)  # trace id -> index id (a store-all run keeps them)
         _RECORDS[config.future] = self
+
+    def decisions(self) -> Decisions:
+        """The recorded decisions, as tools/replay/subtree.py replays them (a run with the
+        trace's tree registered)."""
+        col = self.columns
+        return Decisions(np.asarray(col["req"], np.int64), np.asarray(self.blocks, np.int64), np.asarray(col["free"], bool))
 
     def refuses(self, bid: int, now: float) -> bool:
         return False
@@ -298,7 +317,7 @@ def exact_subtree_bounds(trace: Trace, rec: ClassRecorder, hits: int, budgets: t
     assert rec.tree is not None, "the recorder ran without the trace's tree"
     _, tree = rec.tree
     cols = {k: np.asarray(v) for k, v in rec.columns.items()}
-    dec = Decisions(cols["req"].astype(np.int64), np.asarray(rec.blocks, np.int64), cols["free"].astype(bool))
+    dec = rec.decisions()
     rule = np.asarray(rec.classes, np.int64)
     costs = standalone_costs(trace, tree, dec)
     per_hit = max(hits, 1)
@@ -440,8 +459,7 @@ def report(
     key = f"{trace.name}@{spec}"
     register_future(key, last_access_s(trace, _EPOCH), trace)
     # The first policy storing everything, recording each last-tier decision for the class bound.
-    upper = (1 << max(len(tiers) - 2, 0)) - 1  # the tiers above the one decisions' blocks leave
-    recorded = tier_figures(tiers, replay(first, admission="record", admission_options={"future": key, "upper": upper}),
+    recorded = tier_figures(tiers, replay(first, admission="record", admission_options=recorder_options(key, tiers)),
                             block_bytes)
     rec = _RECORDS.pop(key)
     rows = []

@@ -295,8 +295,10 @@ def search(inst: Instance, capacity: float, seconds: float = 60.0, seed: int = 0
     t0 = time.monotonic()
     deadline = t0 + seconds
     count = [0, 0]  # moves scored, moves made
-    start = order_hits(inst, default_order(inst), capacity)
-    best_order, best = default_order(inst), start
+    state = OrderState(inst, default_order(inst), capacity)
+    start = state.hits
+    best_order, best = state.order.copy(), start
+    current, current_hits = best_order, start
     best_at = [(0.0, start)]
     last_note = t0
     climbs = 0
@@ -311,16 +313,14 @@ def search(inst: Instance, capacity: float, seconds: float = 60.0, seed: int = 0
             print(f"{label} {last_note - t0:.0f}s best {best:.1f} moves {count[0]} made {count[1]} climbs {climbs}",
                   file=sys.stderr, flush=True)
 
-    state = OrderState(inst, default_order(inst), capacity)
-    current = state.order.copy()
-    for first in (default_order(inst), reuse_tick_order(inst)):
-        state.set_order(first)
+    for first in (None, reuse_tick_order(inst)):  # the default order first: the state holds it
+        if first is not None:
+            state.set_order(first)
         _climb(state, rng, deadline, max_moves, count)
         climbs += 1
         note(state)
         if state.hits >= best - 1e-9:
-            current = state.order.copy()
-    current_hits = order_hits(inst, current, capacity)
+            current, current_hits = state.order.copy(), state.hits
     while time.monotonic() < deadline and count[0] < max_moves and inst.cells > 1:
         state.set_order(_kick(current, rng))  # from scratch: no drift however long it runs
         _climb(state, rng, deadline, max_moves, count)
@@ -337,10 +337,9 @@ def search(inst: Instance, capacity: float, seconds: float = 60.0, seed: int = 0
 def first_tier_blocks(spec: str, unique_blocks: int) -> int:
     """The first tier's blocks of a capacity string, as the replay reads it (``5%``, ``2000``,
     ``dram=5%,nvme=25%,object=inf``)."""
-    from tools.replay.economics import expand_unlimited
-    from tools.replay.sim import parse_capacity
+    from tools.replay.economics import parse_tiers
 
-    return parse_capacity(expand_unlimited(spec, unique_blocks), unique_blocks, 1)[0].blocks
+    return parse_tiers(spec, unique_blocks)[0].blocks
 
 
 CLASSES = {"density": policy_class_segments, "rich": class_segments}

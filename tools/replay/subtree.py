@@ -106,6 +106,13 @@ class TraceTree:
         hit &= keys[j] > want
         return np.where(hit, keys[j] % (reqs + 1), reqs)
 
+    def last_read(self, blocks: np.ndarray, r: np.ndarray | int, reqs: int) -> np.ndarray:
+        """Per block, the last request at or before ``r`` that reads it, or -1."""
+        keys = self.access_keys
+        j = np.searchsorted(keys, blocks * (reqs + 1) + r, side="right") - 1
+        k = keys[np.maximum(j, 0)]
+        return np.where((j >= 0) & (k // (reqs + 1) == blocks), k % (reqs + 1), -1)
+
 
 @dataclass(frozen=True, slots=True)
 class Decisions:
