@@ -595,7 +595,7 @@ class Session:
         # The token ids are copied out: the client may reuse its staging once we reply.
         tokens = np.frombuffer(self.staging.buf[off + n : off + n + tok_bytes], "<i4").copy() if tok_bytes else None
         try:
-            bad = await self.ctx.run(_first_mismatch, src, req.checksums, bb)
+            bad = None if req.checksums is None else await self.ctx.run(_first_mismatch, src, req.checksums, bb)
             if bad is not None:
                 raise RequestError(
                     P.ErrorCode.BAD_REQUEST,

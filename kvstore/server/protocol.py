@@ -61,8 +61,8 @@ class Op(enum.IntEnum):
     to be fetched from the daemon's fd socket (kvstore.server.fdpass)."""
     PUT_SHM = 7
     """meta: ns id, u32 start, u32 n, u8 flags, u64 staging offset, n hashes, then one u64
-    xxh3-64 checksum per block put (n - start), verified against the staged bytes. No payload;
-    with PUT_TOKENS the token ids are staged right after the blocks."""
+    xxh3-64 checksum per block put (n - start), verified against the staged bytes (none with
+    PUT_UNCHECKED). No payload; with PUT_TOKENS the token ids are staged right after the blocks."""
     LOOKUP = 8
     """meta: as GET. Reply meta: JSON (:func:`encode_lookup`), the answer of ``POST /v1/lookup``
     without its HTTP: an engine's lookup before every prefill. A refusal is a REPLY too, naming
@@ -193,8 +193,9 @@ class BlockRequest:
     start: int = 0
     durable: bool = False
     staging_offset: int = 0
-    checksums: tuple[int, ...] = ()
-    """PUT_SHM: the client's xxh3-64 of each block it staged."""
+    checksums: tuple[int, ...] | None = ()
+    """PUT_SHM: the client's xxh3-64 of each block it staged; None for an unchecked PUT_SHM
+    (PUT_UNCHECKED)."""
     tokens: bool = False
     """PUT / PUT_SHM: the token ids of the blocks follow them (PUT_TOKENS)."""
 
@@ -205,6 +206,12 @@ _PUT_FIXED = struct.Struct("<IIB")  # start, n, flags
 _SHM_FIXED = struct.Struct("<IIBQ")  # start, n, flags, staging offset
 PUT_DURABLE = 1
 PUT_TOKENS = 2
+PUT_UNCHECKED = 4
+"""PUT_SHM only: no checksums follow the hashes. The daemon copies the staged bytes as they are
+(a client that fills its staging segment straight from a GPU sends no checksum it would have to
+compute on the host): a client writing its own staging during its own put can only tear its own
+blocks, in its own tenant's keys, and every checksum the store keeps is the daemon's own, made
+later from the copy in memory no client can write."""
 """The put carries its blocks' token ids (4 bytes a token, after the blocks): a daemon that
 says ``"put_tokens": true`` in its HELLO reply takes them (an older one refuses the flag)."""
 
@@ -242,11 +249,15 @@ def encode_put(
     checksums: list[int] | None = None, *, tokens: bool = False,
 ) -> bytes:
     """PUT metadata; with ``staging_offset`` PUT_SHM's, which needs ``checksums`` (one per block
-    put). ``tokens``: the token ids follow the blocks (PUT_TOKENS)."""
+    put), or ``None`` for an unchecked PUT_SHM (PUT_UNCHECKED). ``tokens``: the token ids follow
+    the blocks (PUT_TOKENS)."""
     flags = (PUT_DURABLE if durable else 0) | (PUT_TOKENS if tokens else 0)
     if staging_offset is None:
         return ns_id + _PUT_FIXED.pack(start, len(hashes), flags) + b"".join(hashes)
-    cs = checksums or []
+    if checksums is None:
+        fixed = _SHM_FIXED.pack(start, len(hashes), flags | PUT_UNCHECKED, staging_offset)
+        return ns_id + fixed + b"".join(hashes)
+    cs = checksums
     if len(cs) != len(hashes) - start:
         raise ValueError(f"a PUT_SHM of {len(hashes) - start} blocks needs as many checksums, got {len(cs)}")
     fixed = _SHM_FIXED.pack(start, len(hashes), flags, staging_offset)
@@ -264,10 +275,12 @@ def parse_put(meta: bytes | memoryview, max_blocks: int, *, shm: bool = False) -
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} blocks exceed the limit of {max_blocks} per request")
     if start > n:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"put start {start} is past its {n} blocks")
-    if flags & ~(PUT_DURABLE | PUT_TOKENS):
+    if flags & ~(PUT_DURABLE | PUT_TOKENS | (PUT_UNCHECKED if shm else 0)):
         raise ProtocolError(ErrorCode.BAD_FRAME, f"unknown put flags {flags:#x}")
-    checksums: tuple[int, ...] = ()
-    if shm:
+    checksums: tuple[int, ...] | None = ()
+    if shm and flags & PUT_UNCHECKED:
+        checksums = None
+    elif shm:
         k = n - start
         end = len(meta) - 8 * k
         if end < fixed:

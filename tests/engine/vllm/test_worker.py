@@ -23,15 +23,12 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM's CPU build is not installed here: run `make test-vllm`")
-
-from engine.vllm.config import ConnectorConfig  # noqa: E402
-from engine.vllm.connector import KVStoreMetadata, LoadSpec, ReqInfo, SaveSpec, _Worker  # noqa: E402
-from engine.vllm.harness import small_daemon  # noqa: E402
-from engine.vllm.pages import PagedKV, PageSpec  # noqa: E402
-from kvstore.client.spawn import LocalDaemon  # noqa: E402
-
-pytestmark = pytest.mark.vllm
+from engine.vllm.config import ConnectorConfig
+from engine.vllm.harness import small_daemon
+from engine.vllm.pages import PagedKV, PageSpec
+from engine.vllm.worker import LoadSpec, ReqInfo, SaveSpec, Worker
+from engine.vllm.worker import StepPlan as KVStoreMetadata
+from kvstore.client.spawn import LocalDaemon
 
 BT = 32
 SPEC = PageSpec(("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn"), BT, 2, 64, torch.float32, "LBHNC")
@@ -62,11 +59,11 @@ def _caches(seed: int | None) -> dict[str, torch.Tensor]:
     return {n: torch.randn(shape, generator=g) if seed is not None else torch.zeros(shape) for n in SPEC.layer_names}
 
 
-def _worker(url: str, **extra: float) -> _Worker:
-    return _Worker(VLLM_CONFIG, ConnectorConfig(url=url, **{**ROBUST, **extra}), SPEC, tp=(0, 1))  # type: ignore[arg-type]
+def _worker(url: str, **extra: float) -> Worker:
+    return Worker(VLLM_CONFIG, ConnectorConfig(url=url, **{**ROBUST, **extra}), SPEC, tp=(0, 1))  # type: ignore[arg-type]
 
 
-def _step(w: _Worker, meta: KVStoreMetadata) -> None:
+def _step(w: Worker, meta: KVStoreMetadata) -> None:
     w.bind(meta)
     w.start_load_kv()
     for name in SPEC.layer_names:
