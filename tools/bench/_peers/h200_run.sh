@@ -1,11 +1,11 @@
 #!/bin/bash
-# The H200 part of `tools.bench peers` (issue 20), seventh bundle: kvstore's GPU save and restore
+# The GPU part of `tools.bench peers`: kvstore's GPU save and restore
 # against LMCache 0.5.3's CUDA paged-KV connector, one prefix saved from and restored into a
 # vLLM-layout paged cache, 4K and 32K tokens, each restore beside the same run's pinned
 # host->device copy (the link) and each save beside a device->pinned copy. Three consecutive runs
 # of the goal row's stores: `kvstore` (the save straight into reserved arena slots, the restore
-# with its head), `kvstore-nohead` (the restore without the head), `kvstore-put` (the sixth
-# session's save: pinned buffer, then a put) and `lmcache-nhd` (LMCache on vLLM's CUDA default
+# with its head), `kvstore-nohead` (the restore without the head), `kvstore-put` (the save
+# through a pinned buffer, then a put) and `lmcache-nhd` (LMCache on vLLM's CUDA default
 # layout). Run from inside the bundle that tools/bench/_peers/h200_bundle.sh builds (the
 # repository's code + wheels/), on the GPU machine (no network there): installs the wheels, probes,
 # runs the bench three times; writes JSON lines and a log under "$OUT/peers/". Every step checks
