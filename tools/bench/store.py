@@ -3,8 +3,8 @@
 The workload of the peer comparison (``tools.bench peers``): Llama-8B geometry (32 layers, 8 KV heads, head_dim
 128, bf16: 128 KiB per token), 4,096-token requests, one DRAM tier (LRU) of four requests'
 capacity, opened just before the first put, so the first rounds fill a fresh arena (where the
-page faults of a cold tmpfs arena cost the most unless it is prefaulted) and the later ones evict. Blocks of 256
-tokens (32 MiB, LMCache's chunk) and of 16 tokens (2 MiB, vLLM's page: the per-block costs).
+page faults of a cold tmpfs arena cost the most unless it is prefaulted) and the later ones
+evict. Blocks of 256 tokens (32 MiB, LMCache's chunk) and of 16 tokens (2 MiB, vLLM's page: the per-block costs).
 Every request's bytes are read back and checked.
 
 Baseline, same run, interleaved round by round: ``np.copyto`` of the request's bytes between
