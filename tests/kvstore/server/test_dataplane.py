@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import connect
+from kvstore.errors import DaemonUnavailableError, UsageError
 from kvstore.server import protocol as P
 from kvstore.server.daemon import ThreadedDaemon
 from tests.conftest import BB, SMALL_NS, chain_for, payload
@@ -178,3 +179,43 @@ def test_get_runs_sends_the_payload_in_runs_within_the_callers_runs(
     assert {2, 5, 6} <= ends  # no message crosses a run of the caller's
     raw.send_frame(P.Op.GET_RUNS, P.encode_get_runs(ns_id, chain, [7]), req_id=3)
     assert raw.error()[0] is P.ErrorCode.BAD_FRAME  # runs that do not cut the blocks: refused
+
+
+def test_a_staged_put_stores_what_the_caller_wrote_into_its_segment(
+    start_daemon: Callable[..., ThreadedDaemon],
+) -> None:
+    """``Client.staging`` / ``put_staged`` (a GPU's copy straight into the daemon's staging
+    segment, no client checksum): the blocks land as written, a later chain extends them, a
+    range outside the segment is a usage error, a segment of an earlier connection is refused,
+    and another tenant reads none of it."""
+    d = start_daemon(TENANTS)
+    chain = chain_for(7, 4)
+    with connect(d.url, token=TOKEN_A) as c:
+        c.register_namespace(SMALL_NS)
+        seg = c.staging(4 * BB)
+        for i, h in enumerate(chain[:2]):
+            seg.buf[BB + i * BB : BB + (i + 1) * BB] = payload(h)
+        assert c.put_staged(SMALL_NS, chain[:2], seg, offset=BB) == 2
+        for i, h in enumerate(chain[2:]):
+            seg.buf[i * BB : (i + 1) * BB] = payload(h)
+        assert c.put_staged(SMALL_NS, chain, seg, start=2) == 2
+        out = np.zeros(4 * BB, np.uint8)
+        assert c.get_into(SMALL_NS, chain, out) == 4
+        assert [bytes(out[i * BB : (i + 1) * BB]) for i in range(4)] == [payload(h) for h in chain]
+        with pytest.raises(UsageError, match="outside"):
+            c.put_staged(SMALL_NS, chain, seg, offset=seg.size - BB)
+        c._disconnect()  # a new connection: a new segment
+        with pytest.raises(DaemonUnavailableError, match="staging"):
+            c.put_staged(SMALL_NS, chain, seg)
+    with connect(d.url, token=TOKEN_B) as b:
+        b.register_namespace(SMALL_NS)
+        assert b.lookup(SMALL_NS, chain).num_blocks == 0  # per-tenant keys
+
+
+def test_an_unchecked_flag_is_refused_on_a_plain_put() -> None:
+    meta = bytearray(P.encode_put(b"\0" * P.NS_ID_BYTES, [b"\1" * 16], 0, False))
+    meta[P.NS_ID_BYTES + 8] |= P.PUT_UNCHECKED
+    with pytest.raises(P.ProtocolError, match="flags"):
+        P.parse_put(bytes(meta), 16)
+    shm = P.parse_put(P.encode_put(b"\0" * P.NS_ID_BYTES, [b"\1" * 16], 0, False, 0, None), 16, shm=True)
+    assert shm.checksums is None
