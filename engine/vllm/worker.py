@@ -202,7 +202,8 @@ class Worker:
         self._loads: deque[_LoadJob] = deque()
         self._load_wake = threading.Condition(self._lock)
         self._arena = ""  # the daemon arena this worker's loads last read
-        self._pinned: torch.Tensor | None = None  # a remote plane's host buffer (loads and saves)
+        self._pinned: torch.Tensor | None = None  # a remote plane's save buffer
+        self._load_host: torch.Tensor | None = None  # a remote plane's load buffer
         self._sink: tuple[Any, torch.Tensor] | None = None  # (staging segment, its registered view)
         self._saves: deque[tuple[Namespace, list[BlockHash], int, StagedSave, np.ndarray]] = deque()
         self._save_wake = threading.Condition(threading.Lock())
@@ -412,7 +413,21 @@ class Worker:
             load.synchronize()  # the leases are read until the last copy lands
         finally:
             for lease in held:
-                self.load_link.call(lambda c, lease=lease: c.release(lease), None)
+                if not isinstance(lease, HostBlocks):
+                    self.load_link.call(lambda c, lease=lease: c.release(lease), None)
+
+    def _load_buffer(self, n: int, reserved: int) -> torch.Tensor:
+        """Rows ``reserved..reserved+n`` of the remote planes' load buffer (pinned on a GPU),
+        grown as needed and kept: a step's loads fill it back to back, and the next step's
+        start once this one's copies are done (loads run one at a time)."""
+        bb = self.spec.block_bytes
+        need = (reserved + n) * bb
+        if self._load_host is None or self._load_host.numel() < need:
+            if reserved:  # earlier rows of this step are still to be read: a buffer of its own
+                return torch.empty((n, bb), dtype=torch.uint8, pin_memory=self._cuda)
+            self._load_host = None
+            self._load_host = torch.empty(need, dtype=torch.uint8, pin_memory=self._cuda)
+        return self._load_host[reserved * bb : need].view(n, bb)
 
     def _fetch(self, ns: Namespace, hashes: list[BlockHash], held: list[Any]) -> tuple[int, Any]:
         """The leading cached blocks of ``hashes``: (count, source): a lease on the daemon's arena
@@ -420,21 +435,24 @@ class Worker:
         client = self.load_link.client
         if client is None:
             return 0, None
+        held_host = [h for h in held if isinstance(h, HostBlocks)]
         try:
             if client.plane == "shm":
                 lease = self.load_link.call(lambda c: c.acquire(ns, hashes), None)
                 if lease is None:
                     return 0, None
-                if lease.num_blocks and lease.arena != self._arena and not held:
+                if lease.num_blocks and lease.arena != self._arena and not any(
+                        not isinstance(h, HostBlocks) for h in held):
                     # A restarted daemon has a new arena: let go of the old one's mapping (no
                     # lease on it is held, no copy from it is in flight: loads run one at a time).
                     release_arenas()
                     self._arena = lease.arena
                 held.append(lease)
                 return lease.num_blocks, ArenaBlocks(client, lease)
-            buf = torch.empty((len(hashes), self.spec.block_bytes), dtype=torch.uint8, pin_memory=self._cuda)
+            buf = self._load_buffer(len(hashes), reserved=sum(src.num_blocks for src in held_host))
             n = self.load_link.call(lambda c: c.get_into(ns, hashes, buf.view(-1).numpy()), 0)
-            return n, HostBlocks(buf[:n])
+            held.append(HostBlocks(buf[:n]))
+            return n, held[-1]
         except KVStoreError as e:  # answered: an unknown namespace after a restart, say
             log.warning("kvstore load failed (%s); vLLM recomputes these blocks", e)
             return 0, None

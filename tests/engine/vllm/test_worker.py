@@ -59,7 +59,7 @@ def _caches(seed: int | None) -> dict[str, torch.Tensor]:
     return {n: torch.randn(shape, generator=g) if seed is not None else torch.zeros(shape) for n in SPEC.layer_names}
 
 
-def _worker(url: str, **extra: float) -> Worker:
+def _worker(url: str, **extra: float | str) -> Worker:
     return Worker(VLLM_CONFIG, ConnectorConfig(url=url, **{**ROBUST, **extra}), SPEC, tp=(0, 1))  # type: ignore[arg-type]
 
 
@@ -172,3 +172,32 @@ def test_a_save_that_runs_out_of_memory_is_dropped_not_raised(tmp_path: Path) ->
         w.flush()
         assert w.counters.saves_submitted == 1 and w.counters.saved_blocks == 4
         w.close()
+
+
+@pytest.mark.parametrize("mode", ["async", "layerwise"])
+def test_a_remote_plane_loads_two_requests_of_one_step(stored: tuple[LocalDaemon, dict[str, torch.Tensor]],
+                                                       mode: str) -> None:
+    """Over TCP (a daemon on another node) the blocks land in the worker's host buffer and take
+    the same load path; two requests of one step are one load, each into its own pages, and a
+    request whose blocks are not all cached reports the missing pages for recompute."""
+    d, src = stored
+    dst = _caches(seed=None)
+    w = _worker(d.url, plane="tcp", load_mode=mode)  # type: ignore[arg-type]
+    w.register_kv_caches(dst)
+    assert w.load_link.client is not None and w.load_link.client.plane == "tcp"
+    infos = {"a": ReqInfo(A, "", b""), "b": ReqInfo(A[: 2 * BT], "", b""), "c": ReqInfo(B, "", b"")}
+    is_async = mode == "async"
+    loads = [LoadSpec("a", 2, [7, 8], is_async), LoadSpec("b", 0, [0, 9], is_async), LoadSpec("c", 0, [5, 6], is_async)]
+    _step(w, KVStoreMetadata(infos=infos, loads=loads))
+    for _ in range(2000):
+        if not is_async or w.get_finished() >= {"a", "b", "c"}:
+            break
+        threading.Event().wait(0.01)
+    for name in SPEC.layer_names:
+        assert torch.equal(dst[name][[7, 8]], src[name][[3, 4]])
+        assert torch.equal(dst[name][[0, 9]], src[name][[1, 2]])
+        assert not dst[name][[5, 6]].any()
+    if not is_async:
+        w.wait_for_save()
+    assert w.take_errors() == {5, 6} and w.counters.loaded_blocks == 4
+    w.close()
