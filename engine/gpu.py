@@ -136,6 +136,52 @@ def register_host(t: torch.Tensor) -> bool:
         return True
 
 
+_IPC: dict[str, Any] = {}
+
+
+def _ipc_calls() -> tuple[Any, Any]:
+    """``cudaIpcGetMemHandle`` (the runtime torch loaded) and ``cuMemGetAddressRange_v2`` (the driver)."""
+    if not _IPC:
+        get = None
+        for name in _cudart_candidates():
+            try:
+                get = ctypes.CDLL(name).cudaIpcGetMemHandle
+                break
+            except (OSError, AttributeError):
+                continue
+        if get is None:
+            raise OSError("the CUDA runtime (libcudart) was not found")
+        get.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        get.restype = ctypes.c_int
+        rng = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+        rng.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        rng.restype = ctypes.c_int
+        _IPC.update(get=get, range=rng)
+    return _IPC["get"], _IPC["range"]
+
+
+def device_export(t: torch.Tensor) -> tuple[int, bytes, int, int]:
+    """A CUDA tensor's memory as another process on the node opens it: ``(device, the 64-byte IPC
+    handle of its allocation, the tensor's offset in the allocation, bytes from there to the
+    allocation's end)``. OSError where CUDA cannot export it (memory mapped with the virtual
+    memory API, e.g. an allocator with expandable segments)."""
+    if not t.is_cuda:
+        raise OSError("only CUDA memory can be exported")
+    get, rng = _ipc_calls()
+    torch.cuda.set_device(t.device)  # the thread's current context: the tensor's device's
+    ptr = t.data_ptr()
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    err = rng(ctypes.byref(base), ctypes.byref(size), ptr)
+    if err:
+        raise OSError(f"cuMemGetAddressRange failed: CUDA driver error {err}")
+    handle = (ctypes.c_char * 64)()
+    err = get(ctypes.byref(handle), ctypes.c_void_p(base.value))
+    if err:
+        raise OSError(f"cudaIpcGetMemHandle failed: CUDA error {err}")
+    off = ptr - int(base.value)
+    return int(t.device.index or 0), bytes(handle), off, int(size.value) - off
+
+
 def unregister_host(t: torch.Tensor) -> None:
     """Undo :func:`register_host` (before the memory is unmapped)."""
     ptr = t.data_ptr()

@@ -54,6 +54,10 @@ class ConnectorConfig:
     into the daemon's staging segment, put while the next piece crosses the link)."""
     stage_bytes: int = 512 << 20
     """Device staging of a GPU load: a ring of ``stage_bytes // piece_bytes`` tiles."""
+    device_puts: bool = True
+    """On a GPU with the daemon on this node: saves by PUT_DEVICE (the daemon copies the pages
+    from the GPU into its arena: no host copy), where the daemon offers it; False: through the
+    connection's staging segment."""
     load_failure_policy: str = "recompute"
     """What vLLM does with a block that failed to load: ``recompute`` (kvstore sets vLLM's
     ``kv_load_failure_policy`` to it) or ``fail`` (keep vLLM's own setting)."""

@@ -34,7 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.gpu import ArenaBlocks, HostBlocks, register_host, release_arenas, unregister_host
+from engine.gpu import (
+    ArenaBlocks,
+    HostBlocks,
+    device_export,
+    register_host,
+    release_arenas,
+    unregister_host,
+)
 from engine.transfer import ConcatSource, PagedLoader, PagedSaver, StagedSave
 from engine.vllm.breaker import DaemonLink
 from engine.vllm.config import ConnectorConfig
@@ -202,6 +209,7 @@ class Worker:
         self._loads: deque[_LoadJob] = deque()
         self._load_wake = threading.Condition(self._lock)
         self._arena = ""  # the daemon arena this worker's loads last read
+        self._device_puts = cfg.device_puts  # PUT_DEVICE where the daemon offers it
         self._pinned: torch.Tensor | None = None  # a remote plane's save buffer
         self._load_host: torch.Tensor | None = None  # a remote plane's load buffer
         self._sink: tuple[Any, torch.Tensor] | None = None  # (staging segment, its registered view)
@@ -487,13 +495,24 @@ class Worker:
     def _store(self, c: Client, ns: Namespace, chain: list[BlockHash], start: int, staged: StagedSave,
                tokens: np.ndarray) -> int:
         """Put ``staged`` (blocks ``start..`` of ``chain``): on the CPU from the staged rows (the
-        put copies them into the daemon); on a GPU straight from the device into this
-        connection's staging segment (shared memory) or a pinned buffer (TCP, UCX), piece by
-        piece, each piece put while the next one crosses the link."""
+        put copies them into the daemon); on a GPU, where the daemon on this node offers it, by
+        PUT_DEVICE (the daemon copies the staged rows from the device straight into its arena);
+        else from the device into this connection's staging segment (shared memory) or a pinned
+        buffer (TCP, UCX), piece by piece, each piece put while the next one crosses the link."""
         saver = self.saver
         assert saver is not None
         if not self._cuda:
             return c.put(ns, chain, staged.rows.view(-1).numpy(), start=start, tokens=tokens)
+        if c.plane == "shm" and self._device_puts and c.info.get("put_device"):
+            try:
+                device, handle, offset, size = device_export(staged.rows)
+            except OSError as e:  # memory CUDA cannot export: the staging segment from now on
+                self._device_puts = False
+                log.info("kvstore: saves go through the daemon's staging segment (%s)", e)
+            else:
+                if staged.ready is not None:
+                    staged.ready.synchronize()  # the gather has landed before the daemon reads it
+                return c.put_device(ns, chain, start=start, device=device, handle=handle, offset=offset, size=size)
         bb, new = self.spec.block_bytes, 0
         if c.plane == "shm":
             seg, host = self._segment(c)

@@ -716,6 +716,34 @@ class Client:
 
         return self._retry(call, idempotent=False)
 
+    def put_device(
+        self, ns: Namespace, hashes: Sequence[bytes], *, device: int, handle: bytes, offset: int, size: int,
+        start: int = 0,
+    ) -> int:
+        """Store blocks ``start..`` of a chain that lie back to back in this process's GPU memory:
+        a buffer exported with a CUDA IPC handle (``engine.gpu.device_export``: the device, the
+        allocation's 64-byte handle, the first block's ``offset`` in it and the ``size`` in bytes
+        from there). The daemon copies them from the device straight into its arena (PUT_DEVICE:
+        no host copy on either side); only on a same-node daemon whose HELLO offers it
+        (``info["put_device"]``). Returns how many blocks were new, as :meth:`put`. The buffer
+        must hold its bytes until the call returns."""
+        hashes = list(hashes)
+        if not 0 <= start <= len(hashes):
+            raise UsageError(f"start={start} is outside the chain of {len(hashes)} blocks")
+        if (len(hashes) - start) * ns.block_bytes > size:
+            raise UsageError(f"{len(hashes) - start} blocks of {ns.block_bytes} bytes do not fit in {size} bytes")
+
+        def call() -> int:
+            if self.plane != "shm" or not self.info.get("put_device"):
+                raise UsageError("this daemon does not copy from GPU memory (put_device): use put or put_staged")
+            conn, ns_id = self._conn, self._ns_id(ns)
+            assert conn is not None
+            meta = P.encode_put_device(ns_id, hashes, start, device, handle, offset, size)
+            _, reply = conn.call(P.Op.PUT_DEVICE, meta)
+            return P.parse_u64(reply)
+
+        return self._retry(call, idempotent=False)
+
     def _staging_for(self, conn: FrameConn, need: int) -> SharedMemory:
         if self._staging is None or self._staging.size < need:
             size = min(max(need, _STAGING_MIN), int(self.info["max_staging_bytes"]))

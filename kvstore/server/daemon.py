@@ -33,6 +33,7 @@ from kvstore.errors import KVStoreError
 from kvstore.server.app import make_app
 from kvstore.server.config import ServerConfig
 from kvstore.server.dataplane import DataContext, TcpDataServer
+from kvstore.server.devcopy import DeviceCopier
 from kvstore.server.fdpass import FdServer
 from kvstore.server.limits import (
     ConnectionGate,
@@ -129,7 +130,8 @@ class Daemon:
             gate = ConnectionGate(descriptor_budget(lim.max_connections), lim.max_connections_per_peer,
                                   metrics.refused.inc)
             ctx = DataContext(service, pool, metrics, arena_shm.buf if arena_shm else None, node_id(),
-                              gate, InflightBytes(lim.max_inflight_bytes_per_tenant), fds, arena_fd)
+                              gate, InflightBytes(lim.max_inflight_bytes_per_tenant), fds, arena_fd,
+                              DeviceCopier(arena_shm.buf) if arena_shm is not None else None)
             planes: list[Any] = []
             tcp = TcpDataServer(ctx)
             data_port = tcp.adopt(tcp_sock)

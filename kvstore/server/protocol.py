@@ -73,6 +73,14 @@ class Op(enum.IntEnum):
     u32 m and m u32 message lengths in blocks (summing to count); the payload is GET's, and on
     UCX it travels as one message per such run (:func:`encode_runs_meta`). Only to a daemon
     whose HELLO says ``"get_runs": true``."""
+    PUT_DEVICE = 10
+    """meta: ns id, u32 start, u32 n, u8 flags (PUT_DURABLE is refused), i32 CUDA device, u64
+    offset, u64 size, the 64-byte CUDA IPC handle of a buffer in the client's GPU memory, n
+    hashes. The daemon reserves arena slots for the new blocks, copies block ``start + i`` from
+    the buffer's byte ``offset + i * block_bytes`` straight into them (one device-to-host DMA per
+    run of slots) and commits them (``kvstore.server.devcopy``). Reply meta: u64 new blocks.
+    Only to a same-node client granted shared memory, on a daemon whose HELLO says
+    ``"put_device": true``."""
     REPLY = 0x80
     """A successful reply; its meta depends on the request's op."""
     ERROR = 0xFF
@@ -94,7 +102,7 @@ class ErrorCode(enum.IntEnum):
 
 
 FATAL = frozenset({ErrorCode.BAD_FRAME, ErrorCode.UNAUTHENTICATED, ErrorCode.TOO_LARGE})
-_REQUEST_OPS = frozenset({Op.HELLO, Op.GET, Op.PUT, Op.ACQUIRE, Op.RELEASE, Op.STAGING, Op.PUT_SHM, Op.LOOKUP, Op.GET_RUNS})
+_REQUEST_OPS = frozenset({Op.HELLO, Op.GET, Op.PUT, Op.ACQUIRE, Op.RELEASE, Op.STAGING, Op.PUT_SHM, Op.LOOKUP, Op.GET_RUNS, Op.PUT_DEVICE})
 _REPLY_OPS = frozenset({Op.REPLY, Op.ERROR})
 
 
@@ -262,6 +270,48 @@ def encode_put(
         raise ValueError(f"a PUT_SHM of {len(hashes) - start} blocks needs as many checksums, got {len(cs)}")
     fixed = _SHM_FIXED.pack(start, len(hashes), flags, staging_offset)
     return ns_id + fixed + b"".join(hashes) + struct.pack(f"<{len(cs)}Q", *cs)
+
+
+_DEV_FIXED = struct.Struct("<IIBiQQ")  # start, n, flags, device, offset, size
+DEVICE_HANDLE_BYTES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRequest:
+    """PUT_DEVICE metadata."""
+
+    ns_id: bytes
+    hashes: list[bytes]
+    start: int
+    device: int
+    offset: int
+    size: int
+    handle: bytes
+
+
+def encode_put_device(ns_id: bytes, hashes: list[bytes], start: int, device: int, handle: bytes, offset: int,
+                      size: int) -> bytes:
+    if len(handle) != DEVICE_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC handle is {DEVICE_HANDLE_BYTES} bytes, not {len(handle)}")
+    return ns_id + _DEV_FIXED.pack(start, len(hashes), 0, device, offset, size) + handle + b"".join(hashes)
+
+
+def parse_put_device(meta: bytes | memoryview, max_blocks: int) -> DeviceRequest:
+    fixed = NS_ID_BYTES + _DEV_FIXED.size + DEVICE_HANDLE_BYTES
+    if len(meta) < fixed:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"PUT_DEVICE metadata needs at least {fixed} bytes")
+    start, n, flags, device, offset, size = _DEV_FIXED.unpack_from(meta, NS_ID_BYTES)
+    if n > max_blocks:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} blocks exceed the limit of {max_blocks} per request")
+    if start > n:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"put start {start} is past its {n} blocks")
+    if flags:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"PUT_DEVICE takes no flags (a durable put goes through PUT), got {flags:#x}")
+    if device < 0:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"CUDA device {device} is not a device index")
+    at = NS_ID_BYTES + _DEV_FIXED.size
+    return DeviceRequest(bytes(meta[:NS_ID_BYTES]), _split_hashes(meta, fixed, n), start, device, offset, size,
+                         bytes(meta[at : at + DEVICE_HANDLE_BYTES]))
 
 
 def parse_put(meta: bytes | memoryview, max_blocks: int, *, shm: bool = False) -> BlockRequest:

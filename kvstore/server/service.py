@@ -26,7 +26,7 @@ import math
 import os
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ from kvstore.retention import PinRecord
 from kvstore.server.config import ANONYMOUS, ServerConfig, TenantSpec
 from kvstore.server.protocol import ErrorCode
 from kvstore.store import KVStore
+from kvstore.store.reservation import Reservation
 
 SECRET_FILE = "server-secret"
 SECRET_BYTES = 32
@@ -376,6 +377,34 @@ class Service:
                     t.used_bytes += new * ns.block_bytes
             if overlapped and new:
                 self.refresh_usage()  # a refresh overlapped the store call: recount, never add twice
+            self._pump()
+            return new
+        finally:
+            self.unreserve(t, reserved)
+
+    def put_device(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], start: int,
+                   fill: Callable[[Reservation], int]) -> int:
+        """A put whose payloads the daemon writes itself into the arena slots of a store
+        reservation (PUT_DEVICE): quota admitted first, as :meth:`put`; ``fill(reservation)``
+        writes the leading slots and returns how many it wrote; those are committed, the rest
+        given back (an exception: nothing is stored). Returns how many blocks were new."""
+        reserved = self.reserve(t, ns_id, len(hashes), start)
+        try:
+            ns, keys = self._resolve(t, ns_id, hashes)
+            if self.kv_events is not None:
+                self.kv_events.names(ns, hashes, keys, start)
+            epoch = self._usage_epoch
+            res = self.store.reserve(ns, keys, start=start)
+            try:
+                new = res.commit(fill(res))
+            finally:
+                res.abort()  # (nothing after the commit)
+            with self._lock:
+                overlapped = self._usage_epoch != epoch
+                if not overlapped:
+                    t.used_bytes += new * ns.block_bytes
+            if overlapped and new:
+                self.refresh_usage()
             self._pump()
             return new
         finally:

@@ -187,20 +187,24 @@ def test_a_device_save_lands_in_registered_host_memory_in_pieces() -> None:
 
 
 @cuda
-@pytest.mark.parametrize("mode", ["async", "layerwise"])
-def test_the_connector_worker_saves_and_loads_device_pages_through_a_daemon(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize("mode,device_puts", [("async", True), ("layerwise", True), ("async", False)])
+def test_the_connector_worker_saves_and_loads_device_pages_through_a_daemon(tmp_path: Path, mode: str,
+                                                                            device_puts: bool) -> None:
     """The worker as vLLM drives it (``WorkerDriver``) against a real daemon over shared memory:
-    a save straight into the daemon's staging segment, then a load from the lease into other
-    pages, async or layer by layer (each layer's wait then a kernel on the forward stream)."""
+    a save by PUT_DEVICE (the daemon copies from the GPU into its arena) or through the daemon's
+    staging segment, then a load from the lease into other pages, async or layer by layer (each
+    layer's wait then a kernel on the forward stream)."""
     from engine.vllm.harness import WorkerDriver, small_daemon
 
     src = _caches("LBNHC", "cuda", seed=7)
     tokens = np.arange(100, 100 + 5 * BT)
     with small_daemon(tmp_path, dram="64MiB") as d:
         saver = WorkerDriver(d.url, SPEC, src, plane="shm", piece_bytes=2 * SPEC.block_bytes,
-                             stage_bytes=2 * SPEC.block_bytes)
+                             stage_bytes=2 * SPEC.block_bytes, device_puts=device_puts)
         saver.save(tokens, [0, 3, 5, 7, 9])
-        assert saver.worker.counters.saved_blocks == 5
+        assert saver.worker.counters.saved_blocks == 5 and saver.worker.counters.save_errors == 0
+        client = saver.worker.save_link.client
+        assert client is not None and client.info["put_device"]  # the daemon on this node has the GPU
         dst = _caches("LBNHC", "cuda", seed=None)
         loader = WorkerDriver(d.url, SPEC, dst, plane="shm", load_mode=mode, layer_group=1,
                               piece_bytes=SPEC.block_bytes, stage_bytes=2 * SPEC.block_bytes)

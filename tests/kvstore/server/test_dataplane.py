@@ -219,3 +219,34 @@ def test_an_unchecked_flag_is_refused_on_a_plain_put() -> None:
         P.parse_put(bytes(meta), 16)
     shm = P.parse_put(P.encode_put(b"\0" * P.NS_ID_BYTES, [b"\1" * 16], 0, False, 0, None), 16, shm=True)
     assert shm.checksums is None
+
+
+def test_put_device_round_trips_and_is_refused_where_the_daemon_has_no_gpu(
+    start_daemon: Callable[..., ThreadedDaemon],
+) -> None:
+    """PUT_DEVICE's metadata round-trips and refuses flags; a daemon that cannot load CUDA (CI)
+    says ``put_device: false`` and answers a PUT_DEVICE with a clear refusal, storing nothing."""
+    handle = bytes(range(64))
+    req = P.parse_put_device(P.encode_put_device(b"\2" * P.NS_ID_BYTES, [b"\1" * 16, b"\3" * 16], 1, 0, handle,
+                                                 4096, 1 << 20), 16)
+    assert (req.start, req.device, req.offset, req.size, req.handle) == (1, 0, 4096, 1 << 20, handle)
+    bad = bytearray(P.encode_put_device(b"\2" * P.NS_ID_BYTES, [b"\1" * 16], 0, 0, handle, 0, 64))
+    bad[P.NS_ID_BYTES + 8] = 1  # durable
+    with pytest.raises(P.ProtocolError, match="flags"):
+        P.parse_put_device(bytes(bad), 16)
+    d = start_daemon(TENANTS)
+    chain = chain_for(8, 2)
+    with connect(d.url, token=TOKEN_A) as c:
+        assert c.plane == "shm"
+        if c.info["put_device"]:
+            pytest.skip("this machine's daemon can copy from a GPU (tests/engine/test_transfer.py covers it)")
+        c.register_namespace(SMALL_NS)
+        raw = Raw(d)
+        raw.send_frame(P.Op.HELLO, TOKEN_A.encode())
+        raw.reply()
+        raw.send_frame(P.Op.PUT_DEVICE, P.encode_put_device(c._ns_id(SMALL_NS), chain, 0, 0, handle, 0, 2 * BB), req_id=2)
+        code, message = raw.error()
+        assert code is P.ErrorCode.BAD_REQUEST and "PUT_SHM" in message
+        with pytest.raises(UsageError, match="put_device"):
+            c.put_device(SMALL_NS, chain, device=0, handle=handle, offset=0, size=2 * BB)
+        assert c.lookup(SMALL_NS, chain).num_blocks == 0
