@@ -47,7 +47,7 @@ from engine.vllm.breaker import DaemonLink
 from engine.vllm.config import ConnectorConfig
 from engine.vllm.pages import PagedKV, PageSpec
 from kvstore.client import Client, connect
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, UsageError
 from kvstore.keys import BlockHash, Namespace, hash_blocks
 
 log = logging.getLogger("kvstore.vllm")
@@ -512,7 +512,13 @@ class Worker:
             else:
                 if staged.ready is not None:
                     staged.ready.synchronize()  # the gather has landed before the daemon reads it
-                return c.put_device(ns, chain, start=start, device=device, handle=handle, offset=offset, size=size)
+                try:
+                    return c.put_device(ns, chain, start=start, device=device, handle=handle, offset=offset,
+                                        size=size)
+                except UsageError as e:  # refused, nothing stored: the staging segment from now on
+                    self._device_puts = False
+                    log.warning("kvstore: the daemon refused a save from GPU memory (%s); saves go through "
+                                "its staging segment", e)
         bb, new = self.spec.block_bytes, 0
         if c.plane == "shm":
             seg, host = self._segment(c)

@@ -387,7 +387,8 @@ class Session:
             "lookup": True,  # LOOKUP frames: an engine's lookups without the HTTP control plane
             "get_runs": True,  # GET_RUNS: a GET whose payload moves in runs (one UCX message each)
             # PUT_DEVICE: the daemon copies a GPU engine's blocks out of its device memory itself
-            "put_device": bool(shm and self.ctx.devcopy is not None and await self.ctx.run(self.ctx.devcopy.available)),
+            "put_device": bool(shm and self.ctx.devcopy is not None and self.ctx.service.store.reservable() is None
+                               and await self.ctx.run(self.ctx.devcopy.available)),
         }
         if shm:
             assert fds is not None

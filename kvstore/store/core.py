@@ -406,6 +406,11 @@ class KVStore:
                 storer.complete_store(plan)
             return plan.new
 
+    def reservable(self) -> str | None:
+        """None when :meth:`reserve` can serve this store, else why not (its first tier is no
+        shared-memory DRAM arena, or that tier's policy may refuse blocks)."""
+        return self._storer.reservable()
+
     def reserve(
         self, ns: Namespace, hashes: Sequence[bytes], *, start: int = 0, tokens: Any | None = None
     ) -> Reservation:
