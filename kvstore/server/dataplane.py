@@ -511,12 +511,10 @@ class Session:
                     self._unread -= tok_bytes
                 new = await self._call(svc.put, t, req.ns_id, req.hashes, buf, req.start, req.durable,
                                        reserved=reserved, tokens=tokens)
-                reserved = 0  # given back by the put
             finally:
                 await self.ctx.inflight.release(t.name, hdr.payload_len)
         finally:
-            if reserved:
-                svc.unreserve(t, reserved)
+            svc.unreserve(reserved)  # once: a put that gave it back already is not counted twice
         self.ctx.metrics.bytes.labels(self.ch.plane, "in").inc(hdr.payload_len)
         await self._reply(hdr.req_id, P.encode_u64(new))
 
