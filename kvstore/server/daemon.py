@@ -126,7 +126,8 @@ class Daemon:
                 fds.start()
             lim = cfg.limits
             metrics = Metrics(store.stats, service.namespace_tenants)
-            gate = ConnectionGate(descriptor_budget(lim.max_connections), lim.max_connections_per_peer,
+            tickets = fds.max_claims + fds.max_per_owner * len(service.tenants()) if fds else 0
+            gate = ConnectionGate(descriptor_budget(lim.max_connections, tickets), lim.max_connections_per_peer,
                                   metrics.refused.inc)
             ctx = DataContext(service, pool, metrics, arena_shm.buf if arena_shm else None, node_id(),
                               gate, InflightBytes(lim.max_inflight_bytes_per_tenant), fds, arena_fd)

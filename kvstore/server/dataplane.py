@@ -384,7 +384,7 @@ class Session:
             assert fds is not None
             # The arena has no name to open: a read-only descriptor, fetched with this ticket.
             info["shm_socket"] = fds.address
-            info["arena_ticket"] = fds.offer([self.ctx.arena_fd]).hex()
+            info["arena_ticket"] = fds.offer([self.ctx.arena_fd], self.tenant.name, (id(self), "arena")).hex()
         await self._reply(hdr.req_id, json.dumps(info).encode())
 
     def _shm_allowed(self) -> Tenant:
@@ -572,7 +572,11 @@ class Session:
         except OSError as e:
             raise RequestError(P.ErrorCode.UNAVAILABLE, f"cannot create a staging segment: {e}") from e
         # A memfd: no name, so only this client (handed the descriptor) and the daemon map it.
-        await self._reply(hdr.req_id, b"fd:" + fds.offer([self.staging.fileno()]).hex().encode())
+        # The daemon keeps its mapping, not the descriptor: a connection holds its socket and
+        # at most two tickets (fdpass.py), whatever it sends.
+        ticket = fds.offer([self.staging.fileno()], self.tenant.name if self.tenant else "", (id(self), "staging"))
+        self.staging.close_fd()
+        await self._reply(hdr.req_id, b"fd:" + ticket.hex().encode())
 
     async def _put_shm(self, hdr: P.Header, meta: bytearray) -> None:
         svc, t = self.ctx.service, self._shm_allowed()
@@ -619,6 +623,9 @@ class Session:
         for lease, _ in leases:
             await self._give_back(lease)
         self._close_staging()
+        if self.ctx.fds is not None:  # tickets this connection never claimed
+            for slot in ("arena", "staging"):
+                self.ctx.fds.revoke_slot((id(self), slot))
         await self.ch.close()
 
 
