@@ -520,14 +520,19 @@ class KVStore:
                 self._ledger.unpin(ids)
         self._ledger.extend_expiry(ids, until)
 
-    def unpin(self, ns: Namespace, hashes: Sequence[bytes]) -> int:
+    def unpin(self, ns: Namespace, hashes: Sequence[bytes], *, exact: bool = False, until: float | None = None) -> int:
         """Undo one :meth:`pin` of the same prefix (the longest pinned prefix of ``hashes``), or
         else take ``hashes`` out of the untimed pin that holds most of them; returns how many
-        blocks were unpinned. A pin with a deadline is only undone whole."""
+        blocks were unpinned. A pin with a deadline is only undone whole. ``exact``: undo only
+        the pin of exactly ``hashes`` with deadline ``until`` (None: untimed), the one the
+        caller made, never another pin of the same blocks."""
         info = self._ns(ns)
         keys = tuple(bytes(h) for h in hashes)
         with self._lock:
-            record = self._pins.take(info.digest, keys) or self._pins.trim(info.digest, keys)
+            if exact:
+                record = self._pins.take_exact(info.digest, keys, until)
+            else:
+                record = self._pins.take(info.digest, keys) or self._pins.trim(info.digest, keys)
             return 0 if record is None else self._ledger.release_pin(record)
 
     def pins(self) -> list[PinRecord]:
