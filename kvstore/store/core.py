@@ -49,6 +49,7 @@ from kvstore.store.namespaces import NamespaceTable, NsInfo
 from kvstore.store.placer import Placer
 from kvstore.store.puts import Storer
 from kvstore.store.reservation import Reservation
+from kvstore.store.validate import check_store_config
 
 log = logging.getLogger("kvstore.store")
 
@@ -85,6 +86,8 @@ class KVStore:
         finalizers, at whatever point the collector runs: nothing else is done there), aborted
         by the next ``reserve``, ``put``, ``stats`` or ``close`` (:meth:`_abort_orphans`)."""
         root = config.root
+        if tiers is None:
+            check_store_config(config)  # names, options, capacities: before anything is allocated
         try:
             root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
@@ -657,6 +660,7 @@ class KVStore:
                 "tier_errors": c.tier_errors,
                 "recovered_blocks": c.recovered_blocks,
                 "orphans_dropped": c.orphans_dropped,
+                "dropped_on_close": c.dropped_on_close,
                 "discovered_blocks": c.discovered_blocks,
                 "foreign_blocks": c.foreign_blocks,
                 "unavailable_reads": c.unavailable_reads,
