@@ -31,7 +31,7 @@ from kvstore.clock import Clock, system_clock
 from kvstore.config import StoreConfig
 from kvstore.errors import KVStoreError
 from kvstore.server.app import make_app
-from kvstore.server.config import ServerConfig
+from kvstore.server.config import ServerConfig, check_exposure
 from kvstore.server.dataplane import DataContext, TcpDataServer
 from kvstore.server.fdpass import FdServer
 from kvstore.server.limits import (
@@ -75,6 +75,7 @@ class Daemon:
         """``clock``: the store's wall clock (a :class:`kvstore.clock.FakeClock` in tests)."""
         if store_config.events.enabled is None:  # the daemon keeps an access log unless told not to
             store_config = replace(store_config, events=replace(store_config.events, enabled=True))
+        check_exposure(config, store_config.events.publish, store_config.events.replay)
         self.store_config = store_config
         self.config = config
         self.clock = clock

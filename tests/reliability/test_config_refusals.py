@@ -51,3 +51,22 @@ def test_refused_before_anything_is_allocated(tmp_path: Path, what: str, kw: dic
     assert peak < 16 << 20, f"{what}: {peak} bytes allocated before the refusal"
     left = [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
     assert not left, f"{what}: files left behind: {left}"
+
+
+@pytest.mark.parametrize("where", ["publish", "replay"])
+def test_an_unauthenticated_event_stream_binds_loopback_only(tmp_path: Path, where: str) -> None:
+    """Issue 33, item 7: ``publish = "tcp://0.0.0.0:5557"`` with no tenants put every block hash
+    and prompt token off the machine unauthenticated; refused as a non-loopback HTTP port is."""
+    from kvstore.events import EventsConfig
+    from kvstore.server.config import ServerConfig, TenantSpec
+    from kvstore.server.daemon import Daemon
+
+    def events(host: str) -> EventsConfig:
+        urls = {"publish": "tcp://127.0.0.1:5557", where: f"tcp://{host}:5558"}
+        return EventsConfig(**urls)  # type: ignore[arg-type]
+
+    with pytest.raises(ConfigError, match=f"\\[events\\] {where} .* not loopback"):
+        Daemon(StoreConfig(root=tmp_path, events=events("0.0.0.0")), ServerConfig())
+    Daemon(StoreConfig(root=tmp_path, events=events("127.0.0.1")), ServerConfig())  # loopback: fine
+    tenants = (TenantSpec("a", "token-of-tenant-a-0123456789"),)
+    Daemon(StoreConfig(root=tmp_path, events=events("0.0.0.0")), ServerConfig(host="0.0.0.0", tenants=tenants))
