@@ -394,7 +394,7 @@ class Session:
             assert fds is not None
             # The arena has no name to open: a read-only descriptor, fetched with this ticket.
             info["shm_socket"] = fds.address
-            info["arena_ticket"] = fds.offer([self.ctx.arena_fd]).hex()
+            info["arena_ticket"] = fds.offer([self.ctx.arena_fd], self.tenant.name, (id(self), "arena")).hex()
         await self._reply(hdr.req_id, json.dumps(info).encode())
 
     def _shm_allowed(self) -> Tenant:
@@ -521,12 +521,10 @@ class Session:
                     self._unread -= tok_bytes
                 new = await self._call(svc.put, t, req.ns_id, req.hashes, buf, req.start, req.durable,
                                        reserved=reserved, tokens=tokens)
-                reserved = 0  # given back by the put
             finally:
                 await self.ctx.inflight.release(t.name, hdr.payload_len)
         finally:
-            if reserved:
-                svc.unreserve(t, reserved)
+            svc.unreserve(reserved)  # once: a put that gave it back already is not counted twice
         self.ctx.metrics.bytes.labels(self.ch.plane, "in").inc(hdr.payload_len)
         await self._reply(hdr.req_id, P.encode_u64(new))
 
@@ -584,7 +582,11 @@ class Session:
         except OSError as e:
             raise RequestError(P.ErrorCode.UNAVAILABLE, f"cannot create a staging segment: {e}") from e
         # A memfd: no name, so only this client (handed the descriptor) and the daemon map it.
-        await self._reply(hdr.req_id, b"fd:" + fds.offer([self.staging.fileno()]).hex().encode())
+        # The daemon keeps its mapping, not the descriptor: a connection holds its socket and
+        # at most two tickets (fdpass.py), whatever it sends.
+        ticket = fds.offer([self.staging.fileno()], self.tenant.name if self.tenant else "", (id(self), "staging"))
+        self.staging.close_fd()
+        await self._reply(hdr.req_id, b"fd:" + ticket.hex().encode())
 
     async def _put_shm(self, hdr: P.Header, meta: bytearray) -> None:
         svc, t = self.ctx.service, self._shm_allowed()
@@ -657,6 +659,9 @@ class Session:
         if self.devices and self.ctx.devcopy is not None:
             await self.ctx.run(self.ctx.devcopy.close_session, self.devices)
         self._close_staging()
+        if self.ctx.fds is not None:  # tickets this connection never claimed
+            for slot in ("arena", "staging"):
+                self.ctx.fds.revoke_slot((id(self), slot))
         await self.ch.close()
 
 
