@@ -55,7 +55,7 @@ from kvstore.retention import PinRecord
 from kvstore.server.config import ANONYMOUS, ServerConfig, TenantSpec
 from kvstore.server.protocol import ErrorCode
 from kvstore.store import KVStore
-from kvstore.store.reservation import Reservation
+from kvstore.store.reservation import Reservation as SlotReservation
 
 SECRET_FILE = "server-secret"
 SECRET_BYTES = 32
@@ -398,7 +398,7 @@ class Service:
             self.unreserve(reserved)
 
     def put_device(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], start: int,
-                   fill: Callable[[Reservation], int]) -> int:
+                   fill: Callable[[SlotReservation], int]) -> int:
         """A put whose payloads the daemon writes itself into the arena slots of a store
         reservation (PUT_DEVICE): quota admitted first, as :meth:`put`; ``fill(reservation)``
         writes the leading slots and returns how many it wrote; those are committed, the rest
@@ -423,7 +423,7 @@ class Service:
             self._pump()
             return new
         finally:
-            self.unreserve(t, reserved)
+            self.unreserve(reserved)
 
     def pin(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], until: float | None = None) -> int:
         """As :meth:`KVStore.pin`: ``until`` (wall-clock seconds) makes it a retention guarantee
