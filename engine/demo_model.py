@@ -25,7 +25,7 @@ def run_model_demo(root: Path, prompts: int = 4, seed: int = 0, repeats: int = 5
         import torch
         import transformers
     except ImportError as e:
-        return {"skipped": f"needs torch and transformers: {e}; pip install 'kvstore[engine]'"}
+        return {"skipped": f"needs torch and transformers: {e}; pip install 'kvstore-llm[engine]'"}
     from engine.client import EngineCache
     from engine.hf import CachedLM
     from engine.kvlayout import shape_of

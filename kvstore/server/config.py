@@ -6,7 +6,7 @@ Example (same file as ``[store]`` and ``[[tiers]]``)::
     host = "127.0.0.1"          # loopback only unless tenants with tokens are configured
     http_port = 7070            # control plane (FastAPI)
     data_port = 7071            # framed TCP data plane (also carries shared-memory leases)
-    ucx = false                 # UCX data plane (needs `pip install 'kvstore[ucx]'`)
+    ucx = false                 # UCX data plane (needs `pip install 'kvstore-llm[ucx]'`)
     ucx_port = 7072
     max_body = "4MiB"           # HTTP request bodies
     max_blocks = 65536          # blocks (hashes) per request

@@ -23,7 +23,7 @@ def install_docs(app: FastAPI) -> None:
         @app.get("/docs", include_in_schema=False)
         async def no_docs() -> HTMLResponse:
             return HTMLResponse(
-                "<p>Swagger UI is not installed: <code>pip install 'kvstore[server]'</code> (it "
+                "<p>Swagger UI is not installed: <code>pip install 'kvstore-llm[server]'</code> (it "
                 f"brings swagger-ui-bundle). The API description: <a href='{app.openapi_url}'>"
                 f"{app.openapi_url}</a>.</p>", status_code=404)
         return
