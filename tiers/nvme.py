@@ -827,7 +827,8 @@ def read_metadata(root: Path, name: str) -> list[tuple[BlockHash, int, BlockMeta
 
     from rocksdict import AccessType
 
-    db = tier_dir(Path(root), name) / "meta.rocksdb"
+    # Absolute: the links in the private directory must not be relative to where we stand.
+    db = tier_dir(Path(root).resolve(), name) / "meta.rocksdb"
     if not (db / "CURRENT").exists():
         return []
     last: Exception | None = None

@@ -143,6 +143,24 @@ def test_against_a_store_directory(tmp_path: Path, capsys: pytest.CaptureFixture
     assert _run(capsys, *d, "ttl", ns, "--json")[1].count("432000") == 1
 
 
+def test_a_relative_store_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's `kvctl --dir ./kvstore-data tiers`: a relative path reads the NVMe tier's
+    RocksDB as an absolute one does (its read-only view links to the files by absolute path)."""
+    root = tmp_path / "kvstore-data"
+    hashes = hash_blocks(SMALL_NS, np.arange(16 * 3))
+    with KVStore(StoreConfig(root=root, tiers=small_tiers())) as s:
+        s.register_namespace(SMALL_NS)
+        s.put(SMALL_NS, hashes, [payload(h) for h in hashes], durable=True)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(capsys, "--dir", "./kvstore-data", "tiers", "--json")
+    assert code == 0, err
+    nvme = next(t for t in json.loads(out) if t["kind"] == "nvme")
+    assert nvme["blocks"] == 3
+    code, out, err = _run(capsys, "--dir", "kvstore-data", "stats", "--json")
+    assert code == 0 and json.loads(out)["blocks"] == 3, err
+
+
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
