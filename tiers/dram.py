@@ -95,6 +95,15 @@ class DramConfig:
             )
 
 
+def _shm_room() -> int | None:
+    """Bytes free in /dev/shm, where shm_open creates segments on Linux; None elsewhere."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def _release_segment(shm: SharedMemory, name: str, prefault: list[Prefault]) -> None:
     """Unmap and unlink ``shm`` once; the finalizer of a tier (it must not reference the tier)."""
     for p in prefault:
@@ -134,6 +143,14 @@ class DramTier(Tier):
         self._slots = SlabMap(self._lock, self._map, self._alloc)
         shm_name = config.shm_name or self._generated_name(name)
         size = self._alloc.capacity_bytes  # a partial slab at the end could never be used
+        room = _shm_room()
+        if room is not None and size > room:
+            # Refused before SharedMemory is asked: on Python 3.11 and 3.12 its failed create
+            # (ENOMEM from mmap) unregisters a name it never registered, and the resource
+            # tracker prints a KeyError traceback at exit after the clean error.
+            raise TierIOError(
+                f"dram tier {name!r}: cannot reserve {size} bytes of shared memory: /dev/shm has "
+                f"{room} bytes free; lower capacity_bytes or enlarge /dev/shm (docker: --shm-size)")
         try:
             shm = SharedMemory(name=shm_name, create=True, size=size)
         except FileExistsError as e:

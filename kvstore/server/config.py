@@ -240,6 +240,9 @@ def _convert(where: str, conv: Any, v: Any) -> Any:
     try:
         return conv(v) if conv in (int, str, float) else conv(v, where)
     except (TypeError, ValueError) as e:
+        if conv in (int, float):
+            kind = "an integer" if conv is int else "a number"
+            raise ConfigError(f"{where}: expected {kind}, got {v!r}") from e
         raise ConfigError(f"{where}: {e}") from e
 
 
@@ -276,15 +279,19 @@ def load_server_config(
     env = os.environ if env is None else env
     data = read_toml(path)
     section = dict(data.get("server", {}))
+    where = {k: f"[server].{k}" for k in section}
     for key in ("host", "http_port", "data_port", "ucx_port", "ucx"):
-        if (v := env.get(f"KVSTORE_SERVER_{key.upper()}")) is not None:
+        if (v := env.get(var := f"KVSTORE_SERVER_{key.upper()}")) is not None:
             section[key] = v
+            where[key] = f"{var} (overrides [server].{key})"  # an error names the variable
     kwargs: dict[str, Any] = {}
     limits: dict[str, Any] = {}
     for k, v in section.items():
         if k in _SERVER_KEYS:
             name, conv = _SERVER_KEYS[k]
-            kwargs[name] = _convert(f"[server].{k}", conv, v)
+            kwargs[name] = _convert(where[k], conv, v)
+            if k.endswith("_port") and not 0 <= kwargs[name] <= 65535:
+                raise ConfigError(f"{where[k]}: port {kwargs[name]} is outside 0..65535 (0 picks a free one)")
         elif k in _LIMIT_KEYS:
             name, conv = _LIMIT_KEYS[k]
             limits[name] = _convert(f"[server].{k}", conv, v)
