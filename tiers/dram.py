@@ -51,17 +51,20 @@ _SHM_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 
 @dataclass(frozen=True, slots=True)
 class DramConfig:
-    """``capacity_bytes``: arena size (rounded down to whole slabs). ``slab_bytes``: the unit a
-    size class grows by; must hold the largest block. ``shm_name``: the segment's name without a
-    leading slash; empty picks a unique one (``kvs-<pid>-<tier>-<random>``). ``copy_threads``:
-    threads that copy one batched read or write of 64 MiB or more (``read_many``/``write_many``,
-    and one large block); 0 picks ``max(min(4, cores), min(16, cores // 2))`` (2 on 2 cores, 8 on
-    16), 1 copies in the calling thread only."""
+    """Options of one DRAM tier (``[[tiers]]`` with ``kind = "dram"``)."""
 
     capacity_bytes: int
+    """Arena size (rounded down to whole slabs); one ``/dev/shm`` segment, reserved at start, so
+    ``/dev/shm`` must hold it."""
     slab_bytes: int = 64 * _MiB
+    """The unit a size class grows by; must hold the largest block."""
     shm_name: str = ""
+    """The segment's name without a leading slash; empty picks a unique one
+    (``kvs-<pid>-<tier>-<random>``)."""
     copy_threads: int = 0
+    """Threads that copy one batched read or write of 64 MiB or more (``read_many``/``write_many``,
+    and one large block); 0 picks ``max(min(4, cores), min(16, cores // 2))`` (2 on 2 cores, 8 on
+    16), 1 copies in the calling thread only."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:

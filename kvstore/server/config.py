@@ -97,10 +97,15 @@ class Limits:
     error frame and the connection closed)."""
 
     max_body_bytes: int = 4 * _MiB
+    """HTTP request bodies."""
     max_blocks: int = 65_536
+    """Blocks (hashes) per request."""
     max_tokens: int = 1 << 22
+    """Token ids per request (a lookup or pin by tokens)."""
     max_payload_bytes: int = 1 << 30
+    """Payload bytes of one data-plane frame."""
     max_staging_bytes: int = 512 * _MiB
+    """A client's shared-memory staging segment (the PUT_SHM path)."""
     max_leases: int = 4096
     """Leases one data-plane connection may hold at once."""
     max_connections: int = 4096
@@ -151,10 +156,15 @@ class Limits:
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
+    """Address both planes bind; anything but loopback needs ``[[tenants]]`` with tokens."""
     http_port: int = 7070
+    """Control plane (HTTP: FastAPI, ``/metrics``, ``/docs``); 0 picks a free port."""
     data_port: int = 7071
+    """Framed TCP data plane (also carries shared-memory leases); 0 picks a free port."""
     ucx: bool = False
+    """Also serve the UCX data plane (needs ``pip install 'kvstore-llm[ucx]'``)."""
     ucx_port: int = 7072
+    """UCX data plane's port; 0 picks a free one."""
     tenants: tuple[TenantSpec, ...] = ()
     limits: Limits = field(default_factory=Limits)
     maintain_interval_s: float = 30.0
