@@ -7,7 +7,12 @@ stand-in for the model's KV), checks that every loaded block equals what prefill
 produced, and stores the new blocks. Then the store is closed and reopened from disk (warm
 restart) and the first user's conversation is served again from the persistent tiers.
 
-Exit codes: 0 ok, 1 a loaded block differed from its prefill (a bug), 2 bad arguments.
+The store directory (``--root``, ``.kvstore-demo``; tens of MB) is removed at the end, and the
+summary says so; ``--keep`` keeps it (and reuses one that exists), e.g. for ``kvctl --dir``.
+
+Exit codes: 0 ok, 1 a loaded block differed from its prefill (a bug) or the store could not
+open (e.g. /dev/shm too small for the DRAM tier: the message says what to change), 2 bad
+arguments.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 
 from engine.demo_model import print_model_demo, run_model_demo
 from kvstore.config import load_config
+from kvstore.errors import KVStoreError
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.store import KVStore
 from kvstore.version import version
@@ -116,11 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         "multi-turn chats through the store, then the store restarts warm from disk.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    p.add_argument("--root", type=Path, default=Path(".kvstore-demo"), help="store directory (wiped first)")
+    p.add_argument("--root", type=Path, default=Path(".kvstore-demo"),
+                   help="store directory (default .kvstore-demo; wiped first and removed at the end)")
     p.add_argument("--users", type=int, default=8, help="concurrent conversations (default 8)")
     p.add_argument("--turns", type=int, default=10, help="turns per conversation (default 10)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keep", action="store_true", help="do not wipe --root first")
+    p.add_argument("--keep", action="store_true",
+                   help="keep --root after the run (and reuse it if it exists), e.g. for kvctl --dir")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-model", action="store_true", help="skip the reference-engine part (transformers)")
     args = p.parse_args(argv)
@@ -130,10 +138,18 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.root)
     try:
         out = run(args.root, args.users, args.turns, args.seed)
+        model = None if args.no_model else run_model_demo(args.root, seed=args.seed)
     except AssertionError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 1
-    model = None if args.no_model else run_model_demo(args.root, seed=args.seed)
+    except KVStoreError as e:
+        print(f"demo: the store could not run: {e}", file=sys.stderr)
+        return 1
+    finally:
+        root_bytes = _tree_bytes(args.root)
+        if not args.keep:
+            shutil.rmtree(args.root, ignore_errors=True)
+    out = {**out, "root_bytes": root_bytes, "root_kept": bool(args.keep)}
     if model is not None and not all(r["same_next_token"] for r in model.get("prompts", [])):
         print("demo: a cached run picked another next token than the full prefill", file=sys.stderr)
         return 1
@@ -150,10 +166,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  warm restart: {out['restart_recovered_blocks']} blocks recovered from disk; the first user's "
           f"last turn hit {out['restart_hit_blocks']}/{out['restart_request_blocks']} blocks "
           f"(from {out['restart_hits_by_tier']})")
-    print(f"  store directory: {out['root']}")
     if model is not None:
         print_model_demo(model)
+    size = f"{out['root_bytes'] / 1e6:.1f} MB"
+    if args.keep:
+        print(f"store directory {out['root']} ({size}) kept: `kvctl --dir {out['root']} tiers` reads it; "
+              f"remove it with `rm -rf {out['root']}`")
+    else:
+        print(f"store directory {out['root']} ({size}) removed; `--keep` keeps it")
     return 0
+
+
+def _tree_bytes(root: Path) -> int:
+    """Bytes the files under ``root`` take on disk (allocated blocks: the NVMe slab file is
+    preallocated); 0 when it does not exist."""
+    if not root.exists():
+        return 0
+    return sum(p.lstat().st_blocks * 512 for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 if __name__ == "__main__":

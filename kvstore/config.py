@@ -74,8 +74,12 @@ def default_tiers() -> tuple[TierSpec, ...]:
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     root: Path = Path("./kvstore-data")
+    """The store directory: the NVMe tier's slab file and RocksDB, the object tier's local objects,
+    ``namespaces.json``, ``pins.json``, the event log. ``kvstore serve --data-dir`` overrides it."""
     tiers: tuple[TierSpec, ...] = field(default_factory=default_tiers)
     default_ttl_s: float = DEFAULT_TTL_S
+    """How long a block stays after its last use when its namespace sets no TTL of its own
+    (``"72h"``); every hit refreshes it."""
     policy: str = "density"
     """Eviction policy of every tier (eviction/; docs/eviction.md has the measurements)."""
     policy_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -90,6 +94,8 @@ class StoreConfig:
     """Options of the admission rule's ``Config`` (e.g. ``{hit_loss_budget = 0.005, inner = false}``;
     below, "[store] admission_options")."""
     promote_on_hit: bool = True
+    """Copy a block served from a slower tier into the fastest one, so that its next hit is
+    cheaper."""
     persist_on_close: bool = True
     """On a clean close, write blocks that live only in volatile tiers down to a persistent one."""
     expire_work_cap: int = 4096

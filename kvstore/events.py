@@ -76,24 +76,25 @@ _MiB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class EventsConfig:
-    """``[events]`` of the store's TOML file.
-
-    ``enabled``: None lets the host decide: off for an in-process store, on in the daemon.
-    ``dir``: default ``<store root>/events``. ``max_bytes`` / ``max_age_s``: a file is closed and
-    a new one started past either. ``retain_bytes``: the oldest closed files are deleted once
-    the directory holds more (0 keeps everything). ``queue``: records waiting for the writer;
-    more are dropped and counted. ``hashes``: keep block hashes in request records (what the
-    achieved-vs-ideal analysis needs; about 8 bytes per block). ``level``: zstd level.
-    """
+    """``[events]`` of the store's TOML file."""
 
     enabled: bool | None = None
+    """None lets the host decide: off for an in-process store, on in the daemon."""
     dir: Path | None = None
+    """Where the log files go; default ``<store root>/events``."""
     max_bytes: int = 64 * _MiB
+    """A file is closed and a new one started past this size..."""
     max_age_s: float = 3600.0
+    """...or past this age."""
     retain_bytes: int = 4096 * _MiB
+    """The oldest closed files are deleted once the directory holds more (0 keeps everything)."""
     queue: int = 65_536
+    """Records waiting for the writer; more are dropped and counted."""
     hashes: bool = True
+    """Keep block hashes in request records (what the achieved-vs-ideal analysis needs; about 8
+    bytes per block)."""
     level: int = 3
+    """zstd level of the log files."""
     publish: str | None = None
     """``tcp://HOST:PORT``: the daemon publishes block events there in vLLM's ``KVEventBatch``
     format (``kvstore/server/kvevents.py``, ``docs/routing.md``); None (default): no publisher."""

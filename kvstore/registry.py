@@ -36,10 +36,10 @@ ADMISSIONS: dict[str, str] = {
     "learned": "eviction.admission:LearnedAdmission",  # the same, by a model learned online
 }
 _INSTALL_HINTS = {
-    "s3fs": "pip install 'kvstore[s3]'",
+    "s3fs": "pip install 'kvstore-llm[s3]'",
     "torch": "pip install torch (see README: CI pins torch==2.13.0)",
-    "ucxx": "pip install 'kvstore[ucx]'",
-    "lmdb": "pip install 'kvstore[lmdb]'",
+    "ucxx": "pip install 'kvstore-llm[ucx]'",
+    "lmdb": "pip install 'kvstore-llm[lmdb]'",
 }
 
 

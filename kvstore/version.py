@@ -17,6 +17,6 @@ def version() -> str:
     except OSError:
         pass
     try:
-        return metadata.version("kvstore")
+        return metadata.version("kvstore-llm")
     except metadata.PackageNotFoundError:
         return "unknown"

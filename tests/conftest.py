@@ -94,7 +94,7 @@ def hypothesis_examples(ci: int) -> int:
 def _s3_or_skip() -> None:
     import importlib.util
 
-    for module, extra in (("s3fs", "kvstore[s3]"), ("moto", "moto[server]")):
+    for module, extra in (("s3fs", "kvstore-llm[s3]"), ("moto", "moto[server]")):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed: pip install '{extra}' (make test does)")
 

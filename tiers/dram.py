@@ -51,17 +51,20 @@ _SHM_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 
 @dataclass(frozen=True, slots=True)
 class DramConfig:
-    """``capacity_bytes``: arena size (rounded down to whole slabs). ``slab_bytes``: the unit a
-    size class grows by; must hold the largest block. ``shm_name``: the segment's name without a
-    leading slash; empty picks a unique one (``kvs-<pid>-<tier>-<random>``). ``copy_threads``:
-    threads that copy one batched read or write of 64 MiB or more (``read_many``/``write_many``,
-    and one large block); 0 picks ``max(min(4, cores), min(16, cores // 2))`` (2 on 2 cores, 8 on
-    16), 1 copies in the calling thread only."""
+    """Options of one DRAM tier (``[[tiers]]`` with ``kind = "dram"``)."""
 
     capacity_bytes: int
+    """Arena size (rounded down to whole slabs); one ``/dev/shm`` segment, reserved at start, so
+    ``/dev/shm`` must hold it."""
     slab_bytes: int = 64 * _MiB
+    """The unit a size class grows by; must hold the largest block."""
     shm_name: str = ""
+    """The segment's name without a leading slash; empty picks a unique one
+    (``kvs-<pid>-<tier>-<random>``)."""
     copy_threads: int = 0
+    """Threads that copy one batched read or write of 64 MiB or more (``read_many``/``write_many``,
+    and one large block); 0 picks ``max(min(4, cores), min(16, cores // 2))`` (2 on 2 cores, 8 on
+    16), 1 copies in the calling thread only."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
@@ -93,6 +96,15 @@ class DramConfig:
                 f"dram shm_name {self.shm_name!r} must be at most {_MAX_SHM_NAME} characters of "
                 "letters, digits, '_', '.' and '-' (no slash), or empty for a generated name"
             )
+
+
+def _shm_room() -> int | None:
+    """Bytes free in /dev/shm, where shm_open creates segments on Linux; None elsewhere."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _release_segment(shm: SharedMemory, name: str, prefault: list[Prefault]) -> None:
@@ -134,6 +146,14 @@ class DramTier(Tier):
         self._slots = SlabMap(self._lock, self._map, self._alloc)
         shm_name = config.shm_name or self._generated_name(name)
         size = self._alloc.capacity_bytes  # a partial slab at the end could never be used
+        room = _shm_room()
+        if room is not None and size > room:
+            # Refused before SharedMemory is asked: on Python 3.11 and 3.12 its failed create
+            # (ENOMEM from mmap) unregisters a name it never registered, and the resource
+            # tracker prints a KeyError traceback at exit after the clean error.
+            raise TierIOError(
+                f"dram tier {name!r}: cannot reserve {size} bytes of shared memory: /dev/shm has "
+                f"{room} bytes free; lower capacity_bytes or enlarge /dev/shm (docker: --shm-size)")
         try:
             shm = SharedMemory(name=shm_name, create=True, size=size)
         except FileExistsError as e:

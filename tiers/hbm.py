@@ -34,7 +34,9 @@ from tiers.base import Tier, TierUsage
 @dataclass(frozen=True, slots=True)
 class HbmConfig:
     capacity_bytes: int
+    """GPU memory the tier may hold (rounded down to whole slabs), e.g. ``"40GiB"``."""
     slab_bytes: int = 64 << 20
+    """The allocator's unit; must hold the largest block."""
     device: str = ""
     """torch device name; empty: ``cuda`` when available, else ``cpu``."""
 

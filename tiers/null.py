@@ -34,11 +34,13 @@ from tiers.base import Tier, TierUsage
 
 @dataclass(frozen=True, slots=True)
 class NullConfig:
-    """``capacity_blocks`` and ``capacity_bytes`` bound the tier (0: that bound is off); at least
-    one must be set, so that a replay never measures an unbounded tier by mistake."""
+    """A tier that keeps metadata only (for replays); at least one bound must be set, so that a
+    replay never measures an unbounded tier by mistake."""
 
     capacity_blocks: int = 0
+    """Blocks the tier holds at most (0: no bound on blocks)."""
     capacity_bytes: int = 0
+    """Bytes the tier holds at most (0: no bound on bytes)."""
 
     def __post_init__(self) -> None:
         for field in ("capacity_blocks", "capacity_bytes"):

@@ -182,16 +182,15 @@ _HINTS = {
 
 @dataclass(frozen=True, slots=True)
 class NvmeConfig:
-    """Options of one NVMe tier (``[tiers.<name>]`` with ``kind = "nvme"``).
-
-    ``capacity_bytes``: size of the preallocated data file (rounded down to whole slabs).
-    ``slab_bytes``: the allocator's slab; the largest block it can hold. Fixed at creation.
-    ``direct_io``: use ``O_DIRECT`` (falls back to buffered I/O where the filesystem refuses).
-    """
+    """Options of one NVMe tier (``[[tiers]]`` with ``kind = "nvme"``)."""
 
     capacity_bytes: int
+    """Size of the preallocated data file (rounded down to whole slabs); a size larger than the
+    disk's free space is refused at start."""
     slab_bytes: int = 64 * MiB
+    """The allocator's slab: the largest block it can hold. Fixed when the file is created."""
     direct_io: bool = True
+    """Use ``O_DIRECT`` (falls back to buffered I/O where the filesystem refuses it)."""
 
     def __post_init__(self) -> None:
         for f in ("capacity_bytes", "slab_bytes"):
@@ -827,7 +826,8 @@ def read_metadata(root: Path, name: str) -> list[tuple[BlockHash, int, BlockMeta
 
     from rocksdict import AccessType
 
-    db = tier_dir(Path(root), name) / "meta.rocksdb"
+    # Absolute: the links in the private directory must not be relative to where we stand.
+    db = tier_dir(Path(root).resolve(), name) / "meta.rocksdb"
     if not (db / "CURRENT").exists():
         return []
     last: Exception | None = None

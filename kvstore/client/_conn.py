@@ -138,7 +138,7 @@ def import_ucxx() -> Any:
         import ucxx
     except ImportError as e:
         raise ConfigError(
-            f"plane='ucx' needs ucxx ({e}): `pip install 'kvstore[ucx]'`, or use plane='tcp'"
+            f"plane='ucx' needs ucxx ({e}): `pip install 'kvstore-llm[ucx]'`, or use plane='tcp'"
         ) from e
     return ucxx
 

@@ -33,8 +33,9 @@ def _serve(args: argparse.Namespace) -> int:
     store_over = {"root": args.data_dir} if args.data_dir is not None else {}
     problem = _data_dir_problem(args.data_dir) if args.data_dir is not None else None
     if problem:
-        print(f"kvstore serve: --data-dir {args.data_dir}: {problem}", file=sys.stderr)
-        return 2
+        code, why = problem
+        print(f"kvstore serve: --data-dir {args.data_dir}: {why}", file=sys.stderr)
+        return code
     try:
         store_cfg = load_config(args.config, **store_over)
         server_cfg = load_server_config(args.config, **overrides)
@@ -89,17 +90,21 @@ def _not_dumpable() -> None:
                                             "its user can read its memory", e)
 
 
-def _data_dir_problem(path: Path) -> str | None:
-    """What keeps ``--data-dir`` from being a store directory, named by the flag (the store's
-    own message names the TOML key)."""
+def _data_dir_problem(path: Path) -> tuple[int, str] | None:
+    """What keeps ``--data-dir`` from being a store directory, with the exit code: 2 for a
+    usage mistake (a file, not a directory), 1 for a directory the daemon cannot write (it
+    cannot start; the module's docstring). Named by the flag (the store's own message names
+    the TOML key)."""
     if path.exists() and not path.is_dir():
-        return "is a file, not a directory; pass a directory (it is created if missing)"
+        return 2, "is a file, not a directory; pass a directory (it is created if missing)"
     probe = path
     while not probe.exists():
         probe = probe.parent
+    if not probe.is_dir():
+        return 2, f"{probe} is a file, not a directory; pass a path under a directory"
     if not os.access(probe, os.W_OK | os.X_OK):
         where = "it" if probe == path else f"{probe}"
-        return f"{where} is not writable by this user; pass a directory it may write, or fix its permissions"
+        return 1, f"{where} is not writable by this user; pass a directory it may write, or fix its permissions"
     return None
 
 

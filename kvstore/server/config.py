@@ -6,7 +6,7 @@ Example (same file as ``[store]`` and ``[[tiers]]``)::
     host = "127.0.0.1"          # loopback only unless tenants with tokens are configured
     http_port = 7070            # control plane (FastAPI)
     data_port = 7071            # framed TCP data plane (also carries shared-memory leases)
-    ucx = false                 # UCX data plane (needs `pip install 'kvstore[ucx]'`)
+    ucx = false                 # UCX data plane (needs `pip install 'kvstore-llm[ucx]'`)
     ucx_port = 7072
     max_body = "4MiB"           # HTTP request bodies
     max_blocks = 65536          # blocks (hashes) per request
@@ -98,10 +98,15 @@ class Limits:
     error frame and the connection closed)."""
 
     max_body_bytes: int = 4 * _MiB
+    """HTTP request bodies."""
     max_blocks: int = 65_536
+    """Blocks (hashes) per request."""
     max_tokens: int = 1 << 22
+    """Token ids per request (a lookup or pin by tokens)."""
     max_payload_bytes: int = 1 << 30
+    """Payload bytes of one data-plane frame."""
     max_staging_bytes: int = 512 * _MiB
+    """A client's shared-memory staging segment (the PUT_SHM path)."""
     max_leases: int = 4096
     """Leases one data-plane connection may hold at once."""
     max_connections: int = 4096
@@ -152,10 +157,15 @@ class Limits:
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
+    """Address both planes bind; anything but loopback needs ``[[tenants]]`` with tokens."""
     http_port: int = 7070
+    """Control plane (HTTP: FastAPI, ``/metrics``, ``/docs``); 0 picks a free port."""
     data_port: int = 7071
+    """Framed TCP data plane (also carries shared-memory leases); 0 picks a free port."""
     ucx: bool = False
+    """Also serve the UCX data plane (needs ``pip install 'kvstore-llm[ucx]'``)."""
     ucx_port: int = 7072
+    """UCX data plane's port; 0 picks a free one."""
     tenants: tuple[TenantSpec, ...] = ()
     limits: Limits = field(default_factory=Limits)
     maintain_interval_s: float = 30.0
@@ -258,6 +268,9 @@ def _convert(where: str, conv: Any, v: Any) -> Any:
     try:
         return conv(v) if conv in (int, str, float) else conv(v, where)
     except (TypeError, ValueError) as e:
+        if conv in (int, float):
+            kind = "an integer" if conv is int else "a number"
+            raise ConfigError(f"{where}: expected {kind}, got {v!r}") from e
         raise ConfigError(f"{where}: {e}") from e
 
 
@@ -294,15 +307,19 @@ def load_server_config(
     env = os.environ if env is None else env
     data = read_toml(path)
     section = dict(data.get("server", {}))
+    where = {k: f"[server].{k}" for k in section}
     for key in ("host", "http_port", "data_port", "ucx_port", "ucx"):
-        if (v := env.get(f"KVSTORE_SERVER_{key.upper()}")) is not None:
+        if (v := env.get(var := f"KVSTORE_SERVER_{key.upper()}")) is not None:
             section[key] = v
+            where[key] = f"{var} (overrides [server].{key})"  # an error names the variable
     kwargs: dict[str, Any] = {}
     limits: dict[str, Any] = {}
     for k, v in section.items():
         if k in _SERVER_KEYS:
             name, conv = _SERVER_KEYS[k]
-            kwargs[name] = _convert(f"[server].{k}", conv, v)
+            kwargs[name] = _convert(where[k], conv, v)
+            if k.endswith("_port") and not 0 <= kwargs[name] <= 65535:
+                raise ConfigError(f"{where[k]}: port {kwargs[name]} is outside 0..65535 (0 picks a free one)")
         elif k in _LIMIT_KEYS:
             name, conv = _LIMIT_KEYS[k]
             limits[name] = _convert(f"[server].{k}", conv, v)

@@ -1,4 +1,4 @@
-"""The UCX data plane (optional: ``pip install 'kvstore[ucx]'``, which brings ``ucxx-cu12``).
+"""The UCX data plane (optional: ``pip install 'kvstore-llm[ucx]'``, which brings ``ucxx-cu12``).
 
 Same sessions and frames as TCP (:mod:`kvstore.server.dataplane`); on UCX each header,
 metadata and block (in a GET_RUNS reply: each run of blocks, up to 16 MiB) travels as one
@@ -50,7 +50,7 @@ def import_ucxx() -> Any:
         import ucxx
     except ImportError as e:
         raise ConfigError(
-            f"the UCX data plane needs ucxx ({e}); install it with `pip install 'kvstore[ucx]'` "
+            f"the UCX data plane needs ucxx ({e}); install it with `pip install 'kvstore-llm[ucx]'` "
             "(ucxx-cu12, x86_64/aarch64 Linux wheels; it runs without a GPU) or set ucx = false"
         ) from e
     return ucxx

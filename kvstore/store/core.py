@@ -146,7 +146,7 @@ class KVStore:
                 t.register_namespace(ns.root, ns.canonical_bytes())
             snap = self._namespaces.snapshot()
             self.events.namespace(ns, info.ttl_s)
-            conflicts = self._namespaces.note_conflicts(ns)
+            conflicts = self._namespaces.note_conflicts(ns, self._holds_blocks)
         self._namespaces.save(snap)
         for w in conflicts:  # allowed (both layouts stay usable), never silent
             log.warning("layout conflict on registration: %s", w["message"])
@@ -157,7 +157,13 @@ class KVStore:
         other. :meth:`register_namespace` logs and counts them (``layout_conflicts`` in
         :meth:`stats`, the recent ones in ``layout_conflict_warnings``)."""
         with self._lock:
-            return self._namespaces.conflicts(ns)
+            return self._namespaces.conflicts(ns, self._holds_blocks)
+
+    def _holds_blocks(self, nid: int) -> bool:
+        """Under the lock: whether namespace ``nid`` has a cached block (a pass over the index,
+        made only for a namespace that would otherwise be reported as a layout conflict)."""
+        ids = self.index.live_ids()
+        return bool(np.any(self.index.ns[ids] == nid))
 
     def namespaces(self) -> list[tuple[Namespace, float]]:
         with self._lock:

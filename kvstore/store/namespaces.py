@@ -161,17 +161,21 @@ class NamespaceTable:
             self._version += 1
         return info, changed
 
-    def conflicts(self, ns: Namespace) -> list[Namespace]:
+    def conflicts(self, ns: Namespace, holds_blocks: Callable[[int], bool] | None = None) -> list[Namespace]:
         """Registered namespaces of ``ns``'s model deployment (model id, revision, rank, LoRA,
-        salt) with another layout: their blocks and ``ns``'s never hit each other."""
+        salt) with another layout: their blocks and ``ns``'s never hit each other. With
+        ``holds_blocks`` (a namespace's ``nid`` -> whether it has a cached block), only those
+        that hold blocks: an empty one (an engine that registered and stored nothing, say one
+        whose start failed on another block size) costs no hit, so it is no conflict."""
         key = ns.model_key()
         return [i.namespace for i in self.by_id
-                if i.namespace is not None and i.digest != ns.root and i.namespace.model_key() == key]
+                if i.namespace is not None and i.digest != ns.root and i.namespace.model_key() == key
+                and (holds_blocks is None or holds_blocks(i.nid))]
 
-    def note_conflicts(self, ns: Namespace) -> list[dict[str, Any]]:
+    def note_conflicts(self, ns: Namespace, holds_blocks: Callable[[int], bool] | None = None) -> list[dict[str, Any]]:
         """After registering ``ns``: count and remember its layout conflicts, as warnings
         (:func:`kvstore.inspection.layout_conflicts`); empty when there are none."""
-        warnings = layout_conflicts(ns, self.conflicts(ns))
+        warnings = layout_conflicts(ns, self.conflicts(ns, holds_blocks))
         if warnings:
             self.layout_conflicts += 1
             self.recent_conflicts.extend(warnings)

@@ -70,3 +70,18 @@ def test_dockerfile_copies_what_exists_and_runs_an_installed_command() -> None:
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
     copied = {line.split()[0] for line in re.findall(r"(?m)^COPY (\w+) ", text)}
     assert packages <= copied, f"the image lacks packages {packages - copied}"
+
+
+def test_every_install_line_names_this_distribution() -> None:
+    """PyPI's ``kvstore`` is an unrelated project: every ``pip install`` in the README, docs/,
+    deploy/ and the code's hints installs ``kvstore-llm`` (this pyproject's name) or a checkout."""
+    name = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"]
+    assert name == "kvstore-llm"
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *DEPLOY.iterdir(),
+             *(p for d in ("kvstore", "tiers", "engine", "tools") for p in (ROOT / d).rglob("*.py"))]
+    seen = 0
+    for f in files:
+        for m in re.finditer(r"pip install (?:-[\w-]+ )*'([^'\[]+)\[", f.read_text()):
+            assert m.group(1) != "kvstore", f"{f.relative_to(ROOT)} installs {m.group(0)!r}"
+            seen += m.group(1) in (name, ".")
+    assert seen >= 5

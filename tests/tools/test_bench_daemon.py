@@ -29,7 +29,7 @@ def test_ucx_bench_says_why_it_is_skipped(capsys: pytest.CaptureFixture[str]) ->
         import ucxx  # noqa: F401
     except ImportError:
         assert main(["ucx", "--json", "--quick"]) == 0
-        assert "pip install 'kvstore[ucx]'" in capsys.readouterr().err
+        assert "pip install 'kvstore-llm[ucx]'" in capsys.readouterr().err
     else:
         pytest.skip("ucxx is installed: the benchmark runs instead (test_ucx_bench_json_lines)")
 

@@ -39,3 +39,12 @@ def test_every_environment_variable_is_documented() -> None:
         documented |= {n for n in names if n.startswith("KVSTORE_TIER_")}
     assert names - documented == set()
     assert len(names) >= 10
+
+
+def test_every_key_outside_the_policies_says_what_it_does() -> None:
+    """[store], the tiers, [events], [server] and [[tenants]]: no empty "what" cell (the
+    eviction policies' and admission rules' options are described in docs/eviction.md)."""
+    page = render()
+    head = page[:page.index("## `[store] policy_options`")]
+    empty = re.findall(r"(?m)^\| `(\w+)` \|[^\n]*\|  \|$", head)
+    assert empty == []

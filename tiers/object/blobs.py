@@ -179,7 +179,7 @@ def open_blobs(
     except ImportError as e:
         raise ConfigError(
             f"object tier {name!r}: url {url!r} needs {e.name or 'an fsspec backend'}; "
-            "for s3:// run pip install 'kvstore[s3]'"
+            "for s3:// run pip install 'kvstore-llm[s3]'"
         ) from e
     except ValueError as e:
         raise ConfigError(f"object tier {name!r}: cannot use url {url!r}: {e}") from e

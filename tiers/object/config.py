@@ -14,25 +14,34 @@ _MiB = 1024**2
 @dataclass(frozen=True)
 class ObjectConfig:
     """The object tier's options (TOML ``[[tiers]]`` keys, or ``KVSTORE_TIER_<NAME>_<KEY>``).
-
-    ``url``: where objects live (``s3://bucket/prefix``, ``file:///path``); empty is
-    ``file://<tier dir>/objects``, private to this store. Any explicit URL is treated as shared
-    with other nodes. ``capacity_bytes``: payload bytes this node may keep there.
-    ``storage_options``: passed to the fsspec filesystem as is (wins over the fields below).
-    """
+    S3 fields left empty fall back to the standard AWS environment and config files."""
 
     url: str = ""
+    """Where objects live (``s3://bucket/prefix``, ``file:///path``); empty is ``file://<tier
+    dir>/objects``, private to this store. Any explicit URL is treated as shared with other
+    nodes."""
     capacity_bytes: int = _TiB
+    """Payload bytes this node may keep there."""
     storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to the fsspec filesystem as is (wins over the S3 fields below)."""
     # S3 (s3:// URLs). Empty values fall back to the standard AWS environment and config files.
     endpoint_url: str = ""
+    """S3: the endpoint (``http://127.0.0.1:7480`` for a RADOS Gateway, MinIO, ...); empty: AWS."""
     region: str = ""
+    """S3: the region; empty: ``AWS_REGION`` / the AWS config file."""
     access_key_id: str = ""
+    """S3: the access key; empty: the standard AWS environment and config files."""
     secret_access_key: str = field(default="", repr=False)
+    """S3: the secret key (never printed); better from ``KVSTORE_TIER_<NAME>_SECRET_ACCESS_KEY`` or
+    the AWS environment than in the file."""
     session_token: str = field(default="", repr=False)
+    """S3: a temporary session token (never printed)."""
     profile: str = ""
+    """S3: a profile of the AWS config files."""
     connect_timeout_s: float = 2.0
+    """S3: seconds to connect before a request fails."""
     read_timeout_s: float = 10.0
+    """S3: seconds to wait for a reply's bytes before a request fails."""
     max_attempts: int = 2
     """Attempts per request, the first included (botocore's standard retry mode)."""
     request_deadline_s: float = 0.0
@@ -76,6 +85,7 @@ class ObjectConfig:
     """Namespaces whose blocks are byte-shuffled and zstd-compressed here: model ids, namespace
     digests (hex), or ``"*"`` for every namespace."""
     compress_level: int = 1
+    """zstd level (1..22) of ``compress_namespaces``' blocks."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):

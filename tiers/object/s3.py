@@ -12,7 +12,7 @@
 * :func:`lifecycle_rule`, :func:`apply_lifecycle`: an optional bucket lifecycle rule as a
   backstop behind the tier's own sweeper.
 
-Imported only when a tier's URL is ``s3://``: s3fs is an optional extra (``kvstore[s3]``).
+Imported only when a tier's URL is ``s3://``: s3fs is an optional extra (``kvstore-llm[s3]``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ socket's, what 0.8 of its rate needs when no core is spare).
 Measurement: one untimed round of each side first (endpoints, UCX's rendezvous state, the
 daemon's pool warm), then ``rounds`` trials, each side once per trial in an order that rotates;
 each rate is the trial with the median ratio (``trial_ratios`` lists them all).
-Needs ucxx (``pip install 'kvstore[ucx]'``); without it the benchmark prints why and no rows.
+Needs ucxx (``pip install 'kvstore-llm[ucx]'``); without it the benchmark prints why and no rows.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         apply_ucx_env()  # the client's UCX settings, before ucxx is imported
         import ucxx
     except ImportError as e:
-        print(f"ucx: skipped: ucxx is not installed ({e}): pip install 'kvstore[ucx]'", file=sys.stderr)
+        print(f"ucx: skipped: ucxx is not installed ({e}): pip install 'kvstore-llm[ucx]'", file=sys.stderr)
         return
     except Exception as e:
         print(f"ucx: skipped: {e}", file=sys.stderr)

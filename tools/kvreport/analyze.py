@@ -308,9 +308,11 @@ def _retention(gaps: list[tuple[float, int]], prompt: int, hit: int) -> dict[str
 
 
 def _latency(lookup_s: list[float], per_block: Mapping[str, list[float]]) -> dict[str, Any]:
+    """p50 and p99 with their sample count ``n`` (a load is timed per tier only when one tier
+    served all its hits)."""
     def q(xs: list[float]) -> dict[str, float]:
         a = np.array(xs)
-        return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))} if xs else {}
+        return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "n": len(xs)} if xs else {}
 
     return {"lookup_s": q(lookup_s), "load_s_per_block_by_tier": {k: q(v) for k, v in sorted(per_block.items())}}
 

@@ -18,7 +18,7 @@ from kvstore.events import read_events
 from kvstore.units import parse_duration
 from kvstore.version import version
 from tools.kvreport.analyze import ReportConfig, analyze
-from tools.kvreport.html import render
+from tools.kvreport.html import gpu_time, render
 
 EXIT_CODES = """exit codes:
   0  ok
@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kvreport: wrote {out}: {report['requests']:,} loads, token hit rate "
                   f"{100 * report['token_hit_rate']:.1f}% (unlimited cache {100 * report['ideal']['token_hit_rate']:.1f}%), "
                   f"{looked}, "
-                  f"{report['savings']['gpu_seconds'] / 3600:,.2f} GPU-hours saved")
+                  f"{gpu_time(report['savings']['gpu_seconds'])} saved")
     return 0
 
 

@@ -58,6 +58,8 @@ def _bytes(v: float) -> str:
 
 
 def _money(cur: str, v: float) -> str:
+    if 0 < v < 0.01:
+        return f"< {cur}0.01"
     return f"{cur}{v:,.2f}"
 
 
@@ -105,6 +107,27 @@ def _admission(a: dict[str, Any]) -> str:
     return "".join(out)
 
 
+P99_SAMPLES = 100
+"""Fewer samples than this: no p99 is shown (it would be the largest sample, not a tail)."""
+
+
+def _latency_row(name: str, q: dict[str, Any]) -> list[str]:
+    n = int(q.get("n", 0))
+    if n == 0:
+        return [name, "0", "-", "-"]
+    p50 = f"{q['p50'] * 1e3:.3f}" + (" (one sample)" if n == 1 else "")
+    return [name, _n(n), p50, f"{q['p99'] * 1e3:.3f}" if n >= P99_SAMPLES else "-"]
+
+
+def gpu_time(seconds: float) -> str:
+    """GPU time in the unit that shows it (0.004 GPU-hours is 14.4 GPU-seconds, not "0.00")."""
+    if seconds < 60:
+        return f"{seconds:,.1f} GPU-s"
+    if seconds < 3600:
+        return f"{seconds / 60:,.1f} GPU-min"
+    return f"{seconds / 3600:,.2f} GPU-h"
+
+
 def render(r: dict[str, Any], title: str = "kvstore cache report", sources: list[str] | None = None) -> str:
     span, cfg, ts = r["span"], r["config"], r["timeseries"]
     cur = cfg["currency"]
@@ -118,7 +141,7 @@ def render(r: dict[str, Any], title: str = "kvstore cache report", sources: list
     cards = [("token hit rate (loads)", _p(r["token_hit_rate"])), ("unlimited cache would hit", _p(r["ideal"]["token_hit_rate"])),
              ("lookup token hit rate", _p(lk["token_hit_rate"]) if lk["requests"] else "no lookups"),
              ("requests with a hit", _p(r["request_hit_rate"])), ("prompt tokens", _n(r["prompt_tokens"])),
-             ("GPU-hours saved", f"{r['savings']['gpu_seconds'] / 3600:,.2f}"),
+             ("GPU time saved", gpu_time(r["savings"]["gpu_seconds"])),
              ("saved", _money(cur, r["savings"]["money"]))]
     out.append("<div class='cards'>" + "".join(f"<div class='card'><b>{v}</b><span>{k}</span></div>" for k, v in cards) + "</div>")
 
@@ -210,10 +233,14 @@ def render(r: dict[str, Any], title: str = "kvstore cache report", sources: list
 
     lat = r["latency"]
     if lat["lookup_s"]:
-        rows = [["lookup (per request)", f"{lat['lookup_s']['p50'] * 1e3:.3f}", f"{lat['lookup_s']['p99'] * 1e3:.3f}"]]
-        rows += [[f"load per block from {k}", f"{v['p50'] * 1e3:.3f}", f"{v['p99'] * 1e3:.3f}"]
-                 for k, v in lat["load_s_per_block_by_tier"].items()]
-        out.append("<h2 id='latency'>Lookup and load time</h2>" + _table(["", "p50 ms", "p99 ms"], rows))
+        by_tier = lat["load_s_per_block_by_tier"]
+        tiers = [*r["log"]["tiers"], *(k for k in by_tier if k not in r["log"]["tiers"])]
+        rows = [_latency_row("lookup (per request)", lat["lookup_s"])]
+        rows += [_latency_row(f"load per block from {k}", by_tier.get(k, {})) for k in tiers]
+        out.append("<h2 id='latency'>Lookup and load time</h2>"
+                   + _table(["", "samples", "p50 ms", "p99 ms"], rows)
+                   + f"<p class='note'>A load is timed per tier only when one tier served all its hits; a p99 "
+                   f"needs at least {P99_SAMPLES} samples, a single sample is a value, not a median.</p>")
     out.append(f"<p class='note'>kvreport, from {r['log']['requests']:,} request and {r['log']['block_events']:,} block records; "
                "the same numbers: kvreport --json.</p></body></html>")
     return "\n".join(out)

@@ -15,6 +15,7 @@ from html import escape
 
 PALETTE = ("#2563eb", "#16a34a", "#f59e0b", "#dc2626", "#7c3aed", "#0891b2", "#db2777", "#65a30d", "#9ca3af")
 W, H = 760, 300
+CHAR_W = 6.2  # width of an average character of the 11 px axis font, for laying out labels
 L, R, T, B = 64, 16, 46, 46  # margins; the legend has its own row under the title
 
 Fmt = Callable[[float], str]
@@ -126,12 +127,21 @@ class _Frame:
             p.append(f'<text x="14" y="{cy:.1f}" class="a" text-anchor="middle" '
                      f'transform="rotate(-90 14 {cy:.1f})">{escape(ylabel)}</text>')
 
-    def legend(self, names: Sequence[str], colors: Sequence[str]) -> None:
+    def legend(self, names: Sequence[str], colors: Sequence[str], *, lines: bool = False,
+               dashed: Sequence[str] = ()) -> None:
+        """One swatch per series: a box (areas, bars) or, with ``lines``, a short stroke drawn as
+        the series is (dashed where it is), so that two series of one colour stay apart."""
         x = W - R
         for name, color in reversed(list(zip(names, colors, strict=True))):
-            x -= 14 + 7 * len(name) + 12
-            self.parts.append(f'<rect x="{x}" y="26" width="10" height="10" fill="{color}"/>'
-                              f'<text x="{x + 14}" y="35" class="a">{escape(name)}</text>')
+            x -= 22 + 7 * len(name) + 12
+            if lines:
+                dash = ' stroke-dasharray="5 3"' if name in dashed else ""
+                swatch = (f'<line x1="{x}" x2="{x + 18}" y1="31" y2="31" stroke="{color}" stroke-width="2"{dash} '
+                          f'class="swatch" data-name="{escape(name)}"/>')
+            else:
+                swatch = (f'<rect x="{x + 4}" y="26" width="10" height="10" fill="{color}" class="swatch" '
+                          f'data-name="{escape(name)}"/>')
+            self.parts.append(swatch + f'<text x="{x + 22}" y="35" class="a">{escape(name)}</text>')
 
     def svg(self) -> str:
         return "".join(self.parts) + "</svg>"
@@ -185,7 +195,7 @@ def line_chart(title: str, xs: Sequence[float], series: Sequence[tuple[str, Sequ
         xx = f.x(x)
         f.parts.append(f'<line x1="{xx:.1f}" x2="{xx:.1f}" y1="{T}" y2="{H - B}" class="m"/>'
                        f'<text x="{xx + 3:.1f}" y="{T + 10}" class="a">{escape(label)}</text>')
-    f.legend([n for n, _ in series], colors)
+    f.legend([n for n, _ in series], colors, lines=True, dashed=dashed)
     return f.svg()
 
 
@@ -220,7 +230,9 @@ def bar_chart(title: str, bars: Sequence[tuple[str, float, str | None]], *, fmt:
     rows = len(bars)
     height = T + 24 * rows + 20
     top = max((v for _, v, _ in bars), default=1.0) or 1.0
-    left, right = 230, W - 150
+    # The labels end at the bars: room for the longest (11 px text, CHAR_W per character).
+    left = min(max(120, 24 + int(CHAR_W * max((len(b[0]) for b in bars), default=0))), W - 300)
+    right = W - 150
     parts = [f'<svg class="plot" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {height}" width="{W}" '
              f'height="{height}" role="img" aria-label="{escape(title)}"><title>{escape(title)}</title>',
              f'<text x="16" y="20" class="t">{escape(title)}</text>']

@@ -27,7 +27,9 @@ def test_admin_sees_every_tenant_and_acts_by_stored_keys(start_daemon: Callable[
     with connect(d.url, token=TOKEN_A) as a:
         a.put(SMALL_NS, chain, [payload(h) for h in chain])
         a.get_into(SMALL_NS, chain[:3], bytearray(3 * 4096))
-        a.register_namespace(OTHER_LAYOUT)
+        a.register_namespace(OTHER_LAYOUT)  # with a block: an empty namespace is no conflict
+        other = chain_for(8, 1)
+        a.put(OTHER_LAYOUT, other, [payload(h, OTHER_LAYOUT.block_bytes) for h in other])
     with connect(d.url, token=TOKEN_B) as b:
         b.register_namespace(SMALL_NS)  # another tenant: its own namespace, no warning
     with _http(d, TOKEN_A) as h:

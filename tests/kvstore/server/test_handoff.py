@@ -174,7 +174,7 @@ def ucx_bytes_out(url: str) -> float:
 def test_a_handoff_over_ucx_works_both_ways(start: Callable[..., ThreadedDaemon]) -> None:
     """The decode side loads over UCX (ucxx's TCP transport on loopback here); the bytes it
     gets are the prefill side's, and the prefill daemon's UCX plane is what sent them."""
-    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore[ucx]')")
+    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore-llm[ucx]')")
     nodes = [start("p", tenants=TENANTS, ucx=True), start("q", tenants=TENANTS, ucx=True)]
     for k, (pre, dec) in enumerate([(nodes[0], nodes[1]), (nodes[1], nodes[0])]):
         token = (TOKEN_A, TOKEN_B)[k]

@@ -122,6 +122,8 @@ def test_a_conflicting_registration_is_named_in_the_reply_logged_counted_and_sho
     with _daemon(tmp_path / "store") as d:
         with connect(d.url, token=TOKEN_A, plane="tcp") as a, connect(d.url, token=TOKEN_B, plane="tcp") as b:
             a.register_namespace(SMALL_NS)
+            first = chain_for(4, 1)  # a namespace with blocks: an empty one is no conflict
+            assert a.put(SMALL_NS, first, [payload(h) for h in first]) == 1
             b.register_namespace(FP16)  # another tenant: another deployment, no conflict
             assert a.layout_conflicts == [] and b.layout_conflicts == []
             with caplog.at_level(logging.WARNING):

@@ -1,4 +1,4 @@
-"""The UCX data plane (runs where ucxx is installed: `pip install 'kvstore[ucx]'`)."""
+"""The UCX data plane (runs where ucxx is installed: `pip install 'kvstore-llm[ucx]'`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_ucx_needs_tenants_because_its_listener_binds_every_interface() -> None:
 
 
 def test_round_trip_over_ucx(start_daemon: Callable[..., ThreadedDaemon]) -> None:
-    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore[ucx]')")
+    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore-llm[ucx]')")
     from kvstore.client import connect
 
     d = start_daemon(TENANTS, ucx=True)
@@ -61,7 +61,7 @@ def test_round_trip_over_ucx(start_daemon: Callable[..., ThreadedDaemon]) -> Non
 def test_a_ucx_client_called_from_inside_a_running_event_loop(start_daemon: Callable[..., ThreadedDaemon]) -> None:
     """The client runs its UCX loop in the calling thread; a caller already inside an event loop
     (a blocking call from async code) gets it run on a helper thread, and the calls still work."""
-    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore[ucx]')")
+    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore-llm[ucx]')")
     import asyncio
 
     from kvstore.client import connect
@@ -98,7 +98,7 @@ def test_clients_killed_mid_transfer_over_ucx_never_take_the_daemon_down(tmp_pat
     """The trade-off docs/daemon.md describes, checked with real processes: the daemon's UCX
     endpoints run with peer error handling, so a client SIGKILLed in the middle of its puts and
     gets ends its own session only; the daemon (its own process) keeps serving UCX clients."""
-    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore[ucx]')")
+    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore-llm[ucx]')")
     from kvstore.client import connect
     from kvstore.client.spawn import start_daemon
 
@@ -143,7 +143,7 @@ def test_a_frozen_daemon_fails_a_ucx_call_with_daemon_unavailable_not_a_hang(tmp
     answering (SIGSTOP, a real process) must still end within the client's timeout with
     DaemonUnavailableError, the error an engine treats as a miss, and the same client must
     work again once the daemon resumes."""
-    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore[ucx]')")
+    pytest.importorskip("ucxx", reason="ucxx not installed (pip install 'kvstore-llm[ucx]')")
     from kvstore.client import connect
     from kvstore.client.spawn import start_daemon
 

@@ -22,12 +22,19 @@ def _chain(ns: Namespace, n: int) -> list[bytes]:
     return hash_blocks(ns, np.arange(n * ns.block_tokens, dtype=np.int64))
 
 
+def _fill(store: KVStore, ns: Namespace) -> None:
+    c = _chain(ns, 2)
+    store.put(ns, c, [payload(h, ns.block_bytes) for h in c])
+    assert store.lookup(ns, c).num_blocks == 2
+
+
 @pytest.mark.parametrize(("other", "field"), [(FP16, "layout.dtype"), (BLOCK32, "layout.block_tokens")])
 def test_a_second_layout_of_one_deployment_warns_counts_and_both_stay_usable(
     make_store: Callable[..., KVStore], caplog: pytest.LogCaptureFixture, other: Namespace, field: str,
 ) -> None:
     store = make_store(register=False)
     store.register_namespace(SMALL_NS)
+    _fill(store, SMALL_NS)
     assert store.stats()["layout_conflicts"] == 0
     with caplog.at_level(logging.WARNING, logger="kvstore.store"):
         store.register_namespace(other)
@@ -37,11 +44,27 @@ def test_a_second_layout_of_one_deployment_warns_counts_and_both_stay_usable(
     assert w["namespaces"] == [other.root.hex(), SMALL_NS.root.hex()]
     assert [d.split(":")[0] for d in w["differences"]] == [field]
     assert any("layout conflict" in r.getMessage() and field in r.getMessage() for r in caplog.records)
-    assert store.layout_conflicts(other) == [SMALL_NS] and store.layout_conflicts(SMALL_NS) == [other]
+    assert store.layout_conflicts(other) == [SMALL_NS] and store.layout_conflicts(SMALL_NS) == []
     for ns in (SMALL_NS, other):  # both layouts stay usable
-        c = _chain(ns, 2)
-        assert store.put(ns, c, [payload(h, ns.block_bytes) for h in c]) == 2
-        assert store.lookup(ns, c).num_blocks == 2
+        _fill(store, ns)
+        assert store.lookup(ns, _chain(ns, 2)).num_blocks == 2
+    assert store.layout_conflicts(SMALL_NS) == [other]  # now that it holds blocks
+
+
+def test_an_empty_namespace_is_no_conflict(make_store: Callable[..., KVStore],
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """An engine that registered one layout and stored nothing (a start that failed on another
+    block size) leaves an empty namespace: later starts of the real layout are not warned."""
+    store = make_store(register=False)
+    store.register_namespace(BLOCK32)  # the failed start: registered, never a block
+    with caplog.at_level(logging.WARNING, logger="kvstore.store"):
+        for _ in range(2):
+            store.register_namespace(SMALL_NS)
+    assert store.stats()["layout_conflicts"] == 0 and store.layout_conflicts(SMALL_NS) == []
+    assert not [r for r in caplog.records if "layout conflict" in r.getMessage()]
+    _fill(store, SMALL_NS)  # once the other side holds blocks, it is one
+    store.register_namespace(BLOCK32)
+    assert store.stats()["layout_conflicts"] == 1
 
 
 def test_another_deployment_or_the_same_layout_again_is_no_conflict(
@@ -61,7 +84,9 @@ def test_another_deployment_or_the_same_layout_again_is_no_conflict(
 def test_every_conflicting_registration_counts(make_store: Callable[..., KVStore]) -> None:
     store = make_store(register=False)
     store.register_namespace(SMALL_NS)
+    _fill(store, SMALL_NS)
     store.register_namespace(FP16)
+    _fill(store, FP16)
     store.register_namespace(BLOCK32)  # conflicts with both
     s = store.stats()
     assert s["layout_conflicts"] == 2

@@ -114,6 +114,8 @@ def test_against_a_store_directory(tmp_path: Path, capsys: pytest.CaptureFixture
         s.register_namespace(SMALL_NS)
         s.register_namespace(other)
         s.put(SMALL_NS, hashes, [payload(h) for h in hashes])
+        theirs = hash_blocks(other, toks[:16])  # a block: an empty namespace is no conflict
+        s.put(other, theirs, [payload(h, other.block_bytes) for h in theirs])
         for _ in range(3):
             s.get_into(SMALL_NS, hashes[:2], np.empty(2 * BB, np.uint8))
     conf = _write(tmp_path / "kv.toml", "".join(  # the store's own tiers: --write opens them as configured
@@ -121,7 +123,7 @@ def test_against_a_store_directory(tmp_path: Path, capsys: pytest.CaptureFixture
         for t in small_tiers()))
     d = ["--dir", str(root), "--config", str(conf)]
     code, out, err = _run(capsys, *d, "stats", "--json")
-    assert code == 0 and json.loads(out)["blocks"] == 4 and err == ""
+    assert code == 0 and json.loads(out)["blocks"] == 5 and err == ""
     code, out, _ = _run(capsys, *d, "namespaces")
     assert code == 0 and "warning:" in out and "layout.dtype: 'bfloat16' vs 'float16'" in out
     ns = SMALL_NS.root.hex()
@@ -141,6 +143,24 @@ def test_against_a_store_directory(tmp_path: Path, capsys: pytest.CaptureFixture
     code, out, _ = _run(capsys, *d, "lookup", ns, "--hashes", ",".join(h.hex() for h in hashes), "--json")
     assert json.loads(out)["num_blocks"] == 2
     assert _run(capsys, *d, "ttl", ns, "--json")[1].count("432000") == 1
+
+
+def test_a_relative_store_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's `kvctl --dir ./kvstore-data tiers`: a relative path reads the NVMe tier's
+    RocksDB as an absolute one does (its read-only view links to the files by absolute path)."""
+    root = tmp_path / "kvstore-data"
+    hashes = hash_blocks(SMALL_NS, np.arange(16 * 3))
+    with KVStore(StoreConfig(root=root, tiers=small_tiers())) as s:
+        s.register_namespace(SMALL_NS)
+        s.put(SMALL_NS, hashes, [payload(h) for h in hashes], durable=True)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(capsys, "--dir", "./kvstore-data", "tiers", "--json")
+    assert code == 0, err
+    nvme = next(t for t in json.loads(out) if t["kind"] == "nvme")
+    assert nvme["blocks"] == 3
+    code, out, err = _run(capsys, "--dir", "kvstore-data", "stats", "--json")
+    assert code == 0 and json.loads(out)["blocks"] == 3, err
 
 
 def _write(path: Path, text: str) -> Path:

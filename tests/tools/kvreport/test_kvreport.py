@@ -20,7 +20,7 @@ from tests.conftest import SMALL_NS
 from tools.kvreport import sample, svg
 from tools.kvreport.analyze import ReportConfig, analyze
 from tools.kvreport.cli import main
-from tools.kvreport.html import render
+from tools.kvreport.html import REASONS, render
 
 OTHER = Namespace(SMALL_NS.model_id, KVLayout("bfloat16", 32, (LayerGroup("full", 1, 1, 64),)))
 H = 3600.0
@@ -168,11 +168,19 @@ _LAYOUT_PROBE = """
 const plots = [...document.querySelectorAll('svg.plot')].map(svg => {
   const series = [...svg.querySelectorAll('.series')];
   const drawn = series.filter(e => { const b = e.getBBox(); return b.width > 0 || b.height > 0; });
-  const legend = {};
-  svg.querySelectorAll('rect[y="26"]').forEach(r => {
-    legend[r.nextElementSibling.textContent] = getComputedStyle(r).fill; });
+  const legend = {}, swatches = {};
+  svg.querySelectorAll('.swatch').forEach(r => {
+    const s = getComputedStyle(r);
+    legend[r.dataset.name] = r.tagName === 'line' ? s.stroke : s.fill;
+    swatches[r.dataset.name] = [r.tagName, legend[r.dataset.name], s.strokeDasharray];
+  });
+  const sb = svg.getBoundingClientRect();  // a text drawn past its chart is clipped on screen
+  const clipped = [...svg.querySelectorAll('text')].filter(t => {
+    const b = t.getBoundingClientRect();  // after transforms (the rotated y-axis titles)
+    return b.left < sb.left - 0.5 || b.right > sb.right + 0.5 || b.top < sb.top - 0.5 || b.bottom > sb.bottom + 0.5;
+  }).map(t => t.textContent);
   return {title: svg.querySelector('title').textContent, series: series.length, drawn: drawn.length,
-          dots: svg.querySelectorAll('circle.series').length, legend,
+          dots: svg.querySelectorAll('circle.series').length, legend, swatches, clipped,
           width: svg.getBoundingClientRect().width};
 });
 const pre = document.createElement('pre');
@@ -198,7 +206,9 @@ def test_the_report_renders_in_headless_chromium(tmp_path: Path) -> None:
              "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"]
     # The report has no script; a copy gets one that asks the laid-out page what it drew.
     probe = tmp_path / "probe.html"
-    probe.write_text(page.read_text().replace("</body>", f"<script>{_LAYOUT_PROBE}</script></body>"))
+    # Plus a bar of every reason a hit can be lost: the longest labels the page can carry.
+    every_reason = svg.bar_chart("every reason", [(f"lost: {v}", 1.0, "#dc2626") for v in REASONS.values()], total=7.0)
+    probe.write_text(page.read_text().replace("</body>", f"{every_reason}<script>{_LAYOUT_PROBE}</script></body>"))
     dom = subprocess.run([browser, *flags, "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     m = re.search(r'<pre id="layout">(.*?)</pre>', dom, flags=re.S)
@@ -208,6 +218,11 @@ def test_the_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     for p in plots:  # every series of every chart is on screen: a line, a dot, an area or a bar
         assert p["series"] and p["drawn"] == p["series"], p
         assert p["width"] > 600, p
+        assert p["clipped"] == [], p  # every label, legend and axis text inside its chart
+    rates = next(p for p in plots if p["title"].startswith("Hit rate: tokens"))
+    # "tokens" and the dashed "ideal (tokens)" share a colour: their swatches are drawn apart.
+    assert rates["swatches"]["tokens"] != rates["swatches"]["ideal (tokens)"], rates["swatches"]
+    assert any(p["title"] == "every reason" for p in plots)
     tenants = next(p for p in plots if p["title"] == "Token hit rate by tenant")
     assert tenants["dots"] >= 1  # tenant y's one busy bucket, which a path alone would not draw
     fill = next(p for p in plots if p["title"].startswith("Tier fill"))
@@ -246,7 +261,7 @@ def test_one_colour_per_tier_and_tenant_across_charts_with_axis_titles(tmp_path:
     plots = re.findall(r'<svg class="plot".*?</svg>', page, flags=re.S)
     legend: dict[str, set[str]] = {}
     for p in plots:
-        for color, name in re.findall(r'<rect x="[^"]*" y="26" width="10" height="10" fill="([^"]+)"/><text[^>]*>([^<]+)</text>', p):
+        for color, name in re.findall(r'(?:fill|stroke)="([^"]+)"[^>]*class="swatch" data-name="([^"]+)"', p):
             legend.setdefault(name, set()).add(color)
         for name, color in re.findall(r'class="a" text-anchor="end">hit: ([^<]+)</text><rect [^>]*fill="([^"]+)"', p):
             legend.setdefault(name, set()).add(color)
@@ -269,3 +284,21 @@ def test_sample_reports_its_progress(tmp_path: Path) -> None:
     bar(0.5, 7)
     bar(1.0, 9)
     assert "[#####.....]" in out.getvalue() and out.getvalue().endswith("9 requests\n")
+
+
+def test_gpu_time_money_and_latency_samples_agree(tmp_path: Path) -> None:
+    """A small saving is shown in a unit that shows it (never "0.00 GPU-hours" beside "$0.01"),
+    the latency table gives each row's sample count, shows no p99 of a few samples and no
+    median of one, and has a row for every tier of the log."""
+    r = analyze(read_events(_log(tmp_path / "events")), ReportConfig(prefill_tps=25_000.0, gpu_price=3.0))
+    page = render(r)
+    gpu_s = r["savings"]["gpu_seconds"]
+    assert 0 < gpu_s < 60 and f"{gpu_s:,.1f} GPU-s" in page and "0.00</b>" not in page
+    table = page[page.index("id='latency'"):]
+    rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>([^<]+)</td><td>([^<]+)</td></tr>", table)
+    by_name = {name: (n, p50, p99) for name, n, p50, p99 in rows}
+    assert by_name["lookup (per request)"][0] == "6" and by_name["lookup (per request)"][2] == "-"
+    assert set(by_name) >= {"load per block from dram", "load per block from nvme"}
+    for n, p50, p99 in by_name.values():
+        assert p99 == "-"  # fewer than 100 samples each
+        assert (n == "1") == p50.endswith("(one sample)") and (n == "0") == (p50 == "-")
