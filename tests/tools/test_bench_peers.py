@@ -503,7 +503,13 @@ def test_the_connector_rows_run_on_the_cpu_against_a_daemon(tmp_path: pathlib.Pa
     against a real daemon) saves and restores every page byte for byte on the CPU smoke path,
     async and layer-wise, in vLLM 0.32's NHD memory order (LBNHC)."""
     torch = pytest.importorskip("torch")
-    from tools.bench._peers.paged import BLOCK, Cache, KvstoreConnector, KvstoreConnectorLayerwise, page_spec
+    from tools.bench._peers.paged import (
+        BLOCK,
+        Cache,
+        KvstoreConnector,
+        KvstoreConnectorLayerwise,
+        page_spec,
+    )
 
     spec = page_spec(layers=2, kv_heads=2, head_dim=16)
     for cls in (KvstoreConnector, KvstoreConnectorLayerwise):
@@ -516,7 +522,7 @@ def test_the_connector_rows_run_on_the_cpu_against_a_daemon(tmp_path: pathlib.Pa
             s.save(prompt, src)
             cache.zero(dst)
             assert s.restore(prompt, dst) == 256
-            assert cache.wrong_pages(src, dst) == 0 and 256 // BLOCK == len(dst)
+            assert cache.wrong_pages(src, dst) == 0 and len(dst) == 256 // BLOCK
             assert s.info()["plane"] == "shm"
         finally:
             s.close()
