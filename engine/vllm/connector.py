@@ -90,6 +90,17 @@ def sliding_mode(spec: PageSpec, cfg: ConnectorConfig, prefix_caching: bool, log
     vLLM would read stale sliding pages. So windows need vLLM's prefix cache off."""
     if not spec.hybrid:
         return spec
+    if spec.vllm_windows:  # vLLM frees each sliding page once it leaves the window: windows only
+        if cfg.sliding == "every_layer":
+            raise UsageError(
+                "kv_connector_extra_config.sliding = 'every_layer': every layer of this model slides and "
+                "vLLM keeps only each window's pages, so only windows can be stored; set sliding to "
+                "'window' or 'auto'"
+            )
+        if log_it:
+            log.info("kvstore: every layer slides (window %d): stored as window pieces every %d blocks",
+                     spec.window, cfg.checkpoint_every_blocks)
+        return spec
     mode = cfg.sliding
     if mode == "auto":
         mode = "every_layer" if prefix_caching else "window"
@@ -211,6 +222,8 @@ class _Scheduler:
             r.saved = min(r.hit, r.prompt_blocks)
             self.counters.requested_tokens += request.num_tokens
         r.local = num_computed_tokens // bt
+        if self.spec.hybrid:
+            self._plan_windows(r, self.ns_for(self._lora(request)))
         ext = min(r.hit, max_blocks) - r.local
         if ext < self.cfg.min_load_blocks or self.link.is_open:
             r.want = (r.local, r.local)
@@ -227,11 +240,17 @@ class _Scheduler:
         c = where.checkpoint if where is not None else -1
         r.hit, r.cached = c + 1, (where.full_blocks if where is not None else 0)
         self.counters.replayed_blocks += max(r.cached - r.hit, 0)
-        last = r.prompt_blocks - 1
-        ckpts = set(self.policy.new_checkpoints(c + 1, last))
-        if self.policy.at_hits and c + 1 < r.cached <= last + 1:
+
+    def _plan_windows(self, r: _Req, ns: Namespace) -> None:
+        """The window pieces this request stores: those of the checkpoints among the blocks it
+        computes (from the first block past kvstore's and vLLM's own hits), and only pieces of
+        blocks it computes (vLLM's own cached pages of a sliding layer may hold nothing)."""
+        hyb = HybridNamespaces.of(ns)
+        first, last = max(r.hit, r.local), r.prompt_blocks - 1
+        ckpts = set(self.policy.new_checkpoints(first, last))
+        if self.policy.at_hits and first < r.cached <= last + 1:
             ckpts.add(r.cached - 1)  # this request replays up to there: the next one need not
-        r.pieces = sorted({j for p in ckpts for j in hyb.checkpoint_blocks(p) if j > c})
+        r.pieces = sorted({j for p in ckpts for j in hyb.checkpoint_blocks(p) if j >= first})
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         r = self.reqs.get(request.request_id)

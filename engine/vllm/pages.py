@@ -14,6 +14,12 @@ it is the same model deployment (model, revision, rank, LoRA) with another layou
 reports the registration as a layout conflict (a warning in both logs, ``kvctl namespaces``),
 so a changed ``--block-size`` or ``--dtype`` is loud, not a silent zero hit rate. vLLM's memory
 order (``KVCacheLayout``) is not part of the key: a block holds the same bytes whatever it is.
+
+Families (``docs/vllm.md``, "Model families"): an fp8 cache's pages are 1-byte elements, its
+namespace holds the fp8 format and a digest of the layers' scales; an MLA page is ``[B, 1, N,
+latent]``, one namespace (rank 0's) for every TP rank; a page with sliding-window layers is
+stored as the parts of ``kvstore.hybrid`` (:meth:`PageSpec.part`: the full layers per block, the
+sliding layers as window pieces at checkpoints).
 """
 
 from __future__ import annotations
@@ -83,6 +89,9 @@ class PageSpec:
     """The layers (of ``layer_names``) that attend over a sliding window of ``window`` tokens:
     stored as window pieces at checkpoints (``kvstore.hybrid``; ``docs/vllm.md``, model families)."""
     window: int = 0
+    vllm_windows: bool = False
+    """vLLM itself keeps only the window's pages (a ``SlidingWindowSpec`` group: every layer
+    slides, so vLLM's single group is a sliding one even without its hybrid manager)."""
 
     def __post_init__(self) -> None:
         if self.kind not in PAGE_KINDS:
@@ -224,7 +233,7 @@ def page_spec(kv_cache_config: Any, cache_layout: str | None, vllm_config: Any =
         and getattr(spec, "state_content_bytes", None) is None
         and int(getattr(spec, "tokens_per_state", 1)) == 1
         and getattr(spec, "attention_chunk_size", None) is None
-        and (type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")
+        and (type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
              or not type(spec).__name__.endswith("Spec"))  # (a test's stand-in)
         and (quant == "NONE" or (quant == "FP8_PER_TENSOR" and kv_dtype in KV_FP8))
         and (not mla or int(spec.num_kv_heads) == 1)
@@ -241,12 +250,13 @@ def page_spec(kv_cache_config: Any, cache_layout: str | None, vllm_config: Any =
     if mla and not 0 <= rope < int(spec.head_size):
         rope = 0
     window = int(getattr(spec, "sliding_window", None) or 0)
-    sliding = sliding_layers(names, hf) if window else ()
+    vllm_windows = type(spec).__name__ == "SlidingWindowSpec"
+    sliding = names if vllm_windows else sliding_layers(names, hf) if window else ()
     if mla and sliding:
         raise UsageError(f"sliding-window MLA layers are not supported. {SUPPORTED}")
     return PageSpec(names, int(spec.block_size), int(spec.num_kv_heads), int(spec.head_size), spec.dtype,
                     cache_layout or "LBHNC", kind="mla" if mla else "full", kv_cache_dtype=kv_dtype,
-                    rope_dim=rope, sliding=sliding, window=window)
+                    rope_dim=rope, sliding=sliding, window=window, vllm_windows=vllm_windows)
 
 
 class PagedKV:

@@ -119,12 +119,12 @@ def save_tiny_mistral(path: str | Path, window: int = 64, seed: int = 0) -> Path
 def save_tiny_gemma3(path: str | Path, window: int = 64, seed: int = 0) -> Path:
     """A random-weight Gemma 3 text model: sliding and full layers alternate (the sliding ones
     over ``window`` tokens), float32."""
-    path, tag = Path(path), {"family": "gemma3", "window": window, "seed": seed}
+    path, tag = Path(path), {"family": "gemma3", "window": window, "seed": seed, "tied": False}
     if _kept(path, tag):
         return path
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    cfg = Gemma3TextConfig(**_small_args(window), pad_token_id=0,
+    cfg = Gemma3TextConfig(**_small_args(window), pad_token_id=0, tie_word_embeddings=False,
                            layer_types=["sliding_attention", "full_attention"] * (SMALL.layers // 2))
     model = Gemma3ForCausalLM(cfg)
     _randomize(model, seed, norm=0.0)  # Gemma's norms scale by 1 + weight

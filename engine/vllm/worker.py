@@ -606,7 +606,7 @@ class Worker:
                 if n < 0:
                     self.counters.saves_dropped += 1
                 else:
-                    self.counters.saved_blocks += len(chain) - start
+                    self.counters.saved_blocks += staged.num_blocks  # (windows only: none)
             except KVStoreError as e:  # a prefix evicted since the lookup, a full store
                 self.counters.save_errors += 1
                 log.info("kvstore save of %d blocks failed: %s", len(chain) - start, e)

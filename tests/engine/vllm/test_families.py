@@ -59,3 +59,57 @@ def test_fp8_kv_cache(models: dict[str, str], tmp_path: Path) -> None:
     same_outputs(hit, alone)
     (c,) = counters(tmp_path / "hit")[0]
     assert c["loaded_blocks"] == sum((len(p) - 1) // bt for p in ps) and c["failed_blocks"] == 0
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from engine.vllm.tiny import save_tiny_deepseek, save_tiny_gemma3, save_tiny_mistral
+
+    base = tmp_path_factory.mktemp("family-models")
+    return {"mistral": str(save_tiny_mistral(base / "mistral", window=64)),
+            "gemma3": str(save_tiny_gemma3(base / "gemma3", window=64)),
+            "deepseek": str(save_tiny_deepseek(base / "deepseek"))}
+
+
+def test_mla_latent_pages(family_models: dict[str, str], tmp_path: Path) -> None:
+    """A tiny DeepSeek-V2 on vLLM's CPU MLA backend (kv_lora_rank 512 + rope 64, 16-token pages:
+    the CPU build forces them, and turns vLLM's prefix cache and chunked prefill off)."""
+    bt = 16
+    ps = prompts(12, [150, 233])
+    alone, stored, hit = run_family(family_models["deepseek"], ENGINE, {"load_mode": "layerwise"}, ps, tmp_path)
+    same_outputs(stored, alone)
+    assert [_hit(o) for o in hit] == [(len(p) - 1) // bt * bt for p in ps]
+    same_outputs(hit, alone)
+
+
+# A prompt of 10 full 32-token blocks, and one that shares its first 250 tokens (7 full blocks).
+A = prompts(13, [330])[0]
+B = A[:250] + prompts(14, [150])[0]
+C = 4  # checkpoint_every_blocks: A's windows are stored at blocks 3, 7 and 9 (its end)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_sliding_window_hits_end_at_checkpoints_with_bounded_replay(family: str, family_models: dict[str, str],
+                                                                    tmp_path: Path) -> None:
+    """Mistral (every layer slides over 64 tokens) and Gemma 3 (sliding and full layers
+    alternate), vLLM's prefix cache off: the sliding layers are stored as 2-block windows at
+    checkpoints. A hit on A ends at its last checkpoint (nothing replayed); B shares 7 of A's
+    blocks but none of A's checkpoints past block 3: it loads blocks 0-3 and vLLM recomputes the
+    rest (3 cached blocks replayed, under the bound of C - 1)."""
+    bt = 32
+    conn = {"load_mode": "async", "sliding": "window", "checkpoint_every_blocks": C}
+    env = _bind()
+    model = family_models[family]
+    (alone,) = run_scenario({"model": model, "connector": None, "engine": ENGINE, "rounds": [{"prompts": [A, B]}]},
+                            tmp_path / "alone", env=env)
+    with small_daemon(tmp_path / "daemon") as d:
+        spec = {"model": model, "url": d.url, "connector": {**ROBUST, **conn}, "engine": ENGINE}
+        (stored,) = run_scenario({**spec, "rounds": [{"prompts": [A]}]}, tmp_path / "stored", env=env)
+        (hit,) = run_scenario({**spec, "rounds": [{"prompts": [A, B]}]}, tmp_path / "hit", env=env)
+    same_outputs(stored, alone[:1])
+    assert [_hit(o) for o in hit] == [10 * bt, 4 * bt]
+    # Mistral has no full layer: a hit's "cached blocks" are its checkpoint's, so nothing replays.
+    assert [o["kvstore_replayed_tokens"] for o in hit] == [0, 3 * bt if family == "gemma3" else 0]
+    same_outputs(hit, alone)
+    (c,) = counters(tmp_path / "stored")[0]
+    assert c["saved_pieces"] == 6  # the windows of checkpoints 3, 7, 9: blocks 2, 3, 6, 7, 8, 9

@@ -1,7 +1,9 @@
 """The worker side's pages of each model family against a real daemon, driven as vLLM drives it
 on CPU page tensors (no vLLM): a sliding-window page (full layers per block, sliding layers as
 window pieces at checkpoints), an all-sliding page (windows only), MLA (one copy for every
-tensor-parallel rank, saved by rank 0 only) and fp8 (1-byte pages, scales in the namespace)."""
+tensor-parallel rank, saved by rank 0 only) and fp8 (1-byte pages, scales in the namespace).
+Each on the CPU and, where there is one, on a CUDA device (the GPU load and save paths of
+``engine.transfer``; skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -33,19 +35,37 @@ ROBUST = {"lookup_timeout_s": 60.0, "load_timeout_s": 60.0, "save_timeout_s": 60
 TOKENS = np.arange(5, 5 + 8 * BT, dtype=np.int32)  # a request of 8 full blocks
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="needs a CUDA device"))]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[LocalDaemon]:
     with small_daemon(tmp_path, dram="64MiB") as d:
         yield d
 
 
-def _caches(spec: PageSpec, seed: int | None, blocks: int = 12) -> dict[str, torch.Tensor]:
+def _caches(spec: PageSpec, seed: int | None, device: str = "cpu", blocks: int = 12) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed or 0)
     shape = (blocks, spec.num_kv_heads, spec.block_size, spec.content)
     if spec.dtype == torch.uint8:
-        return {n: torch.randint(0, 256, shape, generator=g, dtype=torch.uint8) if seed is not None
-                else torch.zeros(shape, dtype=torch.uint8) for n in spec.layer_names}
-    return {n: torch.randn(shape, generator=g) if seed is not None else torch.zeros(shape) for n in spec.layer_names}
+        pages = {n: torch.randint(0, 256, shape, generator=g, dtype=torch.uint8) if seed is not None
+                 else torch.zeros(shape, dtype=torch.uint8) for n in spec.layer_names}
+    else:
+        pages = {n: torch.randn(shape, generator=g) if seed is not None else torch.zeros(shape)
+                 for n in spec.layer_names}
+    return {n: t.to(device) for n, t in pages.items()}
+
+
+def _host(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if any(t.is_cuda for t in caches.values()):
+        torch.cuda.synchronize()
+    return {n: t.cpu() for n, t in caches.items()}
 
 
 def _worker(url: str, spec: PageSpec, rank: int = 0, world: int = 1) -> Worker:
@@ -71,12 +91,13 @@ def _load(w: Worker, tokens: np.ndarray, pages: list[int]) -> set[int]:
 
 
 @pytest.mark.parametrize("spec", [HYBRID, ALL_SLIDING], ids=["half-sliding", "all-sliding"])
-def test_sliding_pages_store_full_layers_per_block_and_windows_at_checkpoints(daemon: LocalDaemon,
+def test_sliding_pages_store_full_layers_per_block_and_windows_at_checkpoints(daemon: LocalDaemon, device: str,
                                                                               spec: PageSpec) -> None:
-    src = _caches(spec, seed=1)
+    src_dev = _caches(spec, seed=1, device=device)
+    src = _host(src_dev)
     pages = [3, 1, 4, 9, 2, 6, 5, 8]
     saver = _worker(daemon.url, spec)
-    saver.register_kv_caches(src)
+    saver.register_kv_caches(src_dev)
     policy = CheckpointPolicy(every_blocks=4)
     hyb = saver.hyb_for("")
     assert hyb.window_blocks == 2  # window 48 over 32-token blocks: the 47 tokens before a boundary
@@ -95,11 +116,12 @@ def test_sliding_pages_store_full_layers_per_block_and_windows_at_checkpoints(da
         if hyb.full is not None:
             assert where.full_blocks == 6 and hyb.full.block_bytes == spec.block_bytes // 2
     # Loaded by a fresh worker into other pages, up to checkpoint 3 (blocks 0..3).
-    dst = _caches(spec, seed=None)
+    dst_dev = _caches(spec, seed=None, device=device)
     loader = _worker(daemon.url, spec)
-    loader.register_kv_caches(dst)
+    loader.register_kv_caches(dst_dev)
     into = [7, 0, 10, 11]
     assert _load(loader, TOKENS[: 4 * BT], into) == set()
+    dst = _host(dst_dev)
     for name in spec.layer_names:
         if name in spec.sliding:  # the checkpoint's window only: blocks 2 and 3
             assert torch.equal(dst[name][[10, 11]], src[name][[4, 9]])
@@ -116,25 +138,27 @@ def test_sliding_pages_store_full_layers_per_block_and_windows_at_checkpoints(da
     loader.close()
 
 
-def test_mla_latent_pages_are_stored_once_for_every_rank(daemon: LocalDaemon) -> None:
+def test_mla_latent_pages_are_stored_once_for_every_rank(daemon: LocalDaemon, device: str) -> None:
     """Rank 1 of 2 stores nothing (its latent cache is rank 0's); both ranks load rank 0's."""
-    src = _caches(MLA, seed=2)
+    src_dev = _caches(MLA, seed=2, device=device)
+    src = _host(src_dev)
     tokens = TOKENS[: 4 * 16]
     r0, r1 = _worker(daemon.url, MLA, 0, 2), _worker(daemon.url, MLA, 1, 2)
     assert r0.ns_for("") == r1.ns_for("") and r0.ns_for("").rank == 0
     group = r0.ns_for("").layout.groups[0]
     assert (group.kind, group.latent_dim, group.rope_dim) == ("mla", 512, 64)
     for w in (r0, r1):
-        w.register_kv_caches(src)
+        w.register_kv_caches(src_dev)
     _save(r1, tokens, [1, 2, 3, 4])
     assert r1.counters.saves_submitted == 0
     _save(r0, tokens, [1, 2, 3, 4])
     assert r0.counters.saved_blocks == 4
     for rank in (0, 1):
-        dst = _caches(MLA, seed=None)
+        dst_dev = _caches(MLA, seed=None, device=device)
         w = _worker(daemon.url, MLA, rank, 2)
-        w.register_kv_caches(dst)
+        w.register_kv_caches(dst_dev)
         assert _load(w, tokens, [5, 6, 7, 8]) == set()
+        dst = _host(dst_dev)
         for name in MLA.layer_names:
             assert torch.equal(dst[name][[5, 6, 7, 8]], src[name][[1, 2, 3, 4]])
         w.close()
@@ -142,8 +166,10 @@ def test_mla_latent_pages_are_stored_once_for_every_rank(daemon: LocalDaemon) ->
     r1.close()
 
 
-def test_fp8_pages_round_trip_as_bytes_and_scales_are_part_of_the_namespace(daemon: LocalDaemon) -> None:
-    src = _caches(FP8, seed=3)
+def test_fp8_pages_round_trip_as_bytes_and_scales_are_part_of_the_namespace(daemon: LocalDaemon,
+                                                                             device: str) -> None:
+    src_dev = _caches(FP8, seed=3, device=device)
+    src = _host(src_dev)
     w = _worker(daemon.url, FP8)
     ns = w.ns_for("")
     assert ns.layout.dtype == "float8_e4m3fn" and ns.block_bytes == 4 * 2 * BT * 128
@@ -154,12 +180,13 @@ def test_fp8_pages_round_trip_as_bytes_and_scales_are_part_of_the_namespace(daem
     other = Worker(rescaled, ConnectorConfig(url=daemon.url, **ROBUST), FP8, tp=(0, 1))  # type: ignore[arg-type]
     assert other.spec.scales != w.spec.scales and other.ns_for("").root != ns.root  # never a wrong hit
     other.close()
-    w.register_kv_caches(src)
+    w.register_kv_caches(src_dev)
     _save(w, TOKENS[: 3 * BT], [1, 2, 3])
-    dst = _caches(FP8, seed=None)
+    dst_dev = _caches(FP8, seed=None, device=device)
     r = _worker(daemon.url, FP8)
-    r.register_kv_caches(dst)
+    r.register_kv_caches(dst_dev)
     assert _load(r, TOKENS[: 3 * BT], [4, 5, 6]) == set()
+    dst = _host(dst_dev)
     for name in NAMES:
         assert torch.equal(dst[name][[4, 5, 6]], src[name][[1, 2, 3]])
     w.close()
