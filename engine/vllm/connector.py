@@ -151,7 +151,9 @@ class _Scheduler:
         self.model_id, self.revision = model_identity(vllm_config, cfg)
         self._ns: dict[str, Namespace] = {}
         ns0 = self.ns_for("")
-        self._registered = stored_namespaces(ns0)  # what the link registers on every (re)connection
+        # What the link registers on every (re)connection: for an fp8 cache, once rank 0's scales
+        # have come (``set_scales``).
+        self._registered = [] if spec.quantized and not spec.scales else stored_namespaces(ns0)
         log.info(
             "kvstore: namespace %s for %s (%s, rank 0 of %d); blocks stored under any other page "
             "layout, TP degree or revision are not seen by this engine",

@@ -73,13 +73,23 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def test_mla_latent_pages(family_models: dict[str, str], tmp_path: Path) -> None:
     """A tiny DeepSeek-V2 on vLLM's CPU MLA backend (kv_lora_rank 512 + rope 64, 16-token pages:
-    the CPU build forces them, and turns vLLM's prefix cache and chunked prefill off)."""
+    the CPU build forces them, and turns vLLM's prefix cache and chunked prefill off): a fresh
+    process loads every stored block but the last of each prompt, without a failure.
+
+    Its answers are not compared with vLLM alone's: vLLM 0.32's CPU MLA backend is not invariant
+    to the batch (vLLM alone answers the same prompt differently alone and beside another one:
+    first-token logprobs 0.1-0.5 apart, ``docs/vllm.md``), and a hit changes the batch's shape. The
+    latent pages' bytes are checked against vLLM's own MLA page views
+    (``test_pages_vllm.py``) and through a real daemon (``test_worker_families.py``)."""
     bt = 16
     ps = prompts(12, [150, 233])
     alone, stored, hit = run_family(family_models["deepseek"], ENGINE, {"load_mode": "layerwise"}, ps, tmp_path)
-    same_outputs(stored, alone)
+    same_outputs(stored, alone)  # nothing loaded: the connector changed nothing
     assert [_hit(o) for o in hit] == [(len(p) - 1) // bt * bt for p in ps]
-    same_outputs(hit, alone)
+    (s,) = counters(tmp_path / "stored")[0]
+    assert s["saved_blocks"] == sum(len(p) // bt for p in ps)
+    (c,) = counters(tmp_path / "hit")[0]
+    assert c["loaded_blocks"] == sum((len(p) - 1) // bt for p in ps) and c["failed_blocks"] == 0
 
 
 # A prompt of 10 full 32-token blocks, and one that shares its first 250 tokens (7 full blocks).
