@@ -68,8 +68,9 @@ def _host(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.cpu() for n, t in caches.items()}
 
 
-def _worker(url: str, spec: PageSpec, rank: int = 0, world: int = 1) -> Worker:
-    return Worker(VLLM_CONFIG, ConnectorConfig(url=url, **ROBUST), spec, tp=(rank, world))  # type: ignore[arg-type]
+def _worker(url: str, spec: PageSpec, rank: int = 0, world: int = 1, plane: str = "auto") -> Worker:
+    cfg = ConnectorConfig(url=url, plane=plane, **ROBUST)  # type: ignore[arg-type]
+    return Worker(VLLM_CONFIG, cfg, spec, tp=(rank, world))
 
 
 def _step(w: Worker, plan: StepPlan) -> None:
@@ -90,9 +91,12 @@ def _load(w: Worker, tokens: np.ndarray, pages: list[int]) -> set[int]:
     return w.take_errors()
 
 
+@pytest.mark.parametrize("plane", ["shm", "tcp"])
 @pytest.mark.parametrize("spec", [HYBRID, ALL_SLIDING], ids=["half-sliding", "all-sliding"])
 def test_sliding_pages_store_full_layers_per_block_and_windows_at_checkpoints(daemon: LocalDaemon, device: str,
-                                                                              spec: PageSpec) -> None:
+                                                                              spec: PageSpec, plane: str) -> None:
+    """Saved and loaded over the daemon's shared memory (leases on its arena) or TCP (the full
+    part and the window read into one host buffer, back to back)."""
     src_dev = _caches(spec, seed=1, device=device)
     src = _host(src_dev)
     pages = [3, 1, 4, 9, 2, 6, 5, 8]
@@ -117,7 +121,7 @@ def test_sliding_pages_store_full_layers_per_block_and_windows_at_checkpoints(da
             assert where.full_blocks == 6 and hyb.full.block_bytes == spec.block_bytes // 2
     # Loaded by a fresh worker into other pages, up to checkpoint 3 (blocks 0..3).
     dst_dev = _caches(spec, seed=None, device=device)
-    loader = _worker(daemon.url, spec)
+    loader = _worker(daemon.url, spec, plane=plane)
     loader.register_kv_caches(dst_dev)
     into = [7, 0, 10, 11]
     assert _load(loader, TOKENS[: 4 * BT], into) == set()
