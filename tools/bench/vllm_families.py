@@ -7,7 +7,8 @@ tokens, each asked ``QUESTIONS`` questions of ``QUESTION`` tokens, one request a
 engine is its own process: vLLM alone (prefix cache off, as the kvstore engines of the sliding
 families need it; its TTFT is a full prefill), and with kvstore (a first process reads every
 document with its first question, which stores it; a fresh process then asks the other questions:
-its hits come from the daemon). Reported: the hit tokens, the bytes the daemon holds per cached
+its hits come from the daemon; its saves are awaited after each question, so the next one
+finds the windows this one stored where its replay ended). Reported: the hit tokens, the bytes the daemon holds per cached
 token against storing every layer of every block (the daemon's own count of this tenant's bytes),
 the tokens replayed per hit (sliding families: cached tokens past the checkpoint the hit ended
 on, which vLLM recomputed) and the TTFT of each engine (vLLM's ``first_token_latency``), one
@@ -85,7 +86,8 @@ def child(spec_path: str) -> None:
                                                                   lookup_timeout_s=60, max_pending_saves=256)
     llm = make_llm(spec["model"], kv_transfer_config=transfer, prefix_caching=False, max_model_len=2048,
                    dtype="float32", disable_log_stats=False, **spec["engine"])
-    generate(llm, [[5 + i % 1000 for i in range(64)]], max_tokens=1)  # warm-up (kernels, first calls)
+    # Warm-up (kernels, first calls): shorter than a block, so nothing of it is stored.
+    generate(llm, [list(range(5, 20))], max_tokens=1)
     out: dict[str, Any] = {"ttft_ms": [], "hit": [], "replayed": [], "block_bytes": 0}
     if spec["phase"] == "store":
         generate(llm, spec["workload"]["store"], max_tokens=1)
@@ -96,6 +98,8 @@ def child(spec_path: str) -> None:
             out["ttft_ms"].append(ttft * 1e3)
             out["hit"].append(c.kvstore_hit_tokens)
             out["replayed"].append(c.kvstore_replayed_tokens)
+            if transfer is not None:  # the next question finds this one's windows (at_hits)
+                flush_saves(llm)
     if transfer is not None:
         ns = worker_namespaces(llm)[0]
         out["block_bytes"] = ns.block_bytes  # every layer of one block (the model's namespace)
