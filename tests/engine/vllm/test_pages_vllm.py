@@ -124,3 +124,25 @@ def test_what_the_connector_does_not_store_is_refused_with_what_it_does() -> Non
         page_spec(_config(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32,
                                             sliding_window=64)), "LBHNC",
                   _vllm(layer_types=["sliding_attention", "linear_attention"] * 2))
+
+
+def test_the_sliding_mode_follows_vllms_prefix_cache() -> None:
+    """Mixed full and sliding layers: windows only with vLLM's prefix cache off (its cache would
+    keep pages whose sliding layers hold only a checkpoint's window); every layer slides: windows
+    always (vLLM's own sliding group keeps only windows)."""
+    from engine.vllm.config import ConnectorConfig
+    from engine.vllm.connector import sliding_mode
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64)
+    mixed = page_spec(_config(spec), "LBHNC", _vllm(layer_types=["sliding_attention", "full_attention"] * 2))
+    auto, window, every = (ConnectorConfig(sliding=m) for m in ("auto", "window", "every_layer"))
+    assert sliding_mode(mixed, auto, prefix_caching=False) == mixed
+    assert not sliding_mode(mixed, auto, prefix_caching=True).hybrid  # every layer, as dense
+    assert not sliding_mode(mixed, every, prefix_caching=False).hybrid
+    with pytest.raises(UsageError, match="--no-enable-prefix-caching"):
+        sliding_mode(mixed, window, prefix_caching=True)
+    sw = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64)
+    all_sliding = page_spec(_config(sw), "LBHNC", _vllm())
+    assert sliding_mode(all_sliding, auto, prefix_caching=True) == all_sliding
+    with pytest.raises(UsageError, match="only windows can be stored"):
+        sliding_mode(all_sliding, every, prefix_caching=False)
