@@ -11,6 +11,7 @@ from kvstore.client.client import PLANES
 from kvstore.errors import ConfigError
 
 LOAD_MODES = ("async", "layerwise")
+SLIDING_MODES = ("auto", "window", "every_layer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,19 @@ class ConnectorConfig:
     """On a GPU with the daemon on this node: saves by PUT_DEVICE (the daemon copies the pages
     from the GPU into its arena: no host copy), where the daemon offers it; False: through the
     connection's staging segment."""
+    sliding: str = "auto"
+    """Sliding-window layers (Mistral, Gemma 2/3, gpt-oss): ``window``: stored only as window
+    pieces at checkpoints (``kvstore.hybrid``: a hit ends at a checkpoint, vLLM recomputes at
+    most ``checkpoint_every_blocks - 1`` blocks past it; needs vLLM's prefix cache off);
+    ``every_layer``: every layer of every block, as for a dense model; ``auto``: ``window`` when
+    vLLM's prefix cache is off, else ``every_layer``."""
+    checkpoint_every_blocks: int = 16
+    """``window``: a checkpoint every this many blocks of a prompt (C: the replay bound)."""
+    checkpoint_at_end: bool = True
+    """``window``: a checkpoint at each stored prompt's last full block."""
+    checkpoint_at_hits: bool = True
+    """``window``: a checkpoint where a hit's cached blocks ended past its checkpoint (the next
+    hit that ends there replays nothing)."""
     load_failure_policy: str = "recompute"
     """What vLLM does with a block that failed to load: ``recompute`` (kvstore sets vLLM's
     ``kv_load_failure_policy`` to it) or ``fail`` (keep vLLM's own setting)."""
@@ -82,9 +96,13 @@ class ConnectorConfig:
             raise ConfigError(f"kv_connector_extra_config.ttl_s must be >= 0 seconds, got {self.ttl_s!r}")
         if self.max_backoff_s < self.backoff_s:
             raise ConfigError("kv_connector_extra_config.max_backoff_s must be >= backoff_s")
+        if self.sliding not in SLIDING_MODES:
+            raise ConfigError(
+                f"kv_connector_extra_config.sliding must be one of {', '.join(SLIDING_MODES)}, got {self.sliding!r}"
+            )
         if self.stage_bytes < self.piece_bytes:
             raise ConfigError("kv_connector_extra_config.stage_bytes must be >= piece_bytes")
-        for name in ("min_load_blocks", "max_pending_saves", "layer_group", "piece_bytes"):
+        for name in ("min_load_blocks", "max_pending_saves", "layer_group", "piece_bytes", "checkpoint_every_blocks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be >= 1, got {getattr(self, name)!r}")
 

@@ -21,13 +21,14 @@ load failed are dropped, so KV computed over a failed load never reaches the sto
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -41,10 +42,14 @@ from engine.vllm.worker import (
     SaveSpec,
     StepPlan,
     Worker,
+    chain_namespace,
     make_link,
     model_identity,
+    stored_namespaces,
 )
 from kvstore.errors import UsageError
+from kvstore.hybrid import CheckpointPolicy, HybridNamespaces
+from kvstore.hybrid import lookup as hybrid_lookup
 from kvstore.keys import BlockHash, Namespace, hash_blocks
 
 if TYPE_CHECKING:
@@ -67,6 +72,54 @@ class KVStoreMetadata(StepPlan, KVConnectorMetadata):
     """The step's plan (:class:`engine.vllm.worker.StepPlan`) as vLLM's connector metadata."""
 
 
+@dataclass
+class KVStoreHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler once, after the KV caches are registered: what the namespace needs
+    that only the model knows (the digest of an fp8 cache's K/V scales)."""
+
+    scales: str
+
+
+def sliding_mode(spec: PageSpec, cfg: ConnectorConfig, prefix_caching: bool, log_it: bool = False) -> PageSpec:
+    """``spec`` as this engine stores it: with its sliding layers stored as window pieces at
+    checkpoints (``sliding = window``), or as a dense page of every layer (``every_layer``).
+
+    vLLM runs without its hybrid KV cache manager when kvstore's connector is set: every layer
+    has a page for every block, and vLLM's prefix cache would keep the pages of a window load
+    whose sliding layers hold only the checkpoint's window; a later request served from there by
+    vLLM would read stale sliding pages. So windows need vLLM's prefix cache off."""
+    if not spec.hybrid:
+        return spec
+    if spec.vllm_windows:  # vLLM frees each sliding page once it leaves the window: windows only
+        if cfg.sliding == "every_layer":
+            raise UsageError(
+                "kv_connector_extra_config.sliding = 'every_layer': every layer of this model slides and "
+                "vLLM keeps only each window's pages, so only windows can be stored; set sliding to "
+                "'window' or 'auto'"
+            )
+        if log_it:
+            log.info("kvstore: every layer slides (window %d): stored as window pieces every %d blocks",
+                     spec.window, cfg.checkpoint_every_blocks)
+        return spec
+    mode = cfg.sliding
+    if mode == "auto":
+        mode = "every_layer" if prefix_caching else "window"
+    if mode == "window" and prefix_caching:
+        raise UsageError(
+            "kv_connector_extra_config.sliding = 'window' stores a sliding-window model's windows at "
+            "checkpoints only, which vLLM's own prefix cache cannot hold apart: start vLLM with "
+            "--no-enable-prefix-caching, or set sliding to 'every_layer' (or 'auto')"
+        )
+    if log_it:
+        log.info(
+            "kvstore: %d of %d layers slide (window %d): %s", len(spec.sliding), spec.num_layers, spec.window,
+            f"stored as window pieces every {cfg.checkpoint_every_blocks} blocks (the replay bound)"
+            if mode == "window" else "every layer of every block is stored (vLLM's prefix cache is on; "
+            "--no-enable-prefix-caching stores only the windows at checkpoints)",
+        )
+    return spec if mode == "window" else replace(spec, sliding=(), window=0)
+
+
 # ---- scheduler side ----------------------------------------------------------------------------
 
 
@@ -84,6 +137,8 @@ class _Req:
     sent_blocks: int = 0
     async_pending: bool = False
     loaded_tokens: int = 0
+    cached: int = 0  # leading blocks whose full part kvstore holds (a hybrid page; else = hit)
+    pieces: list[int] = field(default_factory=list)  # blocks whose window piece this request stores
 
 
 class _Scheduler:
@@ -96,21 +151,39 @@ class _Scheduler:
         self.model_id, self.revision = model_identity(vllm_config, cfg)
         self._ns: dict[str, Namespace] = {}
         ns0 = self.ns_for("")
+        # What the link registers on every (re)connection: for an fp8 cache, once rank 0's scales
+        # have come (``set_scales``).
+        self._registered = [] if spec.quantized and not spec.scales else stored_namespaces(ns0)
         log.info(
             "kvstore: namespace %s for %s (%s, rank 0 of %d); blocks stored under any other page "
             "layout, TP degree or revision are not seen by this engine",
             bytes(ns0.root).hex()[:16], self.model_id, spec.describe(), self.world,
         )
-        self.link = make_link(cfg, "kvstore-scheduler", cfg.lookup_timeout_s, [ns0], report_conflicts=True)
+        self.link = make_link(cfg, "kvstore-scheduler", cfg.lookup_timeout_s, self._registered, report_conflicts=True)
         self.reqs: dict[str, _Req] = {}
         self.pending_loads: list[LoadSpec] = []
         self.counters = ConnectorCounters()
+        self.policy = CheckpointPolicy(cfg.checkpoint_every_blocks, cfg.checkpoint_at_end, cfg.checkpoint_at_hits)
 
     def ns_for(self, lora: str) -> Namespace:
         ns = self._ns.get(lora)
         if ns is None:
             ns = self._ns[lora] = self.spec.namespace(self.model_id, self.revision, 0, self.world, lora)
         return ns
+
+    def set_scales(self, scales: str) -> None:
+        """Rank 0's fp8 scales (its worker reads them from the model; they reach the scheduler
+        through vLLM's connector handshake, before any request): lookups use its namespace."""
+        if not self.spec.quantized or scales == self.spec.scales:
+            return
+        self.spec = replace(self.spec, scales=scales)
+        self._ns.clear()
+        ns0 = self.ns_for("")
+        self._registered[:] = stored_namespaces(ns0)
+        for ns in self._registered:
+            self.link.call(lambda c, ns=ns: c.register_namespace(ns, self.cfg.ttl_s or None), None)
+        log.info("kvstore: fp8 KV scales %s from rank 0: namespace %s (%s)", scales,
+                 bytes(ns0.root).hex()[:16], self.spec.describe())
 
     @staticmethod
     def _cacheable(request: Request) -> bool:
@@ -130,24 +203,56 @@ class _Scheduler:
             tokens = np.asarray(request.all_token_ids, dtype=np.int32)
             salt = (request.cache_salt or "").encode()
             n_hash = max((request.num_tokens - 1) // bt, request.num_prompt_tokens // bt)
-            hashes = hash_blocks(self.ns_for(self._lora(request)), tokens[: n_hash * bt], salt or None)
+            hashes = hash_blocks(chain_namespace(self.ns_for(self._lora(request))), tokens[: n_hash * bt],
+                                 salt or None)
             r = _Req(request, hashes, request.num_prompt_tokens // bt)
             self.reqs[request.request_id] = r
         max_blocks = (request.num_tokens - 1) // bt  # the last token is always computed
+        if self.spec.quantized and not self.spec.scales:
+            # No handshake from rank 0 (yet): its namespace is not known, so no hit is possible.
+            if not self.counters.lookups:
+                log.warning("kvstore: no fp8 scales from the workers; no lookups until they come")
+            return 0, False
         if r.hit < 0:
             self.counters.lookups += 1
             ns = self.ns_for(self._lora(request))
             want = r.hashes[:max_blocks]
-            r.hit = self.link.call(lambda c: c.lookup(ns, want).num_blocks, 0) if want else 0
+            if self.spec.hybrid:
+                self._hybrid_lookup(r, ns, want)
+            else:
+                r.hit = r.cached = self.link.call(lambda c: c.lookup(ns, want).num_blocks, 0) if want else 0
             r.saved = min(r.hit, r.prompt_blocks)
             self.counters.requested_tokens += request.num_tokens
         r.local = num_computed_tokens // bt
+        if self.spec.hybrid:
+            self._plan_windows(r, self.ns_for(self._lora(request)))
         ext = min(r.hit, max_blocks) - r.local
         if ext < self.cfg.min_load_blocks or self.link.is_open:
             r.want = (r.local, r.local)
             return 0, False
         r.want = (r.local, r.local + ext)
         return ext * bt, self.cfg.load_mode == "async"
+
+    def _hybrid_lookup(self, r: _Req, ns: Namespace, want: list[BlockHash]) -> None:
+        """The hit of a page with sliding layers: the nearest checkpoint at or before the end of
+        the cached full part (``kvstore.hybrid.lookup``); the blocks after it are recomputed
+        (replayed), and the windows this request stores are planned."""
+        hyb = HybridNamespaces.of(ns)
+        where = self.link.call(lambda c: hybrid_lookup(c, hyb, want, self.policy), None) if want else None
+        c = where.checkpoint if where is not None else -1
+        r.hit, r.cached = c + 1, (where.full_blocks if where is not None else 0)
+        self.counters.replayed_blocks += max(r.cached - r.hit, 0)
+
+    def _plan_windows(self, r: _Req, ns: Namespace) -> None:
+        """The window pieces this request stores: those of the checkpoints among the blocks it
+        computes (from the first block past kvstore's and vLLM's own hits), and only pieces of
+        blocks it computes (vLLM's own cached pages of a sliding layer may hold nothing)."""
+        hyb = HybridNamespaces.of(ns)
+        first, last = max(r.hit, r.local), r.prompt_blocks - 1
+        ckpts = set(self.policy.new_checkpoints(first, last))
+        if self.policy.at_hits and first < r.cached <= last + 1:
+            ckpts.add(r.cached - 1)  # this request replays up to there: the next one need not
+        r.pieces = sorted({j for p in ckpts for j in hyb.checkpoint_blocks(p) if j >= first})
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         r = self.reqs.get(request.request_id)
@@ -184,7 +289,8 @@ class _Scheduler:
         full = min(computed // self.bt, r.prompt_blocks, len(r.block_ids))
         if full > r.saved:
             self._info(meta, req_id, r, full)
-            meta.saves.append(SaveSpec(req_id, r.saved, r.block_ids[r.saved : full]))
+            pieces = [j for j in r.pieces if r.saved <= j < full]
+            meta.saves.append(SaveSpec(req_id, r.saved, r.block_ids[r.saved : full], pieces))
             r.saved = full
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVStoreMetadata:
@@ -233,7 +339,10 @@ class _Scheduler:
             return False, None
         # An async load still writing into this request's pages: vLLM frees them once the
         # worker reports the load finished.
-        return r.async_pending, {"kvstore_hit_tokens": r.loaded_tokens}
+        params = {"kvstore_hit_tokens": r.loaded_tokens}
+        if self.spec.hybrid:  # blocks kvstore held past the checkpoint the hit ended on
+            params["kvstore_replayed_tokens"] = max(r.cached - r.hit, 0) * self.bt if r.loaded_tokens else 0
+        return r.async_pending, params
 
     def close(self) -> None:
         log.info("kvstore scheduler: %s", self.counters)
@@ -253,7 +362,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         pc = vllm_config.parallel_config
         if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
             raise UsageError("kvstore's vLLM connector does not support pipeline parallelism yet (use TP)")
-        self.spec = page_spec(kv_cache_config, getattr(kv_cache_config, "kv_cache_layout", None))
+        spec = page_spec(kv_cache_config, getattr(kv_cache_config, "kv_cache_layout", None), vllm_config)
+        self.spec = sliding_mode(spec, self.cfg, bool(vllm_config.cache_config.enable_prefix_caching),
+                                 log_it=role == KVConnectorRole.SCHEDULER)
         self._scheduler: _Scheduler | None = None
         self._worker: Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -265,6 +376,18 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._scheduler = _Scheduler(vllm_config, self.cfg, self.spec)
         else:
             self._worker = Worker(vllm_config, self.cfg, self.spec)
+
+    # -- the handshake: rank 0's worker tells the scheduler what only the model knows --
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._worker is None or not self.spec.quantized:
+            return None
+        return KVStoreHandshake(self._worker.spec.scales)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        meta = metadata.get(0)
+        if self._scheduler is not None and isinstance(meta, KVStoreHandshake):
+            self._scheduler.set_scales(meta.scales)
 
     @property
     def requires_kv_delivery(self) -> bool:

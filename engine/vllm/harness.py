@@ -154,6 +154,9 @@ class Completion:
     cached_tokens: int
     """Prompt tokens vLLM did not compute (its own prefix hit plus kvstore's)."""
     kvstore_hit_tokens: int
+    kvstore_replayed_tokens: int = 0
+    """A model with sliding layers: tokens kvstore held past the checkpoint its hit ended on (vLLM
+    recomputed them)."""
 
 
 def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[Completion]:
@@ -173,7 +176,8 @@ def _completion(o: Any) -> Completion:
     c = o.outputs[0]
     lps = tuple(float(step[t].logprob) for step, t in zip(c.logprobs or (), c.token_ids, strict=False))
     params = o.kv_transfer_params or {}
-    return Completion(tuple(c.token_ids), lps, int(o.num_cached_tokens or 0), int(params.get("kvstore_hit_tokens", 0)))
+    return Completion(tuple(c.token_ids), lps, int(o.num_cached_tokens or 0), int(params.get("kvstore_hit_tokens", 0)),
+                      int(params.get("kvstore_replayed_tokens", 0)))
 
 
 def generate_timed(llm: Any, prompt: Sequence[int], max_tokens: int) -> tuple[Completion, float]:

@@ -14,16 +14,24 @@ it is the same model deployment (model, revision, rank, LoRA) with another layou
 reports the registration as a layout conflict (a warning in both logs, ``kvctl namespaces``),
 so a changed ``--block-size`` or ``--dtype`` is loud, not a silent zero hit rate. vLLM's memory
 order (``KVCacheLayout``) is not part of the key: a block holds the same bytes whatever it is.
+
+Families (``docs/vllm.md``, "Model families"): an fp8 cache's pages are 1-byte elements, its
+namespace holds the fp8 format and a digest of the layers' scales; an MLA page is ``[B, 1, N,
+latent]``, one namespace (rank 0's) for every TP rank; a page with sliding-window layers is
+stored as the parts of ``kvstore.hybrid`` (:meth:`PageSpec.part`: the full layers per block, the
+sliding layers as window pieces at checkpoints).
 """
 
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import xxhash
 
 from engine.gpu import arena_layer_rows
 from kvstore.errors import UsageError
@@ -41,6 +49,20 @@ def _natural_key(name: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
+KV_FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+"""vLLM's ``--kv-cache-dtype`` values kvstore stores (vLLM: ``fp8`` = ``fp8_e4m3``) and the
+namespace's element type for each: the pages are 1-byte elements (``torch.uint8`` views in vLLM)."""
+
+PAGE_KINDS = ("full", "mla")
+
+SUPPORTED = (
+    "kvstore's vLLM connector supports one KV cache group of attention layers with dense K/V "
+    "(bf16, fp16, fp32, or --kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2 with per-tensor scales), "
+    "MLA latent pages (DeepSeek-V2/V3) and sliding-window layers in that group (vLLM runs without "
+    "its hybrid KV cache manager when kvstore's connector is set)"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class PageSpec:
     """What one vLLM page holds, per rank."""
@@ -50,8 +72,32 @@ class PageSpec:
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
+    """The element type of vLLM's page views (``torch.uint8`` for an fp8 KV cache)."""
     layout: str
     """vLLM's resolved KV cache layout name (``LBHNC``...)."""
+    kind: str = "full"
+    """``full``: K then V of ``num_kv_heads`` heads per token; ``mla``: one latent vector of
+    ``head_size`` (``kv_lora_rank + qk_rope_head_dim``) per token, the same on every TP rank."""
+    kv_cache_dtype: str = "auto"
+    """vLLM's ``--kv-cache-dtype`` (``auto``, ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``)."""
+    scales: str = ""
+    """A digest of every layer's K/V quantisation scales (fp8 caches; :func:`scales_digest`):
+    part of the namespace, so blocks quantised with other scales are other blocks."""
+    rope_dim: int = 0
+    """``mla``: the rope part of ``head_size`` (recorded in the namespace's layer group)."""
+    sliding: tuple[str, ...] = ()
+    """The layers (of ``layer_names``) that attend over a sliding window of ``window`` tokens:
+    stored as window pieces at checkpoints (``kvstore.hybrid``; ``docs/vllm.md``, model families)."""
+    window: int = 0
+    vllm_windows: bool = False
+    """vLLM itself keeps only the window's pages (a ``SlidingWindowSpec`` group: every layer
+    slides, so vLLM's single group is a sliding one even without its hybrid manager)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in PAGE_KINDS:
+            raise UsageError(f"page kind {self.kind!r} is not one of {', '.join(PAGE_KINDS)}")
+        if set(self.sliding) - set(self.layer_names) or (self.sliding and self.window <= 0):
+            raise UsageError(f"sliding layers {self.sliding} need a window > 0 and must be among {self.layer_names}")
 
     @property
     def num_layers(self) -> int:
@@ -59,8 +105,8 @@ class PageSpec:
 
     @property
     def content(self) -> int:
-        """C: elements per token and head (K then V)."""
-        return 2 * self.head_size
+        """C: elements per token and head (K then V; MLA: the latent vector)."""
+        return self.head_size if self.kind == "mla" else 2 * self.head_size
 
     @property
     def page_bytes(self) -> int:
@@ -71,12 +117,40 @@ class PageSpec:
     def block_bytes(self) -> int:
         return self.num_layers * self.page_bytes
 
+    @property
+    def quantized(self) -> bool:
+        return self.kv_cache_dtype in KV_FP8
+
+    @property
+    def hybrid(self) -> bool:
+        """Some layers slide: a block is stored as a full part and window pieces."""
+        return bool(self.sliding)
+
+    @property
+    def shared_by_ranks(self) -> bool:
+        """MLA: every tensor-parallel rank holds the same latent cache, stored once."""
+        return self.kind == "mla"
+
+    def part(self, sliding: bool) -> PageSpec:
+        """The spec of the full-attention layers (``sliding=False``) or of the sliding ones."""
+        names = tuple(n for n in self.layer_names if (n in self.sliding) == sliding)
+        return replace(self, layer_names=names, sliding=names if sliding else (), window=self.window if sliding else 0)
+
+    def _dtype_name(self) -> str:
+        return KV_FP8.get(self.kv_cache_dtype) or str(self.dtype).removeprefix("torch.")
+
     def namespace(self, model_id: str, revision: str, rank: int, world_size: int, lora_id: str = "") -> Namespace:
-        layout = KVLayout(
-            str(self.dtype).removeprefix("torch."),
-            self.block_size,
-            (LayerGroup("full", self.num_layers, self.num_kv_heads, self.head_size),),
-        )
+        """The namespace of this page (for a hybrid page the model's, whose parts are
+        ``kvstore.hybrid.HybridNamespaces.of`` it). MLA: the caller passes rank 0 on every rank."""
+        full = len(self.layer_names) - len(self.sliding)
+        groups: list[LayerGroup] = []
+        if self.kind == "mla":
+            groups.append(LayerGroup("mla", full, latent_dim=self.head_size - self.rope_dim, rope_dim=self.rope_dim))
+        elif full:
+            groups.append(LayerGroup("full", full, self.num_kv_heads, self.head_size))
+        if self.sliding:
+            groups.append(LayerGroup("sliding", len(self.sliding), self.num_kv_heads, self.head_size, window=self.window))
+        layout = KVLayout(self._dtype_name(), self.block_size, tuple(groups))
         ns = Namespace(model_id, layout, model_revision=f"{revision}+{self.tag()}", rank=rank,
                        world_size=world_size, lora_id=lora_id)
         if ns.block_bytes != self.block_bytes:  # a bug: the two descriptions disagree
@@ -85,46 +159,104 @@ class PageSpec:
 
     def tag(self) -> str:
         """The block format in the revision string: a new format is a new deployment; a new
-        block size, dtype or head count is a layout conflict within this one (reported)."""
-        return PAGE_FORMAT
+        block size, dtype or head count is a layout conflict within this one (reported). An fp8
+        cache adds its scales' digest: blocks quantised with other scales are other blocks."""
+        return f"{PAGE_FORMAT}+kvscales-{self.scales or 'unknown'}" if self.quantized else PAGE_FORMAT
 
     def describe(self) -> str:
+        extra = f" kv_cache_dtype={self.kv_cache_dtype} scales={self.scales}" if self.quantized else ""
+        if self.kind == "mla":
+            extra += f" mla(latent={self.head_size - self.rope_dim} rope={self.rope_dim}, one copy for every TP rank)"
+        if self.sliding:
+            extra += f" sliding_layers={len(self.sliding)} window={self.window}"
         return (
-            f"block_size={self.block_size} dtype={str(self.dtype).removeprefix('torch.')} "
+            f"block_size={self.block_size} dtype={self._dtype_name()} "
             f"layers={self.num_layers} kv_heads={self.num_kv_heads} head_size={self.head_size} "
-            f"layout={self.layout}"
+            f"layout={self.layout}{extra}"
         )
 
 
-def page_spec(kv_cache_config: Any, cache_layout: str | None) -> PageSpec:
-    """The page of a vLLM ``KVCacheConfig`` (one group of full-attention layers with dense K/V);
-    anything else is a :class:`UsageError` saying what kvstore's connector supports."""
+def scales_digest(layers: Sequence[Any]) -> str:
+    """A digest of vLLM attention layers' K and V scales (``_k_scale_float``, ``_v_scale_float``:
+    vLLM 0.32's per-tensor fp8 scales, from the checkpoint or 1.0), in layer order."""
+    vals = [float(getattr(layer, a, 1.0)) for layer in layers for a in ("_k_scale_float", "_v_scale_float")]
+    return xxhash.xxh3_64_hexdigest(struct.pack(f"<{len(vals)}d", *vals))
+
+
+def _layer_index(name: str) -> int | None:
+    m = re.search(r"\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def sliding_layers(names: Sequence[str], hf_config: Any) -> tuple[str, ...]:
+    """The layers of ``names`` that slide, per the model config's ``layer_types`` (Gemma 2/3,
+    gpt-oss, Qwen2...), else all of them (Mistral: one window on every layer)."""
+    types = getattr(hf_config, "layer_types", None) if hf_config is not None else None
+    if not types:
+        return tuple(names)
+    out = []
+    for n in names:
+        i = _layer_index(n)
+        if i is None or i >= len(types):
+            raise UsageError(f"kvstore cannot tell whether layer {n} slides (the config's layer_types: {types})")
+        if types[i] == "sliding_attention":
+            out.append(n)
+        elif types[i] != "full_attention":
+            raise UsageError(f"layer {n} is a {types[i]!r} layer. {SUPPORTED}")
+    return tuple(out)
+
+
+def page_spec(kv_cache_config: Any, cache_layout: str | None, vllm_config: Any = None) -> PageSpec:
+    """The page of a vLLM ``KVCacheConfig``: one group of attention layers with dense K/V (any
+    ``--kv-cache-dtype`` kvstore knows, :data:`KV_FP8`), MLA latent pages, or sliding-window
+    layers in that group (vLLM without its hybrid KV cache manager gives them full-size pages;
+    which layers slide comes from the model config, ``vllm_config``). Anything else is a
+    :class:`UsageError` saying what kvstore's connector supports."""
     groups = list(kv_cache_config.kv_cache_groups)
     if len(groups) != 1:
         raise UsageError(
-            f"kvstore's vLLM connector supports models with one KV cache group; this one has {len(groups)} "
-            "(a hybrid or multi-spec model)"
+            f"this model has {len(groups)} KV cache groups (vLLM's hybrid KV cache manager is on, "
+            f"or a hybrid model with another state). {SUPPORTED}"
         )
     spec = groups[0].kv_cache_spec
     missing = [a for a in ("num_kv_heads", "head_size", "dtype", "block_size") if not hasattr(spec, a)]
     if missing:
-        raise UsageError(f"kvstore's vLLM connector needs an attention KV cache; got {type(spec).__name__}")
+        raise UsageError(f"this model's KV cache is {type(spec).__name__}. {SUPPORTED}")
+    mla = "MLA" in type(spec).__name__
+    cache = vllm_config.cache_config if vllm_config is not None else None
+    kv_dtype = str(getattr(spec, "cache_dtype_str", None) or getattr(cache, "cache_dtype", None) or "auto")
+    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     dense = (
-        getattr(spec, "head_size_v", spec.head_size) == spec.head_size
+        getattr(spec, "head_size_v", spec.head_size) == (0 if mla else spec.head_size)
         and getattr(spec, "page_size_padded", None) is None
         and getattr(spec, "num_head_slots", None) is None
         and getattr(spec, "state_content_bytes", None) is None
-        and getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE") == "NONE"
-        and "MLA" not in type(spec).__name__
+        and int(getattr(spec, "tokens_per_state", 1)) == 1
+        and getattr(spec, "attention_chunk_size", None) is None
+        and (type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
+             or not type(spec).__name__.endswith("Spec"))  # (a test's stand-in)
+        and (quant == "NONE" or (quant == "FP8_PER_TENSOR" and kv_dtype in KV_FP8))
+        and (not mla or int(spec.num_kv_heads) == 1)
     )
     if not dense:
-        raise UsageError(
-            f"kvstore's vLLM connector stores dense K/V pages; this model's cache is {spec!r} "
-            "(MLA, quantised or padded pages are not supported yet)"
-        )
+        raise UsageError(f"this model's KV cache is {spec!r}. {SUPPORTED}")
+    if quant == "NONE" and kv_dtype != "auto" and kv_dtype not in ("bfloat16", "float16", "float32", "half", "float"):
+        raise UsageError(f"--kv-cache-dtype {kv_dtype} is not one kvstore stores. {SUPPORTED}")
+    if quant == "NONE":
+        kv_dtype = "auto"
     names = tuple(sorted(groups[0].layer_names, key=_natural_key))
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    rope = int(getattr(hf, "qk_rope_head_dim", 0) or 0) if mla else 0
+    if mla and not 0 <= rope < int(spec.head_size):
+        rope = 0
+    window = int(getattr(spec, "sliding_window", None) or 0)
+    vllm_windows = type(spec).__name__ == "SlidingWindowSpec"
+    sliding = names if vllm_windows else sliding_layers(names, hf) if window else ()
+    if mla and sliding:
+        raise UsageError(f"sliding-window MLA layers are not supported. {SUPPORTED}")
     return PageSpec(names, int(spec.block_size), int(spec.num_kv_heads), int(spec.head_size), spec.dtype,
-                    cache_layout or "LBHNC")
+                    cache_layout or "LBHNC", kind="mla" if mla else "full", kv_cache_dtype=kv_dtype,
+                    rope_dim=rope, sliding=sliding, window=window, vllm_windows=vllm_windows)
 
 
 class PagedKV:

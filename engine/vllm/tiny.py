@@ -1,4 +1,6 @@
-"""A tiny random-weight Llama saved locally, for vLLM tests and benchmarks (no download).
+"""Tiny random-weight models saved locally, for vLLM tests and benchmarks (no download): a Llama
+(dense GQA), a Mistral (every layer sliding), a Gemma 3 (sliding and full layers) and a
+DeepSeek-V2 (MLA).
 
 Prompts are token ids (``TokensPrompt``) and the engine runs with ``skip_tokenizer_init``, so no
 tokenizer is needed.
@@ -67,3 +69,81 @@ def save_tiny_llama(path: str | Path, shape: TinyShape = SMALL, seed: int = 0) -
     model.to(torch.bfloat16).save_pretrained(path)
     marker.write_text(json.dumps({**asdict(shape), "seed": seed}))
     return path
+
+
+def _randomize(model: object, seed: int, norm: float = 1.0) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # type: ignore[attr-defined]
+            if "norm" in name:
+                p.fill_(norm)
+            else:
+                p.normal_(0.0, 0.15)
+
+
+def _small_args(window: int) -> dict[str, object]:
+    """A transformers config's arguments for :data:`SMALL` with a sliding window."""
+    s = SMALL
+    return dict(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                num_key_value_heads=s.kv_heads, head_dim=s.head_dim, intermediate_size=s.intermediate,
+                vocab_size=s.vocab, max_position_embeddings=s.max_positions, sliding_window=window,
+                bos_token_id=1, eos_token_id=2)
+
+
+def _save(path: Path, model: object, tag: dict[str, object]) -> Path:
+    model.save_pretrained(path)  # type: ignore[attr-defined]
+    (path / "tiny_shape.json").write_text(json.dumps(tag))
+    return path
+
+
+def _kept(path: Path, tag: dict[str, object]) -> bool:
+    marker = path / "tiny_shape.json"
+    return marker.exists() and json.loads(marker.read_text()) == tag
+
+
+def save_tiny_mistral(path: str | Path, window: int = 64, seed: int = 0) -> Path:
+    """A random-weight Mistral (every layer slides over ``window`` tokens), float32."""
+    path, tag = Path(path), {"family": "mistral", "window": window, "seed": seed}
+    if _kept(path, tag):
+        return path
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(**_small_args(window), tie_word_embeddings=False)
+    model = MistralForCausalLM(cfg)
+    _randomize(model, seed)
+    return _save(path, model, tag)
+
+
+def save_tiny_gemma3(path: str | Path, window: int = 64, seed: int = 0) -> Path:
+    """A random-weight Gemma 3 text model: sliding and full layers alternate (the sliding ones
+    over ``window`` tokens), float32."""
+    path, tag = Path(path), {"family": "gemma3", "window": window, "seed": seed, "tied": False}
+    if _kept(path, tag):
+        return path
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(**_small_args(window), pad_token_id=0, tie_word_embeddings=False,
+                           layer_types=["sliding_attention", "full_attention"] * (SMALL.layers // 2))
+    model = Gemma3ForCausalLM(cfg)
+    _randomize(model, seed, norm=0.0)  # Gemma's norms scale by 1 + weight
+    return _save(path, model, tag)
+
+
+def save_tiny_deepseek(path: str | Path, seed: int = 0) -> Path:
+    """A random-weight DeepSeek-V2 with MLA, the latent shape vLLM's CPU MLA kernel runs
+    (kv_lora_rank 512 + rope 64 = 576), two dense layers, float32."""
+    path, tag = Path(path), {"family": "deepseek_v2", "seed": seed}
+    if _kept(path, tag):
+        return path
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
+                           moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                           first_k_dense_replace=2, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                           qk_nope_head_dim=32, v_head_dim=32, vocab_size=2048, max_position_embeddings=4096,
+                           bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = DeepseekV2ForCausalLM(cfg)
+    _randomize(model, seed)
+    return _save(path, model, tag)

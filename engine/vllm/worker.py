@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -45,9 +45,10 @@ from engine.gpu import (
 from engine.transfer import ConcatSource, PagedLoader, PagedSaver, StagedSave
 from engine.vllm.breaker import DaemonLink
 from engine.vllm.config import ConnectorConfig
-from engine.vllm.pages import PagedKV, PageSpec
+from engine.vllm.pages import PagedKV, PageSpec, scales_digest
 from kvstore.client import Client, connect
 from kvstore.errors import KVStoreError, UsageError
+from kvstore.hybrid import HybridNamespaces
 from kvstore.keys import BlockHash, Namespace, hash_blocks
 
 log = logging.getLogger("kvstore.vllm")
@@ -78,6 +79,9 @@ class SaveSpec:
     req_id: str
     start: int
     block_ids: list[int]
+    pieces: list[int] = field(default_factory=list)
+    """A page with sliding layers: the blocks (indices in the request, among ``start..``) whose
+    window piece is stored (checkpoints' windows)."""
 
 
 @dataclass
@@ -101,6 +105,23 @@ def model_identity(vllm_config: Any, cfg: ConnectorConfig) -> tuple[str, str]:
     if quant:  # quantised weights compute other K/V
         revision = f"{revision}+{quant}"
     return model_id, revision
+
+
+def chain_namespace(ns: Namespace) -> Namespace:
+    """The namespace a request's block hashes are rooted in: ``ns``, or for a page with sliding
+    layers its hybrid parts' (``HybridNamespaces.chain_ns``: the keys the reference engine's
+    hybrid store uses too)."""
+    if any(g.kind == "sliding" for g in ns.layout.groups):
+        return HybridNamespaces.of(ns).chain_ns
+    return ns
+
+
+def stored_namespaces(ns: Namespace) -> list[Namespace]:
+    """The namespaces blocks of ``ns`` are stored under: ``ns``, or a page with sliding layers'
+    hybrid parts (full, window)."""
+    if any(g.kind == "sliding" for g in ns.layout.groups):
+        return HybridNamespaces.of(ns).parts()
+    return [ns]
 
 
 def make_link(cfg: ConnectorConfig, name: str, timeout: float, namespaces: list[Namespace],
@@ -129,6 +150,19 @@ def make_link(cfg: ConnectorConfig, name: str, timeout: float, namespaces: list[
     return DaemonLink(make, name=name, on_connect=on_connect, backoff_s=cfg.backoff_s, max_backoff_s=cfg.max_backoff_s)
 
 
+def layer_scales(vllm_config: Any, spec: PageSpec) -> str:
+    """The digest of the K/V scales of ``spec``'s layers (:func:`engine.vllm.pages.scales_digest`),
+    read from vLLM's attention layers (its static forward context; a layer not found there, as
+    outside vLLM, counts as unscaled: 1.0)."""
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    layers = [ctx.get(n) for n in spec.layer_names]
+    return scales_digest([layer if layer is not None else object() for layer in layers])
+
+
+Pieces = tuple[list[int], StagedSave] | None
+"""A save's window pieces: the blocks (indices in the request) and their sliding layers, staged."""
+
+
 @dataclass(slots=True)
 class ConnectorCounters:
     lookups: int = 0
@@ -142,6 +176,10 @@ class ConnectorCounters:
     saved_blocks: int = 0
     saves_dropped: int = 0
     save_errors: int = 0
+    replayed_blocks: int = 0
+    """A page with sliding layers: cached blocks after the checkpoint a hit ended on (recomputed)."""
+    saved_pieces: int = 0
+    """A page with sliding layers: window pieces stored."""
 
 
 
@@ -186,15 +224,20 @@ class Worker:
 
             tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.cfg = cfg
+        if spec.quantized and not spec.scales:
+            spec = replace(spec, scales=layer_scales(vllm_config, spec))
         self.spec = spec
         self.bt = spec.block_size
         self.rank, self.world = tp
         self.model_id, self.revision = model_identity(vllm_config, cfg)
         self._ns: dict[str, Namespace] = {}
         ns0 = self.ns_for("")
-        self.load_link = make_link(cfg, f"kvstore-load-r{self.rank}", cfg.load_timeout_s, [ns0])
-        self.save_link = make_link(cfg, f"kvstore-save-r{self.rank}", cfg.save_timeout_s, [ns0])
+        self.load_link = make_link(cfg, f"kvstore-load-r{self.rank}", cfg.load_timeout_s, stored_namespaces(ns0))
+        self.save_link = make_link(cfg, f"kvstore-save-r{self.rank}", cfg.save_timeout_s, stored_namespaces(ns0))
         self.kv: PagedKV | None = None
+        self.full_kv: PagedKV | None = None  # a page with sliding layers: its full-attention layers
+        self.window_kv: PagedKV | None = None  # ... and its sliding layers
+        self._part_layers: tuple[list[int], list[int]] = ([], [])  # their indices in ``kv``
         self.loader: PagedLoader | None = None
         self.saver: PagedSaver | None = None
         self.infos: dict[str, ReqInfo] = {}
@@ -213,7 +256,7 @@ class Worker:
         self._pinned: torch.Tensor | None = None  # a remote plane's save buffer
         self._load_host: torch.Tensor | None = None  # a remote plane's load buffer
         self._sink: tuple[Any, torch.Tensor] | None = None  # (staging segment, its registered view)
-        self._saves: deque[tuple[Namespace, list[BlockHash], int, StagedSave, np.ndarray]] = deque()
+        self._saves: deque[tuple[Namespace, list[BlockHash], int, StagedSave, np.ndarray, Pieces]] = deque()
         self._save_wake = threading.Condition(threading.Lock())
         self._save_slots = threading.BoundedSemaphore(cfg.max_pending_saves)
         self._stop = False
@@ -227,11 +270,27 @@ class Worker:
     def ns_for(self, lora: str) -> Namespace:
         ns = self._ns.get(lora)
         if ns is None:
-            ns = self._ns[lora] = self.spec.namespace(self.model_id, self.revision, self.rank, self.world, lora)
+            # MLA: the latent cache is the same on every rank: one copy, rank 0's, for all.
+            rank = 0 if self.spec.shared_by_ranks else self.rank
+            ns = self._ns[lora] = self.spec.namespace(self.model_id, self.revision, rank, self.world, lora)
         return ns
+
+    @property
+    def saves_here(self) -> bool:
+        """Whether this rank stores blocks: every rank its own heads; MLA rank 0 only."""
+        return not self.spec.shared_by_ranks or self.rank == 0
+
+    def hyb_for(self, lora: str) -> HybridNamespaces:
+        return HybridNamespaces.of(self.ns_for(lora))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv = PagedKV(self.spec, kv_caches)
+        if self.spec.hybrid:
+            full, window = self.spec.part(False), self.spec.part(True)
+            self.full_kv = PagedKV(full, kv_caches) if full.num_layers else None
+            self.window_kv = PagedKV(window, kv_caches)
+            self._part_layers = ([self.kv.index[n] for n in full.layer_names],
+                                 [self.kv.index[n] for n in window.layer_names])
         self.loader = PagedLoader(self.kv.device, piece_bytes=self.cfg.piece_bytes, stage_bytes=self.cfg.stage_bytes)
         self.saver = PagedSaver(self.kv.device, piece_bytes=self.cfg.piece_bytes)
 
@@ -244,7 +303,7 @@ class Worker:
         ns = self.ns_for(info.lora)
         chain = self.chains.get(req_id)
         if chain is None or len(chain) < blocks:
-            chain = self.chains[req_id] = hash_blocks(ns, info.tokens, info.salt or None)
+            chain = self.chains[req_id] = hash_blocks(chain_namespace(ns), info.tokens, info.salt or None)
         return ns, chain
 
     # -- per step --
@@ -312,7 +371,7 @@ class Worker:
         for req_id in meta.finished:
             self.infos.pop(req_id, None)
             self.chains.pop(req_id, None)
-        if not meta.saves:
+        if not meta.saves or not self.saves_here:
             return
         if self._step_failed or self.save_link.is_open:
             # KV computed this step over a failed load must not reach the store; with the
@@ -326,7 +385,7 @@ class Worker:
                 continue
             ns, chain = self._chain(sv.req_id, sv.start + len(sv.block_ids))
             try:
-                staged = self.saver.stage(self.kv, sv.block_ids)
+                staged, pieces = self._stage(sv)
             except (torch.OutOfMemoryError, MemoryError) as e:
                 # The save's device staging did not fit: vLLM's step must go on, and the pages
                 # are recomputed the next time they are needed.
@@ -340,8 +399,25 @@ class Worker:
             # carry them in BlockStored.token_ids, as vLLM's own events do.
             tokens = self.infos[sv.req_id].tokens[sv.start * self.bt : end * self.bt]
             with self._save_wake:
-                self._saves.append((ns, chain[:end], sv.start, staged, tokens))
+                self._saves.append((ns, chain[:end], sv.start, staged, tokens, pieces))
                 self._save_wake.notify()
+
+    def _stage(self, sv: SaveSpec) -> tuple[StagedSave, tuple[list[int], StagedSave] | None]:
+        """The pages a save stores, gathered: every layer of its blocks; for a page with sliding
+        layers, the full layers of its blocks and the sliding layers of its window pieces."""
+        assert self.saver is not None and self.kv is not None
+        if not self.spec.hybrid:
+            return self.saver.stage(self.kv, sv.block_ids), None
+        kv = self.full_kv
+        if kv is not None:
+            full = self.saver.stage(kv, sv.block_ids)
+        else:  # every layer slides: windows only
+            full = StagedSave(torch.empty((0, 0), dtype=torch.uint8, device=self.kv.device))
+        if not sv.pieces:
+            return full, None
+        assert self.window_kv is not None
+        ids = [sv.block_ids[j - sv.start] for j in sv.pieces]
+        return full, (sv.pieces, self.saver.stage(self.window_kv, ids))
 
     def _collect(self, job: _LoadJob, in_step: bool = False) -> None:
         with job.lock:
@@ -394,6 +470,9 @@ class Worker:
         ids: list[int] = []
         held: list[Any] = []
         try:
+            if self.spec.hybrid:
+                self._run_hybrid_load(job, held)
+                return
             for spec, ns, hashes in job.specs:
                 n, src = self._fetch(ns, hashes, held)
                 job.loaded += n
@@ -424,18 +503,73 @@ class Worker:
                 if not isinstance(lease, HostBlocks):
                     self.load_link.call(lambda c, lease=lease: c.release(lease), None)
 
-    def _load_buffer(self, n: int, reserved: int) -> torch.Tensor:
-        """Rows ``reserved..reserved+n`` of the remote planes' load buffer (pinned on a GPU),
-        grown as needed and kept: a step's loads fill it back to back, and the next step's
-        start once this one's copies are done (loads run one at a time)."""
-        bb = self.spec.block_bytes
-        need = (reserved + n) * bb
+    def _run_hybrid_load(self, job: _LoadJob, held: list[Any]) -> None:
+        """A page with sliding layers: for each request, the full part of its blocks into the
+        full-attention layers and the window pieces of its last block (the checkpoint) into the
+        sliding layers. A request missing any of them fails whole (its sliding pages before the
+        checkpoint's window hold nothing: vLLM must recompute from its first block)."""
+        loader = self.loader
+        assert loader is not None
+        full: list[tuple[Any, int]] = []
+        full_ids: list[int] = []
+        window: list[tuple[Any, int]] = []
+        window_ids: list[int] = []
+        for spec, ns, hashes in job.specs:
+            hyb, n, start = HybridNamespaces.of(ns), len(hashes), spec.start
+            pieces = [j for j in hyb.checkpoint_blocks(start + n - 1) if j >= start]
+            got_full: Any = None
+            if hyb.full is not None:
+                m, got_full = self._fetch(hyb.full, hashes, held)
+                if m < n:
+                    job.failed.update(spec.block_ids)
+                    continue
+            assert hyb.window is not None
+            m, got_window = self._fetch(hyb.window, [hyb.window_key(hashes[j - start]) for j in pieces], held)
+            if m < len(pieces):
+                job.failed.update(spec.block_ids)
+                continue
+            job.loaded += n
+            if got_full is not None:
+                full.append((got_full, n))
+                full_ids.extend(spec.block_ids)
+            window.append((got_window, len(pieces)))
+            window_ids.extend(spec.block_ids[j - start] for j in pieces)
+
+        def cancelled() -> bool:
+            with job.lock:
+                return job.abandoned
+
+        group = self.cfg.layer_group if job.specs and not job.specs[0][0].is_async else 0
+        loads = []
+        for kv, parts, ids, where in ((self.full_kv, full, full_ids, self._part_layers[0]),
+                                      (self.window_kv, window, window_ids, self._part_layers[1])):
+            if kv is None or not ids:
+                continue
+
+            def ready(lo: int, hi: int, event: Any, where: list[int] = where) -> None:
+                for layer in range(lo, hi):
+                    job.layer_events[where[layer]] = event
+                    job.layer_done[where[layer]].set()
+
+            src = parts[0][0] if len(parts) == 1 else ConcatSource(parts)
+            for load in loads:  # the loader's staging ring is reused (and may grow): one load at a time
+                load.synchronize()
+            loads.append(loader.load(src, kv, ids, layer_group=group, after=job.after, on_layers=ready,
+                                     cancelled=cancelled))
+        for load in loads:
+            load.synchronize()  # the leases are read until the last copy lands
+
+    def _load_buffer(self, n: int, bb: int, reserved: int) -> torch.Tensor:
+        """``n`` rows of ``bb`` bytes at byte ``reserved`` of the remote planes' load buffer
+        (pinned on a GPU), grown as needed and kept: a step's loads fill it back to back, and
+        the next step's start once this one's copies are done (loads run one at a time)."""
+        need = reserved + n * bb
         if self._load_host is None or self._load_host.numel() < need:
             if reserved:  # earlier rows of this step are still to be read: a buffer of its own
                 return torch.empty((n, bb), dtype=torch.uint8, pin_memory=self._cuda)
             self._load_host = None
             self._load_host = torch.empty(need, dtype=torch.uint8, pin_memory=self._cuda)
-        return self._load_host[reserved * bb : need].view(n, bb)
+        return self._load_host[reserved:need].view(n, bb)
 
     def _fetch(self, ns: Namespace, hashes: list[BlockHash], held: list[Any]) -> tuple[int, Any]:
         """The leading cached blocks of ``hashes``: (count, source): a lease on the daemon's arena
@@ -457,7 +591,7 @@ class Worker:
                     self._arena = lease.arena
                 held.append(lease)
                 return lease.num_blocks, ArenaBlocks(client, lease)
-            buf = self._load_buffer(len(hashes), reserved=sum(src.num_blocks for src in held_host))
+            buf = self._load_buffer(len(hashes), ns.block_bytes, reserved=sum(h.blocks.numel() for h in held_host))
             n = self.load_link.call(lambda c: c.get_into(ns, hashes, buf.view(-1).numpy()), 0)
             held.append(HostBlocks(buf[:n]))
             return n, held[-1]
@@ -474,15 +608,15 @@ class Worker:
                     self._save_wake.wait()
                 if self._stop and not self._saves:
                     return
-                ns, chain, start, staged, tokens = self._saves.popleft()
+                ns, chain, start, staged, tokens, pieces = self._saves.popleft()
             try:
                 n = self.save_link.call(
-                    lambda c, ns=ns, chain=chain, start=start, staged=staged, tokens=tokens: self._store(
-                        c, ns, chain, start, staged, tokens), -1)
+                    lambda c, ns=ns, chain=chain, start=start, staged=staged, tokens=tokens, pieces=pieces: self._store(
+                        c, ns, chain, start, staged, tokens, pieces), -1)
                 if n < 0:
                     self.counters.saves_dropped += 1
                 else:
-                    self.counters.saved_blocks += len(chain) - start
+                    self.counters.saved_blocks += staged.num_blocks  # (windows only: none)
             except KVStoreError as e:  # a prefix evicted since the lookup, a full store
                 self.counters.save_errors += 1
                 log.info("kvstore save of %d blocks failed: %s", len(chain) - start, e)
@@ -493,7 +627,27 @@ class Worker:
                 self._save_slots.release()
 
     def _store(self, c: Client, ns: Namespace, chain: list[BlockHash], start: int, staged: StagedSave,
-               tokens: np.ndarray) -> int:
+               tokens: np.ndarray, pieces: Pieces = None) -> int:
+        """Put ``staged`` (blocks ``start..`` of ``chain``), then a page with sliding layers'
+        window ``pieces`` (each under its full block: ``HybridNamespaces.window_chain``)."""
+        if not self.spec.hybrid:
+            return self._put_blocks(c, ns, chain, start, staged, tokens)
+        hyb = HybridNamespaces.of(ns)
+        new = 0
+        if hyb.full is not None and staged.num_blocks:
+            new = self._put_blocks(c, hyb.full, chain, start, staged, tokens)
+        if pieces is not None and hyb.window is not None:
+            which, rows = pieces
+            if rows.ready is not None:  # a GPU: the gather ran on the forward's stream
+                rows.ready.synchronize()
+            host = rows.rows.cpu()  # small (a window per checkpoint): one plain copy
+            for k, j in enumerate(which):
+                wchain = hyb.window_chain(chain, j)
+                self.counters.saved_pieces += c.put(hyb.window, wchain, host[k].numpy(), start=len(wchain) - 1)
+        return new
+
+    def _put_blocks(self, c: Client, ns: Namespace, chain: list[BlockHash], start: int, staged: StagedSave,
+                    tokens: np.ndarray) -> int:
         """Put ``staged`` (blocks ``start..`` of ``chain``): on the CPU from the staged rows (the
         put copies them into the daemon); on a GPU, where the daemon on this node offers it, by
         PUT_DEVICE (the daemon copies the staged rows from the device straight into its arena);
@@ -519,7 +673,7 @@ class Worker:
                     self._device_puts = False
                     log.warning("kvstore: the daemon refused a save from GPU memory (%s); saves go through "
                                 "its staging segment", e)
-        bb, new = self.spec.block_bytes, 0
+        bb, new = ns.block_bytes, 0
         if c.plane == "shm":
             seg, host = self._segment(c)
 

@@ -72,10 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="throughput: run the hit rates this many times (the spread)")
     p.add_argument("--no-compare-attention", dest="compare_attention", action="store_false",
                    help="throughput: skip timing the ideal with the per-request attention loop")
-    p.add_argument("--workload", default="standard", choices=["standard", "qps", "overhead"],
+    p.add_argument("--workload", default="standard", choices=["standard", "qps", "overhead", "families"],
                    help="vllm: standard (long-document and sequential multi-round QA), qps "
-                   "(multi-round QA at a fixed request rate, several requests in flight) or overhead "
-                   "(the connector's cost per request when it has nothing to load)")
+                   "(multi-round QA at a fixed request rate, several requests in flight), overhead "
+                   "(the connector's cost per request when it has nothing to load) or families (one "
+                   "row per model family: dense, fp8, MLA, sliding windows)")
     p.add_argument("--qps", type=float, default=0.0, help="vllm --workload qps: requests per second (default 0.5)")
     p.add_argument("--tp", type=int, default=1, help="vllm: tensor-parallel size (2: long-document QA at TP=2)")
     p.add_argument("--check", action="store_true",

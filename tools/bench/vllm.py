@@ -77,7 +77,7 @@ THREADS_ENV = "KVSTORE_BENCH_VLLM_THREADS"
 QPS, QPS_USERS, QPS_ROUNDS = 0.5, 8, 3
 QPS_ENGINES = ("vllm", "kvstore", "kvstore-layerwise", "example")
 TP_ENGINES = ("vllm", "kvstore", "kvstore-layerwise")
-WORKLOADS = ("standard", "qps", "overhead")
+WORKLOADS = ("standard", "qps", "overhead", "families")
 # --workload overhead: what the connector costs a request when it has nothing to load: OV_PROMPTS
 # distinct prompts of OV_TOKENS tokens, each asked once (nothing cached anywhere: one lookup that
 # misses, the new blocks saved in the background), then each asked again (every block in vLLM's
@@ -400,6 +400,11 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-bench-vllm-"))
     try:
+        if workload == "families":  # one row per model family: tools/bench/vllm_families.py
+            from tools.bench import vllm_families
+
+            yield from vllm_families.run(args.quick, tmp)
+            return
         model = save_tiny_llama(tmp / "model", SMALL if args.quick else BENCH)
         if workload == "qps":
             w, engines = _qps_workload(args.quick), QPS_ENGINES

@@ -35,6 +35,8 @@ def test_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"url": 7070}, "url must be a string"),
         ({"backoff_s": 5, "max_backoff_s": 1}, "max_backoff_s must be >= backoff_s"),
         ({"load_failure_policy": "retry"}, "load_failure_policy must be 'recompute' or 'fail'"),
+        ({"sliding": "some"}, "sliding must be one of auto, window, every_layer"),
+        ({"checkpoint_every_blocks": 0}, "checkpoint_every_blocks must be >= 1"),
     ],
 )
 def test_bad_values_say_what_to_do(extra: dict[str, object], message: str) -> None:

@@ -81,7 +81,7 @@ def _kv_config(**spec_kw: object) -> SimpleNamespace:
 
 def test_page_spec_orders_layers_and_refuses_what_it_cannot_store() -> None:
     assert page_spec(_kv_config(), "LBHNC").layer_names == ("l.1", "l.2", "l.10")
-    with pytest.raises(UsageError, match="dense K/V pages"):
+    with pytest.raises(UsageError, match="dense K/V"):
         page_spec(_kv_config(head_size_v=128), "LBHNC")
     two = _kv_config()
     two.kv_cache_groups.append(two.kv_cache_groups[0])

@@ -1,0 +1,148 @@
+"""``page_spec`` and ``PagedKV`` against vLLM 0.32's own KV spec classes and page views
+(``create_kv_cache_views``: the tensors vLLM hands ``register_kv_caches``): fp8 pages, MLA latent
+pages in vLLM's MLA memory order, sliding-window layers without the hybrid manager, and the
+loud refusals of what the connector does not store."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is not installed here: run `make test-vllm`")
+
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheTensor,
+    KVQuantMode,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+from engine.vllm.pages import PagedKV, page_spec  # noqa: E402
+from kvstore.errors import UsageError  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+
+def _config(spec: object, names: list[str] = NAMES, **groups: object) -> SimpleNamespace:
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=names)], **groups)
+
+
+def _vllm(cache_dtype: str = "auto", **hf: object) -> SimpleNamespace:
+    return SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+                           model_config=SimpleNamespace(hf_text_config=SimpleNamespace(**hf)))
+
+
+def _views(spec: object, layout: KVCacheLayout, num_blocks: int = 6) -> dict[str, torch.Tensor]:
+    """vLLM's per-layer page views of one random backing tensor, as its model runner builds them."""
+    page = spec.page_size_bytes  # type: ignore[attr-defined]
+    size = page * num_blocks * len(NAMES)
+    raw = torch.randint(0, 256, (size,), dtype=torch.uint8).view(torch.int8)
+    if layout.is_layer_compact:
+        t = KVCacheTensor(size, NAMES, layer_stride=page * num_blocks, block_stride=page)
+    else:
+        t = KVCacheTensor(size, NAMES, layer_stride=page, block_stride=page * len(NAMES))
+    views = create_kv_cache_views(raw, spec, num_blocks, layout, t)  # type: ignore[arg-type]
+    return dict(zip(NAMES, views, strict=True))
+
+
+def _round_trip(spec: object, layout: KVCacheLayout, vllm_config: SimpleNamespace) -> None:
+    ps = page_spec(_config(spec), layout.name, vllm_config)
+    src, dst = _views(spec, layout), _views(spec, layout)
+    for t in dst.values():
+        t.fill_(0)
+    a, b = PagedKV(ps, src), PagedKV(ps, dst)
+    rows = torch.empty((2, ps.block_bytes), dtype=torch.uint8)
+    a.gather([4, 1], rows)
+    ids = b.block_ids([0, 5])
+    for layer in range(ps.num_layers):
+        b.scatter_layer(layer, ids, rows[:, layer * ps.page_bytes : (layer + 1) * ps.page_bytes])
+    for name in NAMES:
+        assert torch.equal(dst[name][[0, 5]].view(torch.uint8), src[name][[4, 1]].view(torch.uint8))
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_pages_move_as_bytes_and_record_the_format(kv: str) -> None:
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.uint8,
+                             kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
+    ps = page_spec(_config(spec), "LBHNC", _vllm(kv))
+    assert ps.quantized and ps.page_bytes == 2 * 32 * 128
+    ns = ps.namespace("org/m", "main", 0, 1)
+    assert ns.layout.dtype == ("float8_e5m2" if kv == "fp8_e5m2" else "float8_e4m3fn")
+    _round_trip(spec, KVCacheLayout.LBHNC, _vllm(kv))
+
+
+def test_mla_latent_pages_in_vllms_mla_memory_order() -> None:
+    """vLLM's MLA page (one latent of 576 a token, no heads, ``head_size_v`` 0; the CPU build's
+    resolved layout is ``LBNHC``) is stored as one latent row per token and layer."""
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, max_tp_shards=1)
+    ps = page_spec(_config(spec), "LBNHC", _vllm(qk_rope_head_dim=64, kv_lora_rank=512))
+    assert (ps.kind, ps.content, ps.rope_dim, ps.page_bytes) == ("mla", 576, 64, 16 * 576 * 2)
+    (group,) = ps.namespace("org/m", "main", 0, 8).layout.groups
+    assert (group.kind, group.latent_dim, group.rope_dim) == ("mla", 512, 64)
+    for layout in (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC):
+        _round_trip(spec, layout, _vllm(qk_rope_head_dim=64))
+
+
+def test_sliding_layers_without_the_hybrid_manager() -> None:
+    """With the hybrid manager off, vLLM merges full and sliding layers into one group whose spec
+    carries the window; which layers slide comes from the config's ``layer_types``."""
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64)
+    types = ["sliding_attention", "full_attention"] * 2
+    ps = page_spec(_config(spec), "LBHNC", _vllm(layer_types=types))
+    assert ps.sliding == (NAMES[0], NAMES[2]) and ps.window == 64
+    assert [g.kind for g in ps.namespace("org/m", "main", 0, 1).layout.groups] == ["full", "sliding"]
+    assert page_spec(_config(spec), "LBHNC", _vllm()).sliding == tuple(NAMES)  # no layer_types: every layer
+    # Every layer slides (Mistral): one group, vLLM's own sliding one, which keeps only windows.
+    sw = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64)
+    ps = page_spec(_config(sw), "LBHNC", _vllm())
+    assert ps.sliding == tuple(NAMES) and ps.vllm_windows
+
+
+def test_what_the_connector_does_not_store_is_refused_with_what_it_does() -> None:
+    sw = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64)
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    hma = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=sw, layer_names=NAMES[:2]),
+                                           SimpleNamespace(kv_cache_spec=full, layer_names=NAMES[2:])])
+    with pytest.raises(UsageError, match="2 KV cache groups.*supports one KV cache group"):
+        page_spec(hma, "LBHNC", _vllm())
+    per_token = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.uint8,
+                                  kv_quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD)
+    with pytest.raises(UsageError, match="fp8_e5m2 with per-tensor scales"):
+        page_spec(_config(per_token), "LBHNC", _vllm("fp8_per_token_head"))
+    mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
+    with pytest.raises(UsageError, match="MambaSpec"):
+        page_spec(_config(mamba), "LBHNC", _vllm())
+    with pytest.raises(UsageError, match="'linear_attention' layer"):
+        page_spec(_config(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                                            sliding_window=64)), "LBHNC",
+                  _vllm(layer_types=["sliding_attention", "linear_attention"] * 2))
+
+
+def test_the_sliding_mode_follows_vllms_prefix_cache() -> None:
+    """Mixed full and sliding layers: windows only with vLLM's prefix cache off (its cache would
+    keep pages whose sliding layers hold only a checkpoint's window); every layer slides: windows
+    always (vLLM's own sliding group keeps only windows)."""
+    from engine.vllm.config import ConnectorConfig
+    from engine.vllm.connector import sliding_mode
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64)
+    mixed = page_spec(_config(spec), "LBHNC", _vllm(layer_types=["sliding_attention", "full_attention"] * 2))
+    auto, window, every = (ConnectorConfig(sliding=m) for m in ("auto", "window", "every_layer"))
+    assert sliding_mode(mixed, auto, prefix_caching=False) == mixed
+    assert not sliding_mode(mixed, auto, prefix_caching=True).hybrid  # every layer, as dense
+    assert not sliding_mode(mixed, every, prefix_caching=False).hybrid
+    with pytest.raises(UsageError, match="--no-enable-prefix-caching"):
+        sliding_mode(mixed, window, prefix_caching=True)
+    sw = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64)
+    all_sliding = page_spec(_config(sw), "LBHNC", _vllm())
+    assert sliding_mode(all_sliding, auto, prefix_caching=True) == all_sliding
+    with pytest.raises(UsageError, match="only windows can be stored"):
+        sliding_mode(all_sliding, every, prefix_caching=False)

@@ -1,0 +1,207 @@
+"""The worker side's pages of each model family against a real daemon, driven as vLLM drives it
+on CPU page tensors (no vLLM): a sliding-window page (full layers per block, sliding layers as
+window pieces at checkpoints), an all-sliding page (windows only), MLA (one copy for every
+tensor-parallel rank, saved by rank 0 only) and fp8 (1-byte pages, scales in the namespace).
+Each on the CPU and, where there is one, on a CUDA device (the GPU load and save paths of
+``engine.transfer``; skipped without CUDA)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from engine.vllm.config import ConnectorConfig
+from engine.vllm.harness import small_daemon
+from engine.vllm.pages import PageSpec
+from engine.vllm.worker import LoadSpec, ReqInfo, SaveSpec, StepPlan, Worker
+from kvstore.client import connect
+from kvstore.client.spawn import LocalDaemon
+from kvstore.hybrid import CheckpointPolicy, HybridNamespaces
+from kvstore.hybrid import lookup as hybrid_lookup
+
+BT = 32
+NAMES = tuple(f"model.layers.{i}.attn" for i in range(4))
+HYBRID = PageSpec(NAMES, BT, 2, 64, torch.float32, "LBHNC", sliding=(NAMES[0], NAMES[2]), window=48)
+ALL_SLIDING = PageSpec(NAMES, BT, 2, 64, torch.float32, "LBHNC", sliding=NAMES, window=48)
+MLA = PageSpec(NAMES[:2], 16, 1, 576, torch.float32, "LBHNC", kind="mla", rope_dim=64)
+FP8 = PageSpec(NAMES, BT, 2, 64, torch.uint8, "LBHNC", kv_cache_dtype="fp8")
+VLLM_CONFIG = SimpleNamespace(model_config=SimpleNamespace(model="org/tiny", revision="main", quantization=None))
+ROBUST = {"lookup_timeout_s": 60.0, "load_timeout_s": 60.0, "save_timeout_s": 60.0}
+TOKENS = np.arange(5, 5 + 8 * BT, dtype=np.int32)  # a request of 8 full blocks
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="needs a CUDA device"))]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[LocalDaemon]:
+    with small_daemon(tmp_path, dram="64MiB") as d:
+        yield d
+
+
+def _caches(spec: PageSpec, seed: int | None, device: str = "cpu", blocks: int = 12) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed or 0)
+    shape = (blocks, spec.num_kv_heads, spec.block_size, spec.content)
+    if spec.dtype == torch.uint8:
+        pages = {n: torch.randint(0, 256, shape, generator=g, dtype=torch.uint8) if seed is not None
+                 else torch.zeros(shape, dtype=torch.uint8) for n in spec.layer_names}
+    else:
+        pages = {n: torch.randn(shape, generator=g) if seed is not None else torch.zeros(shape)
+                 for n in spec.layer_names}
+    return {n: t.to(device) for n, t in pages.items()}
+
+
+def _host(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if any(t.is_cuda for t in caches.values()):
+        torch.cuda.synchronize()
+    return {n: t.cpu() for n, t in caches.items()}
+
+
+def _worker(url: str, spec: PageSpec, rank: int = 0, world: int = 1, plane: str = "auto") -> Worker:
+    cfg = ConnectorConfig(url=url, plane=plane, **ROBUST)  # type: ignore[arg-type]
+    return Worker(VLLM_CONFIG, cfg, spec, tp=(rank, world))
+
+
+def _step(w: Worker, plan: StepPlan) -> None:
+    w.bind(plan)
+    w.start_load_kv()
+    for name in w.spec.layer_names:
+        w.wait_for_layer_load(name)
+    w.wait_for_save()
+
+
+def _save(w: Worker, tokens: np.ndarray, pages: list[int], pieces: list[int] | None = None) -> None:
+    _step(w, StepPlan(infos={"s": ReqInfo(tokens, "", b"")}, saves=[SaveSpec("s", 0, pages, pieces or [])]))
+    w.flush()
+
+
+def _load(w: Worker, tokens: np.ndarray, pages: list[int]) -> set[int]:
+    _step(w, StepPlan(infos={"l": ReqInfo(tokens, "", b"")}, loads=[LoadSpec("l", 0, pages, False)]))
+    return w.take_errors()
+
+
+@pytest.mark.parametrize("plane", ["shm", "tcp"])
+@pytest.mark.parametrize("spec", [HYBRID, ALL_SLIDING], ids=["half-sliding", "all-sliding"])
+def test_sliding_pages_store_full_layers_per_block_and_windows_at_checkpoints(daemon: LocalDaemon, device: str,
+                                                                              spec: PageSpec, plane: str) -> None:
+    """Saved and loaded over the daemon's shared memory (leases on its arena) or TCP (the full
+    part and the window read into one host buffer, back to back)."""
+    src_dev = _caches(spec, seed=1, device=device)
+    src = _host(src_dev)
+    pages = [3, 1, 4, 9, 2, 6, 5, 8]
+    saver = _worker(daemon.url, spec)
+    saver.register_kv_caches(src_dev)
+    policy = CheckpointPolicy(every_blocks=4)
+    hyb = saver.hyb_for("")
+    assert hyb.window_blocks == 2  # window 48 over 32-token blocks: the 47 tokens before a boundary
+    ckpts = policy.new_checkpoints(0, 7)  # blocks 3 and 7
+    pieces = sorted({j for c in ckpts for j in hyb.checkpoint_blocks(c)})
+    assert ckpts == [3, 7] and pieces == [2, 3, 6, 7]
+    _save(saver, TOKENS, pages, pieces)
+    assert saver.counters.saved_pieces == 4 and saver.counters.save_errors == 0
+    with connect(daemon.url, plane="tcp", timeout=60) as c:
+        hashes = hyb.hashes(TOKENS)
+        for p in hyb.parts():
+            c.register_namespace(p)
+        # The reference engine's lookup finds the checkpoints: 6 cached blocks end on block 3.
+        where = hybrid_lookup(c, hyb, hashes[:6], policy)
+        assert where.checkpoint == 3
+        if hyb.full is not None:
+            assert where.full_blocks == 6 and hyb.full.block_bytes == spec.block_bytes // 2
+    # Loaded by a fresh worker into other pages, up to checkpoint 3 (blocks 0..3).
+    dst_dev = _caches(spec, seed=None, device=device)
+    loader = _worker(daemon.url, spec, plane=plane)
+    loader.register_kv_caches(dst_dev)
+    into = [7, 0, 10, 11]
+    assert _load(loader, TOKENS[: 4 * BT], into) == set()
+    dst = _host(dst_dev)
+    for name in spec.layer_names:
+        if name in spec.sliding:  # the checkpoint's window only: blocks 2 and 3
+            assert torch.equal(dst[name][[10, 11]], src[name][[4, 9]])
+            assert not dst[name][[7, 0]].any()
+        else:
+            assert torch.equal(dst[name][into], src[name][pages[:4]])
+    # A request whose window piece is gone fails whole (vLLM recomputes it from its first block).
+    with connect(daemon.url, plane="tcp", timeout=60) as c:
+        assert hyb.window is not None
+        c.register_namespace(hyb.window)
+        assert c.delete(hyb.window, [hyb.window_key(hyb.hashes(TOKENS)[3])]) == 1
+    assert _load(loader, TOKENS[: 4 * BT], into) == set(into)
+    saver.close()
+    loader.close()
+
+
+def test_mla_latent_pages_are_stored_once_for_every_rank(daemon: LocalDaemon, device: str) -> None:
+    """Rank 1 of 2 stores nothing (its latent cache is rank 0's); both ranks load rank 0's."""
+    src_dev = _caches(MLA, seed=2, device=device)
+    src = _host(src_dev)
+    tokens = TOKENS[: 4 * 16]
+    r0, r1 = _worker(daemon.url, MLA, 0, 2), _worker(daemon.url, MLA, 1, 2)
+    assert r0.ns_for("") == r1.ns_for("") and r0.ns_for("").rank == 0
+    group = r0.ns_for("").layout.groups[0]
+    assert (group.kind, group.latent_dim, group.rope_dim) == ("mla", 512, 64)
+    for w in (r0, r1):
+        w.register_kv_caches(src_dev)
+    _save(r1, tokens, [1, 2, 3, 4])
+    assert r1.counters.saves_submitted == 0
+    _save(r0, tokens, [1, 2, 3, 4])
+    assert r0.counters.saved_blocks == 4
+    for rank in (0, 1):
+        dst_dev = _caches(MLA, seed=None, device=device)
+        w = _worker(daemon.url, MLA, rank, 2)
+        w.register_kv_caches(dst_dev)
+        assert _load(w, tokens, [5, 6, 7, 8]) == set()
+        dst = _host(dst_dev)
+        for name in MLA.layer_names:
+            assert torch.equal(dst[name][[5, 6, 7, 8]], src[name][[1, 2, 3, 4]])
+        w.close()
+    r0.close()
+    r1.close()
+
+
+def test_fp8_pages_round_trip_as_bytes_and_scales_are_part_of_the_namespace(daemon: LocalDaemon,
+                                                                             device: str) -> None:
+    src_dev = _caches(FP8, seed=3, device=device)
+    src = _host(src_dev)
+    w = _worker(daemon.url, FP8)
+    ns = w.ns_for("")
+    assert ns.layout.dtype == "float8_e4m3fn" and ns.block_bytes == 4 * 2 * BT * 128
+    assert w.spec.scales and ns.model_revision.endswith(f"+kvscales-{w.spec.scales}")
+    layers = [SimpleNamespace(_k_scale_float=0.5, _v_scale_float=1.0)] * 4
+    rescaled = SimpleNamespace(**vars(VLLM_CONFIG), compilation_config=SimpleNamespace(
+        static_forward_context=dict(zip(NAMES, layers, strict=True))))
+    other = Worker(rescaled, ConnectorConfig(url=daemon.url, **ROBUST), FP8, tp=(0, 1))  # type: ignore[arg-type]
+    assert other.spec.scales != w.spec.scales and other.ns_for("").root != ns.root  # never a wrong hit
+    other.close()
+    w.register_kv_caches(src_dev)
+    _save(w, TOKENS[: 3 * BT], [1, 2, 3])
+    dst_dev = _caches(FP8, seed=None, device=device)
+    r = _worker(daemon.url, FP8)
+    r.register_kv_caches(dst_dev)
+    assert _load(r, TOKENS[: 3 * BT], [4, 5, 6]) == set()
+    dst = _host(dst_dev)
+    for name in NAMES:
+        assert torch.equal(dst[name][[4, 5, 6]], src[name][[1, 2, 3]])
+    w.close()
+    r.close()
+
+
+def test_hybrid_keys_are_the_reference_engines() -> None:
+    """The connector's parts are ``HybridNamespaces.of`` its namespace: the reference engine's
+    keys for the same layout."""
+    ns = HYBRID.namespace("org/tiny", "main", 0, 1)
+    hyb = HybridNamespaces.of(ns)
+    assert hyb.full is not None and hyb.window is not None
+    assert [g.kind for g in ns.layout.groups] == ["full", "sliding"]
+    assert hyb.full.block_bytes + hyb.window.block_bytes == HYBRID.block_bytes

@@ -1,0 +1,158 @@
+"""``python -m tools.bench vllm --workload families``: one row per model family the vLLM connector
+stores (dense GQA, fp8 KV, MLA, every layer sliding, sliding and full layers mixed), vLLM alone
+and vLLM with kvstore in the same run, on vLLM's CPU build.
+
+Per family (a tiny random-weight model, ``engine.vllm.tiny``): ``DOCS`` documents of ``DOC``
+tokens, each asked ``QUESTIONS`` questions of ``QUESTION`` tokens, one request at a time. Each
+engine is its own process: vLLM alone (prefix cache off, as the kvstore engines of the sliding
+families need it; its TTFT is a full prefill), and with kvstore (a first process reads every
+document with its first question, which stores it; a fresh process then asks the other questions:
+its hits come from the daemon; its saves are awaited after each question, so the next one
+finds the windows this one stored where its replay ended). Reported: the hit tokens, the bytes the daemon holds per cached
+token against storing every layer of every block (the daemon's own count of this tenant's bytes),
+the tokens replayed per hit (sliding families: cached tokens past the checkpoint the hit ended
+on, which vLLM recomputed) and the TTFT of each engine (vLLM's ``first_token_latency``), one
+compute thread per engine, bound to the same core (``VLLM_CPU_OMP_THREADS_BIND``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tools.bench._common import result
+
+DOCS, DOC, QUESTIONS, QUESTION, C = 2, 1000, 3, 48, 8
+FAMILIES = {
+    # name: (model, engine settings, connector settings)
+    "dense-gqa": ("llama", {}, {}),
+    "fp8-kv": ("llama", {"kv_cache_dtype": "fp8"}, {}),
+    "mla": ("deepseek", {}, {}),
+    "sliding-all": ("mistral", {}, {"sliding": "window", "checkpoint_every_blocks": C}),
+    "sliding-half": ("gemma3", {}, {"sliding": "window", "checkpoint_every_blocks": C}),
+}
+
+
+def _workload(quick: bool) -> dict[str, Any]:
+    rng = np.random.default_rng(7)
+    docs, doc = (1, 500) if quick else (DOCS, DOC)
+    out: dict[str, Any] = {"store": [], "ask": []}
+    for _ in range(docs):
+        d = rng.integers(3, 2000, doc).tolist()
+        qs = [rng.integers(3, 2000, QUESTION).tolist() for _ in range(QUESTIONS)]
+        out["store"].append(d + qs[0])
+        out["ask"] += [d + q for q in qs[1:]]
+    return out
+
+
+def _models(base: Path) -> dict[str, Path]:
+    from engine.vllm.tiny import (
+        SMALL,
+        save_tiny_deepseek,
+        save_tiny_gemma3,
+        save_tiny_llama,
+        save_tiny_mistral,
+    )
+
+    return {"llama": save_tiny_llama(base / "llama", SMALL), "deepseek": save_tiny_deepseek(base / "deepseek"),
+            "mistral": save_tiny_mistral(base / "mistral", window=128),
+            "gemma3": save_tiny_gemma3(base / "gemma3", window=128)}
+
+
+def child(spec_path: str) -> None:
+    """One engine process: ``store`` (read the documents, flush the saves) or ``ask`` (TTFT of
+    each question, one at a time)."""
+    from engine.vllm.harness import (
+        flush_saves,
+        generate,
+        generate_timed,
+        kvstore_transfer,
+        make_llm,
+        worker_namespaces,
+    )
+
+    spec = json.loads(Path(spec_path).read_text())
+    transfer = None if spec["url"] is None else kvstore_transfer(spec["url"], **spec["connector"],
+                                                                  save_timeout_s=120, load_timeout_s=120,
+                                                                  lookup_timeout_s=60, max_pending_saves=256)
+    llm = make_llm(spec["model"], kv_transfer_config=transfer, prefix_caching=False, max_model_len=2048,
+                   dtype="float32", disable_log_stats=False, **spec["engine"])
+    # Warm-up (kernels, first calls): shorter than a block, so nothing of it is stored.
+    generate(llm, [list(range(5, 20))], max_tokens=1)
+    out: dict[str, Any] = {"ttft_ms": [], "hit": [], "replayed": [], "block_bytes": 0}
+    if spec["phase"] == "store":
+        generate(llm, spec["workload"]["store"], max_tokens=1)
+        flush_saves(llm)
+    else:
+        for p in spec["workload"]["ask"]:
+            c, ttft = generate_timed(llm, p, 1)
+            out["ttft_ms"].append(ttft * 1e3)
+            out["hit"].append(c.kvstore_hit_tokens)
+            out["replayed"].append(c.kvstore_replayed_tokens)
+            if transfer is not None:  # the next question finds this one's windows (at_hits)
+                flush_saves(llm)
+    if transfer is not None:
+        ns = worker_namespaces(llm)[0]
+        out["block_bytes"] = ns.block_bytes  # every layer of one block (the model's namespace)
+        out["block_tokens"] = ns.block_tokens
+    Path(spec["out"]).write_text(json.dumps(out))
+
+
+def _engine(name: str, spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    path = tmp / f"{name}.json"
+    spec = {**spec, "out": str(tmp / f"{name}.out.json")}
+    path.write_text(json.dumps(spec))
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": str(sorted(os.sched_getaffinity(0))[0]),
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "tools.bench.vllm_families", str(path)], env=env,
+                          capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vllm families bench {name!r} failed:\n{proc.stderr[-4000:]}")
+    print(f"vllm families bench: {name} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return json.loads(Path(spec["out"]).read_text())
+
+
+def run(quick: bool, tmp: Path) -> Iterator[dict[str, Any]]:
+    from engine.vllm.harness import small_daemon
+    from kvstore.client import connect
+
+    models = _models(tmp / "models")
+    w = _workload(quick)
+    for family, (model, engine, connector) in FAMILIES.items():
+        base = {"model": str(models[model]), "engine": engine, "connector": connector, "workload": w}
+        alone = _engine(f"{family}-alone", {**base, "url": None, "phase": "ask"}, tmp)
+        with small_daemon(tmp / f"daemon-{family}", dram="512MiB") as d:
+            _engine(f"{family}-store", {**base, "url": d.url, "phase": "store"}, tmp)
+            with connect(d.url, plane="tcp", timeout=60) as c:
+                used = int(c.stats()["usage"]["used_bytes"])
+            kv = _engine(f"{family}-kvstore", {**base, "url": d.url, "phase": "ask"}, tmp)
+        bt = kv["block_tokens"]
+        cached = sum(len(p) // bt for p in w["store"])  # full blocks the first process stored
+        replayed = [r for h, r in zip(kv["hit"], kv["replayed"], strict=True) if h]
+        t_alone, t_kv = statistics.median(alone["ttft_ms"]), statistics.median(kv["ttft_ms"])
+        yield result(
+            "vllm", f"family {family}: TTFT p50", t_kv, "ms", t_alone, family=family, requests=len(w["ask"]),
+            hit_tokens=sum(kv["hit"]), prompt_tokens=sum(len(p) for p in w["ask"]),
+            bytes_per_cached_token=round(used / (cached * bt), 1),
+            every_layer_bytes_per_token=kv["block_bytes"] // bt,
+            bytes_vs_every_layer=round(used / (cached * kv["block_bytes"]), 3),
+            replayed_tokens_per_hit=round(statistics.mean(replayed), 1) if replayed else None,
+            replayed_tokens_max=max(replayed, default=0),
+            replay_bound_tokens=(C - 1) * bt if connector.get("sliding") == "window" else 0,
+            doc_tokens=len(w["store"][0]) - QUESTION, question_tokens=QUESTION, block_tokens=bt,
+        )
+
+if __name__ == "__main__":
+    child(sys.argv[1])
