@@ -342,28 +342,20 @@ def test_paged_cache_blocks_are_disjoint_and_a_wrong_page_is_counted() -> None:
 
 
 def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
-    # 64 tokens: the whole prefix is kvstore's head; 1,024 (64 blocks): a head of 16 and the rest
-    # (kvstore: the head, 32 blocks in whole-block ranges, a tail of 16 by layer groups)
     code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "64,1024", "--layers", "2", "--rounds", "1",
-                       "--dir", str(tmp_path)])
+                       "--only", "kvstore,kvstore-connector,lmcache", "--dir", str(tmp_path)])
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     by = {r["metric"]: r for r in rows}
-    for peer in ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-groups", "kvstore-g16", "kvstore-put",
-                 "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
+    for peer in ("kvstore", "kvstore-connector"):
         for size, blocks in ((64, 4), ("1k", 64)):
             for op in ("restore", "save"):
                 r = by[f"{peer}_paged_{size}_{op}"]
                 assert r["verified"] and r["wrong_pages"] == 0 and r["missing_tokens"] == 0, r
-                assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == blocks * r["block_bytes"]
-    assert set(by["kvstore-blocks_paged_64_restore"]["phases_ms"]) == {"hash", "lease", "queue"}
-    head = {"head", "head_hash", "head_lease", "head_queue", "hash", "lease", "queue"}
-    assert set(by["kvstore_paged_1k_restore"]["phases_ms"]) == head
-    assert set(by["kvstore-head4_paged_1k_restore"]["phases_ms"]) == head
-    assert by["kvstore_paged_1k_restore"]["head_by"] == "peek" and by["kvstore_paged_1k_restore"]["head_reread"] == 0
-    assert by["kvstore-leasehead_paged_1k_restore"]["head_by"] == "lease"
+                assert r["value"] > 0 and r["baseline"] > 0 and r["bytes"] == blocks * 16 * 2 * 2 * 8 * 128 * 2
+    assert set(by["kvstore_paged_1k_restore"]["phases_ms"]) == {"hash", "lease", "queue"}
     assert set(by["kvstore_paged_64_save"]["save_phases_ms"]) == {"reserve", "queue", "prepare", "wait", "commit", "pieces"}
-    assert set(by["kvstore-put_paged_64_save"]["save_phases_ms"]) == {"queue", "wait", "put", "pieces"}
+    assert by["kvstore-connector_vs_kvstore_paged_1k_restore"]["goal_ratio"] == 0.95
     # LMCache's vLLM connector is CUDA only: one row says so, the kvstore rows still came
     (lm,) = [r for r in rows if r.get("peer") == "lmcache"]
     assert lm["status"] == "unavailable" and "CUDA" in lm["error"]
@@ -386,11 +378,11 @@ def test_copy_scale_rows_name_each_thread_count_against_one_thread() -> None:
 
 def test_paired_paged_run_drives_the_stores_in_turn(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "1024", "--layers", "2", "--rounds", "2",
-                       "--only", "kvstore,kvstore-groups,lmcache", "--paired", "--dir", str(tmp_path)])
+                       "--only", "kvstore,kvstore-connector-hnd,lmcache", "--paired", "--dir", str(tmp_path)])
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     by = {r["metric"]: r for r in rows}
-    for peer in ("kvstore", "kvstore-groups"):
+    for peer in ("kvstore", "kvstore-connector-hnd"):
         restore, save = by[f"{peer}_paged_1k_restore"], by[f"{peer}_paged_1k_save"]
         assert restore["paired"] and restore["verified"] and restore["trials"] == 2
         assert save["save_trials"] == 3 and len(save["ms_each"]) == 3 and save["verified"]
@@ -398,37 +390,8 @@ def test_paired_paged_run_drives_the_stores_in_turn(tmp_path, capsys: pytest.Cap
     assert not list(tmp_path.iterdir())
 
 
-def test_a_peeked_head_the_lease_does_not_confirm_is_copied_again(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    import numpy as np
-    import torch
-
-    from tools.bench._peers.paged import Cache, KvstorePaged, page_spec
-
-    cache = Cache(page_spec(2), 1024, torch.device("cpu"))
-    s = KvstorePaged()
-    s.open(cache, 64 << 20, str(tmp_path))
-    try:
-        s.prepare(1024)
-        src, dst = cache.blocks(1024)
-        prompt = np.arange(1024, dtype=np.int64)
-        s.save(prompt, src)
-        real = s.kv.peek_arena
-
-        def stale(ns, hashes):  # type: ignore[no-untyped-def]
-            # the head's blocks seen where others lie now (as if they moved after the peek)
-            p = real(ns, hashes)
-            return type(p)(p.arena, p.locations[::-1], p.stamp)
-
-        monkeypatch.setattr(s.kv, "peek_arena", stale)
-        assert s.restore(prompt, dst) == 1024
-        assert s.reread == 1 and s.info()["head_reread"] == 1
-        assert cache.wrong_pages(src, dst) == 0
-    finally:
-        s.close()
-
-
 def test_paged_only_names_the_paged_stores() -> None:
-    with pytest.raises(SystemExit, match="known: kvstore-connector, kvstore-connector-hnd, kvstore-connector-lw, kvstore, kvstore-nohead, .*, kvstore-rows, lmcache"):
+    with pytest.raises(SystemExit, match="known: kvstore-connector, kvstore-connector-hnd, kvstore-connector-lw, kvstore, lmcache, lmcache-nhd"):
         list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
             parser().parse_args(["--device", "cpu", "--only", "mooncake"])))
 
@@ -448,24 +411,6 @@ def test_paired_quick_run_drives_the_peers_in_one_child(tmp_path, capsys: pytest
     assert not list(tmp_path.iterdir())
 
 
-def test_paged_save_pieces_cover_the_blocks_in_order_and_feed_every_copy_thread() -> None:
-    from kvstore.buffers import default_piece_bytes
-    from tools.bench._peers.paged import MAX_SAVE_PIECES, KvstorePaged, page_spec
-
-    PIECE_BYTES = default_piece_bytes()  # noqa: N806
-
-    s = KvstorePaged()
-    s.spec = page_spec()  # 2 MiB blocks
-    for threads, n in ((2, 256), (8, 256), (8, 2048), (16, 2048), (1, 3), (4, 1)):
-        s._copy_threads = threads
-        pieces = s.save_pieces(n)
-        assert pieces[0][0] == 0 and pieces[-1][1] == n
-        assert all(a < b and b == c for (a, b), (c, _) in zip(pieces, pieces[1:] + [(n, n)], strict=True))
-        assert len(pieces) == min(n, max(2, min(MAX_SAVE_PIECES, n * s.spec.block_bytes // (threads * PIECE_BYTES))))
-        if len(pieces) > 2:  # more than the two of the overlap: each piece has a share for every thread
-            assert min(b - a for a, b in pieces) * s.spec.block_bytes >= threads * PIECE_BYTES * 0.99
-
-
 def test_paged_d2h_pieces_cover_the_blocks_in_order() -> None:
     from tools.bench._peers.paged import D2H_PIECE_BYTES, MAX_SAVE_PIECES, KvstorePaged, page_spec
 
@@ -476,15 +421,6 @@ def test_paged_d2h_pieces_cover_the_blocks_in_order() -> None:
         assert pieces[0][0] == 0 and pieces[-1][1] == n
         assert all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:], strict=False))
         assert len(pieces) == min(n, max(2, min(MAX_SAVE_PIECES, n * s.spec.block_bytes // D2H_PIECE_BYTES)))
-
-
-def test_paged_layer_groups_end_with_a_small_group() -> None:
-    from tools.bench._peers.paged import layer_groups
-
-    assert layer_groups(32) == [(0, 8), (8, 16), (16, 24), (24, 30), (30, 32)]
-    assert layer_groups(2) == [(0, 2)]
-    assert layer_groups(3) == [(0, 1), (1, 3)]
-    assert layer_groups(10, size=4) == [(0, 4), (4, 8), (8, 10)]
 
 
 def test_lease_rows_time_a_whole_lease_against_a_lookup() -> None:

@@ -26,8 +26,18 @@ import torch
 
 from engine.gpu import ArenaBlocks, _cudart_candidates, arena_tensor
 from kvstore.keys import hash_blocks
-from tools.bench._peers.paged import BLOCK, Cache, KvstorePaged, layer_groups, page_spec
+from tools.bench._peers.paged import BLOCK, Cache, KvstorePaged, page_spec
 from tools.bench._peers.paged_run import _timed
+
+
+def layer_groups(num_layers: int, size: int = 8, last: int = 2) -> list[tuple[int, int]]:
+    """``(first, end)`` layer ranges of ``size`` layers, the last one cut so that its final
+    ``last`` layers are a group of their own."""
+    groups = [(g, min(g + size, num_layers)) for g in range(0, num_layers, size)]
+    lo, hi = groups[-1]
+    if hi - lo > last:
+        groups[-1:] = [(lo, hi - last), (hi - last, hi)]
+    return groups
 
 
 def _ms(fn: Callable[[], Any], reps: int = 9) -> float:

@@ -25,20 +25,10 @@ from tools.bench._peers.paged import (
     SLAB,
     WARM_TOKENS,
     Cache,
-    KvstoreBlocks,
     KvstoreConnector,
     KvstoreConnectorHnd,
     KvstoreConnectorLayerwise,
-    KvstoreG16,
-    KvstoreGroups,
-    KvstoreHead4,
-    KvstoreHead32,
-    KvstoreLeaseHead,
-    KvstoreNohead,
     KvstorePaged,
-    KvstorePut,
-    KvstoreRows,
-    KvstoreWhole,
     LmcacheNhd,
     LmcachePaged,
     label,
@@ -49,10 +39,7 @@ from tools.bench._peers.paged import (
 STORES: dict[str, Callable[[], Any]] = {"kvstore-connector": KvstoreConnector,
                                         "kvstore-connector-hnd": KvstoreConnectorHnd,
                                         "kvstore-connector-lw": KvstoreConnectorLayerwise,
-                                        "kvstore": KvstorePaged, "kvstore-nohead": KvstoreNohead, "kvstore-leasehead": KvstoreLeaseHead, "kvstore-head4": KvstoreHead4, "kvstore-head32": KvstoreHead32, "kvstore-g16": KvstoreG16, "kvstore-groups": KvstoreGroups, "kvstore-put": KvstorePut,
-                                        "kvstore-blocks": KvstoreBlocks,
-                                        "kvstore-whole": KvstoreWhole, "kvstore-rows": KvstoreRows,
-                                        "lmcache": LmcachePaged, "lmcache-nhd": LmcacheNhd}
+                                        "kvstore": KvstorePaged, "lmcache": LmcachePaged, "lmcache-nhd": LmcacheNhd}
 
 
 def _warm(s: Any, cache: Cache, tokens: int) -> None:
@@ -161,7 +148,7 @@ def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, 
                     yield result("peers", f"{conn}_vs_kvstore_paged_{label(tokens)}_{op}", a, "GB/s", b,
                                  goal_ratio=0.95 if conn != "kvstore-connector-lw" else None, tokens=tokens,
                                  device=where, paired=paired)
-        for kv in (*connectors, "kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-head32", "kvstore-groups", "kvstore-g16", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
+        for kv in (*connectors, "kvstore"):
             for peer in ("lmcache", "lmcache-nhd"):
                 for op, goal in (("restore", GOALS["lmcache"]), ("save", 1.0)):
                     a, b = figures.get((kv, tokens, op)), figures.get((peer, tokens, op))
