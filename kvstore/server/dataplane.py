@@ -224,7 +224,7 @@ class Session:
         """lease id -> (lease, deadline on the loop's clock)"""
         self.staging: Segment | None = None
         self.devices: OrderedDict[tuple[int, bytes], int] = OrderedDict()
-        """CUDA IPC handles this session's PUT_DEVICEs opened (``kvstore.server.devcopy``)."""
+        """CUDA IPC handles this connection's PUT_DEVICEs opened (``kvstore.server.devcopy``)."""
         self.busy = False
         self._unread = 0  # payload bytes of the current frame not read yet
         self._next_lease = 1

@@ -206,8 +206,8 @@ class KvstorePaged:
         self.kv = KVStore(StoreConfig(root=self._root, tiers=tiers, persist_on_close=False, policy="lru"))
         # The arena's pages are faulted in by a background thread from open on; an engine opens
         # its store long before its first save, and LMCache allocates its pinned pool inside its
-        # open: the figures start once the arena is ready (the fifth session's first 4K save,
-        # 513-626 ms against 88-99 for a store opened later, wrote into it while it was faulted in).
+        # open: the figures start once the arena is ready (a 4K save into an arena still being
+        # faulted in took 513-626 ms, against 88-99 ms once it was).
         self.kv.tiers[0].prefault.done.wait()
         self._copy_threads = int(self.kv.tiers[0].describe()["copy_threads"])
         self.ns = self.spec.namespace("bench/peers-llama-8b", "paged", 0, 1)
