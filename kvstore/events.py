@@ -104,6 +104,10 @@ class EventsConfig:
     """Block hooks waiting for the publisher's thread; more are dropped, counted, and cost a resync."""
     replay_batches: int = 10_000
     """Published batches kept for replay requests; an older request is answered with a snapshot."""
+    replay_bytes: int = 64 << 20
+    """Bytes of published batches kept for replay, per stream (with token ids a batch can be
+    megabytes: counted in batches alone, the buffer of a publisher with no subscriber grew
+    without a useful bound); the oldest go first."""
     publish_period_s: float = 0.25
     """While blocks change, the publisher sends what changed at most this long ago (sooner when
     many changes wait, at once after a lull): a router's view lags by up to this much; shorter
@@ -128,6 +132,8 @@ class EventsConfig:
                 raise ConfigError(f"[events] {name} must be 'tcp://HOST:PORT' (e.g. 'tcp://127.0.0.1:5557'), got {url!r}")
         if self.publish_queue <= 0 or self.replay_batches <= 0:
             raise ConfigError("[events] publish_queue and replay_batches must be positive counts")
+        if isinstance(self.replay_bytes, bool) or not isinstance(self.replay_bytes, int) or self.replay_bytes <= 0:
+            raise ConfigError(f"[events] replay_bytes must be a positive size (e.g. '64MiB'), got {self.replay_bytes!r}")
         if not 0 < self.publish_period_s <= 10:
             raise ConfigError(f"[events] publish_period must be in (0, 10s] (e.g. '0.25s'), got {self.publish_period_s}")
 
@@ -149,6 +155,7 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "replay": ("replay", str),
     "publish_queue": ("publish_queue", int),
     "replay_batches": ("replay_batches", int),
+    "replay_bytes": ("replay_bytes", parse_size),
     "publish_period": ("publish_period_s", parse_duration),
 }
 

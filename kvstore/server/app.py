@@ -61,7 +61,33 @@ class PinIn(BlocksIn):
 class LookupIn(_Body):
     ns: str = Field(pattern=HEX16)
     hashes: list[Annotated[str, Field(pattern=HEX16)]] | None = None
-    tokens: list[Annotated[int, Field(ge=-(2**31), lt=2**31)]] | None = None
+    # strict: JSON true/false are not token ids (pydantic's lax mode reads them as 1 and 0)
+    tokens: list[Annotated[int, Field(ge=-(2**31), lt=2**31, strict=True)]] | None = None
+
+
+class ErrorOut(BaseModel):
+    """Every error body (docs/daemon.md, "Errors")."""
+
+    detail: str | list[dict[str, Any]] = Field(
+        description="what went wrong and what to do; for a malformed body (422), where and what")
+    kind: str = Field(description="the kvstore.errors class a client raises (a 409 alone does not say which)")
+
+
+_ERROR_STATUSES = {
+    400: "a request the store refuses (UsageError)",
+    401: "no bearer token, or an unknown one",
+    403: "the tenant may not do this (not an admin, no shared memory)",
+    404: "an unknown namespace, block or handoff",
+    409: "a missing prefix, a layout mismatch or a guarantee the store cannot give",
+    413: "a body over max_body",
+    422: "a malformed body",
+    503: "a tier the request needs is unavailable",
+    507: "over the tenant's quota, or a tier is full",
+}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorOut, "description": why} for code, why in _ERROR_STATUSES.items()
+}
+"""Declared on every operation, so that /openapi.json lists the error bodies the daemon sends."""
 
 
 class LookupOut(BaseModel):
@@ -191,6 +217,7 @@ def make_app(ctx: DataContext, info: dict[str, Any], ready: Callable[[], bool]) 
         redoc_url=None,
         description="Control plane of the kvstore daemon. Block payloads move on the data plane "
         "(shared memory, framed TCP, UCX), never through this API.",
+        responses=ERROR_RESPONSES,
     )
 
     # Error bodies: {"detail": the message, "kind": the kvstore.errors class name}; a client

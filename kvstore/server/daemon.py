@@ -153,7 +153,8 @@ class Daemon:
                 uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
                                http=gated_http_protocol(gate, lim.request_timeout_s,
-                                                        metrics.timeouts.labels("http", "request").inc))
+                                                        metrics.timeouts.labels("http", "request").inc,
+                                                        service.accepts))
             )
             if on_main_thread:  # an embedded daemon (ThreadedDaemon) is stopped by its owner
                 for sig in (signal.SIGTERM, signal.SIGINT):

@@ -44,7 +44,7 @@ from kvstore.server import protocol as P
 from kvstore.server.config import is_loopback
 from kvstore.server.devcopy import DeviceCopier
 from kvstore.server.fdpass import FdServer
-from kvstore.server.limits import ConnectionGate, InflightBytes, peer_of
+from kvstore.server.limits import ConnectionGate, InflightBytes, peer_of, silent
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import AuthError, Service, Tenant, classify
 from kvstore.shm import Segment, memfd_segment
@@ -228,6 +228,12 @@ class Session:
         self.busy = False
         self._unread = 0  # payload bytes of the current frame not read yet
         self._next_lease = 1
+        self.task: asyncio.Task[None] | None = None
+
+    def displace(self) -> None:
+        """Closed to admit a newer connection (the connection gate): it never authenticated."""
+        if self.task is not None:
+            self.task.cancel()
 
     async def run(self) -> None:
         m = self.ctx.metrics
@@ -372,6 +378,7 @@ class Session:
             self.tenant = self.ctx.service.authenticate(token or None)
         except AuthError as e:
             raise P.ProtocolError(P.ErrorCode.UNAUTHENTICATED, str(e)) from None
+        self.ctx.gate.prove(self)  # never closed to make room for an unauthenticated one
         lim = self.ctx.service.limits
         fds = self.ctx.fds
         shm = self.tenant.spec.allow_shm and self.ch.local and self.ctx.arena is not None and fds is not None
@@ -740,17 +747,18 @@ class TcpDataServer:
                 await asyncio.sleep(0.05)  # e.g. out of file descriptors: do not spin
                 continue
             peer = peer_of(addr)
-            if not self.ctx.gate.admit(peer):
+            s = Session(TcpChannel(conn, is_loopback(addr[0])), self.ctx)
+            if not self.ctx.gate.admit(peer, s, s.displace, functools.partial(silent, conn.fileno())):
                 conn.close()  # over a limit: the clients already connected carry on
                 continue
-            s = Session(TcpChannel(conn, is_loopback(addr[0])), self.ctx)
             task = loop.create_task(s.run())
+            s.task = task
             self.sessions[task] = s
-            task.add_done_callback(functools.partial(self._ended, peer))
+            task.add_done_callback(functools.partial(self._ended, peer, s))
 
-    def _ended(self, peer: str, task: asyncio.Task[None]) -> None:
+    def _ended(self, peer: str, s: Session, task: asyncio.Task[None]) -> None:
         self.sessions.pop(task, None)
-        self.ctx.gate.leave(peer)
+        self.ctx.gate.leave(peer, s)
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting; let requests in flight finish (up to ``grace_s``); end every session."""

@@ -200,7 +200,7 @@ class Handoffs:
         tenant's own pin or guarantee of the same blocks, which a plain unpin could pick."""
         if keys:
             try:
-                self.store.unpin(ns, keys, exact=True, until=until)
+                self.store.unpin_own(ns, keys, until)
             except TierIOError as e:  # pins.json could not be written: the pin ends at restart
                 log.error("handoff: unpin failed: %s", e)
 

@@ -108,6 +108,12 @@ _client, _parent, _ns, _mask, _tokens = (attrgetter(a) for a in ("client", "pare
 SNAPSHOT_CHUNK = 4096
 """Blocks per batch of a snapshot (and of the announcement at start)."""
 REBUILD_EVERY_S = 5.0
+REPLAY_HWM = 1024
+"""Replay answer messages queued for one requester; past it, the rest of that answer is dropped
+(a requester that reads nothing holds at most this many, each a batch of the bounded buffer)."""
+HANDSHAKE_MS = 5000
+"""A connection to an event port that has not finished ZeroMQ's handshake by then is closed
+(ZeroMQ's default, 30 s, let idle plain connections hold descriptors 6x longer)."""
 
 
 class _Rec(msgspec.Struct, gc=False):
@@ -144,6 +150,8 @@ class _Stream:
     replay_url: str
     buffer: deque[tuple[int, bytes]]
     seq: int = -1
+    buffer_bytes: int = 0
+    """Payload bytes in ``buffer`` (kept under ``[events] replay_bytes``)."""
     pending: dict[int, list[Any]] = field(default_factory=dict)  # tenant -> events of this cycle
 
 
@@ -229,7 +237,7 @@ class KVEventPublisher:
         self._pump_enc = msgspec.msgpack.Encoder()
         self._cpu_s = 0.0
         self._pump_cpu_s = 0.0
-        self._counts = {"dropped": 0, "batches": 0, "events": 0, "block_events": 0, "replays": 0, "snapshots": 0,
+        self._counts = {"dropped": 0, "batches": 0, "events": 0, "block_events": 0, "replays": 0, "replays_dropped": 0, "snapshots": 0,
                         "unnamed": 0, "rebuilds": 0, "wakeups": 0}
         self._lost = threading.Event()
         self._recs: dict[bytes, _Rec] = {}
@@ -288,6 +296,10 @@ class KVEventPublisher:
                 s.setsockopt(zmq.PLAIN_SERVER, 1)
                 s.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
         pub.set_hwm(hwm)
+        rep.set_hwm(REPLAY_HWM)
+        rep.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises (zmq.Again), never blocks
+        for sock in (pub, rep):  # a connection that never finishes its handshake goes
+            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
         purl = _bind(pub, host, port)
         rurl = _bind(rep, host, rport)
         return _Stream(name, tenant, pub, rep, purl, rurl, deque(maxlen=self.config.replay_batches))
@@ -770,7 +782,13 @@ class KVEventPublisher:
         payload = self._encode(events, enc)
         with contextlib.suppress(zmq.Again):
             stream.pub.send_multipart((self._topic(tenant), seq_bytes(stream.seq), payload), flags=zmq.NOBLOCK)
-        stream.buffer.append((stream.seq, payload))
+        buf = stream.buffer
+        if len(buf) == buf.maxlen:  # (the append below pushes the oldest out)
+            stream.buffer_bytes -= len(buf[0][1])
+        buf.append((stream.seq, payload))
+        stream.buffer_bytes += len(payload)
+        while stream.buffer_bytes > self.config.replay_bytes and len(buf) > 1:
+            stream.buffer_bytes -= len(buf.popleft()[1])
         self._counts["batches"] += 1
         self._counts["events"] += len(events)
 
@@ -788,16 +806,22 @@ class KVEventPublisher:
         client, _, start_b = frames
         start = int.from_bytes(start_b, "big")
         self._counts["replays"] += 1
-        if s.buffer and s.buffer[0][0] <= start:
-            for seq, payload in s.buffer:
-                if seq >= start:
-                    s.replay.send_multipart((client, b"", seq_bytes(seq), payload))
-        elif start <= s.seq:  # what was asked for is gone: the state instead, as of s.seq
-            # One batch, so that a subscriber that applies a seq once (vLLM's example) takes it all.
-            self._counts["snapshots"] += 1
-            events = [e for _, chunk in self._snapshot(s) for e in chunk]
-            s.replay.send_multipart((client, b"", seq_bytes(s.seq), self._encode(events, enc)))
-        s.replay.send_multipart((client, b"", END_SEQ, b""))
+        # Answers never wait and never copy: a requester that does not read its answers fills
+        # its own queue (REPLAY_HWM messages; then the rest of that answer is dropped), and a
+        # queued batch is the buffer's own bytes, not a copy of them.
+        try:
+            if s.buffer and s.buffer[0][0] <= start:
+                for seq, payload in list(s.buffer):
+                    if seq >= start:
+                        s.replay.send_multipart((client, b"", seq_bytes(seq), payload), flags=zmq.NOBLOCK, copy=False)
+            elif start <= s.seq:  # what was asked for is gone: the state instead, as of s.seq
+                # One batch, so that a subscriber that applies a seq once (vLLM's example) takes it all.
+                self._counts["snapshots"] += 1
+                events = [e for _, chunk in self._snapshot(s) for e in chunk]
+                s.replay.send_multipart((client, b"", seq_bytes(s.seq), self._encode(events, enc)), flags=zmq.NOBLOCK)
+            s.replay.send_multipart((client, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError):  # its queue is full, or it is gone: it asks again
+            self._counts["replays_dropped"] += 1
 
     def _run(self) -> None:
         enc = msgspec.msgpack.Encoder()

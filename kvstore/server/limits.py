@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -52,7 +53,17 @@ def descriptor_budget(configured: int, extra: int = 0) -> int:
 
 
 class ConnectionGate:
-    """Counts open connections per peer and in all; not thread-safe (the event loop's)."""
+    """Counts open connections per peer and in all; not thread-safe (the event loop's).
+
+    Fairness: every same-node engine is 127.0.0.1, so a local process with no token could fill
+    the per-address limit with idle connections (renewing each as the handshake deadline
+    closes it) and lock the engines out. A connection is *unproven* until it authenticates (a
+    data connection's HELLO with a known token; an HTTP connection's first request carrying
+    one, or any request when the daemon has no tenants); a new connection over a limit closes
+    the oldest unproven one of its peer (or of anyone, over the total limit) instead of being
+    refused. A flood of unauthenticated connections then only displaces itself: proven ones are
+    never closed for it, and a real client's connection, which authenticates as it connects,
+    is served before a flood can push it out."""
 
     def __init__(self, max_total: int, max_per_peer: int, on_refuse: Callable[[], None] | None = None) -> None:
         self.max_total = max_total
@@ -60,33 +71,92 @@ class ConnectionGate:
         self.max_per_peer = max_per_peer
         self.total = 0
         self.refused = 0
+        self.displaced = 0
+        """Unproven connections closed to admit a newer one."""
         self._peers: Counter[str] = Counter()
+        self._open: dict[Any, str] = {}
+        """key -> peer of every connection counted (keys: the connection's own object)"""
+        self._unproven: dict[Any, tuple[Callable[[], None], Callable[[], bool]]] = {}
+        """key -> how to close it, and whether it is silent; oldest first"""
         self._last_warning = 0.0
         self.http: set[Any] = set()
         """The open HTTP connections (their protocols), for :func:`sweep_http`."""
 
-    def admit(self, peer: str) -> bool:
-        """Count a new connection from ``peer``; False (and nothing counted) over a limit."""
-        if self.total >= self.max_total or self._peers[peer] >= self.max_per_peer:
-            self.refused += 1
-            if self._on_refuse is not None:
-                self._on_refuse()
-            now = time.monotonic()
-            if now - self._last_warning > 10:  # one line per burst, not one per connection
-                self._last_warning = now
-                log.warning("refusing connections over the limit (%d open, %d from %s; limits %d and %d "
-                            "per peer); %d refused so far", self.total, self._peers[peer], peer,
-                            self.max_total, self.max_per_peer, self.refused)
+    def admit(self, peer: str, key: Any = None, close: Callable[[], None] | None = None,
+              silent: Callable[[], bool] = lambda: True) -> bool:
+        """Count a new connection from ``peer``; False (and nothing counted) over a limit that
+        no unproven connection can make room under. ``key`` (the connection's object) and
+        ``close`` make it unproven until :meth:`prove`; without them it counts as proven.
+        ``silent``: whether it has sent nothing yet (a silent one is displaced first: a real
+        client's connection has its HELLO or request on the way)."""
+        over_peer = self._peers[peer] >= self.max_per_peer
+        if (self.total >= self.max_total or over_peer) and not self._displace(peer if over_peer else None):
+            self._refuse(peer)
             return False
         self.total += 1
         self._peers[peer] += 1
+        if key is not None:
+            self._open[key] = peer
+            if close is not None:
+                self._unproven[key] = (close, silent)
         return True
 
-    def leave(self, peer: str) -> None:
+    def prove(self, key: Any) -> None:
+        """The connection ``key`` authenticated: never closed to make room for another."""
+        self._unproven.pop(key, None)
+
+    def _displace(self, peer: str | None) -> bool:
+        """Close the oldest unproven connection (of ``peer``, or of anyone); False if none."""
+        mine = [k for k in self._unproven if peer is None or self._open.get(k) == peer]
+        victim = next((k for k in mine if self._unproven[k][1]()), mine[0] if mine else None)
+        if victim is None:
+            return False
+        close, _ = self._unproven.pop(victim)
+        self.leave(self._open[victim], victim)
+        self.displaced += 1
+        if self._on_refuse is not None:  # a connection closed over a limit, as a refused one
+            self._on_refuse()
+        close()
+        return True
+
+    def _refuse(self, peer: str) -> None:
+        self.refused += 1
+        if self._on_refuse is not None:
+            self._on_refuse()
+        now = time.monotonic()
+        if now - self._last_warning > 10:  # one line per burst, not one per connection
+            self._last_warning = now
+            log.warning("refusing connections over the limit (%d open, %d from %s; limits %d and %d "
+                        "per peer); %d refused so far", self.total, self._peers[peer], peer,
+                        self.max_total, self.max_per_peer, self.refused)
+
+    def leave(self, peer: str, key: Any = None) -> None:
+        """A connection closed (once per connection: a keyed one already displaced is not
+        counted again)."""
+        if key is not None:
+            if self._open.pop(key, None) is None:
+                return
+            self._unproven.pop(key, None)
         self.total -= 1
         self._peers[peer] -= 1
         if self._peers[peer] <= 0:
             del self._peers[peer]
+
+
+def silent(fd: int) -> bool:
+    """Whether the peer of socket ``fd`` has sent nothing that waits unread (its HELLO or
+    request may be in the socket before the loop has read it)."""
+    if fd < 0:
+        return True
+    sock = socket.socket(fileno=fd)
+    try:
+        return not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # closed or failed: it goes by itself
+    finally:
+        sock.detach()
 
 
 def peer_of(transport_or_addr: Any) -> str:
@@ -99,13 +169,16 @@ def peer_of(transport_or_addr: Any) -> str:
 
 
 def gated_http_protocol(gate: ConnectionGate, request_timeout_s: float,
-                        on_timeout: Callable[[], None] | None = None) -> type[asyncio.Protocol]:
+                        on_timeout: Callable[[], None] | None = None,
+                        authenticates: Callable[[str | None], bool] = lambda token: True) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with the gate and the request deadline.
 
     The deadline is set when the connection opens and again after each reply, and cleared when
     a request has fully arrived (``on_message_complete``): it bounds the head and the body,
     never the daemon's own work on a request. Setting it is an attribute write; one sweep a
-    second (:func:`sweep_http`) closes the connections past theirs, so a request pays no timer."""
+    second (:func:`sweep_http`) closes the connections past theirs, so a request pays no timer.
+    A connection is proven (:meth:`ConnectionGate.prove`) by its first request whose bearer
+    token ``authenticates``."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class GatedHttp(HttpToolsProtocol):  # type: ignore[misc]
@@ -114,10 +187,14 @@ def gated_http_protocol(gate: ConnectionGate, request_timeout_s: float,
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             peer = peer_of(transport)
-            if not gate.admit(peer):
+            sock = transport.get_extra_info("socket")
+            fd = sock.fileno() if sock is not None else -1
+            if not gate.admit(peer, self, transport.abort, lambda: not self._kv_heard and silent(fd)):
                 transport.abort()
                 return
             self._kv_peer = peer
+            self._kv_proven = False
+            self._kv_heard = False
             super().connection_made(transport)
             gate.http.add(self)
             self.kv_deadline = self.loop.time() + request_timeout_s
@@ -125,17 +202,24 @@ def gated_http_protocol(gate: ConnectionGate, request_timeout_s: float,
         def connection_lost(self, exc: Exception | None) -> None:
             if self._kv_peer is None:  # refused at the gate: uvicorn never saw it
                 return
-            gate.leave(self._kv_peer)
+            gate.leave(self._kv_peer, self)
             gate.http.discard(self)
             self._kv_peer = None
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             if self._kv_peer is not None:
+                self._kv_heard = True
                 super().data_received(data)
 
         def on_message_complete(self) -> None:
             self.kv_deadline = None
+            if not self._kv_proven:
+                auth = next((v for k, v in self.headers if k.lower() == b"authorization"), None)
+                token = auth.decode("latin-1").partition(" ")[2] if auth else None
+                if authenticates(token or None):
+                    self._kv_proven = True
+                    gate.prove(self)
             super().on_message_complete()
 
         def on_response_complete(self) -> None:

@@ -180,7 +180,8 @@ class Metrics:
             "kvstore_leases_expired", "Leases the daemon took back at their lease_timeout", registry=r)
         self.refused = Counter(
             "kvstore_connections_refused",
-            "Connections closed as accepted: over max_connections or max_connections_per_peer", registry=r)
+            "Connections closed over max_connections or max_connections_per_peer: refused as accepted, "
+            "or an unauthenticated one closed to admit a newer connection", registry=r)
         self.timeouts = Counter(
             "kvstore_connection_timeouts", "Connections closed at a deadline (handshake, frame, request)",
             ["plane", "reason"], registry=r)

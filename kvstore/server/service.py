@@ -172,6 +172,15 @@ class Service:
                 return tenant
         raise AuthError("unknown bearer token; check the token configured for your tenant")
 
+    def accepts(self, token: str | None) -> bool:
+        """Whether ``token`` authenticates (for the connection gate: an HTTP connection that
+        sent one is never closed to make room for an unauthenticated one)."""
+        try:
+            self.authenticate(token)
+        except AuthError:
+            return False
+        return True
+
     def tenants(self) -> list[Tenant]:
         return list(self._tenants.values())
 

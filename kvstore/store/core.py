@@ -534,19 +534,24 @@ class KVStore:
                 self._ledger.unpin(ids)
         self._ledger.extend_expiry(ids, until)
 
-    def unpin(self, ns: Namespace, hashes: Sequence[bytes], *, exact: bool = False, until: float | None = None) -> int:
+    def unpin(self, ns: Namespace, hashes: Sequence[bytes]) -> int:
         """Undo one :meth:`pin` of the same prefix (the longest pinned prefix of ``hashes``), or
         else take ``hashes`` out of the untimed pin that holds most of them; returns how many
-        blocks were unpinned. A pin with a deadline is only undone whole. ``exact``: undo only
-        the pin of exactly ``hashes`` with deadline ``until`` (None: untimed), the one the
-        caller made, never another pin of the same blocks."""
+        blocks were unpinned. A pin with a deadline is only undone whole."""
         info = self._ns(ns)
         keys = tuple(bytes(h) for h in hashes)
         with self._lock:
-            if exact:
-                record = self._pins.take_exact(info.digest, keys, until)
-            else:
-                record = self._pins.take(info.digest, keys) or self._pins.trim(info.digest, keys)
+            record = self._pins.take(info.digest, keys) or self._pins.trim(info.digest, keys)
+            return 0 if record is None else self._ledger.release_pin(record)
+
+    def unpin_own(self, ns: Namespace, hashes: Sequence[bytes], until: float | None) -> int:
+        """Undo exactly the pin of ``hashes`` with deadline ``until`` (None: untimed), the one the
+        caller made (a handoff), never another pin of the same blocks; returns how many blocks
+        were unpinned (0: no such pin)."""
+        info = self._ns(ns)
+        keys = tuple(bytes(h) for h in hashes)
+        with self._lock:
+            record = self._pins.take_exact(info.digest, keys, until)
             return 0 if record is None else self._ledger.release_pin(record)
 
     def pins(self) -> list[PinRecord]:

@@ -239,6 +239,13 @@ class Placer:
                 stuck.clear()
         return tier.fits(size)
 
+    def spare_copy(self, mask: int, k: int) -> bool:
+        """Whether tier ``k``'s copy of a block on the tiers of ``mask`` may simply go: another
+        copy stays, and while closing another *persistent* one (else the close would write the
+        block back from DRAM, pushing another block's only persistent copy out, and so on)."""
+        others = mask & ~(1 << k)
+        return bool(others & self.persistent_mask if self.closing else others)
+
     def _evicts_leaves(self, k: int) -> bool:
         """Whether tier ``k``'s leaves may leave the store: on the last tier, and on a volatile
         tier with no reachable tier below (a remote store is down: for now it is the last).
@@ -289,7 +296,7 @@ class Placer:
         ``n`` were applied), False (its demotion failed: the block is now in ``stuck``) or None
         (the first offer is no such victim: plan with :meth:`choose_room`)."""
         pol = self.ledger.policies[k]
-        idx, tier, bit = self.index, self.tiers[k], 1 << k
+        idx, tier = self.index, self.tiers[k]
         in_use, sizes, masks, pins, children = idx.in_use, idx.size, idx.tiers, idx.pins, idx.children
         forget = self.ledger.forget_leaf
         batch: list[int] = []
@@ -312,7 +319,7 @@ class Placer:
                 if bsize != size and (bsize < size or tier.size_class(bsize) != tier.size_class(size)):
                     result = None
                     break
-                if int(masks[bid]) & ~bit:
+                if self.spare_copy(int(masks[bid]), k):
                     self._evict_batch(k, batch)
                     self.drop_copy(bid, k)
                 elif not evict_leaves:
@@ -405,7 +412,7 @@ class Placer:
             bsize = int(sizes[bid])
             if same_class and tier.size_class(bsize) != want:
                 return 0
-            if int(masks[bid]) & others:
+            if int(masks[bid]) & others and self.spare_copy(int(masks[bid]), k):
                 action = COPY
             elif not last:
                 action = DEMOTE

@@ -106,6 +106,14 @@ def validate_chain(ledger: Ledger, info: NsInfo, hashes: Sequence[bytes], start:
                 f"block {i} of the chain ({bytes(hashes[i]).hex()}) is cached at another place (another "
                 "parent, depth or namespace); send the chain's hashes as hash_blocks computes them"
             )
+    # Past the cached prefix every block is new to the index: one that is cached elsewhere (a
+    # chain [c, q] whose q hangs under another parent) would be inserted twice.
+    for i in range(len(known), len(hashes)):
+        if hashes[i] in idx:
+            raise UsageError(
+                f"block {i} of the chain ({bytes(hashes[i]).hex()}) is cached at another place (under "
+                "another parent); send the chain's hashes as hash_blocks computes them"
+            )
     return known
 
 

@@ -81,6 +81,7 @@ def persist_volatile(placer: Placer) -> int:
     written = 0
     failed: dict[BlockHash, str] = {}
     now = placer.clock()
+    evicted = placer.ledger.counters.evictions
     placer.closing = True
     try:
         for _ in range(CLOSE_PASSES):
@@ -100,8 +101,13 @@ def persist_volatile(placer: Placer) -> int:
                     written += 1
                 else:
                     failed[key] = reason
+        for key in _volatile_keys(placer, now, failed):
+            failed[key] = f"still held only by a volatile tier after {CLOSE_PASSES} passes"
     finally:
         placer.closing = False
+    if (evicted := placer.ledger.counters.evictions - evicted) > 0:
+        log.warning("close: the persistent tiers were full; %d block(s) were evicted to make room for "
+                    "blocks held only in memory", evicted)
     if failed:
         placer.ledger.counters.dropped_on_close += len(failed)
         first = next(iter(failed.items()))

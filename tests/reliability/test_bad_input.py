@@ -19,10 +19,12 @@ from urllib.parse import quote
 
 import httpx
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.client import connect
+from kvstore.errors import UsageError
 from kvstore.server import protocol as P
 from kvstore.server.daemon import ThreadedDaemon
 from tests.conftest import BB, SMALL_NS, chain_for, payload
@@ -267,3 +269,32 @@ def _still_serves(d: ThreadedDaemon, token: str) -> None:
         out = np.zeros(3 * BB, np.uint8)
         assert c.get_into(SMALL_NS, chain, out) == 3
         assert bytes(out[BB : 2 * BB]) == payload(chain[1])
+
+
+@pytest.mark.parametrize("plane", ["tcp", "shm"])
+def test_a_chain_whose_block_hangs_under_another_parent_is_a_bad_request(
+    start_daemon: Callable[..., ThreadedDaemon], plane: str
+) -> None:
+    """Issue 33: a chain [c, q] whose q is cached under another parent answered INTERNAL
+    ("inserted twice") and closed the connection. It is a malformed chain: BAD_REQUEST (a
+    UsageError at the client), and the same connection carries on."""
+    d = start_daemon(TENANTS)
+    c_, q, x = b"c" * 16, b"q" * 16, b"x" * 16
+    with connect(d.url, token=TOKEN_A, plane=plane) as c:
+        c.register_namespace(SMALL_NS)
+        assert c.put(SMALL_NS, [x, q], [payload(x), payload(q)]) == 2
+        with pytest.raises(UsageError, match="cached at another place"):
+            c.put(SMALL_NS, [c_, q], [payload(c_), payload(q)])
+        out = np.zeros(2 * BB, np.uint8)
+        assert c.get_into(SMALL_NS, [x, q], out) == 2  # the same connection serves on
+        assert c.lookup(SMALL_NS, [c_]).num_blocks == 0  # nothing of the refused chain stored
+
+
+def test_boolean_token_ids_are_refused(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    """Issue 33: ``tokens: [true, false]`` was read as the token ids 1 and 0."""
+    d = start_daemon(TENANTS)
+    with connect(d.url, token=TOKEN_A, plane="tcp") as c:
+        c.register_namespace(SMALL_NS)
+    r = httpx.post(f"{d.url}/v1/lookup", headers={"Authorization": f"Bearer {TOKEN_A}"},
+                   json={"ns": bytes(SMALL_NS.root).hex(), "tokens": [True, False]})
+    assert r.status_code == 422 and r.json()["kind"] == "UsageError", r.text
