@@ -168,6 +168,8 @@ class LocalRGW(LocalS3):
     """One radosgw process of ``cluster`` on a loopback port (picked free at construction); the
     rest of :class:`LocalS3`'s surface (``kill``, ``pause``, ``resume``, ``restart``) as is."""
 
+    keeps_objects = True  # they live in the cluster's OSD, not in the gateway
+
     def __init__(self, cluster: RgwCluster, port: int | None = None, *, ready_timeout_s: float = 120.0) -> None:
         super().__init__(port, ready_timeout_s=ready_timeout_s)
         self.cluster = cluster
