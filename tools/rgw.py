@@ -38,6 +38,13 @@ BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "ceph", "radosgw-admin", "monmapt
 INSTALL = "apt-get install ceph-mon ceph-osd radosgw"
 
 
+def _child() -> None:
+    """In each daemon before exec: die with this process, and take SIGTERM (``main`` blocks it
+    here to wait for it; a blocked mask is inherited)."""
+    _die_with_parent()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def missing_binaries() -> list[str]:
     return [b for b in BINARIES if shutil.which(b) is None]
 
@@ -95,7 +102,7 @@ class RgwCluster:
 
     def _daemon(self, *argv: str) -> subprocess.Popen[bytes]:
         log = (self.root / "log" / f"{Path(argv[0]).name}.out").open("ab")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_child)
         log.close()
         self._procs.append(p)
         return p
@@ -186,7 +193,7 @@ class LocalRGW(LocalS3):
         self._proc = subprocess.Popen(
             ["radosgw", "-f", "-c", str(c.conf), "-n", "client.rgw", "--keyring", str(c.root / "rgw.keyring"),
              f"--rgw-frontends=beast endpoint=127.0.0.1:{self.port}"],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_child)
         log.close()
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
@@ -225,11 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.rgw", description=__doc__.splitlines()[0])
     p.add_argument("dir", type=Path, help="the cluster's directory (wiped)")
     args = p.parse_args(argv)
-    with RgwCluster(args.dir) as cluster, LocalRGW(cluster) as s3:
-        print(json.dumps({"endpoint": s3.endpoint, "access_key": ACCESS_KEY, "secret_key": SECRET_KEY,
-                          "seconds_to_start": round(cluster.seconds_to_start, 1)}), flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    stop = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # taken by sigwait below, then a clean stop
+    try:
+        with RgwCluster(args.dir) as cluster, LocalRGW(cluster) as s3:
+            print(json.dumps({"endpoint": s3.endpoint, "access_key": ACCESS_KEY, "secret_key": SECRET_KEY,
+                              "seconds_to_start": round(cluster.seconds_to_start, 1)}), flush=True)
+            signal.sigwait(stop)
+    except RuntimeError as e:
+        print(f"python -m tools.rgw: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
