@@ -229,7 +229,10 @@ class LocalRGW(LocalS3):
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    from kvstore.version import version
+
     p = argparse.ArgumentParser(prog="python -m tools.rgw", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("dir", type=Path, help="the cluster's directory (wiped)")
     args = p.parse_args(argv)
     stop = {signal.SIGINT, signal.SIGTERM}
