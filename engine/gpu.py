@@ -110,6 +110,86 @@ def arena_tensor(name: str) -> torch.Tensor:
         return host
 
 
+_REGISTERED: dict[int, int] = {}  # address -> bytes of host memory this process registered
+"""Host ranges registered by :func:`register_host` (an arena is registered by :func:`arena_tensor`)."""
+
+
+def register_host(t: torch.Tensor) -> bool:
+    """Page-lock the host memory of ``t`` (contiguous uint8, e.g. a daemon connection's staging
+    segment) for DMA with ``cudaHostRegister``, once per address; False without CUDA. A range
+    registered before at this address with another size is registered again."""
+    if not torch.cuda.is_available():
+        return False
+    ptr, size = t.data_ptr(), t.numel() * t.element_size()
+    with _LOCK:
+        if _REGISTERED.get(ptr) == size:
+            return True
+        if ptr in _REGISTERED:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 0))
+        if err == 712:  # cudaErrorHostMemoryAlreadyRegistered: a mapping that was here before
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+            err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 0))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {size} bytes of host memory failed: CUDA error {err}")
+        _REGISTERED[ptr] = size
+        return True
+
+
+_IPC: dict[str, Any] = {}
+
+
+def _ipc_calls() -> tuple[Any, Any]:
+    """``cudaIpcGetMemHandle`` (the runtime torch loaded) and ``cuMemGetAddressRange_v2`` (the driver)."""
+    if not _IPC:
+        get = None
+        for name in _cudart_candidates():
+            try:
+                get = ctypes.CDLL(name).cudaIpcGetMemHandle
+                break
+            except (OSError, AttributeError):
+                continue
+        if get is None:
+            raise OSError("the CUDA runtime (libcudart) was not found")
+        get.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        get.restype = ctypes.c_int
+        rng = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+        rng.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        rng.restype = ctypes.c_int
+        _IPC.update(get=get, range=rng)
+    return _IPC["get"], _IPC["range"]
+
+
+def device_export(t: torch.Tensor) -> tuple[int, bytes, int, int]:
+    """A CUDA tensor's memory as another process on the node opens it: ``(device, the 64-byte IPC
+    handle of its allocation, the tensor's offset in the allocation, bytes from there to the
+    allocation's end)``. OSError where CUDA cannot export it (memory mapped with the virtual
+    memory API, e.g. an allocator with expandable segments)."""
+    if not t.is_cuda:
+        raise OSError("only CUDA memory can be exported")
+    get, rng = _ipc_calls()
+    torch.cuda.set_device(t.device)  # the thread's current context: the tensor's device's
+    ptr = t.data_ptr()
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    err = rng(ctypes.byref(base), ctypes.byref(size), ptr)
+    if err:
+        raise OSError(f"cuMemGetAddressRange failed: CUDA driver error {err}")
+    handle = (ctypes.c_char * 64)()
+    err = get(ctypes.byref(handle), ctypes.c_void_p(base.value))
+    if err:
+        raise OSError(f"cudaIpcGetMemHandle failed: CUDA error {err}")
+    off = ptr - int(base.value)
+    return int(t.device.index or 0), bytes(handle), off, int(size.value) - off
+
+
+def unregister_host(t: torch.Tensor) -> None:
+    """Undo :func:`register_host` (before the memory is unmapped)."""
+    ptr = t.data_ptr()
+    with _LOCK:
+        if _REGISTERED.pop(ptr, None) is not None and torch.cuda.is_available():
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 def release_arenas() -> None:
     """Unmap (and unregister) every arena mapped so far; call only when no lease is held and no
     copy from an arena is in flight (benchmarks that close a store and open another)."""
@@ -124,6 +204,21 @@ def release_arenas() -> None:
     for shm in shms:
         with contextlib.suppress(BufferError):  # a tensor over it is still alive: it stays mapped
             shm.close()
+
+
+def arena_layer_rows(buf: torch.Tensor, offsets: list[int], layer: int, page_bytes: int) -> torch.Tensor:
+    """Layer ``layer`` of blocks at byte ``offsets`` of ``buf`` (1-D uint8) as ``[n, page_bytes]``:
+    a strided view when the blocks are equally spaced (no copy), else one gather."""
+    n = len(offsets)
+    base = offsets[0] + layer * page_bytes
+    if n == 1:
+        return buf[base : base + page_bytes].view(1, page_bytes)
+    step = offsets[1] - offsets[0]
+    if step > 0 and all(offsets[i + 1] - offsets[i] == step for i in range(n - 1)):
+        return buf.as_strided((n, page_bytes), (step, 1), base)
+    idx = torch.as_tensor([o + layer * page_bytes for o in offsets], dtype=torch.long)
+    rows = buf.as_strided((buf.numel() - page_bytes + 1, page_bytes), (1, 1))
+    return rows.index_select(0, idx)
 
 
 class _ArenaRows:
@@ -191,6 +286,13 @@ class _ArenaRows:
 
 class _ArenaSource(_ArenaRows):
     """Arena rows read to the device: the copies of a lease's blocks and of a peek's."""
+
+    def layer_rows(self, first: int, count: int, layer: int, page_bytes: int) -> torch.Tensor:
+        """Layer ``layer`` of blocks ``first..first+count-1`` as a host view ``[count,
+        page_bytes]`` (strided where the blocks are equally spaced; a gather otherwise): the CPU
+        engine's restore reads its pages' rows from it."""
+        offsets = [off for off, _ in self.locations[first : first + count]]
+        return arena_layer_rows(self.host, offsets, layer, page_bytes)
 
     def copy_range(self, dst: torch.Tensor, lo: int, hi: int) -> None:
         """Bytes ``lo:hi`` of every block into ``dst[i, lo:hi]`` (asynchronous on the current
@@ -285,10 +387,14 @@ class HostBlocks:
     def copy_range(self, dst: torch.Tensor, lo: int, hi: int) -> None:
         self.copy_into(dst[:, lo:hi], lo, hi)
 
-    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0) -> int:
+    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0, stream: Any = None) -> int:
         """As :meth:`ArenaBlocks.copy_into`: one copy for all the rows."""
-        dst.copy_(self.blocks[first : first + dst.shape[0], lo:hi], non_blocking=True)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            dst.copy_(self.blocks[first : first + dst.shape[0], lo:hi], non_blocking=True)
         return 1
+
+    def layer_rows(self, first: int, count: int, layer: int, page_bytes: int) -> torch.Tensor:
+        return self.blocks[first : first + count, layer * page_bytes : (layer + 1) * page_bytes]
 
     def release(self) -> None:
         pass

@@ -79,8 +79,9 @@ def layout_conflicts(ns: Namespace, registered: Iterable[Namespace]) -> list[dic
     """:func:`layout_warnings` of ``ns`` against each of ``registered`` (namespaces of its model
     deployment with another layout): what a registration that conflicts reports. Each warning's
     ``namespaces`` is ``[ns, the registered one]`` and its differences read ``ns``'s value first."""
-    new = namespace_row(ns, None)
-    return [w for other in registered for w in layout_warnings([new, namespace_row(other, None)])]
+    # The caller chose ``registered`` (those that hold blocks): no row is left out as empty here.
+    new = {**namespace_row(ns, None), "blocks": None}
+    return [w for other in registered for w in layout_warnings([new, {**namespace_row(other, None), "blocks": None}])]
 
 
 def _diff(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any, Any]]:

@@ -151,6 +151,18 @@ class PinBook:
         self._save()
         return record
 
+    def take_exact(self, ns: bytes, hashes: tuple[bytes, ...], until: float | None) -> PinRecord | None:
+        """Remove the record of exactly ``hashes`` with exactly ``until`` (the latest such: the
+        pin its caller made), or None. For a caller that knows which pin is its own (a
+        handoff), so that another pin of the same prefix (the tenant's own guarantee) stays."""
+        for seq in reversed(self._records):
+            r = self._records[seq]
+            if r.ns == ns and r.until == until and r.hashes == hashes:
+                del self._records[seq]
+                self._save()
+                return r
+        return None
+
     def trim(self, ns: bytes, hashes: tuple[bytes, ...]) -> PinRecord | None:
         """Take ``hashes`` out of the untimed pin that holds most of them (an unpin of part of
         a pinned prefix); the blocks taken, or None. Timed pins are guarantees: never trimmed."""

@@ -79,6 +79,12 @@ class Segment:
             os.close(self._fd)
             self._fd = -1
 
+    def close_fd(self) -> None:
+        """Close the descriptor, keeping the mapping (once handed over, nobody needs it here)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
     def forget(self) -> None:
         """Drop the mapping without unmapping (at exit, when a view may still be alive)."""
         self._buf = self._mmap = None

@@ -10,7 +10,8 @@ until the request is done (``UCXRequest.wait_yield``). Its thread modes trade th
 progress thread that wakes every millisecond and a notifier thread per completion. On a
 machine of two cores a spinning peer takes the CPU that the bytes need: per 64 MiB over
 loopback the client and the sender each burnt their whole wall time (34 + 35 ms against a
-raw socket's 21 + 14 ms), docs/benchmarks.md "Data planes (issue 20)".
+raw socket's 21 + 14 ms); the current figures are in docs/benchmarks.md, "The daemon's data
+and control planes".
 """
 
 from __future__ import annotations

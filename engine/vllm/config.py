@@ -46,6 +46,18 @@ class ConnectorConfig:
     backoff_s: float = 0.5
     """First wait before reconnecting to a daemon that failed; doubles up to ``max_backoff_s``."""
     max_backoff_s: float = 10.0
+    layer_group: int = 4
+    """``layerwise`` loads: layers copied to the device per DMA tile (a smaller group makes the
+    first layer ready sooner; ``async`` loads copy whole blocks)."""
+    piece_bytes: int = 128 << 20
+    """Bytes of one DMA tile of a load, and of one piece of a save (a GPU's device-to-host copy
+    into the daemon's staging segment, put while the next piece crosses the link)."""
+    stage_bytes: int = 512 << 20
+    """Device staging of a GPU load: a ring of ``stage_bytes // piece_bytes`` tiles."""
+    device_puts: bool = True
+    """On a GPU with the daemon on this node: saves by PUT_DEVICE (the daemon copies the pages
+    from the GPU into its arena: no host copy), where the daemon offers it; False: through the
+    connection's staging segment."""
     load_failure_policy: str = "recompute"
     """What vLLM does with a block that failed to load: ``recompute`` (kvstore sets vLLM's
     ``kv_load_failure_policy`` to it) or ``fail`` (keep vLLM's own setting)."""
@@ -70,7 +82,9 @@ class ConnectorConfig:
             raise ConfigError(f"kv_connector_extra_config.ttl_s must be >= 0 seconds, got {self.ttl_s!r}")
         if self.max_backoff_s < self.backoff_s:
             raise ConfigError("kv_connector_extra_config.max_backoff_s must be >= backoff_s")
-        for name in ("min_load_blocks", "max_pending_saves"):
+        if self.stage_bytes < self.piece_bytes:
+            raise ConfigError("kv_connector_extra_config.stage_bytes must be >= piece_bytes")
+        for name in ("min_load_blocks", "max_pending_saves", "layer_group", "piece_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be >= 1, got {getattr(self, name)!r}")
 

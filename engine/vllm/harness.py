@@ -8,10 +8,14 @@ with ``if __name__ == "__main__":`` (vLLM spawns processes).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+import numpy as np
 
 from kvstore.client.spawn import LocalDaemon, start_daemon
 from kvstore.errors import UsageError
@@ -180,3 +184,76 @@ def generate_timed(llm: Any, prompt: Sequence[int], max_tokens: int) -> tuple[Co
     if metrics is None or not metrics.first_token_latency:
         raise UsageError("generate_timed needs vLLM's request stats: build the LLM with disable_log_stats=False")
     return _completion(out), float(metrics.first_token_latency)
+
+
+class WorkerDriver:
+    """The connector's worker side (:class:`engine.vllm.worker.Worker`) driven as vLLM drives it,
+    outside vLLM: ``register_kv_caches`` once, then per step ``bind_connector_metadata`` (the
+    scheduler's plan), ``start_load_kv``, ``wait_for_layer_load`` for each attention layer,
+    ``save_kv_layer`` (nothing: the connector saves whole blocks in ``wait_for_save``),
+    ``wait_for_save`` and ``get_finished``. For benchmarks on a GPU machine where vLLM is not
+    installed (``tools.bench peers --device cuda``) and tests; one request per step."""
+
+    def __init__(self, url: str, spec: Any, kv_caches: dict[str, Any], *, model_id: str = "bench/driver",
+                 **extra: Any) -> None:
+        from engine.vllm.config import ConnectorConfig
+        from engine.vllm.worker import Worker
+
+        cfg = ConnectorConfig(url=url, model_id=model_id, **extra)
+        vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=model_id, revision="main", quantization=None))
+        self.spec = spec
+        self.worker = Worker(vllm_config, cfg, spec, tp=(0, 1))
+        self.worker.register_kv_caches(kv_caches)
+        self._n = 0
+
+    def _req(self, tokens: Sequence[int]) -> tuple[str, Any]:
+        from engine.vllm.worker import ReqInfo
+
+        self._n += 1
+        return f"req-{self._n}", ReqInfo(np.asarray(tokens, dtype=np.int32), "", b"")
+
+    def save(self, tokens: Sequence[int], block_ids: Sequence[int], *, wait: bool = True) -> None:
+        """One step that saves ``tokens``' full blocks from pages ``block_ids``; ``wait``: until
+        the daemon holds them (``flush``)."""
+        from engine.vllm.worker import SaveSpec, StepPlan
+
+        req, info = self._req(tokens)
+        self._step(StepPlan(infos={req: info}, saves=[SaveSpec(req, 0, list(block_ids))]))
+        if wait:
+            self.worker.flush()
+
+    def load(self, tokens: Sequence[int], block_ids: Sequence[int], *, layerwise: bool = False,
+             compute: Callable[[int], None] | None = None, timeout: float = 60.0) -> int:
+        """Load ``tokens``' leading cached blocks into pages ``block_ids``: ``async`` (a step
+        that starts the load, then ``get_finished`` each step until the request is done) or
+        ``layerwise`` (one step: each layer waits for its own load, then ``compute(layer)`` runs
+        on the current stream, the forward pass). Returns the blocks loaded; failed blocks raise."""
+        from engine.vllm.worker import LoadSpec, StepPlan
+
+        req, info = self._req(tokens)
+        before = self.worker.counters.loaded_blocks
+        self._step(StepPlan(infos={req: info}, loads=[LoadSpec(req, 0, list(block_ids), not layerwise)]),
+                   compute=compute)
+        if not layerwise:
+            deadline = time.monotonic() + timeout
+            while req not in self.worker.get_finished():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the load of {len(block_ids)} blocks did not finish in {timeout} s")
+                time.sleep(20e-6)
+        errors = self.worker.take_errors()
+        if errors:
+            raise RuntimeError(f"{len(errors)} pages failed to load: {sorted(errors)[:8]}")
+        return self.worker.counters.loaded_blocks - before
+
+    def _step(self, plan: Any, compute: Callable[[int], None] | None = None) -> None:
+        w = self.worker
+        w.bind(plan)
+        w.start_load_kv()
+        for i, name in enumerate(self.spec.layer_names):
+            w.wait_for_layer_load(name)
+            if compute is not None:
+                compute(i)
+        w.wait_for_save()
+
+    def close(self) -> None:
+        self.worker.close()

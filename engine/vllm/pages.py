@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from engine.gpu import arena_layer_rows
 from kvstore.errors import UsageError
 from kvstore.keys import KVLayout, LayerGroup, Namespace
 
@@ -151,6 +152,14 @@ class PagedKV:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def page_bytes(self) -> int:
+        return self.spec.page_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.spec.block_bytes
+
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
 
@@ -202,16 +211,6 @@ class PagedKV:
         return self._ids(block_ids)
 
 
-def layer_rows(buf: torch.Tensor, offsets: Sequence[int], layer: int, page_bytes: int) -> torch.Tensor:
-    """Layer ``layer`` of blocks at byte ``offsets`` of ``buf`` (1-D uint8) as ``[n, page_bytes]``:
-    a strided view when the blocks are equally spaced (no copy), else one gather."""
-    n = len(offsets)
-    base = offsets[0] + layer * page_bytes
-    if n == 1:
-        return buf[base : base + page_bytes].view(1, page_bytes)
-    step = offsets[1] - offsets[0]
-    if step > 0 and all(offsets[i + 1] - offsets[i] == step for i in range(n - 1)):
-        return buf.as_strided((n, page_bytes), (step, 1), base)
-    idx = torch.as_tensor([o + layer * page_bytes for o in offsets], dtype=torch.long)
-    rows = buf.as_strided((buf.numel() - page_bytes + 1, page_bytes), (1, 1))
-    return rows.index_select(0, idx)
+layer_rows = arena_layer_rows
+"""Layer ``layer`` of blocks at byte ``offsets`` of a 1-D uint8 buffer as ``[n, page_bytes]``
+(:func:`engine.gpu.arena_layer_rows`)."""

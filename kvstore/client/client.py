@@ -668,6 +668,82 @@ class Client:
 
         return self._retry(call)
 
+    def staging(self, nbytes: int) -> SharedMemory:
+        """This connection's staging segment, of ``nbytes`` at least (the shared-memory plane
+        only), for a caller that writes blocks into it itself (a GPU's device-to-host copy) and
+        then stores them with :meth:`put_staged`: no copy and no checksum on the client. A new
+        connection (after a daemon restart, say) has a new segment; :meth:`put_staged` refuses
+        one that is no longer this connection's."""
+        if self.plane != "shm":
+            raise UsageError(f"staged puts need the shared-memory plane; this client uses {self.plane!r}")
+        limit = int(self.info.get("max_staging_bytes", 0))
+        if not 0 < nbytes <= limit:
+            raise UsageError(f"a staging segment holds 1..{limit} bytes (the daemon's max_staging), not {nbytes}")
+
+        def call() -> SharedMemory:
+            conn = self._conn
+            assert conn is not None
+            return self._staging_for(conn, nbytes)
+
+        return self._retry(call)
+
+    def put_staged(
+        self, ns: Namespace, hashes: Sequence[bytes], segment: SharedMemory, *, start: int = 0, offset: int = 0,
+        durable: bool = False,
+    ) -> int:
+        """Store blocks ``start..`` of a chain that the caller wrote into ``segment`` (from
+        :meth:`staging`) at byte ``offset``, back to back (as :meth:`put`; returns how many were
+        new). The daemon copies the staged bytes into the store once; a caller writing the same
+        bytes of its segment while the call runs tears only its own blocks. A segment that is no
+        longer this connection's raises :class:`DaemonUnavailableError` (take it again)."""
+        hashes = list(hashes)
+        if not 0 <= start <= len(hashes):
+            raise UsageError(f"start={start} is outside the chain of {len(hashes)} blocks")
+        need = (len(hashes) - start) * ns.block_bytes
+        if offset < 0 or offset + need > segment.size:
+            raise UsageError(f"bytes {offset}..{offset + need} are outside the {segment.size}-byte staging segment")
+
+        def call() -> int:
+            conn, ns_id = self._conn, self._ns_id(ns)
+            assert conn is not None
+            if self._staging is not segment:
+                raise DaemonUnavailableError(
+                    "the staging segment was replaced (the connection to the daemon was made again): "
+                    "take the new one with staging() and write the blocks again"
+                )
+            _, meta = conn.call(P.Op.PUT_SHM, P.encode_put(ns_id, hashes, start, durable, offset, None))
+            return P.parse_u64(meta)
+
+        return self._retry(call, idempotent=False)
+
+    def put_device(
+        self, ns: Namespace, hashes: Sequence[bytes], *, device: int, handle: bytes, offset: int, size: int,
+        start: int = 0,
+    ) -> int:
+        """Store blocks ``start..`` of a chain that lie back to back in this process's GPU memory:
+        a buffer exported with a CUDA IPC handle (``engine.gpu.device_export``: the device, the
+        allocation's 64-byte handle, the first block's ``offset`` in it and the ``size`` in bytes
+        from there). The daemon copies them from the device straight into its arena (PUT_DEVICE:
+        no host copy on either side); only on a same-node daemon whose HELLO offers it
+        (``info["put_device"]``). Returns how many blocks were new, as :meth:`put`. The buffer
+        must hold its bytes until the call returns."""
+        hashes = list(hashes)
+        if not 0 <= start <= len(hashes):
+            raise UsageError(f"start={start} is outside the chain of {len(hashes)} blocks")
+        if (len(hashes) - start) * ns.block_bytes > size:
+            raise UsageError(f"{len(hashes) - start} blocks of {ns.block_bytes} bytes do not fit in {size} bytes")
+
+        def call() -> int:
+            if self.plane != "shm" or not self.info.get("put_device"):
+                raise UsageError("this daemon does not copy from GPU memory (put_device): use put or put_staged")
+            conn, ns_id = self._conn, self._ns_id(ns)
+            assert conn is not None
+            meta = P.encode_put_device(ns_id, hashes, start, device, handle, offset, size)
+            _, reply = conn.call(P.Op.PUT_DEVICE, meta)
+            return P.parse_u64(reply)
+
+        return self._retry(call, idempotent=False)
+
     def _staging_for(self, conn: FrameConn, need: int) -> SharedMemory:
         if self._staging is None or self._staging.size < need:
             size = min(max(need, _STAGING_MIN), int(self.info["max_staging_bytes"]))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -197,6 +198,23 @@ class ServerConfig:
             raise ConfigError(
                 f"[server] host {self.host!r} is not loopback, but no [[tenants]] with tokens are "
                 "configured; the anonymous tenant is loopback-only: add tenants or bind 127.0.0.1"
+            )
+
+
+def check_exposure(config: ServerConfig, publish: str | None, replay: str | None = None) -> None:
+    """ConfigError when the KV event stream (``[events] publish``/``replay``) would leave the
+    machine unauthenticated: with no ``[[tenants]]`` it carries every block hash and prompt
+    token with no authentication, so, like the anonymous tenant's ports, it binds loopback only."""
+    if config.tenants:
+        return  # every stream authenticates (ZeroMQ PLAIN with the tenants' tokens)
+    for what, url in (("publish", publish), ("replay", replay)):
+        m = re.match(r"^tcp://([^:/]+):\d+$", url or "")
+        if m is not None and not is_loopback(m.group(1).strip("[]")):
+            raise ConfigError(
+                f"[events] {what} = {url!r} is not loopback, but no [[tenants]] with tokens are "
+                "configured: the event stream would carry every block hash and prompt token off "
+                "the machine unauthenticated. Bind it to 127.0.0.1, or configure [[tenants]] "
+                "(each stream then authenticates with their tokens)"
             )
 
 

@@ -31,8 +31,9 @@ from kvstore.clock import Clock, system_clock
 from kvstore.config import StoreConfig
 from kvstore.errors import KVStoreError
 from kvstore.server.app import make_app
-from kvstore.server.config import ServerConfig
+from kvstore.server.config import ServerConfig, check_exposure
 from kvstore.server.dataplane import DataContext, TcpDataServer
+from kvstore.server.devcopy import DeviceCopier
 from kvstore.server.fdpass import FdServer
 from kvstore.server.limits import (
     ConnectionGate,
@@ -75,6 +76,7 @@ class Daemon:
         """``clock``: the store's wall clock (a :class:`kvstore.clock.FakeClock` in tests)."""
         if store_config.events.enabled is None:  # the daemon keeps an access log unless told not to
             store_config = replace(store_config, events=replace(store_config.events, enabled=True))
+        check_exposure(config, store_config.events.publish, store_config.events.replay)
         self.store_config = store_config
         self.config = config
         self.clock = clock
@@ -126,10 +128,12 @@ class Daemon:
                 fds.start()
             lim = cfg.limits
             metrics = Metrics(store.stats, service.namespace_tenants)
-            gate = ConnectionGate(descriptor_budget(lim.max_connections), lim.max_connections_per_peer,
+            tickets = fds.max_claims + fds.max_per_owner * len(service.tenants()) if fds else 0
+            gate = ConnectionGate(descriptor_budget(lim.max_connections, tickets), lim.max_connections_per_peer,
                                   metrics.refused.inc)
             ctx = DataContext(service, pool, metrics, arena_shm.buf if arena_shm else None, node_id(),
-                              gate, InflightBytes(lim.max_inflight_bytes_per_tenant), fds, arena_fd)
+                              gate, InflightBytes(lim.max_inflight_bytes_per_tenant), fds, arena_fd,
+                              DeviceCopier(arena_shm.buf) if arena_shm is not None else None)
             planes: list[Any] = []
             tcp = TcpDataServer(ctx)
             data_port = tcp.adopt(tcp_sock)

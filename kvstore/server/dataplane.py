@@ -29,6 +29,7 @@ import secrets
 import socket
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from kvstore.block import payload_checksum
 from kvstore.errors import error_kind
 from kvstore.server import protocol as P
 from kvstore.server.config import is_loopback
+from kvstore.server.devcopy import DeviceCopier
 from kvstore.server.fdpass import FdServer
 from kvstore.server.limits import ConnectionGate, InflightBytes, peer_of
 from kvstore.server.metrics import Metrics
@@ -170,6 +172,8 @@ class DataContext:
     """Hands the arena and staging descriptors to same-node clients (None: no arena)."""
     arena_fd: int = -1
     """A read-only descriptor of the arena: what a client granted shared memory gets."""
+    devcopy: DeviceCopier | None = None
+    """PUT_DEVICE's copies out of engines' GPU memory into the arena (None: no arena)."""
 
     async def run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -219,6 +223,8 @@ class Session:
         self.leases: dict[int, tuple[Lease, float]] = {}
         """lease id -> (lease, deadline on the loop's clock)"""
         self.staging: Segment | None = None
+        self.devices: OrderedDict[tuple[int, bytes], int] = OrderedDict()
+        """CUDA IPC handles this session's PUT_DEVICEs opened (``kvstore.server.devcopy``)."""
         self.busy = False
         self._unread = 0  # payload bytes of the current frame not read yet
         self._next_lease = 1
@@ -352,6 +358,7 @@ class Session:
             P.Op.RELEASE: self._release,
             P.Op.STAGING: self._staging,
             P.Op.PUT_SHM: self._put_shm,
+            P.Op.PUT_DEVICE: self._put_device,
             P.Op.LOOKUP: self._lookup,
         }[op]
         await handler(hdr, meta)
@@ -379,12 +386,15 @@ class Session:
             "put_tokens": True,  # PUT / PUT_SHM may carry their blocks' token ids (protocol.PUT_TOKENS)
             "lookup": True,  # LOOKUP frames: an engine's lookups without the HTTP control plane
             "get_runs": True,  # GET_RUNS: a GET whose payload moves in runs (one UCX message each)
+            # PUT_DEVICE: the daemon copies a GPU engine's blocks out of its device memory itself
+            "put_device": bool(shm and self.ctx.devcopy is not None and self.ctx.service.store.reservable() is None
+                               and await self.ctx.run(self.ctx.devcopy.available)),
         }
         if shm:
             assert fds is not None
             # The arena has no name to open: a read-only descriptor, fetched with this ticket.
             info["shm_socket"] = fds.address
-            info["arena_ticket"] = fds.offer([self.ctx.arena_fd]).hex()
+            info["arena_ticket"] = fds.offer([self.ctx.arena_fd], self.tenant.name, (id(self), "arena")).hex()
         await self._reply(hdr.req_id, json.dumps(info).encode())
 
     def _shm_allowed(self) -> Tenant:
@@ -511,12 +521,10 @@ class Session:
                     self._unread -= tok_bytes
                 new = await self._call(svc.put, t, req.ns_id, req.hashes, buf, req.start, req.durable,
                                        reserved=reserved, tokens=tokens)
-                reserved = 0  # given back by the put
             finally:
                 await self.ctx.inflight.release(t.name, hdr.payload_len)
         finally:
-            if reserved:
-                svc.unreserve(t, reserved)
+            svc.unreserve(reserved)  # once: a put that gave it back already is not counted twice
         self.ctx.metrics.bytes.labels(self.ch.plane, "in").inc(hdr.payload_len)
         await self._reply(hdr.req_id, P.encode_u64(new))
 
@@ -574,7 +582,11 @@ class Session:
         except OSError as e:
             raise RequestError(P.ErrorCode.UNAVAILABLE, f"cannot create a staging segment: {e}") from e
         # A memfd: no name, so only this client (handed the descriptor) and the daemon map it.
-        await self._reply(hdr.req_id, b"fd:" + fds.offer([self.staging.fileno()]).hex().encode())
+        # The daemon keeps its mapping, not the descriptor: a connection holds its socket and
+        # at most two tickets (fdpass.py), whatever it sends.
+        ticket = fds.offer([self.staging.fileno()], self.tenant.name if self.tenant else "", (id(self), "staging"))
+        self.staging.close_fd()
+        await self._reply(hdr.req_id, b"fd:" + ticket.hex().encode())
 
     async def _put_shm(self, hdr: P.Header, meta: bytearray) -> None:
         svc, t = self.ctx.service, self._shm_allowed()
@@ -595,7 +607,7 @@ class Session:
         # The token ids are copied out: the client may reuse its staging once we reply.
         tokens = np.frombuffer(self.staging.buf[off + n : off + n + tok_bytes], "<i4").copy() if tok_bytes else None
         try:
-            bad = await self.ctx.run(_first_mismatch, src, req.checksums, bb)
+            bad = None if req.checksums is None else await self.ctx.run(_first_mismatch, src, req.checksums, bb)
             if bad is not None:
                 raise RequestError(
                     P.ErrorCode.BAD_REQUEST,
@@ -606,6 +618,30 @@ class Session:
         finally:
             src.release()
         self.ctx.metrics.bytes.labels(self.ch.plane + "+shm", "in").inc(n)
+        await self._reply(hdr.req_id, P.encode_u64(new))
+
+    async def _put_device(self, hdr: P.Header, meta: bytearray) -> None:
+        """PUT_DEVICE (``kvstore.server.devcopy``): arena slots reserved for the new blocks,
+        filled by device-to-host DMAs from the client's exported GPU buffer, then committed."""
+        svc, t = self.ctx.service, self._shm_allowed()
+        req = P.parse_put_device(meta, svc.limits.max_blocks)
+        copier = self.ctx.devcopy
+        if copier is None or not await self.ctx.run(copier.available):
+            raise RequestError(P.ErrorCode.BAD_REQUEST,
+                               "this daemon cannot copy from GPU memory (HELLO says put_device: false): use PUT_SHM")
+        bb = await self._call(svc.block_bytes, t, req.ns_id)
+        devices = self.devices
+
+        def fill(res: Any) -> int:
+            copier.copy(devices, req.device, req.handle, req.offset, req.size, bb, res.locations,
+                        res.first - req.start)
+            return int(res.num_blocks)
+
+        try:
+            new = await self._call(svc.put_device, t, req.ns_id, req.hashes, req.start, fill)
+        except (OSError, ValueError) as e:  # a handle that does not open, a buffer too small
+            raise RequestError(P.ErrorCode.BAD_REQUEST, f"PUT_DEVICE failed, nothing stored: {e}") from e
+        self.ctx.metrics.bytes.labels(self.ch.plane + "+device", "in").inc(new * bb)
         await self._reply(hdr.req_id, P.encode_u64(new))
 
     # ---- end of session -----------------------------------------------------------------------
@@ -620,7 +656,12 @@ class Session:
         leases, self.leases = list(self.leases.values()), {}
         for lease, _ in leases:
             await self._give_back(lease)
+        if self.devices and self.ctx.devcopy is not None:
+            await self.ctx.run(self.ctx.devcopy.close_session, self.devices)
         self._close_staging()
+        if self.ctx.fds is not None:  # tickets this connection never claimed
+            for slot in ("arena", "staging"):
+                self.ctx.fds.revoke_slot((id(self), slot))
         await self.ch.close()
 
 

@@ -114,7 +114,7 @@ class Handoffs:
         pinned = self.service.pin(t, ns_id, hashes, deadline if durable else None)
         if pinned < len(hashes):  # evicted between the lookup and the pin: take back what held
             stored = self.service.namespace(t, ns_id)
-            self._unpin_keys(stored, self.service.store_keys(t, stored, hashes[:pinned]))
+            self._unpin_keys(stored, self.service.store_keys(t, stored, hashes[:pinned]), deadline if durable else None)
             raise MissingPrefixError(f"only {pinned} of {len(hashes)} blocks were still cached; put them again")
         stored = self.service.namespace(t, ns_id)
         h = Handoff(request_id, t.name, bytes(ns_id).hex(), bytes(stored.root).hex(),
@@ -193,12 +193,14 @@ class Handoffs:
             return
         ns = self._stored_ns(h)
         if ns is not None:
-            self._unpin_keys(ns, [bytes.fromhex(k) for k in h.keys])
+            self._unpin_keys(ns, [bytes.fromhex(k) for k in h.keys], h.deadline if h.durable else None)
 
-    def _unpin_keys(self, ns: Namespace, keys: Sequence[bytes]) -> None:
+    def _unpin_keys(self, ns: Namespace, keys: Sequence[bytes], until: float | None) -> None:
+        """Undo the handoff's own pin (these keys, this deadline; None: untimed): never the
+        tenant's own pin or guarantee of the same blocks, which a plain unpin could pick."""
         if keys:
             try:
-                self.store.unpin(ns, keys)
+                self.store.unpin(ns, keys, exact=True, until=until)
             except TierIOError as e:  # pins.json could not be written: the pin ends at restart
                 log.error("handoff: unpin failed: %s", e)
 

@@ -30,9 +30,10 @@ RESERVED_FDS = 256
 """Descriptors kept for the store's own files (RocksDB, the slab, objects, logs) and the pool."""
 
 
-def descriptor_budget(configured: int) -> int:
-    """``configured`` connections, or fewer when RLIMIT_NOFILE would run out first. The soft
-    limit is raised to the hard one first (what a daemon may do for itself)."""
+def descriptor_budget(configured: int, extra: int = 0) -> int:
+    """``configured`` connections, or fewer when RLIMIT_NOFILE would run out first, keeping
+    :data:`RESERVED_FDS` and ``extra`` more (the fd-passing tickets' bound) for the daemon. The
+    soft limit is raised to the hard one first (what a daemon may do for itself)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft < hard:
         try:
@@ -42,7 +43,8 @@ def descriptor_budget(configured: int) -> int:
             pass
     if soft == resource.RLIM_INFINITY:
         return configured
-    room = max(16, soft - RESERVED_FDS if soft > 2 * RESERVED_FDS else soft // 2)
+    keep = RESERVED_FDS + extra
+    room = max(16, soft - keep if soft > 2 * keep else soft // 2)
     if room < configured:
         log.warning("RLIMIT_NOFILE is %d: at most %d connections (max_connections = %d); raise "
                     "LimitNOFILE for more", soft, room, configured)

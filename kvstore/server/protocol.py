@@ -61,8 +61,8 @@ class Op(enum.IntEnum):
     to be fetched from the daemon's fd socket (kvstore.server.fdpass)."""
     PUT_SHM = 7
     """meta: ns id, u32 start, u32 n, u8 flags, u64 staging offset, n hashes, then one u64
-    xxh3-64 checksum per block put (n - start), verified against the staged bytes. No payload;
-    with PUT_TOKENS the token ids are staged right after the blocks."""
+    xxh3-64 checksum per block put (n - start), verified against the staged bytes (none with
+    PUT_UNCHECKED). No payload; with PUT_TOKENS the token ids are staged right after the blocks."""
     LOOKUP = 8
     """meta: as GET. Reply meta: JSON (:func:`encode_lookup`), the answer of ``POST /v1/lookup``
     without its HTTP: an engine's lookup before every prefill. A refusal is a REPLY too, naming
@@ -73,6 +73,14 @@ class Op(enum.IntEnum):
     u32 m and m u32 message lengths in blocks (summing to count); the payload is GET's, and on
     UCX it travels as one message per such run (:func:`encode_runs_meta`). Only to a daemon
     whose HELLO says ``"get_runs": true``."""
+    PUT_DEVICE = 10
+    """meta: ns id, u32 start, u32 n, u8 flags (PUT_DURABLE is refused), i32 CUDA device, u64
+    offset, u64 size, the 64-byte CUDA IPC handle of a buffer in the client's GPU memory, n
+    hashes. The daemon reserves arena slots for the new blocks, copies block ``start + i`` from
+    the buffer's byte ``offset + i * block_bytes`` straight into them (one device-to-host DMA per
+    run of slots) and commits them (``kvstore.server.devcopy``). Reply meta: u64 new blocks.
+    Only to a same-node client granted shared memory, on a daemon whose HELLO says
+    ``"put_device": true``."""
     REPLY = 0x80
     """A successful reply; its meta depends on the request's op."""
     ERROR = 0xFF
@@ -94,7 +102,7 @@ class ErrorCode(enum.IntEnum):
 
 
 FATAL = frozenset({ErrorCode.BAD_FRAME, ErrorCode.UNAUTHENTICATED, ErrorCode.TOO_LARGE})
-_REQUEST_OPS = frozenset({Op.HELLO, Op.GET, Op.PUT, Op.ACQUIRE, Op.RELEASE, Op.STAGING, Op.PUT_SHM, Op.LOOKUP, Op.GET_RUNS})
+_REQUEST_OPS = frozenset({Op.HELLO, Op.GET, Op.PUT, Op.ACQUIRE, Op.RELEASE, Op.STAGING, Op.PUT_SHM, Op.LOOKUP, Op.GET_RUNS, Op.PUT_DEVICE})
 _REPLY_OPS = frozenset({Op.REPLY, Op.ERROR})
 
 
@@ -193,8 +201,9 @@ class BlockRequest:
     start: int = 0
     durable: bool = False
     staging_offset: int = 0
-    checksums: tuple[int, ...] = ()
-    """PUT_SHM: the client's xxh3-64 of each block it staged."""
+    checksums: tuple[int, ...] | None = ()
+    """PUT_SHM: the client's xxh3-64 of each block it staged; None for an unchecked PUT_SHM
+    (PUT_UNCHECKED)."""
     tokens: bool = False
     """PUT / PUT_SHM: the token ids of the blocks follow them (PUT_TOKENS)."""
 
@@ -205,6 +214,12 @@ _PUT_FIXED = struct.Struct("<IIB")  # start, n, flags
 _SHM_FIXED = struct.Struct("<IIBQ")  # start, n, flags, staging offset
 PUT_DURABLE = 1
 PUT_TOKENS = 2
+PUT_UNCHECKED = 4
+"""PUT_SHM only: no checksums follow the hashes. The daemon copies the staged bytes as they are
+(a client that fills its staging segment straight from a GPU sends no checksum it would have to
+compute on the host): a client writing its own staging during its own put can only tear its own
+blocks, in its own tenant's keys, and every checksum the store keeps is the daemon's own, made
+later from the copy in memory no client can write."""
 """The put carries its blocks' token ids (4 bytes a token, after the blocks): a daemon that
 says ``"put_tokens": true`` in its HELLO reply takes them (an older one refuses the flag)."""
 
@@ -242,15 +257,61 @@ def encode_put(
     checksums: list[int] | None = None, *, tokens: bool = False,
 ) -> bytes:
     """PUT metadata; with ``staging_offset`` PUT_SHM's, which needs ``checksums`` (one per block
-    put). ``tokens``: the token ids follow the blocks (PUT_TOKENS)."""
+    put), or ``None`` for an unchecked PUT_SHM (PUT_UNCHECKED). ``tokens``: the token ids follow
+    the blocks (PUT_TOKENS)."""
     flags = (PUT_DURABLE if durable else 0) | (PUT_TOKENS if tokens else 0)
     if staging_offset is None:
         return ns_id + _PUT_FIXED.pack(start, len(hashes), flags) + b"".join(hashes)
-    cs = checksums or []
+    if checksums is None:
+        fixed = _SHM_FIXED.pack(start, len(hashes), flags | PUT_UNCHECKED, staging_offset)
+        return ns_id + fixed + b"".join(hashes)
+    cs = checksums
     if len(cs) != len(hashes) - start:
         raise ValueError(f"a PUT_SHM of {len(hashes) - start} blocks needs as many checksums, got {len(cs)}")
     fixed = _SHM_FIXED.pack(start, len(hashes), flags, staging_offset)
     return ns_id + fixed + b"".join(hashes) + struct.pack(f"<{len(cs)}Q", *cs)
+
+
+_DEV_FIXED = struct.Struct("<IIBiQQ")  # start, n, flags, device, offset, size
+DEVICE_HANDLE_BYTES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRequest:
+    """PUT_DEVICE metadata."""
+
+    ns_id: bytes
+    hashes: list[bytes]
+    start: int
+    device: int
+    offset: int
+    size: int
+    handle: bytes
+
+
+def encode_put_device(ns_id: bytes, hashes: list[bytes], start: int, device: int, handle: bytes, offset: int,
+                      size: int) -> bytes:
+    if len(handle) != DEVICE_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC handle is {DEVICE_HANDLE_BYTES} bytes, not {len(handle)}")
+    return ns_id + _DEV_FIXED.pack(start, len(hashes), 0, device, offset, size) + handle + b"".join(hashes)
+
+
+def parse_put_device(meta: bytes | memoryview, max_blocks: int) -> DeviceRequest:
+    fixed = NS_ID_BYTES + _DEV_FIXED.size + DEVICE_HANDLE_BYTES
+    if len(meta) < fixed:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"PUT_DEVICE metadata needs at least {fixed} bytes")
+    start, n, flags, device, offset, size = _DEV_FIXED.unpack_from(meta, NS_ID_BYTES)
+    if n > max_blocks:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} blocks exceed the limit of {max_blocks} per request")
+    if start > n:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"put start {start} is past its {n} blocks")
+    if flags:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"PUT_DEVICE takes no flags (a durable put goes through PUT), got {flags:#x}")
+    if device < 0:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"CUDA device {device} is not a device index")
+    at = NS_ID_BYTES + _DEV_FIXED.size
+    return DeviceRequest(bytes(meta[:NS_ID_BYTES]), _split_hashes(meta, fixed, n), start, device, offset, size,
+                         bytes(meta[at : at + DEVICE_HANDLE_BYTES]))
 
 
 def parse_put(meta: bytes | memoryview, max_blocks: int, *, shm: bool = False) -> BlockRequest:
@@ -264,10 +325,12 @@ def parse_put(meta: bytes | memoryview, max_blocks: int, *, shm: bool = False) -
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} blocks exceed the limit of {max_blocks} per request")
     if start > n:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"put start {start} is past its {n} blocks")
-    if flags & ~(PUT_DURABLE | PUT_TOKENS):
+    if flags & ~(PUT_DURABLE | PUT_TOKENS | (PUT_UNCHECKED if shm else 0)):
         raise ProtocolError(ErrorCode.BAD_FRAME, f"unknown put flags {flags:#x}")
-    checksums: tuple[int, ...] = ()
-    if shm:
+    checksums: tuple[int, ...] | None = ()
+    if shm and flags & PUT_UNCHECKED:
+        checksums = None
+    elif shm:
         k = n - start
         end = len(meta) - 8 * k
         if end < fixed:

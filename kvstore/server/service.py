@@ -26,7 +26,7 @@ import math
 import os
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ from kvstore.retention import PinRecord
 from kvstore.server.config import ANONYMOUS, ServerConfig, TenantSpec
 from kvstore.server.protocol import ErrorCode
 from kvstore.store import KVStore
+from kvstore.store.reservation import Reservation as SlotReservation
 
 SECRET_FILE = "server-secret"
 SECRET_BYTES = 32
@@ -81,6 +82,18 @@ class Tenant:
     @property
     def name(self) -> str:
         return self.spec.name
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """Bytes of one put admitted against a tenant's quota (:meth:`Service.reserve`). Given
+    back once, however many paths end the put (:meth:`Service.unreserve` is idempotent): a put
+    refused after its admission once gave its bytes back twice, and the tenant's
+    ``reserved_bytes`` went negative, lifting its quota by as much."""
+
+    tenant: Tenant
+    nbytes: int
+    held: bool = True
 
 
 def load_secret(root: Path) -> bytes:
@@ -140,6 +153,7 @@ class Service:
         if not config.tenants:
             self.anonymous = Tenant(TenantSpec(ANONYMOUS, "-" * 16, admin=True, allow_shm=True), "", b"")
             self._tenants[ANONYMOUS] = self.anonymous
+        self.refresh_usage()  # what earlier runs left counts against each quota from the start
         self.arena: str | None = store.arena  # the shared-memory tier leases live in
         self.kv_events: Any = None
         """The KV event publisher (kvstore/server/kvevents.py) when [events] publish is set."""
@@ -327,22 +341,22 @@ class Service:
         arena = self.store.arena_tier
         return int(arena.usage().capacity_bytes * share) if arena is not None else 0
 
-    def reserve(self, t: Tenant, ns_id: bytes, n_hashes: int, start: int) -> int:
+    def reserve(self, t: Tenant, ns_id: bytes, n_hashes: int, start: int) -> Reservation:
         """Admit a put of ``n_hashes`` blocks from ``start`` against the tenant's quota *before*
         its payload is read: the bytes are reserved (so parallel puts cannot pass the quota
-        together) and returned; give them back with :meth:`unreserve` after the put (as
-        :meth:`put` does with ``reserved=``). QuotaExceededError when they do not fit."""
+        together); give them back with :meth:`unreserve` after the put (as :meth:`put` does
+        with ``reserved=``). QuotaExceededError when they do not fit."""
         self._check_count(n_hashes)
         ns = self.namespace(t, ns_id)
         incoming = max(0, n_hashes - start) * ns.block_bytes
         quota = t.spec.quota_bytes
         if not quota:
-            return incoming
+            return Reservation(t, incoming, held=False)
         for refreshed in (False, True):
             with self._lock:
                 if t.used_bytes + t.reserved_bytes + incoming <= quota:
                     t.reserved_bytes += incoming
-                    return incoming
+                    return Reservation(t, incoming)
             if not refreshed:
                 self.refresh_usage()  # evictions may have freed room since the last refresh
         raise QuotaExceededError(
@@ -350,17 +364,19 @@ class Service:
             f"are being put); this put needs {incoming} more: evict or unpin prefixes, or raise the quota"
         )
 
-    def unreserve(self, t: Tenant, n: int) -> None:
-        if t.spec.quota_bytes:
-            with self._lock:
-                t.reserved_bytes -= n
+    def unreserve(self, r: Reservation) -> None:
+        """Give ``r``'s bytes back; a second call does nothing."""
+        with self._lock:
+            if r.held:
+                r.held = False
+                r.tenant.reserved_bytes -= r.nbytes
 
     def put(
         self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], blocks: Any, start: int = 0,
-        durable: bool = False, *, reserved: int | None = None, tokens: Any | None = None,
+        durable: bool = False, *, reserved: Reservation | None = None, tokens: Any | None = None,
     ) -> int:
-        """Put blocks ``start..`` of ``hashes``. ``reserved``: the bytes :meth:`reserve` admitted
-        for it (given back here); None reserves now. ``tokens``: the token ids of the blocks
+        """Put blocks ``start..`` of ``hashes``. ``reserved``: what :meth:`reserve` admitted
+        for it (given back here, once); None reserves now. ``tokens``: the token ids of the blocks
         put, for the KV event publisher (``KVStore.put``)."""
         if reserved is None:
             reserved = self.reserve(t, ns_id, len(hashes), start)
@@ -379,7 +395,35 @@ class Service:
             self._pump()
             return new
         finally:
-            self.unreserve(t, reserved)
+            self.unreserve(reserved)
+
+    def put_device(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], start: int,
+                   fill: Callable[[SlotReservation], int]) -> int:
+        """A put whose payloads the daemon writes itself into the arena slots of a store
+        reservation (PUT_DEVICE): quota admitted first, as :meth:`put`; ``fill(reservation)``
+        writes the leading slots and returns how many it wrote; those are committed, the rest
+        given back (an exception: nothing is stored). Returns how many blocks were new."""
+        reserved = self.reserve(t, ns_id, len(hashes), start)
+        try:
+            ns, keys = self._resolve(t, ns_id, hashes)
+            if self.kv_events is not None:
+                self.kv_events.names(ns, hashes, keys, start)
+            epoch = self._usage_epoch
+            res = self.store.reserve(ns, keys, start=start)
+            try:
+                new = res.commit(fill(res))
+            finally:
+                res.abort()  # (nothing after the commit)
+            with self._lock:
+                overlapped = self._usage_epoch != epoch
+                if not overlapped:
+                    t.used_bytes += new * ns.block_bytes
+            if overlapped and new:
+                self.refresh_usage()
+            self._pump()
+            return new
+        finally:
+            self.unreserve(reserved)
 
     def pin(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], until: float | None = None) -> int:
         """As :meth:`KVStore.pin`: ``until`` (wall-clock seconds) makes it a retention guarantee
@@ -492,12 +536,20 @@ class Service:
     # ---- usage --------------------------------------------------------------------------------
 
     def refresh_usage(self) -> None:
-        """Recompute each tenant's bytes from the store (evictions and expiry free quota)."""
+        """Recompute each tenant's bytes from the store (evictions and expiry free quota).
+
+        By the namespaces' salts, not the tenant's registrations: after a restart the blocks
+        of earlier runs count before the tenant registers their namespaces again (counted only
+        once registered, a tenant could put a quota's worth more in each new run)."""
         usage = self.store.namespace_usage()
+        used = {t.salt: 0 for t in self._tenants.values()}
+        for ns, _ in self.store.namespaces():
+            if ns.tenant_salt in used:
+                used[ns.tenant_salt] += usage.get(bytes(ns.root), (0, 0))[1]
         with self._lock:
             self._usage_epoch += 1
             for t in self._tenants.values():
-                t.used_bytes = sum(usage.get(bytes(ns.root), (0, 0))[1] for ns in t.namespaces.values())
+                t.used_bytes = used[t.salt]
 
     def usage(self, t: Tenant) -> dict[str, Any]:
         return {

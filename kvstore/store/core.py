@@ -49,6 +49,7 @@ from kvstore.store.namespaces import NamespaceTable, NsInfo
 from kvstore.store.placer import Placer
 from kvstore.store.puts import Storer
 from kvstore.store.reservation import Reservation
+from kvstore.store.validate import check_store_config
 
 log = logging.getLogger("kvstore.store")
 
@@ -85,6 +86,8 @@ class KVStore:
         finalizers, at whatever point the collector runs: nothing else is done there), aborted
         by the next ``reserve``, ``put``, ``stats`` or ``close`` (:meth:`_abort_orphans`)."""
         root = config.root
+        if tiers is None:
+            check_store_config(config)  # names, options, capacities: before anything is allocated
         try:
             root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
@@ -412,6 +415,11 @@ class KVStore:
                 storer.complete_store(plan)
             return plan.new
 
+    def reservable(self) -> str | None:
+        """None when :meth:`reserve` can serve this store, else why not (its first tier is no
+        shared-memory DRAM arena, or that tier's policy may refuse blocks)."""
+        return self._storer.reservable()
+
     def reserve(
         self, ns: Namespace, hashes: Sequence[bytes], *, start: int = 0, tokens: Any | None = None
     ) -> Reservation:
@@ -526,14 +534,19 @@ class KVStore:
                 self._ledger.unpin(ids)
         self._ledger.extend_expiry(ids, until)
 
-    def unpin(self, ns: Namespace, hashes: Sequence[bytes]) -> int:
+    def unpin(self, ns: Namespace, hashes: Sequence[bytes], *, exact: bool = False, until: float | None = None) -> int:
         """Undo one :meth:`pin` of the same prefix (the longest pinned prefix of ``hashes``), or
         else take ``hashes`` out of the untimed pin that holds most of them; returns how many
-        blocks were unpinned. A pin with a deadline is only undone whole."""
+        blocks were unpinned. A pin with a deadline is only undone whole. ``exact``: undo only
+        the pin of exactly ``hashes`` with deadline ``until`` (None: untimed), the one the
+        caller made, never another pin of the same blocks."""
         info = self._ns(ns)
         keys = tuple(bytes(h) for h in hashes)
         with self._lock:
-            record = self._pins.take(info.digest, keys) or self._pins.trim(info.digest, keys)
+            if exact:
+                record = self._pins.take_exact(info.digest, keys, until)
+            else:
+                record = self._pins.take(info.digest, keys) or self._pins.trim(info.digest, keys)
             return 0 if record is None else self._ledger.release_pin(record)
 
     def pins(self) -> list[PinRecord]:
@@ -658,6 +671,7 @@ class KVStore:
                 "tier_errors": c.tier_errors,
                 "recovered_blocks": c.recovered_blocks,
                 "orphans_dropped": c.orphans_dropped,
+                "dropped_on_close": c.dropped_on_close,
                 "discovered_blocks": c.discovered_blocks,
                 "foreign_blocks": c.foreign_blocks,
                 "unavailable_reads": c.unavailable_reads,

@@ -73,6 +73,10 @@ class StoreCounters:
     skipped_bytes: int = 0
     """Block writes into any tier (placement, promotion, demotion, durable copies)."""
     orphans_dropped: int = 0
+    """Blocks found at open whose parent no persistent tier held: no lookup could reach them."""
+    dropped_on_close: int = 0
+    """Cached blocks a graceful close could not write to any persistent tier (each logged with
+    the reason; the descendants they take along are counted too)."""
     recovered_blocks: int = 0
     discovered_blocks: int = 0
     """Blocks other nodes wrote to a shared tier, learned by probing past a lookup miss."""

@@ -96,6 +96,9 @@ class Placer:
             config.admission, dict(config.admission_options), self.index, lambda: ledger.counters.hit_blocks)
         self.children_of: ChildIndex | None = None
         """Subtrees of refused inner blocks (built at the first one)."""
+        self.closing = False
+        """Set while a graceful close persists volatile blocks: admission then refuses nothing
+        (a block must not leave the store because the store stops)."""
         self.kept = np.zeros(0, dtype=bool)
         """Per block id: admission never refuses it. Set for a durable put's blocks and for every
         block recovered at open (the persistent tiers' metadata does not say which blocks a
@@ -493,6 +496,11 @@ class Placer:
         if k + 1 == self.last:
             below = self._refused(bid, k, protect)
             if below is not None:
+                if int(idx.tiers[bid]) & ((1 << k) - 1):
+                    # A copy above stays (the block is in use up there): only this one goes.
+                    # Refused whole, a block still in DRAM left the store, a clean restart too.
+                    self.drop_copy(bid, k)
+                    return True
                 self._drop_refused(bid, below)
                 return True
         mask = int(idx.tiers[bid])
@@ -549,7 +557,7 @@ class Placer:
         hollow node. A pin or a durable put covers a whole prefix, so a block that may be
         refused has no pinned or durable descendant."""
         idx, adm = self.index, self.admission
-        if idx.pins[bid] or idx.in_use[bid] or (bid < self.kept.size and self.kept[bid]):
+        if self.closing or idx.pins[bid] or idx.in_use[bid] or (bid < self.kept.size and self.kept[bid]):
             return None
         if not self.tiers[self.last].available():
             return None  # the upper tier keeps its leaves' normal fate

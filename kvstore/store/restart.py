@@ -61,38 +61,92 @@ def write_expiry(tiers: Sequence, updates: Expiry) -> None:
             tiers[k].update_expiry(items)
 
 
+CLOSE_PASSES = 4
+"""Passes of :func:`persist_volatile`: a block whose persistent copy a make-room of the pass
+moved away (or dropped, its copy above kept) is volatile again, and written by the next."""
+
+
 def persist_volatile(placer: Placer) -> int:
-    """Write blocks held only by volatile tiers down to the first persistent tier, parents
-    first, so that a clean restart (an upgrade, a reboot) keeps them. Stops at the first block
-    the tier cannot take."""
+    """Write blocks held only by volatile tiers down to a persistent tier, parents first, so
+    that a clean restart (an upgrade, a reboot) keeps them. Meanwhile admission refuses nothing
+    (:attr:`Placer.closing`): nothing leaves the store because it stops. A block the first
+    persistent tier cannot take goes to the next; one none can take (all of them full of pinned
+    or in-use blocks, or failing) is counted in ``dropped_on_close`` and logged with the reason,
+    and so are its cached descendants, which a restart could not reach without it. Expired
+    blocks are not written (a restart drops them)."""
     tiers, idx = placer.tiers, placer.index
     persistent = [k for k, t in enumerate(tiers) if t.persistent]
     if not persistent:
         return 0
-    p = persistent[0]
+    written = 0
+    failed: dict[BlockHash, str] = {}
+    now = placer.clock()
+    placer.closing = True
+    try:
+        for _ in range(CLOSE_PASSES):
+            todo = _volatile_keys(placer, now, failed)
+            if not todo:
+                break
+            for key in todo:
+                bid = idx.id_of(key)
+                if bid is None or int(idx.tiers[bid]) & placer.persistent_mask or not int(idx.tiers[bid]):
+                    continue  # gone meanwhile (expired, or taken along), or persisted already
+                parent = int(idx.parent[bid])
+                if int(idx.depth[bid]) and (pk := idx.hash_of_or_none(parent)) is not None and pk in failed:
+                    failed[key] = f"its parent {pk.hex()} could not be persisted"
+                    continue
+                reason = _persist_one(placer, bid, persistent)
+                if reason is None:
+                    written += 1
+                else:
+                    failed[key] = reason
+    finally:
+        placer.closing = False
+    if failed:
+        placer.ledger.counters.dropped_on_close += len(failed)
+        first = next(iter(failed.items()))
+        log.warning("close: %d cached block(s) could not be written to a persistent tier and are lost "
+                    "at restart (dropped_on_close); the first, %s: %s", len(failed), first[0].hex(), first[1])
+        for key, reason in list(failed.items())[1:64]:
+            log.warning("close: block %s not persisted: %s", key.hex(), reason)
+    log.info("persisted %d volatile blocks on close", written)
+    return written
+
+
+def _volatile_keys(placer: Placer, now: float, failed: dict[BlockHash, str]) -> list[BlockHash]:
+    """Blocks held only by volatile tiers, unexpired (or pinned), not failed yet, parents first."""
+    idx = placer.index
     ids = idx.live_ids()
     ids = ids[(idx.tiers[ids] & placer.persistent_mask) == 0]
     ids = ids[idx.tiers[ids] != 0]
-    written = 0
-    for bid in ids[np.argsort(idx.depth[ids], kind="stable")].tolist():
-        key = idx.hash_of(bid)
-        src_tier = tiers[lowest_bit(int(idx.tiers[bid]))]
-        meta = src_tier.meta(key)
-        if meta is None:
-            continue
+    ids = ids[(idx.expiry[ids] > now) | (idx.pins[ids] > 0)]
+    keys = [idx.hash_of(b) for b in ids[np.argsort(idx.depth[ids], kind="stable")].tolist()]
+    return [k for k in keys if k not in failed]
+
+
+def _persist_one(placer: Placer, bid: int, persistent: Sequence[int]) -> str | None:
+    """Write ``bid`` to the first persistent tier that takes it; None, or why none did."""
+    idx, tiers = placer.index, placer.tiers
+    key = idx.hash_of(bid)
+    src_tier = tiers[lowest_bit(int(idx.tiers[bid]))]
+    meta = src_tier.meta(key)
+    if meta is None:
+        return f"its copy on {src_tier.name} has no metadata"
+    why = []
+    for p in persistent:
         buf = placer.scratch[-1].view(meta.size)
         try:
             src_tier.read_into(key, buf)
-            if not placer.place(bid, p, buf, meta.with_expiry(float(idx.expiry[bid])), {bid}):
-                break
+            if placer.place(bid, p, buf, meta.with_expiry(float(idx.expiry[bid])), {bid}):
+                return None
+            why.append(f"{tiers[p].name} could make no room (full of pinned or in-use blocks)")
         except (TierIOError, CorruptBlockError, BlockNotFound) as e:
-            log.warning("could not persist %s on close: %s", key.hex(), e)
-            break
+            why.append(f"{tiers[p].name}: {e}")
         finally:
             del buf
-        written += 1
-    log.info("persisted %d volatile blocks on close", written)
-    return written
+        if idx.id_of(key) != bid:
+            return "it left the store while room was made"
+    return "; ".join(why)
 
 
 def recover(
@@ -244,6 +298,9 @@ def drop_orphans(tiers: Sequence, shared: set[int], keys: list[BlockHash], masks
     node's DRAM, to be written later (a probe then finds both)."""
     rows = np.flatnonzero(orphan)
     counters.orphans_dropped += int(rows.size)
+    if rows.size:
+        log.warning("recovered %d block(s) whose parent no persistent tier held (orphans_dropped): no "
+                    "lookup can reach them, so they are dropped; the first: %s", rows.size, keys[rows[0]].hex())
     for k in bits(int(np.bitwise_or.reduce(masks[rows]))) if rows.size else ():
         if k in shared:
             continue

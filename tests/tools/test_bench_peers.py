@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -427,7 +428,7 @@ def test_a_peeked_head_the_lease_does_not_confirm_is_copied_again(tmp_path, monk
 
 
 def test_paged_only_names_the_paged_stores() -> None:
-    with pytest.raises(SystemExit, match="known: kvstore, kvstore-nohead, kvstore-leasehead, kvstore-head4, kvstore-head32, kvstore-groups, kvstore-g16, kvstore-put, kvstore-blocks, kvstore-whole, kvstore-rows, lmcache"):
+    with pytest.raises(SystemExit, match="known: kvstore-connector, kvstore-connector-hnd, kvstore-connector-lw, kvstore, kvstore-nohead, .*, kvstore-rows, lmcache"):
         list(__import__("tools.bench.peers", fromlist=["paged_rows"]).paged_rows(
             parser().parse_args(["--device", "cpu", "--only", "mooncake"])))
 
@@ -495,3 +496,33 @@ def test_lease_rows_time_a_whole_lease_against_a_lookup() -> None:
     assert all(r["value"] > 0 and r["baseline"] > 0 and r["unit"] == "ms" for r in rows)
     with pytest.raises(SystemExit):
         main(["--blocks", "0"])
+
+
+def test_the_connector_rows_run_on_the_cpu_against_a_daemon(tmp_path: pathlib.Path) -> None:
+    """``kvstore-connector`` (the vLLM connector's worker side, driven as vLLM drives it,
+    against a real daemon) saves and restores every page byte for byte on the CPU smoke path,
+    async and layer-wise, in vLLM 0.32's NHD memory order (LBNHC)."""
+    torch = pytest.importorskip("torch")
+    from tools.bench._peers.paged import (
+        BLOCK,
+        Cache,
+        KvstoreConnector,
+        KvstoreConnectorLayerwise,
+        page_spec,
+    )
+
+    spec = page_spec(layers=2, kv_heads=2, head_dim=16)
+    for cls in (KvstoreConnector, KvstoreConnectorLayerwise):
+        cache = Cache(spec, 256, torch.device("cpu"), layout=cls.layout)
+        s = cls()
+        s.open(cache, 64 << 20, str(tmp_path))
+        try:
+            src, dst = cache.blocks(256)
+            prompt = np.arange(256, dtype=np.int64)
+            s.save(prompt, src)
+            cache.zero(dst)
+            assert s.restore(prompt, dst) == 256
+            assert cache.wrong_pages(src, dst) == 0 and len(dst) == 256 // BLOCK
+            assert s.info()["plane"] == "shm"
+        finally:
+            s.close()

@@ -20,7 +20,7 @@ BENCHES = {
     "hash": "tools.bench.hash",
     "index": "tools.bench.index",
     "nvme": "tools.bench.nvme",
-    "store": "tools.bench.store",  # the in-process put / get_into path (issue 20)
+    "store": "tools.bench.store",  # the in-process put / get_into path
     "restart": "tools.bench.restart",
     "s3": "tools.bench.s3",  # starts its own moto_server on loopback
     "gpu_load": "tools.bench.gpu_load",
@@ -28,20 +28,20 @@ BENCHES = {
     "overlap": "tools.bench.overlap",
     "throughput": "tools.bench.throughput",  # batched prefill, hits from DRAM and HBM
     "hybrid": "tools.bench.hybrid",  # sliding-window models: bytes, replay; TTFT on CUDA
-    # the daemon (issue 5): each starts its own daemon on loopback
+    # the daemon: each starts its own daemon on loopback
     "shm": "tools.bench.shm",
     "tcp": "tools.bench.tcp",
     "ucx": "tools.bench.ucx",
     "rpc": "tools.bench.rpc",
     "concurrent": "tools.bench.concurrent",
-    "outage": "tools.bench.outage",  # the engine's cost while its daemon is down (issue 15)
-    # vLLM's CPU build with the kvstore connector (issue 13); needs .venv-vllm
+    "outage": "tools.bench.outage",  # the engine's cost while its daemon is down
+    # vLLM's CPU build with the kvstore connector; needs .venv-vllm
     "vllm": "tools.bench.vllm",
-    # KV events, the router and the handoff (issue 17); starts its own daemons
+    # KV events, the router and the handoff; starts its own daemons
     "route": "tools.bench.route",
 }
 # Benchmarks with their own arguments (``python -m tools.bench NAME --help``), not in ``all``:
-# kvstore beside LMCache and Mooncake Store (issue 20); needs .venv-peers (make bench-peers).
+# kvstore beside LMCache and Mooncake Store; needs .venv-peers (make bench-peers).
 OWN_CLI = {"peers": "tools.bench.peers"}
 
 
@@ -72,9 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="throughput: run the hit rates this many times (the spread)")
     p.add_argument("--no-compare-attention", dest="compare_attention", action="store_false",
                    help="throughput: skip timing the ideal with the per-request attention loop")
-    p.add_argument("--workload", default="standard", choices=["standard", "qps"],
-                   help="vllm: standard (long-document and sequential multi-round QA) or qps "
-                   "(multi-round QA at a fixed request rate, several requests in flight)")
+    p.add_argument("--workload", default="standard", choices=["standard", "qps", "overhead"],
+                   help="vllm: standard (long-document and sequential multi-round QA), qps "
+                   "(multi-round QA at a fixed request rate, several requests in flight) or overhead "
+                   "(the connector's cost per request when it has nothing to load)")
     p.add_argument("--qps", type=float, default=0.0, help="vllm --workload qps: requests per second (default 0.5)")
     p.add_argument("--tp", type=int, default=1, help="vllm: tensor-parallel size (2: long-document QA at TP=2)")
     p.add_argument("--check", action="store_true",

@@ -292,7 +292,7 @@ def _warm(cases: list[tuple[int, bool, HybridLM, int, torch.Tensor]], every: Hyb
     engine and both baselines are warmed alike: each pass runs each case through all three, so
     each prompt shape has met its kernels (cuDNN plans, the allocator's blocks, the one-time
     ``auto`` check) on every path before any row is timed. A fresh machine's first rows ran
-    slow (session 5: up to 1.17x at 15 blocks, baselines slow too), so one pass is not taken to
+    slow (up to 1.17x at 15 blocks, baselines slow too, with a single warm-up pass), so one pass is not taken to
     be enough: passes repeat until one's wall time is within ``WARM_TOLERANCE`` of the last."""
     out = _Warm()
     out.pass_seconds = []

@@ -1,4 +1,4 @@
-"""route: KV events, the routing helper and the prefill -> decode handoff (issue 17).
+"""route: KV events, the routing helper and the prefill -> decode handoff.
 
 Figures, each with a same-run baseline:
 

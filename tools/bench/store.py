@@ -1,14 +1,14 @@
 """store: the in-process store path, ``KVStore.put`` and ``get_into``, against memcpy.
 
-The workload of issue 20's peer comparison: Llama-8B geometry (32 layers, 8 KV heads, head_dim
+The workload of the peer comparison (``tools.bench peers``): Llama-8B geometry (32 layers, 8 KV heads, head_dim
 128, bf16: 128 KiB per token), 4,096-token requests, one DRAM tier (LRU) of four requests'
 capacity, opened just before the first put, so the first rounds fill a fresh arena (where the
-page faults of a cold tmpfs arena used to cost the most) and the later ones evict. Blocks of 256
-tokens (32 MiB, LMCache's chunk) and of 16 tokens (2 MiB, vLLM's page: the per-block costs).
+page faults of a cold tmpfs arena cost the most unless it is prefaulted) and the later ones
+evict. Blocks of 256 tokens (32 MiB, LMCache's chunk) and of 16 tokens (2 MiB, vLLM's page: the per-block costs).
 Every request's bytes are read back and checked.
 
 Baseline, same run, interleaved round by round: ``np.copyto`` of the request's bytes between
-two private buffers faulted in before timing (what the issue calls "memcpy same run"), a copy in
+two private buffers faulted in before timing (the "memcpy same run" baseline), a copy in
 one thread. The 256-token blocks run twice: with the DRAM tier's default ``copy_threads``
 (``default_copy_threads()``: a batch of 64 MiB or more is split across threads) and with
 ``copy_threads = 1`` (rows ending ``_1thread``), so the multi-threaded copy's gain is read in

@@ -77,7 +77,13 @@ THREADS_ENV = "KVSTORE_BENCH_VLLM_THREADS"
 QPS, QPS_USERS, QPS_ROUNDS = 0.5, 8, 3
 QPS_ENGINES = ("vllm", "kvstore", "kvstore-layerwise", "example")
 TP_ENGINES = ("vllm", "kvstore", "kvstore-layerwise")
-WORKLOADS = ("standard", "qps")
+WORKLOADS = ("standard", "qps", "overhead")
+# --workload overhead: what the connector costs a request when it has nothing to load: OV_PROMPTS
+# distinct prompts of OV_TOKENS tokens, each asked once (nothing cached anywhere: one lookup that
+# misses, the new blocks saved in the background), then each asked again (every block in vLLM's
+# own prefix cache: one lookup, nothing loaded, nothing saved). vLLM's KV holds them all.
+OV_PROMPTS, OV_TOKENS, OV_BLOCKS = 24, 512, 512
+OV_ENGINES = ("vllm", "kvstore")
 
 
 def _threads() -> int:
@@ -125,6 +131,12 @@ def _workload(quick: bool) -> dict[str, Any]:
            "questions": [[rng.integers(3, 2000, question).tolist() for _ in range(users)] for _ in range(rounds)],
            "answer": answer}
     return {"docs": texts, "ttft": ask[0], "batch": ask[1], "mrq": mrq}
+
+
+def _overhead_workload(quick: bool) -> dict[str, Any]:
+    n, tokens = (8, 256) if quick else (OV_PROMPTS, OV_TOKENS)
+    rng = np.random.default_rng(13)
+    return {"prompts": [rng.integers(3, 2000, tokens).tolist() for _ in range(n)]}
 
 
 def _qps_workload(quick: bool) -> dict[str, Any]:
@@ -177,7 +189,7 @@ def _child(spec_path: str) -> None:
     elif engine == "example":
         transfer = example_transfer(spec["example_dir"])
     llm = make_llm(spec["model"], kv_transfer_config=transfer, prefix_caching=True,
-                   num_gpu_blocks_override=spec["kv_blocks"], max_model_len=(spec["kv_blocks"] - 2) * 32,
+                   num_gpu_blocks_override=spec["kv_blocks"], max_model_len=min(4096, (spec["kv_blocks"] - 2) * 32),
                    distributed_executor_backend="mp" if tp > 1 else "uni", tensor_parallel_size=tp,
                    disable_log_stats=False)
     cpu = _Cpu(spec.get("daemon_pid"), children=tp > 1)
@@ -187,6 +199,8 @@ def _child(spec_path: str) -> None:
         return
     if kind == "qps":
         out = _qps(llm, spec["workload"], spec["qps"], cpu)
+    elif kind == "overhead":
+        out = _overhead(llm, spec["workload"], cpu, kvstore=engine.startswith("kvstore"))
     else:
         out = _long_doc(llm, spec["workload"], cpu, kvstore=engine.startswith("kvstore"))
         if tp == 1:
@@ -221,6 +235,33 @@ def _long_doc(llm: Any, w: dict[str, Any], cpu: _Cpu, kvstore: bool) -> dict[str
             "batch_tokens": sum(len(p) for p in w["batch"]),
             "batch_hit_rate": sum(o.cached_tokens for o in outs) / sum(len(p) for p in w["batch"]),
             "threads": torch.get_num_threads()}
+
+
+def _overhead(llm: Any, w: dict[str, Any], cpu: _Cpu, kvstore: bool) -> dict[str, Any]:
+    """Each prompt once (a miss everywhere), then each again (vLLM's own prefix hit), one request
+    at a time: wall and CPU time of each request; the saves run in the background and are
+    flushed only at the end of the first pass (``flush_cpu_ms``: their CPU, not in any request's)."""
+    from engine.vllm.harness import flush_saves, generate, worker_counters
+
+    out: dict[str, Any] = {}
+    for phase in ("miss", "hit"):
+        wall, used, cached = [], [], 0
+        for p in w["prompts"]:
+            c0, t0 = cpu(), time.perf_counter()
+            (c,) = generate(llm, [p], max_tokens=1)
+            wall.append(time.perf_counter() - t0)
+            used.append(cpu() - c0)
+            cached += c.cached_tokens
+        out[f"{phase}_ms"] = [x * 1e3 for x in wall]
+        out[f"{phase}_cpu_ms"] = [x * 1e3 for x in used]
+        out[f"{phase}_cached_tokens"] = cached
+        if phase == "miss":
+            c0 = cpu()
+            flush_saves(llm)
+            out["flush_cpu_ms"] = (cpu() - c0) * 1e3
+    if kvstore:
+        out["counters"] = worker_counters(llm)
+    return out
 
 
 def _multi_round(llm: Any, mrq: dict[str, Any], cpu: _Cpu) -> dict[str, Any]:
@@ -362,9 +403,12 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         model = save_tiny_llama(tmp / "model", SMALL if args.quick else BENCH)
         if workload == "qps":
             w, engines = _qps_workload(args.quick), QPS_ENGINES
+        elif workload == "overhead":
+            w, engines = _overhead_workload(args.quick), OV_ENGINES
         else:
             w, engines = _workload(args.quick), ENGINES if tp == 1 else TP_ENGINES
-        base = {"model": str(model), "workload": w, "kv_blocks": 64 if args.quick else KV_BLOCKS,
+        blocks = OV_BLOCKS if workload == "overhead" else KV_BLOCKS
+        base = {"model": str(model), "workload": w, "kv_blocks": 64 if args.quick and workload != "overhead" else blocks,
                 "example_dir": str(tmp / "example"), "threads": _threads(), "kind": workload, "tp": tp,
                 "qps": qps}
         (tmp / "example").mkdir()
@@ -378,6 +422,8 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 res[engine] = _run_engine(engine, {**base, "url": f"http://127.0.0.1:{_free_port()}"}, tmp)
         if workload == "qps":
             yield from _qps_rows(res, w, base["threads"], qps)
+        elif workload == "overhead":
+            yield from _overhead_rows(res, w, base["threads"])
         elif tp > 1:
             yield from _tp_rows(res, w, base["threads"], tp)
         else:
@@ -385,6 +431,26 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             yield from _breaker_cost(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _overhead_rows(res: dict[str, dict[str, Any]], w: dict[str, Any], threads: int) -> Iterator[dict[str, Any]]:
+    """kvstore's per-request wall and CPU time against vLLM alone's, same run, per phase: the
+    medians and the means (a background save lands in some requests' time, not in all)."""
+    ref, kv = res["vllm"], res["kvstore"]
+    shape = {"prompts": len(w["prompts"]), "prompt_tokens": len(w["prompts"][0]), "threads": threads}
+    what = {"miss": "nothing cached anywhere: one lookup that misses, the prompt's blocks saved in the background",
+            "hit": "every block in vLLM's own prefix cache: one lookup, nothing loaded or saved"}
+    for phase in ("miss", "hit"):
+        for unit in ("ms", "cpu_ms"):
+            a, b = kv[f"{phase}_{unit}"], ref[f"{phase}_{unit}"]
+            yield result("vllm", f"overhead_{phase}_{unit.replace('_ms', '')}_median_kvstore", statistics.median(a), "ms",
+                         statistics.median(b), goal_ratio=1.02, mean=round(statistics.mean(a), 3),
+                         baseline_mean=round(statistics.mean(b), 3), cached_tokens=kv[f"{phase}_cached_tokens"],
+                         baseline_cached_tokens=ref[f"{phase}_cached_tokens"], note=what[phase],
+                         workload="overhead", **shape)
+    yield result("vllm", "overhead_flush_cpu_kvstore", kv["flush_cpu_ms"], "ms", ref["flush_cpu_ms"],
+                 note="CPU of waiting for the background saves after the first pass (in no request's time)",
+                 counters=kv.get("counters"), workload="overhead", **shape)
 
 
 def _long_doc_shape(w: dict[str, Any], threads: int) -> dict[str, Any]:
@@ -499,5 +565,5 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         _child(sys.argv[2])
     else:
-        print("usage: python -m tools.bench vllm [--json] [--quick] [--workload qps [--qps R]] [--tp 2]", file=sys.stderr)
+        print("usage: python -m tools.bench vllm [--json] [--quick] [--workload qps|overhead [--qps R]] [--tp 2]", file=sys.stderr)
         sys.exit(2)

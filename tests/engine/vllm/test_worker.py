@@ -23,15 +23,12 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM's CPU build is not installed here: run `make test-vllm`")
-
-from engine.vllm.config import ConnectorConfig  # noqa: E402
-from engine.vllm.connector import KVStoreMetadata, LoadSpec, ReqInfo, SaveSpec, _Worker  # noqa: E402
-from engine.vllm.harness import small_daemon  # noqa: E402
-from engine.vllm.pages import PagedKV, PageSpec  # noqa: E402
-from kvstore.client.spawn import LocalDaemon  # noqa: E402
-
-pytestmark = pytest.mark.vllm
+from engine.vllm.config import ConnectorConfig
+from engine.vllm.harness import small_daemon
+from engine.vllm.pages import PagedKV, PageSpec
+from engine.vllm.worker import LoadSpec, ReqInfo, SaveSpec, Worker
+from engine.vllm.worker import StepPlan as KVStoreMetadata
+from kvstore.client.spawn import LocalDaemon
 
 BT = 32
 SPEC = PageSpec(("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn"), BT, 2, 64, torch.float32, "LBHNC")
@@ -62,11 +59,11 @@ def _caches(seed: int | None) -> dict[str, torch.Tensor]:
     return {n: torch.randn(shape, generator=g) if seed is not None else torch.zeros(shape) for n in SPEC.layer_names}
 
 
-def _worker(url: str, **extra: float) -> _Worker:
-    return _Worker(VLLM_CONFIG, ConnectorConfig(url=url, **{**ROBUST, **extra}), SPEC, tp=(0, 1))  # type: ignore[arg-type]
+def _worker(url: str, **extra: float | str) -> Worker:
+    return Worker(VLLM_CONFIG, ConnectorConfig(url=url, **{**ROBUST, **extra}), SPEC, tp=(0, 1))  # type: ignore[arg-type]
 
 
-def _step(w: _Worker, meta: KVStoreMetadata) -> None:
+def _step(w: Worker, meta: KVStoreMetadata) -> None:
     w.bind(meta)
     w.start_load_kv()
     for name in SPEC.layer_names:
@@ -175,3 +172,32 @@ def test_a_save_that_runs_out_of_memory_is_dropped_not_raised(tmp_path: Path) ->
         w.flush()
         assert w.counters.saves_submitted == 1 and w.counters.saved_blocks == 4
         w.close()
+
+
+@pytest.mark.parametrize("mode", ["async", "layerwise"])
+def test_a_remote_plane_loads_two_requests_of_one_step(stored: tuple[LocalDaemon, dict[str, torch.Tensor]],
+                                                       mode: str) -> None:
+    """Over TCP (a daemon on another node) the blocks land in the worker's host buffer and take
+    the same load path; two requests of one step are one load, each into its own pages, and a
+    request whose blocks are not all cached reports the missing pages for recompute."""
+    d, src = stored
+    dst = _caches(seed=None)
+    w = _worker(d.url, plane="tcp", load_mode=mode)  # type: ignore[arg-type]
+    w.register_kv_caches(dst)
+    assert w.load_link.client is not None and w.load_link.client.plane == "tcp"
+    infos = {"a": ReqInfo(A, "", b""), "b": ReqInfo(A[: 2 * BT], "", b""), "c": ReqInfo(B, "", b"")}
+    is_async = mode == "async"
+    loads = [LoadSpec("a", 2, [7, 8], is_async), LoadSpec("b", 0, [0, 9], is_async), LoadSpec("c", 0, [5, 6], is_async)]
+    _step(w, KVStoreMetadata(infos=infos, loads=loads))
+    for _ in range(2000):
+        if not is_async or w.get_finished() >= {"a", "b", "c"}:
+            break
+        threading.Event().wait(0.01)
+    for name in SPEC.layer_names:
+        assert torch.equal(dst[name][[7, 8]], src[name][[3, 4]])
+        assert torch.equal(dst[name][[0, 9]], src[name][[1, 2]])
+        assert not dst[name][[5, 6]].any()
+    if not is_async:
+        w.wait_for_save()
+    assert w.take_errors() == {5, 6} and w.counters.loaded_blocks == 4
+    w.close()

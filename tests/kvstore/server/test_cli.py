@@ -75,15 +75,14 @@ def test_dram_larger_than_dev_shm_is_one_clean_error(tmp_path: Path) -> None:
     3.11/3.12 unregisters a name it never registered): the size is checked first."""
     if not Path("/dev/shm").is_dir():
         pytest.skip("needs /dev/shm")
-    # The store alone in a process of its own (the resource tracker is per process; the daemon's
-    # imports would add seconds): `kvstore serve` reports the same error with exit 1.
-    code = ("import sys\nfrom kvstore.config import load_config\nfrom kvstore.errors import KVStoreError\n"
-            "from kvstore.store import KVStore\n"
-            f"try:\n    KVStore(load_config(root={str(tmp_path / 'd')!r}))\n"
-            "except KVStoreError as e:\n    print(e, file=sys.stderr)\n    sys.exit(1)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         check=False, env={**os.environ, "KVSTORE_TIER_DRAM_CAPACITY_BYTES": "100TiB",
-                                          "KVSTORE_TIER_DRAM_SLAB_BYTES": "64GiB"})  # 1,600 slabs, not 6.5 M
-    assert out.returncode == 1
-    assert "cannot reserve" in out.stderr and "enlarge /dev/shm" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore.server", "serve", "--data-dir", str(tmp_path / "d"),
+         "--http-port", "0", "--data-port", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "KVSTORE_TIER_DRAM_CAPACITY_BYTES": "100TiB"},
+    )
+    # The configuration is checked against the machine before anything is allocated: a bad
+    # configuration (exit 2, docs/daemon.md) with one line that says what to lower.
+    assert out.returncode == 2
+    assert "/dev/shm" in out.stderr and "lower capacity_bytes" in out.stderr
     assert "Traceback" not in out.stderr, out.stderr

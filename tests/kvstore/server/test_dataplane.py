@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import connect
+from kvstore.errors import DaemonUnavailableError, UsageError
 from kvstore.server import protocol as P
 from kvstore.server.daemon import ThreadedDaemon
 from tests.conftest import BB, SMALL_NS, chain_for, payload
@@ -178,3 +179,74 @@ def test_get_runs_sends_the_payload_in_runs_within_the_callers_runs(
     assert {2, 5, 6} <= ends  # no message crosses a run of the caller's
     raw.send_frame(P.Op.GET_RUNS, P.encode_get_runs(ns_id, chain, [7]), req_id=3)
     assert raw.error()[0] is P.ErrorCode.BAD_FRAME  # runs that do not cut the blocks: refused
+
+
+def test_a_staged_put_stores_what_the_caller_wrote_into_its_segment(
+    start_daemon: Callable[..., ThreadedDaemon],
+) -> None:
+    """``Client.staging`` / ``put_staged`` (a GPU's copy straight into the daemon's staging
+    segment, no client checksum): the blocks land as written, a later chain extends them, a
+    range outside the segment is a usage error, a segment of an earlier connection is refused,
+    and another tenant reads none of it."""
+    d = start_daemon(TENANTS)
+    chain = chain_for(7, 4)
+    with connect(d.url, token=TOKEN_A) as c:
+        c.register_namespace(SMALL_NS)
+        seg = c.staging(4 * BB)
+        for i, h in enumerate(chain[:2]):
+            seg.buf[BB + i * BB : BB + (i + 1) * BB] = payload(h)
+        assert c.put_staged(SMALL_NS, chain[:2], seg, offset=BB) == 2
+        for i, h in enumerate(chain[2:]):
+            seg.buf[i * BB : (i + 1) * BB] = payload(h)
+        assert c.put_staged(SMALL_NS, chain, seg, start=2) == 2
+        out = np.zeros(4 * BB, np.uint8)
+        assert c.get_into(SMALL_NS, chain, out) == 4
+        assert [bytes(out[i * BB : (i + 1) * BB]) for i in range(4)] == [payload(h) for h in chain]
+        with pytest.raises(UsageError, match="outside"):
+            c.put_staged(SMALL_NS, chain, seg, offset=seg.size - BB)
+        c._disconnect()  # a new connection: a new segment
+        with pytest.raises(DaemonUnavailableError, match="staging"):
+            c.put_staged(SMALL_NS, chain, seg)
+    with connect(d.url, token=TOKEN_B) as b:
+        b.register_namespace(SMALL_NS)
+        assert b.lookup(SMALL_NS, chain).num_blocks == 0  # per-tenant keys
+
+
+def test_an_unchecked_flag_is_refused_on_a_plain_put() -> None:
+    meta = bytearray(P.encode_put(b"\0" * P.NS_ID_BYTES, [b"\1" * 16], 0, False))
+    meta[P.NS_ID_BYTES + 8] |= P.PUT_UNCHECKED
+    with pytest.raises(P.ProtocolError, match="flags"):
+        P.parse_put(bytes(meta), 16)
+    shm = P.parse_put(P.encode_put(b"\0" * P.NS_ID_BYTES, [b"\1" * 16], 0, False, 0, None), 16, shm=True)
+    assert shm.checksums is None
+
+
+def test_put_device_round_trips_and_is_refused_where_the_daemon_has_no_gpu(
+    start_daemon: Callable[..., ThreadedDaemon],
+) -> None:
+    """PUT_DEVICE's metadata round-trips and refuses flags; a daemon that cannot load CUDA (CI)
+    says ``put_device: false`` and answers a PUT_DEVICE with a clear refusal, storing nothing."""
+    handle = bytes(range(64))
+    req = P.parse_put_device(P.encode_put_device(b"\2" * P.NS_ID_BYTES, [b"\1" * 16, b"\3" * 16], 1, 0, handle,
+                                                 4096, 1 << 20), 16)
+    assert (req.start, req.device, req.offset, req.size, req.handle) == (1, 0, 4096, 1 << 20, handle)
+    bad = bytearray(P.encode_put_device(b"\2" * P.NS_ID_BYTES, [b"\1" * 16], 0, 0, handle, 0, 64))
+    bad[P.NS_ID_BYTES + 8] = 1  # durable
+    with pytest.raises(P.ProtocolError, match="flags"):
+        P.parse_put_device(bytes(bad), 16)
+    d = start_daemon(TENANTS)
+    chain = chain_for(8, 2)
+    with connect(d.url, token=TOKEN_A) as c:
+        assert c.plane == "shm"
+        if c.info["put_device"]:
+            pytest.skip("this machine's daemon can copy from a GPU (tests/engine/test_transfer.py covers it)")
+        c.register_namespace(SMALL_NS)
+        raw = Raw(d)
+        raw.send_frame(P.Op.HELLO, TOKEN_A.encode())
+        raw.reply()
+        raw.send_frame(P.Op.PUT_DEVICE, P.encode_put_device(c._ns_id(SMALL_NS), chain, 0, 0, handle, 0, 2 * BB), req_id=2)
+        code, message = raw.error()
+        assert code is P.ErrorCode.BAD_REQUEST and "PUT_SHM" in message
+        with pytest.raises(UsageError, match="put_device"):
+            c.put_device(SMALL_NS, chain, device=0, handle=handle, offset=0, size=2 * BB)
+        assert c.lookup(SMALL_NS, chain).num_blocks == 0

@@ -3,6 +3,7 @@ and the failure paths (unreachable prefill node, a prefill daemon killed mid-han
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,28 @@ def test_a_handoff_over_ucx_works_both_ways(start: Callable[..., ThreadedDaemon]
     nodes[0].stop()
     _, got = decode(url, np.arange(2 * BT, dtype=np.int32), "ucx-gone", plane="ucx", token=TOKEN_A)
     assert got.state == "unreachable" and got.recompute and got.blocks == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("durable", [True, False])
+@pytest.mark.parametrize("own", ["guarantee", "untimed"])
+def test_confirming_a_handoff_removes_its_own_pin_not_the_tenants(
+    start: Callable[..., ThreadedDaemon], durable: bool, own: str
+) -> None:
+    """Issue 33, item 6: the tenant's own pin of the chain (a 1-hour guarantee, or an untimed
+    pin) outlives the confirm of a handoff of the same chain; the handoff's pin goes."""
+    d = start("p")
+    prompt = np.arange(4 * BT, dtype=np.int32) + 77
+    hashes, kv = prefill(prompt)
+    with connect(d.url) as c:
+        c.put(SMALL_NS, hashes, kv)
+        c.pin(SMALL_NS, hashes, until=None if own == "untimed" else time.time() + 3600)
+        offer(c, SMALL_NS, hashes, kv, "h", ttl_s=30, durable=durable)
+        assert len(pins(d.url)) == 2
+        control(d.url, "POST", "/v1/handoffs/h/confirm")
+        left = pins(d.url)
+    assert len(left) == 1, left
+    if own == "untimed":
+        assert left[0]["until"] is None
+    else:
+        assert left[0]["until"] > time.time() + 3000  # the hour, not the handoff's 30 s
+

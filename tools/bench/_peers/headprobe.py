@@ -1,4 +1,4 @@
-"""Where the paged restore's fixed time goes, on a GPU (a diagnostic for issue 20, not a figure).
+"""Where the paged restore's fixed time goes, on a GPU (a diagnostic, not a figure).
 
 ``python -m tools.bench._peers.headprobe`` (CUDA only) prints JSON lines:
 

@@ -122,7 +122,7 @@ D2H_PIECE_BYTES = 128 << 20  # a reserved save's ranges: gathered, then copied i
 SAVE_TRIALS = 3  # saves timed per store up to 8K tokens, each of its own prompt (the median is the figure)
 WARM_TOKENS = 256  # the untimed save and restore every store makes once it is open (one LMCache chunk)
 GiB = float(1 << 30)
-PEERS = ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-head32", "kvstore-groups", "kvstore-g16", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
+PEERS = ("kvstore-connector", "kvstore-connector-hnd", "kvstore-connector-lw", "kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-head32", "kvstore-groups", "kvstore-g16", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows", "lmcache", "lmcache-nhd")
 GOALS = {"lmcache": 1.2}  # the restore's; the save's: at least LMCache's (1x)
 SETTLE_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 20.0  # issue 20: kvstore >= 1.2x LMCache
@@ -179,15 +179,19 @@ class Cache:
         elif layout == "NHD":
             shape = (2, self.num_blocks, BLOCK, spec.num_kv_heads, spec.head_size)
             self.block_dim = 1
+        elif layout == "LBNHC":  # vLLM 0.32's logical [B, H, N, C] over NHD memory (its CUDA default)
+            shape = (self.num_blocks, BLOCK, spec.num_kv_heads, spec.content)
+            self.block_dim = 0
         else:
-            raise ValueError(f"paged cache layout {layout!r}: HND or NHD")
+            raise ValueError(f"paged cache layout {layout!r}: HND, LBNHC or NHD")
         g = torch.Generator(device=device).manual_seed(seed)
         self.layers = []
         for _ in range(spec.num_layers):
             t = torch.empty(shape, dtype=spec.dtype, device=device)
             t.view(torch.int16).random_(generator=g)  # every bit pattern; compared as bytes
-            self.layers.append(t)
-        self.kv = PagedKV(spec, dict(zip(spec.layer_names, self.layers, strict=True))) if layout == "HND" else None
+            self.layers.append(t.permute(0, 2, 1, 3) if layout == "LBNHC" else t)
+        self.kv = (PagedKV(spec, dict(zip(spec.layer_names, self.layers, strict=True)))
+                   if layout in ("HND", "LBNHC") else None)
         self._perm = torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
 
     def blocks(self, tokens: int) -> tuple[list[int], list[int]]:
@@ -732,6 +736,105 @@ class KvstoreRows(KvstorePaged):
         idx = kv.block_ids(ids)
         for layer in range(kv.num_layers):
             kv.scatter_layer(layer, idx, layer_rows(blocks.host, offsets, layer, pb))
+
+
+class KvstoreConnector:
+    """The vLLM connector's worker side (``engine/vllm/worker.py``) driven as vLLM drives it
+    (``engine.vllm.harness.WorkerDriver``: ``register_kv_caches``, ``start_load_kv``,
+    ``wait_for_layer_load``, ``wait_for_save``, ``get_finished``) against a real daemon over
+    shared memory, on pages in vLLM 0.32's CUDA default layout (``LBNHC``: the logical
+    ``[B, H, N, C]`` view over NHD memory): what a vLLM user runs. A save is one step that saves
+    the prompt's blocks, timed until the daemon holds them; a restore an async load, timed until
+    ``get_finished`` reports it."""
+
+    name = "kvstore-connector"
+    layout = "LBNHC"
+    load_mode = "async"
+
+    def open(self, cache: Cache, capacity: int, scratch: str) -> None:
+        from engine.vllm.harness import WorkerDriver, small_daemon
+
+        assert cache.kv is not None, "the connector restores into vLLM's logical [B, H, N, C] pages"
+        self.cache = cache
+        self._root = Path(tempfile.mkdtemp(prefix="peers-connector-", dir=scratch))
+        self.daemon = small_daemon(self._root, dram=str(capacity))
+        # The daemon faults its arena in from its start (a background thread, ~2 GB/s a core):
+        # an engine starts long before its first save, and LMCache allocates its pool in its open.
+        time.sleep(min(20.0, 1.0 + capacity / 2e9))
+        caches = dict(zip(cache.spec.layer_names, cache.layers, strict=True))
+        self.driver = WorkerDriver(self.daemon.url, cache.spec, caches, plane="shm", load_mode=self.load_mode,
+                                   lookup_timeout_s=60.0, load_timeout_s=60.0, save_timeout_s=120.0)
+
+    def prepare(self, tokens: int) -> None:
+        pass
+
+    def save(self, tokens: np.ndarray, ids: list[int]) -> None:
+        self.driver.save(tokens, ids)
+
+    def restore(self, tokens: np.ndarray, ids: list[int]) -> int:
+        return self.driver.load(tokens, ids) * BLOCK
+
+    def info(self) -> dict[str, Any]:
+        w = self.driver.worker
+        return {"plane": w.load_link.client.plane if w.load_link.client else None, "load_mode": self.load_mode,
+                "piece_bytes": w.cfg.piece_bytes, "stage_bytes": w.cfg.stage_bytes}
+
+    def close(self) -> None:
+        self.driver.close()
+        release_arenas()
+        self.daemon.stop()
+        shutil.rmtree(self._root, ignore_errors=True)
+
+
+class KvstoreConnectorHnd(KvstoreConnector):
+    """The same on FlashInfer's and the CPU build's layout (``LBHNC``: HND memory)."""
+
+    name = "kvstore-connector-hnd"
+    layout = "HND"
+
+
+LAYER_FLOPS_SHAPE = (2048, 4096, 8192)
+"""The per-layer compute of the layer-wise row: one bf16 matmul ``[m, k] @ [k, n]`` (~0.2-0.3 ms
+on an H100): a suffix's share of a layer's work while the prefix loads."""
+
+
+class KvstoreConnectorLayerwise(KvstoreConnector):
+    """The connector's layer-wise load: one step whose forward pass (a matmul per layer on the
+    current stream, :data:`LAYER_FLOPS_SHAPE`) waits at each attention layer for that layer's
+    load only; the restore figure is that step's time (TTFT), beside the same compute with no
+    load (``compute_ms``) in the same trial."""
+
+    name = "kvstore-connector-lw"
+    load_mode = "layerwise"
+
+    def open(self, cache: Cache, capacity: int, scratch: str) -> None:
+        super().open(cache, capacity, scratch)
+        m, k, n = LAYER_FLOPS_SHAPE if cache.device.type == "cuda" else (64, 64, 64)
+        dt = torch.bfloat16 if cache.device.type == "cuda" else torch.float32
+        self._x = torch.randn(m, k, device=cache.device, dtype=dt)
+        self._w = torch.randn(k, n, device=cache.device, dtype=dt)
+        self.compute_s: list[float] = []
+
+    def _compute(self, layer: int) -> None:
+        torch.mm(self._x, self._w)
+
+    def restore(self, tokens: np.ndarray, ids: list[int]) -> int:
+        n = self.driver.load(tokens, ids, layerwise=True, compute=self._compute) * BLOCK
+        sync(self.cache.device)
+        t0 = time.perf_counter()  # the same forward pass with nothing to load
+        for layer in range(self.cache.spec.num_layers):
+            self._compute(layer)
+        sync(self.cache.device)
+        self.compute_s.append(time.perf_counter() - t0)
+        return n
+
+    def info(self) -> dict[str, Any]:
+        out = super().info()
+        if self.compute_s:
+            out["compute_ms"] = round(statistics.median(self.compute_s) * 1e3, 3)
+            out["compute_what"] = f"{self.cache.spec.num_layers} x mm{LAYER_FLOPS_SHAPE}, no load"
+            self.compute_s = []
+        return out
 
 
 class LmcachePaged:

@@ -26,6 +26,9 @@ from tools.bench._peers.paged import (
     WARM_TOKENS,
     Cache,
     KvstoreBlocks,
+    KvstoreConnector,
+    KvstoreConnectorHnd,
+    KvstoreConnectorLayerwise,
     KvstoreG16,
     KvstoreGroups,
     KvstoreHead4,
@@ -43,7 +46,10 @@ from tools.bench._peers.paged import (
     sync,
 )
 
-STORES: dict[str, Callable[[], Any]] = {"kvstore": KvstorePaged, "kvstore-nohead": KvstoreNohead, "kvstore-leasehead": KvstoreLeaseHead, "kvstore-head4": KvstoreHead4, "kvstore-head32": KvstoreHead32, "kvstore-g16": KvstoreG16, "kvstore-groups": KvstoreGroups, "kvstore-put": KvstorePut,
+STORES: dict[str, Callable[[], Any]] = {"kvstore-connector": KvstoreConnector,
+                                        "kvstore-connector-hnd": KvstoreConnectorHnd,
+                                        "kvstore-connector-lw": KvstoreConnectorLayerwise,
+                                        "kvstore": KvstorePaged, "kvstore-nohead": KvstoreNohead, "kvstore-leasehead": KvstoreLeaseHead, "kvstore-head4": KvstoreHead4, "kvstore-head32": KvstoreHead32, "kvstore-g16": KvstoreG16, "kvstore-groups": KvstoreGroups, "kvstore-put": KvstorePut,
                                         "kvstore-blocks": KvstoreBlocks,
                                         "kvstore-whole": KvstoreWhole, "kvstore-rows": KvstoreRows,
                                         "lmcache": LmcachePaged, "lmcache-nhd": LmcacheNhd}
@@ -146,14 +152,22 @@ def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, 
         for s in stores:
             with contextlib.suppress(Exception):
                 s.close()
+    connectors = ("kvstore-connector", "kvstore-connector-hnd", "kvstore-connector-lw")
     for tokens in sizes:
-        for kv in ("kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-head32", "kvstore-groups", "kvstore-g16", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
+        for conn in connectors:  # the connector against the bench's own store path, same run
+            for op in ("restore", "save"):
+                a, b = figures.get((conn, tokens, op)), figures.get(("kvstore", tokens, op))
+                if a and b:
+                    yield result("peers", f"{conn}_vs_kvstore_paged_{label(tokens)}_{op}", a, "GB/s", b,
+                                 goal_ratio=0.95 if conn != "kvstore-connector-lw" else None, tokens=tokens,
+                                 device=where, paired=paired)
+        for kv in (*connectors, "kvstore", "kvstore-nohead", "kvstore-leasehead", "kvstore-head4", "kvstore-head32", "kvstore-groups", "kvstore-g16", "kvstore-put", "kvstore-blocks", "kvstore-whole", "kvstore-rows"):
             for peer in ("lmcache", "lmcache-nhd"):
                 for op, goal in (("restore", GOALS["lmcache"]), ("save", 1.0)):
                     a, b = figures.get((kv, tokens, op)), figures.get((peer, tokens, op))
                     if a and b:
                         yield result("peers", f"{kv}_vs_{peer}_paged_{label(tokens)}_{op}", a, "GB/s", b,
-                                     goal_ratio=goal if kv == "kvstore" else None, tokens=tokens, device=where,
+                                     goal_ratio=(1.2 if op == "save" else goal) if kv == "kvstore-connector" else (goal if kv == "kvstore" else None), tokens=tokens, device=where,
                                      paired=paired)
 
 

@@ -1,0 +1,347 @@
+"""Blocks between the store's host memory and an engine's paged KV cache on its device.
+
+The one fast path that the vLLM connector (``engine.vllm.worker``) and the benchmarks
+(``tools.bench peers --device cuda``) use; the reference engines reach the same DMAs through
+:mod:`engine.gpu`.
+
+**Restore** (:class:`PagedLoader`): the blocks lie on the host where the store keeps them, a lease
+on a shared-memory arena (:class:`engine.gpu.ArenaBlocks`: the arena mapped read-only and
+``cudaHostRegister``-ed once per process) or a pinned buffer a remote plane filled
+(:class:`engine.gpu.HostBlocks`). They are copied to the device in *tiles* (a range of blocks
+times a range of layers) by DMA on the loader's copy stream, one ``cudaMemcpy2DAsync`` per run of
+equally spaced blocks, into a bounded device staging ring; each tile is scattered into the pages
+on the loader's scatter stream as soon as it lands, and the tile after the ring's length waits
+(on the device) for the scatter that frees its slot. Every layer gets the CUDA event of its last
+tile's scatter: a layer-wise load makes the forward stream wait on that layer's event only. No
+host copy, no pageable memory, no host wait until the caller asks for one.
+
+**Save** (:class:`PagedSaver`): the pages are gathered into device staging on the caller's
+stream, in stream order with the forward pass that wrote them (a few gather kernels; nothing
+waits on the host), then copied to the host in pieces on the saver's copy stream, each piece
+straight into the memory the store takes it from (a daemon connection's staging segment,
+registered with CUDA once, or a pinned buffer for a remote plane), while the store ingests the
+piece before it.
+
+On the CPU (vLLM's CPU build) there is no link: a restore scatters straight from the host rows
+and a save gathers straight into host memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+MiB = 1 << 20
+PIECE_BYTES = 128 * MiB
+"""Bytes of one tile of a restore (or one piece of a save) at most: large enough that a 32K-token
+restore of an 8B model is 32 tiles (host time to queue them, ~2 ms, hides under the DMAs), small
+enough that the first scatter starts early."""
+STAGE_BYTES = 512 * MiB
+"""Device staging of a restore: a ring of ``STAGE_BYTES // PIECE_BYTES`` tiles."""
+
+
+class PagedTarget(Protocol):
+    """An engine's paged KV cache as blocks in the store's format (``engine.vllm.pages.PagedKV``)."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def page_bytes(self) -> int: ...
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    def block_ids(self, block_ids: Sequence[int]) -> torch.Tensor: ...
+
+    def scatter_layer(self, layer: int, block_ids: torch.Tensor, src: torch.Tensor) -> None: ...
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None: ...
+
+
+class BlockSource(Protocol):
+    """Blocks on the host (``engine.gpu.ArenaBlocks``, ``engine.gpu.HostBlocks``)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0, stream: Any = None) -> int: ...
+
+    def layer_rows(self, first: int, count: int, layer: int, page_bytes: int) -> torch.Tensor: ...
+
+
+def tiles(n: int, num_layers: int, page_bytes: int, piece_bytes: int = PIECE_BYTES,
+          layer_group: int = 0) -> list[tuple[int, int, int, int]]:
+    """The tiles ``(first block, end block, first layer, end layer)`` of a restore of ``n``
+    blocks, layer group by layer group (``layer_group`` layers each; 0: all layers at once, whole
+    blocks), each group cut into block ranges of ``piece_bytes`` at most (one block at least)."""
+    if n <= 0:
+        return []
+    group = num_layers if layer_group <= 0 else min(layer_group, num_layers)
+    out: list[tuple[int, int, int, int]] = []
+    for lo in range(0, num_layers, group):
+        hi = min(lo + group, num_layers)
+        step = max(1, piece_bytes // ((hi - lo) * page_bytes))
+        out.extend((a, min(a + step, n), lo, hi) for a in range(0, n, step))
+    return out
+
+
+@dataclass
+class DeviceLoad:
+    """A restore queued on the device: the event after which each layer's pages hold the blocks
+    (None on the CPU, where they do once :meth:`PagedLoader.load` returns)."""
+
+    layer_events: list[Any]
+    done: Any = None
+    tiles: int = 0
+    dmas: int = 0
+    """DMA calls queued (one per run of equally spaced blocks and tile)."""
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        """Make ``stream`` (default the current one) wait on the device for layer ``layer``."""
+        ev = self.layer_events[layer]
+        if ev is not None:
+            (stream or torch.cuda.current_stream()).wait_event(ev)
+
+    def wait_all(self, stream: Any = None) -> None:
+        if self.done is not None:
+            (stream or torch.cuda.current_stream()).wait_event(self.done)
+
+    def ready(self) -> bool:
+        return self.done is None or bool(self.done.query())
+
+    def synchronize(self) -> None:
+        """Wait on the host until every copy and scatter of this load is done (before its source
+        is given back)."""
+        if self.done is not None:
+            self.done.synchronize()
+
+
+class PagedLoader:
+    """Restores blocks into a device's pages (see the module docstring). One per engine worker;
+    one load at a time (its staging ring and streams are its own): callers serialize loads
+    (the connector's loader thread does)."""
+
+    def __init__(self, device: torch.device, *, piece_bytes: int = PIECE_BYTES,
+                 stage_bytes: int = STAGE_BYTES) -> None:
+        if piece_bytes <= 0 or stage_bytes < piece_bytes:
+            raise ValueError(f"a restore needs 0 < piece_bytes <= stage_bytes, got {piece_bytes}, {stage_bytes}")
+        self.device = torch.device(device)
+        self.piece_bytes = piece_bytes
+        self.stage_bytes = stage_bytes
+        self._cuda = self.device.type == "cuda"
+        self._copy: Any = torch.cuda.Stream(self.device) if self._cuda else None
+        self._scatter: Any = torch.cuda.Stream(self.device) if self._cuda else None
+        self._stage: torch.Tensor | None = None
+
+    def _staging(self, slot_bytes: int, slots: int) -> torch.Tensor:
+        need = slot_bytes * slots
+        if self._stage is None or self._stage.numel() < need:
+            self._stage = None
+            self._stage = torch.empty(need, dtype=torch.uint8, device=self.device)
+        return self._stage
+
+    def load(self, src: BlockSource, target: PagedTarget, ids: Sequence[int], *, layer_group: int = 0,
+             after: Any = None, on_layers: Callable[[int, int, Any], None] | None = None,
+             first: int = 0, cancelled: Callable[[], bool] | None = None) -> DeviceLoad:
+        """Queue the restore of blocks ``first .. first+len(ids)-1`` of ``src`` into pages ``ids``
+        of ``target``; returns at once on a GPU (the copies and scatters are queued). ``after``:
+        a CUDA event the scatters wait for (the engine's stream when the pages were handed out:
+        kernels still reading a page's previous contents). ``on_layers(lo, hi, event)`` is called
+        as soon as layers ``lo..hi-1`` are queued, with the CUDA event after which they hold the
+        blocks (None on the CPU), so a waiter on another thread can make its stream wait on it.
+        ``cancelled()``, asked before each tile (each layer on the CPU), stops the queueing: the
+        layers not yet queued are never written."""
+        n, num_layers, pb = len(ids), target.num_layers, target.page_bytes
+        if n == 0:
+            return DeviceLoad([None] * num_layers)
+        plan = tiles(n, num_layers, pb, max(self.piece_bytes, target.block_bytes), layer_group)
+        if not self._cuda:
+            return self._load_host(src, target, ids, first, on_layers, cancelled)
+        idx_host = list(ids)
+        slot = max((b - a) * (hi - lo) * pb for a, b, lo, hi in plan)
+        nslots = max(1, min(len(plan), self.stage_bytes // slot))
+        stage = self._staging(slot, nslots)
+        copy, scat = self._copy, self._scatter
+        copy.wait_stream(scat)  # the ring's last readers (the previous load's scatters) are done
+        with torch.cuda.stream(scat):
+            if after is not None:
+                scat.wait_event(after)
+            idx = target.block_ids(idx_host)  # one small copy, before the first scatter
+        freed: list[Any] = []
+        events: list[Any] = [None] * num_layers
+        dmas = 0
+        for k, (a, b, lo, hi) in enumerate(plan):
+            if cancelled is not None and cancelled():
+                break
+            width = (hi - lo) * pb
+            s = k % nslots
+            dst = stage[s * slot : s * slot + (b - a) * width].view(b - a, width)
+            if k >= nslots:
+                copy.wait_event(freed[k - nslots])
+            dmas += src.copy_into(dst, lo * pb, hi * pb, first=first + a, stream=copy)
+            landed = torch.cuda.Event()
+            landed.record(copy)
+            scat.wait_event(landed)
+            with torch.cuda.stream(scat):
+                for layer in range(lo, hi):
+                    off = (layer - lo) * pb
+                    target.scatter_layer(layer, idx[a:b], dst[:, off : off + pb])
+                done = torch.cuda.Event()
+                done.record(scat)
+            freed.append(done)
+            if b == n:  # the group's last tile: its layers are ready after this scatter
+                for layer in range(lo, hi):
+                    events[layer] = done
+                if on_layers is not None:
+                    on_layers(lo, hi, done)
+        return DeviceLoad(events, freed[-1] if freed else None, len(freed), dmas)
+
+    @staticmethod
+    def _load_host(src: BlockSource, target: PagedTarget, ids: Sequence[int], first: int,
+                   on_layers: Callable[[int, int, Any], None] | None,
+                   cancelled: Callable[[], bool] | None) -> DeviceLoad:
+        idx = target.block_ids(ids)
+        n, pb = len(ids), target.page_bytes
+        for layer in range(target.num_layers):
+            if cancelled is not None and cancelled():
+                break
+            target.scatter_layer(layer, idx, src.layer_rows(first, n, layer, pb))
+            if on_layers is not None:
+                on_layers(layer, layer + 1, None)
+        return DeviceLoad([None] * target.num_layers, None, target.num_layers, 0)
+
+
+class ConcatSource:
+    """Several sources as one (the requests of one step: one load of all their blocks)."""
+
+    def __init__(self, parts: Sequence[tuple[BlockSource, int]]) -> None:
+        self.parts = [(src, n) for src, n in parts if n > 0]
+        self.num_blocks = sum(n for _, n in self.parts)
+
+    def _split(self, first: int, count: int) -> list[tuple[BlockSource, int, int, int]]:
+        """(source, its first block, count, row in the caller's range) covering ``first..``."""
+        out, at = [], 0
+        for src, n in self.parts:
+            lo, hi = max(first, at), min(first + count, at + n)
+            if lo < hi:
+                out.append((src, lo - at, hi - lo, lo - first))
+            at += n
+        return out
+
+    def copy_into(self, dst: torch.Tensor, lo: int, hi: int, first: int = 0, stream: Any = None) -> int:
+        calls = 0
+        for src, f, c, row in self._split(first, dst.shape[0]):
+            calls += src.copy_into(dst[row : row + c], lo, hi, first=f, stream=stream)
+        return calls
+
+    def layer_rows(self, first: int, count: int, layer: int, page_bytes: int) -> torch.Tensor:
+        rows = [src.layer_rows(f, c, layer, page_bytes) for src, f, c, _ in self._split(first, count)]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+@dataclass
+class StagedSave:
+    """Pages gathered into device staging (``[n, block_bytes]``), ready once ``ready`` fires."""
+
+    rows: torch.Tensor
+    ready: Any = None
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.rows.shape[0])
+
+
+@dataclass
+class SaveStats:
+    pieces: int = 0
+    bytes: int = 0
+
+
+class PagedSaver:
+    """Saves pages to the host (see the module docstring): :meth:`stage` on the engine's thread
+    (gather kernels on its stream, no host wait), :meth:`drain` on a saver thread."""
+
+    def __init__(self, device: torch.device, *, piece_bytes: int = PIECE_BYTES) -> None:
+        if piece_bytes <= 0:
+            raise ValueError(f"a save's piece must be > 0 bytes, got {piece_bytes}")
+        self.device = torch.device(device)
+        self.piece_bytes = piece_bytes
+        self._cuda = self.device.type == "cuda"
+        self._copy: Any = torch.cuda.Stream(self.device) if self._cuda else None
+        self._lock = threading.Lock()
+        self.stats = SaveStats()
+
+    def stage(self, target: PagedTarget, ids: Sequence[int]) -> StagedSave:
+        """Gather pages ``ids`` of every layer into a new ``[n, block_bytes]`` tensor on the
+        device, on the current stream (after the kernels that wrote them); raises
+        ``torch.OutOfMemoryError`` when the staging does not fit (the caller drops the save)."""
+        rows = torch.empty((len(ids), target.block_bytes), dtype=torch.uint8, device=self.device)
+        target.gather(ids, rows)
+        if not self._cuda:
+            return StagedSave(rows)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return StagedSave(rows, ev)
+
+    def pieces(self, n: int, block_bytes: int, room: int) -> list[tuple[int, int]]:
+        """Block ranges of a drain of ``n`` blocks into a host buffer of ``room`` bytes: each of
+        ``piece_bytes`` at most and of half the room at most (two alternate), one block at least."""
+        per = max(1, min(self.piece_bytes, room // 2 if room >= 2 * block_bytes else room) // block_bytes)
+        return [(a, min(a + per, n)) for a in range(0, n, per)]
+
+    def drain(self, staged: StagedSave, host: torch.Tensor,
+              put: Callable[[int, int, int], None]) -> None:
+        """Copy ``staged`` to the host buffer ``host`` (1-D uint8, registered or pinned) in pieces,
+        the two halves in turn, and call ``put(a, b, offset)`` for blocks ``a..b-1`` once they
+        have landed at byte ``offset`` of ``host``: the next piece's copy runs while ``put``
+        stores this one. ``host`` must hold one block at least."""
+        rows, n = staged.rows, staged.num_blocks
+        bb = int(rows.shape[1]) if n else 0
+        if n == 0:
+            return
+        if host.numel() < bb:
+            raise ValueError(f"a host buffer of {host.numel()} bytes cannot hold a {bb}-byte block")
+        pieces = self.pieces(n, bb, host.numel())
+        half = (pieces[0][1] - pieces[0][0]) * bb
+        with self._lock:
+            self.stats.pieces += len(pieces)
+            self.stats.bytes += n * bb
+        if not self._cuda:
+            for k, (a, b) in enumerate(pieces):
+                off = (k % 2) * half if len(pieces) > 1 and host.numel() >= 2 * half else 0
+                host[off : off + (b - a) * bb].view(b - a, bb).copy_(rows[a:b])
+                put(a, b, off)
+            return
+        copy = self._copy
+        two = len(pieces) > 1 and host.numel() >= 2 * half
+        landed: list[Any] = []
+
+        def queue(k: int) -> None:
+            a, b = pieces[k]
+            off = (k % 2) * half if two else 0
+            with torch.cuda.stream(copy):
+                if k == 0 and staged.ready is not None:
+                    copy.wait_event(staged.ready)
+                host[off : off + (b - a) * bb].view(b - a, bb).copy_(rows[a:b], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(copy)
+            landed.append((ev, off))
+
+        queue(0)
+        for k, (a, b) in enumerate(pieces):
+            if two and k + 1 < len(pieces):
+                queue(k + 1)  # into the other half, whose put has returned
+            ev, off = landed[k]
+            ev.synchronize()
+            put(a, b, off)
+            if not two and k + 1 < len(pieces):
+                queue(k + 1)
+        rows.record_stream(copy)  # the caching allocator keeps it until the copies are done

@@ -1,0 +1,583 @@
+"""The vLLM connector's worker side (one per rank), importable without vLLM.
+
+Loads go into vLLM's pages from leases on the daemon's shared-memory arena (a pinned copy over
+TCP or UCX when the daemon is remote) through :class:`engine.transfer.PagedLoader`: on a GPU,
+whole-block DMAs from the arena (registered with CUDA once) into device staging on the
+connector's own copy stream and a device-side scatter on its scatter stream, one CUDA event per
+layer; on the CPU build, a scatter straight from the arena's rows. In ``async`` mode a load runs
+between scheduler steps and the request waits in ``WAITING_FOR_REMOTE_KVS``; in ``layerwise``
+mode it runs beside the forward pass and each attention layer's stream waits for that layer's
+event only.
+
+Saves: at the end of a step the new full blocks' pages are gathered into device staging on the
+forward pass's stream (gather kernels only: the host never waits), and a saver thread copies them
+to the host in pieces straight into this connection's staging segment on the daemon (registered
+with CUDA once), which the daemon copies into its store while the next piece crosses the link
+(:class:`engine.transfer.PagedSaver`). The forward pass never waits on the daemon.
+
+A dead or slow daemon costs a recompute, never an error or a wrong token: every call goes
+through a circuit breaker (``engine.vllm.breaker``); blocks that fail to load are reported to
+vLLM (``get_block_ids_with_load_errors``), which recomputes them; saves of a step in which a
+load failed are dropped, so KV computed over a failed load never reaches the store.
+
+``tools.bench peers --device cuda`` drives this class as vLLM does (``engine.vllm.harness``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.gpu import (
+    ArenaBlocks,
+    HostBlocks,
+    device_export,
+    register_host,
+    release_arenas,
+    unregister_host,
+)
+from engine.transfer import ConcatSource, PagedLoader, PagedSaver, StagedSave
+from engine.vllm.breaker import DaemonLink
+from engine.vllm.config import ConnectorConfig
+from engine.vllm.pages import PagedKV, PageSpec
+from kvstore.client import Client, connect
+from kvstore.errors import KVStoreError, UsageError
+from kvstore.keys import BlockHash, Namespace, hash_blocks
+
+log = logging.getLogger("kvstore.vllm")
+
+
+# ---- metadata: scheduler -> workers, once per step -------------------------------------------
+
+
+@dataclass(slots=True)
+class ReqInfo:
+    """What a worker needs to hash a request's blocks under its own rank's namespace."""
+
+    tokens: np.ndarray  # int32, whole blocks
+    lora: str
+    salt: bytes
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    req_id: str
+    start: int  # first block (index in the request) to load
+    block_ids: list[int]  # vLLM pages of blocks start..start+len-1
+    is_async: bool
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    req_id: str
+    start: int
+    block_ids: list[int]
+
+
+@dataclass
+class StepPlan:
+    """What the scheduler tells the workers once per step (vLLM's connector metadata)."""
+
+    infos: dict[str, ReqInfo] = field(default_factory=dict)
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    finished: set[str] = field(default_factory=set)
+
+
+# ---- shared set-up -----------------------------------------------------------------------------
+
+
+def model_identity(vllm_config: Any, cfg: ConnectorConfig) -> tuple[str, str]:
+    mc = vllm_config.model_config
+    model_id = cfg.model_id or str(mc.model)
+    revision = cfg.model_revision or str(getattr(mc, "revision", None) or "main")
+    quant = getattr(mc, "quantization", None)
+    if quant:  # quantised weights compute other K/V
+        revision = f"{revision}+{quant}"
+    return model_id, revision
+
+
+def make_link(cfg: ConnectorConfig, name: str, timeout: float, namespaces: list[Namespace],
+              report_conflicts: bool = False) -> DaemonLink[Client]:
+    """A breaker-guarded client that registers ``namespaces`` on every (re)connection;
+    ``report_conflicts``: say loudly when the daemon holds this model deployment under another
+    page layout (one link per engine does, the scheduler's)."""
+    ttl = cfg.ttl_s or None
+
+    def make() -> Client:
+        return connect(cfg.daemon_url, token=cfg.daemon_token, plane=cfg.plane, timeout=timeout, retries=0)
+
+    def on_connect(client: Client) -> None:
+        for ns in namespaces:
+            client.register_namespace(ns, ttl)
+        mine = {bytes(ns.root).hex() for ns in namespaces}
+        for w in client.layout_conflicts if report_conflicts else ():
+            if w["namespaces"][0] in mine:
+                log.warning(
+                    "kvstore: the daemon already holds %r under another KV page layout (%s): this engine "
+                    "and the one that stored those blocks never share them. If that is not meant, give "
+                    "vLLM the same --block-size, --dtype and --kv-cache-dtype as that engine",
+                    w["model_id"], "; ".join(w["differences"]),
+                )
+
+    return DaemonLink(make, name=name, on_connect=on_connect, backoff_s=cfg.backoff_s, max_backoff_s=cfg.max_backoff_s)
+
+
+@dataclass(slots=True)
+class ConnectorCounters:
+    lookups: int = 0
+    requested_tokens: int = 0
+    hit_tokens: int = 0
+    """Tokens found in kvstore beyond vLLM's own prefix hit and handed to vLLM to load."""
+    loads: int = 0
+    loaded_blocks: int = 0
+    failed_blocks: int = 0
+    saves_submitted: int = 0
+    saved_blocks: int = 0
+    saves_dropped: int = 0
+    save_errors: int = 0
+
+
+
+# ---- worker side -------------------------------------------------------------------------------
+
+
+class _LoadJob:
+    """One step's loads of one kind (layerwise or async), run on the loader thread."""
+
+    def __init__(self, specs: list[tuple[LoadSpec, Namespace, list[BlockHash]]], num_layers: int,
+                 after: Any = None) -> None:
+        self.specs = specs
+        self.after = after
+        """CUDA event on the engine's stream when the loads were started (the scatters wait for it)."""
+        self.layer_done = [threading.Event() for _ in range(num_layers)]
+        """Set once the layer's scatter is queued (on the CPU: written)."""
+        self.layer_events: list[Any] = [None] * num_layers
+        """The CUDA event after which the layer's pages hold the blocks (None on the CPU)."""
+        self.done = threading.Event()
+        self.failed: set[int] = set()
+        self.loaded = 0
+        self.abandoned = False
+        self.lock = threading.Lock()
+
+    def fail_all(self) -> None:
+        for spec, _, _ in self.specs:
+            self.failed.update(spec.block_ids)
+
+
+class Worker:
+    """The connector's worker side; vLLM's ``KVStoreConnector`` forwards its worker calls here."""
+
+    def __init__(self, vllm_config: Any, cfg: ConnectorConfig, spec: PageSpec,
+                 tp: tuple[int, int] | None = None) -> None:
+        """``tp``: (rank, world size); default vLLM's tensor-parallel group (a worker outside
+        vLLM's processes, in a test or a benchmark, names its own)."""
+        if tp is None:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        self.cfg = cfg
+        self.spec = spec
+        self.bt = spec.block_size
+        self.rank, self.world = tp
+        self.model_id, self.revision = model_identity(vllm_config, cfg)
+        self._ns: dict[str, Namespace] = {}
+        ns0 = self.ns_for("")
+        self.load_link = make_link(cfg, f"kvstore-load-r{self.rank}", cfg.load_timeout_s, [ns0])
+        self.save_link = make_link(cfg, f"kvstore-save-r{self.rank}", cfg.save_timeout_s, [ns0])
+        self.kv: PagedKV | None = None
+        self.loader: PagedLoader | None = None
+        self.saver: PagedSaver | None = None
+        self.infos: dict[str, ReqInfo] = {}
+        self.chains: dict[str, list[BlockHash]] = {}
+        self.meta: StepPlan | None = None
+        self.counters = ConnectorCounters()
+        self._layer_job: _LoadJob | None = None
+        self._async_jobs: dict[str, _LoadJob] = {}
+        self._errors: set[int] = set()
+        self._step_failed = False
+        self._lock = threading.Lock()
+        self._loads: deque[_LoadJob] = deque()
+        self._load_wake = threading.Condition(self._lock)
+        self._arena = ""  # the daemon arena this worker's loads last read
+        self._device_puts = cfg.device_puts  # PUT_DEVICE where the daemon offers it
+        self._pinned: torch.Tensor | None = None  # a remote plane's save buffer
+        self._load_host: torch.Tensor | None = None  # a remote plane's load buffer
+        self._sink: tuple[Any, torch.Tensor] | None = None  # (staging segment, its registered view)
+        self._saves: deque[tuple[Namespace, list[BlockHash], int, StagedSave, np.ndarray]] = deque()
+        self._save_wake = threading.Condition(threading.Lock())
+        self._save_slots = threading.BoundedSemaphore(cfg.max_pending_saves)
+        self._stop = False
+        self._threads = [
+            threading.Thread(target=self._load_loop, name="kvstore-load", daemon=True),
+            threading.Thread(target=self._save_loop, name="kvstore-save", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def ns_for(self, lora: str) -> Namespace:
+        ns = self._ns.get(lora)
+        if ns is None:
+            ns = self._ns[lora] = self.spec.namespace(self.model_id, self.revision, self.rank, self.world, lora)
+        return ns
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv = PagedKV(self.spec, kv_caches)
+        self.loader = PagedLoader(self.kv.device, piece_bytes=self.cfg.piece_bytes, stage_bytes=self.cfg.stage_bytes)
+        self.saver = PagedSaver(self.kv.device, piece_bytes=self.cfg.piece_bytes)
+
+    @property
+    def _cuda(self) -> bool:
+        return self.kv is not None and self.kv.device.type == "cuda"
+
+    def _chain(self, req_id: str, blocks: int) -> tuple[Namespace, list[BlockHash]]:
+        info = self.infos[req_id]
+        ns = self.ns_for(info.lora)
+        chain = self.chains.get(req_id)
+        if chain is None or len(chain) < blocks:
+            chain = self.chains[req_id] = hash_blocks(ns, info.tokens, info.salt or None)
+        return ns, chain
+
+    # -- per step --
+
+    def bind(self, meta: StepPlan) -> None:
+        self.meta = meta
+        self.infos.update(meta.infos)
+        for req_id in meta.infos:
+            self.chains.pop(req_id, None)  # longer tokens: hash again
+
+    def start_load_kv(self) -> None:
+        meta = self.meta
+        if meta is None or self.kv is None:
+            return
+        self._step_failed = False
+        by_kind: dict[bool, list[tuple[LoadSpec, Namespace, list[BlockHash]]]] = {True: [], False: []}
+        for ld in meta.loads:
+            ns, chain = self._chain(ld.req_id, ld.start + len(ld.block_ids))
+            by_kind[ld.is_async].append((ld, ns, chain[ld.start : ld.start + len(ld.block_ids)]))
+        for is_async, specs in by_kind.items():
+            if not specs:
+                continue
+            after = None
+            if self._cuda:  # the pages' earlier readers on the engine's stream come first
+                after = torch.cuda.Event()
+                after.record(torch.cuda.current_stream(self.kv.device))
+            job = _LoadJob(specs, self.kv.num_layers, after)
+            if is_async:
+                for ld, _, _ in specs:
+                    self._async_jobs[ld.req_id] = job
+            else:
+                self._layer_job = job
+            with self._load_wake:
+                self._loads.append(job)
+                self._load_wake.notify()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        job = self._layer_job
+        if job is None or self.kv is None:
+            return
+        i = self.kv.index.get(layer_name)
+        if i is None:
+            return
+        if not job.layer_done[i].wait(self.cfg.load_timeout_s * 2):
+            with job.lock:  # the loader checks this before each tile it queues
+                if not job.layer_done[i].is_set():
+                    job.abandoned = True
+                    job.fail_all()
+                    return
+        ev = job.layer_events[i]
+        if ev is not None:  # the forward's stream waits on the device, the host goes on
+            torch.cuda.current_stream(self.kv.device).wait_event(ev)
+
+    def wait_for_save(self) -> None:
+        meta = self.meta
+        if meta is None or self.kv is None:
+            return
+        job, self._layer_job = self._layer_job, None
+        if job is not None:
+            if not job.done.wait(self.cfg.load_timeout_s * 2):
+                with job.lock:
+                    job.abandoned = True
+                    job.fail_all()
+            self._collect(job, in_step=True)
+        for req_id in meta.finished:
+            self.infos.pop(req_id, None)
+            self.chains.pop(req_id, None)
+        if not meta.saves:
+            return
+        if self._step_failed or self.save_link.is_open:
+            # KV computed this step over a failed load must not reach the store; with the
+            # daemon down a save would only be dropped later.
+            self.counters.saves_dropped += len(meta.saves)
+            return
+        assert self.saver is not None
+        for sv in meta.saves:
+            if not self._save_slots.acquire(blocking=False):
+                self.counters.saves_dropped += 1
+                continue
+            ns, chain = self._chain(sv.req_id, sv.start + len(sv.block_ids))
+            try:
+                staged = self.saver.stage(self.kv, sv.block_ids)
+            except (torch.OutOfMemoryError, MemoryError) as e:
+                # The save's device staging did not fit: vLLM's step must go on, and the pages
+                # are recomputed the next time they are needed.
+                self._save_slots.release()
+                self.counters.saves_dropped += 1
+                log.warning("kvstore save of %d blocks dropped: out of memory (%s)", len(sv.block_ids), e)
+                continue
+            self.counters.saves_submitted += 1
+            end = sv.start + len(sv.block_ids)
+            # The blocks' token ids go with the save (4 bytes a token): the daemon's KV events
+            # carry them in BlockStored.token_ids, as vLLM's own events do.
+            tokens = self.infos[sv.req_id].tokens[sv.start * self.bt : end * self.bt]
+            with self._save_wake:
+                self._saves.append((ns, chain[:end], sv.start, staged, tokens))
+                self._save_wake.notify()
+
+    def _collect(self, job: _LoadJob, in_step: bool = False) -> None:
+        with job.lock:
+            if job.failed:
+                self._step_failed |= in_step
+                self._errors |= job.failed
+                self.counters.failed_blocks += len(job.failed)
+            self.counters.loaded_blocks += job.loaded
+
+    def get_finished(self) -> set[str]:
+        done: set[str] = set()
+        for req_id, job in list(self._async_jobs.items()):
+            if job.done.is_set():
+                done.add(req_id)
+                del self._async_jobs[req_id]
+                if not any(j is job for j in self._async_jobs.values()):
+                    self._collect(job)
+        return done
+
+    def take_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # -- loader thread --
+
+    def _load_loop(self) -> None:
+        while True:
+            with self._load_wake:
+                while not self._loads and not self._stop:
+                    self._load_wake.wait()
+                if self._stop:
+                    return
+                job = self._loads.popleft()
+            try:
+                self._run_load(job)
+            except Exception:  # a bug: never into vLLM's step; its blocks are recomputed
+                log.exception("kvstore load failed; vLLM recomputes its blocks")
+                with job.lock:
+                    job.fail_all()
+            finally:
+                with job.lock:
+                    for ev in job.layer_done:
+                        ev.set()
+                    job.done.set()
+
+    def _run_load(self, job: _LoadJob) -> None:
+        kv, loader = self.kv, self.loader
+        assert kv is not None and loader is not None
+        parts: list[tuple[Any, int]] = []
+        ids: list[int] = []
+        held: list[Any] = []
+        try:
+            for spec, ns, hashes in job.specs:
+                n, src = self._fetch(ns, hashes, held)
+                job.loaded += n
+                if n < len(hashes):
+                    job.failed.update(spec.block_ids[n:])
+                if n:
+                    parts.append((src, n))
+                    ids.extend(spec.block_ids[:n])
+            if not ids:
+                return
+
+            def ready(lo: int, hi: int, event: Any) -> None:
+                for layer in range(lo, hi):
+                    job.layer_events[layer] = event
+                    job.layer_done[layer].set()
+
+            def cancelled() -> bool:
+                with job.lock:
+                    return job.abandoned
+
+            src = parts[0][0] if len(parts) == 1 else ConcatSource(parts)
+            group = self.cfg.layer_group if job.specs and not job.specs[0][0].is_async else 0
+            load = loader.load(src, kv, ids, layer_group=group, after=job.after, on_layers=ready,
+                               cancelled=cancelled)
+            load.synchronize()  # the leases are read until the last copy lands
+        finally:
+            for lease in held:
+                if not isinstance(lease, HostBlocks):
+                    self.load_link.call(lambda c, lease=lease: c.release(lease), None)
+
+    def _load_buffer(self, n: int, reserved: int) -> torch.Tensor:
+        """Rows ``reserved..reserved+n`` of the remote planes' load buffer (pinned on a GPU),
+        grown as needed and kept: a step's loads fill it back to back, and the next step's
+        start once this one's copies are done (loads run one at a time)."""
+        bb = self.spec.block_bytes
+        need = (reserved + n) * bb
+        if self._load_host is None or self._load_host.numel() < need:
+            if reserved:  # earlier rows of this step are still to be read: a buffer of its own
+                return torch.empty((n, bb), dtype=torch.uint8, pin_memory=self._cuda)
+            self._load_host = None
+            self._load_host = torch.empty(need, dtype=torch.uint8, pin_memory=self._cuda)
+        return self._load_host[reserved * bb : need].view(n, bb)
+
+    def _fetch(self, ns: Namespace, hashes: list[BlockHash], held: list[Any]) -> tuple[int, Any]:
+        """The leading cached blocks of ``hashes``: (count, source): a lease on the daemon's arena
+        (shared memory) or a host buffer a remote plane filled (pinned on a GPU)."""
+        client = self.load_link.client
+        if client is None:
+            return 0, None
+        held_host = [h for h in held if isinstance(h, HostBlocks)]
+        try:
+            if client.plane == "shm":
+                lease = self.load_link.call(lambda c: c.acquire(ns, hashes), None)
+                if lease is None:
+                    return 0, None
+                if lease.num_blocks and lease.arena != self._arena and not any(
+                        not isinstance(h, HostBlocks) for h in held):
+                    # A restarted daemon has a new arena: let go of the old one's mapping (no
+                    # lease on it is held, no copy from it is in flight: loads run one at a time).
+                    release_arenas()
+                    self._arena = lease.arena
+                held.append(lease)
+                return lease.num_blocks, ArenaBlocks(client, lease)
+            buf = self._load_buffer(len(hashes), reserved=sum(src.num_blocks for src in held_host))
+            n = self.load_link.call(lambda c: c.get_into(ns, hashes, buf.view(-1).numpy()), 0)
+            held.append(HostBlocks(buf[:n]))
+            return n, held[-1]
+        except KVStoreError as e:  # answered: an unknown namespace after a restart, say
+            log.warning("kvstore load failed (%s); vLLM recomputes these blocks", e)
+            return 0, None
+
+    # -- saver thread --
+
+    def _save_loop(self) -> None:
+        while True:
+            with self._save_wake:
+                while not self._saves and not self._stop:
+                    self._save_wake.wait()
+                if self._stop and not self._saves:
+                    return
+                ns, chain, start, staged, tokens = self._saves.popleft()
+            try:
+                n = self.save_link.call(
+                    lambda c, ns=ns, chain=chain, start=start, staged=staged, tokens=tokens: self._store(
+                        c, ns, chain, start, staged, tokens), -1)
+                if n < 0:
+                    self.counters.saves_dropped += 1
+                else:
+                    self.counters.saved_blocks += len(chain) - start
+            except KVStoreError as e:  # a prefix evicted since the lookup, a full store
+                self.counters.save_errors += 1
+                log.info("kvstore save of %d blocks failed: %s", len(chain) - start, e)
+            except Exception:  # a bug: never into vLLM; the blocks are computed again next time
+                self.counters.save_errors += 1
+                log.exception("kvstore save of %d blocks failed", len(chain) - start)
+            finally:
+                self._save_slots.release()
+
+    def _store(self, c: Client, ns: Namespace, chain: list[BlockHash], start: int, staged: StagedSave,
+               tokens: np.ndarray) -> int:
+        """Put ``staged`` (blocks ``start..`` of ``chain``): on the CPU from the staged rows (the
+        put copies them into the daemon); on a GPU, where the daemon on this node offers it, by
+        PUT_DEVICE (the daemon copies the staged rows from the device straight into its arena);
+        else from the device into this connection's staging segment (shared memory) or a pinned
+        buffer (TCP, UCX), piece by piece, each piece put while the next one crosses the link."""
+        saver = self.saver
+        assert saver is not None
+        if not self._cuda:
+            return c.put(ns, chain, staged.rows.view(-1).numpy(), start=start, tokens=tokens)
+        if c.plane == "shm" and self._device_puts and c.info.get("put_device"):
+            try:
+                device, handle, offset, size = device_export(staged.rows)
+            except OSError as e:  # memory CUDA cannot export: the staging segment from now on
+                self._device_puts = False
+                log.info("kvstore: saves go through the daemon's staging segment (%s)", e)
+            else:
+                if staged.ready is not None:
+                    staged.ready.synchronize()  # the gather has landed before the daemon reads it
+                try:
+                    return c.put_device(ns, chain, start=start, device=device, handle=handle, offset=offset,
+                                        size=size)
+                except UsageError as e:  # refused, nothing stored: the staging segment from now on
+                    self._device_puts = False
+                    log.warning("kvstore: the daemon refused a save from GPU memory (%s); saves go through "
+                                "its staging segment", e)
+        bb, new = self.spec.block_bytes, 0
+        if c.plane == "shm":
+            seg, host = self._segment(c)
+
+            def put(a: int, b: int, off: int) -> None:
+                nonlocal new
+                new += c.put_staged(ns, chain[: start + b], seg, start=start + a, offset=off)
+        else:
+            host = self._pinned_buffer()
+
+            bt = self.bt
+
+            def put(a: int, b: int, off: int) -> None:
+                nonlocal new
+                new += c.put(ns, chain[: start + b], host[off : off + (b - a) * bb].numpy(), start=start + a,
+                             tokens=tokens[a * bt : b * bt])
+
+        saver.drain(staged, host, put)
+        return new
+
+    def _segment(self, c: Client) -> tuple[Any, torch.Tensor]:
+        """This connection's staging segment on the daemon and its view, registered with CUDA
+        once per segment (a new connection has a new one)."""
+        limit = int(c.info.get("max_staging_bytes", 0))
+        want = min(limit, max(2 * self.cfg.piece_bytes, self.spec.block_bytes))
+        seg = c.staging(want)
+        if self._sink is None or self._sink[0] is not seg:
+            if self._sink is not None:
+                unregister_host(self._sink[1])
+            view = torch.frombuffer(seg.buf, dtype=torch.uint8)
+            register_host(view)
+            self._sink = (seg, view)
+        return self._sink
+
+    def _pinned_buffer(self) -> torch.Tensor:
+        if self._pinned is None:
+            n = max(2 * self.cfg.piece_bytes, self.spec.block_bytes)
+            self._pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        return self._pinned
+
+    def flush(self) -> None:
+        """Wait until every submitted save has run (tests, shutdown)."""
+        for _ in range(self.cfg.max_pending_saves):
+            self._save_slots.acquire()
+        for _ in range(self.cfg.max_pending_saves):
+            self._save_slots.release()
+
+    def close(self) -> None:
+        self.flush()
+        self._stop = True
+        with self._load_wake:
+            self._load_wake.notify_all()
+        with self._save_wake:
+            self._save_wake.notify_all()
+        for t in self._threads:
+            t.join(timeout=5)
+        log.info("kvstore worker rank %d: %s", self.rank, self.counters)
+        if self._sink is not None:
+            unregister_host(self._sink[1])
+            self._sink = None
+        self.load_link.close()
+        self.save_link.close()

@@ -1,0 +1,221 @@
+"""``engine.transfer``: blocks between host memory and vLLM's pages, byte for byte, in every
+memory order vLLM 0.32 gives a connector (its ``KVCacheLayout``s: the logical ``[B, H, N, C]``
+view of each layer over LBHNC = HND (FlashInfer, the CPU build), LBNHC = NHD (FlashAttention, the
+CUDA default), cross-layer BLHNC / BLNHC (a block's layers back to back), LHBNC and BHLNC);
+a block written under one layout reads under any other. The CPU tests run everywhere; the CUDA
+ones (the DMA ring, events per layer, the save's pieces, the connector's worker against a real
+daemon) where a GPU is (``tools/bench/_peers/h200_bundle.sh`` carries them to one)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.gpu import ArenaBlocks, HostBlocks, register_host, unregister_host
+from engine.transfer import ConcatSource, PagedLoader, PagedSaver, tiles
+from engine.vllm.pages import PagedKV, PageSpec
+from kvstore.config import StoreConfig, TierSpec
+from kvstore.keys import hash_blocks
+from kvstore.store import KVStore
+
+BT, H, D, LAYERS, BLOCKS = 16, 2, 8, 3, 12
+SPEC = PageSpec(tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)), BT, H, D, torch.bfloat16, "LBHNC")
+# vLLM 0.32's KVCacheLayout members: the physical order of the logical [L, B, H, N, C] axes.
+LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+           "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _caches(layout: str, device: str = "cpu", seed: int | None = 0) -> dict[str, torch.Tensor]:
+    """One allocation in ``layout``'s physical order, as vLLM makes it, and each layer's logical
+    ``[B, H, N, C]`` view of it (random values, or zeros with ``seed=None``)."""
+    logical = (LAYERS, BLOCKS, H, BT, 2 * D)
+    order = LAYOUTS[layout]
+    phys = torch.empty([logical[a] for a in order], dtype=SPEC.dtype, device=device)
+    if seed is None:
+        phys.zero_()
+    else:
+        g = torch.Generator(device=device).manual_seed(seed)
+        phys.view(torch.int16).random_(generator=g)
+    view = phys.permute(*[order.index(a) for a in range(5)])  # back to the logical order
+    return {name: view[i] for i, name in enumerate(SPEC.layer_names)}
+
+
+def _reference(caches: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """The store's block format by definition: per block, every layer's ``[H, N, C]`` in logical order."""
+    rows = [torch.cat([caches[n][b].contiguous().view(torch.uint8).flatten() for n in SPEC.layer_names]) for b in ids]
+    return torch.stack(rows)
+
+
+def test_tiles_cover_every_block_and_layer_once() -> None:
+    for n, group, piece in itertools.product((1, 7, 64), (0, 1, 2, 3, 5), (1, 100, 4096, 1 << 20)):
+        seen = np.zeros((n, LAYERS), dtype=int)
+        for a, b, lo, hi in tiles(n, LAYERS, 64, piece, group):
+            assert 0 <= a < b <= n and 0 <= lo < hi <= LAYERS
+            assert (b - a) * (hi - lo) * 64 <= max(piece, (hi - lo) * 64)
+            seen[a:b, lo:hi] += 1
+        assert (seen == 1).all()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gather_gives_the_block_format_in_every_layout(layout: str) -> None:
+    caches = _caches(layout, seed=1)
+    kv = PagedKV(SPEC, caches)
+    ids = [7, 2, 9, 0]
+    out = torch.empty((len(ids), SPEC.block_bytes), dtype=torch.uint8)
+    kv.gather(ids, out)
+    assert torch.equal(out, _reference(caches, ids))
+
+
+@pytest.mark.parametrize("src_layout,dst_layout", [("LBNHC", "LBHNC"), ("LBHNC", "BLNHC"), ("BHLNC", "LBNHC"),
+                                                   ("BLHNC", "LHBNC")])
+def test_a_block_saved_under_one_layout_loads_under_another(src_layout: str, dst_layout: str) -> None:
+    src = _caches(src_layout, seed=2)
+    ids_src, ids_dst = [3, 8, 1], [10, 4, 6]
+    blocks = torch.empty((3, SPEC.block_bytes), dtype=torch.uint8)
+    PagedKV(SPEC, src).gather(ids_src, blocks)
+    dst = _caches(dst_layout, seed=None)
+    kv = PagedKV(SPEC, dst)
+    PagedLoader(torch.device("cpu")).load(HostBlocks(blocks), kv, ids_dst)
+    for name in SPEC.layer_names:
+        assert torch.equal(dst[name][ids_dst].view(torch.int16), src[name][ids_src].view(torch.int16))
+        untouched = [b for b in range(BLOCKS) if b not in ids_dst]
+        assert not dst[name][untouched].view(torch.int16).any()
+
+
+def test_the_cpu_load_reports_each_layer_and_stops_when_cancelled() -> None:
+    src = _caches("LBHNC", seed=3)
+    blocks = torch.empty((4, SPEC.block_bytes), dtype=torch.uint8)
+    PagedKV(SPEC, src).gather([0, 1, 2, 3], blocks)
+    # two sources as one: the requests of one step
+    both = ConcatSource([(HostBlocks(blocks[:1]), 1), (HostBlocks(blocks[1:]), 3)])
+    dst = _caches("LBNHC", seed=None)
+    seen: list[tuple[int, int]] = []
+    load = PagedLoader(torch.device("cpu")).load(both, PagedKV(SPEC, dst), [5, 6, 7, 8],
+                                                 on_layers=lambda lo, hi, ev: seen.append((lo, hi)),
+                                                 cancelled=lambda: len(seen) == 2)
+    assert seen == [(0, 1), (1, 2)] and load.ready()
+    for i, name in enumerate(SPEC.layer_names):
+        written = torch.equal(dst[name][[5, 6, 7, 8]].view(torch.int16), src[name][[0, 1, 2, 3]].view(torch.int16))
+        assert written == (i < 2)
+
+
+def test_a_save_drains_in_pieces_through_a_small_host_buffer() -> None:
+    src = _caches("LBNHC", seed=4)
+    kv = PagedKV(SPEC, src)
+    ids = [11, 0, 5, 6, 2]
+    saver = PagedSaver(torch.device("cpu"), piece_bytes=2 * SPEC.block_bytes)
+    staged = saver.stage(kv, ids)
+    host = torch.zeros(4 * SPEC.block_bytes, dtype=torch.uint8)
+    got: dict[int, torch.Tensor] = {}
+    offsets = []
+
+    def put(a: int, b: int, off: int) -> None:
+        offsets.append(off)
+        for i in range(a, b):
+            got[i] = host[off + (i - a) * SPEC.block_bytes : off + (i - a + 1) * SPEC.block_bytes].clone()
+
+    saver.drain(staged, host, put)
+    assert offsets == [0, 2 * SPEC.block_bytes, 0]  # the two halves in turn
+    assert torch.equal(torch.stack([got[i] for i in range(len(ids))]), _reference(src, ids))
+
+
+# ---- on a GPU --------------------------------------------------------------------------------
+
+
+def _store(tmp_path: Path) -> KVStore:
+    tiers = (TierSpec("dram", "dram", {"capacity_bytes": 64 << 20, "slab_bytes": 4 << 20}),)
+    return KVStore(StoreConfig(root=tmp_path, tiers=tiers, persist_on_close=False, policy="lru"))
+
+
+@cuda
+@pytest.mark.parametrize("layout,group,stage", [("LBNHC", 0, 1 << 30), ("LBHNC", 0, 1 << 30), ("LBNHC", 1, 1 << 30),
+                                                ("BLNHC", 2, 1 << 30), ("LBNHC", 0, 0)])
+def test_a_device_load_from_a_lease_writes_the_pages(tmp_path: Path, layout: str, group: int, stage: int) -> None:
+    """Blocks in the registered arena, leased, DMA'd through the staging ring (``stage=0``: one
+    block a tile, a ring of one, so every tile waits for the scatter before it), scattered into
+    device pages of ``layout``; every layer's event fires, and the pages equal the source."""
+    src = _caches(layout, "cuda", seed=5)
+    ids_src, ids_dst = [0, 3, 5, 7, 9], [11, 1, 2, 8, 10]
+    blocks = torch.empty((5, SPEC.block_bytes), dtype=torch.uint8, device="cuda")
+    PagedKV(SPEC, src).gather(ids_src, blocks)
+    with _store(tmp_path) as store:
+        ns = SPEC.namespace("test/transfer", "r", 0, 1)
+        store.register_namespace(ns)
+        hashes = hash_blocks(ns, np.arange(5 * BT))
+        store.put(ns, hashes, blocks.cpu().view(-1).numpy())
+        lease = store.acquire(ns, hashes)
+        dst = _caches(layout, "cuda", seed=None)
+        piece = SPEC.block_bytes if stage == 0 else 64 << 20
+        loader = PagedLoader(torch.device("cuda"), piece_bytes=piece, stage_bytes=max(stage, piece))
+        ready: list[int] = []
+        load = loader.load(ArenaBlocks(store, lease), PagedKV(SPEC, dst), ids_dst, layer_group=group,
+                           on_layers=lambda lo, hi, ev: ready.extend(range(lo, hi)))
+        assert sorted(ready) == list(range(LAYERS)) and all(ev is not None for ev in load.layer_events)
+        load.wait_all()
+        load.synchronize()
+        store.release(lease)
+        for name in SPEC.layer_names:
+            assert torch.equal(dst[name][ids_dst].view(torch.int16), src[name][ids_src].view(torch.int16))
+
+
+@cuda
+def test_a_device_save_lands_in_registered_host_memory_in_pieces() -> None:
+    src = _caches("LBNHC", "cuda", seed=6)
+    ids = [4, 2, 9, 1, 0, 11, 3]
+    want = torch.empty((len(ids), SPEC.block_bytes), dtype=torch.uint8)
+    PagedKV(SPEC, {k: v.cpu() for k, v in src.items()}).gather(ids, want)
+    saver = PagedSaver(torch.device("cuda"), piece_bytes=2 * SPEC.block_bytes)
+    staged = saver.stage(PagedKV(SPEC, src), ids)
+    backing = bytearray(4 * SPEC.block_bytes)  # pageable memory, registered as the daemon's staging is
+    host = torch.frombuffer(backing, dtype=torch.uint8)
+    register_host(host)
+    got = torch.empty_like(want)
+
+    def put(a: int, b: int, off: int) -> None:
+        got[a:b] = host[off : off + (b - a) * SPEC.block_bytes].view(b - a, -1)
+
+    try:
+        saver.drain(staged, host, put)
+    finally:
+        unregister_host(host)
+    assert torch.equal(got, want)
+
+
+@cuda
+@pytest.mark.parametrize("mode,device_puts", [("async", True), ("layerwise", True), ("async", False)])
+def test_the_connector_worker_saves_and_loads_device_pages_through_a_daemon(tmp_path: Path, mode: str,
+                                                                            device_puts: bool) -> None:
+    """The worker as vLLM drives it (``WorkerDriver``) against a real daemon over shared memory:
+    a save by PUT_DEVICE (the daemon copies from the GPU into its arena) or through the daemon's
+    staging segment, then a load from the lease into other pages, async or layer by layer (each
+    layer's wait then a kernel on the forward stream)."""
+    from engine.vllm.harness import WorkerDriver, small_daemon
+
+    src = _caches("LBNHC", "cuda", seed=7)
+    tokens = np.arange(100, 100 + 5 * BT)
+    with small_daemon(tmp_path, dram="64MiB") as d:
+        saver = WorkerDriver(d.url, SPEC, src, plane="shm", piece_bytes=2 * SPEC.block_bytes,
+                             stage_bytes=2 * SPEC.block_bytes, device_puts=device_puts)
+        saver.save(tokens, [0, 3, 5, 7, 9])
+        assert saver.worker.counters.saved_blocks == 5 and saver.worker.counters.save_errors == 0
+        client = saver.worker.save_link.client
+        assert client is not None and client.info["put_device"]  # the daemon on this node has the GPU
+        dst = _caches("LBNHC", "cuda", seed=None)
+        loader = WorkerDriver(d.url, SPEC, dst, plane="shm", load_mode=mode, layer_group=1,
+                              piece_bytes=SPEC.block_bytes, stage_bytes=2 * SPEC.block_bytes)
+        sums: list[torch.Tensor] = []
+        n = loader.load(tokens, [11, 1, 2, 8, 10], layerwise=mode == "layerwise",
+                        compute=lambda i: sums.append(dst[SPEC.layer_names[i]][[11, 1, 2, 8, 10]].float().sum()))
+        torch.cuda.synchronize()
+        assert n == 5
+        for i, name in enumerate(SPEC.layer_names):
+            assert torch.equal(dst[name][[11, 1, 2, 8, 10]].view(torch.int16), src[name][[0, 3, 5, 7, 9]].view(torch.int16))
+            if sums:  # the forward's kernel at layer i saw the loaded layer
+                assert float(sums[i]) == float(src[name][[0, 3, 5, 7, 9]].float().sum())
+        saver.close()
+        loader.close()
