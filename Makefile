@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-vllm lint bench bench-peers reliability-long clean
+.PHONY: demo test test-vllm test-rgw docs-check lint bench bench-peers reliability-long clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,25 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	PYTHONPATH=$(CURDIR) $(VLLM_PY) -m pytest -q -m "vllm or sglang" tests
+
+# The object tier's S3 tests (the conformance suite's s3 kind, tests/tiers/test_s3.py with its
+# crash and write-behind tests, the store's cold rebuild in tests/kvstore/test_store_s3.py) against
+# a one-node Ceph RADOS Gateway on loopback (tools/rgw.py: a monitor, a memstore OSD, radosgw;
+# about 15 s to start) instead of moto. Debian's ceph-mon, ceph-osd and radosgw via apt-get when
+# missing (as root).
+RGW_TESTS ?= tests/tiers/test_s3.py tests/tiers/test_conformance.py tests/kvstore/test_store_s3.py
+
+test-rgw: $(STAMP)
+	command -v radosgw >/dev/null && command -v ceph-osd >/dev/null && command -v ceph-mon >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		ceph-mon ceph-osd radosgw ceph-common >/dev/null)
+	KVSTORE_TEST_S3=rgw $(PY) -m pytest -q $(RGW_TESTS) -k "s3"
+
+# The README's and docs' commands as written (tests/docs, docs/vllm.md's server in test-vllm),
+# the generated docs/config.md, and /docs in Chromium. Part of `make test`; alone for doc edits.
+docs-check: $(STAMP)
+	$(PY) -m tools.configdoc --check
+	$(PY) -m pytest -q tests/docs tests/test_readme.py tests/deploy
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

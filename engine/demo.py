@@ -127,18 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--users", type=int, default=8, help="concurrent conversations (default 8)")
     p.add_argument("--turns", type=int, default=10, help="turns per conversation (default 10)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", type=int, default=4, help="reference-engine prompts (default 4)")
+    p.add_argument("--repeats", type=int, default=5, help="TTFT runs per prompt and side (default 5)")
     p.add_argument("--keep", action="store_true",
                    help="keep --root after the run (and reuse it if it exists), e.g. for kvctl --dir")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-model", action="store_true", help="skip the reference-engine part (transformers)")
     args = p.parse_args(argv)
-    if args.users < 1 or args.turns < 1:
-        p.error("--users and --turns must be at least 1")
+    if min(args.users, args.turns, args.prompts, args.repeats) < 1:
+        p.error("--users, --turns, --prompts and --repeats must be at least 1")
     if not args.keep and args.root.exists():
         shutil.rmtree(args.root)
     try:
         out = run(args.root, args.users, args.turns, args.seed)
-        model = None if args.no_model else run_model_demo(args.root, seed=args.seed)
+        model = None if args.no_model else run_model_demo(args.root, prompts=args.prompts, seed=args.seed, repeats=args.repeats)
     except AssertionError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 1

@@ -47,15 +47,15 @@ def namespace_row(ns: Namespace, ttl_s: float | None, blocks: int = 0, nbytes: i
     }
 
 
-def layout_warnings(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def layout_warnings(rows: Iterable[Mapping[str, Any]], *, skip_empty: bool = False) -> list[dict[str, Any]]:
     """Namespaces of one model deployment that differ only in layout (dtype, block size, layer
     shapes, hash, schema): the silent-zero-hit mistake, an engine configured differently from
-    the one that filled the cache. One warning per pair, listing the differing fields. A row
-    with ``blocks == 0`` (registered, nothing cached: an engine whose start failed) is left out:
-    nothing of it can be missed."""
+    the one that filled the cache. One warning per pair, listing the differing fields. With
+    ``skip_empty`` (an inventory with block counts), a row with ``blocks == 0`` (registered,
+    nothing cached: an engine whose start failed) is left out: nothing of it can be missed."""
     by_model: dict[tuple[Any, ...], list[Mapping[str, Any]]] = defaultdict(list)
     for r in rows:
-        if r.get("blocks") == 0:
+        if skip_empty and r.get("blocks") == 0:
             continue
         d = r["descriptor"]
         by_model[tuple(d.get(k) for k in _DEPLOYMENT)].append(r)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -99,13 +101,54 @@ def _s3_or_skip() -> None:
             pytest.skip(f"{module} is not installed: pip install '{extra}' (make test does)")
 
 
+def rgw_wanted() -> bool:
+    """``KVSTORE_TEST_S3=rgw`` (``make test-rgw``): the S3 tests run against a one-node Ceph RADOS
+    Gateway (tools/rgw.py) instead of moto."""
+    return os.environ.get("KVSTORE_TEST_S3", "moto") == "rgw"
+
+
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[LocalS3]:
-    """One moto_server for the whole run, on a free loopback port. Tests that kill or pause a
-    server start their own (:class:`tools.s3server.LocalS3`) and leave this one alone."""
+def rgw_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One one-node Ceph (monitor, memstore OSD) for the whole run; gateways come and go."""
+    from tools.rgw import INSTALL, RgwCluster, missing_binaries
+
+    if missing := missing_binaries():
+        pytest.fail(f"KVSTORE_TEST_S3=rgw needs {', '.join(missing)}: {INSTALL}")
+    with RgwCluster(tmp_path_factory.mktemp("ceph")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def s3_server(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """One S3 server for the whole run, on a free loopback port: moto_server, or with
+    ``KVSTORE_TEST_S3=rgw`` a RADOS Gateway. Tests that kill or pause a server start their own
+    (:func:`own_s3_server`) and leave this one alone."""
     _s3_or_skip()
+    if rgw_wanted():
+        from tools.rgw import LocalRGW
+
+        with LocalRGW(request.getfixturevalue("rgw_cluster")) as gateway:
+            yield gateway
+        return
     with LocalS3() as server:
         yield server
+
+
+@contextlib.contextmanager
+def own_s3_server(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A server of a test's own, to kill, pause and restart: a moto_server, or a gateway of the
+    session's Ceph (its bucket ``outage`` emptied first: a Ceph keeps objects across tests)."""
+    if not rgw_wanted():
+        with LocalS3() as server:
+            yield server
+        return
+    from tools.rgw import LocalRGW
+
+    with LocalRGW(request.getfixturevalue("rgw_cluster")) as gateway:
+        fs = gateway.fs
+        if fs.exists("outage") and (left := fs.find("outage")):
+            fs.rm(left)  # the objects only: the bucket stays, as a restarted moto's does not
+        yield gateway
 
 
 _buckets = itertools.count()

@@ -52,6 +52,9 @@ def _command(port: int) -> list[str]:
 class LocalS3:
     """One moto_server process on a fixed loopback port (picked free at construction)."""
 
+    keeps_objects = False
+    """Whether objects survive a kill and restart (moto keeps them in memory: no)."""
+
     def __init__(self, port: int | None = None, *, ready_timeout_s: float = 60.0) -> None:
         self.port = port or free_port()
         self.ready_timeout_s = ready_timeout_s

@@ -64,6 +64,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.vllm")
 
 
+def _log_under_vllm(logger: logging.Logger) -> None:
+    """vLLM configures only its own ``vllm`` logger (its handler, its level, no propagation):
+    ``kvstore.vllm`` had no handler and the root's WARNING level, so the start-up line (INFO)
+    never showed in the server's log. Share vLLM's handlers and level, unless the application
+    configured logging itself (a root handler) or this logger already has a handler."""
+    parent = logging.getLogger("vllm")
+    if logger.handlers or logging.getLogger().handlers or not parent.handlers:
+        return
+    for h in parent.handlers:
+        logger.addHandler(h)
+    logger.setLevel(parent.level)
+
+
+_log_under_vllm(log)
+
+
 # ---- metadata: scheduler -> workers, once per step -------------------------------------------
 
 

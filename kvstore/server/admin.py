@@ -125,7 +125,7 @@ def _namespaces(svc: Service) -> dict[str, Any]:
         namespace_row(ns, ttl, *usage.get(ns.root, (0, 0)), tenant=names.get(ns.tenant_salt, "?"))
         for ns, ttl in svc.store.namespaces()
     ]
-    return {"namespaces": rows, "warnings": layout_warnings(rows)}
+    return {"namespaces": rows, "warnings": layout_warnings(rows, skip_empty=True)}
 
 
 def _lookup(svc: Service, body: PrefixIn) -> dict[str, Any]:

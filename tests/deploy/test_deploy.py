@@ -85,3 +85,27 @@ def test_every_install_line_names_this_distribution() -> None:
             assert m.group(1) != "kvstore", f"{f.relative_to(ROOT)} installs {m.group(0)!r}"
             seen += m.group(1) in (name, ".")
     assert seen >= 5
+
+
+@pytest.mark.slow
+def test_the_checkout_builds_the_distribution_the_docs_install(tmp_path: Path) -> None:
+    """`pip install '.[server]'` in a checkout (README, docs/operations.md, the unit, the
+    Dockerfile): the wheel it builds is kvstore-llm, with the server extra (Swagger UI 5's
+    fastapi-offline among it) and the commands the docs name."""
+    import email
+    import sys
+    import zipfile
+
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = tmp_path.glob("kvstore_llm-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = email.message_from_bytes(z.read(meta_name))
+        entry = z.read(meta_name.replace("METADATA", "entry_points.txt")).decode()
+    assert meta["Name"] == "kvstore-llm"
+    requires = meta.get_all("Requires-Dist") or []
+    assert any(r.startswith("fastapi-offline") and 'extra == "server"' in r for r in requires), requires
+    for command in ("kvstore", "kvctl", "kvreport", "kvstore-demo"):
+        assert re.search(rf"(?m)^{command} = ", entry), entry

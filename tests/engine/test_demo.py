@@ -13,7 +13,8 @@ from engine.demo_model import speedup
 
 
 def test_demo_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--root", str(tmp_path / "d"), "--users", "3", "--turns", "3", "--json", "--keep"]) == 0
+    assert main(["--root", str(tmp_path / "d"), "--users", "3", "--turns", "3", "--json", "--keep",
+                 "--prompts", "2", "--repeats", "2"]) == 0  # a miss, a hit; two TTFT runs a side
     out = json.loads(capsys.readouterr().out)
     assert out["root_kept"] and out["root_bytes"] > 0 and (tmp_path / "d" / "tiers").is_dir()
     assert out["requests"] == 9

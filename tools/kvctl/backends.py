@@ -179,7 +179,7 @@ class DirBackend:
 
     def namespaces(self) -> dict[str, Any]:
         rows = self._ns_rows()
-        return {"namespaces": rows, "warnings": layout_warnings(rows)}
+        return {"namespaces": rows, "warnings": layout_warnings(rows, skip_empty=True)}
 
     def _namespace(self, ns: str) -> Namespace:
         for n, _ in self.snap.namespaces():

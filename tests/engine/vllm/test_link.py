@@ -7,6 +7,7 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,8 @@ from engine.vllm.config import ConnectorConfig  # noqa: E402
 from engine.vllm.connector import make_link  # noqa: E402
 from engine.vllm.harness import small_daemon  # noqa: E402
 from engine.vllm.pages import PageSpec  # noqa: E402
+from kvstore.client import connect  # noqa: E402
+from kvstore.keys import Namespace, hash_blocks  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -33,9 +36,21 @@ def test_another_page_of_one_model_is_reported_loudly(tmp_path: Path, caplog: py
         first = make_link(cfg, "first", 60, [ns], report_conflicts=True)
         assert not first.is_open
         with caplog.at_level(logging.WARNING, logger="kvstore.vllm"):
+            empty = make_link(cfg, "empty", 60, [changed], report_conflicts=True)
+        empty.close()  # the first engine stored nothing yet (a failed start): no conflict to report
+        assert not [r for r in caplog.records if r.name == "kvstore.vllm"]
+        _store_one_block(d.url, ns)  # now the first engine's layout holds blocks
+        with caplog.at_level(logging.WARNING, logger="kvstore.vllm"):
             second = make_link(cfg, "second", 60, [changed], report_conflicts=True)
         assert not second.is_open  # both layouts stay usable: the engine runs, with the cache
         first.close()
         second.close()
     [msg] = [r.getMessage() for r in caplog.records if r.name == "kvstore.vllm"]
     assert "under another KV page layout" in msg and field in msg and "--block-size" in msg
+
+
+def _store_one_block(url: str, ns: Namespace) -> None:
+    with connect(url, plane="tcp") as c:
+        c.register_namespace(ns)
+        (h,) = hash_blocks(ns, np.arange(ns.block_tokens))
+        c.put(ns, [h], [bytes(ns.block_bytes)])
