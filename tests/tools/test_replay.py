@@ -3,6 +3,7 @@ store-driven replay against an independent simulation, and the command line."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections import OrderedDict
 from pathlib import Path
@@ -60,6 +61,26 @@ def test_malformed_lines_are_reported_with_their_number(tmp_path: Path, line: st
     p.write_text('{"timestamp": 0, "input_length": 5, "hash_ids": [1]}\n' + line + "\n")
     with pytest.raises(TraceError, match=f"bad.jsonl:2: .*{message}"):
         load_trace(p)
+
+
+def test_a_gzip_trace_reads_as_its_plain_text(small: Path, tmp_path: Path) -> None:
+    packed = tmp_path / "small_trace.jsonl.gz"
+    packed.write_bytes(gzip.compress(small.read_bytes()))
+    plain, gz = load_trace(small), load_trace(packed)
+    assert gz.name == plain.name == "small"
+    assert gz.block_ids.tolist() == plain.block_ids.tolist()
+    assert gz.offsets.tolist() == plain.offsets.tolist()
+    assert load_trace(packed, limit=2).num_requests == 2
+
+
+def test_a_damaged_gzip_trace_is_a_trace_error(small: Path, tmp_path: Path) -> None:
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip.compress(small.read_bytes())[:-12])  # cut short
+    with pytest.raises(TraceError, match="cannot read trace file"):
+        load_trace(packed)
+    (tmp_path / "u.jsonl.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(TraceError, match="cannot read trace file"):
+        load_trace(tmp_path / "u.jsonl.gz")
 
 
 def test_time_must_not_go_back(tmp_path: Path) -> None:
