@@ -1,40 +1,48 @@
-"""Chain-aware LRU: least recently used, with one exception for long chains that loop through a
-cache too small for them, taken only while an ongoing comparison with LRU says it pays.
+"""Chain-aware LRU, the default: least recently used, with one exception on the last tier for
+long chains that loop through a cache too small for them (taken only while an ongoing
+comparison with LRU says it pays), and a segmented LRU on the upper tiers.
 
 Agentic and chat sessions re-send their whole growing context: the next request of a session
 re-reads its previous chain and adds a little. The store touches a hit prefix deepest first, so
 under LRU a chain leaves from its tail, and the chain idle longest leaves first. When a few long
 chains take turns through a cache that holds only some of them, the chain idle longest is the
 one about to come back (its next request is due), and LRU evicts each chain's tail just before
-it is read again, the loop that makes LRU lose to Belady on such traffic.
+it is read again: the loop that makes LRU lose to Belady on such traffic.
 
-The exception. Each resident block remembers when its chain was last touched and the chain's
-typical gap between requests (a running geometric mean of the gaps the chain has shown; the
-median recent gap of all chains before it has shown one). When LRU's victim is *young*
-(idle for less than ``patience`` times its typical gap, so its next request is probably still
-to come soon) and belongs to a *long* chain (its depth is at least ``1/chains`` of the blocks
-resident, so the tier holds only a few such chains), the alternative victim is the leaf expected
-back last: the largest ``last touch + typical gap``, leaving out the chain being served now. Its
-chain then leaves from its tail, as under LRU. Everywhere else, and always on an upper tier,
-the order is LRU's.
+**The exception (last tier).** Each resident block remembers when its chain was last touched
+and the chain's typical gap between requests (a running geometric mean of the gaps the chain has
+shown; the median recent gap of all chains before it has shown one). When LRU's victim is
+*young* (idle for less than ``patience`` times its typical gap, so its next request is probably
+still to come soon) and belongs to a *long* chain (its depth is at least ``1/chains`` of the
+blocks resident, so the tier holds only a few such chains), the alternative victim is the leaf
+expected back last: the largest ``last touch + typical gap``, leaving out the chain being
+served now. Its chain then leaves from its tail, as under LRU. Everywhere else the order is
+LRU's, and a make-room takes the first offer as under LRU (no walk past protected blocks).
 
-Never below LRU, by comparison rather than by hope. Whenever the two rules would pick different
-victims, the pair is remembered (a block id while resident, its hash once evicted, because the
-index recycles ids) and settled by which of the two blocks is read again first: LRU's pick
-first means the exception was right, the alternative's first that LRU was. A decayed score of
-these outcomes decides, at each eviction, whether the exception is taken; it starts at zero, so
-the policy is plain LRU until the evidence says otherwise, and the pairs are kept whichever rule
-runs, so it can switch either way. On a trace with no long chains (chat traffic whose
-conversations are short beside the cache) no pair is ever made and the policy is LRU exactly.
+**Never below LRU, by comparison rather than by hope.** Whenever the two rules would pick
+different victims, the pair is remembered (a block id while resident, its hash once evicted,
+because the index recycles ids) and settled by which of the two blocks is read again first:
+LRU's pick first means the exception was right, the alternative's first that LRU was. A decayed
+score of these outcomes decides, at each eviction, whether the exception is taken; it starts at
+zero, so the policy is plain LRU until the evidence says otherwise, and pairs are made whichever
+rule runs, so it can switch either way. Where no chain is long (chat traffic whose conversations
+are short beside the cache) no pair is ever made and the last tier is LRU exactly.
 
-Costs: one more dictionary entry and one more heap push per event than LRU; a pair is made at
-most once per change of the two candidates and resolved with one hash look-up per insert while
-a pair waits for an evicted block.
+**Upper tiers: a segmented LRU.** Blocks read at least once (the hit prefix of a later request,
+or promoted by a hit) keep up to ``protected`` of the tier in their own LRU list; blocks never
+read, and read ones pushed out of that share, form the other list, which goes down first. A
+conversation's shared prefixes and continued turns then stay in DRAM ahead of one-off requests,
+in O(1) per event (``protected = 0``: plain LRU).
+
+Costs: one more dictionary entry and one more heap push per event than LRU on the last tier; a
+pair is made at most once per change of the two candidates and resolved with one hash look-up
+per insert while a pair waits for an evicted block.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -65,6 +73,9 @@ class ChainConfig:
     """Weight the score keeps at each settled comparison."""
     pending: int = 256
     """Comparisons waiting to be settled, at most (the oldest is dropped)."""
+    protected: float = 0.5
+    """Upper tiers: the share of the tier that blocks read at least once may keep from blocks
+    never read (a segmented LRU); 0: plain LRU."""
     adapt: bool = True
     """False: take the exception wherever it applies, without the comparison (for analysis)."""
 
@@ -88,6 +99,7 @@ class ChainPolicy(LRUPolicy):
     def __init__(self, config: ChainConfig | None = None) -> None:
         super().__init__()
         self.config = config or ChainConfig()
+        self._read: OrderedDict[int, None] = OrderedDict()  # upper tier: blocks read here, LRU first
         self._when: dict[int, tuple[float, float]] = {}  # last tier: (last touch, typical gap)
         self._back: list[tuple[float, int, int]] = []  # (-(expected return), stamp, bid), lazily
         self._now = -math.inf  # the latest event time seen
@@ -124,9 +136,10 @@ class ChainPolicy(LRUPolicy):
             self._typical = float(np.median(gaps[-_RECENT_GAPS:]))
 
     def insert(self, bid: int, size: int, now: float) -> None:
-        super().insert(bid, size, now)
         if not self._leaf_mode:
+            self._enter(bid)
             return
+        super().insert(bid, size, now)
         self._now = max(self._now, now)
         self._when[bid] = (now, self._gap if now == self._gap_at else -1.0)
         if self._by_hash:
@@ -135,9 +148,11 @@ class ChainPolicy(LRUPolicy):
             self._push_back(bid)
 
     def insert_many(self, ids: np.ndarray, sizes: np.ndarray, now: np.ndarray | float) -> None:
-        super().insert_many(ids, sizes, now)
         if not self._leaf_mode:
+            for bid in np.asarray(ids).tolist():
+                self._enter(bid)
             return
+        super().insert_many(ids, sizes, now)
         order = np.asarray(ids).tolist()
         nows = np.broadcast_to(np.asarray(now, np.float64), (len(order),)).tolist()
         when, held, by_hash = self._when, self._held, self._by_hash
@@ -151,8 +166,12 @@ class ChainPolicy(LRUPolicy):
             self._now = max(self._now, max(nows))
 
     def touch(self, bid: int, now: float) -> None:
-        if not self._leaf_mode or bid not in self._stamp:
-            super().touch(bid, now)
+        if not self._leaf_mode:
+            if bid in self._order or bid in self._read:
+                self._order.pop(bid, None)
+                self._protect(bid)
+            return
+        if bid not in self._stamp:
             return
         if now != self._gap_at:
             # The first touch of a request is its deepest hit block: the chain's gap since
@@ -176,7 +195,11 @@ class ChainPolicy(LRUPolicy):
                 self._compact_back()
 
     def remove(self, bid: int) -> None:
-        if self._leaf_mode and bid in self._by_id:
+        if not self._leaf_mode:
+            self._order.pop(bid, None)
+            self._read.pop(bid, None)
+            return
+        if bid in self._by_id:
             pid, side = self._by_id.pop(bid)
             key = self._hash(bid)
             if key is not None and pid in self._pairs:
@@ -193,6 +216,28 @@ class ChainPolicy(LRUPolicy):
         super().offer(bid)
         if was_held:
             self._push_back(bid)
+
+    # ---- upper tiers: a segmented LRU ------------------------------------------------------------
+
+    def _enter(self, bid: int) -> None:
+        """A block stored here: with the read ones if it was ever read (a promotion), else at
+        the young end of the unread ones."""
+        view = self._view
+        if bid in self._read or (view is not None and self.config.protected > 0 and view.hits[bid]):
+            self._order.pop(bid, None)
+            self._protect(bid)
+        else:
+            self._order[bid] = None
+            self._order.move_to_end(bid)
+
+    def _protect(self, bid: int) -> None:
+        read = self._read
+        read[bid] = None
+        read.move_to_end(bid)
+        limit = self.config.protected * (len(read) + len(self._order))
+        while len(read) > limit and read:
+            old, _ = read.popitem(last=False)  # the least recently read joins the unread
+            self._order[old] = None
 
     def _compact_back(self) -> None:
         stamp, held = self._stamp, self._held
@@ -276,8 +321,10 @@ class ChainPolicy(LRUPolicy):
         return None if v == u else v
 
     def first(self) -> int | None:
+        if not self._leaf_mode:
+            return next(iter(self._order), None) if self._order else next(iter(self._read), None)
         u = super().first()
-        if u is None or not self._leaf_mode:
+        if u is None:
             return u
         v = self._alternative(u)
         if v is None:
@@ -290,8 +337,11 @@ class ChainPolicy(LRUPolicy):
 
     def candidates(self) -> Iterator[int]:
         if not self._leaf_mode:
-            return super().candidates()
+            return itertools.chain(iter(self._order), iter(self._read))
         return self._chain_candidates()
+
+    def __len__(self) -> int:
+        return len(self._stamp) if self._leaf_mode else len(self._order) + len(self._read)
 
     def _chain_candidates(self) -> Iterator[int]:
         top = self.first()

@@ -5,7 +5,7 @@ Example ``kvstore.toml``::
     [store]
     root = "/var/lib/kvstore"
     default_ttl = "72h"
-    policy = "density"
+    policy = "chain"
 
     [[tiers]]            # fastest first
     name = "dram"
@@ -76,8 +76,10 @@ class StoreConfig:
     root: Path = Path("./kvstore-data")
     tiers: tuple[TierSpec, ...] = field(default_factory=default_tiers)
     default_ttl_s: float = DEFAULT_TTL_S
-    policy: str = "density"
-    """Eviction policy of every tier (eviction/; docs/eviction.md has the measurements)."""
+    policy: str = "chain"
+    """Eviction policy of every tier: ``chain`` (LRU with a loop exception for long chains, never
+    below LRU), ``lru``, ``density``, ``cost``, ``arc``, ``lrb`` (eviction/; docs/eviction.md has
+    what each does, when to choose it, and the measurements)."""
     policy_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Options of the policy's own ``Config`` (e.g. ``{ghost_factor = 4}``); see eviction/."""
     admission: str = "reuse"

@@ -12,7 +12,7 @@ from eviction.chain import ChainConfig, ChainPolicy
 from eviction.lru import LRUPolicy
 from kvstore.errors import ConfigError
 from kvstore.registry import build_config, policy_class
-from tests.eviction.conftest import LAST, FakeView
+from tests.eviction.conftest import LAST, UPPER, FakeView
 
 
 def _chain(view: FakeView, first: int, n: int) -> list[int]:
@@ -172,3 +172,47 @@ def test_short_chains_are_ordered_exactly_as_lru(seed: int) -> None:
 def test_config_is_validated(options: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         build_config(ChainConfig, options, "chain")
+
+
+def _upper(**options: object) -> tuple[ChainPolicy, FakeView]:
+    view = FakeView()
+    pol = ChainPolicy(build_config(ChainConfig, dict(options), "chain"))
+    pol.bind(view, UPPER)
+    for b in range(6):
+        pol.insert(view.add(b), 4096, float(b))
+    return pol, view
+
+
+def test_upper_tier_read_blocks_go_down_after_unread_ones_within_their_share() -> None:
+    pol, _ = _upper(protected=0.5)
+    pol.touch(1, 10.0)
+    pol.touch(3, 11.0)
+    assert list(pol.candidates()) == [0, 2, 4, 5, 1, 3]
+    pol.touch(0, 12.0)
+    pol.touch(2, 13.0)  # four read blocks, room for three: the least recently read (1) joins the unread
+    assert list(pol.candidates()) == [4, 5, 1, 3, 0, 2]
+    assert pol.first() == 4 and len(pol) == 6
+    pol.remove(4)
+    pol.remove(3)
+    assert list(pol.candidates()) == [5, 1, 0, 2] and len(pol) == 4
+
+
+def test_upper_tier_a_promoted_block_that_was_read_joins_the_read_ones() -> None:
+    pol, view = _upper(protected=0.5)
+    view.hits[6] = 1  # read on a lower tier, now promoted here
+    pol.insert(view.add(6), 4096, 20.0)
+    assert list(pol.candidates()) == [0, 1, 2, 3, 4, 5, 6]
+    pol.insert(view.add(7), 4096, 21.0)
+    assert list(pol.candidates()) == [0, 1, 2, 3, 4, 5, 7, 6]
+
+
+def test_upper_tier_without_a_protected_share_is_lru() -> None:
+    pol, _ = _upper(protected=0.0)
+    lru = LRUPolicy()
+    lru.bind(FakeView(), UPPER)
+    for b in range(6):
+        lru.insert(b, 4096, float(b))
+    for b, t in ((1, 10.0), (3, 11.0), (0, 12.0), (1, 13.0)):
+        pol.touch(b, t)
+        lru.touch(b, t)
+    assert list(pol.candidates()) == list(lru.candidates()) == [2, 4, 5, 3, 0, 1]

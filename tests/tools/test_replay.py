@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from tools.replay.bounds import belady, next_use, unlimited
 from tools.replay.cli import main
@@ -182,7 +183,7 @@ def test_cli_every_policy_two_tiers_and_a_plot(small: Path, tmp_path: Path, caps
     argv = [str(small), "--capacity", "a=2,b=2", "--capacity", "50%", "--policy", "all", "--json", "--plot", str(svg)]
     assert main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert {r["policy"] for r in rows} == {"arc", "cost", "density", "lrb", "lru"}
+    assert {r["policy"] for r in rows} == {"arc", "chain", "cost", "density", "lrb", "lru"}
     assert {r["capacity"] for r in rows} == {"a=2,b=2", "50%"}
     assert all(r["tiers"] == {"a": 2, "b": 2} for r in rows if r["capacity"] == "a=2,b=2")
     assert svg.read_text().startswith("<svg") and "OPT" in svg.read_text()
@@ -227,7 +228,7 @@ def test_default_policy_not_below_lru_on_unseen_traces(kind: str, tmp_path: Path
     t = load_trace(path)
     tiers = parse_capacity("5%", t.unique_blocks, 1)
     lru = replay_store(t, tiers, "lru", block_tokens=512).hits.sum()
-    ours = replay_store(t, tiers, "density", block_tokens=512).hits.sum()
+    ours = replay_store(t, tiers, StoreConfig().policy, block_tokens=512).hits.sum()
     assert ours >= lru - 0.001 * t.num_blocks
 
 
