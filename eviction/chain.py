@@ -102,6 +102,7 @@ class ChainPolicy(LRUPolicy):
         self._read: OrderedDict[int, None] = OrderedDict()  # upper tier: blocks read here, LRU first
         self._when: dict[int, tuple[float, float]] = {}  # last tier: (last touch, typical gap)
         self._back: list[tuple[float, int, int]] = []  # (-(expected return), stamp, bid), lazily
+        self._fresh: list[tuple[int, int]] = []  # (bid, stamp) offered at the latest time
         self._now = -math.inf  # the latest event time seen
         self._gap_at = math.nan  # the time of the touch that measured _gap (one per request)
         self._gap = -1.0
@@ -125,7 +126,22 @@ class ChainPolicy(LRUPolicy):
         return t + (g if g > 0 else max(self._typical, 0.0))
 
     def _push_back(self, bid: int) -> None:
-        heapq.heappush(self._back, (-self._expected(bid), self._stamp[bid], bid))
+        """``bid`` (offered) joins the leaves ranked by expected return; a block touched at the
+        latest time waits until time moves on (the chain being served is no alternative)."""
+        if self._when[bid][0] >= self._now:
+            self._fresh.append((bid, self._stamp[bid]))
+        else:
+            heapq.heappush(self._back, (-self._expected(bid), self._stamp[bid], bid))
+
+    def _advance(self, now: float) -> None:
+        if now <= self._now:
+            return
+        self._now = now
+        fresh, stamp, held, back = self._fresh, self._stamp, self._held, self._back
+        for bid, s in fresh:
+            if stamp.get(bid) == s and bid not in held:
+                heapq.heappush(back, (-self._expected(bid), s, bid))
+        fresh.clear()
 
     def _learn_gap(self, gap: float) -> None:
         gaps = self._gaps
@@ -140,7 +156,7 @@ class ChainPolicy(LRUPolicy):
             self._enter(bid)
             return
         super().insert(bid, size, now)
-        self._now = max(self._now, now)
+        self._advance(now)
         self._when[bid] = (now, self._gap if now == self._gap_at else -1.0)
         if self._by_hash:
             self._returned_hash(bid)
@@ -155,6 +171,8 @@ class ChainPolicy(LRUPolicy):
         super().insert_many(ids, sizes, now)
         order = np.asarray(ids).tolist()
         nows = np.broadcast_to(np.asarray(now, np.float64), (len(order),)).tolist()
+        if nows:
+            self._advance(max(nows))
         when, held, by_hash = self._when, self._held, self._by_hash
         for bid, t in zip(order, nows, strict=True):
             when[bid] = (t, self._gap if t == self._gap_at else -1.0)
@@ -162,8 +180,6 @@ class ChainPolicy(LRUPolicy):
                 self._returned_hash(bid)
             if bid not in held:
                 self._push_back(bid)
-        if nows:
-            self._now = max(self._now, max(nows))
 
     def touch(self, bid: int, now: float) -> None:
         if not self._leaf_mode:
@@ -184,7 +200,7 @@ class ChainPolicy(LRUPolicy):
             else:
                 self._gap = g
             self._gap_at = now
-        self._now = max(self._now, now)
+        self._advance(now)
         self._when[bid] = (now, self._gap)
         if bid in self._by_id:
             self._settle(*self._by_id.pop(bid))
@@ -309,7 +325,7 @@ class ChainPolicy(LRUPolicy):
             if stamp.get(bid) != s or bid in held:
                 heapq.heappop(heap)  # stale
             elif when[bid][0] >= now or not self._long(bid):
-                # The chain being served now, or a short one: the next leaf expected back last.
+                # A short chain (or one touched now): the next leaf expected back last.
                 aside.append(heapq.heappop(heap))
                 if len(aside) >= _ASIDE:
                     break
