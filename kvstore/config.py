@@ -87,7 +87,7 @@ class StoreConfig:
     (skip blocks unlikely to be read again, within a hit-loss budget of 0.75%; a refused block with
     cached children leaves with its subtree; never a pinned, durably put or recovered block),
     ``learned`` (the same, by a model fitted online on past decisions; budget 1%) or ``all``
-    (eviction/admission.py; docs/eviction.md, "Tier economics")."""
+    (eviction/admission.py; docs/eviction.md, "Admission to the last tier")."""
     admission_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Options of the admission rule's ``Config`` (e.g. ``{hit_loss_budget = 0.005, inner = false}``;
     below, "[store] admission_options")."""
