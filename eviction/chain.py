@@ -126,8 +126,11 @@ class ChainPolicy(LRUPolicy):
         return t + (g if g > 0 else max(self._typical, 0.0))
 
     def _push_back(self, bid: int) -> None:
-        """``bid`` (offered) joins the leaves ranked by expected return; a block touched at the
-        latest time waits until time moves on (the chain being served is no alternative)."""
+        """``bid`` (offered) joins the leaves ranked by expected return if its chain is long; a
+        block touched at the latest time waits until time moves on (the chain being served is
+        no alternative)."""
+        if not self._long(bid):
+            return
         if self._when[bid][0] >= self._now:
             self._fresh.append((bid, self._stamp[bid]))
         else:
@@ -165,8 +168,17 @@ class ChainPolicy(LRUPolicy):
 
     def insert_many(self, ids: np.ndarray, sizes: np.ndarray, now: np.ndarray | float) -> None:
         if not self._leaf_mode:
-            for bid in np.asarray(ids).tolist():
-                self._enter(bid)
+            arr = np.asarray(ids, np.int64)
+            view, order, read = self._view, self._order, self._read
+            share = self.config.protected
+            was_read = view.hits[arr].tolist() if view is not None and share > 0 else [0] * arr.size
+            for bid, hit in zip(arr.tolist(), was_read, strict=True):
+                if hit or bid in read:
+                    order.pop(bid, None)
+                    self._protect(bid)
+                else:  # (as _enter: the young end of the unread ones)
+                    order[bid] = None
+                    order.move_to_end(bid)
             return
         super().insert_many(ids, sizes, now)
         order = np.asarray(ids).tolist()
