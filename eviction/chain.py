@@ -100,7 +100,7 @@ class ChainPolicy(LRUPolicy):
         super().__init__()
         self.config = config or ChainConfig()
         self._read: OrderedDict[int, None] = OrderedDict()  # upper tier: blocks read here, LRU first
-        self._when: dict[int, tuple[float, float]] = {}  # last tier: (last touch, typical gap)
+        self._when: dict[int, tuple[float, float, int]] = {}  # last tier: (last touch, typical gap, depth)
         self._back: list[tuple[float, int, int]] = []  # (-(expected return), stamp, bid), lazily
         self._fresh: list[tuple[int, int]] = []  # (bid, stamp) offered at the latest time
         self._now = -math.inf  # the latest event time seen
@@ -122,7 +122,7 @@ class ChainPolicy(LRUPolicy):
     # ---- events -----------------------------------------------------------------------------
 
     def _expected(self, bid: int) -> float:
-        t, g = self._when[bid]
+        t, g, _ = self._when[bid]
         return t + (g if g > 0 else max(self._typical, 0.0))
 
     def _push_back(self, bid: int) -> None:
@@ -160,7 +160,8 @@ class ChainPolicy(LRUPolicy):
             return
         super().insert(bid, size, now)
         self._advance(now)
-        self._when[bid] = (now, self._gap if now == self._gap_at else -1.0)
+        depth = int(self._view.depth[bid]) if self._view is not None else 0
+        self._when[bid] = (now, self._gap if now == self._gap_at else -1.0, depth)
         if self._by_hash:
             self._returned_hash(bid)
         if bid not in self._held:
@@ -186,8 +187,9 @@ class ChainPolicy(LRUPolicy):
         if nows:
             self._advance(max(nows))
         when, held, by_hash = self._when, self._held, self._by_hash
-        for bid, t in zip(order, nows, strict=True):
-            when[bid] = (t, self._gap if t == self._gap_at else -1.0)
+        depths = self._view.depth[np.asarray(ids, np.int64)].tolist() if self._view is not None else [0] * len(order)
+        for bid, t, depth in zip(order, nows, depths, strict=True):
+            when[bid] = (t, self._gap if t == self._gap_at else -1.0, depth)
             if by_hash:
                 self._returned_hash(bid)
             if bid not in held:
@@ -204,7 +206,7 @@ class ChainPolicy(LRUPolicy):
         if now != self._gap_at:
             # The first touch of a request is its deepest hit block: the chain's gap since
             # its last request, folded into the chain's typical gap (a geometric mean).
-            t, g = self._when[bid]
+            t, g, _ = self._when[bid]
             gap = now - t
             if gap > 0:
                 self._learn_gap(gap)
@@ -213,7 +215,7 @@ class ChainPolicy(LRUPolicy):
                 self._gap = g
             self._gap_at = now
         self._advance(now)
-        self._when[bid] = (now, self._gap)
+        self._when[bid] = (now, self._gap, self._when[bid][2])
         if bid in self._by_id:
             self._settle(*self._by_id.pop(bid))
         super().touch(bid, now)
@@ -320,12 +322,11 @@ class ChainPolicy(LRUPolicy):
     # ---- choosing ---------------------------------------------------------------------------------
 
     def _long(self, bid: int) -> bool:
-        view = self._view
-        return view is not None and (int(view.depth[bid]) + 1) * self.config.chains >= len(self._stamp)
+        return (self._when[bid][2] + 1) * self.config.chains >= len(self._stamp)
 
     def _alternative(self, u: int) -> int | None:
         """The leaf expected back last, where the exception applies to LRU's victim ``u``."""
-        t, g = self._when[u]
+        t, g, _ = self._when[u]
         g = g if g > 0 else self._typical
         if g <= 0 or self._now - t >= self.config.patience * g or not self._long(u):
             return None
