@@ -67,7 +67,7 @@ class ChainConfig:
     chains: float = 32.0
     """A chain is long when its depth is at least ``1/chains`` of the tier's resident blocks
     (the tier then holds about ``chains`` such chains or fewer)."""
-    patience: float = 1.0
+    patience: float = 0.5
     """LRU's victim is young while idle for less than ``patience`` x its typical gap."""
     memory: float = 0.98
     """Weight the score keeps at each settled comparison."""
