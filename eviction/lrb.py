@@ -19,7 +19,7 @@ features of the block at the time of the decision:
 How the model ranks (``objective``): ``tiebreak`` (the default) keeps ``density``'s order and
 uses the model only among blocks that ``density`` scores the same (one class and age bucket:
 most of a refill's sample); ``window`` ranks by the model alone, evict the least likely first,
-which is LRB's rule and measured worse here (docs/eviction.md, "A learned placement").
+which is LRB's rule and measured worse here (docs/eviction.md, "`lrb`").
 
 The model is a logistic regression over binned features (one weight per bin, an additive model
 in the log-odds) with a ridge, fitted by exact per-group Newton steps (bins of one group are

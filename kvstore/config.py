@@ -5,7 +5,7 @@ Example ``kvstore.toml``::
     [store]
     root = "/var/lib/kvstore"
     default_ttl = "72h"
-    policy = "density"
+    policy = "chain"
 
     [[tiers]]            # fastest first
     name = "dram"
@@ -80,8 +80,10 @@ class StoreConfig:
     default_ttl_s: float = DEFAULT_TTL_S
     """How long a block stays after its last use when its namespace sets no TTL of its own
     (``"72h"``); every hit refreshes it."""
-    policy: str = "density"
-    """Eviction policy of every tier (eviction/; docs/eviction.md has the measurements)."""
+    policy: str = "chain"
+    """Eviction policy of every tier: ``chain`` (LRU with a loop exception for long chains, never
+    below LRU), ``lru``, ``density``, ``cost``, ``arc``, ``lrb`` (eviction/; docs/eviction.md has
+    what each does, when to choose it, and the measurements)."""
     policy_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Options of the policy's own ``Config`` (e.g. ``{ghost_factor = 4}``); see eviction/."""
     admission: str = "reuse"
@@ -89,7 +91,7 @@ class StoreConfig:
     (skip blocks unlikely to be read again, within a hit-loss budget of 0.75%; a refused block with
     cached children leaves with its subtree; never a pinned, durably put or recovered block),
     ``learned`` (the same, by a model fitted online on past decisions; budget 1%) or ``all``
-    (eviction/admission.py; docs/eviction.md, "Tier economics")."""
+    (eviction/admission.py; docs/eviction.md, "Admission to the last tier")."""
     admission_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Options of the admission rule's ``Config`` (e.g. ``{hit_loss_budget = 0.005, inner = false}``;
     below, "[store] admission_options")."""

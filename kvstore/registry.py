@@ -29,6 +29,7 @@ POLICIES: dict[str, str] = {
     "density": "eviction.density:DensityPolicy",
     "cost": "eviction.costaware:CostAwarePolicy",
     "lrb": "eviction.lrb:LRBPolicy",
+    "chain": "eviction.chain:ChainPolicy",
 }
 ADMISSIONS: dict[str, str] = {
     "all": "eviction.admission:Admission",  # write every demoted block

@@ -13,6 +13,7 @@ import pytest
 
 from eviction.arc import ARCPolicy
 from eviction.base import EvictionPolicy, TierContext
+from eviction.chain import ChainPolicy
 from eviction.costaware import CostAwarePolicy
 from eviction.density import DensityConfig, DensityPolicy
 from eviction.lrb import LRBPolicy
@@ -380,7 +381,7 @@ def test_make_policies_binds_every_tier(tmp_path: Path) -> None:
     assert pols[0].config.ghost_factor == 2
 
 
-def test_store_default_policy_is_density() -> None:
-    assert StoreConfig().policy == "density"
-    assert policy_class(StoreConfig().policy) is DensityPolicy
-    assert {LRUPolicy, ARCPolicy, DensityPolicy, CostAwarePolicy, LRBPolicy} == {policy_class(n) for n in NAMES}
+def test_store_default_policy_is_chain() -> None:
+    assert StoreConfig().policy == "chain"
+    assert policy_class(StoreConfig().policy) is ChainPolicy
+    assert {LRUPolicy, ARCPolicy, DensityPolicy, CostAwarePolicy, LRBPolicy, ChainPolicy} == {policy_class(n) for n in NAMES}

@@ -3,6 +3,7 @@ store-driven replay against an independent simulation, and the command line."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections import OrderedDict
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from tools.replay.bounds import belady, next_use, unlimited
 from tools.replay.cli import main
@@ -60,6 +62,26 @@ def test_malformed_lines_are_reported_with_their_number(tmp_path: Path, line: st
     p.write_text('{"timestamp": 0, "input_length": 5, "hash_ids": [1]}\n' + line + "\n")
     with pytest.raises(TraceError, match=f"bad.jsonl:2: .*{message}"):
         load_trace(p)
+
+
+def test_a_gzip_trace_reads_as_its_plain_text(small: Path, tmp_path: Path) -> None:
+    packed = tmp_path / "small_trace.jsonl.gz"
+    packed.write_bytes(gzip.compress(small.read_bytes()))
+    plain, gz = load_trace(small), load_trace(packed)
+    assert gz.name == plain.name == "small"
+    assert gz.block_ids.tolist() == plain.block_ids.tolist()
+    assert gz.offsets.tolist() == plain.offsets.tolist()
+    assert load_trace(packed, limit=2).num_requests == 2
+
+
+def test_a_damaged_gzip_trace_is_a_trace_error(small: Path, tmp_path: Path) -> None:
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip.compress(small.read_bytes())[:-12])  # cut short
+    with pytest.raises(TraceError, match="cannot read trace file"):
+        load_trace(packed)
+    (tmp_path / "u.jsonl.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(TraceError, match="cannot read trace file"):
+        load_trace(tmp_path / "u.jsonl.gz")
 
 
 def test_time_must_not_go_back(tmp_path: Path) -> None:
@@ -161,7 +183,7 @@ def test_cli_every_policy_two_tiers_and_a_plot(small: Path, tmp_path: Path, caps
     argv = [str(small), "--capacity", "a=2,b=2", "--capacity", "50%", "--policy", "all", "--json", "--plot", str(svg)]
     assert main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert {r["policy"] for r in rows} == {"arc", "cost", "density", "lrb", "lru"}
+    assert {r["policy"] for r in rows} == {"arc", "chain", "cost", "density", "lrb", "lru"}
     assert {r["capacity"] for r in rows} == {"a=2,b=2", "50%"}
     assert all(r["tiers"] == {"a": 2, "b": 2} for r in rows if r["capacity"] == "a=2,b=2")
     assert svg.read_text().startswith("<svg") and "OPT" in svg.read_text()
@@ -206,7 +228,7 @@ def test_default_policy_not_below_lru_on_unseen_traces(kind: str, tmp_path: Path
     t = load_trace(path)
     tiers = parse_capacity("5%", t.unique_blocks, 1)
     lru = replay_store(t, tiers, "lru", block_tokens=512).hits.sum()
-    ours = replay_store(t, tiers, "density", block_tokens=512).hits.sum()
+    ours = replay_store(t, tiers, StoreConfig().policy, block_tokens=512).hits.sum()
     assert ours >= lru - 0.001 * t.num_blocks
 
 

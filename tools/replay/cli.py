@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    p.add_argument("trace", help="Mooncake-format JSONL trace file")
+    p.add_argument("trace", help="Mooncake-format JSONL trace file (.jsonl, or .jsonl.gz read compressed)")
     p.add_argument("--capacity", action="append", metavar="SPEC", help="tier capacities (default 5%%)")
     p.add_argument("--sweep", action="store_true", help="capacities 1%%, 5%%, 10%% and 25%%")
     p.add_argument(

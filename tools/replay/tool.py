@@ -20,7 +20,7 @@ def parser(prog: str, description: str | None) -> argparse.ArgumentParser:
         description = description.split("\n\n")[1].replace("\n", " ")
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    p.add_argument("trace", help="Mooncake-format JSONL trace file")
+    p.add_argument("trace", help="Mooncake-format JSONL trace file (.jsonl, or .jsonl.gz read compressed)")
     return p
 
 

@@ -9,6 +9,7 @@ treats it like any block (as the published figures do).
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,50 +71,54 @@ def _dense_ids(raw: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> Trace:
-    """Read a Mooncake-format JSONL trace (``limit``: only the first requests)."""
+    """Read a Mooncake-format JSONL trace, plain or gzip-compressed (a name ending ``.gz``;
+    ``limit``: only the first requests)."""
     p = Path(path)
     try:
-        f = p.open("r", encoding="utf-8")
+        f = gzip.open(p, "rt", encoding="utf-8") if p.suffix == ".gz" else p.open("r", encoding="utf-8")  # noqa: SIM115 (closed by the with below)
     except FileNotFoundError:
         raise TraceError(f"trace file {p} does not exist") from None
     except OSError as e:
-        raise TraceError(f"cannot read trace file {p}: {e.strerror}") from e
+        raise TraceError(f"cannot read trace file {p}: {e.strerror or e}") from e
     ts: list[float] = []
     inp: list[int] = []
     out: list[int] = []
     lengths: list[int] = []
     flat: list[int] = []
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if limit is not None and len(ts) >= limit:
-                break
-            try:
-                rec = json.loads(line)
-                hashes = rec["hash_ids"]
-                t, i, o = float(rec["timestamp"]), int(rec["input_length"]), int(rec.get("output_length", 0))
-            except (ValueError, KeyError, TypeError) as e:
-                raise TraceError(
-                    f"{p}:{lineno}: not a trace record ({e}); expected JSON with timestamp, "
-                    "input_length, output_length and hash_ids"
-                ) from None
-            if not isinstance(hashes, list) or not all(isinstance(h, int) for h in hashes):
-                raise TraceError(f"{p}:{lineno}: hash_ids must be a list of integers")
-            if ts and t < ts[-1]:
-                raise TraceError(f"{p}:{lineno}: timestamp {t} goes back in time (previous {ts[-1]})")
-            ts.append(t)
-            inp.append(i)
-            out.append(o)
-            lengths.append(len(hashes))
-            flat.extend(hashes)
+    try:
+        with f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                if limit is not None and len(ts) >= limit:
+                    break
+                try:
+                    rec = json.loads(line)
+                    hashes = rec["hash_ids"]
+                    t, i, o = float(rec["timestamp"]), int(rec["input_length"]), int(rec.get("output_length", 0))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise TraceError(
+                        f"{p}:{lineno}: not a trace record ({e}); expected JSON with timestamp, "
+                        "input_length, output_length and hash_ids"
+                    ) from None
+                if not isinstance(hashes, list) or not all(isinstance(h, int) for h in hashes):
+                    raise TraceError(f"{p}:{lineno}: hash_ids must be a list of integers")
+                if ts and t < ts[-1]:
+                    raise TraceError(f"{p}:{lineno}: timestamp {t} goes back in time (previous {ts[-1]})")
+                ts.append(t)
+                inp.append(i)
+                out.append(o)
+                lengths.append(len(hashes))
+                flat.extend(hashes)
+    except (OSError, EOFError, UnicodeDecodeError) as e:  # a damaged gzip stream, or not text
+        raise TraceError(f"cannot read trace file {p}: {e}") from None
     if not ts:
         raise TraceError(f"{p} holds no requests")
     ids, unique = _dense_ids(np.array(flat, dtype=np.int64))
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return Trace(
-        p.stem.removesuffix("_trace"),
+        p.name.removesuffix(".gz").removesuffix(".jsonl").removesuffix("_trace"),
         np.array(ts, np.float64),
         np.array(inp, np.int64),
         np.array(out, np.int64),
