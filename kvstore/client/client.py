@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import queue
+import random
 import threading
 import time
 import weakref
@@ -251,6 +252,19 @@ class Client:
     # ---- connection ---------------------------------------------------------------------------
 
     def _connect(self) -> None:
+        """Connect, HELLO, and map the arena where granted. A ticket revoked before this client
+        claimed it (many clients of one tenant connecting at once: the daemon bounds unclaimed
+        tickets) is a new HELLO, a few times with a short random back-off, not a lost arena."""
+        for attempt in range(_TICKET_RETRIES + 1):
+            try:
+                return self._connect_once()
+            except _StaleTicket:
+                if attempt == _TICKET_RETRIES:
+                    break
+                time.sleep(random.uniform(0.005, 0.02) * 2**attempt)
+        self._connect_once(stale_ok=True)
+
+    def _connect_once(self, stale_ok: bool = False) -> None:
         self._disconnect()
         info = self._json("GET", "/v1/info")
         if self.requested_plane == "ucx":
@@ -266,7 +280,7 @@ class Client:
             conn.limits = P.WireLimits(64 + 16 * hello["max_blocks"], hello["max_payload_bytes"])
             self.plane = "ucx" if self.requested_plane == "ucx" else "tcp"
             if self.requested_plane in ("auto", "shm"):
-                self._arena = self._try_arena(hello)
+                self._arena = self._try_arena(hello, stale_ok)
                 if self._arena is not None:
                     self.plane = "shm"
                 elif self.requested_plane == "shm":
@@ -282,12 +296,17 @@ class Client:
         for ns, ttl in list(self._ns.values()):  # a restarted daemon forgets this client
             self._register(ns, ttl)
 
-    def _try_arena(self, hello: dict[str, Any]) -> SharedMemory | None:
+    def _try_arena(self, hello: dict[str, Any], stale_ok: bool = False) -> SharedMemory | None:
         if not hello.get("arena") or hello.get("node_id") != _local_node_id():
             return None
         try:
             if hello.get("shm_socket"):  # the arena has no name: a read-only descriptor of it
-                fds = receive_fds(hello["shm_socket"], bytes.fromhex(hello["arena_ticket"]), self.timeout)
+                try:
+                    fds = receive_fds(hello["shm_socket"], bytes.fromhex(hello["arena_ticket"]), self.timeout)
+                except ConnectionError as e:  # no descriptor for the ticket: revoked before the claim
+                    if stale_ok:
+                        raise
+                    raise _StaleTicket(str(e)) from e
                 remember_arena(hello["arena"], fds[0])
             shm = _attach_shared(hello["arena"])
         except OSError:  # another container's /dev/shm, say: fall back to TCP
@@ -753,6 +772,13 @@ class Client:
                     self._staging.close()
             self._staging = open_staging(bytes(meta).decode(), self.info, self.timeout)
         return self._staging
+
+
+_TICKET_RETRIES = 5
+
+
+class _StaleTicket(Exception):
+    """The daemon handed over no descriptor for this connection's arena ticket."""
 
 
 def _dest_runs(bufs: list[memoryview], bb: int) -> list[memoryview]:
