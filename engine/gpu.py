@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import glob
-import os
 import threading
 import warnings
 from typing import Any
 
 import torch
 
+from kvstore.cudart import cudart_candidates
 from kvstore.shm import attach_arena
 
 _ARENAS: dict[str, tuple[Any, torch.Tensor]] = {}
@@ -41,7 +40,7 @@ def _memcpy2d() -> Any:
     global _CUDART
     if _CUDART is None:
         _CUDART = False
-        for name in _cudart_candidates():
+        for name in cudart_candidates():
             try:
                 fn = ctypes.CDLL(name).cudaMemcpy2DAsync
             except (OSError, AttributeError):
@@ -54,16 +53,6 @@ def _memcpy2d() -> Any:
     return _CUDART or None
 
 
-def _cudart_candidates() -> list[str]:
-    names = ["libcudart.so"] + [f"libcudart.so.{v}" for v in (13, 12, 11)]
-    try:
-        import nvidia  # the pip CUDA runtime torch depends on
-
-        for base in nvidia.__path__:
-            names += sorted(glob.glob(os.path.join(base, "*", "lib", "libcudart.so*")))
-    except ImportError:
-        pass
-    return names
 
 
 def runs(offsets: list[int]) -> list[tuple[int, int, int]]:
@@ -143,7 +132,7 @@ def _ipc_calls() -> tuple[Any, Any]:
     """``cudaIpcGetMemHandle`` (the runtime torch loaded) and ``cuMemGetAddressRange_v2`` (the driver)."""
     if not _IPC:
         get = None
-        for name in _cudart_candidates():
+        for name in cudart_candidates():
             try:
                 get = ctypes.CDLL(name).cudaIpcGetMemHandle
                 break

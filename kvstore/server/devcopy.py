@@ -18,14 +18,13 @@ that GPU's memory) and registers the arena (page-locking it: it is faulted in al
 from __future__ import annotations
 
 import ctypes
-import glob
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvstore.buffers import address
+from kvstore.cudart import cudart_candidates
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -39,18 +38,6 @@ large blocks); the least recently used is closed past it."""
 
 class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
-
-
-def _cudart_names() -> list[str]:
-    names = ["libcudart.so"] + [f"libcudart.so.{v}" for v in (13, 12, 11)]
-    try:
-        import nvidia  # the pip CUDA runtime, where torch is installed beside the daemon
-
-        for base in nvidia.__path__:
-            names += sorted(glob.glob(os.path.join(base, "*", "lib", "libcudart.so*")))
-    except ImportError:
-        pass
-    return names
 
 
 class CudaRuntime:
@@ -81,7 +68,7 @@ class CudaRuntime:
 
 def load_runtime() -> tuple[CudaRuntime | None, str]:
     """The CUDA runtime and a GPU, or None and why not."""
-    for name in _cudart_names():
+    for name in cudart_candidates():
         try:
             rt = CudaRuntime(ctypes.CDLL(name))
         except (OSError, AttributeError):

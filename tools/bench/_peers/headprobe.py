@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.gpu import ArenaBlocks, _cudart_candidates, arena_tensor
+from engine.gpu import ArenaBlocks, arena_tensor
+from kvstore.cudart import cudart_candidates
 from kvstore.keys import hash_blocks
 from tools.bench._peers.paged import BLOCK, Cache, KvstorePaged, page_spec
 from tools.bench._peers.paged_run import _timed
@@ -114,7 +115,7 @@ def main() -> None:
     try:  # a kernel reading the arena over the bus: its device address (UVA: the host address)
         dptr = ctypes.c_void_p()
         err = -1
-        for name in _cudart_candidates():
+        for name in cudart_candidates():
             try:
                 fn = ctypes.CDLL(name).cudaHostGetDevicePointer
             except (OSError, AttributeError):

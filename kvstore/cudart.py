@@ -1,0 +1,21 @@
+"""Where the CUDA runtime library may be: the one list the GPU load path (``engine.gpu``) and
+the daemon's PUT_DEVICE copies (``kvstore.server.devcopy``) try, without importing torch."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+
+def cudart_candidates() -> list[str]:
+    """Library names ``ctypes.CDLL`` tries in order: the system's ``libcudart``, then the ones
+    in the pip CUDA runtime wheels (``nvidia/*/lib``) that torch installs."""
+    names = ["libcudart.so"] + [f"libcudart.so.{v}" for v in (13, 12, 11)]
+    try:
+        import nvidia  # the pip CUDA runtime torch depends on
+
+        for base in nvidia.__path__:
+            names += sorted(glob.glob(os.path.join(base, "*", "lib", "libcudart.so*")))
+    except ImportError:
+        pass
+    return names
