@@ -28,7 +28,6 @@ and a save gathers straight into host memory.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -100,9 +99,6 @@ class DeviceLoad:
 
     layer_events: list[Any]
     done: Any = None
-    tiles: int = 0
-    dmas: int = 0
-    """DMA calls queued (one per run of equally spaced blocks and tile)."""
 
     def wait_layer(self, layer: int, stream: Any = None) -> None:
         """Make ``stream`` (default the current one) wait on the device for layer ``layer``."""
@@ -177,7 +173,6 @@ class PagedLoader:
             idx = target.block_ids(idx_host)  # one small copy, before the first scatter
         freed: list[Any] = []
         events: list[Any] = [None] * num_layers
-        dmas = 0
         for k, (a, b, lo, hi) in enumerate(plan):
             if cancelled is not None and cancelled():
                 break
@@ -186,7 +181,7 @@ class PagedLoader:
             dst = stage[s * slot : s * slot + (b - a) * width].view(b - a, width)
             if k >= nslots:
                 copy.wait_event(freed[k - nslots])
-            dmas += src.copy_into(dst, lo * pb, hi * pb, first=first + a, stream=copy)
+            src.copy_into(dst, lo * pb, hi * pb, first=first + a, stream=copy)
             landed = torch.cuda.Event()
             landed.record(copy)
             scat.wait_event(landed)
@@ -202,7 +197,7 @@ class PagedLoader:
                     events[layer] = done
                 if on_layers is not None:
                     on_layers(lo, hi, done)
-        return DeviceLoad(events, freed[-1] if freed else None, len(freed), dmas)
+        return DeviceLoad(events, freed[-1] if freed else None)
 
     @staticmethod
     def _load_host(src: BlockSource, target: PagedTarget, ids: Sequence[int], first: int,
@@ -216,7 +211,7 @@ class PagedLoader:
             target.scatter_layer(layer, idx, src.layer_rows(first, n, layer, pb))
             if on_layers is not None:
                 on_layers(layer, layer + 1, None)
-        return DeviceLoad([None] * target.num_layers, None, target.num_layers, 0)
+        return DeviceLoad([None] * target.num_layers)
 
 
 class ConcatSource:
@@ -259,12 +254,6 @@ class StagedSave:
         return int(self.rows.shape[0])
 
 
-@dataclass
-class SaveStats:
-    pieces: int = 0
-    bytes: int = 0
-
-
 class PagedSaver:
     """Saves pages to the host (see the module docstring): :meth:`stage` on the engine's thread
     (gather kernels on its stream, no host wait), :meth:`drain` on a saver thread."""
@@ -276,8 +265,6 @@ class PagedSaver:
         self.piece_bytes = piece_bytes
         self._cuda = self.device.type == "cuda"
         self._copy: Any = torch.cuda.Stream(self.device) if self._cuda else None
-        self._lock = threading.Lock()
-        self.stats = SaveStats()
 
     def stage(self, target: PagedTarget, ids: Sequence[int]) -> StagedSave:
         """Gather pages ``ids`` of every layer into a new ``[n, block_bytes]`` tensor on the
@@ -311,17 +298,14 @@ class PagedSaver:
             raise ValueError(f"a host buffer of {host.numel()} bytes cannot hold a {bb}-byte block")
         pieces = self.pieces(n, bb, host.numel())
         half = (pieces[0][1] - pieces[0][0]) * bb
-        with self._lock:
-            self.stats.pieces += len(pieces)
-            self.stats.bytes += n * bb
+        two = len(pieces) > 1 and host.numel() >= 2 * half  # the two halves in turn
         if not self._cuda:
             for k, (a, b) in enumerate(pieces):
-                off = (k % 2) * half if len(pieces) > 1 and host.numel() >= 2 * half else 0
+                off = (k % 2) * half if two else 0
                 host[off : off + (b - a) * bb].view(b - a, bb).copy_(rows[a:b])
                 put(a, b, off)
             return
         copy = self._copy
-        two = len(pieces) > 1 and host.numel() >= 2 * half
         landed: list[Any] = []
 
         def queue(k: int) -> None:
