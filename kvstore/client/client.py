@@ -539,8 +539,21 @@ class Client:
         bb = ns.block_bytes
         bufs = [b[:bb] for b in dst_views(dst, bb)]
         hashes = list(hashes[: len(bufs)])
-        if not hashes:
-            return 0
+        # One answer holds what the daemon sends in one frame (max_payload_bytes): a longer load
+        # asks again for the blocks after the last that came, until a frame comes back short.
+        per = max(1, int(self.info.get("max_payload_bytes", 1 << 40)) // bb)
+        got = 0
+        while got < len(hashes):
+            want = min(per, len(hashes) - got)
+            n = self._get_frame(ns, hashes[got : got + want], bufs[got : got + want])
+            got += n
+            if n < want:
+                break
+        return got
+
+    def _get_frame(self, ns: Namespace, hashes: list[bytes], bufs: list[memoryview]) -> int:
+        """One load (a lease on shared memory, GET_RUNS or GET) of the leading cached ``hashes``."""
+        bb = ns.block_bytes
 
         def call() -> int:
             conn, ns_id = self._conn, self._ns_id(ns)
@@ -661,6 +674,25 @@ class Client:
             raise UsageError(f"start={start} is outside the chain of {len(hashes)} blocks")
         srcs = src_views(blocks, bb, len(hashes) - start)
         tok = None if tokens is None else put_tokens_of(hashes[start:], tokens, ns.block_tokens).tokens
+        bt = ns.block_tokens
+        new = 0
+        # One frame holds what the daemon takes in one (its HELLO's max_payload_bytes, and on shared
+        # memory its max_staging_bytes): a larger put goes as several, each storing the next
+        # blocks under the same chain.
+        limit = int(self.info.get("max_payload_bytes", 1 << 40))
+        if self.plane == "shm" and int(self.info.get("max_staging_bytes", 0)) >= bb + 4 * bt:
+            limit = min(limit, int(self.info["max_staging_bytes"]))
+        per = max(1, limit // (bb + 4 * bt))
+        for a in range(0, len(srcs), per):
+            b = min(a + per, len(srcs))
+            part = None if tok is None else tok[a * bt : b * bt]
+            new += self._put_frame(ns, hashes[: start + b], srcs[a:b], start + a, durable, part)
+        return new
+
+    def _put_frame(self, ns: Namespace, hashes: list[bytes], srcs: list[Any], start: int, durable: bool,
+                   tok: Any | None) -> int:
+        """One PUT (or PUT_SHM through the staging segment) of blocks ``start..`` of ``hashes``."""
+        bb = ns.block_bytes
 
         def call() -> int:
             conn, ns_id = self._conn, self._ns_id(ns)

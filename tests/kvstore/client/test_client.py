@@ -40,6 +40,20 @@ def test_round_trip_on_each_plane(start_daemon: Callable[..., ThreadedDaemon], p
             c.put(SMALL_NS, chain_for(3, 4), _blocks(chain_for(3, 4)[2:]), start=2)
 
 
+@pytest.mark.parametrize("plane", ["shm", "tcp"])
+def test_a_put_larger_than_one_frame_goes_as_several(start_daemon: Callable[..., ThreadedDaemon], plane: str) -> None:
+    d = start_daemon()  # max_payload_bytes: 64 blocks of BB
+    chain = chain_for(7, 150)
+    tokens = np.arange(150 * SMALL_NS.block_tokens, dtype=np.int32)
+    with connect(d.url, plane=plane) as c:
+        assert c.info["max_payload_bytes"] < 150 * BB
+        assert c.put(SMALL_NS, chain, _blocks(chain), tokens=tokens) == 150
+        out = np.zeros(150 * BB, np.uint8)
+        assert c.get_into(SMALL_NS, chain, out) == 150
+        assert np.array_equal(out, _blocks(chain))
+        assert c.put(SMALL_NS, chain, _blocks(chain[10:]), start=10) == 0
+
+
 def test_pins_and_deletes(start_daemon: Callable[..., ThreadedDaemon]) -> None:
     d = start_daemon()
     chain = chain_for(4, 4)
