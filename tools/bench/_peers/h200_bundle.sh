@@ -11,7 +11,7 @@ PY=${PY:-python3}
 # Python 3.12, manylinux x86-64 (the H200 image: torch 2.11 + CUDA 13). lmcache 0.5.3 is the newest
 # whose CUDA extensions load with torch 2.11. The rest: what lmcache imports at engine start and the
 # image lacks (aiofile + caio, cachetools, msgspec, pyzmq, nvtx), and zstandard for kvstore.
-PKGS="lmcache==0.5.3 aiofile==3.12.3 caio==0.12.10 cachetools==8.0.2 msgspec==0.23.0 pyzmq==27.3.0 nvtx==0.2.17 zstandard==0.25.0 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 opentelemetry-api==1.45.3 uvicorn==0.55.0 rocksdict==0.3.29"
+PKGS="lmcache==0.5.3 aiofile==3.12.3 caio==0.12.10 cachetools==8.0.2 msgspec==0.23.0 pyzmq==27.3.0 nvtx==0.2.17 zstandard==0.25.0 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 opentelemetry-api==1.45.3 uvicorn==0.55.0 rocksdict==0.3.29 fastapi-offline==1.7.7 httptools==0.9.0"
 mkdir -p "$WHEELS"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \

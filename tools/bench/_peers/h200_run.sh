@@ -28,7 +28,8 @@ python3 -c "import torch, engine.gpu, engine.transfer, kvstore.server.daemon; pr
 if [ -z "${NO_TESTS:-}" ]; then
     echo "== CUDA tests ($(date -u +%T))"
     timeout $(( $(left) / 4 )) python3 -m pytest -q -p no:cacheprovider tests/engine/test_transfer.py \
-        tests/engine/vllm/test_pages_device.py tests/engine/test_gpu.py 2>&1 | tail -30
+        tests/engine/vllm/test_pages_device.py tests/engine/test_gpu.py tests/engine/vllm/test_worker_families.py \
+        tests/engine/test_hybrid.py tests/engine/test_mla.py 2>&1 | tail -40
     echo "peers: tests exit ${PIPESTATUS[0]} after $((SECONDS - START)) s"
 fi
 
@@ -40,6 +41,10 @@ for i in $(seq 1 "${RUNS:-3}"); do
     timeout $((t - 10)) python3 -m tools.bench peers --device cuda --json --paired --only "$KV,lmcache-nhd" \
         --dir /tmp/peers-scratch ${SIZES:+--sizes $SIZES} > "$OUTD/peers-cuda-r$i.jsonl"
     echo "peers: run $i exit $? after $((SECONDS - START)) s"
+    if grep -q '"status": "failed"' "$OUTD/peers-cuda-r$i.jsonl"; then  # fix first: no more device time on it
+        echo "peers: run $i has failed rows; no further runs"
+        break
+    fi
 done
 echo "== the goal rows"
 python3 - "$OUTD" <<'PY' || true
