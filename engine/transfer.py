@@ -140,6 +140,8 @@ class PagedLoader:
     def _staging(self, slot_bytes: int, slots: int) -> torch.Tensor:
         need = slot_bytes * slots
         if self._stage is None or self._stage.numel() < need:
+            if self._stage is not None and self._cuda:
+                self._scatter.synchronize()  # its last readers are done before the memory goes back
             self._stage = None
             self._stage = torch.empty(need, dtype=torch.uint8, device=self.device)
         return self._stage
