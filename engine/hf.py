@@ -28,6 +28,20 @@ from engine.kvlayout import KVShape, pack, unpack_layer, unpack_layer_into
 from kvstore.errors import UsageError
 
 
+def layer_types_and_windows(cfg: Any) -> tuple[list[str], list[int]]:
+    """Each decoder layer's kind (``full_attention``, ``sliding_attention``, ...) and sliding
+    window (0 for other kinds) of a Hugging Face text config. transformers' helper returns the
+    per-layer arguments as a list of dicts in recent releases and as one dict for every layer in
+    earlier 5.x ones; a sliding layer whose arguments name no window takes the config's."""
+    types, kwargs = get_layer_types_and_kwargs(cfg)
+    types = list(types)
+    per = [kwargs] * len(types) if isinstance(kwargs, dict) else list(kwargs or [{}] * len(types))
+    default = int(getattr(cfg, "sliding_window", None) or 0)
+    windows = [int((kw or {}).get("sliding_window") or default) if t == "sliding_attention" else 0
+               for t, kw in zip(types, per, strict=True)]
+    return types, windows
+
+
 def _cache_kw(model: Any) -> str:
     """transformers 5.2x renamed ``past_key_values`` to ``cache``; accept both generations."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -76,7 +90,7 @@ def refuse_non_full_attention(config: Any) -> None:
     chunked attention, linear attention, convolutions): :class:`CachedLM` stores and loads
     every layer's K/V for every token, which such a layer does not keep."""
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    types, _ = get_layer_types_and_kwargs(cfg)
+    types, _ = layer_types_and_windows(cfg)
     other = sorted({t for t in types if t != "full_attention"})
     if other:
         name = getattr(cfg, "model_type", type(cfg).__name__)

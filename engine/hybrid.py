@@ -43,10 +43,9 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface, DynamicCache
-from transformers.cache_utils import get_layer_types_and_kwargs
 
 from engine.gpu import ArenaBlocks, HostBlocks
-from engine.hf import _cache_kw, _out_cache
+from engine.hf import _cache_kw, _out_cache, layer_types_and_windows
 from engine.kvlayout import KVShape, pack, unpack_layer, unpack_layer_into
 from kvstore.errors import MissingPrefixError, UsageError
 from kvstore.hybrid import CheckpointPolicy, HybridNamespaces, StoreAPI, lookup
@@ -289,13 +288,12 @@ def plan_of(config: Any) -> LayerPlan:
     without the recurrent layers' state tensors (:func:`model_plan` finds those)."""
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     _refuse_unsupported(getattr(cfg, "layer_types", None) or ())
-    types, kwargs = get_layer_types_and_kwargs(cfg)
+    types, windows = layer_types_and_windows(cfg)
     _refuse_unsupported(types)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    windows = tuple(int(kw.get("sliding_window") or 0) if t == "sliding_attention" else 0 for t, kw in zip(types, kwargs, strict=True))
-    return LayerPlan(tuple(_KINDS[t] for t in types), windows, kv_heads, head_dim)
+    return LayerPlan(tuple(_KINDS[t] for t in types), tuple(windows), kv_heads, head_dim)
 
 
 def model_plan(model: Any) -> LayerPlan:

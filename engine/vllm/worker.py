@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -180,6 +181,16 @@ class ConnectorCounters:
     """A page with sliding layers: cached blocks after the checkpoint a hit ended on (recomputed)."""
     saved_pieces: int = 0
     """A page with sliding layers: window pieces stored."""
+    device_puts: int = 0
+    """Puts the daemon copied straight from GPU memory (PUT_DEVICE)."""
+    staged_puts: int = 0
+    """Puts through the daemon's staging segment or a pinned buffer (a GPU without PUT_DEVICE)."""
+    load_fetch_s: float = 0.0
+    """Seconds the loader thread spent taking leases (or remote blocks) from the daemon."""
+    load_copy_s: float = 0.0
+    """Seconds from a load's first queued copy until its last scatter landed."""
+    save_put_s: float = 0.0
+    """Seconds the saver thread spent in puts (the daemon's copy and commit included)."""
 
 
 
@@ -253,6 +264,7 @@ class Worker:
         self._load_wake = threading.Condition(self._lock)
         self._arena = ""  # the daemon arena this worker's loads last read
         self._device_puts = cfg.device_puts  # PUT_DEVICE where the daemon offers it
+        self._said_staged = False  # logged once why a GPU's saves go through the staging segment
         self._pinned: torch.Tensor | None = None  # a remote plane's save buffer
         self._load_host: torch.Tensor | None = None  # a remote plane's load buffer
         self._sink: tuple[Any, torch.Tensor] | None = None  # (staging segment, its registered view)
@@ -451,57 +463,65 @@ class Worker:
                 if self._stop:
                     return
                 job = self._loads.popleft()
+            held: list[Any] = []
             try:
-                self._run_load(job)
+                self._run_load(job, held)
             except Exception:  # a bug: never into vLLM's step; its blocks are recomputed
                 log.exception("kvstore load failed; vLLM recomputes its blocks")
                 with job.lock:
                     job.fail_all()
+                if self._cuda and self.kv is not None:  # copies it queued read the leases
+                    torch.cuda.synchronize(self.kv.device)
             finally:
                 with job.lock:
                     for ev in job.layer_done:
                         ev.set()
                     job.done.set()
+                # The copies from the leases have landed (or none was queued): vLLM may go on
+                # while they are given back.
+                for lease in held:
+                    if not isinstance(lease, HostBlocks):
+                        self.load_link.call(lambda c, lease=lease: c.release(lease), None)
 
-    def _run_load(self, job: _LoadJob) -> None:
+    def _run_load(self, job: _LoadJob, held: list[Any]) -> None:
+        """Fetch and queue ``job``'s blocks, and wait until they have landed; the leases taken
+        are left in ``held`` (the caller gives them back)."""
         kv, loader = self.kv, self.loader
         assert kv is not None and loader is not None
         parts: list[tuple[Any, int]] = []
         ids: list[int] = []
-        held: list[Any] = []
-        try:
-            if self.spec.hybrid:
-                self._run_hybrid_load(job, held)
-                return
-            for spec, ns, hashes in job.specs:
-                n, src = self._fetch(ns, hashes, held)
-                job.loaded += n
-                if n < len(hashes):
-                    job.failed.update(spec.block_ids[n:])
-                if n:
-                    parts.append((src, n))
-                    ids.extend(spec.block_ids[:n])
-            if not ids:
-                return
+        if self.spec.hybrid:
+            self._run_hybrid_load(job, held)
+            return
+        t0 = time.perf_counter()
+        for spec, ns, hashes in job.specs:
+            n, src = self._fetch(ns, hashes, held)
+            job.loaded += n
+            if n < len(hashes):
+                job.failed.update(spec.block_ids[n:])
+            if n:
+                parts.append((src, n))
+                ids.extend(spec.block_ids[:n])
+        t1 = time.perf_counter()
+        self.counters.load_fetch_s += t1 - t0
+        if not ids:
+            return
 
-            def ready(lo: int, hi: int, event: Any) -> None:
-                for layer in range(lo, hi):
-                    job.layer_events[layer] = event
-                    job.layer_done[layer].set()
+        def ready(lo: int, hi: int, event: Any) -> None:
+            for layer in range(lo, hi):
+                job.layer_events[layer] = event
+                job.layer_done[layer].set()
 
-            def cancelled() -> bool:
-                with job.lock:
-                    return job.abandoned
+        def cancelled() -> bool:
+            with job.lock:
+                return job.abandoned
 
-            src = parts[0][0] if len(parts) == 1 else ConcatSource(parts)
-            group = self.cfg.layer_group if job.specs and not job.specs[0][0].is_async else 0
-            load = loader.load(src, kv, ids, layer_group=group, after=job.after, on_layers=ready,
-                               cancelled=cancelled)
-            load.synchronize()  # the leases are read until the last copy lands
-        finally:
-            for lease in held:
-                if not isinstance(lease, HostBlocks):
-                    self.load_link.call(lambda c, lease=lease: c.release(lease), None)
+        src = parts[0][0] if len(parts) == 1 else ConcatSource(parts)
+        group = self.cfg.layer_group if job.specs and not job.specs[0][0].is_async else 0
+        load = loader.load(src, kv, ids, layer_group=group, after=job.after, on_layers=ready,
+                           cancelled=cancelled)
+        load.synchronize()  # the leases are read until the last copy lands
+        self.counters.load_copy_s += time.perf_counter() - t1
 
     def _run_hybrid_load(self, job: _LoadJob, held: list[Any]) -> None:
         """A page with sliding layers: for each request, the full part of its blocks into the
@@ -609,6 +629,7 @@ class Worker:
                 if self._stop and not self._saves:
                     return
                 ns, chain, start, staged, tokens, pieces = self._saves.popleft()
+            t0 = time.perf_counter()
             try:
                 n = self.save_link.call(
                     lambda c, ns=ns, chain=chain, start=start, staged=staged, tokens=tokens, pieces=pieces: self._store(
@@ -624,6 +645,7 @@ class Worker:
                 self.counters.save_errors += 1
                 log.exception("kvstore save of %d blocks failed", len(chain) - start)
             finally:
+                self.counters.save_put_s += time.perf_counter() - t0
                 self._save_slots.release()
 
     def _store(self, c: Client, ns: Namespace, chain: list[BlockHash], start: int, staged: StagedSave,
@@ -657,6 +679,10 @@ class Worker:
         assert saver is not None
         if not self._cuda:
             return c.put(ns, chain, staged.rows.view(-1).numpy(), start=start, tokens=tokens)
+        if c.plane == "shm" and self._device_puts and not c.info.get("put_device") and not self._said_staged:
+            self._said_staged = True
+            log.info("kvstore: saves go through the daemon's staging segment: the daemon cannot copy from "
+                     "GPU memory (%s)", c.info.get("put_device_unavailable", "an older daemon"))
         if c.plane == "shm" and self._device_puts and c.info.get("put_device"):
             try:
                 device, handle, offset, size = device_export(staged.rows)
@@ -667,8 +693,10 @@ class Worker:
                 if staged.ready is not None:
                     staged.ready.synchronize()  # the gather has landed before the daemon reads it
                 try:
-                    return c.put_device(ns, chain, start=start, device=device, handle=handle, offset=offset,
-                                        size=size)
+                    new = c.put_device(ns, chain, start=start, device=device, handle=handle, offset=offset,
+                                       size=size)
+                    self.counters.device_puts += 1
+                    return new
                 except UsageError as e:  # refused, nothing stored: the staging segment from now on
                     self._device_puts = False
                     log.warning("kvstore: the daemon refused a save from GPU memory (%s); saves go through "
@@ -691,6 +719,7 @@ class Worker:
                              tokens=tokens[a * bt : b * bt])
 
         saver.drain(staged, host, put)
+        self.counters.staged_puts += 1
         return new
 
     def _segment(self, c: Client) -> tuple[Any, torch.Tensor]:

@@ -394,9 +394,13 @@ class Session:
             "lookup": True,  # LOOKUP frames: an engine's lookups without the HTTP control plane
             "get_runs": True,  # GET_RUNS: a GET whose payload moves in runs (one UCX message each)
             # PUT_DEVICE: the daemon copies a GPU engine's blocks out of its device memory itself
-            "put_device": bool(shm and self.ctx.devcopy is not None and self.ctx.service.store.reservable() is None
-                               and await self.ctx.run(self.ctx.devcopy.available)),
+            "put_device": False,
         }
+        if shm:
+            why = await self.ctx.run(self._put_device_unavailable)
+            info["put_device"] = why is None
+            if why is not None:
+                info["put_device_unavailable"] = why  # for the engine's log: why its saves take PUT_SHM
         if shm:
             assert fds is not None
             # The arena has no name to open: a read-only descriptor, fetched with this ticket.
@@ -626,6 +630,15 @@ class Session:
             src.release()
         self.ctx.metrics.bytes.labels(self.ch.plane + "+shm", "in").inc(n)
         await self._reply(hdr.req_id, P.encode_u64(new))
+
+    def _put_device_unavailable(self) -> str | None:
+        """Why this daemon cannot take PUT_DEVICE from a shared-memory client; None when it can."""
+        if self.ctx.devcopy is None:
+            return "the daemon's arena is not writable here"
+        why = self.ctx.service.store.reservable()
+        if why is not None:
+            return why
+        return None if self.ctx.devcopy.available() else self.ctx.devcopy.why
 
     async def _put_device(self, hdr: P.Header, meta: bytearray) -> None:
         """PUT_DEVICE (``kvstore.server.devcopy``): arena slots reserved for the new blocks,

@@ -54,6 +54,10 @@ class CudaRuntime:
             ("cudaHostUnregister", [ctypes.c_void_p]),
             ("cudaMemcpy2D", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                               ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]),
+            ("cudaMemcpy2DAsync", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                   ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]),
+            ("cudaStreamCreateWithFlags", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
+            ("cudaStreamSynchronize", [ctypes.c_void_p]),
             ("cudaGetLastError", []),
         ):
             fn = getattr(lib, name)
@@ -93,6 +97,15 @@ class DeviceCopier:
         self._loaded = False
         self._registered = False
         self._lock = threading.Lock()
+        self._local = threading.local()
+        self.dma_calls = 0
+        """Device-to-host DMAs queued (one per run of equally spaced slots)."""
+        self.copied_bytes = 0
+
+    @property
+    def why(self) -> str:
+        """Why PUT_DEVICE is not available (after :meth:`available` said so)."""
+        return self._why
 
     def available(self) -> bool:
         """Whether PUT_DEVICE can run here (loads the runtime on the first call)."""
@@ -152,6 +165,7 @@ class DeviceCopier:
                 raise ValueError(f"arena slot {off} is outside the arena")
         src = self.open(session, device, handle) + offset + first * block_bytes
         rt = self._runtime(device)
+        stream = self._stream(rt, device)
         i, n = 0, len(slots)
         while i < n:
             j, stride = i + 1, 0
@@ -162,9 +176,25 @@ class DeviceCopier:
                 if stride < block_bytes:
                     j, stride = i + 1, 0
             rows = j - i
-            rt.check(rt.lib.cudaMemcpy2D(self._base + slots[i][0], stride or block_bytes, src + i * block_bytes,
-                                         block_bytes, block_bytes, rows, _DEVICE_TO_HOST), "cudaMemcpy2D")
+            rt.check(rt.lib.cudaMemcpy2DAsync(self._base + slots[i][0], stride or block_bytes, src + i * block_bytes,
+                                              block_bytes, block_bytes, rows, _DEVICE_TO_HOST, stream),
+                     "cudaMemcpy2DAsync")
+            self.dma_calls += 1
             i = j
+        # One wait for all of them (the arena is page-locked: each DMA is queued, none blocks).
+        rt.check(rt.lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+        self.copied_bytes += len(slots) * block_bytes
+
+    def _stream(self, rt: CudaRuntime, device: int) -> int:
+        """This thread's non-blocking stream on ``device`` (made once): copies of different
+        connections, on different threads, neither wait for each other nor for the legacy stream."""
+        streams: dict[int, int] = self._local.__dict__.setdefault("streams", {})
+        stream = streams.get(device)
+        if stream is None:
+            out = ctypes.c_void_p()
+            rt.check(rt.lib.cudaStreamCreateWithFlags(ctypes.byref(out), 1), "cudaStreamCreateWithFlags")
+            stream = streams[device] = int(out.value or 0)
+        return stream
 
     def close_session(self, session: OrderedDict[tuple[int, bytes], int]) -> None:
         rt = self._rt

@@ -29,8 +29,9 @@ if [ -z "${NO_TESTS:-}" ]; then
     echo "== CUDA tests ($(date -u +%T))"
     timeout $(( $(left) / 4 )) python3 -m pytest -q -p no:cacheprovider tests/engine/test_transfer.py \
         tests/engine/vllm/test_pages_device.py tests/engine/test_gpu.py tests/engine/vllm/test_worker_families.py \
-        tests/engine/test_hybrid.py tests/engine/test_mla.py 2>&1 | tail -40
-    echo "peers: tests exit ${PIPESTATUS[0]} after $((SECONDS - START)) s"
+        tests/engine/test_hybrid.py tests/engine/test_mla.py > "$OUTD/cuda-tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUTD/cuda-tests.log" | tail -40
+    echo "peers: tests done after $((SECONDS - START)) s"
 fi
 
 KV=${KV:-kvstore-connector,kvstore-connector-hnd,kvstore-connector-lw,kvstore}

@@ -370,8 +370,22 @@ class KvstoreConnector:
 
     def info(self) -> dict[str, Any]:
         w = self.driver.worker
-        return {"plane": w.load_link.client.plane if w.load_link.client else None, "load_mode": self.load_mode,
-                "piece_bytes": w.cfg.piece_bytes, "stage_bytes": w.cfg.stage_bytes}
+        c = w.save_link.client
+        k = w.counters
+        out: dict[str, Any] = {
+            "plane": w.load_link.client.plane if w.load_link.client else None, "load_mode": self.load_mode,
+            "piece_bytes": w.cfg.piece_bytes, "stage_bytes": w.cfg.stage_bytes,
+            "put_device": bool(c and c.info.get("put_device")),
+            "device_puts": k.device_puts, "staged_puts": k.staged_puts,
+            # the worker's own time per load and per save (its counters, since the last info)
+            # the worker's own time in all, over every load and save of the row (warm-up included)
+            "worker_ms": {"fetch": round(k.load_fetch_s * 1e3, 3), "copy": round(k.load_copy_s * 1e3, 3),
+                          "put": round(k.save_put_s * 1e3, 3), "loaded_blocks": k.loaded_blocks,
+                          "saved_blocks": k.saved_blocks},
+        }
+        if c and not c.info.get("put_device"):
+            out["put_device_unavailable"] = c.info.get("put_device_unavailable")
+        return out
 
     def close(self) -> None:
         self.driver.close()
