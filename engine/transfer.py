@@ -29,7 +29,7 @@ and a save gathers straight into host memory.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -99,6 +99,16 @@ class DeviceLoad:
 
     layer_events: list[Any]
     done: Any = None
+    tiles: list[tuple[Any, Any, Any]] = field(default_factory=list)
+    """With :attr:`PagedLoader.timing`: each tile's (DMA queued, landed, scattered) timing events."""
+
+    def tile_ms(self) -> list[tuple[float, float]]:
+        """Each tile's landing and scatter end, in ms since the first DMA began (after
+        :meth:`synchronize`; empty without :attr:`PagedLoader.timing`)."""
+        if not self.tiles:
+            return []
+        t0 = self.tiles[0][0]
+        return [(t0.elapsed_time(a), t0.elapsed_time(b)) for _, a, b in self.tiles]
 
     def wait_layer(self, layer: int, stream: Any = None) -> None:
         """Make ``stream`` (default the current one) wait on the device for layer ``layer``."""
@@ -136,6 +146,8 @@ class PagedLoader:
         self._copy: Any = torch.cuda.Stream(self.device) if self._cuda else None
         self._scatter: Any = torch.cuda.Stream(self.device) if self._cuda else None
         self._stage: torch.Tensor | None = None
+        self.timing = False
+        """Record timing events per tile (:attr:`DeviceLoad.tiles`): benchmarks."""
 
     def _staging(self, slot_bytes: int, slots: int) -> torch.Tensor:
         need = slot_bytes * slots
@@ -175,6 +187,7 @@ class PagedLoader:
             idx = target.block_ids(idx_host)  # one small copy, before the first scatter
         freed: list[Any] = []
         events: list[Any] = [None] * num_layers
+        timed: list[tuple[Any, Any, Any]] = []
         for k, (a, b, lo, hi) in enumerate(plan):
             if cancelled is not None and cancelled():
                 break
@@ -183,23 +196,29 @@ class PagedLoader:
             dst = stage[s * slot : s * slot + (b - a) * width].view(b - a, width)
             if k >= nslots:
                 copy.wait_event(freed[k - nslots])
+            began = None
+            if self.timing:
+                began = torch.cuda.Event(enable_timing=True)
+                began.record(copy)
             src.copy_into(dst, lo * pb, hi * pb, first=first + a, stream=copy)
-            landed = torch.cuda.Event()
+            landed = torch.cuda.Event(enable_timing=self.timing)
             landed.record(copy)
             scat.wait_event(landed)
             with torch.cuda.stream(scat):
                 for layer in range(lo, hi):
                     off = (layer - lo) * pb
                     target.scatter_layer(layer, idx[a:b], dst[:, off : off + pb])
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(enable_timing=self.timing)
                 done.record(scat)
             freed.append(done)
+            if began is not None:
+                timed.append((began, landed, done))
             if b == n:  # the group's last tile: its layers are ready after this scatter
                 for layer in range(lo, hi):
                     events[layer] = done
                 if on_layers is not None:
                     on_layers(lo, hi, done)
-        return DeviceLoad(events, freed[-1] if freed else None)
+        return DeviceLoad(events, freed[-1] if freed else None, timed)
 
     @staticmethod
     def _load_host(src: BlockSource, target: PagedTarget, ids: Sequence[int], first: int,

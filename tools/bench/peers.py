@@ -49,6 +49,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvstore.units import parse_size
 from kvstore.version import version
 from tools.bench._common import emit, missed_goals, result
 from tools.bench._peers import PEERS
@@ -255,7 +256,7 @@ def paged_rows(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
     yield from paged_run.run(args.device, sizes, layers=args.layers or 32, trials=args.rounds, only=only,
                          scratch=args.dir, log=log, copy_threads=args.copy_threads,
-                         paired=args.paired)
+                         paired=args.paired, piece_bytes=args.piece_bytes)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -285,6 +286,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-threads", type=int, default=0, metavar="N",
                    help="kvstore in process (and kvstore on --device): its DRAM tier's copy_threads "
                         "(default 0: its default, from the cores)")
+    p.add_argument("--piece-bytes", type=parse_size, default=0, metavar="SIZE",
+                   help="--device: the restore's tile and the save's piece of kvstore's GPU rows (the "
+                        "connector's piece_bytes; default its default, 128MiB)")
     p.add_argument("--paired", action="store_true",
                    help="drive the peers together in one process, interleaved call by call (each request stored "
                         "into, then retrieved from, every peer in turn), so that all see the same moments of the "

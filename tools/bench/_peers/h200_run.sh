@@ -6,9 +6,10 @@
 # LMCache's paged vLLM connector (`lmcache-nhd`), 4K and 32K tokens of a Llama-3-8B shape, every
 # page verified. JSON lines and logs under "$OUT/peers/". Run from the repository root:
 #   WHEELS=.whl bash tools/bench/_peers/h200_run.sh      (h200_bundle.sh builds the wheels)
-# BUDGET: seconds in all (default 560); every step checks the time left.
+# BUDGET: seconds in all (default 560); every step checks the time left. RUNS (3), KV (the kvstore
+# rows), SIZES, PEERS_ARGS (more `peers` arguments), TAG (a suffix of the output folder), NO_TESTS.
 set -u
-OUTD="${OUT:-/tmp/peers-out}/peers"
+OUTD="${OUT:-/tmp/peers-out}/peers${TAG:+-$TAG}"
 mkdir -p "$OUTD"
 LOG="$OUTD/peers-cuda.log"
 exec > >(tee -a "$LOG") 2>&1
@@ -40,7 +41,7 @@ for i in $(seq 1 "${RUNS:-3}"); do
     if [ "$t" -lt 60 ]; then echo "peers: $t s left, run $i skipped"; continue; fi
     echo "== run $i: $KV,lmcache-nhd --paired ($(date -u +%T))"
     timeout $((t - 10)) python3 -m tools.bench peers --device cuda --json --paired --only "$KV,lmcache-nhd" \
-        --dir /tmp/peers-scratch ${SIZES:+--sizes $SIZES} > "$OUTD/peers-cuda-r$i.jsonl"
+        --dir /tmp/peers-scratch ${SIZES:+--sizes $SIZES} ${PEERS_ARGS:-} > "$OUTD/peers-cuda-r$i.jsonl"
     echo "peers: run $i exit $? after $((SECONDS - START)) s"
     if grep -q '"status": "failed"' "$OUTD/peers-cuda-r$i.jsonl"; then  # fix first: no more device time on it
         echo "peers: run $i has failed rows; no further runs"

@@ -196,6 +196,8 @@ class KvstorePaged:
 
     copy_threads = 0
     """The DRAM tier's ``copy_threads`` (0: its default)."""
+    piece_bytes = 0
+    """The restore's tile (0: ``engine.transfer``'s default)."""
 
     def open(self, cache: Cache, capacity: int, scratch: str) -> None:
         assert cache.kv is not None, "kvstore restores into the HND (PagedKV) cache"
@@ -214,7 +216,12 @@ class KvstorePaged:
         self.kv.register_namespace(self.ns)
         self._staging: torch.Tensor | None = None
         self._stream: Any = None
-        self._loader = PagedLoader(cache.device)
+        self.tiles_ms: list[tuple[float, float]] = []
+        """The last restore's tiles: (landed, scattered) ms after its first DMA began."""
+        self._loader = PagedLoader(cache.device, **({"piece_bytes": self.piece_bytes,
+                                                       "stage_bytes": max(4 * self.piece_bytes, 512 << 20)}
+                                                      if self.piece_bytes else {}))
+        self._loader.timing = cache.device.type == "cuda"
         self.phases: dict[str, list[float]] = {}
         """Host seconds of each restore's steps (``restore``), read and cleared per size."""
         self.save_phases: dict[str, float] = {}
@@ -312,6 +319,7 @@ class KvstorePaged:
             t3 = time.perf_counter()
             if load is not None:
                 load.synchronize()
+                self.tiles_ms = [(round(a, 3), round(b, 3)) for a, b in load.tile_ms()]
         finally:
             blocks.release()
         for k, v in (("hash", t1 - t0), ("lease", t2 - t1), ("queue", t3 - t2)):
@@ -322,7 +330,9 @@ class KvstorePaged:
         phases = {k: round(statistics.median(v) * 1e3, 3) for k, v in self.phases.items() if v}
         self.phases = {}
         save = {k: (v if k == "pieces" else round(v * 1e3, 3)) for k, v in self.save_phases.items()}
+        tiles, self.tiles_ms = self.tiles_ms, []
         return {"block_tokens": BLOCK, "block_bytes": self.spec.block_bytes, "copy_threads": self._copy_threads,
+                **({"tiles_ms": tiles} if tiles else {}),
                 **({"phases_ms": phases} if phases else {}), **({"save_phases_ms": save} if save else {})}
 
     def close(self) -> None:
@@ -344,6 +354,8 @@ class KvstoreConnector:
     name = "kvstore-connector"
     layout = "LBNHC"
     load_mode = "async"
+    piece_bytes = 0
+    """The connector's ``piece_bytes`` (0: its default)."""
 
     def open(self, cache: Cache, capacity: int, scratch: str) -> None:
         from engine.vllm.harness import WorkerDriver, small_daemon
@@ -356,8 +368,11 @@ class KvstoreConnector:
         # an engine starts long before its first save, and LMCache allocates its pool in its open.
         time.sleep(min(20.0, 1.0 + capacity / 2e9))
         caches = dict(zip(cache.spec.layer_names, cache.layers, strict=True))
+        extra: dict[str, int] = {}
+        if self.piece_bytes:
+            extra = {"piece_bytes": self.piece_bytes, "stage_bytes": max(4 * self.piece_bytes, 512 << 20)}
         self.driver = WorkerDriver(self.daemon.url, cache.spec, caches, plane="shm", load_mode=self.load_mode,
-                                   lookup_timeout_s=60.0, load_timeout_s=60.0, save_timeout_s=120.0)
+                                   lookup_timeout_s=60.0, load_timeout_s=60.0, save_timeout_s=120.0, **extra)
 
     def prepare(self, tokens: int) -> None:
         pass

@@ -79,12 +79,13 @@ def save_trials(tokens: int) -> int:
 
 def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, trials: int = 0,
         only: tuple[str, ...] = PEERS, scratch: str = ".", log: Callable[[str], None] = print,
-        copy_threads: int = 0, paired: bool = False) -> Iterator[dict[str, Any]]:
+        copy_threads: int = 0, paired: bool = False, piece_bytes: int = 0) -> Iterator[dict[str, Any]]:
     """Every row of the paged bench; a store that cannot open or fails gives a status row and
     the others go on. One store after another (each opened, run at every size and closed before
     the next, so no two pools are held at once), or with ``paired`` all open at once and driven
     in turn, save by save and restore by restore (each round in another order), so that every
     store sees the same moments of the machine. ``copy_threads``: kvstore's DRAM tier's (0: its
+    default). ``piece_bytes``: kvstore's rows' restore tile and save piece (0: the connector's
     default)."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -102,6 +103,8 @@ def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, 
         s = STORES[name]()
         if hasattr(s, "copy_threads"):
             s.copy_threads = copy_threads
+        if piece_bytes and hasattr(s, "piece_bytes"):
+            s.piece_bytes = piece_bytes
         t0 = time.perf_counter()
         if s.layout not in caches:
             caches[s.layout] = Cache(spec, max(sizes), dev, layout=s.layout)
