@@ -237,7 +237,7 @@ class ReuseAdmission(Admission):
     """Skip the classes least likely to be read again, within a hit-loss budget."""
 
     name = "reuse"
-    Config = ReuseConfig  # type: ignore[assignment]
+    Config = ReuseConfig  # type: ignore[assignment]  # replaces the base's empty Config class
 
     def __init__(self, config: ReuseConfig | None = None) -> None:
         super().__init__(config or ReuseConfig())
@@ -543,7 +543,7 @@ class LearnedAdmission(ReuseAdmission):
     budget's margin; measured loss past the budget stops all skipping until it is back."""
 
     name = "learned"
-    Config = LearnedConfig  # type: ignore[assignment]
+    Config = LearnedConfig  # type: ignore[assignment]  # replaces the base's empty Config class
 
     def __init__(self, config: LearnedConfig | None = None) -> None:
         cfg = config or LearnedConfig()
