@@ -282,7 +282,7 @@ class KVStore:
                     plan.bufs.extend([_NO_BYTES] * lead)
                 else:
                     # Blocks the arena lacks are read outside the lock; being in use, nothing moves them.
-                    bufs = [_NO_BYTES if m & bit else memoryview(np.empty(bb, np.uint8)) for m in plan.masks]
+                    bufs = [_NO_BYTES if m & bit else np.empty(bb, np.uint8).data for m in plan.masks]
                     self._loader.read(plan, bufs, in_place=bit)
         finally:
             with self._lock, self.events.batch():
@@ -313,8 +313,8 @@ class KVStore:
         if self._arena is None:
             raise UsageError("peek_arena needs a shared-memory tier: add a kind = 'dram' tier first in the config")
         arena = self.tiers[self._arena]
-        locations, stamp = arena.peek(hashes)  # type: ignore[attr-defined]
-        return ArenaPeek(arena.shm_name, tuple(locations), stamp)  # type: ignore[attr-defined]
+        locations, stamp = arena.peek(hashes)
+        return ArenaPeek(arena.shm_name, tuple(locations), stamp)
 
     def confirm_peek(self, peek: ArenaPeek, lease: Lease) -> int:
         """How many leading blocks of ``peek`` a reader that copied them may keep, now that it
@@ -329,7 +329,7 @@ class KVStore:
             if a != b:
                 break
             k += 1
-        if k and self.tiers[self._arena].freed_since([off for off, _ in peek.locations[:k]], peek.stamp):  # type: ignore[attr-defined]
+        if k and self.tiers[self._arena].freed_since([off for off, _ in peek.locations[:k]], peek.stamp):
             return 0
         return k
 
