@@ -181,7 +181,7 @@ def gated_http_protocol(gate: ConnectionGate, request_timeout_s: float,
     token ``authenticates``."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class GatedHttp(HttpToolsProtocol):  # type: ignore[misc]
+    class GatedHttp(HttpToolsProtocol):  # type: ignore[misc, unused-ignore]  # Any without httptools
         _kv_peer: str | None = None
         kv_deadline: float | None = None
 
