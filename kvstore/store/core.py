@@ -214,8 +214,8 @@ class KVStore:
         names = tuple(self.tiers[lowest_bit(b)].name for b in masks[:n])
         down = tuple(t.name for k, t in enumerate(self.tiers) if not avail >> k & 1)
         if count:
-            self.events.lookup(info.namespace, hashes, names)  # type: ignore[arg-type]
-        return LookupResult(n, info.namespace.block_tokens, names, down)  # type: ignore[union-attr]
+            self.events.lookup(info.namespace, hashes, names)  # type: ignore[arg-type]  # _ns(): registered, not None
+        return LookupResult(n, info.namespace.block_tokens, names, down)  # type: ignore[union-attr]  # as above
 
     def get_into(self, ns: Namespace, hashes: Sequence[bytes], dst: Any | Sequence[Any]) -> int:
         """Load the leading cached blocks of ``hashes`` into caller-owned buffers.
@@ -228,7 +228,7 @@ class KVStore:
         """
         info = self._ns(ns)
         bufs = dst_views(dst, info.block_bytes)
-        trace = self.events.request(info.namespace, hashes)  # type: ignore[arg-type]
+        trace = self.events.request(info.namespace, hashes)  # type: ignore[arg-type]  # _ns(): registered, not None
         hashes = hashes[: len(bufs)]
         self._loader.discover(info, hashes)
         plan = self._loader.prepare_load(info, hashes)
@@ -261,7 +261,7 @@ class KVStore:
         a = self._arena
         arena = self.tiers[a]
         bb = info.block_bytes
-        trace = self.events.request(info.namespace, hashes, "acquire")  # type: ignore[arg-type]
+        trace = self.events.request(info.namespace, hashes, "acquire")  # type: ignore[arg-type]  # _ns(): registered, not None
         self._loader.discover(info, hashes)
         plan = self._loader.prepare_load(info, hashes)
         trace.matched()
@@ -372,7 +372,7 @@ class KVStore:
         if not 0 <= start <= n:
             raise UsageError(f"start={start} is outside the chain of {n} blocks")
         self._abort_orphans()
-        bt = info.namespace.block_tokens  # type: ignore[union-attr]
+        bt = info.namespace.block_tokens  # type: ignore[union-attr]  # _ns(): registered, not None
         put_tokens = None if tokens is None else put_tokens_of(hashes[start:], tokens, bt)
         srcs = src_views(blocks, info.block_bytes, n - start)
         storer = self._storer
@@ -445,7 +445,7 @@ class KVStore:
         why = storer.reservable()
         if why is not None:
             raise UsageError(f"reserve needs a store whose first tier is a shared-memory DRAM arena; {why}: use put")
-        bt = info.namespace.block_tokens  # type: ignore[union-attr]
+        bt = info.namespace.block_tokens  # type: ignore[union-attr]  # _ns(): registered, not None
         put_tokens = None if tokens is None else put_tokens_of(hashes[start:], tokens, bt)
         with self._lock, self.events.batch():  # (making room: copies moved down or dropped)
             plan = storer.prepare_store(info, hashes, start, [], self._clock())
