@@ -71,7 +71,7 @@ def _with_operation(page_backup: Any) -> Any:
         finally:
             _backup.op = None
 
-    wrapper.kvstore_original = page_backup  # type: ignore[attr-defined]
+    wrapper.kvstore_original = page_backup  # type: ignore[attr-defined]  # a marker on the wrapper function
     return wrapper
 
 
