@@ -19,6 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy  # kvstore, tiers, eviction ([tool.mypy]); incremental: .mypy_cache
 	$(PY) -m pytest -q
 
 # vLLM's CPU build and SGLang's interface in their own venv (~3.9 GB, ~5 min to install): the
@@ -65,6 +66,7 @@ docs-check: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(PY) -m tools.bench all --json

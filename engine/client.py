@@ -288,6 +288,7 @@ class EngineCache:
         a lease it returns late is given back)."""
         if self._io is None:
             return fn(hashes)
+        assert self._timeout is not None  # _io is made only with a timeout
         limit = self._timeout + len(hashes) * self.shape.block_bytes / self._bytes_per_s
         fut = self._io.submit(fn, hashes)
         try:
@@ -309,13 +310,16 @@ class EngineCache:
         are stored from there, not copied again. ``done`` is called once the blocks are no
         longer read (stored, skipped or dropped), on any thread."""
         if blocks.shape[0] == 0:
-            return _done(done)
+            _done(done)
+            return None
         if not self.breaker.closed:
             self.counters.stores_skipped += 1
-            return _done(done)
+            _done(done)
+            return None
         if not self._slots.acquire(blocking=False):
             self.counters.stores_dropped += 1
-            return _done(done)
+            _done(done)
+            return None
         if ready is not None:
             if blocks.device.type != "cpu":
                 raise ValueError("store_async(ready=...) takes host blocks the caller copied itself")

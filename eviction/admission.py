@@ -237,7 +237,7 @@ class ReuseAdmission(Admission):
     """Skip the classes least likely to be read again, within a hit-loss budget."""
 
     name = "reuse"
-    Config = ReuseConfig  # type: ignore[assignment]
+    Config = ReuseConfig  # type: ignore[assignment]  # replaces the base's empty Config class
 
     def __init__(self, config: ReuseConfig | None = None) -> None:
         super().__init__(config or ReuseConfig())
@@ -288,7 +288,7 @@ class ReuseAdmission(Admission):
         """The cached descendants of ``bid`` (asked twice per decision: remembered once)."""
         if self._sized[0] != bid:
             if self.children_of is None:
-                self.children_of = ChildIndex(self.view)  # type: ignore[arg-type]
+                self.children_of = ChildIndex(self.view)  # type: ignore[arg-type]  # the store's view is a TreeView
             self._sized = (bid, len(self.children_of.below(bid)))
         return self._sized[1]
 
@@ -543,7 +543,7 @@ class LearnedAdmission(ReuseAdmission):
     budget's margin; measured loss past the budget stops all skipping until it is back."""
 
     name = "learned"
-    Config = LearnedConfig  # type: ignore[assignment]
+    Config = LearnedConfig  # type: ignore[assignment]  # replaces the base's empty Config class
 
     def __init__(self, config: LearnedConfig | None = None) -> None:
         cfg = config or LearnedConfig()
@@ -595,7 +595,7 @@ class LearnedAdmission(ReuseAdmission):
         took, saved = 1.0, 1.0
         if p < self.threshold and self.config.subtree_cost and int(self.view.children[bid]):
             if self.children_of is None:
-                self.children_of = ChildIndex(self.view)  # type: ignore[arg-type]
+                self.children_of = ChildIndex(self.view)  # type: ignore[arg-type]  # the store's view is a TreeView
             below = self.children_of.below(bid)
             took = 1.0 + len(below)
             if below:

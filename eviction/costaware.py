@@ -45,6 +45,7 @@ class CostAwareConfig(DensityConfig):
 class CostAwarePolicy(DensityPolicy):
     name = "cost"
     Config = CostAwareConfig
+    config: CostAwareConfig
     weighted = True
 
     def __init__(self, config: CostAwareConfig | None = None) -> None:
@@ -57,7 +58,7 @@ class CostAwarePolicy(DensityPolicy):
         self._model = None  # the tier changed: rebuild the table lazily
 
     def _cost_model(self, block_bytes: int) -> CostModel:
-        cfg: CostAwareConfig = self.config  # type: ignore[assignment]
+        cfg = self.config
         if self._model is None:
             shape = MODELS[cfg.model]
             tokens = cfg.block_tokens or max(1, block_bytes // max(shape.kv_bytes_per_token, 1))

@@ -292,7 +292,7 @@ class DensityPolicy(EvictionPolicy):
         cap = max(need, 2 * old)
 
         def grown(name: str, dtype: type, fill: int = 0) -> np.ndarray:
-            new = np.full(cap, fill, dtype)
+            new: np.ndarray = np.full(cap, fill, dtype)
             if old:
                 new[:old] = getattr(self, name)
             return new
@@ -382,7 +382,7 @@ class DensityPolicy(EvictionPolicy):
             # refill: most new blocks are never reused, and they arrive between refills.
             score = float(self._table[cls, 0])
             if self.weighted:
-                score *= float(self.weights(np.array([bid]))[0])  # type: ignore[index]
+                score *= float(self.weights(np.array([bid]))[0])  # type: ignore[index]  # weighted: not None
             if score <= queue[-1][2]:
                 queue.append((bid, self._tick, score))
 
@@ -430,8 +430,8 @@ class DensityPolicy(EvictionPolicy):
         queue = self._queue
         joining = bool(queue) and self._table is not None and self.joins_queue
         if joining:
-            table0 = self._table[:, 0].tolist()  # type: ignore[index]
-            weights = self.weights(ids).tolist() if self.weighted else None  # type: ignore[union-attr]
+            table0 = self._table[:, 0].tolist()  # type: ignore[index]  # joining: _table is not None
+            weights = self.weights(ids).tolist() if self.weighted else None  # type: ignore[union-attr]  # weighted: not None
             tail = queue[-1][2]
         held_set, resident_new = self._held, []
         classes: dict[int, int] = {}  # the run's classes, written to the column at the end
@@ -442,7 +442,7 @@ class DensityPolicy(EvictionPolicy):
             extended[b] = ext
             h = 0
             if take is not None:
-                back = take(hash_of(b))  # type: ignore[misc]
+                back = take(hash_of(b))  # type: ignore[misc]  # take is set only with a view
                 if back is not None:  # a reuse the cache missed: learn its true gap
                     self._resolve(back[0], tick - back[1], True)
                     h = back[2] + 1
@@ -572,7 +572,7 @@ class DensityPolicy(EvictionPolicy):
                         live.append(s)
             g.head += from_ring
             if live:
-                slots = np.array(live, np.int64)
+                slots: slice | np.ndarray = np.array(live, np.int64)
                 flat = g.cls[slots].astype(np.int64) * NUM_BUCKETS + age_buckets(self._tick - g.t0[slots])
                 for f in flat.tolist():
                     ended[f] += 1.0
@@ -589,7 +589,7 @@ class DensityPolicy(EvictionPolicy):
         while len(g) + k > g.cap:
             g._grow()
         s0 = g.tail % g.cap
-        slots: slice | np.ndarray = slice(s0, s0 + k) if s0 + k <= g.cap else (g.tail + np.arange(k)) % g.cap
+        slots = slice(s0, s0 + k) if s0 + k <= g.cap else (g.tail + np.arange(k)) % g.cap
         g.cls[slots], g.t0[slots] = cls[gone:], t0[gone:]
         hits = self._hits
         g.hits[slots] = [hits[b] for b in ids[gone:]]
@@ -646,7 +646,7 @@ class DensityPolicy(EvictionPolicy):
             q.pop()
         out: list[int] = []
         i, clean, low = len(q) - 1, True, len(q)
-        seen = set() if self._repeats else None
+        seen: set[int] | None = set() if self._repeats else None
         while i >= 0 and len(out) < n:
             bid, last, _ = q[i]
             if last_of[bid] != last or pos[bid] == -1:
@@ -686,7 +686,7 @@ class DensityPolicy(EvictionPolicy):
                 answered -= 1
             if bid < cap and (i := pos[bid]) != -1:
                 if ghosts:
-                    gone_keys.append(hash_of(bid))  # type: ignore[misc]
+                    gone_keys.append(hash_of(bid))  # type: ignore[misc]  # ghosts are kept only with a view
                     gone_ids.append(bid)
                     gone_limits.append(factor * max(total, 64))
                 total -= 1

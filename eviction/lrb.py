@@ -404,7 +404,7 @@ class LRBPolicy(DensityPolicy):
         self.joins_queue = cfg.objective == "tiebreak"
         self.fits += 1
 
-    def _refill(self, offered: set[int]) -> None:
+    def _refill(self, offered: set[int], _take: int | None = None) -> None:  # walk_ahead is off: no take
         if self._tick >= self._next_fit:
             self._fit()
         n = self._n

@@ -6,6 +6,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,7 @@ class LRUPolicy(EvictionPolicy):
     """
 
     name = "lru"
-    Config = LRUConfig
+    Config: type[Any] = LRUConfig  # a subclass brings its own (ChainPolicy)
 
     def __init__(self, config: LRUConfig | None = None) -> None:
         self._order: OrderedDict[int, None] = OrderedDict()

@@ -105,7 +105,7 @@ def span(first: memoryview, nbytes: int, *, writable: bool = True) -> memoryview
     the non-temporal stores that one of 2 MiB does not get); None when that memory is not one
     flat buffer of that size (writable, with ``writable``)."""
     try:
-        whole = byte_view(first.obj, writable=writable)
+        whole = byte_view(first.obj, writable=writable)  # type: ignore[arg-type]  # any exporter: memoryview() takes it
     except (UsageError, TypeError, ValueError):
         return None
     at = address(first) - address(whole)

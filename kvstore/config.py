@@ -284,7 +284,7 @@ def load_config(
         tiers = tuple(specs)
     for key, var in _STORE_ENV.items():
         if var in env:
-            kwargs.update(_store_kwargs({key: env[var]}, "environment", label=lambda _k, v=var: f"environment variable {v}"))
+            kwargs.update(_store_kwargs({key: env[var]}, "environment", label=lambda _k, v=var: f"environment variable {v}"))  # type: ignore[misc]  # mypy cannot infer a lambda with a default
     if "KVSTORE_POLICY" in env:
         from kvstore.registry import POLICIES
 

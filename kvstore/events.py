@@ -164,9 +164,9 @@ def events_config(section: Mapping[str, Any], env: Mapping[str, str] | None = No
     """An :class:`EventsConfig` from the ``[events]`` table and ``KVSTORE_EVENTS_<KEY>``
     environment overrides (e.g. ``KVSTORE_EVENTS_ENABLED=true``, ``KVSTORE_EVENTS_DIR=...``)."""
     merged = dict(section)
-    for k, v in (env or {}).items():
+    for k, e in (env or {}).items():
         if k.startswith("KVSTORE_EVENTS_"):
-            merged[k[len("KVSTORE_EVENTS_"):].lower()] = v
+            merged[k[len("KVSTORE_EVENTS_"):].lower()] = e
     kwargs: dict[str, Any] = {}
     for k, v in merged.items():
         if k not in _KEYS:

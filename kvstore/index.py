@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -57,15 +58,28 @@ class RadixIndex:
         "last_access": np.dtype(np.float64),
         "expiry": np.dtype(np.float64),
     }
+    # The columns (_COLUMNS), set by _grow.
+    parent: np.ndarray
+    depth: np.ndarray
+    size: np.ndarray
+    ns: np.ndarray
+    flags: np.ndarray
+    tiers: np.ndarray
+    children: np.ndarray
+    pins: np.ndarray
+    in_use: np.ndarray
+    hits: np.ndarray
+    last_access: np.ndarray
+    expiry: np.ndarray
 
     def __init__(self, capacity: int = 1024) -> None:
         self._ids: dict[bytes, int] = {}
         self._hashes: list[bytes | None] = []
         self._free: list[int] = []
         self._cap = 0
-        self.parent = self.depth = self.size = self.ns = self.flags = self.tiers = None  # type: ignore[assignment]
-        self.children = self.pins = self.in_use = self.hits = None  # type: ignore[assignment]
-        self.last_access = self.expiry = None  # type: ignore[assignment]
+        self.parent = self.depth = self.size = self.ns = self.flags = self.tiers = None  # type: ignore[assignment]  # until _grow
+        self.children = self.pins = self.in_use = self.hits = None  # type: ignore[assignment]  # until _grow
+        self.last_access = self.expiry = None  # type: ignore[assignment]  # until _grow
         # No live block expires before this time (a lower bound), so expired_leaves can answer
         # without a scan until then: the store asks before every eviction.
         self._expiry_floor = float("inf")
@@ -354,7 +368,7 @@ class RadixIndex:
             if p != NO_PARENT:
                 gone[p] = gone.get(p, 0) + 1
         known = self._ids
-        for h in keys:
+        for h in cast("list[BlockHash]", keys):  # None in keys raised above
             del known[h]
         for b in bids:
             hashes[b] = None
@@ -370,7 +384,7 @@ class RadixIndex:
                 e = float(expiry[p])
                 if e < self._expiry_floor:
                     self._expiry_floor = e
-        return keys  # type: ignore[return-value]
+        return cast("list[BlockHash]", keys)
 
     def touch(self, ids: np.ndarray, now: float, expiry: np.ndarray | float) -> None:
         """Record a hit on ``ids`` (distinct ids): last access, hit count, refreshed expiry."""

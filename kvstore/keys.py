@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, NewType
+from typing import Any, NewType, cast
 
 import numpy as np
 import xxhash
@@ -266,9 +266,8 @@ def hash_blocks(
     if n == 0:
         return []
     hasher = _HASHERS[ns.hash_algo]
-    per_block = extra_keys is not None and not isinstance(extra_keys, bytes | bytearray)
-    if per_block:
-        extras = list(extra_keys)  # type: ignore[arg-type]
+    if extra_keys is not None and not isinstance(extra_keys, bytes | bytearray):  # one per block
+        extras = list(extra_keys)
         if len(extras) < n:
             raise UsageError(f"extra_keys has {len(extras)} entries for {n} full blocks")
         blocks = tok[: n * bt].view(np.uint8).reshape(n, bt * 4)
@@ -283,13 +282,13 @@ def hash_blocks(
     # (measured faster than writing the parent into preallocated rows through a memoryview).
     tb = tok[: n * bt].tobytes()
     step = bt * 4
-    out: list[BlockHash] = []
+    out: list[bytes] = []
     append = out.append
     prev = ns.root if parent is None else bytes(parent)
     for off in range(0, n * step, step):
         prev = hasher(prev + tb[off : off + step] + extra)
         append(prev)
-    return out
+    return cast("list[BlockHash]", out)  # BlockHash is bytes (no per-block wrapping)
 
 
 def split_layout(layout: KVLayout) -> tuple[KVLayout | None, KVLayout | None]:

@@ -138,10 +138,10 @@ def attach_arena(shm_name: str) -> SharedMemory | Segment:
     if fd is not None:
         return Segment(fd, writable=False, name=shm_name)
     if sys.version_info >= (3, 13):
-        return SharedMemory(name=shm_name, track=False)  # type: ignore[call-arg]
+        return SharedMemory(name=shm_name, track=False)  # type: ignore[call-arg]  # track: 3.13+
     shm = SharedMemory(name=shm_name)
     if shm_name not in _OWNED:
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # CPython private
     return shm
 
 
@@ -155,7 +155,7 @@ large enough that the calls cost nothing."""
 _libc: ctypes.CDLL | None = None
 
 
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]  # not in typeshed
     """libc's madvise through ctypes, which releases the GIL during the call (mmap.madvise
     holds it: a background populate would stall every other thread); None off Linux."""
     global _libc

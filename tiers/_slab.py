@@ -286,7 +286,7 @@ class SlabMap:
     calls it; the lock, the map and the allocator are the tier's, handed in here, and every
     call takes the lock."""
 
-    def __init__(self, lock: threading.Lock, entries: dict[bytes, tuple[int, Any]], alloc: SlabAllocator) -> None:
+    def __init__(self, lock: threading.Lock, entries: dict[Any, tuple[int, Any]], alloc: SlabAllocator) -> None:
         self.lock = lock
         self.entries = entries
         self.alloc = alloc

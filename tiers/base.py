@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 
@@ -121,7 +121,7 @@ def hash_list(column: np.ndarray) -> list[BlockHash]:
     """A :data:`HASH` column as a list of 16-byte ``bytes``."""
     raw = np.ascontiguousarray(column).tobytes()
     w = HASH_BYTES
-    return [raw[i : i + w] for i in range(0, len(raw), w)]  # type: ignore[misc]
+    return cast("list[BlockHash]", [raw[i : i + w] for i in range(0, len(raw), w)])
 
 
 def hash_groups(column: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -171,6 +171,7 @@ class DramTier(Tier):
         self._finalizer = weakref.finalize(self, _release_segment, shm, shm_name, prefault)
         try:
             self._reserve(shm)
+            assert shm.buf is not None  # a created segment is mapped
             # The pages are reserved now but not mapped: fault them in off the put path.
             prefault.append(Prefault(shm.buf, write=True, name=f"kvstore-prefault-{name}"))
         except BaseException:
@@ -226,7 +227,7 @@ class DramTier(Tier):
 
     def readonly_fd(self) -> int:
         """A new read-only descriptor of the arena (the caller closes it)."""
-        return reopen_readonly(self._shm._fd)  # type: ignore[attr-defined]  # noqa: SLF001
+        return reopen_readonly(self._shm._fd)  # type: ignore[attr-defined]  # noqa: SLF001  # CPython private; no public fd
 
     def location(self, key: BlockHash) -> tuple[int, int] | None:
         """``(offset, size)`` of ``key``'s payload in the arena, or None.
@@ -242,7 +243,7 @@ class DramTier(Tier):
         """:meth:`location` of every key, under one lock (a lease of thousands of blocks)."""
         get = self._map.get
         with self._lock:
-            entries = [get(k) for k in keys]  # type: ignore[call-overload]
+            entries = [get(k) for k in keys]  # type: ignore[call-overload]  # bytes keys of BlockHash entries
         return [None if e is None else (e[0], e[1].size) for e in entries]
 
     def peek(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, int]], int]:
@@ -255,7 +256,7 @@ class DramTier(Tier):
         with self._lock:
             stamp = self._alloc.frees
             for k in keys:
-                e = get(k)  # type: ignore[call-overload]
+                e = get(k)  # type: ignore[call-overload]  # bytes keys of BlockHash entries
                 if e is None:
                     break
                 out.append((e[0], e[1].size))
@@ -441,7 +442,7 @@ class DramTier(Tier):
         """Drop every block and unlink the arena. Idempotent."""
         with self._lock:
             self._map.clear()
-            self._buf = None  # type: ignore[assignment]
+            self._buf = None  # type: ignore[assignment]  # unmapped at close; nothing reads it after
         self._finalizer()
 
     def describe(self) -> dict[str, Any]:

@@ -79,8 +79,8 @@ class FaultyTier(Tier):
         self.inner = inner
         # Instance attributes shadow the class-level ones: the wrapper reports what it wraps,
         # so that the store treats it exactly like the inner tier.
-        self.kind = inner.kind  # type: ignore[misc]
-        self.persistent = inner.persistent  # type: ignore[misc]
+        self.kind = inner.kind  # type: ignore[misc]  # shadows the ClassVar on purpose
+        self.persistent = inner.persistent  # type: ignore[misc]  # shadows the ClassVar on purpose
         self.shared = inner.shared
         self._faults: list[Fault] = []
         self._lock = threading.Lock()

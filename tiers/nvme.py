@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from queue import SimpleQueue
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import xxhash
@@ -94,7 +94,7 @@ if not _record_layout_matches():  # BlockMeta's packing changed: update _RECORD 
 _GEOMETRY_VERSION = 1
 
 
-class _Records(dict):  # type: ignore[type-arg]
+class _Records(dict):
     """The tier's index, ``key -> (offset, BlockMeta)``. The records read at open stay packed
     (their RocksDB values) until one is first asked for, then are decoded in place: a restart
     loads a million records without building a BlockMeta for each. Guarded by the tier's
@@ -102,14 +102,14 @@ class _Records(dict):  # type: ignore[type-arg]
 
     __slots__ = ()
 
-    def get(self, key: bytes, default: Any = None) -> tuple[int, BlockMeta] | Any:  # type: ignore[override]
+    def get(self, key: bytes, default: Any = None) -> tuple[int, BlockMeta] | Any:
         entry = dict.get(self, key, default)
         if type(entry) is bytes:
             entry = _decode_record(entry)
             dict.__setitem__(self, key, entry)
         return entry
 
-    def items(self) -> list[tuple[bytes, tuple[int, BlockMeta]]]:  # type: ignore[override]
+    def items(self) -> list[tuple[bytes, tuple[int, BlockMeta]]]:  # type: ignore[override]  # decoded, a list not a view
         return [(k, self.get(k)) for k in self]
 
 
@@ -333,7 +333,8 @@ class NvmeTier(Tier):
         except Exception as e:  # rocksdict raises bare Exception
             if _is_corruption(e) and not self._quarantined:
                 self._quarantine_db(e)
-                return self._db  # type: ignore[return-value]
+                assert self._db is not None  # _quarantine_db opened an empty one
+                return self._db
             msg = str(e)
             if "No space left" in msg:
                 # A full disk: RocksDB cannot write its open-time files, but reading needs none.
@@ -420,7 +421,8 @@ class NvmeTier(Tier):
         bad: list[bytes] = []
         keys: list[bytes] = []
         values: list[bytes] = []
-        for k, v in self._db.items(from_key=_BLOCK_PREFIX):
+        # raw_mode=True (_open_db): keys and values are bytes.
+        for k, v in cast("Iterator[tuple[bytes, bytes]]", self._db.items(from_key=_BLOCK_PREFIX)):
             if not k.startswith(_BLOCK_PREFIX):
                 break
             if fresh_file or len(k) != 1 + HASH_BYTES or len(v) != _RECORD_BYTES:
@@ -840,7 +842,8 @@ def read_metadata(root: Path, name: str) -> list[tuple[BlockHash, int, BlockMeta
             rdb = Rdict(str(view), Options(raw_mode=True), access_type=AccessType.read_only(False))
             try:
                 out: list[tuple[BlockHash, int, BlockMeta]] = []
-                for k, v in rdb.items(from_key=_BLOCK_PREFIX):
+                # raw_mode=True: keys and values are bytes.
+                for k, v in cast("Iterator[tuple[bytes, bytes]]", rdb.items(from_key=_BLOCK_PREFIX)):
                     if not k.startswith(_BLOCK_PREFIX):
                         break
                     if len(k) == 1 + HASH_BYTES and len(v) == _RECORD_BYTES:

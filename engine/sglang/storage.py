@@ -71,7 +71,7 @@ def _with_operation(page_backup: Any) -> Any:
         finally:
             _backup.op = None
 
-    wrapper.kvstore_original = page_backup  # type: ignore[attr-defined]
+    wrapper.kvstore_original = page_backup  # type: ignore[attr-defined]  # a marker on the wrapper function
     return wrapper
 
 
@@ -82,7 +82,7 @@ def _install() -> Any:
     original = HiCacheController._page_backup
     if hasattr(original, "kvstore_original"):
         return None
-    HiCacheController._page_backup = _with_operation(original)  # type: ignore[method-assign]
+    HiCacheController._page_backup = _with_operation(original)  # type: ignore[method-assign, unused-ignore]  # patched on purpose; Any without sglang
     return original
 
 
@@ -97,7 +97,7 @@ def send_token_ids() -> Iterator[None]:
         yield
     finally:
         if original is not None:
-            HiCacheController._page_backup = original  # type: ignore[method-assign]
+            HiCacheController._page_backup = original  # type: ignore[method-assign, unused-ignore]  # as above
 
 
 def _page_tokens(keys: Sequence[str], extra_info: Any, page_tokens: int) -> Any:
@@ -111,7 +111,7 @@ def _page_tokens(keys: Sequence[str], extra_info: Any, page_tokens: int) -> Any:
         if not keys or keys[0] not in hashes:
             return None
         i = hashes.index(keys[0])
-        tokens = op.token_ids[i * page_tokens:(i + len(keys)) * page_tokens]  # type: ignore[union-attr]
+        tokens = op.token_ids[i * page_tokens:(i + len(keys)) * page_tokens]  # type: ignore[union-attr]  # op is set: hashes is not empty
     return tokens if len(tokens) == len(keys) * page_tokens else None
 
 

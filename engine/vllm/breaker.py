@@ -87,7 +87,7 @@ class DaemonLink(Generic[C]):
             if client is None:
                 client = self._make()
             else:
-                client.health()  # type: ignore[attr-defined]
+                client.health()  # type: ignore[attr-defined]  # every client the link makes has health()
             if self._on_connect is not None:
                 self._on_connect(client)
         except KVStoreError as e:

@@ -197,7 +197,7 @@ class _Scheduler:
         ns0 = self.ns_for("")
         self._registered[:] = stored_namespaces(ns0)
         for ns in self._registered:
-            self.link.call(lambda c, ns=ns: c.register_namespace(ns, self.cfg.ttl_s or None), None)
+            self.link.call(lambda c, ns=ns: c.register_namespace(ns, self.cfg.ttl_s or None), None)  # type: ignore[misc]  # mypy cannot infer a lambda with a default
         log.info("kvstore: fp8 KV scales %s from rank 0: namespace %s (%s)", scales,
                  bytes(ns0.root).hex()[:16], self.spec.describe())
 

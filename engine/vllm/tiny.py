@@ -11,6 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +55,7 @@ def save_tiny_llama(path: str | Path, shape: TinyShape = SMALL, seed: int = 0) -
         intermediate_size=shape.intermediate,
         vocab_size=shape.vocab,
         max_position_embeddings=shape.max_positions,
-        torch_dtype="bfloat16",
+        torch_dtype="bfloat16",  # type: ignore[call-arg, unused-ignore]  # the older name; transformers still takes it
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
@@ -66,24 +70,24 @@ def save_tiny_llama(path: str | Path, shape: TinyShape = SMALL, seed: int = 0) -
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.15)
-    model.to(torch.bfloat16).save_pretrained(path)
+    model.to(torch.bfloat16).save_pretrained(path)  # type: ignore[arg-type, unused-ignore]  # transformers types .to oddly
     marker.write_text(json.dumps({**asdict(shape), "seed": seed}))
     return path
 
 
-def _randomize(model: object, seed: int, norm: float = 1.0) -> None:
+def _randomize(model: PreTrainedModel, seed: int, norm: float = 1.0) -> None:
     import torch
 
     torch.manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():  # type: ignore[attr-defined]
+        for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(norm)
             else:
                 p.normal_(0.0, 0.15)
 
 
-def _small_args(window: int) -> dict[str, object]:
+def _small_args(window: int) -> dict[str, Any]:
     """A transformers config's arguments for :data:`SMALL` with a sliding window."""
     s = SMALL
     return dict(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
@@ -92,8 +96,8 @@ def _small_args(window: int) -> dict[str, object]:
                 bos_token_id=1, eos_token_id=2)
 
 
-def _save(path: Path, model: object, tag: dict[str, object]) -> Path:
-    model.save_pretrained(path)  # type: ignore[attr-defined]
+def _save(path: Path, model: PreTrainedModel, tag: dict[str, object]) -> Path:
+    model.save_pretrained(path)
     (path / "tiny_shape.json").write_text(json.dumps(tag))
     return path
 

@@ -43,7 +43,7 @@ from engine.gpu import (
     release_arenas,
     unregister_host,
 )
-from engine.transfer import ConcatSource, PagedLoader, PagedSaver, StagedSave
+from engine.transfer import ConcatSource, DeviceLoad, PagedLoader, PagedSaver, StagedSave
 from engine.vllm.breaker import DaemonLink
 from engine.vllm.config import ConnectorConfig
 from engine.vllm.pages import PagedKV, PageSpec, scales_digest
@@ -481,7 +481,7 @@ class Worker:
                 # while they are given back.
                 for lease in held:
                     if not isinstance(lease, HostBlocks):
-                        self.load_link.call(lambda c, lease=lease: c.release(lease), None)
+                        self.load_link.call(lambda c, lease=lease: c.release(lease), None)  # type: ignore[misc]  # mypy cannot infer a lambda with a default
 
     def _run_load(self, job: _LoadJob, held: list[Any]) -> None:
         """Fetch and queue ``job``'s blocks, and wait until they have landed; the leases taken
@@ -560,7 +560,7 @@ class Worker:
                 return job.abandoned
 
         group = self.cfg.layer_group if job.specs and not job.specs[0][0].is_async else 0
-        loads = []
+        loads: list[DeviceLoad] = []
         for kv, parts, ids, where in ((self.full_kv, full, full_ids, self._part_layers[0]),
                                       (self.window_kv, window, window_ids, self._part_layers[1])):
             if kv is None or not ids:
@@ -632,7 +632,7 @@ class Worker:
             t0 = time.perf_counter()
             try:
                 n = self.save_link.call(
-                    lambda c, ns=ns, chain=chain, start=start, staged=staged, tokens=tokens, pieces=pieces: self._store(
+                    lambda c, ns=ns, chain=chain, start=start, staged=staged, tokens=tokens, pieces=pieces: self._store(  # type: ignore[misc]  # as above
                         c, ns, chain, start, staged, tokens, pieces), -1)
                 if n < 0:
                     self.counters.saves_dropped += 1

@@ -91,7 +91,7 @@ class _Reply:
     def body(self, headers: dict[bytes, bytes]) -> tuple[bytes, bool]:
         """The body, and whether it ran to the end of the connection."""
         if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
-            parts = []
+            parts: list[bytes] = []
             while True:
                 size = int(self._line().split(b";", 1)[0].strip(), 16)
                 if size < 0:

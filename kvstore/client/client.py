@@ -97,6 +97,7 @@ def _attach_shared(name: str) -> SharedMemory:
         entry = _ARENAS.get(name)
         if entry is None:
             shm = attach_arena(name)
+            assert shm.buf is not None  # a segment just attached is mapped
             # A fresh mapping has no page table entries: the first load through it took a
             # fault per 4 KiB page, which cost the first get_into of each block about as much
             # as its copy. The pages are mapped in the background (read-only, no byte changes).
@@ -617,7 +618,8 @@ class Client:
         _, meta = conn.call(P.Op.ACQUIRE, P.encode_blocks(ns_id, hashes))
         lease_id, locs = P.parse_lease(meta)
         try:
-            arena = self._arena.buf  # type: ignore[union-attr]
+            assert self._arena is not None and self._arena.buf is not None  # the shm plane's arena
+            arena = self._arena.buf
             _copy_runs(arena, locs, bufs)
             del arena
         finally:
@@ -632,7 +634,7 @@ class Client:
             if self.plane != "shm":
                 raise UsageError(f"acquire needs the shared-memory plane; this client uses {self.plane!r}")
             conn, ns_id = self._conn, self._ns_id(ns)
-            assert conn is not None and self._arena is not None
+            assert conn is not None and self._arena is not None and self._arena.buf is not None
             _, meta = conn.call(P.Op.ACQUIRE, P.encode_blocks(ns_id, list(hashes)))
             lease_id, locs = P.parse_lease(meta)
             arena = self._arena.buf.toreadonly()
@@ -704,6 +706,7 @@ class Client:
             if self.plane == "shm" and 0 < need + tok_bytes <= int(self.info.get("max_staging_bytes", 0)):
                 staging = self._staging_for(conn, need + tok_bytes)
                 sbuf = staging.buf
+                assert sbuf is not None  # the staging segment stays open with its connection
                 for i, s in enumerate(srcs):
                     sbuf[i * bb : (i + 1) * bb] = s
                 if extra:

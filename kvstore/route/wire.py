@@ -26,7 +26,7 @@ ExternalBlockHash = bytes | int
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Encoded as an array ``[ts, events]`` (vLLM 0.32: ``array_like=True``)."""
 
     ts: float
@@ -34,7 +34,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the events (tagged: a msgpack map with ``"type": <class name>``)."""
 
 

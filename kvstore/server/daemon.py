@@ -133,7 +133,7 @@ class Daemon:
                                   metrics.refused.inc)
             ctx = DataContext(service, pool, metrics, arena_shm.buf if arena_shm else None, node_id(),
                               gate, InflightBytes(lim.max_inflight_bytes_per_tenant), fds, arena_fd,
-                              DeviceCopier(arena_shm.buf) if arena_shm is not None else None)
+                              DeviceCopier(arena_shm.buf) if arena_shm is not None and arena_shm.buf is not None else None)
             planes: list[Any] = []
             tcp = TcpDataServer(ctx)
             data_port = tcp.adopt(tcp_sock)
@@ -151,7 +151,7 @@ class Daemon:
             app = make_app(ctx, info, lambda: self._ready)
             self._server = _Uvicorn(
                 uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                               timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+                               timeout_graceful_shutdown=SHUTDOWN_GRACE_S,  # type: ignore[arg-type]  # annotated int; any number of seconds works
                                http=gated_http_protocol(gate, lim.request_timeout_s,
                                                         metrics.timeouts.labels("http", "request").inc,
                                                         service.accepts))

@@ -145,7 +145,12 @@ class TcpChannel(Channel):
     async def _writable(self) -> None:
         fut = self._loop.create_future()
         fd = self.sock.fileno()
-        self._loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+
+        def wake() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self._loop.add_writer(fd, wake)
         try:
             await fut
         finally:
@@ -472,7 +477,7 @@ class Session:
         else:
             buf = np.empty(len(hashes) * bb, np.uint8)
             n = await self._call(svc.get_into, t, req.ns_id, hashes, buf)
-            await self._send_blocks(hdr.req_id, memoryview(buf), [i * bb for i in range(n)], bb, runs)
+            await self._send_blocks(hdr.req_id, buf.data, [i * bb for i in range(n)], bb, runs)
         self.ctx.metrics.bytes.labels(self.ch.plane, "out").inc(n * bb)
 
     async def _send_blocks(
@@ -521,14 +526,14 @@ class Session:
             await self.ctx.inflight.acquire(t.name, hdr.payload_len)
             try:
                 buf = np.empty(count * bb, np.uint8)
-                mv = memoryview(buf)
+                mv = buf.data
                 # One receive per block (UCX messages are blocks), posted at once on UCX: one
                 # at a time, each block's rendezvous waited for the one before.
                 await self.ch.recv_many([mv[i * bb : (i + 1) * bb] for i in range(count)], self._received)
                 tokens = None
                 if tok_bytes:  # one more message: the token ids
                     tokens = np.empty(tok_bytes // 4, "<i4")
-                    await self.ch.recv_into(memoryview(tokens).cast("B"))
+                    await self.ch.recv_into(tokens.data.cast("B"))
                     self._unread -= tok_bytes
                 new = await self._call(svc.put, t, req.ns_id, req.hashes, buf, req.start, req.durable,
                                        reserved=reserved, tokens=tokens)

@@ -71,7 +71,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter, countOf, itemgetter
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -631,7 +631,7 @@ class KVEventPublisher:
         changed, when the batch is not of that shape: :meth:`_apply_changes` then takes it
         block by block."""
         recs = self._recs
-        rs = list(map(recs.get, keys))
+        rs = cast("list[_Rec]", list(map(recs.get, keys)))  # (None in rs returns next)
         if None in rs:
             return False
         clients = list(map(_client, rs))
@@ -649,7 +649,7 @@ class KVEventPublisher:
                     r.mask |= bit
             else:
                 tb, step, at = _token_slices(tokens)
-                offs = list(map(at.get, keys))
+                offs = cast("list[int]", list(map(at.get, keys)))  # (None in offs returns next)
                 if None in offs:
                     return False
                 for r, i in zip(rs, offs, strict=True):  # (the same hash has the same tokens: overwriting is fine)
@@ -679,7 +679,7 @@ class KVEventPublisher:
         it extends the last ``BlockStored`` when it continues that one's chain."""
         first = run[0]
         toks = list(map(_tokens, run)) if first.tokens is not None else None
-        self._stored_hashes(list(map(_client, run)), first.parent, toks, k, first.ns, fan)  # type: ignore[arg-type]
+        self._stored_hashes(list(map(_client, run)), first.parent, toks, k, first.ns, fan)
 
     def _stored_hashes(self, hashes: list[bytes], parent0: bytes | None, toks: list[bytes] | None, k: int,
                        info: _NsInfo, fan: list[tuple[_Stream, int]] | None = None) -> None:
@@ -691,7 +691,7 @@ class KVEventPublisher:
             events = s.pending.get(tenant)
             if events is None:
                 events = s.pending[tenant] = []
-            hs = [masked(h, m) for h in hashes] if m else list(hashes)
+            hs: list[bytes | int] = [masked(h, m) for h in hashes] if m else list(hashes)
             parent = masked(parent0, m) if m and parent0 is not None else parent0
             last = events[-1] if events else None
             if (type(last) is BlockStored and last.block_hashes[-1] == parent and last.medium == medium
@@ -702,7 +702,7 @@ class KVEventPublisher:
                     last.token_ids.extend(toks)  # type: ignore[arg-type]  # bytes until _encode
             else:
                 events.append(BlockStored(block_hashes=hs, parent_block_hash=parent,
-                                          token_ids=[] if toks is None else list(toks),  # type: ignore[arg-type]
+                                          token_ids=[] if toks is None else list(toks),  # type: ignore[arg-type]  # bytes until _encode
                                           block_size=info.block_size, lora_id=None, medium=medium,
                                           lora_name=info.lora))
 
@@ -716,7 +716,7 @@ class KVEventPublisher:
             group = by_tenant.get(r.ns.tenant)
             if group is None:
                 group = by_tenant[r.ns.tenant] = (r.ns.fan, [])
-            group[1].append(r.client)  # type: ignore[arg-type]
+            group[1].append(r.client)  # type: ignore[arg-type]  # named: the callers checked
         for tenant, (fan, hashes) in by_tenant.items():
             self._removed_hashes(hashes, k, fan, tenant)
 
@@ -728,7 +728,7 @@ class KVEventPublisher:
             events = s.pending.get(tenant)
             if events is None:
                 events = s.pending[tenant] = []
-            hs = [masked(h, m) for h in hashes] if m else list(hashes)
+            hs: list[bytes | int] = [masked(h, m) for h in hashes] if m else list(hashes)
             last = events[-1] if events else None
             if type(last) is BlockRemoved and last.medium == medium:
                 last.block_hashes.extend(hs)
@@ -773,7 +773,7 @@ class KVEventPublisher:
                 continue
             n += len(e.block_hashes)
             if type(e) is BlockStored and e.token_ids:
-                e.token_ids = _msgpack_ints(b"".join(e.token_ids))  # type: ignore[arg-type]
+                e.token_ids = _msgpack_ints(b"".join(e.token_ids))  # type: ignore[arg-type, assignment]  # bytes, then Raw
         self._counts["block_events"] += n
         return enc.encode(KVEventBatch(ts=time.time(), events=events))
 

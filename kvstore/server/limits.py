@@ -181,11 +181,11 @@ def gated_http_protocol(gate: ConnectionGate, request_timeout_s: float,
     token ``authenticates``."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class GatedHttp(HttpToolsProtocol):  # type: ignore[misc]
+    class GatedHttp(HttpToolsProtocol):  # type: ignore[misc, unused-ignore]  # Any without httptools
         _kv_peer: str | None = None
         kv_deadline: float | None = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn gives a Transport
             peer = peer_of(transport)
             sock = transport.get_extra_info("socket")
             fd = sock.fileno() if sock is not None else -1

@@ -148,12 +148,12 @@ class _StoreCollector(Collector):
                 for acc in (per_ns[(ns, tenant if ns != OTHER else OTHER, op)], per_tenant[(tenant, op)]):
                     acc[0] += row[asked] * bt
                     acc[1] += row[hit] * bt
-        for labels, (req, hit) in per_ns.items():
+        for labels, (req, n_hit) in per_ns.items():
             ns_req.add_metric(list(labels), req)
-            ns_hit.add_metric(list(labels), hit)
-        for labels, (req, hit) in per_tenant.items():
-            t_req.add_metric(list(labels), req)
-            t_hit.add_metric(list(labels), hit)
+            ns_hit.add_metric(list(labels), n_hit)
+        for t_labels, (req, n_hit) in per_tenant.items():
+            t_req.add_metric(list(t_labels), req)
+            t_hit.add_metric(list(t_labels), n_hit)
         yield from (ns_req, ns_hit, t_req, t_hit)
 
 

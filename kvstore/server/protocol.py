@@ -224,7 +224,7 @@ later from the copy in memory no client can write."""
 says ``"put_tokens": true`` in its HELLO reply takes them (an older one refuses the flag)."""
 
 
-def _split_hashes(meta: bytes | memoryview, off: int, n: int) -> list[bytes]:
+def _split_hashes(meta: bytes | bytearray | memoryview, off: int, n: int) -> list[bytes]:
     if len(meta) - off != n * HASH_BYTES:
         raise ProtocolError(
             ErrorCode.BAD_FRAME, f"metadata announces {n} hashes but carries {len(meta) - off} bytes for them"
@@ -237,7 +237,7 @@ def encode_blocks(ns_id: bytes, hashes: list[bytes]) -> bytes:
     return ns_id + _U32.pack(len(hashes)) + b"".join(hashes)
 
 
-def _block_count(meta: bytes | memoryview, max_blocks: int) -> int:
+def _block_count(meta: bytes | bytearray | memoryview, max_blocks: int) -> int:
     """The u32 block count after a GET-like request's namespace id, checked against the limit."""
     if len(meta) < NS_ID_BYTES + 4:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"block request metadata needs at least {NS_ID_BYTES + 4} bytes")
@@ -247,7 +247,7 @@ def _block_count(meta: bytes | memoryview, max_blocks: int) -> int:
     return int(n)
 
 
-def parse_blocks(meta: bytes | memoryview, max_blocks: int) -> BlockRequest:
+def parse_blocks(meta: bytes | bytearray | memoryview, max_blocks: int) -> BlockRequest:
     n = _block_count(meta, max_blocks)
     return BlockRequest(bytes(meta[:NS_ID_BYTES]), _split_hashes(meta, NS_ID_BYTES + 4, n))
 
@@ -296,7 +296,7 @@ def encode_put_device(ns_id: bytes, hashes: list[bytes], start: int, device: int
     return ns_id + _DEV_FIXED.pack(start, len(hashes), 0, device, offset, size) + handle + b"".join(hashes)
 
 
-def parse_put_device(meta: bytes | memoryview, max_blocks: int) -> DeviceRequest:
+def parse_put_device(meta: bytes | bytearray | memoryview, max_blocks: int) -> DeviceRequest:
     fixed = NS_ID_BYTES + _DEV_FIXED.size + DEVICE_HANDLE_BYTES
     if len(meta) < fixed:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"PUT_DEVICE metadata needs at least {fixed} bytes")
@@ -314,7 +314,7 @@ def parse_put_device(meta: bytes | memoryview, max_blocks: int) -> DeviceRequest
                          bytes(meta[at : at + DEVICE_HANDLE_BYTES]))
 
 
-def parse_put(meta: bytes | memoryview, max_blocks: int, *, shm: bool = False) -> BlockRequest:
+def parse_put(meta: bytes | bytearray | memoryview, max_blocks: int, *, shm: bool = False) -> BlockRequest:
     st = _SHM_FIXED if shm else _PUT_FIXED
     fixed = NS_ID_BYTES + st.size
     if len(meta) < fixed:
@@ -352,7 +352,7 @@ def encode_u64(v: int) -> bytes:
     return _U64.pack(v)
 
 
-def parse_u64(meta: bytes | memoryview) -> int:
+def parse_u64(meta: bytes | bytearray | memoryview) -> int:
     if len(meta) != 8:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"expected 8 bytes of metadata, got {len(meta)}")
     return _U64.unpack(meta)[0]
@@ -362,7 +362,7 @@ def encode_data_meta(count: int, block_bytes: int) -> bytes:
     return struct.pack("<II", count, block_bytes)
 
 
-def parse_data_meta(meta: bytes | memoryview) -> tuple[int, int]:
+def parse_data_meta(meta: bytes | bytearray | memoryview) -> tuple[int, int]:
     if len(meta) != 8:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"a data reply has 8 bytes of metadata, got {len(meta)}")
     return struct.unpack("<II", meta)
@@ -373,7 +373,7 @@ def encode_get_runs(ns_id: bytes, hashes: list[bytes], runs: Sequence[int]) -> b
     return encode_blocks(ns_id, hashes) + _encode_runs(runs)
 
 
-def parse_get_runs(meta: bytes | memoryview, max_blocks: int) -> tuple[BlockRequest, list[int]]:
+def parse_get_runs(meta: bytes | bytearray | memoryview, max_blocks: int) -> tuple[BlockRequest, list[int]]:
     n = _block_count(meta, max_blocks)
     end = NS_ID_BYTES + 4 + n * HASH_BYTES
     return parse_blocks(meta[:end], max_blocks), _parse_runs(meta, end, n)
@@ -384,7 +384,7 @@ def encode_runs_meta(count: int, block_bytes: int, runs: Sequence[int]) -> bytes
     return encode_data_meta(count, block_bytes) + _encode_runs(runs)
 
 
-def parse_runs_meta(meta: bytes | memoryview) -> tuple[int, int, list[int]]:
+def parse_runs_meta(meta: bytes | bytearray | memoryview) -> tuple[int, int, list[int]]:
     if len(meta) < 8:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"a GET_RUNS reply needs at least 8 bytes of metadata, got {len(meta)}")
     count, bb = struct.unpack_from("<II", meta)
@@ -395,7 +395,7 @@ def _encode_runs(runs: Sequence[int]) -> bytes:
     return struct.pack(f"<I{len(runs)}I", len(runs), *runs)
 
 
-def _parse_runs(meta: bytes | memoryview, off: int, total: int) -> list[int]:
+def _parse_runs(meta: bytes | bytearray | memoryview, off: int, total: int) -> list[int]:
     """``total`` blocks cut into runs: a u32 count at ``off``, then as many u32 lengths, each at
     least 1, summing to ``total``, ending the metadata."""
     if len(meta) < off + 4:
@@ -414,7 +414,7 @@ def encode_lease(lease_id: int, locations: list[tuple[int, int]] | tuple[tuple[i
     return struct.pack(f"<QI{2 * len(locations)}Q", lease_id, len(locations), *flat)
 
 
-def parse_lease(meta: bytes | memoryview) -> tuple[int, list[tuple[int, int]]]:
+def parse_lease(meta: bytes | bytearray | memoryview) -> tuple[int, list[tuple[int, int]]]:
     if len(meta) < 12:
         raise ProtocolError(ErrorCode.BAD_FRAME, "a lease reply needs at least 12 bytes")
     lease_id, n = struct.unpack_from("<QI", meta)
@@ -446,7 +446,7 @@ def encode_refusal(kind: str, status: int, detail: str) -> bytes:
     return json.dumps({"kind": kind, "status": status, "detail": detail[:4096]}, separators=(",", ":")).encode()
 
 
-def parse_lookup(meta: bytes | memoryview) -> tuple[int, tuple[str, ...], tuple[str, ...]] | Refusal:
+def parse_lookup(meta: bytes | bytearray | memoryview) -> tuple[int, tuple[str, ...], tuple[str, ...]] | Refusal:
     """``(num_blocks, tiers, unavailable)`` of a LOOKUP reply, or its :class:`Refusal`."""
     try:
         r = json.loads(bytes(meta))
@@ -472,7 +472,7 @@ def encode_error(code: ErrorCode, message: str) -> bytes:
     return struct.pack("<H", int(code)) + message.encode("utf-8", "replace")[:4096]
 
 
-def parse_error(meta: bytes | memoryview) -> tuple[ErrorCode, str]:
+def parse_error(meta: bytes | bytearray | memoryview) -> tuple[ErrorCode, str]:
     if len(meta) < 2:
         raise ProtocolError(ErrorCode.BAD_FRAME, "an error frame needs at least 2 bytes")
     (code,) = struct.unpack_from("<H", meta)

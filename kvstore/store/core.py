@@ -214,8 +214,8 @@ class KVStore:
         names = tuple(self.tiers[lowest_bit(b)].name for b in masks[:n])
         down = tuple(t.name for k, t in enumerate(self.tiers) if not avail >> k & 1)
         if count:
-            self.events.lookup(info.namespace, hashes, names)  # type: ignore[arg-type]
-        return LookupResult(n, info.namespace.block_tokens, names, down)  # type: ignore[union-attr]
+            self.events.lookup(info.namespace, hashes, names)  # type: ignore[arg-type]  # _ns(): registered, not None
+        return LookupResult(n, info.namespace.block_tokens, names, down)  # type: ignore[union-attr]  # as above
 
     def get_into(self, ns: Namespace, hashes: Sequence[bytes], dst: Any | Sequence[Any]) -> int:
         """Load the leading cached blocks of ``hashes`` into caller-owned buffers.
@@ -228,7 +228,7 @@ class KVStore:
         """
         info = self._ns(ns)
         bufs = dst_views(dst, info.block_bytes)
-        trace = self.events.request(info.namespace, hashes)  # type: ignore[arg-type]
+        trace = self.events.request(info.namespace, hashes)  # type: ignore[arg-type]  # _ns(): registered, not None
         hashes = hashes[: len(bufs)]
         self._loader.discover(info, hashes)
         plan = self._loader.prepare_load(info, hashes)
@@ -261,7 +261,7 @@ class KVStore:
         a = self._arena
         arena = self.tiers[a]
         bb = info.block_bytes
-        trace = self.events.request(info.namespace, hashes, "acquire")  # type: ignore[arg-type]
+        trace = self.events.request(info.namespace, hashes, "acquire")  # type: ignore[arg-type]  # _ns(): registered, not None
         self._loader.discover(info, hashes)
         plan = self._loader.prepare_load(info, hashes)
         trace.matched()
@@ -282,7 +282,7 @@ class KVStore:
                     plan.bufs.extend([_NO_BYTES] * lead)
                 else:
                     # Blocks the arena lacks are read outside the lock; being in use, nothing moves them.
-                    bufs = [_NO_BYTES if m & bit else memoryview(np.empty(bb, np.uint8)) for m in plan.masks]
+                    bufs = [_NO_BYTES if m & bit else np.empty(bb, np.uint8).data for m in plan.masks]
                     self._loader.read(plan, bufs, in_place=bit)
         finally:
             with self._lock, self.events.batch():
@@ -313,8 +313,8 @@ class KVStore:
         if self._arena is None:
             raise UsageError("peek_arena needs a shared-memory tier: add a kind = 'dram' tier first in the config")
         arena = self.tiers[self._arena]
-        locations, stamp = arena.peek(hashes)  # type: ignore[attr-defined]
-        return ArenaPeek(arena.shm_name, tuple(locations), stamp)  # type: ignore[attr-defined]
+        locations, stamp = arena.peek(hashes)
+        return ArenaPeek(arena.shm_name, tuple(locations), stamp)
 
     def confirm_peek(self, peek: ArenaPeek, lease: Lease) -> int:
         """How many leading blocks of ``peek`` a reader that copied them may keep, now that it
@@ -329,7 +329,7 @@ class KVStore:
             if a != b:
                 break
             k += 1
-        if k and self.tiers[self._arena].freed_since([off for off, _ in peek.locations[:k]], peek.stamp):  # type: ignore[attr-defined]
+        if k and self.tiers[self._arena].freed_since([off for off, _ in peek.locations[:k]], peek.stamp):
             return 0
         return k
 
@@ -372,7 +372,7 @@ class KVStore:
         if not 0 <= start <= n:
             raise UsageError(f"start={start} is outside the chain of {n} blocks")
         self._abort_orphans()
-        bt = info.namespace.block_tokens  # type: ignore[union-attr]
+        bt = info.namespace.block_tokens  # type: ignore[union-attr]  # _ns(): registered, not None
         put_tokens = None if tokens is None else put_tokens_of(hashes[start:], tokens, bt)
         srcs = src_views(blocks, info.block_bytes, n - start)
         storer = self._storer
@@ -445,7 +445,7 @@ class KVStore:
         why = storer.reservable()
         if why is not None:
             raise UsageError(f"reserve needs a store whose first tier is a shared-memory DRAM arena; {why}: use put")
-        bt = info.namespace.block_tokens  # type: ignore[union-attr]
+        bt = info.namespace.block_tokens  # type: ignore[union-attr]  # _ns(): registered, not None
         put_tokens = None if tokens is None else put_tokens_of(hashes[start:], tokens, bt)
         with self._lock, self.events.batch():  # (making room: copies moved down or dropped)
             plan = storer.prepare_store(info, hashes, start, [], self._clock())

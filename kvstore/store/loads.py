@@ -261,7 +261,8 @@ class Loader:
         """Insert probed blocks ``n, n+1, ...`` of ``hashes`` (on tier ``k``) while each one
         continues the chain: same namespace, parent, depth and block size, not expired."""
         idx, now = self.index, self.clock()
-        pid: int | None = NO_PARENT
+        pid: int | None
+        pid = NO_PARENT
         if n:
             pid = idx.id_of(hashes[n - 1])
             if pid is None or int(idx.depth[pid]) != n - 1:

@@ -301,6 +301,7 @@ class Placer:
         forget = self.ledger.forget_leaf
         batch: list[int] = []
         left: dict[int, int] = {}  # cached children of the batch's parents, less the batch's
+        result: bool | None
         done, result = 0, True
         runs = evict_leaves and k == self.last and pol.runs
         try:

@@ -235,7 +235,7 @@ class Storer:
                 # The checksum is computed when a persistent copy is written (Placer.write_copy).
                 meta = BlockMeta(digest, hashes[i - 1] if i else digest, i, bb, expiry, CHECKSUM_DEFERRED, now)
                 if i in plan.prewritten:
-                    self.ledger.add_copy(bid, p, bb, now, placed)  # type: ignore[arg-type]
+                    self.ledger.add_copy(bid, p, bb, now, placed)  # type: ignore[arg-type]  # prewritten: p is set
                     ok = True
                 elif p is not None:
                     ok = placer.place(bid, p, src, meta, {bid}, durable=True, deferred=placed)

@@ -16,6 +16,7 @@ remote backend turns a batch into one concurrent round of requests. Thread-safe.
 
 from __future__ import annotations
 
+import builtins
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -100,12 +101,12 @@ class BlobStore(ABC):
         ``after``, at most ``limit``."""
 
     @abstractmethod
-    def put_small(self, blobs: dict[str, bytes]) -> list[bool]:
+    def put_small(self, blobs: dict[str, bytes]) -> builtins.list[bool]:
         """Best-effort writes of small side objects (touch records); whether each was written.
         Never raises."""
 
     @abstractmethod
-    def cat(self, paths: Sequence[str]) -> list[bytes | None]:
+    def cat(self, paths: Sequence[str]) -> builtins.list[bytes | None]:
         """Best-effort reads of small side objects: each one's bytes, or None."""
 
     # ---- defaults: what a backend without a queue, a breaker or files to sync does ----------

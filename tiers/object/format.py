@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import xxhash
@@ -353,5 +354,5 @@ def keys_of(paths: list[str]) -> list[BlockHash | None]:
             digits = _HEX[chars[:, width - _NAME : width - len(SUFFIX)]]
             if (chars[:, width - _NAME - 1] == ord("/")).all() and (digits != 255).all():
                 keys = (digits[:, 0::2] << 4 | digits[:, 1::2]).tobytes()
-                return [keys[i : i + HASH_BYTES] for i in range(0, len(keys), HASH_BYTES)]  # type: ignore[misc]
+                return cast("list[BlockHash | None]", [keys[i : i + HASH_BYTES] for i in range(0, len(keys), HASH_BYTES)])
     return [key_of(p) for p in paths]

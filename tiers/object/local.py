@@ -380,7 +380,7 @@ def _walk_stats(root: str, vouch: Callable[[str, DirStat], bool] | None) -> dict
     """:func:`_walk_files` with :func:`stat_of`, except in the directories right under
     ``root`` that ``vouch`` accepts: their files are listed by name only (value None)."""
     if vouch is None:
-        return _walk_files(root, stat_of)  # type: ignore[return-value]
+        return _walk_files(root, stat_of)
     out: dict[str, Stat | None] = {}
     try:
         with os.scandir(root) as it:
