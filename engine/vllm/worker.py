@@ -265,6 +265,9 @@ class Worker:
         self._arena = ""  # the daemon arena this worker's loads last read
         self._device_puts = cfg.device_puts  # PUT_DEVICE where the daemon offers it
         self._said_staged = False  # logged once why a GPU's saves go through the staging segment
+        self.last_load: DeviceLoad | None = None
+        """The last (non-hybrid) load, once landed: diagnostics (its per-tile timeline when
+        ``loader.timing`` is on)."""
         self._pinned: torch.Tensor | None = None  # a remote plane's save buffer
         self._load_host: torch.Tensor | None = None  # a remote plane's load buffer
         self._sink: tuple[Any, torch.Tensor] | None = None  # (staging segment, its registered view)
@@ -522,6 +525,7 @@ class Worker:
                            cancelled=cancelled)
         load.synchronize()  # the leases are read until the last copy lands
         self.counters.load_copy_s += time.perf_counter() - t1
+        self.last_load = load
 
     def _run_hybrid_load(self, job: _LoadJob, held: list[Any]) -> None:
         """A page with sliding layers: for each request, the full part of its blocks into the

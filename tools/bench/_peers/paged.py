@@ -373,6 +373,8 @@ class KvstoreConnector:
             extra = {"piece_bytes": self.piece_bytes, "stage_bytes": max(4 * self.piece_bytes, 512 << 20)}
         self.driver = WorkerDriver(self.daemon.url, cache.spec, caches, plane="shm", load_mode=self.load_mode,
                                    lookup_timeout_s=60.0, load_timeout_s=60.0, save_timeout_s=120.0, **extra)
+        if self.driver.worker.loader is not None:
+            self.driver.worker.loader.timing = cache.device.type == "cuda"
 
     def prepare(self, tokens: int) -> None:
         pass
@@ -400,6 +402,8 @@ class KvstoreConnector:
         }
         if c and not c.info.get("put_device"):
             out["put_device_unavailable"] = c.info.get("put_device_unavailable")
+        if w.last_load is not None and w.last_load.tiles:
+            out["tiles_ms"] = [(round(a, 3), round(b, 3)) for a, b in w.last_load.tile_ms()]
         return out
 
     def close(self) -> None:
