@@ -68,9 +68,9 @@ from kvstore.errors import (
 )
 from kvstore.events import put_tokens_of
 from kvstore.keys import Namespace
-from kvstore.server import protocol as P
-from kvstore.server.fdpass import receive_fds
 from kvstore.shm import Prefault, attach_arena, remember_arena
+from kvstore.wire import protocol as P
+from kvstore.wire.fdpass import receive_fds
 
 T = TypeVar("T")
 PLANES = ("auto", "shm", "tcp", "ucx")

@@ -34,7 +34,6 @@ from kvstore.server.app import make_app
 from kvstore.server.config import ServerConfig, check_exposure
 from kvstore.server.dataplane import DataContext, TcpDataServer
 from kvstore.server.devcopy import DeviceCopier
-from kvstore.server.fdpass import FdServer
 from kvstore.server.limits import (
     ConnectionGate,
     InflightBytes,
@@ -46,6 +45,7 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.service import Service, load_secret
 from kvstore.shm import attach_arena
 from kvstore.store import KVStore
+from kvstore.wire.fdpass import FdServer
 from tiers.nvme import lock_holder
 
 log = logging.getLogger(__name__)

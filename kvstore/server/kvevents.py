@@ -4,7 +4,7 @@
 a sink of the store's block hooks (``StoreEvents.sinks``) that turns every block stored,
 promoted or demoted (``BlockStored`` with the tier as ``medium``), every copy or block that
 leaves (``BlockRemoved``) and its own start (``AllBlocksCleared``: "forget what this node said
-before") into :class:`kvstore.route.wire.KVEventBatch` batches on a PUB socket, one
+before") into :class:`kvstore.wire.kvevents.KVEventBatch` batches on a PUB socket, one
 sequence number per batch, with vLLM's replay protocol on a ROUTER socket (``replay``, default
 ``publish``'s port + 1). Routers that speak vLLM's events (Dynamo, llm-d, SGLang's router, and
 :mod:`kvstore.route`) read it as they read an engine's.
@@ -23,7 +23,7 @@ the same host (PLAIN with its own name and token), so a subscriber sees only the
 may see; ``GET /v1/events`` tells a tenant its endpoints. The topic frame is
 ``"<tenant>@<epoch>"`` (epoch: this publisher's start, hex): a subscriber that sees it change
 knows the daemon restarted and resynchronises. On the stream of every tenant each hash carries
-:func:`kvstore.route.wire.tenant_mask` of its tenant XORed into its first 8 bytes (the same
+:func:`kvstore.wire.kvevents.tenant_mask` of its tenant XORed into its first 8 bytes (the same
 prompt of two tenants is two blocks there, and a replayed batch, which has no topic, still says
 whose it is); a tenant's own stream carries its hashes as its clients compute them.
 
@@ -79,7 +79,8 @@ import zmq
 
 from kvstore.events import BlockRun, EventsConfig, PutChain, PutTokens, block_changes
 from kvstore.keys import Namespace
-from kvstore.route.wire import (
+from kvstore.store import KVStore
+from kvstore.wire.kvevents import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -89,7 +90,6 @@ from kvstore.route.wire import (
     seq_bytes,
     tenant_mask,
 )
-from kvstore.store import KVStore
 
 log = logging.getLogger(__name__)
 

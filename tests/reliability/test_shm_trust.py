@@ -17,8 +17,8 @@ import pytest
 from kvstore.client import connect
 from kvstore.client.spawn import start_daemon
 from kvstore.errors import UsageError
-from kvstore.server import protocol as P
 from kvstore.shm import _RECEIVED
+from kvstore.wire import protocol as P
 from tests.conftest import BB, SMALL_NS, chain_for, payload
 from tests.reliability.harness import crash_tiers, write_config
 

@@ -211,7 +211,7 @@ def test_lookups_go_over_the_data_connection_and_fall_back_to_http(
 
 
 def test_get_into_over_tcp_asks_for_runs_of_its_destination(start_daemon: Callable[..., ThreadedDaemon], monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvstore.server import protocol as P
+    from kvstore.wire import protocol as P
 
     d = start_daemon()
     chain = chain_for(5, 5)
