@@ -74,7 +74,6 @@ from operator import attrgetter, countOf, itemgetter
 from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 
 from kvstore.events import BlockRun, EventsConfig, PutChain, PutTokens, block_changes
@@ -87,6 +86,7 @@ from kvstore.wire.kvevents import (
     BlockStored,
     KVEventBatch,
     masked,
+    msgpack_ints,
     seq_bytes,
     tenant_mask,
 )
@@ -153,23 +153,6 @@ class _Stream:
     buffer_bytes: int = 0
     """Payload bytes in ``buffer`` (kept under ``[events] replay_bytes``)."""
     pending: dict[int, list[Any]] = field(default_factory=dict)  # tenant -> events of this cycle
-
-
-_INT32 = np.dtype([("tag", "u1"), ("value", ">i4")])
-
-
-def _msgpack_ints(tokens: bytes) -> msgspec.Raw:
-    """int32 token ids (little-endian bytes) as a msgpack array, built by numpy: each an
-    ``int 32`` (0xd2 and 4 bytes big-endian), which every msgpack decoder reads as the same
-    integers (vLLM's: ``list[int]``). A list of Python ints for msgspec to encode cost ~30 ns a
-    token; this, ~3."""
-    ids = np.frombuffer(tokens, "<i4")
-    out = np.empty(ids.size, _INT32)
-    out["tag"] = 0xD2
-    out["value"] = ids
-    n = ids.size
-    head = b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
-    return msgspec.Raw(head + out.tobytes())
 
 
 def _token_slices(tokens: PutTokens) -> tuple[bytes, int, dict[bytes, int]]:
@@ -773,7 +756,7 @@ class KVEventPublisher:
                 continue
             n += len(e.block_hashes)
             if type(e) is BlockStored and e.token_ids:
-                e.token_ids = _msgpack_ints(b"".join(e.token_ids))  # type: ignore[arg-type]
+                e.token_ids = msgpack_ints(b"".join(e.token_ids))  # type: ignore[arg-type]
         self._counts["block_events"] += n
         return enc.encode(KVEventBatch(ts=time.time(), events=events))
 
