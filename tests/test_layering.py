@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LEAVES = {"keys", "block", "errors", "units", "clock", "buffers", "shm", "api"}
+LEAVES = {"keys", "block", "errors", "units", "clock", "buffers", "shm", "api", "tree"}
 LOWER = ("tiers", "eviction")
 WIRE = "kvstore/wire"
 CLIENTS = ("kvstore/client", "kvstore/route")
