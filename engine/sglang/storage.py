@@ -48,7 +48,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from engine.vllm.breaker import DaemonLink
+from engine.breaker import DaemonLink
 from kvstore.client import Client, connect
 from kvstore.errors import ConfigError, KVStoreError, MissingPrefixError
 from kvstore.keys import DTYPE_BYTES, BlockHash, KVLayout, LayerGroup, Namespace

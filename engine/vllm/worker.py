@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.breaker import DaemonLink
 from engine.gpu import (
     ArenaBlocks,
     HostBlocks,
@@ -43,7 +44,6 @@ from engine.gpu import (
     unregister_host,
 )
 from engine.transfer import ConcatSource, PagedLoader, PagedSaver, StagedSave
-from engine.vllm.breaker import DaemonLink
 from engine.vllm.config import ConnectorConfig
 from engine.vllm.pages import PagedKV, PageSpec, scales_digest
 from kvstore.client import Client, connect
