@@ -6,10 +6,11 @@ prefill node to a decode node (``docs/routing.md``).
   stream) into one compact :class:`~kvstore.route.index.PrefixIndex`;
 * :func:`offer` / :func:`receive` (``handoff.py``): the two sides of a handoff;
 * ``python -m kvstore.route``: a router process answering over HTTP (``kvctl route`` too);
-* :func:`control`: one call to a daemon's control plane (the handoff endpoints, benchmarks).
+* :func:`control`: one call to a daemon's control plane or a router process
+  (:func:`kvstore.client.control.control`; the handoff endpoints, benchmarks).
 """
 
-from kvstore.route._http import control
+from kvstore.client.control import control
 from kvstore.route.handoff import Received, offer, receive
 from kvstore.route.router import Route, Router
 

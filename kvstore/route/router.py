@@ -36,8 +36,8 @@ import numpy as np
 import xxhash
 import zmq
 
+from kvstore.client.control import ControlClient
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.route._http import control
 from kvstore.route.feed import Feed
 from kvstore.route.index import BITS, MAX_NODES, PrefixIndex, hash_keys
 from kvstore.wire.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, tenant_mask
@@ -112,7 +112,8 @@ class Router:
         if publish is None:
             if url is None:
                 raise ValueError("add_node needs the daemon's url or its publish endpoint")
-            ep = control(url, "GET", "/v1/events" + ("?all=true" if all_tenants else ""), token=token)
+            with ControlClient(url, token=token, timeout=5.0) as daemon:
+                ep = daemon.events(all_tenants)
             publish, replay = ep["publish"], ep["replay"]
             if ep.get("auth") == "plain":
                 auth = (ep["username"], token)
