@@ -104,6 +104,13 @@ def test_clients_and_the_router_never_import_the_daemon(where: str) -> None:
     assert [v for p in _modules(where) for v in daemon(p)] == []
 
 
+def test_the_sglang_backend_does_not_import_the_vllm_adapter() -> None:
+    """Both adapters share ``engine/breaker.py``; neither imports the other."""
+    found = [f"{p.relative_to(ROOT)}:{line}: imports {module}" for p in _modules("engine/sglang")
+             for line, module, _ in imports(p) if module.split(".")[:2] == ["engine", "vllm"]]
+    assert found == []
+
+
 @pytest.mark.parametrize("where", CALLERS)
 def test_callers_use_only_public_kvstore_names(where: str) -> None:
     assert [v for p in _modules(where) for v in private(p)] == []

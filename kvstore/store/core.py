@@ -461,8 +461,10 @@ class KVStore:
             except BaseException:
                 storer.complete_store(plan)
                 raise
-        tier, bb = self.tiers[0].arena(), info.block_bytes
-        assert tier is not None  # (reservable)
+        arena = self.tiers[0].arena()
+        assert arena is not None  # (reservable)
+        tier: Arena = arena
+        bb = info.block_bytes
         ahead: list[Any] = []  # the records of the slots' blocks, when prepared before the commit
 
         def prepare() -> None:
