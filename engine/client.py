@@ -12,13 +12,13 @@ restarting: its refused connection is found at once, the client does not retry a
 slow (a load past ``timeout_s``: a daemon that accepts and hangs) opens a :class:`Breaker`: from
 then on a load answers "no hit" and a store is dropped and counted, both at once and without
 touching the network, while a background thread reconnects with exponential backoff. The first probe that
-succeeds closes the breaker and hits resume by themselves.
+succeeds closes the breaker and hits resume by themselves (:class:`engine.breaker.Breaker`, the
+one the vLLM connector and the SGLang backend use too).
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine.breaker import Breaker, unreachable
 from engine.gpu import ArenaBlocks, HostBlocks
 from engine.kvlayout import KVShape
 from kvstore.errors import DaemonUnavailableError, KVStoreError, UsageError
@@ -50,112 +51,6 @@ class ClientCounters:
     stores_skipped: int = 0
     """Stores dropped without a call: the store was unavailable (breaker open)."""
     store_errors: int = 0
-
-
-def unreachable(exc: BaseException) -> bool:
-    """Whether ``exc`` says the store could not be reached (as opposed to a refusal by a store
-    that answered: a missing prefix, a full tier, a quota)."""
-    if isinstance(exc, DaemonUnavailableError):
-        return True
-    # A tier's own I/O error (TierIOError) is an OSError too, but the daemon answered.
-    return isinstance(exc, OSError) and not isinstance(exc, KVStoreError)
-
-
-class Breaker:
-    """A circuit breaker whose recovery is a background probe, not a trial call.
-
-    ``closed`` (the default): calls go out. :meth:`trip` opens it: callers check :attr:`closed`
-    and skip the store, so an open breaker costs a callers no network round trip and no retry
-    delay. A prober thread runs ``probe`` after ``backoff_s``, doubling the wait (with jitter)
-    up to ``max_backoff_s`` after each failure; the first probe that returns closes the breaker.
-    The thread is started with the breaker and waits for a trip: the call that trips it (an
-    engine's) starts nothing, which on a loaded machine could cost milliseconds.
-    With ``background=False`` nothing probes by itself: :meth:`probe_now` does one probe
-    (tests step it that way instead of waiting).
-    """
-
-    def __init__(
-        self,
-        probe: Callable[[], None],
-        *,
-        backoff_s: float = 0.05,
-        max_backoff_s: float = 5.0,
-        background: bool = True,
-        name: str = "kvstore",
-    ) -> None:
-        if not 0 < backoff_s <= max_backoff_s:
-            raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {backoff_s} and {max_backoff_s}")
-        self._probe = probe
-        self._backoff = (backoff_s, max_backoff_s)
-        self._name = name
-        self._lock = threading.Lock()
-        self._tripped = threading.Event()
-        self._wake = threading.Event()
-        """Set by :meth:`close`: ends the prober's back-off wait."""
-        self._stop = False
-        self.closed = True
-        """Calls may go out. Read without the lock: a stale read costs one call or one miss."""
-        self.opened = 0
-        """Times the breaker opened."""
-        self.probes = 0
-        """Probes made (each one a connection attempt)."""
-        self.last_error = ""
-        self._thread: threading.Thread | None = None
-        if background:
-            self._thread = threading.Thread(target=self._run, name="kvstore-reconnect", daemon=True)
-            self._thread.start()
-
-    def trip(self, exc: BaseException) -> None:
-        """Open the breaker (idempotent); the prober starts reconnecting."""
-        with self._lock:
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            if not self.closed:
-                return
-            self.closed = False
-            self.opened += 1
-            self._tripped.set()
-        log.warning("%s unavailable (%s): answering 'no hit' and dropping stores until it is back",
-                    self._name, self.last_error)
-
-    def probe_now(self) -> bool:
-        """One probe; closes the breaker when it succeeds. Returns whether the breaker is closed."""
-        self.probes += 1
-        try:
-            self._probe()
-        except (KVStoreError, OSError) as e:
-            self.last_error = f"{type(e).__name__}: {e}"
-            return False
-        with self._lock:
-            if not self.closed:
-                log.warning("%s is back after %d probes: loads and stores resume", self._name, self.probes)
-            self.closed = True
-        return True
-
-    def _run(self) -> None:
-        base, cap = self._backoff
-        while True:
-            self._tripped.wait()
-            delay = base
-            while not self._stop and not self.closed:
-                self._wake.wait(delay * random.uniform(0.5, 1.0))
-                if self._stop:
-                    return
-                self.probe_now()
-                delay = min(delay * 2, cap)
-            if self._stop:
-                return
-            with self._lock:
-                # Wait for the next trip only while closed, under the lock: a trip that came
-                # after the probe that closed it keeps this round going.
-                if self.closed:
-                    self._tripped.clear()
-
-    def close(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._tripped.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)  # a probe stuck in a connect ends with its own timeout
 
 
 _AUTO: Any = object()

@@ -6,7 +6,7 @@ them with :func:`attach_arena`.
 
 The daemon removes its arena's name from ``/dev/shm`` once it has mapped it, so no process can
 open the arena by name; a client it grants shared memory receives a *read-only* descriptor of
-it instead (over a Unix socket, :mod:`kvstore.server.fdpass`) and records it here
+it instead (over a Unix socket, :mod:`kvstore.wire.fdpass`) and records it here
 (:func:`remember_arena`), after which :func:`attach_arena` of that name in the client's
 process maps the descriptor, read-only. Staging segments are memfds: they never have a name.
 :class:`Segment` is the mapping of such a descriptor (the ``SharedMemory`` surface callers

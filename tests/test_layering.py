@@ -1,6 +1,8 @@
 """Imports flow one way (docs/architecture.md): ``tiers/`` and ``eviction/`` import only the
-leaf modules of ``kvstore/``; ``kvstore/server``, ``kvstore/client``, ``engine/`` and ``tools/``
-import only public names of other kvstore packages. Walks every module's imports with ``ast``
+leaf modules of ``kvstore/``; ``kvstore/wire`` (the wire formats) only those and itself;
+``kvstore/client`` and ``kvstore/route`` never the daemon (``kvstore/server``);
+``kvstore/server``, ``kvstore/client``, ``engine/`` and ``tools/`` import only public names of
+other kvstore packages. Walks every module's imports with ``ast``
 (function-level and ``TYPE_CHECKING`` imports included), so an upward import fails here."""
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LEAVES = {"keys", "block", "errors", "units", "clock", "buffers", "shm", "api"}
+LEAVES = {"keys", "block", "errors", "units", "clock", "buffers", "shm", "api", "tree"}
 LOWER = ("tiers", "eviction")
+WIRE = "kvstore/wire"
+CLIENTS = ("kvstore/client", "kvstore/route")
 CALLERS = ("kvstore/server", "kvstore/client", "engine", "tools")
 
 
@@ -45,16 +49,27 @@ def imports(path: Path) -> Iterator[tuple[int, str, str | None]]:
                 yield node.lineno, module, a.name
 
 
-def upward(path: Path) -> list[str]:
-    """Imports of kvstore modules other than the leaves, from a tier or a policy."""
+def upward(path: Path, own: str | None = None) -> list[str]:
+    """Imports of kvstore modules other than the leaves (and ``kvstore.<own>``), from a tier, a
+    policy or a wire format."""
     out = []
     for line, module, name in imports(path):
         parts = module.split(".")
         if parts[0] != "kvstore":
             continue
         target = parts[1] if len(parts) > 1 else name
-        if target not in LEAVES:
+        if target not in LEAVES and target != own:
             out.append(f"{path.relative_to(ROOT)}:{line}: imports {module}{'.' + name if name and len(parts) == 1 else ''}")
+    return out
+
+
+def daemon(path: Path) -> list[str]:
+    """Imports of the daemon's package (``kvstore.server``), from a client or the router."""
+    out = []
+    for line, module, name in imports(path):
+        parts = module.split(".")
+        if parts[:2] == ["kvstore", "server"] or (parts == ["kvstore"] and name == "server"):
+            out.append(f"{path.relative_to(ROOT)}:{line}: imports kvstore.server")
     return out
 
 
@@ -79,6 +94,23 @@ def test_tiers_and_policies_import_only_leaf_modules_of_kvstore(where: str) -> N
     assert [v for p in _modules(where) for v in upward(p)] == []
 
 
+def test_wire_formats_import_only_leaf_modules_of_kvstore() -> None:
+    assert _modules(WIRE)
+    assert [v for p in _modules(WIRE) for v in upward(p, own="wire")] == []
+
+
+@pytest.mark.parametrize("where", CLIENTS)
+def test_clients_and_the_router_never_import_the_daemon(where: str) -> None:
+    assert [v for p in _modules(where) for v in daemon(p)] == []
+
+
+def test_the_sglang_backend_does_not_import_the_vllm_adapter() -> None:
+    """Both adapters share ``engine/breaker.py``; neither imports the other."""
+    found = [f"{p.relative_to(ROOT)}:{line}: imports {module}" for p in _modules("engine/sglang")
+             for line, module, _ in imports(p) if module.split(".")[:2] == ["engine", "vllm"]]
+    assert found == []
+
+
 @pytest.mark.parametrize("where", CALLERS)
 def test_callers_use_only_public_kvstore_names(where: str) -> None:
     assert [v for p in _modules(where) for v in private(p)] == []
@@ -91,6 +123,16 @@ def test_the_checks_catch_a_violation(tmp_path: Path, monkeypatch: pytest.Monkey
     bad.write_text("from kvstore.keys import BlockHash\nfrom kvstore.store import KVStore\n"
                    "def f():\n    from kvstore import index\n")
     assert upward(bad) == ["tiers/bad.py:2: imports kvstore.store", "tiers/bad.py:4: imports kvstore.index"]
+    (tmp_path / "kvstore" / "wire").mkdir(parents=True)
+    wire = tmp_path / "kvstore" / "wire" / "bad.py"
+    wire.write_text("from kvstore.wire import protocol\nfrom kvstore.keys import Namespace\n"
+                    "from kvstore.server.limits import Limits\n")
+    assert upward(wire, own="wire") == ["kvstore/wire/bad.py:3: imports kvstore.server.limits"]
+    (tmp_path / "kvstore" / "client").mkdir()
+    client = tmp_path / "kvstore" / "client" / "bad.py"
+    client.write_text("from kvstore.wire import protocol\nfrom kvstore.server import protocol as P\n"
+                      "def f():\n    from kvstore import server\n")
+    assert daemon(client) == ["kvstore/client/bad.py:2: imports kvstore.server", "kvstore/client/bad.py:4: imports kvstore.server"]
     (tmp_path / "engine").mkdir()
     caller = tmp_path / "engine" / "bad.py"
     caller.write_text("from kvstore.store import _dst_views\nfrom kvstore.store._common import LookupResult\n"

@@ -17,6 +17,10 @@ is the store's business (kvstore.store). A tier only promises:
 
 Thread safety: every method may be called from several threads at once. A tier never calls back
 into the store. Reads never write to disk.
+
+A tier whose payloads lie in one shared-memory segment a same-node process can map may expose it
+as an :class:`Arena` (:meth:`Tier.arena`): the store's leases, peeks and reservations point into
+it, and the daemon maps it and hands same-node clients a read-only descriptor of it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 import numpy as np
 
@@ -152,6 +156,66 @@ class TierUsage:
     blocks: int
 
 
+@runtime_checkable
+class Arena(Protocol):
+    """The zero-copy surface of a tier whose payloads lie in one shared-memory segment, cut into
+    slots at fixed offsets (:class:`tiers.dram.DramTier`). What the store's leases
+    (``KVStore.acquire``), peeks (``peek_arena``) and reservations (``KVStore.reserve``) use,
+    and what the daemon maps and hands same-node clients (a read-only descriptor, never a name).
+
+    Offsets are the store's to keep valid: a location is good while the store holds the block
+    (in use, leased), or, for a :meth:`peek`, until :meth:`freed_since` says one of its slots was
+    freed (a slot is never rewritten for another key without being freed first). A reserved slot
+    belongs to its reserver until :meth:`publish_slots` enters it or :meth:`free_slots` gives it
+    back; no read finds it and no delete frees it in between."""
+
+    @property
+    def shm_name(self) -> str:
+        """The segment's shared-memory name (no leading slash), for :func:`kvstore.shm.attach_arena`."""
+        ...
+
+    def unlink_name(self) -> None:
+        """Remove the name from ``/dev/shm``; mappings stay. From then on only a process handed a
+        descriptor (:meth:`readonly_fd`) can map the arena."""
+        ...
+
+    def readonly_fd(self) -> int:
+        """A new read-only descriptor of the segment (the caller closes it)."""
+        ...
+
+    def location(self, key: BlockHash) -> tuple[int, int] | None:
+        """``(offset, size)`` of ``key``'s payload in the segment, or None."""
+        ...
+
+    def locations(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
+        """:meth:`location` of every key, under one lock."""
+        ...
+
+    def peek(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, int]], int]:
+        """``(offset, size)`` of the leading ``keys`` held now, and the free stamp they were seen at."""
+        ...
+
+    def freed_since(self, offsets: Iterable[int], stamp: int) -> bool:
+        """Whether a slot at one of ``offsets`` was freed after :meth:`peek` gave ``stamp``."""
+        ...
+
+    def reserve_slots(self, size: int, count: int) -> list[int]:
+        """Up to ``count`` fresh slots (offsets) for ``size``-byte blocks, named by no key."""
+        ...
+
+    def slot_view(self, off: int, size: int) -> memoryview:
+        """A writable view of a reserved slot."""
+        ...
+
+    def publish_slots(self, items: Sequence[tuple[BlockHash, int, BlockMeta]]) -> None:
+        """Enter reserved slots ``(key, offset, meta)`` whose payloads are written."""
+        ...
+
+    def free_slots(self, offsets: Iterable[int]) -> None:
+        """Give back reserved slots that were not published."""
+        ...
+
+
 class Tier(ABC):
     """Abstract tier. Subclasses set ``kind``, ``persistent`` and a frozen ``Config`` dataclass."""
 
@@ -271,6 +335,12 @@ class Tier(ABC):
 
     def close(self) -> None:  # noqa: B027
         """Release files, mappings and handles. Idempotent."""
+
+    def arena(self) -> Arena | None:
+        """The shared-memory arena this tier's payloads lie in, for zero-copy readers and
+        writers (:class:`Arena`); None (the default) when it has none. A wrapper answers for
+        the tier it wraps."""
+        return None
 
     @classmethod
     def read_offline(cls, name: str, config: Any, root: Path, clock: Clock) -> OfflineScan | None:

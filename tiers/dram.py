@@ -211,6 +211,10 @@ class DramTier(Tier):
 
     # ---- zero-copy surface -------------------------------------------------------------------
 
+    def arena(self) -> DramTier:
+        """This tier: every block lies in its shared-memory segment (:class:`tiers.base.Arena`)."""
+        return self
+
     @property
     def shm_name(self) -> str:
         """The arena's shared-memory name (no leading slash), for :func:`kvstore.shm.attach_arena`."""

@@ -27,7 +27,7 @@ from kvstore.block import BlockMeta
 from kvstore.buffers import Buffer
 from kvstore.errors import KVStoreError, UsageError
 from kvstore.keys import BlockHash
-from tiers.base import Tier, TierUsage
+from tiers.base import Arena, Tier, TierUsage
 
 OPERATIONS = (
     "contains",
@@ -94,6 +94,10 @@ class FaultyTier(Tier):
         if name == "inner":  # not set yet (during __init__ or unpickling): avoid recursion
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+    def arena(self) -> Arena | None:
+        """The inner tier's: reads and writes in place bypass the wrapper (no fault fires there)."""
+        return self.inner.arena()
 
     # ---- arming --------------------------------------------------------------------------------
 

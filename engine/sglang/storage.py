@@ -12,7 +12,7 @@ keeps deployments apart, as HiCacheFile's key suffixes do. ``batch_set_v1`` stor
 one sequence as one chain (with ``extra_info.prefix_keys`` the chain continues its prefix), so
 the daemon's prefix-closed index and eviction see SGLang's prefixes.
 
-Every call goes through the circuit breaker of ``engine.vllm.breaker``: with the daemon down or
+Every call goes through the circuit breaker of ``engine.breaker``: with the daemon down or
 slow, lookups answer "not there" at once, reads fail (SGLang recomputes) and writes are dropped;
 the breaker reconnects in the background.
 
@@ -48,7 +48,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from engine.vllm.breaker import DaemonLink
+from engine.breaker import DaemonLink
 from kvstore.client import Client, connect
 from kvstore.errors import ConfigError, KVStoreError, MissingPrefixError
 from kvstore.keys import DTYPE_BYTES, BlockHash, KVLayout, LayerGroup, Namespace

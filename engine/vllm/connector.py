@@ -13,7 +13,7 @@ and copied straight into the daemon's staging segment by a background thread; th
 never waits on the daemon.
 
 A dead or slow daemon costs a recompute, never an error or a wrong token: every call goes
-through a circuit breaker (``engine.vllm.breaker``); blocks that fail to load are reported to
+through a circuit breaker (``engine.breaker``); blocks that fail to load are reported to
 vLLM (``get_block_ids_with_load_errors``), which recomputes them; saves of a step in which a
 load failed are dropped, so KV computed over a failed load never reaches the store.
 """

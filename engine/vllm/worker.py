@@ -16,7 +16,7 @@ with CUDA once), which the daemon copies into its store while the next piece cro
 (:class:`engine.transfer.PagedSaver`). The forward pass never waits on the daemon.
 
 A dead or slow daemon costs a recompute, never an error or a wrong token: every call goes
-through a circuit breaker (``engine.vllm.breaker``); blocks that fail to load are reported to
+through a circuit breaker (``engine.breaker``); blocks that fail to load are reported to
 vLLM (``get_block_ids_with_load_errors``), which recomputes them; saves of a step in which a
 load failed are dropped, so KV computed over a failed load never reaches the store.
 
@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.breaker import DaemonLink
 from engine.gpu import (
     ArenaBlocks,
     HostBlocks,
@@ -44,7 +45,6 @@ from engine.gpu import (
     unregister_host,
 )
 from engine.transfer import ConcatSource, DeviceLoad, PagedLoader, PagedSaver, StagedSave
-from engine.vllm.breaker import DaemonLink
 from engine.vllm.config import ConnectorConfig
 from engine.vllm.pages import PagedKV, PageSpec, scales_digest
 from kvstore.client import Client, connect

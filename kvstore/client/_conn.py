@@ -31,10 +31,10 @@ from kvstore.errors import (
     UnknownNamespaceError,
     UsageError,
 )
-from kvstore.server import protocol as P
-from kvstore.server.fdpass import receive_fds
 from kvstore.shm import Segment, attach_arena
 from kvstore.ucxenv import Progress, apply_ucx_env, recv_all, send_all
+from kvstore.wire import protocol as P
+from kvstore.wire.fdpass import receive_fds
 
 log = logging.getLogger("kvstore.client")
 

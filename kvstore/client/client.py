@@ -13,16 +13,17 @@
 * ``ucx`` only when asked for (``plane="ucx"``).
 
 Control calls (pin, stats; lookups by token ids, and every lookup to a daemon that offers no
-LOOKUP frames) use HTTP over one keep-alive connection (``_http.HttpConn``: a plain socket, a
-lookup costs ~0.1 ms of client CPU where httpx took ~0.5 ms). Lookups by hashes go as LOOKUP
+LOOKUP frames) use HTTP over one keep-alive connection (:class:`kvstore.client.control.ControlClient`
+over ``_http.HttpConn``: a plain socket, a lookup costs ~0.1 ms of client CPU where httpx took
+~0.5 ms). Lookups by hashes go as LOOKUP
 frames on the data connection: the daemon's side of one costs about half of what HTTP did. Idempotent calls
 are retried after a reconnect (a daemon restart, a dropped connection), the first at once and
 then with back-off; a refused connection (nothing listens: the daemon is down) raises
 :class:`DaemonUnavailableError` at once, without retries. ``put`` is idempotent
 too (blocks are content-addressed and deduplicated). ``pin`` and ``unpin`` count, so they are
 not retried. A refusal raises the kvstore.errors class the daemon's error body names (``kind``),
-as the in-process store would (an older daemon's: the class its HTTP status maps to), and is
-not retried as a lost connection. Thread-safe: one lock serialises every call (both planes) on
+as the in-process store would (an older daemon's: the class its HTTP status maps to;
+:func:`kvstore.client.control.daemon_error`), and is not retried as a lost connection. Thread-safe: one lock serialises every call (both planes) on
 the connections.
 """
 
@@ -54,33 +55,26 @@ from kvstore.client._conn import (
     UcxTransport,
     open_staging,
 )
-from kvstore.client._http import HttpConn
+from kvstore.client.control import STATUS_ERRORS, ControlClient
 from kvstore.errors import (
-    AuthError,
     DaemonUnavailableError,
     ForbiddenError,
     KVStoreError,
-    LayoutMismatchError,
-    QuotaExceededError,
     UnknownNamespaceError,
     UsageError,
     error_class,
 )
 from kvstore.events import put_tokens_of
 from kvstore.keys import Namespace
-from kvstore.server import protocol as P
-from kvstore.server.fdpass import receive_fds
 from kvstore.shm import Prefault, attach_arena, remember_arena
+from kvstore.wire import protocol as P
+from kvstore.wire.fdpass import receive_fds
 
 T = TypeVar("T")
 PLANES = ("auto", "shm", "tcp", "ucx")
 log = logging.getLogger("kvstore.client")
 # What an error reply without a known ``kind`` (an older daemon, a proxy) raises, by status. The
 # body's ``kind`` says more: a 409 is a missing prefix, a layout mismatch or a refused guarantee.
-_STATUS: dict[int, type[KVStoreError]] = {
-    400: UsageError, 401: AuthError, 403: ForbiddenError, 404: UnknownNamespaceError,
-    409: LayoutMismatchError, 413: UsageError, 422: UsageError, 507: QuotaExceededError,
-}
 _STAGING_MIN = 64 << 20
 _SLOT_ALIGN = 4096  # the DRAM arena hands out slots in multiples of this (tiers/dram.py)
 
@@ -234,9 +228,8 @@ class Client:
         self.plane = ""
         self.timeout = timeout
         self.retries = retries
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._token = token or ""
-        self._http = HttpConn(self.url, headers, timeout)
+        self._control = ControlClient(self.url, token=token, timeout=timeout)
         self._lock = threading.RLock()
         self._conn: FrameConn | None = None
         self._arena: SharedMemory | None = None
@@ -382,7 +375,7 @@ class Client:
     def close(self) -> None:
         with self._lock:
             self._disconnect()
-            self._http.close()
+            self._control.close()
 
     def _settle(self) -> None:
         with self._lock:
@@ -404,20 +397,7 @@ class Client:
 
     def _json(self, method: str, path: str, body: Any = None) -> Any:
         self._settle()  # the daemon has this client's releases before its control calls
-        status, data = self._http.request(method, path, None if body is None else json.dumps(body).encode())
-        if status >= 400:
-            text = data.decode(errors="replace")
-            try:
-                body = json.loads(data)
-                detail, kind = body.get("detail", text), body.get("kind")
-            except (ValueError, AttributeError):
-                detail, kind = text, None
-            cls = error_class(kind) or _STATUS.get(status, KVStoreError)
-            raise cls(f"daemon: HTTP {status}: {detail}")
-        try:
-            return json.loads(data)
-        except ValueError as e:  # not the daemon (a proxy's page, say)
-            raise KVStoreError(f"daemon: HTTP {status} with a body that is not JSON: {data[:200]!r}") from e
+        return self._control.request(method, path, body)
 
     def _register(self, ns: Namespace, ttl_s: float | None) -> None:
         r = self._json("POST", "/v1/namespaces", {"namespace": ns.to_dict(), "ttl_s": ttl_s})
@@ -476,7 +456,7 @@ class Client:
             except P.ProtocolError as e:
                 raise ConnectionLost(f"malformed reply from the daemon: {e}") from e
             if isinstance(r, P.Refusal):  # the class the daemon names, as over HTTP
-                cls = error_class(r.kind) or _STATUS.get(r.status, KVStoreError)
+                cls = error_class(r.kind) or STATUS_ERRORS.get(r.status, KVStoreError)
                 raise cls(f"daemon: {r.detail} ({r.kind}, status {r.status})")
             return LookupResult(r[0], ns.block_tokens, r[1], r[2])
 

@@ -24,9 +24,9 @@ import numpy as np
 
 from engine.demo import fake_prefill
 from kvstore.client import connect
+from kvstore.client.control import control
 from kvstore.client.spawn import LocalDaemon, start_daemon
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
-from kvstore.route._http import control
 from kvstore.route.handoff import offer, receive
 from kvstore.version import version
 

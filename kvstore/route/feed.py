@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from kvstore.route.wire import END_SEQ, KVEventBatch, decoder, seq_bytes
+from kvstore.wire.kvevents import END_SEQ, KVEventBatch, decoder, seq_bytes
 
 Sink = Callable[[list[Any]], None]
 
@@ -47,7 +47,7 @@ class Feed:
     publish: str
     replay: str
     sink: Sink
-    """Called with each batch's events (decoded :mod:`kvstore.route.wire` structs)."""
+    """Called with each batch's events (decoded :mod:`kvstore.wire.kvevents` structs)."""
     on_reset: Callable[[], None]
     """Called when the node must be forgotten (a restart) before its replay from 0."""
     ctx: zmq.Context[Any]

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.client import Client, connect
+from kvstore.client.control import ControlClient
 from kvstore.errors import BlockNotFound, DaemonUnavailableError, KVStoreError
 from kvstore.keys import Namespace
-from kvstore.route._http import control
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,18 +46,24 @@ def offer(client: Client, ns: Namespace, hashes: Sequence[bytes], blocks: Any, r
     synced to a persistent tier and kept through a daemon restart (the hold's call waits up to
     ``timeout`` for that copy)."""
     client.put(ns, hashes, blocks, start=start, durable=durable)
-    body = {"ns": bytes(ns.root).hex(), "hashes": [bytes(h).hex() for h in hashes],
-            "request_id": request_id, "ttl_s": ttl_s, "durable": durable}
-    return control(client.url, "POST", "/v1/handoffs", body, token=token, timeout=timeout)
+    with ControlClient(client.url, token=token, timeout=timeout) as daemon:
+        return daemon.offer_handoff(bytes(ns.root).hex(), [bytes(h).hex() for h in hashes], request_id,
+                                    ttl_s=ttl_s, durable=durable)
 
 
 def receive(url: str, ns: Namespace, hashes: Sequence[bytes], dst: Any, request_id: str, *,
             token: str | None = None, plane: str = "tcp", timeout: float = 5.0) -> Received:
     """Load a handoff from the prefill node at ``url`` into ``dst`` and confirm it. Never
     raises for what a decode node handles by recomputing (see :attr:`Received.state`)."""
-    path = f"/v1/handoffs/{request_id}"
+    with ControlClient(url, token=token, timeout=timeout) as daemon:
+        return _receive(daemon, ns, hashes, dst, request_id, token, plane, timeout)
+
+
+def _receive(daemon: ControlClient, ns: Namespace, hashes: Sequence[bytes], dst: Any, request_id: str,
+             token: str | None, plane: str, timeout: float) -> Received:
+    url = daemon.url
     try:
-        st = control(url, "GET", path, token=token, timeout=timeout)
+        st = daemon.handoff(request_id)
     except DaemonUnavailableError as e:
         return Received(0, True, "unreachable", str(e))
     except BlockNotFound as e:
@@ -73,7 +79,7 @@ def receive(url: str, ns: Namespace, hashes: Sequence[bytes], dst: Any, request_
     if n < len(hashes):
         return Received(n, True, "ready", f"only {n} of {len(hashes)} blocks were there")
     try:
-        control(url, "POST", path + "/confirm", token=token, timeout=timeout)
+        daemon.confirm_handoff(request_id)
     except KVStoreError as e:  # the KV is here; the prefill node's deadline ends the hold
         return Received(n, False, "ready", f"confirm failed: {e}")
     return Received(n, False, "released")

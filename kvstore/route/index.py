@@ -27,7 +27,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 def hash_keys(hashes: Sequence[bytes], mask: int = 0) -> np.ndarray:
     """Block hashes (16 bytes each) as index keys: their first 8 bytes as little-endian u64,
-    XOR ``mask`` (a tenant's, :func:`kvstore.route.wire.tenant_mask`)."""
+    XOR ``mask`` (a tenant's, :func:`kvstore.wire.kvevents.tenant_mask`)."""
     if not hashes:
         return np.zeros(0, dtype=np.uint64)
     width = len(hashes[0])

@@ -1,7 +1,7 @@
 """The routing helper: which node holds the longest cached prefix of a prompt, on which tier.
 
 A :class:`Router` subscribes to the KV event streams of several daemons (vLLM's format, see
-:mod:`kvstore.route.wire`), keeps one :class:`~kvstore.route.index.PrefixIndex` for all of them
+:mod:`kvstore.wire.kvevents`), keeps one :class:`~kvstore.route.index.PrefixIndex` for all of them
 and answers :meth:`Router.route` from memory::
 
     r = Router()
@@ -36,11 +36,11 @@ import numpy as np
 import xxhash
 import zmq
 
+from kvstore.client.control import ControlClient
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.route._http import control
 from kvstore.route.feed import Feed
 from kvstore.route.index import BITS, MAX_NODES, PrefixIndex, hash_keys
-from kvstore.route.wire import AllBlocksCleared, BlockRemoved, BlockStored, tenant_mask
+from kvstore.wire.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, tenant_mask
 
 MEDIA_RANK = {"hbm": 0, "gpu": 0, "dram": 1, "cpu": 1, "nvme": 2, "disk": 2, "object": 3, "s3": 3}
 """Speed order of the tier names kvstore and vLLM use (lower is faster); others rank last."""
@@ -112,7 +112,8 @@ class Router:
         if publish is None:
             if url is None:
                 raise ValueError("add_node needs the daemon's url or its publish endpoint")
-            ep = control(url, "GET", "/v1/events" + ("?all=true" if all_tenants else ""), token=token)
+            with ControlClient(url, token=token, timeout=5.0) as daemon:
+                ep = daemon.events(all_tenants)
             publish, replay = ep["publish"], ep["replay"]
             if ep.get("auth") == "plain":
                 auth = (ep["username"], token)
@@ -134,7 +135,7 @@ class Router:
 
     def add_events_node(self, name: str) -> Callable[[list[Any]], None]:
         """A node whose events the caller delivers (another transport, a benchmark): returns
-        the function to call with each batch's events (:mod:`kvstore.route.wire` structs)."""
+        the function to call with each batch's events (:mod:`kvstore.wire.kvevents` structs)."""
         with self._lock:
             if any(n.name == name for n in self._nodes):
                 raise ValueError(f"node {name!r} is already followed")

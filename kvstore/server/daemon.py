@@ -30,11 +30,11 @@ import uvicorn
 from kvstore.clock import Clock, system_clock
 from kvstore.config import StoreConfig
 from kvstore.errors import KVStoreError
+from kvstore.registry import tier_class
 from kvstore.server.app import make_app
 from kvstore.server.config import ServerConfig, check_exposure
 from kvstore.server.dataplane import DataContext, TcpDataServer
 from kvstore.server.devcopy import DeviceCopier
-from kvstore.server.fdpass import FdServer
 from kvstore.server.limits import (
     ConnectionGate,
     InflightBytes,
@@ -46,7 +46,7 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.service import Service, load_secret
 from kvstore.shm import attach_arena
 from kvstore.store import KVStore
-from tiers.nvme import lock_holder
+from kvstore.wire.fdpass import FdServer
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +118,13 @@ class Daemon:
             service = Service(store, cfg, load_secret(self.store_config.root), clock=self.clock)
             await loop.run_in_executor(pool, self._attach_routing, service)  # kvevents.py, handoff.py
             arena_shm = attach_arena(service.arena) if service.arena else None
-            first = store.tiers[0]
-            if arena_shm is not None and hasattr(first, "unlink_name"):
+            # The store's arena (the tier its leases live in), which service.arena names.
+            arena = store.arena_tier.arena() if store.arena_tier is not None else None
+            if arena_shm is not None and arena is not None:
                 # From here on the arena has no name: clients granted shared memory get a
                 # read-only descriptor of it (docs/daemon.md, "Who is trusted with what").
-                arena_fd = first.readonly_fd()
-                first.unlink_name()
+                arena_fd = arena.readonly_fd()
+                arena.unlink_name()
                 fds = FdServer()
                 fds.start()
             lim = cfg.limits
@@ -208,7 +209,7 @@ class Daemon:
         """A second daemon on a directory gets the holder's pid, not RocksDB's lock error."""
         root = Path(self.store_config.root)
         for spec in self.store_config.tiers:
-            if spec.kind == "nvme" and (pid := lock_holder(root, spec.name)) is not None:
+            if (pid := tier_class(spec.kind).holder(spec.name, root)) is not None:
                 raise KVStoreError(
                     f"the store directory {root} is in use by process {pid} (another kvstore daemon, "
                     "or a program with the store open); stop it, or give this daemon another --data-dir"

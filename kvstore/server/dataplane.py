@@ -1,12 +1,12 @@
 """The data plane: one session per client connection, over TCP (here) or UCX (ucx.py).
 
-A session speaks the frames of :mod:`kvstore.server.protocol`. Payloads never pass through
+A session speaks the frames of :mod:`kvstore.wire.protocol`. Payloads never pass through
 JSON or HTTP, and the daemon copies no block it serves from the DRAM arena: a GET takes a lease
 on the blocks (promoting them into the arena if needed) and hands views of the arena straight to
 ``sendmsg``; a same-node client instead maps the arena itself, read-only, and receives offsets
 (ACQUIRE), or writes into a daemon-made staging segment that the daemon puts from (PUT_SHM,
 each block's checksum verified first). Neither segment has a name another process could open:
-their descriptors reach the client through :mod:`kvstore.server.fdpass`.
+their descriptors reach the client through :mod:`kvstore.wire.fdpass`.
 
 Failure containment: a malformed or oversized frame gets an error frame and that connection is
 closed; a client that dies mid-transfer only ends its own session. Whatever a session holds
@@ -40,14 +40,14 @@ import numpy as np
 from kvstore.api import Lease
 from kvstore.block import payload_checksum
 from kvstore.errors import error_kind
-from kvstore.server import protocol as P
 from kvstore.server.config import is_loopback
 from kvstore.server.devcopy import DeviceCopier
-from kvstore.server.fdpass import FdServer
 from kvstore.server.limits import ConnectionGate, InflightBytes, peer_of, silent
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import AuthError, Service, Tenant, classify
 from kvstore.shm import Segment, memfd_segment
+from kvstore.wire import protocol as P
+from kvstore.wire.fdpass import FdServer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

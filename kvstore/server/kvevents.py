@@ -4,7 +4,7 @@
 a sink of the store's block hooks (``StoreEvents.sinks``) that turns every block stored,
 promoted or demoted (``BlockStored`` with the tier as ``medium``), every copy or block that
 leaves (``BlockRemoved``) and its own start (``AllBlocksCleared``: "forget what this node said
-before") into :class:`kvstore.route.wire.KVEventBatch` batches on a PUB socket, one
+before") into :class:`kvstore.wire.kvevents.KVEventBatch` batches on a PUB socket, one
 sequence number per batch, with vLLM's replay protocol on a ROUTER socket (``replay``, default
 ``publish``'s port + 1). Routers that speak vLLM's events (Dynamo, llm-d, SGLang's router, and
 :mod:`kvstore.route`) read it as they read an engine's.
@@ -23,7 +23,7 @@ the same host (PLAIN with its own name and token), so a subscriber sees only the
 may see; ``GET /v1/events`` tells a tenant its endpoints. The topic frame is
 ``"<tenant>@<epoch>"`` (epoch: this publisher's start, hex): a subscriber that sees it change
 knows the daemon restarted and resynchronises. On the stream of every tenant each hash carries
-:func:`kvstore.route.wire.tenant_mask` of its tenant XORed into its first 8 bytes (the same
+:func:`kvstore.wire.kvevents.tenant_mask` of its tenant XORed into its first 8 bytes (the same
 prompt of two tenants is two blocks there, and a replayed batch, which has no topic, still says
 whose it is); a tenant's own stream carries its hashes as its clients compute them.
 
@@ -74,22 +74,22 @@ from operator import attrgetter, countOf, itemgetter
 from typing import Any, cast
 
 import msgspec
-import numpy as np
 import zmq
 
 from kvstore.events import BlockRun, EventsConfig, PutChain, PutTokens, block_changes
 from kvstore.keys import Namespace
-from kvstore.route.wire import (
+from kvstore.store import KVStore
+from kvstore.wire.kvevents import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     masked,
+    msgpack_ints,
     seq_bytes,
     tenant_mask,
 )
-from kvstore.store import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -153,23 +153,6 @@ class _Stream:
     buffer_bytes: int = 0
     """Payload bytes in ``buffer`` (kept under ``[events] replay_bytes``)."""
     pending: dict[int, list[Any]] = field(default_factory=dict)  # tenant -> events of this cycle
-
-
-_INT32 = np.dtype([("tag", "u1"), ("value", ">i4")])
-
-
-def _msgpack_ints(tokens: bytes) -> msgspec.Raw:
-    """int32 token ids (little-endian bytes) as a msgpack array, built by numpy: each an
-    ``int 32`` (0xd2 and 4 bytes big-endian), which every msgpack decoder reads as the same
-    integers (vLLM's: ``list[int]``). A list of Python ints for msgspec to encode cost ~30 ns a
-    token; this, ~3."""
-    ids = np.frombuffer(tokens, "<i4")
-    out = np.empty(ids.size, _INT32)
-    out["tag"] = 0xD2
-    out["value"] = ids
-    n = ids.size
-    head = b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
-    return msgspec.Raw(head + out.tobytes())
 
 
 def _token_slices(tokens: PutTokens) -> tuple[bytes, int, dict[bytes, int]]:
@@ -773,7 +756,7 @@ class KVEventPublisher:
                 continue
             n += len(e.block_hashes)
             if type(e) is BlockStored and e.token_ids:
-                e.token_ids = _msgpack_ints(b"".join(e.token_ids))  # type: ignore[arg-type, assignment]  # bytes, then Raw
+                e.token_ids = msgpack_ints(b"".join(e.token_ids))  # type: ignore[arg-type, assignment]  # bytes, then Raw
         self._counts["block_events"] += n
         return enc.encode(KVEventBatch(ts=time.time(), events=events))
 

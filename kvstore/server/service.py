@@ -53,9 +53,9 @@ from kvstore.inspection import layout_conflicts, pin_summary
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.retention import PinRecord
 from kvstore.server.config import ANONYMOUS, ServerConfig, TenantSpec
-from kvstore.server.protocol import ErrorCode
 from kvstore.store import KVStore
 from kvstore.store.reservation import Reservation as SlotReservation
+from kvstore.wire.protocol import ErrorCode
 
 SECRET_FILE = "server-secret"
 SECRET_BYTES = 32

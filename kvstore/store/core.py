@@ -50,6 +50,7 @@ from kvstore.store.placer import Placer
 from kvstore.store.puts import Storer
 from kvstore.store.reservation import Reservation
 from kvstore.store.validate import check_store_config
+from tiers.base import Arena, Tier
 
 log = logging.getLogger("kvstore.store")
 
@@ -110,21 +111,26 @@ class KVStore:
         self._loader = Loader(self.tiers, self._ledger, self._placer, self._lock, clock)
         self._storer = Storer(self._ledger, self._placer)
         self._persistent = [k for k, t in enumerate(self.tiers) if t.persistent]
-        # Leases live in the first tier that is a shared-memory arena (not necessarily tier 0).
-        self._arena = next(
-            (k for k, t in enumerate(self.tiers) if getattr(t, "shm_name", None) and hasattr(t, "location")), None
-        )
+        # Leases live in the first tier that exposes a shared-memory arena (not necessarily tier 0).
+        self._arena: int | None = None
+        self._arena_of: Arena | None = None
+        for k, t in enumerate(self.tiers):
+            if (found := t.arena()) is not None:
+                self._arena, self._arena_of = k, found
+                break
         restart.recover(self.tiers, self._ledger, self._placer, self._namespaces, self._pins, config, clock)
         self._namespaces.save(self._namespaces.snapshot())
 
     @property
     def arena(self) -> str | None:
         """Name of the shared-memory arena leases point into (None: the store has none)."""
-        return None if self._arena is None else self.tiers[self._arena].shm_name
+        return None if self._arena_of is None else self._arena_of.shm_name
 
     @property
-    def arena_tier(self) -> Any | None:
-        """The tier leases live in: the first shared-memory tier, wherever it is (None: none)."""
+    def arena_tier(self) -> Tier | None:
+        """The tier leases live in: the first tier whose :meth:`~tiers.base.Tier.arena` is not
+        None, wherever it is (None: none). Its arena is the one the daemon maps and hands to
+        same-node clients."""
         return None if self._arena is None else self.tiers[self._arena]
 
     # ---- namespaces ---------------------------------------------------------------------------
@@ -259,7 +265,8 @@ class KVStore:
                 "add a kind = 'dram' tier first in the config"
             )
         a = self._arena
-        arena = self.tiers[a]
+        arena = self._arena_of
+        assert arena is not None
         bb = info.block_bytes
         trace = self.events.request(info.namespace, hashes, "acquire")  # type: ignore[arg-type]  # _ns(): registered, not None
         self._loader.discover(info, hashes)
@@ -310,9 +317,9 @@ class KVStore:
         kept only for the leading blocks :meth:`confirm_peek` confirms against a lease taken
         afterwards; the rest are read again from the lease."""
         self._ns(ns)
-        if self._arena is None:
+        arena = self._arena_of
+        if arena is None:
             raise UsageError("peek_arena needs a shared-memory tier: add a kind = 'dram' tier first in the config")
-        arena = self.tiers[self._arena]
         locations, stamp = arena.peek(hashes)
         return ArenaPeek(arena.shm_name, tuple(locations), stamp)
 
@@ -322,14 +329,14 @@ class KVStore:
         same locations, provided no slot of them was freed since the peek (then they held those
         very blocks throughout, and the lease keeps them there). 0 when any was freed: read them
         again from the lease."""
-        if self._arena is None or peek.arena != lease.arena:
+        if self._arena_of is None or peek.arena != lease.arena:
             return 0
         k = 0
         for a, b in zip(peek.locations, lease.locations, strict=False):
             if a != b:
                 break
             k += 1
-        if k and self.tiers[self._arena].freed_since([off for off, _ in peek.locations[:k]], peek.stamp):
+        if k and self._arena_of.freed_since([off for off, _ in peek.locations[:k]], peek.stamp):
             return 0
         return k
 
@@ -454,7 +461,10 @@ class KVStore:
             except BaseException:
                 storer.complete_store(plan)
                 raise
-        tier, bb = self.tiers[0], info.block_bytes
+        arena = self.tiers[0].arena()
+        assert arena is not None  # (reservable)
+        tier: Arena = arena
+        bb = info.block_bytes
         ahead: list[Any] = []  # the records of the slots' blocks, when prepared before the commit
 
         def prepare() -> None:

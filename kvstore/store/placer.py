@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eviction.admission import ChildIndex
 from eviction.base import EvictionPolicy
 from kvstore.block import CHECKSUM_DEFERRED, BlockMeta, payload_checksum
 from kvstore.clock import Clock
@@ -45,6 +44,7 @@ from kvstore.retention import PinBook
 from kvstore.store._common import Scratch
 from kvstore.store.ledger import Ledger, bits
 from kvstore.store.namespaces import NamespaceTable
+from kvstore.tree import ChildIndex
 
 log = logging.getLogger("kvstore.store")
 

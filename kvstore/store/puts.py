@@ -42,6 +42,7 @@ from kvstore.keys import BlockHash
 from kvstore.store.ledger import Ledger, lowest_bit
 from kvstore.store.namespaces import NsInfo
 from kvstore.store.placer import WRITE_ATTEMPTS, Placer
+from tiers.base import Arena
 
 log = logging.getLogger("kvstore.store")
 
@@ -275,7 +276,7 @@ class Storer:
         """None when :meth:`reserve` can serve this store, else why not: the first tier must
         hand out arena slots (a shared-memory DRAM tier) and admit every block."""
         first = self.tiers[0]
-        if not callable(getattr(first, "reserve_slots", None)):
+        if first.arena() is None:
             return f"its first tier {first.name!r} ({first.kind}) is no shared-memory DRAM arena"
         if not self._direct():
             return f"its first tier's policy ({type(self.ledger.policies[0]).__name__}) may refuse blocks"
@@ -296,7 +297,7 @@ class Storer:
         plan.stored_to = start + lead
         if plan.stored_to < fresh or fresh >= n:
             return plan.stored_to, []
-        tier, bb, protect = self.tiers[0], plan.info.block_bytes, set(ids)
+        tier, bb, protect = self._arena(), plan.info.block_bytes, set(ids)
         want = n - fresh
         if want > 1:
             self.placer.reserve(0, want, bb, protect)
@@ -315,6 +316,12 @@ class Storer:
         self.writing.update(ids[fresh : fresh + len(slots)])
         return fresh, slots
 
+    def _arena(self) -> Arena:
+        """The first tier's arena, where reservations are (:meth:`reservable` said it has one)."""
+        arena = self.tiers[0].arena()
+        assert arena is not None
+        return arena
+
     @staticmethod
     def slot_metas(plan: StorePlan, first: int, count: int) -> list[BlockMeta]:
         """The records :meth:`commit` publishes with reserved blocks ``first .. first+count-1``.
@@ -330,7 +337,7 @@ class Storer:
         :meth:`complete_store` as after a put. ``metas``: :meth:`slot_metas` of ``count``
         blocks at least, built ahead (else built here)."""
         hashes, ids, now = plan.hashes, plan.ids, plan.now
-        tier, bb = self.tiers[0], plan.info.block_bytes
+        tier, bb = self._arena(), plan.info.block_bytes
         self.writing.difference_update(ids[first : first + len(slots)])
         try:
             if count:

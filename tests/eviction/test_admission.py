@@ -11,7 +11,6 @@ import pytest
 from eviction.admission import (
     LEARNED_FEATURES,
     Admission,
-    ChildIndex,
     LearnedAdmission,
     LearnedConfig,
     ReuseAdmission,
@@ -162,24 +161,6 @@ def test_an_inner_block_whose_subtree_is_above_is_written(tmp_path: Path) -> Non
     assert _in_last(s, [0, 1, 2]) == 3
     assert Never.asked == []
     s.close()
-
-
-def test_child_index_is_exact_as_the_tree_changes() -> None:
-    idx = RadixIndex()
-    a = idx.insert_chain([b"a%d" % i for i in range(4)], NO_PARENT, 0, 1, 0, 1, 0.0, 1e9).tolist()
-    fork = idx.insert_chain([b"f%d" % i for i in range(3)], a[1], 2, 1, 0, 1, 0.0, 1e9).tolist()
-    kids = ChildIndex(idx)
-    assert sorted(kids.below(a[1])) == sorted(a[2:] + fork)
-    built = kids.rebuilds
-    assert kids.below(a[2]) == [a[3]] and kids.rebuilds == built  # nothing changed: no rebuild
-    more = idx.insert_chain([b"g0", b"g1"], fork[0], 3, 1, 0, 1, 0.0, 1e9).tolist()  # grown since
-    assert sorted(kids.below(fork[0])) == sorted(fork[1:] + more)
-    assert kids.rebuilds == built + 1
-    idx.remove(fork[2])
-    idx.remove(fork[1])
-    recycled = idx.insert_chain([b"h0"], a[3], 4, 1, 0, 1, 0.0, 1e9).tolist()  # a freed id, elsewhere
-    assert sorted(kids.below(a[1])) == sorted([a[2], a[3], fork[0], *more, *recycled])
-    assert kids.below(a[1]) == sorted(idx.subtree(np.array([a[1]])).tolist()[1:], key=kids.below(a[1]).index)
 
 
 def test_pinned_prefix_is_always_stored(tmp_path: Path) -> None:

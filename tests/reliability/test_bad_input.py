@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from kvstore.client import connect
 from kvstore.errors import UsageError
-from kvstore.server import protocol as P
 from kvstore.server.daemon import ThreadedDaemon
+from kvstore.wire import protocol as P
 from tests.conftest import BB, SMALL_NS, chain_for, payload
 from tests.kvstore.conftest import TENANTS, TOKEN_A, TOKEN_B, TOKEN_OPS
 from tests.reliability.harness import pick

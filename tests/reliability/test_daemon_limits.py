@@ -15,7 +15,7 @@ import numpy as np
 
 from kvstore.client import connect
 from kvstore.client.spawn import start_daemon
-from kvstore.server import protocol as P
+from kvstore.wire import protocol as P
 from tests.conftest import BB, SMALL_NS, chain_for, payload
 from tests.reliability.harness import crash_tiers, pick, write_config
 

@@ -19,10 +19,10 @@ from collections.abc import Callable
 import numpy as np
 
 from kvstore.client import connect
-from kvstore.server import protocol as P
 from kvstore.server.config import Limits, TenantSpec
 from kvstore.server.daemon import ThreadedDaemon
-from kvstore.server.fdpass import MAX_PENDING_CLAIMS, MAX_TICKETS_PER_OWNER, FdServer
+from kvstore.wire import protocol as P
+from kvstore.wire.fdpass import MAX_PENDING_CLAIMS, MAX_TICKETS_PER_OWNER, FdServer
 from tests.conftest import BB, SMALL_NS, chain_for, payload
 from tests.kvstore.conftest import eventually
 from tests.reliability.harness import pick

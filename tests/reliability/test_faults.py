@@ -27,10 +27,10 @@ from kvstore.config import StoreConfig, TierSpec
 from kvstore.errors import KVStoreError, TierIOError
 from kvstore.registry import make_tier
 from kvstore.server import daemon as daemon_module
-from kvstore.server import protocol as P
 from kvstore.server.config import Limits, ServerConfig
 from kvstore.server.daemon import ThreadedDaemon
 from kvstore.store import KVStore
+from kvstore.wire import protocol as P
 from tests.conftest import BB, SMALL_NS, chain_for, payload, s3_options, small_tiers
 from tests.kvstore.conftest import eventually
 from tests.reliability.harness import percentiles

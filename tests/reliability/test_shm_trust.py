@@ -17,8 +17,8 @@ import pytest
 from kvstore.client import connect
 from kvstore.client.spawn import start_daemon
 from kvstore.errors import UsageError
-from kvstore.server import protocol as P
 from kvstore.shm import _RECEIVED
+from kvstore.wire import protocol as P
 from tests.conftest import BB, SMALL_NS, chain_for, payload
 from tests.reliability.harness import crash_tiers, write_config
 
@@ -100,3 +100,18 @@ def test_a_put_over_shm_whose_staged_bytes_do_not_match_their_checksums_is_refus
             conn.call(P.Op.PUT_SHM, staged_checksum)
         assert a.lookup(SMALL_NS, chain).num_blocks == 1
         assert a.put(SMALL_NS, chain, _blocks(chain[1:]), start=1) == 1  # the right ones go in
+
+
+def test_the_arena_has_no_name_wherever_it_is_in_the_tiers(tmp_path: Path) -> None:
+    """The daemon maps, unlinks and hands out the store's arena (the tier its leases live in),
+    here DRAM under a null tier: not the first tier's."""
+    tiers = [("fast", "null", {"capacity_blocks": 2}), *crash_tiers()[:2]]
+    cfg = write_config(tmp_path / "kvstore.toml", tiers, events=False)
+    with start_daemon(tmp_path / "store", cfg) as d, connect(d.url, plane="shm") as c:
+        c.register_namespace(SMALL_NS)
+        chain = chain_for(3, 6)
+        assert c.put(SMALL_NS, chain, _blocks(chain)) == 6
+        with c.acquire(SMALL_NS, chain) as lease:
+            assert lease.num_blocks == 6
+        mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"kvs-{d.pid}-")]
+        assert not mine, f"segments anyone of this user can open: {mine}"

@@ -1,11 +1,14 @@
 """The one suite every tier passes (the Tier contract of tiers/base.py), run once per kind.
 
-Persistent kinds also pass the restart and corruption tests. Every kind, wrapped in a
-FaultyTier, raises the injected errors and otherwise behaves like itself.
+Persistent kinds also pass the restart and corruption tests; kinds that expose a shared-memory
+arena (``Tier.arena``) pass the arena's tests. Every kind, wrapped in a FaultyTier, raises the
+injected errors and otherwise behaves like itself.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +27,8 @@ from kvstore.errors import (
     TierIOError,
     UsageError,
 )
-from tiers.base import Tier, TierUsage
+from kvstore.shm import attach_arena
+from tiers.base import Arena, Tier, TierUsage
 from tiers.faulty import FaultyTier
 
 KiB = 1024
@@ -354,6 +358,69 @@ def test_describe(tier: Tier, make_block: MakeBlock) -> None:
     assert d["persistent"] is tier.persistent
 
 
+# ---- the shared-memory arena (kinds that expose one) -------------------------------------------
+
+
+def _arena(tier: Tier) -> Arena:
+    arena = tier.arena()
+    if arena is None:
+        pytest.skip(f"tier kind {tier.kind!r} exposes no shared-memory arena")
+    assert isinstance(arena, Arena)
+    return arena
+
+
+def test_arena_locations_point_at_the_payloads(tier: Tier, make_block: MakeBlock) -> None:
+    arena = _arena(tier)
+    blocks = [make_block(4096, seed=s) for s in (101, 102, 103)]
+    for b in blocks[:2]:
+        _put(tier, b)
+    shm = attach_arena(arena.shm_name)
+    try:
+        locs = arena.locations([b.key for b in blocks])
+        assert locs[2] is None and arena.location(blocks[2].key) is None
+        for b, loc in zip(blocks[:2], locs[:2], strict=True):
+            assert loc is not None and loc == arena.location(b.key) and loc[1] == b.meta.size
+            assert bytes(shm.buf[loc[0] : loc[0] + loc[1]]) == b.data
+        fd = arena.readonly_fd()
+        try:
+            with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as ro:
+                off, size = locs[0]  # type: ignore[misc]
+                assert ro[off : off + size] == blocks[0].data
+        finally:
+            os.close(fd)
+    finally:
+        shm.close()
+
+
+def test_arena_peek_sees_leading_blocks_and_frees(tier: Tier, make_block: MakeBlock) -> None:
+    arena = _arena(tier)
+    a, b, c = (make_block(4096, seed=s) for s in (111, 112, 113))
+    _put(tier, a)
+    _put(tier, c)
+    locations, stamp = arena.peek([a.key, b.key, c.key])
+    assert locations == [arena.location(a.key)]  # up to the first block it lacks
+    offsets = [off for off, _ in locations]
+    assert not arena.freed_since(offsets, stamp)
+    assert tier.delete(a.key)
+    assert arena.freed_since(offsets, stamp)
+
+
+def test_arena_reserved_slots_publish_or_free(tier: Tier, make_block: MakeBlock) -> None:
+    arena = _arena(tier)
+    a, b = make_block(4096, seed=121), make_block(4096, seed=122)
+    slots = arena.reserve_slots(4096, 2)
+    assert len(slots) == 2 and not tier.contains(a.key)
+    view = arena.slot_view(slots[0], 4096)
+    view[:] = a.data
+    del view
+    arena.publish_slots([(a.key, slots[0], a.meta)])
+    arena.free_slots(slots[1:])
+    assert tier.contains(a.key) and not tier.contains(b.key)
+    assert arena.location(a.key) == (slots[0], 4096)
+    assert _read(tier, a) == a.data
+    assert tier.usage().blocks == 1
+
+
 # ---- fault injection ------------------------------------------------------------------------
 
 
@@ -433,6 +500,7 @@ def test_faulty_passes_through_extras(plain_tier: Tier, make_block: MakeBlock) -
     assert faulty.fits(100) == plain_tier.fits(100)
     assert faulty.describe()["faults_injected"] == 0
     assert dict(faulty.scan()) == dict(plain_tier.scan())
+    assert faulty.arena() is plain_tier.arena()  # the inner tier's arena, or None for both
     faulty.inject("scan", TierIOError)
     with pytest.raises(KVStoreError):
         faulty.scan()

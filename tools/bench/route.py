@@ -60,9 +60,9 @@ from kvstore.config import StoreConfig, TierSpec
 from kvstore.events import EventLog, EventsConfig, PutChain
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.route import Router, control, offer, receive
-from kvstore.route.wire import BlockStored
 from kvstore.server.kvevents import KVEventPublisher
 from kvstore.store import KVStore
+from kvstore.wire.kvevents import BlockStored
 from tools.bench._common import median_trial, result
 from tools.bench._daemon import BENCH_NS
 from tools.bench.tcp import raw_round, raw_sender

@@ -5,12 +5,24 @@ same JSON-able shapes, so every command renders one way whatever the source."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstore.client.control import ControlClient
 from kvstore.config import StoreConfig
-from kvstore.errors import KVStoreError
+from kvstore.errors import (
+    AuthError,
+    BlockNotFound,
+    DaemonUnavailableError,
+    ForbiddenError,
+    KVStoreError,
+    LayoutMismatchError,
+    MissingPrefixError,
+    RetentionError,
+    UnknownNamespaceError,
+    UsageError,
+)
 from kvstore.events import decode_hashes, key_int, read_events
 from kvstore.inspection import layout_warnings, namespace_row, top_prefixes
 from kvstore.keys import Namespace, hash_blocks
@@ -47,46 +59,38 @@ class Refused(KvctlError):
 
 
 class DaemonBackend:
-    """A running daemon's control plane; every call needs an admin tenant's token (or the
-    daemon's anonymous tenant, which is admin)."""
+    """A running daemon's control plane (:class:`kvstore.client.control.ControlClient`); every
+    call needs an admin tenant's token (or the daemon's anonymous tenant, which is admin)."""
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 60.0) -> None:
-        import httpx
-
         self.url = url.rstrip("/")
-        self._httpx = httpx
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._daemon = ControlClient(self.url, token=token, timeout=timeout)
 
     def close(self) -> None:
-        self._http.close()
+        self._daemon.close()
 
-    def _call(self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None) -> Any:
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, a call of the control client, with the daemon's refusals as kvctl's errors."""
         try:
-            r = self._http.request(method, path, json=body, params=params)
-        except self._httpx.TransportError as e:
+            return fn()
+        except DaemonUnavailableError as e:
             raise Unreachable(
                 f"cannot reach the kvstore daemon at {self.url} ({e}); is it running (`kvstore serve`)? "
                 "To read a store directory without a daemon: kvctl --dir DIR ..."
             ) from e
-        if r.status_code < 400:
-            return r.json()
-        try:
-            detail = r.json().get("detail", r.text)
-        except ValueError:
-            detail = r.text
-        if r.status_code in (401, 403):
-            raise KvctlError(f"the daemon refused: {detail}; kvctl needs an admin tenant's token (--token or $KVSTORE_TOKEN)")
-        if r.status_code == 404:
-            raise NotFound(str(detail))
-        if r.status_code in (400, 413, 422):
-            raise BadUsage(str(detail))
-        if r.status_code == 409:
-            raise Refused(f"the daemon refused: {detail}")
-        raise KvctlError(f"the daemon answered HTTP {r.status_code}: {detail}")
+        except (AuthError, ForbiddenError) as e:
+            raise KvctlError(f"the daemon refused: {e}; kvctl needs an admin tenant's token (--token or $KVSTORE_TOKEN)") from None
+        except (UnknownNamespaceError, BlockNotFound) as e:
+            raise NotFound(str(e)) from None
+        except (RetentionError, LayoutMismatchError, MissingPrefixError) as e:
+            raise Refused(f"the daemon refused: {e}") from None
+        except UsageError as e:
+            raise BadUsage(str(e)) from None
+        except KVStoreError as e:
+            raise KvctlError(str(e)) from None
 
     def stats(self) -> dict[str, Any]:
-        s = self._call("GET", "/v1/stats")
+        s = self._call(self._daemon.stats)
         if "store" not in s:
             raise KvctlError("the daemon shows store-wide stats only to an admin tenant; pass an admin --token")
         return {"source": self.url, **s["store"], "tenants": s.get("tenants", []), "pins": self.pins(None)["summary"]}
@@ -95,35 +99,27 @@ class DaemonBackend:
         return list(self.stats()["tiers"])
 
     def namespaces(self) -> dict[str, Any]:
-        return dict(self._call("GET", "/v1/admin/namespaces"))
+        return dict(self._call(self._daemon.admin_namespaces))
 
     def lookup(self, ns: str, hashes: Sequence[str] | None, tokens: Sequence[int] | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"ns": ns}
-        if tokens is not None:
-            body["tokens"] = list(tokens)
-        else:
-            body["hashes"] = list(hashes or [])
-        return dict(self._call("POST", "/v1/admin/lookup", body))
+        return dict(self._call(lambda: self._daemon.admin_lookup(ns, hashes, tokens)))
 
     def top(self, n: int, ns: str | None, by: str) -> list[dict[str, Any]]:
-        params: dict[str, Any] = {"n": n, "by": by}
-        if ns:
-            params["ns"] = ns
-        return list(self._call("GET", "/v1/admin/top", params=params))
+        return list(self._call(lambda: self._daemon.admin_top(n, ns, by)))
 
     def block(self, h: str) -> dict[str, Any]:
-        return dict(self._call("GET", f"/v1/admin/blocks/{h}"))
+        return dict(self._call(lambda: self._daemon.admin_block(h)))
 
     def pin(self, prefix: dict[str, Any], undo: bool, until: float | None = None) -> dict[str, Any]:
         if undo:
-            return dict(self._call("POST", "/v1/admin/unpin", prefix))
-        return dict(self._call("POST", "/v1/admin/pin", {**prefix, **({"until": until} if until is not None else {})}))
+            return dict(self._call(lambda: self._daemon.admin_unpin(prefix)))
+        return dict(self._call(lambda: self._daemon.admin_pin(prefix, until)))
 
     def pins(self, ns: str | None) -> dict[str, Any]:
-        return dict(self._call("GET", "/v1/admin/pins", params={"ns": ns} if ns else None))
+        return dict(self._call(lambda: self._daemon.admin_pins(ns)))
 
     def evict(self, blocks: Sequence[str]) -> dict[str, Any]:
-        return dict(self._call("POST", "/v1/admin/evict", {"blocks": list(blocks)}))
+        return dict(self._call(lambda: self._daemon.admin_evict(blocks)))
 
     def ttl(self, ns: str, ttl_s: float | None) -> dict[str, Any]:
         if ttl_s is None:
@@ -131,7 +127,7 @@ class DaemonBackend:
             if row is None:
                 raise NotFound(f"namespace {ns} is not registered")
             return {"ns": ns, "ttl_s": row["ttl_s"]}
-        return dict(self._call("POST", "/v1/admin/ttl", {"ns": ns, "ttl_s": ttl_s}))
+        return dict(self._call(lambda: self._daemon.admin_ttl(ns, ttl_s)))
 
 
 class DirBackend:

@@ -194,13 +194,13 @@ def test_lookups_go_over_the_data_connection_and_fall_back_to_http(
         c.put(SMALL_NS, chain[:3], _blocks(chain[:3]))
         assert c.info["lookup"] is True
         http_paths: list[str] = []
-        real_request = c._http.request
+        real_request = c._control._http.request
 
         def spying(method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
             http_paths.append(path)
             return real_request(method, path, body)
 
-        monkeypatch.setattr(c._http, "request", spying)
+        monkeypatch.setattr(c._control._http, "request", spying)
         r = c.lookup(SMALL_NS, chain)
         assert (r.num_blocks, r.tiers, r.unavailable, r.num_tokens) == (3, ("dram",) * 3, (), 3 * SMALL_NS.block_tokens)
         assert http_paths == []  # the namespace was registered by the put: no HTTP at all
@@ -211,7 +211,7 @@ def test_lookups_go_over_the_data_connection_and_fall_back_to_http(
 
 
 def test_get_into_over_tcp_asks_for_runs_of_its_destination(start_daemon: Callable[..., ThreadedDaemon], monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvstore.server import protocol as P
+    from kvstore.wire import protocol as P
 
     d = start_daemon()
     chain = chain_for(5, 5)

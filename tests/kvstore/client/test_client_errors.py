@@ -226,7 +226,7 @@ def test_without_a_known_kind_the_status_decides(
     d = start_daemon()
     with connect(d.url) as c:
         c.register_namespace(SMALL_NS)
-        monkeypatch.setattr(c._http, "request", lambda *a, **k: (status, body))
+        monkeypatch.setattr(c._control._http, "request", lambda *a, **k: (status, body))
         with pytest.raises(exc, match=f"HTTP {status}") as e:
             c.pin(SMALL_NS, chain_for(6, 1), until=1e12)
         if exc is KVStoreError:

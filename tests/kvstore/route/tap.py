@@ -15,7 +15,9 @@ from kvstore.clock import Clock, system_clock
 from kvstore.config import StoreConfig, TierSpec
 from kvstore.events import EventsConfig
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.route.wire import (
+from kvstore.server.config import ServerConfig, TenantSpec
+from kvstore.server.daemon import ThreadedDaemon
+from kvstore.wire.kvevents import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -24,8 +26,6 @@ from kvstore.route.wire import (
     decoder,
     seq_bytes,
 )
-from kvstore.server.config import ServerConfig, TenantSpec
-from kvstore.server.daemon import ThreadedDaemon
 from tests.conftest import small_tiers
 
 

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from kvstore.route.feed import Feed
-from kvstore.route.wire import END_SEQ, AllBlocksCleared, BlockStored, KVEventBatch, seq_bytes
+from kvstore.wire.kvevents import END_SEQ, AllBlocksCleared, BlockStored, KVEventBatch, seq_bytes
 
 
 def stored(i: int) -> BlockStored:

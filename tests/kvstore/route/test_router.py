@@ -174,7 +174,7 @@ def test_the_router_resyncs_after_a_daemon_restart(start: Callable[..., Threaded
 def test_the_search_agrees_with_a_lookup_of_every_block() -> None:
     """Prefix-closed nodes with faster tiers on a prefix of each chain: the 32-way search finds
     the same lengths and tier counts as looking every block up."""
-    from kvstore.route.wire import AllBlocksCleared, BlockStored
+    from kvstore.wire.kvevents import AllBlocksCleared, BlockStored
 
     rng = np.random.default_rng(7)
     router = Router(down_after_s=float("inf"), min_match=0.0)

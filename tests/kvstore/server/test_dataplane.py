@@ -10,8 +10,8 @@ import pytest
 
 from kvstore.client import connect
 from kvstore.errors import DaemonUnavailableError, UsageError
-from kvstore.server import protocol as P
 from kvstore.server.daemon import ThreadedDaemon
+from kvstore.wire import protocol as P
 from tests.conftest import BB, SMALL_NS, chain_for, payload
 from tests.kvstore.conftest import TENANTS, TOKEN_A, TOKEN_B, eventually
 

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from kvstore.client import connect
+from kvstore.client.control import control
 from kvstore.client.spawn import start_daemon
 from kvstore.clock import FakeClock
 from kvstore.errors import BlockNotFound, MissingPrefixError, UsageError
 from kvstore.keys import hash_blocks
 from kvstore.route import offer, receive
-from kvstore.route._http import control
 from kvstore.server.daemon import ThreadedDaemon
 from tests.conftest import SMALL_NS
 from tests.kvstore.conftest import TENANTS, TOKEN_A, TOKEN_B, TOKEN_OPS

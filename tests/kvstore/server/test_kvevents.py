@@ -13,14 +13,17 @@ pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
 from kvstore.client import connect  # noqa: E402
+from kvstore.client.control import control  # noqa: E402
 from kvstore.clock import FakeClock  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.errors import ConfigError, CorruptBlockError, ForbiddenError, UsageError  # noqa: E402
 from kvstore.events import BlockChange, BlockRun, PutChain, PutTokens, block_changes, events_config  # noqa: E402
 from kvstore.keys import hash_blocks  # noqa: E402
 from kvstore.registry import make_tier  # noqa: E402
-from kvstore.route._http import control  # noqa: E402
-from kvstore.route.wire import (  # noqa: E402
+from kvstore.server import kvevents  # noqa: E402
+from kvstore.server.daemon import ThreadedDaemon  # noqa: E402
+from kvstore.store import KVStore  # noqa: E402
+from kvstore.wire.kvevents import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -28,9 +31,6 @@ from kvstore.route.wire import (  # noqa: E402
     masked,
     tenant_mask,
 )
-from kvstore.server import kvevents  # noqa: E402
-from kvstore.server.daemon import ThreadedDaemon  # noqa: E402
-from kvstore.store import KVStore  # noqa: E402
 from tests.conftest import BB, SMALL_NS, small_tiers  # noqa: E402
 from tests.kvstore.conftest import TENANTS, TOKEN_A, TOKEN_B, TOKEN_OPS, eventually  # noqa: E402
 from tests.kvstore.route.tap import Tap, daemons, events_of, state  # noqa: E402

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 import xxhash
 
 ExternalBlockHash = bytes | int
@@ -73,6 +74,23 @@ class KVEventBatch(EventBatch):
 
 def seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
+
+
+_INT32 = np.dtype([("tag", "u1"), ("value", ">i4")])
+
+
+def msgpack_ints(tokens: bytes) -> msgspec.Raw:
+    """int32 token ids (little-endian bytes) as a msgpack array, built by numpy: each an
+    ``int 32`` (0xd2 and 4 bytes big-endian), which every msgpack decoder reads as the same
+    integers (vLLM's: ``list[int]``). A list of Python ints for msgspec to encode cost ~30 ns a
+    token; this, ~3."""
+    ids = np.frombuffer(tokens, "<i4")
+    out = np.empty(ids.size, _INT32)
+    out["tag"] = 0xD2
+    out["value"] = ids
+    n = ids.size
+    head = b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
+    return msgspec.Raw(head + out.tobytes())
 
 
 def encoder() -> msgspec.msgpack.Encoder:

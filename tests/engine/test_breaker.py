@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.vllm.breaker import DaemonLink
+from engine.breaker import DaemonLink
 from kvstore.errors import AuthError, DaemonUnavailableError, MissingPrefixError, TierIOError
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.server import protocol as P
+from kvstore.wire import protocol as P
 
 LIMITS = P.WireLimits(max_meta_bytes=64 + 16 * 64, max_payload_bytes=1 << 20)
 hashes16 = st.lists(st.binary(min_size=16, max_size=16), max_size=64)

@@ -58,7 +58,7 @@ class Op(enum.IntEnum):
     """meta: u64 lease id. No reply (ordering on the connection is enough)."""
     STAGING = 6
     """meta: u64 bytes. Reply meta: ``fd:`` and the hex ticket of a fresh memfd staging segment,
-    to be fetched from the daemon's fd socket (kvstore.server.fdpass)."""
+    to be fetched from the daemon's fd socket (kvstore.wire.fdpass)."""
     PUT_SHM = 7
     """meta: ns id, u32 start, u32 n, u8 flags, u64 staging offset, n hashes, then one u64
     xxh3-64 checksum per block put (n - start), verified against the staged bytes (none with
