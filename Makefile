@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m engine.demo
+	$(PY) -m engine.reference.demo
 
 test: $(STAMP)
 	$(PY) -m ruff check .

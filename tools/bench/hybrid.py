@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from engine.hybrid import HybridLM, namespace_of, window_bytes_per_token
+from engine.reference.hybrid import HybridLM, namespace_of, window_bytes_per_token
 from kvstore.config import StoreConfig, TierSpec
 from kvstore.hybrid import CheckpointPolicy, HybridNamespaces
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks

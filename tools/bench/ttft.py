@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from engine.client import EngineCache
-from engine.hf import CachedLM, _out_cache
 from engine.kvlayout import shape_of
+from engine.reference.hf import CachedLM, _out_cache
 from tools.bench._common import result
 from tools.bench._gpu import dram_store, llama_8b, need_cuda
 

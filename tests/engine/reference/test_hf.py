@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from engine.client import EngineCache  # noqa: E402
-from engine.hf import CachedLM  # noqa: E402
 from engine.kvlayout import pack, shape_of, unpack_layer  # noqa: E402
+from engine.reference.hf import CachedLM  # noqa: E402
 from kvstore.config import StoreConfig, TierSpec  # noqa: E402
 from kvstore.errors import UsageError  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
@@ -165,7 +165,7 @@ def test_sliding_window_models_are_refused_with_a_pointer_to_the_hybrid_engine(n
     """Issue 16: CachedLM stored and loaded every token of every layer, which a sliding-window
     layer does not keep. It refuses such a model at construction, naming the engine that
     serves it."""
-    with pytest.raises(UsageError, match=r"sliding_attention layers .*engine\.hybrid\.HybridLM.*docs/hybrid\.md"):
+    with pytest.raises(UsageError, match=r"sliding_attention layers .*engine\.reference\.hybrid\.HybridLM.*docs/hybrid\.md"):
         CachedLM(SLIDING[name](), None)
 
 

@@ -10,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from engine.client import EngineCache  # noqa: E402
-from engine.hbm_cache import HbmCache  # noqa: E402
 from engine.kvlayout import KVShape  # noqa: E402
+from engine.reference.hbm_cache import HbmCache  # noqa: E402
 from kvstore.config import StoreConfig, TierSpec  # noqa: E402
 from kvstore.errors import ConfigError  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402

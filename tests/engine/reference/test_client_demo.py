@@ -9,12 +9,12 @@ from pathlib import Path
 
 from kvstore.client.spawn import start_daemon
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _engine(url: str, plane: str) -> dict[str, object]:
     out = subprocess.run(
-        [sys.executable, "-m", "engine.client_demo", "--url", url, "--plane", plane,
+        [sys.executable, "-m", "engine.reference.client_demo", "--url", url, "--plane", plane,
          "--users", "2", "--turns", "3", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )
@@ -33,7 +33,7 @@ def test_second_engine_process_hits_what_the_first_stored(tmp_path: Path) -> Non
 
 def test_unreachable_daemon_exit_code() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "engine.client_demo", "--url", "http://127.0.0.1:9"],
+        [sys.executable, "-m", "engine.reference.client_demo", "--url", "http://127.0.0.1:9"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
     )

@@ -83,7 +83,7 @@ def refuse_non_full_attention(config: Any) -> None:
         raise UsageError(
             f"CachedLM serves full-attention models only; this {name} model has "
             f"{', '.join(other)} layers ({sum(t != 'full_attention' for t in types)} of {len(types)}). "
-            "Use engine.hybrid.HybridLM, which stores a full part, checkpoint windows and state "
+            "Use engine.reference.hybrid.HybridLM, which stores a full part, checkpoint windows and state "
             "(docs/hybrid.md)"
         )
 
@@ -91,7 +91,7 @@ def refuse_non_full_attention(config: Any) -> None:
 class CachedLM:
     """Wraps a causal LM so that cached prompt prefixes are loaded instead of computed.
     Full-attention models only: a sliding-window, hybrid or recurrent model is refused here
-    (:class:`engine.hybrid.HybridLM` serves those)."""
+    (:class:`engine.reference.hybrid.HybridLM` serves those)."""
 
     def __init__(self, model: Any, cache: EngineCache | None, *, layer_groups: int = 4) -> None:
         refuse_non_full_attention(model.config)

@@ -1,14 +1,14 @@
 """Batched prefill of an MLA model (DeepSeek-V2/V3 layers) with a cache of latents.
 
-:class:`BatchedMLA` is :class:`engine.batch.BatchedLM` with MLA attention: the KV each request's
+:class:`BatchedMLA` is :class:`engine.reference.batch.BatchedLM` with MLA attention: the KV each request's
 blocks carry, in the store, in the HBM pages and in the engine's rows, is the latent of
-:mod:`engine.mla` (``kv_lora_rank + qk_rope_head_dim`` values per token and layer, a namespace with
+:mod:`engine.reference.mla` (``kv_lora_rank + qk_rope_head_dim`` values per token and layer, a namespace with
 one ``mla`` layer group), not per-head K and V. For DeepSeek-V3's 512 + 64 that is 1,152 bytes
 per token and layer in bf16, where its 128 heads' decompressed K and V (192 + 128 values each)
 would be 80 KiB.
 
 Everything that moves bytes is BatchedLM's, unchanged: the latent shape
-(:func:`engine.mla.latent_shape`) is a :class:`engine.kvlayout.KVShape` of one "head" of half
+(:func:`engine.reference.mla.latent_shape`) is a :class:`engine.kvlayout.KVShape` of one "head" of half
 the latent in the K place and the other half in the V place, so planning, HBM matching, DRAM
 leases, the layer-wise loads overlapped with compute, promotion, admission, packing and the
 background stores serve latents as they serve K/V. What differs is the forward: the decoder's
@@ -23,7 +23,7 @@ and attends over the whole rows of that layer:
   zero-padded to the ``nope + rope`` head size FlashAttention-2 needs, as vLLM does); ``form=
   "absorbed"`` runs the per-request loop below instead (``"auto"`` stays naive here);
 - ``attention="loop"``: one SDPA call per request, in the form ``form`` names (``"auto"``:
-  :func:`engine.mla.choose_form` per batch, by FLOPs).
+  :func:`engine.reference.mla.choose_form` per batch, by FLOPs).
 """
 
 from __future__ import annotations
@@ -33,9 +33,18 @@ from typing import Any
 
 import torch
 
-from engine.batch import _BATCH, BatchedLM, _Layout, _RowsCache
 from engine.client import EngineCache
-from engine.mla import ATTEND, FORMS, Dims, choose_form, decoder, decompress, latent_shape, project
+from engine.reference.batch import _BATCH, BatchedLM, _Layout, _RowsCache
+from engine.reference.mla import (
+    ATTEND,
+    FORMS,
+    Dims,
+    choose_form,
+    decoder,
+    decompress,
+    latent_shape,
+    project,
+)
 
 
 class BatchedMLA(BatchedLM):
@@ -48,7 +57,7 @@ class BatchedMLA(BatchedLM):
         bt = kw.get("block_tokens", 64)
         dtype = next(model.parameters()).dtype
         if cache is not None and cache.shape.mla is None:
-            raise ValueError("the EngineCache of an MLA model needs engine.mla.latent_shape (a namespace "
+            raise ValueError("the EngineCache of an MLA model needs engine.reference.mla.latent_shape (a namespace "
                              "with an 'mla' layer group), not a per-head K/V shape")
         super().__init__(model, cache, **kw)
         if cache is None:
@@ -66,7 +75,7 @@ class BatchedMLA(BatchedLM):
     def _forward(self, *, input_ids: torch.Tensor, position_ids: torch.Tensor, use_cache: bool = True,
                  **cache_kw: Any) -> Any:
         """The decoder over the batch's packed new tokens; ``cache_kw`` holds the batch's
-        :class:`engine.batch._RowsCache` (as ``cache`` or ``past_key_values``)."""
+        :class:`engine.reference.batch._RowsCache` (as ``cache`` or ``past_key_values``)."""
         rows = next(iter(cache_kw.values()))
         if not isinstance(rows, _RowsCache):
             raise RuntimeError("BatchedMLA's forward runs only inside BatchedLM.prefill")

@@ -22,7 +22,7 @@ layer of every block (what kvstore stores for any model without this split), no 
 On CUDA, from a store with a shared-memory arena, the blocks are leased there and copied to the
 device on a load stream, layer group by layer group (one 2-D DMA per run of blocks, ``engine.gpu``),
 then unpacked with one strided copy per layer; decoder layer i waits on the device for its own
-layers' load only (a forward pre-hook), so loads overlap compute as in ``engine/hf.py``. Both
+layers' load only (a forward pre-hook), so loads overlap compute as in ``engine/reference/hf.py``. Both
 paths this module compares (the split and store-everything) load the same way; store-everything
 loads every layer of every block (``all_layers=True``, as a store-everything connector does) or
 only what the model reads. On CUDA the model runs with FlashAttention-2 (``attention="auto"``:
@@ -46,8 +46,8 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from engine.gpu import ArenaBlocks, HostBlocks
-from engine.hf import _cache_kw, _out_cache
 from engine.kvlayout import KVShape, pack, unpack_layer, unpack_layer_into
+from engine.reference.hf import _cache_kw, _out_cache
 from kvstore.errors import MissingPrefixError, UsageError
 from kvstore.hybrid import CheckpointPolicy, HybridNamespaces, StoreAPI, lookup
 from kvstore.keys import BlockHash, KVLayout, LayerGroup, Namespace, hash_blocks
@@ -423,7 +423,7 @@ class HybridLM:
         if self.plan.layout(self.dtype, ns.block_tokens) != ns.layout:
             raise UsageError(
                 f"namespace layout {ns.layout} is not this model's "
-                f"{self.plan.layout(self.dtype, ns.block_tokens)}; build it with engine.hybrid.namespace_of"
+                f"{self.plan.layout(self.dtype, ns.block_tokens)}; build it with engine.reference.hybrid.namespace_of"
             )
         self.ns = ns
         self.everything = everything
@@ -564,7 +564,7 @@ class HybridLM:
         by layer group: one copy of the group's bytes of every block (2-D DMAs out of the arena),
         then one strided unpack per layer, then that layer's event in ``self._events``; the
         model's layer i waits on the device for event i only (a forward pre-hook), so the
-        loads of later layers run under the compute of earlier ones (as ``engine/hf.py``)."""
+        loads of later layers run under the compute of earlier ones (as ``engine/reference/hf.py``)."""
         cache = DynamicCache(config=self.model.config)
         self._events = [None] * len(self.plan.kinds)
         if got is None:

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine.hybrid import HybridLM, namespace_of, plan_of  # noqa: E402
+from engine.reference.hybrid import HybridLM, namespace_of, plan_of  # noqa: E402
 from kvstore.client import connect  # noqa: E402
 from kvstore.client.spawn import start_daemon  # noqa: E402
 from kvstore.config import StoreConfig, TierSpec  # noqa: E402
@@ -405,7 +405,7 @@ def test_cudnn_full_layers_give_flash_attentions_answer_on_cuda(tmp_path: Path) 
     """On CUDA (bf16): cuDNN for the full layers (bottom-right causal by a split and a log-sum-exp
     merge) equals FlashAttention-2 on random inputs of many shapes, and through the engine gives
     the same next token, with and without the cone (CI has no CUDA: this runs on a GPU machine)."""
-    from engine.hybrid import _cudnn_full, _flash_window, cudnn_check
+    from engine.reference.hybrid import _cudnn_full, _flash_window, cudnn_check
 
     dev = torch.device("cuda")
     mode = cudnn_check(dev)

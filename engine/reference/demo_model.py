@@ -29,8 +29,8 @@ def run_model_demo(root: Path, prompts: int = 4, seed: int = 0, repeats: int = 5
     except ImportError as e:
         return {"skipped": f"needs torch and transformers: {e}; pip install 'kvstore-llm[engine]'"}
     from engine.client import EngineCache
-    from engine.hf import CachedLM
     from engine.kvlayout import shape_of
+    from engine.reference.hf import CachedLM
 
     cfg = transformers.LlamaConfig(
         vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=6,

@@ -1,7 +1,7 @@
 """Batched prefill: many requests, each with its own cached prefix and new suffix, in one pass.
 
 :class:`BatchedLM` is what a serving engine's chunked prefill does with a prefix cache. For each
-request it finds the leading cached blocks (first in the :class:`engine.hbm_cache.HbmCache` when
+request it finds the leading cached blocks (first in the :class:`engine.reference.hbm_cache.HbmCache` when
 there is one, then in the store's DRAM arena), then runs the model *once* over the concatenated
 new tokens of all requests. Every linear layer sees the whole batch (thousands of rows: the GPU
 runs near its matrix rate even when each request adds only a few hundred tokens); attention is
@@ -24,7 +24,7 @@ Attention backends (``attention=``):
 - ``"loop"``: one SDPA call per request with a lower-right causal bias (flash on CUDA, an exact
   masked SDPA on the CPU). The reference; the CPU tests run it.
 
-Loads overlap compute as in :class:`engine.hf.CachedLM`: on CUDA a side stream copies the DRAM
+Loads overlap compute as in :class:`engine.reference.hf.CachedLM`: on CUDA a side stream copies the DRAM
 blocks of *all* requests layer group by layer group (one 2-D DMA per run of equally spaced
 blocks and group), scatters each layer into the rows, gathers the HBM-resident blocks of that
 layer from the page pool (device to device, no host transfer), promotes the DRAM blocks into HBM
@@ -52,9 +52,9 @@ from transformers import AttentionInterface, DynamicCache
 
 from engine.client import EngineCache
 from engine.gpu import ArenaBlocks, HostBlocks, HostRing
-from engine.hbm_cache import HbmCache, Reservation
-from engine.hf import _cache_kw
 from engine.kvlayout import KVShape, block_rows, layer_rows, pack_rows, shape_of, wide
+from engine.reference.hbm_cache import HbmCache, Reservation
+from engine.reference.hf import _cache_kw
 from kvstore.keys import BlockHash
 
 _ATTN = "kvstore_batched"
@@ -294,7 +294,7 @@ class BatchedLM:
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Any], *, use_cache: bool = True, store: bool = True) -> list[BatchResult]:
         """One forward pass over all ``prompts``; results in order. Each equals running the
-        prompt alone (:class:`engine.hf.CachedLM`) up to float rounding."""
+        prompt alone (:class:`engine.reference.hf.CachedLM`) up to float rounding."""
         ids = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
         if not ids:
             return []

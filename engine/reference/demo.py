@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.demo_model import print_model_demo, run_model_demo
+from engine.reference.demo_model import print_model_demo, run_model_demo
 from kvstore.config import load_config
 from kvstore.errors import KVStoreError
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
@@ -116,7 +116,7 @@ def run(root: Path, users: int, turns: int, seed: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m engine.demo",
+        prog="python -m engine.reference.demo",
         description="Run kvstore end to end on its embedded defaults (shared-memory DRAM, NVMe "
         "slab file + RocksDB, file:// object store; no external service): a toy engine serves "
         "multi-turn chats through the store, then the store restarts warm from disk.",

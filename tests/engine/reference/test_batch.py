@@ -12,14 +12,14 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine.batch import BatchedLM, batches  # noqa: E402
 from engine.client import EngineCache  # noqa: E402
-from engine.hbm_cache import HbmCache  # noqa: E402
-from engine.hf import CachedLM  # noqa: E402
 from engine.kvlayout import shape_of  # noqa: E402
+from engine.reference.batch import BatchedLM, batches  # noqa: E402
+from engine.reference.hbm_cache import HbmCache  # noqa: E402
+from engine.reference.hf import CachedLM  # noqa: E402
 from kvstore.config import StoreConfig, TierSpec  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
-from tests.engine.test_hf import MODELS, rel_err  # noqa: E402
+from tests.engine.reference.test_hf import MODELS, rel_err  # noqa: E402
 
 BT = 16
 

@@ -42,7 +42,7 @@ def mla_config(config: Any) -> Any:
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if not getattr(cfg, "kv_lora_rank", None) or not getattr(cfg, "qk_rope_head_dim", None):
         raise ValueError(f"{type(cfg).__name__} is not an MLA model (no kv_lora_rank / qk_rope_head_dim); "
-                         "use engine.batch.BatchedLM for it")
+                         "use engine.reference.batch.BatchedLM for it")
     return cfg
 
 

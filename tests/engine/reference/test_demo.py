@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.demo import main, serve, workload
-from engine.demo_model import speedup
+from engine.reference.demo import main, serve, workload
+from engine.reference.demo_model import speedup
 
 
 def test_demo_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

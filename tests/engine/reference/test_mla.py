@@ -18,11 +18,11 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV3Config"):
     pytest.skip("this transformers has no DeepseekV3", allow_module_level=True)
 
-from engine.batch_mla import BatchedMLA  # noqa: E402
 from engine.client import EngineCache  # noqa: E402
-from engine.hbm_cache import HbmCache  # noqa: E402
 from engine.kvlayout import shape_of  # noqa: E402
-from engine.mla import Dims, choose_form, latent_shape  # noqa: E402
+from engine.reference.batch_mla import BatchedMLA  # noqa: E402
+from engine.reference.hbm_cache import HbmCache  # noqa: E402
+from engine.reference.mla import Dims, choose_form, latent_shape  # noqa: E402
 from kvstore.config import StoreConfig, TierSpec  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
 
@@ -197,7 +197,7 @@ def test_hits_from_hbm_pages_are_latents_too(setup) -> None:
 def test_the_absorbed_form_in_query_chunks_equals_the_naive_form(monkeypatch: pytest.MonkeyPatch) -> None:
     """One layer, 40 new tokens over 70: the absorbed form cut into chunks of 3 queries (its
     bound on the scores it holds at once) equals the naive form."""
-    import engine.mla as mla
+    import engine.reference.mla as mla
 
     model = lora_moe()
     attn = model.model.layers[0].self_attn

@@ -1,11 +1,11 @@
-"""The demo workload of ``engine.demo`` served through a running daemon instead of in process.
+"""The demo workload of ``engine.reference.demo`` served through a running daemon instead of in process.
 
 Run two of these against one daemon and the second one's requests hit what the first one
 stored, through whichever data plane each picked::
 
     kvstore serve &                                      # http://127.0.0.1:7070
-    python -m engine.client_demo --plane shm --json      # same node: shared memory
-    python -m engine.client_demo --plane tcp --json      # as a remote engine would
+    python -m engine.reference.client_demo --plane shm --json      # same node: shared memory
+    python -m engine.reference.client_demo --plane tcp --json      # as a remote engine would
 
 Every loaded block is checked against its prefill. Exit codes: 0 ok, 1 a loaded block differed
 (a bug), 2 bad arguments, 3 the daemon could not be reached.
@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from engine.demo import DEMO_NS, serve, workload
+from engine.reference.demo import DEMO_NS, serve, workload
 from kvstore.client import connect
 from kvstore.errors import DaemonUnavailableError
 from kvstore.version import version
@@ -28,7 +28,7 @@ from kvstore.version import version
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m engine.client_demo",
+        prog="python -m engine.reference.client_demo",
         description="Serve the demo's multi-turn chats through a kvstore daemon (load cached "
         "prefixes, prefill the rest, store it) and check every loaded block.",
     )
