@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     "module, prog",
-    [("kvstore.server", "kvstore"), ("tools.kvctl", "kvctl"), ("tools.kvreport", "kvreport"),
+    [("kvstore.server", "kvstore"), ("kvstore.ctl", "kvctl"), ("kvstore.report", "kvreport"),
      ("engine.reference.demo", "python -m engine.reference.demo"), ("tools.replay", "python -m tools.replay"),
      ("tools.bench", "python -m tools.bench"), ("kvstore.route", "python -m kvstore.route")],
 )

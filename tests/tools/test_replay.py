@@ -277,7 +277,7 @@ def test_cli_writes_the_store_event_log(small: Path, tmp_path: Path, capsys: pyt
     assert main([str(small), "--capacity", "4", "--policy", "density", "--json", "--events", str(tmp_path / "ev")]) == 0
     row = json.loads(capsys.readouterr().out)
     reqs = [r for r in read_events(tmp_path / "ev" / "density-4") if r["type"] == "request"]
-    assert len(reqs) == 6  # one per request, for python -m tools.kvreport
+    assert len(reqs) == 6  # one per request, for python -m kvstore.report
     assert sum(r["hit_blocks"] for r in reqs) == round(row["block_hit_rate"] * row["blocks"])
 
 
@@ -325,7 +325,7 @@ def test_holdout_learns_on_the_first_half_and_scores_the_second(small: Path, cap
 
 def test_kvreport_reads_a_replayed_trace(small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A report can be made from a replayed trace as well as from a live daemon."""
-    from tools.kvreport.cli import main as kvreport
+    from kvstore.report.cli import main as kvreport
 
     assert main([str(small), "--capacity", "4", "--policy", "lru", "--json", "--events", str(tmp_path / "ev")]) == 0
     row = json.loads(capsys.readouterr().out)

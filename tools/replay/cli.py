@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--admission-frontier", action="store_true", help="with --economics: the exact subtree-refusal frontier at hit losses of 0.25/0.5/0.75/1/2/5%% (tools/replay/subtree.py; default: at 1%% only)")
     p.add_argument("--json", action="store_true", help="one JSON object per (policy, capacity) on stdout")
     p.add_argument("--plot", metavar="FILE.svg", help="write hit rate against capacity, one line per policy")
-    p.add_argument("--events", metavar="DIR", help="write each replay's store event log under DIR/<policy>-<capacity> (for python -m tools.kvreport)")
+    p.add_argument("--events", metavar="DIR", help="write each replay's store event log under DIR/<policy>-<capacity> (for python -m kvstore.report)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
     return p
 

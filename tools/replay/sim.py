@@ -97,7 +97,7 @@ def replay_store(
     admission_options: dict[str, Any] | None = None,
 ) -> StoreRun:
     """Run ``trace`` through a KVStore with null tiers of the given capacities; with
-    ``events_dir`` the store writes its event log there (for ``tools.kvreport``). ``admission``
+    ``events_dir`` the store writes its event log there (for ``kvstore.report``). ``admission``
     is the last tier's rule (default: the store's)."""
     # A namespace whose blocks are as small as the store allows: the null tiers check sizes
     # and keep none of the bytes, so only the per-call overhead is left.

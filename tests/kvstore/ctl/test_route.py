@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from kvstore.client import connect
+from kvstore.ctl.cli import main
 from kvstore.keys import hash_blocks
 from kvstore.server.daemon import ThreadedDaemon
 from tests.conftest import SMALL_NS
 from tests.kvstore.route.tap import daemons, serve
-from tools.kvctl.cli import main
 
 
 @pytest.fixture

@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvstore.ctl.backends import BadUsage
+from kvstore.ctl.tokens import parse_ids
 from kvstore.keys import Namespace
 from kvstore.route.router import Router
 from kvstore.route.service import follow, parse_nodes
 from kvstore.route.service import main as serve_main
-from tools.kvctl.backends import BadUsage
-from tools.kvctl.tokens import parse_ids
 
 
 def register(cmd: Any) -> None:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from kvstore.errors import UsageError
 from kvstore.events import read_events
+from kvstore.report.analyze import ReportConfig, analyze
+from kvstore.report.html import gpu_time, render
 from kvstore.units import parse_duration
 from kvstore.version import version
-from tools.kvreport.analyze import ReportConfig, analyze
-from tools.kvreport.html import gpu_time, render
 
 EXIT_CODES = """exit codes:
   0  ok

@@ -1,6 +1,6 @@
 """A sample event log: days of a simulated serving workload through a real in-process store.
 
-``python -m tools.kvreport.sample DIR`` runs multi-turn chats of two tenants (shared system
+``python -m kvstore.report.sample DIR`` runs multi-turn chats of two tenants (shared system
 prompts, users who come back after minutes, hours or days, a daily rhythm) through a
 ``KVStore`` on its real tiers with small capacities, on a fake clock that jumps from request to
 request, so four simulated days take seconds. Tenant ``b`` runs with a 12-hour TTL (so hits are
@@ -138,7 +138,7 @@ def run(root: Path, days: float = 4.0, seed: int = 0, rate_per_hour: float = 60.
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.kvreport.sample", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvstore.report.sample", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("dir", type=Path, help="output directory (its store/ is replaced)")
     p.add_argument("--days", type=float, default=4.0)

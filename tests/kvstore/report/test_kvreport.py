@@ -16,11 +16,11 @@ import pytest
 from kvstore.clock import FakeClock
 from kvstore.events import EventLog, read_events
 from kvstore.keys import KVLayout, LayerGroup, Namespace
+from kvstore.report import sample, svg
+from kvstore.report.analyze import ReportConfig, analyze
+from kvstore.report.cli import main
+from kvstore.report.html import REASONS, render
 from tests.conftest import SMALL_NS
-from tools.kvreport import sample, svg
-from tools.kvreport.analyze import ReportConfig, analyze
-from tools.kvreport.cli import main
-from tools.kvreport.html import REASONS, render
 
 OTHER = Namespace(SMALL_NS.model_id, KVLayout("bfloat16", 32, (LayerGroup("full", 1, 1, 64),)))
 H = 3600.0

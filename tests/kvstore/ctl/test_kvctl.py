@@ -17,15 +17,15 @@ from kvstore.client import connect
 from kvstore.client.spawn import start_daemon as spawn_daemon
 from kvstore.clock import FakeClock
 from kvstore.config import StoreConfig
+from kvstore.ctl import term
+from kvstore.ctl.backends import BadUsage
+from kvstore.ctl.cli import main, parse_until
 from kvstore.events import EventsConfig
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.server.daemon import ThreadedDaemon
 from kvstore.store import KVStore
 from tests.conftest import BB, SMALL_NS, payload, small_tiers
 from tests.kvstore.conftest import start_daemon  # noqa: F401  (the fixture)
-from tools.kvctl import term
-from tools.kvctl.backends import BadUsage
-from tools.kvctl.cli import main, parse_until
 
 CORPUS = ["the cache keeps the prefix", "a prefix computed once is loaded, not recomputed",
           "the store keeps it for seventy two hours"] * 20

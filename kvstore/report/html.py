@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from html import escape
 from typing import Any
 
-from tools.kvreport import svg
+from kvstore.report import svg
 
 REASONS = {
     "evicted": "evicted by the policy (capacity)",

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.config import load_config
+from kvstore.ctl import route, term
+from kvstore.ctl.backends import BadUsage, DaemonBackend, DirBackend, KvctlError, NotFound
+from kvstore.ctl.tokens import load_tokenizer, parse_ids
 from kvstore.errors import KVStoreError, UsageError
 from kvstore.units import parse_duration
 from kvstore.version import version
-from tools.kvctl import route, term
-from tools.kvctl.backends import BadUsage, DaemonBackend, DirBackend, KvctlError, NotFound
-from tools.kvctl.tokens import load_tokenizer, parse_ids
 
 EXIT_CODES = """exit codes:
   0  ok
