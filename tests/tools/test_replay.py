@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
-from tools.replay.bounds import belady, next_use, unlimited
+from tools.lab.replay.bounds import belady, next_use, unlimited
 from tools.replay.cli import main
 from tools.replay.sim import parse_capacity, replay_store
 from tools.replay.synth import KINDS, generate, write_trace
@@ -282,7 +282,7 @@ def test_cli_writes_the_store_event_log(small: Path, tmp_path: Path, capsys: pyt
 
 
 def test_class_bound_is_between_nothing_and_every_reuse(small: Path) -> None:
-    from tools.replay.bounds import class_bound, class_segments
+    from tools.lab.replay.bounds import class_bound, class_segments
 
     seg = class_segments(load_trace(small))
     assert seg.accesses == 18
@@ -294,7 +294,7 @@ def test_class_bound_is_between_nothing_and_every_reuse(small: Path) -> None:
 def test_finer_classes_never_lower_the_class_bound(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Request features split the classes further: the bound of the finer partition is at least
     that of the coarser one at every capacity, and the CLI rejects unknown features."""
-    from tools.replay.bounds import EXTRA_FEATURES, class_bound, class_segments
+    from tools.lab.replay.bounds import EXTRA_FEATURES, class_bound, class_segments
 
     trace = load_trace(small)
     coarse, fine = class_segments(trace), class_segments(trace, extra=EXTRA_FEATURES)
@@ -308,8 +308,8 @@ def test_finer_classes_never_lower_the_class_bound(small: Path, capsys: pytest.C
 
 
 def test_holdout_learns_on_the_first_half_and_scores_the_second(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tools.replay.bounds import class_segments, holdout_class_hits
-    from tools.replay.holdout import main as holdout
+    from tools.lab.replay.bounds import class_segments, holdout_class_hits
+    from tools.lab.replay.holdout import main as holdout
 
     seg = class_segments(load_trace(small))
     late = seg.accesses - seg.accesses // 2

@@ -21,8 +21,8 @@ from kvstore.errors import ConfigError, KVStoreError, UsageError
 from kvstore.registry import POLICIES, build_config, policy_class
 from kvstore.units import parse_duration
 from kvstore.version import version
-from tools.replay import economics
-from tools.replay.bounds import EXTRA_FEATURES, belady, class_bound, class_segments, unlimited
+from tools.lab.replay import economics
+from tools.lab.replay.bounds import EXTRA_FEATURES, belady, class_bound, class_segments, unlimited
 from tools.replay.plot import write_svg
 from tools.replay.sim import TierCapacity, replay_store, summarize
 from tools.replay.trace import Trace, TraceError, load_trace
@@ -68,8 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--admission", default=StoreConfig().admission,
                    help="admission rule of the last tier (all, reuse, learned; eviction/admission.py; default: the store's default, %(default)s)")
     p.add_argument("--admission-option", action="append", default=[], metavar="KEY=VALUE", help="an option of the admission rule's Config")
-    p.add_argument("--economics", action="store_true", help="also hits and writes by tier, with Belady-first-tier and admission-oracle references (tools/replay/economics.py)")
-    p.add_argument("--admission-frontier", action="store_true", help="with --economics: the exact subtree-refusal frontier at hit losses of 0.25/0.5/0.75/1/2/5%% (tools/replay/subtree.py; default: at 1%% only)")
+    p.add_argument("--economics", action="store_true", help="also hits and writes by tier, with Belady-first-tier and admission-oracle references (tools/lab/replay/economics.py)")
+    p.add_argument("--admission-frontier", action="store_true", help="with --economics: the exact subtree-refusal frontier at hit losses of 0.25/0.5/0.75/1/2/5%% (tools/lab/replay/subtree.py; default: at 1%% only)")
     p.add_argument("--json", action="store_true", help="one JSON object per (policy, capacity) on stdout")
     p.add_argument("--plot", metavar="FILE.svg", help="write hit rate against capacity, one line per policy")
     p.add_argument("--events", metavar="DIR", help="write each replay's store event log under DIR/<policy>-<capacity> (for python -m kvstore.report)")

@@ -1,4 +1,4 @@
-"""Subtree refusals counted exactly (tools/replay/subtree.py), on traces small enough to follow
+"""Subtree refusals counted exactly (tools/lab/replay/subtree.py), on traces small enough to follow
 by hand."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools.replay import economics as E
-from tools.replay.cli import main
-from tools.replay.sim import _EPOCH, parse_capacity, replay_store
-from tools.replay.subtree import (
+from tools.lab.replay import economics as E
+from tools.lab.replay.subtree import (
     Decisions,
     TraceTree,
     class_frontier,
     replay_refusals,
     standalone_costs,
 )
+from tools.replay.cli import main
+from tools.replay.sim import _EPOCH, parse_capacity, replay_store
 from tools.replay.trace import Trace, load_trace
 
 
@@ -148,8 +148,8 @@ def test_admission_frontier_option_reports_every_budget(tmp_path: Path, capsys: 
 
 
 def test_holdout_learns_on_the_first_half_and_pays_on_the_second(tmp_path: Path) -> None:
-    from tools.replay.bounds import unlimited
-    from tools.replay.subtree import holdout
+    from tools.lab.replay.bounds import unlimited
+    from tools.lab.replay.subtree import holdout
 
     def run(last: list[int]) -> tuple[float, float]:
         # Ten two-block chains (requests 0-9), nine more (10-18), then one chain read again.
@@ -193,7 +193,7 @@ def _many(tmp_path: Path, tail: list[list[int]]) -> tuple[Trace, TraceTree, Deci
 
 def test_learned_scores_use_only_labels_already_past(tmp_path: Path) -> None:
     from eviction.online_model import ModelConfig
-    from tools.replay.subtree import learned_scores, score_frontier
+    from tools.lab.replay.subtree import learned_scores, score_frontier
 
     cfg = ModelConfig(window=256, refit_every=4, min_samples=8)
     trace, tree, dec, times, feats = _many(tmp_path, [])

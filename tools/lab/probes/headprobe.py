@@ -1,6 +1,6 @@
 """Where the paged restore's fixed time goes, on a GPU (a diagnostic, not a figure).
 
-``python -m tools.bench._peers.headprobe`` (CUDA only) prints JSON lines:
+``python -m tools.lab.probes.headprobe`` (CUDA only) prints JSON lines:
 
 * ``link``: milliseconds of 512 MiB host-to-device copies, medians of 9: from torch's pinned
   tensor (the paged bench's baseline); from the store's registered shared-memory arena as one

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools.replay import economics as E
-from tools.replay.bounds import (
+from tools.lab.replay import economics as E
+from tools.lab.replay.bounds import (
     ClassSegments,
     _packing_dual,
     age_grid,

@@ -1,4 +1,4 @@
-"""``python -m tools.replay.continuation TRACE``: does anything the store or the engine sees say
+"""``python -m tools.lab.replay.continuation TRACE``: does anything the store or the engine sees say
 whether a conversation gets another turn, and what would admission to the last tier gain by it?
 
 Issue 18's object-tier goal (0.3 writes per hit within 1% of the hits lost) is met by an oracle
@@ -11,7 +11,7 @@ half of the requests and scored on the second (held out). It is a measurement, n
 
 With ``--admission SPEC`` it also replays the store (the default policy, storing everything and
 recording each last-tier decision, as ``--economics`` does) and prints the exact subtree
-frontier (tools/replay/subtree.py) of refusing the decisions ranked by: the continuation oracle;
+frontier (tools/lab/replay/subtree.py) of refusing the decisions ranked by: the continuation oracle;
 the held-out model's probability for the request that last read the block; the ``learned``
 admission model's online score; and the product of the two. The share refused is chosen in
 hindsight, per budget (``score_frontier``): what each ranking is worth, at best.
@@ -30,8 +30,8 @@ import numpy as np
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
-from tools.replay import tool
-from tools.replay.economics import (
+from tools.lab.replay import tool
+from tools.lab.replay.economics import (
     _RECORDS,
     block_parents,
     last_access_s,
@@ -39,13 +39,13 @@ from tools.replay.economics import (
     recorder_options,
     register_future,
 )
-from tools.replay.sim import _EPOCH, TierCapacity, replay_store
-from tools.replay.subtree import (
+from tools.lab.replay.subtree import (
     TraceTree,
     learned_scores,
     replay_refusals,
     score_frontier,
 )
+from tools.replay.sim import _EPOCH, TierCapacity, replay_store
 from tools.replay.trace import Trace, load_trace
 
 BUDGETS = (0.005, 0.01, 0.02)
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = tool.parser("python -m tools.replay.continuation", __doc__)
+    p = tool.parser("python -m tools.lab.replay.continuation", __doc__)
     p.add_argument("--admission", action="append", metavar="SPEC",
                    help="also the admission frontier at these tiers, e.g. dram=5%%,nvme=25%%,object=inf (repeatable)")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per block of the trace's hash ids (default 512)")

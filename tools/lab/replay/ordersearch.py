@@ -1,7 +1,7 @@
 """A search over *priority orders* of eviction/density.py's cells: how many hits can one
 static order serve, with each cell's exact statistics and free prefetch?
 
-:func:`tools.replay.bounds.priority_order_hits` scores one order over the (class, age cell)s of
+:func:`tools.lab.replay.bounds.priority_order_hits` scores one order over the (class, age cell)s of
 ``policy_class_segments`` at ``density``'s age resolution (ratio 1.35): at every access tick the
 rule holds the blocks of the best-ranked cells up to the tier's capacity (the edge cell in a
 fractional share), so a reuse ``r`` of cell ``k`` at tick ``t`` is served with the share
@@ -21,7 +21,7 @@ moves, then random kicks of the best order, re-climbed), seeded and bounded in w
 and moves. It is a **search, not a bound**: its answer is the hits of one order it found, a
 lower bound on the best static priority order's hits, never an upper bound.
 
-CLI: ``python -m tools.replay.ordersearch TRACE --capacity 5% --seconds 600 --seed 0 --json``.
+CLI: ``python -m tools.lab.replay.ordersearch TRACE --capacity 5% --seconds 600 --seed 0 --json``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.replay import tool
-from tools.replay.bounds import (
+from tools.lab.replay import tool
+from tools.lab.replay.bounds import (
     ClassSegments,
     _cell_occupancy,
     age_grid,
@@ -337,22 +337,22 @@ def search(inst: Instance, capacity: float, seconds: float = 60.0, seed: int = 0
 def first_tier_blocks(spec: str, unique_blocks: int) -> int:
     """The first tier's blocks of a capacity string, as the replay reads it (``5%``, ``2000``,
     ``dram=5%,nvme=25%,object=inf``)."""
-    from tools.replay.economics import parse_tiers
+    from tools.lab.replay.economics import parse_tiers
 
     return parse_tiers(spec, unique_blocks)[0].blocks
 
 
 CLASSES = {"density": policy_class_segments, "rich": class_segments}
 """The cells searched: `density`'s (hits x extended, the default), or the richer classes of
-:func:`tools.replay.bounds.class_segments` (hits, partial tail, last reuse gap, new, depth)."""
+:func:`tools.lab.replay.bounds.class_segments` (hits, partial tail, last reuse gap, new, depth)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     p = tool.parser(
-        "python -m tools.replay.ordersearch",
+        "python -m tools.lab.replay.ordersearch",
         "Search for a static priority order over eviction/density.py's (class, age cell)s "
         "(ratio 1.35) that serves the most reuses from a first tier of the given capacity, with exact "
-        "whole-trace statistics and free prefetch (tools.replay.bounds.priority_order_hits' rule for any "
+        "whole-trace statistics and free prefetch (tools.lab.replay.bounds.priority_order_hits' rule for any "
         "order). A search, not a bound: 'best' is the share of one order found, a lower bound on the best "
         "order's. Shares are of unlimited(trace).sum(), the served hits of --economics. Prints one line per "
         "capacity; progress on stderr. Exit codes: 0 ok, 2 bad input.")

@@ -1,4 +1,4 @@
-"""Whether a turn is continued, and what predicting it is worth (tools/replay/continuation.py),
+"""Whether a turn is continued, and what predicting it is worth (tools/lab/replay/continuation.py),
 on traces small enough to follow by hand."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools.replay import economics as E
-from tools.replay.continuation import auc, design, fit_logistic, main, turns
-from tools.replay.subtree import TraceTree
+from tools.lab.replay import economics as E
+from tools.lab.replay.continuation import auc, design, fit_logistic, main, turns
+from tools.lab.replay.subtree import TraceTree
 from tools.replay.trace import Trace, load_trace
 
 

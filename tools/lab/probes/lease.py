@@ -1,6 +1,6 @@
 """What a lease costs: ``KVStore.acquire`` + ``release`` of a prefix the arena holds.
 
-``python -m tools.bench._peers.lease [--json] [--blocks 256,2048] [--reps R] [--policy NAME]``
+``python -m tools.lab.probes.lease [--json] [--blocks 256,2048] [--reps R] [--policy NAME]``
 
 A store with one DRAM tier holds a chain of ``N`` blocks (512 bytes each: the cost is per block,
 not per byte); ``acquire`` of the whole chain is timed ``R`` times after 5 untimed ones, each
@@ -70,7 +70,7 @@ def run(blocks: Sequence[int] = (256, 2048), reps: int = 30, policy: str = "") -
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench._peers.lease", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.lab.probes.lease", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--blocks", default="256,2048", help="comma-separated chain lengths (default 256,2048)")

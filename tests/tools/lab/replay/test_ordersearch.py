@@ -1,4 +1,4 @@
-"""tools/replay/ordersearch.py: the fast evaluation of priority orders and the search over them."""
+"""tools/lab/replay/ordersearch.py: the fast evaluation of priority orders and the search over them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools.replay import ordersearch as O
-from tools.replay.bounds import ClassSegments, policy_class_segments, priority_order_hits
+from tools.lab.replay import ordersearch as O
+from tools.lab.replay.bounds import ClassSegments, policy_class_segments, priority_order_hits
 from tools.replay.synth import generate, write_trace
 from tools.replay.trace import load_trace
 
@@ -44,7 +44,7 @@ def test_evaluation_equals_priority_order_hits(made: Path) -> None:
 
 
 def test_evaluation_on_the_bounds_example() -> None:
-    # test_priority_order_moves_its_cut_with_the_load's example (tests/tools/test_replay_economics.py).
+    # test_priority_order_moves_its_cut_with_the_load's example (tests/tools/lab/replay/test_economics.py).
     seg = ClassSegments([np.array([10.0, 10.0])], 20, [np.array([1, 2])])
     inst = O.build(seg, ratio=2.0)
     assert O.order_hits(inst, O.default_order(inst), 1) == pytest.approx(1.5)

@@ -19,7 +19,7 @@ each hit (cost). Per (policy, capacity) the replay reports:
   and its variant for rules that refuse a block with its subtree (:func:`subtree_class_bound`,
   which counts one lost hit per refusal: optimistic), and that variant with the loss counted
   exactly, per class set, learned and known (:func:`exact_subtree_bounds`,
-  tools/replay/subtree.py).
+  tools/lab/replay/subtree.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 from eviction.admission import Admission, block_class, learned_features
 from eviction.density import RATIO
 from kvstore.registry import register_admission
-from tools.replay.bounds import (
+from tools.lab.replay.bounds import (
     class_bound,
     class_segments,
     holdout_window_hits,
@@ -48,8 +48,7 @@ from tools.replay.bounds import (
     unlimited,
     window_bound,
 )
-from tools.replay.sim import _EPOCH, StoreRun, TierCapacity, parse_capacity
-from tools.replay.subtree import (
+from tools.lab.replay.subtree import (
     Decisions,
     TraceTree,
     class_frontier,
@@ -58,6 +57,7 @@ from tools.replay.subtree import (
     score_frontier,
     standalone_costs,
 )
+from tools.replay.sim import _EPOCH, StoreRun, TierCapacity, parse_capacity
 from tools.replay.trace import Trace
 
 _INF = re.compile(r"(^|[=,])\s*(inf|unlimited)\s*(?=,|$)", re.IGNORECASE)
@@ -97,8 +97,8 @@ def register_future(name: str, last_access_s: np.ndarray, trace: Trace | None = 
     _FUTURES[name] = last_access_s
     if trace is not None:
         _TREES[name] = (trace, TraceTree.of(trace, block_parents(trace)))
-    register_admission("oracle", "tools.replay.economics:OracleAdmission")
-    register_admission("record", "tools.replay.economics:ClassRecorder")
+    register_admission("oracle", "tools.lab.replay.economics:OracleAdmission")
+    register_admission("record", "tools.lab.replay.economics:ClassRecorder")
 
 
 class OracleAdmission(Admission):
@@ -136,7 +136,7 @@ _RECORDS: dict[str, ClassRecorder] = {}
 class ClassRecorder(OracleAdmission):
     """Admits everything (the store-all run) and records, per decision, the class the ``reuse``
     rule would learn it in and whether the trace reads the block again; with the trace
-    registered (:func:`register_future`), also what tools/replay/subtree.py replays refusals
+    registered (:func:`register_future`), also what tools/lab/replay/subtree.py replays refusals
     from: the request it followed, whether its cached subtree was free to leave with it (no copy
     above the demoting tier, none in use or pinned: the store's check), and the columns of the
     richer classes (:func:`decision_classes`)."""
@@ -166,7 +166,7 @@ class ClassRecorder(OracleAdmission):
         _RECORDS[config.future] = self
 
     def decisions(self) -> Decisions:
-        """The recorded decisions, as tools/replay/subtree.py replays them (a run with the
+        """The recorded decisions, as tools/lab/replay/subtree.py replays them (a run with the
         trace's tree registered)."""
         col = self.columns
         return Decisions(np.asarray(col["req"], np.int64), np.asarray(self.blocks, np.int64), np.asarray(col["free"], bool))
@@ -310,7 +310,7 @@ def last_access_s(trace: Trace, epoch: float) -> np.ndarray:
 
 
 def exact_subtree_bounds(trace: Trace, rec: ClassRecorder, hits: int, budgets: tuple[float, ...]) -> dict[str, Any]:
-    """The subtree-refusal frontier counted exactly (tools/replay/subtree.py), per class set of
+    """The subtree-refusal frontier counted exactly (tools/lab/replay/subtree.py), per class set of
     :data:`CLASS_SETS`, at each hit-loss budget: writes per hit and the loss of the best rule
     found; ``rule_order`` ranks the rule's classes as the ``reuse`` rule does (least read again
     first) instead of by their standalone cost."""
@@ -382,7 +382,7 @@ own age buckets (``RATIO``), and two finer grids."""
 
 def first_tier_bounds(trace: Trace, capacity: int, served: float) -> dict[str, Any]:
     """Bounds on the share of the store's ``served`` hit blocks that a first tier of
-    ``capacity`` blocks can serve, for online rules of stated classes (tools/replay/bounds.py),
+    ``capacity`` blocks can serve, for online rules of stated classes (tools/lab/replay/bounds.py),
     each with the exact reuse statistics of its classes known in advance: keep a block until
     an age learned per class (``class_bound``: eviction/density.py's own classes, and the
     richer classes of ``class_segments``), or hold it at any set of ages per class, i.e. evict

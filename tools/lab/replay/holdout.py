@@ -1,4 +1,4 @@
-"""``python -m tools.replay.holdout TRACE``: are richer block classes learnable, or memorised?
+"""``python -m tools.lab.replay.holdout TRACE``: are richer block classes learnable, or memorised?
 
 The class bound (``--class-bound``) assumes each class's reuse statistics are known in advance;
 with many classes that knowledge is partly the trace itself. Here each class's keep-age is
@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from kvstore.config import StoreConfig
-from tools.replay import tool
-from tools.replay.bounds import EXTRA_FEATURES, belady, class_segments, holdout_class_hits
+from tools.lab.replay import tool
+from tools.lab.replay.bounds import EXTRA_FEATURES, belady, class_segments, holdout_class_hits
 from tools.replay.sim import parse_capacity, replay_store
 from tools.replay.trace import load_trace
 
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = tool.parser("python -m tools.replay.holdout", __doc__)
+    p = tool.parser("python -m tools.lab.replay.holdout", __doc__)
     p.add_argument("--capacity", action="append", metavar="SPEC", help="a share of unique blocks or a block count (default: 1%%, 5%%, 10%%; repeatable)")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per block of the trace's hash ids (default 512)")
     p.add_argument("--json", action="store_true", help="one JSON object per capacity")

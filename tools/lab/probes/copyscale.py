@@ -1,6 +1,6 @@
 """How a DRAM-tier copy scales with its threads on this machine: what ``copy_threads`` should be.
 
-``python -m tools.bench._peers.copyscale [--json] [--mib N] [--reps R] [--threads 1,2,4,...] [--into-arena]``
+``python -m tools.lab.probes.copyscale [--json] [--mib N] [--reps R] [--threads 1,2,4,...] [--into-arena]``
 
 One copy of ``N`` MiB from a shared-memory arena (as the DRAM tier's) into private memory (as a
 caller's buffer; ``--into-arena``: the other way, as a put copies), by :class:`kvstore.buffers.CopyPool` of each thread count in turn, the counts
@@ -79,7 +79,7 @@ def run(mib: int = 512, reps: int = 5, threads: Sequence[int] = (), into_arena: 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench._peers.copyscale", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.lab.probes.copyscale", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--mib", type=int, default=512, help="MiB copied per call (default 512: one 4K-token request)")

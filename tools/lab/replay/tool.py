@@ -1,4 +1,4 @@
-"""What the replay's analysis tools (``python -m tools.replay.holdout``, ``.continuation``,
+"""What the replay's analysis tools (``python -m tools.lab.replay.holdout``, ``.continuation``,
 ``.ordersearch``) share on their command line: a parser with ``--version`` and the trace, and
 exit code 2 with a one-line message for a user's mistake (a bad trace or capacity)."""
 
