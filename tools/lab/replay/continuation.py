@@ -35,7 +35,6 @@ from tools.lab.replay.economics import (
     _RECORDS,
     block_parents,
     last_access_s,
-    parse_tiers,
     recorder_options,
     register_future,
 )
@@ -45,7 +44,7 @@ from tools.lab.replay.subtree import (
     replay_refusals,
     score_frontier,
 )
-from tools.replay.sim import _EPOCH, TierCapacity, replay_store
+from tools.replay.sim import EPOCH, TierCapacity, parse_tiers, replay_store
 from tools.replay.trace import Trace, load_trace
 
 BUDGETS = (0.005, 0.01, 0.02)
@@ -154,7 +153,7 @@ def admission(trace: Trace, spec: str, t: Turns, prob: np.ndarray, block_tokens:
     """The last tier's exact subtree frontier for rankings by continuation (module docstring)."""
     tiers = _tiers(trace, spec)
     key = f"continuation:{trace.name}@{spec}"
-    register_future(key, last_access_s(trace, _EPOCH), trace)
+    register_future(key, last_access_s(trace, EPOCH), trace)
     policy = StoreConfig().policy
     run = replay_store(trace, tiers, policy, block_tokens=block_tokens, admission="record",
                        admission_options=recorder_options(key, tiers))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,10 +41,8 @@ from tools.lab.replay.bounds import (
     holdout_window_hits,
     instant_window_bound,
     keep_until_occupancy,
-    next_use,
     policy_class_segments,
     priority_order_hits,
-    unlimited,
     window_bound,
 )
 from tools.lab.replay.subtree import (
@@ -57,21 +54,9 @@ from tools.lab.replay.subtree import (
     score_frontier,
     standalone_costs,
 )
-from tools.replay.sim import _EPOCH, StoreRun, TierCapacity, parse_capacity
+from tools.replay.sim import EPOCH, StoreRun, TierCapacity
 from tools.replay.trace import Trace
-
-_INF = re.compile(r"(^|[=,])\s*(inf|unlimited)\s*(?=,|$)", re.IGNORECASE)
-
-
-def expand_unlimited(spec: str, unique_blocks: int) -> str:
-    """``object=inf`` (or ``unlimited``) as room for every unique block of the trace."""
-    return _INF.sub(lambda m: f"{m.group(1)}{unique_blocks}", spec)
-
-
-def parse_tiers(spec: str, unique_blocks: int, block_bytes: int = 1) -> list[TierCapacity]:
-    """The tiers of a capacity string, ``object=inf`` included (:func:`expand_unlimited`, then
-    ``parse_capacity``)."""
-    return parse_capacity(expand_unlimited(spec, unique_blocks), unique_blocks, block_bytes)
+from tools.replay.yardsticks import next_use, unlimited
 
 
 def recorder_options(key: str, tiers: list[TierCapacity]) -> dict[str, Any]:
@@ -160,7 +145,7 @@ class ClassRecorder(OracleAdmission):
         self.tree = _TREES.get(config.future)
         if self.tree is not None:
             trace, tree = self.tree
-            self._first_s = _EPOCH + trace.timestamps_ms[np.minimum(tree.first_req, trace.num_requests - 1)] / 1000.0
+            self._first_s = EPOCH + trace.timestamps_ms[np.minimum(tree.first_req, trace.num_requests - 1)] / 1000.0
             self._hits_after = np.cumsum(unlimited(trace))
             self._bid = np.full(tree.parent.size, -1, np.int64)  # trace id -> index id (a store-all run keeps them)
         _RECORDS[config.future] = self
@@ -457,7 +442,7 @@ def report(
     needs it (the same policy storing everything; the oracle)."""
     first = next(iter(runs))
     key = f"{trace.name}@{spec}"
-    register_future(key, last_access_s(trace, _EPOCH), trace)
+    register_future(key, last_access_s(trace, EPOCH), trace)
     # The first policy storing everything, recording each last-tier decision for the class bound.
     recorded = tier_figures(tiers, replay(first, admission="record", admission_options=recorder_options(key, tiers)),
                             block_bytes)

@@ -19,9 +19,10 @@ import numpy as np
 
 from kvstore.config import StoreConfig
 from tools.lab.replay import tool
-from tools.lab.replay.bounds import EXTRA_FEATURES, belady, class_segments, holdout_class_hits
+from tools.lab.replay.bounds import EXTRA_FEATURES, class_segments, holdout_class_hits
 from tools.replay.sim import parse_capacity, replay_store
 from tools.replay.trace import load_trace
+from tools.replay.yardsticks import belady
 
 FEATURE_SETS: dict[str, tuple[str, ...]] = {"base": (), "length": ("length",), "all": EXTRA_FEATURES}
 

@@ -42,9 +42,9 @@ from tools.lab.replay.bounds import (
     age_grid,
     class_segments,
     policy_class_segments,
-    unlimited,
 )
 from tools.replay.trace import load_trace
+from tools.replay.yardsticks import unlimited
 
 RATIO = 1.35
 """``density``'s age-bucket ratio (eviction/density.py's ``RATIO``), as in economics.py."""
@@ -337,7 +337,7 @@ def search(inst: Instance, capacity: float, seconds: float = 60.0, seed: int = 0
 def first_tier_blocks(spec: str, unique_blocks: int) -> int:
     """The first tier's blocks of a capacity string, as the replay reads it (``5%``, ``2000``,
     ``dram=5%,nvme=25%,object=inf``)."""
-    from tools.lab.replay.economics import parse_tiers
+    from tools.replay.sim import parse_tiers
 
     return parse_tiers(spec, unique_blocks)[0].blocks
 

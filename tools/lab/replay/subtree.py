@@ -35,7 +35,7 @@ import numpy as np
 
 from eviction.admission import LEARNED_CROSSES, LEARNED_EDGES
 from eviction.online_model import ModelConfig, OnlineModel
-from tools.replay.sim import _EPOCH
+from tools.replay.sim import EPOCH
 from tools.replay.trace import Trace
 
 
@@ -334,7 +334,7 @@ def learned_scores(trace: Trace, tree: TraceTree, dec: Decisions, times: np.ndar
     if not n:
         return out
     nxt = tree.next_read(dec.block, dec.req, reqs)
-    stamps = _EPOCH + trace.timestamps_ms / 1000.0
+    stamps = EPOCH + trace.timestamps_ms / 1000.0
     again = np.where(nxt < reqs, stamps[np.minimum(nxt, reqs - 1)], np.inf) - times <= horizon_s
     cols = model.encode_many(features)
     known = times + horizon_s  # when each label is final (decisions are in time order)

@@ -19,12 +19,12 @@ from tools.lab.replay.bounds import (
     keep_until_occupancy,
     policy_class_segments,
     priority_order_hits,
-    unlimited,
     window_bound,
 )
-from tools.replay.cli import main
-from tools.replay.sim import _EPOCH, parse_capacity, replay_store
+from tools.lab.replay.cli import main
+from tools.replay.sim import EPOCH, expand_unlimited, parse_capacity, replay_store
 from tools.replay.trace import Trace, load_trace
+from tools.replay.yardsticks import unlimited
 
 
 def _write(path: Path, reqs: list[tuple[int, list[int]]]) -> Path:
@@ -43,14 +43,7 @@ def three(tmp_path: Path) -> Path:
 
 
 def _tiers(trace: Trace, spec: str = "dram=1,nvme=1,object=inf") -> list:
-    return parse_capacity(E.expand_unlimited(spec, trace.unique_blocks), trace.unique_blocks, 1)
-
-
-def test_expand_unlimited() -> None:
-    assert E.expand_unlimited("dram=5%,nvme=25%,object=inf", 7) == "dram=5%,nvme=25%,object=7"
-    assert E.expand_unlimited("inf", 9) == "9"
-    assert E.expand_unlimited("dram=1,nvme=unlimited", 3) == "dram=1,nvme=3"
-    assert E.expand_unlimited("dram=infinite", 3) == "dram=infinite"  # not ours: parse_capacity says what is wrong
+    return parse_capacity(expand_unlimited(spec, trace.unique_blocks), trace.unique_blocks, 1)
 
 
 def test_store_everything_figures(three: Path) -> None:
@@ -71,7 +64,7 @@ def test_store_everything_figures(three: Path) -> None:
 def test_oracle_writes_only_what_is_read_again(three: Path) -> None:
     trace = load_trace(three)
     tiers = _tiers(trace)
-    E.register_future("three", E.last_access_s(trace, _EPOCH))
+    E.register_future("three", E.last_access_s(trace, EPOCH))
     run = replay_store(trace, tiers, "lru", block_tokens=512, admission="oracle", admission_options={"future": "three"})
     f = E.tier_figures(tiers, run, block_bytes=1)
     assert f["hit_blocks"] == 1  # no hit lost

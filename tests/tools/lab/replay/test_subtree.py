@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tools.lab.replay import economics as E
+from tools.lab.replay.cli import main
 from tools.lab.replay.subtree import (
     Decisions,
     TraceTree,
@@ -17,9 +18,9 @@ from tools.lab.replay.subtree import (
     replay_refusals,
     standalone_costs,
 )
-from tools.replay.cli import main
-from tools.replay.sim import _EPOCH, parse_capacity, replay_store
+from tools.replay.sim import EPOCH, expand_unlimited, parse_capacity, replay_store
 from tools.replay.trace import Trace, load_trace
+from tools.replay.yardsticks import unlimited
 
 
 def _trace(path: Path, reqs: list[list[int]]) -> Trace:
@@ -106,8 +107,8 @@ def test_class_frontier_keeps_within_the_budget(tmp_path: Path) -> None:
 
 def test_recorder_notes_requests_and_free_subtrees(tmp_path: Path) -> None:
     trace = _trace(tmp_path / "r_trace.jsonl", [[0, 1, 2], [5, 6], [7, 8], [0, 1, 2, 3], [9]])
-    tiers = parse_capacity(E.expand_unlimited("dram=1,nvme=2,object=inf", trace.unique_blocks), trace.unique_blocks, 1)
-    E.register_future("r", E.last_access_s(trace, _EPOCH), trace)
+    tiers = parse_capacity(expand_unlimited("dram=1,nvme=2,object=inf", trace.unique_blocks), trace.unique_blocks, 1)
+    E.register_future("r", E.last_access_s(trace, EPOCH), trace)
     replay_store(trace, tiers, "lru", block_tokens=512, admission="record", admission_options={"future": "r", "upper": 1})
     rec = E._RECORDS.pop("r")
     cols = rec.columns
@@ -148,7 +149,6 @@ def test_admission_frontier_option_reports_every_budget(tmp_path: Path, capsys: 
 
 
 def test_holdout_learns_on_the_first_half_and_pays_on_the_second(tmp_path: Path) -> None:
-    from tools.lab.replay.bounds import unlimited
     from tools.lab.replay.subtree import holdout
 
     def run(last: list[int]) -> tuple[float, float]:
@@ -184,7 +184,7 @@ def _many(tmp_path: Path, tail: list[list[int]]) -> tuple[Trace, TraceTree, Deci
     tree = TraceTree.of(trace, E.block_parents(trace))
     first = tree.first_req[np.arange(0, 120, 2)]
     dec = Decisions(first, np.arange(0, 120, 2), np.ones(60, bool))
-    times = _EPOCH + trace.timestamps_ms[first] / 1000.0
+    times = EPOCH + trace.timestamps_ms[first] / 1000.0
     # The feature that tells the two kinds apart: the depth column (even chains "deep").
     feats = np.zeros((60, 9))
     feats[:, 1] = np.where(np.arange(60) % 2 == 0, 8.0, 0.0)
@@ -206,7 +206,7 @@ def test_learned_scores_use_only_labels_already_past(tmp_path: Path) -> None:
     more = [[2 * i, 2 * i + 1] for i in range(60)]
     trace2, tree2, dec2, times2, _ = _many(tmp_path, more)
     assert np.array_equal(p, learned_scores(trace2, tree2, dec2, times2, feats, horizon_s=0.1, config=cfg, batch=1))
-    hits = int(E.unlimited(trace).sum())
+    hits = int(unlimited(trace).sum())
     (point,) = score_frontier(trace, tree, dec, p, hits, (0.0,))
     assert point.outcome.lost == 0 and point.outcome.refused > 0  # the odd chains go, at no loss
     assert point.outcome.writes < 60
