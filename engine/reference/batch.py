@@ -30,7 +30,7 @@ blocks and group), scatters each layer into the rows, gathers the HBM-resident b
 layer from the page pool (device to device, no host transfer), promotes the DRAM blocks into HBM
 pages, and records one event per layer; the model's layer i waits on the device for event i.
 The host issues that work group by group, ``load_ahead`` groups in front of the layer the model's
-forward is issuing (:class:`_Loads`), so the model's first kernels start at once rather than
+forward is issuing (:class:`Loads`), so the model's first kernels start at once rather than
 after thousands of gather launches. A request whose leading blocks are resident in HBM leases from the store only the blocks after
 them. The batch's new blocks are packed once, copied to the host in one copy into a ring allocated
 once (:class:`engine.gpu.HostRing`, pinned on CUDA) and stored from there in the background.
@@ -111,7 +111,7 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
 AttentionInterface.register(_ATTN, _attention)
 
 
-class _Loads:
+class Loads:
     """The load work of one batch, issued layer group by layer group: the groups that cover the
     first ``ahead`` layers before the forward, each later one when the model's cache ``update``
     reaches ``ahead`` layers before it. So the compute stream gets the model's first kernels at
@@ -152,7 +152,7 @@ class _RowsCache(DynamicCache):
     new K/V into the rows (after the layer's load event) and hands back the whole rows of that
     layer."""
 
-    def __init__(self, config: Any, kv: torch.Tensor, new_rows: torch.Tensor, loads: _Loads) -> None:
+    def __init__(self, config: Any, kv: torch.Tensor, new_rows: torch.Tensor, loads: Loads) -> None:
         super().__init__(config=config)
         self._kv = kv  # [layers, 2, rows, H, D]
         self._new = new_rows
@@ -210,7 +210,7 @@ class BatchResult:
 
 
 @dataclass(slots=True, eq=False)
-class _Plan:
+class Plan:
     ids: torch.Tensor
     hashes: list[BlockHash] = field(default_factory=list)
     n_hbm: int = 0
@@ -270,7 +270,7 @@ class BatchedLM:
         self.attention = attention
         self.layer_groups = max(1, layer_groups)
         self.load_ahead = max(1, load_ahead)
-        """Layer groups whose loads are issued before the model reaches them (:class:`_Loads`)."""
+        """Layer groups whose loads are issued before the model reaches them (:class:`Loads`)."""
         if hbm_gather not in ("load", "compute"):
             raise ValueError(f"hbm_gather must be 'load' or 'compute', not {hbm_gather!r}")
         self.hbm_gather = hbm_gather
@@ -317,8 +317,8 @@ class BatchedLM:
                     if p.promote is not None:
                         self.hbm.release(p.promote.keys)
 
-    def _plan(self, ids: torch.Tensor, use_cache: bool) -> _Plan:
-        p = _Plan(ids)
+    def _plan(self, ids: torch.Tensor, use_cache: bool) -> Plan:
+        p = Plan(ids)
         if self.cache is None or not use_cache:
             return p
         p.hashes = self.cache.hashes(ids)
@@ -340,7 +340,7 @@ class BatchedLM:
                 loaded.release()
         return p
 
-    def _run(self, plans: list[_Plan], store: bool) -> list[BatchResult]:
+    def _run(self, plans: list[Plan], store: bool) -> list[BatchResult]:
         dev, bt = self.device, self.shape.block_tokens
         q_starts, k_starts, k_lens = [0], [], []
         rows = 0
@@ -429,9 +429,9 @@ class BatchedLM:
             self._staging_buf = torch.empty(n * width, dtype=torch.uint8, device=self.device)
         return self._staging_buf[: n * width].view(n, width)
 
-    def _load(self, plans: list[_Plan], kv: torch.Tensor, k_starts: list[int]) -> _Loads:
+    def _load(self, plans: list[Plan], kv: torch.Tensor, k_starts: list[int]) -> Loads:
         """The loads of the cached rows of every request, to be issued group by group
-        (:class:`_Loads`); on the CPU each group is done when issued, so a layer's rows are
+        (:class:`Loads`); on the CPU each group is done when issued, so a layer's rows are
         filled before its ``update`` returns."""
         shape, dev = self.shape, self.device
         bt, n_layers, lb = shape.block_tokens, shape.num_layers, shape.layer_bytes
@@ -439,7 +439,7 @@ class BatchedLM:
         dram = [p for p in plans if p.n_dram]
         hbm = [p for p in plans if p.n_hbm]
         if not dram and not hbm:
-            return _Loads(n_layers, per_group, None, 0)
+            return Loads(n_layers, per_group, None, 0)
 
         starts = {id(p): k // bt for p, k in zip(plans, k_starts, strict=True)}
         # HBM hits: per request its pages and the row blocks they fill (a contiguous run).
@@ -455,7 +455,7 @@ class BatchedLM:
             for t in (dram_dst, promo_slots, promo_dst):
                 if t is not None:  # made on the compute stream, read on this one: not reused early
                     t.record_stream(stream)
-        loads: _Loads
+        loads: Loads
         gather_on_compute = self.hbm_gather == "compute"
         load_hbm = [] if gather_on_compute else hbm_runs
 
@@ -479,7 +479,7 @@ class BatchedLM:
             for j in (0, 1):
                 self._gather_hbm(kv[layer, j], layer, j, hbm_runs)
 
-        loads = _Loads(n_layers, per_group, issue, self.load_ahead * per_group,
+        loads = Loads(n_layers, per_group, issue, self.load_ahead * per_group,
                        gather if gather_on_compute and hbm_runs else None)
         return loads
 
@@ -510,7 +510,7 @@ class BatchedLM:
         for slots, b0, n in hbm_runs:
             torch.index_select(pages, 0, slots, out=blocks[b0 : b0 + n])
 
-    def _promotions(self, dram: list[_Plan], starts: dict[int, int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _promotions(self, dram: list[Plan], starts: dict[int, int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Pages of the DRAM blocks being promoted, and the row blocks they are copied from."""
         slots, dst = [], []
         for p in dram:
@@ -525,7 +525,7 @@ class BatchedLM:
 
     # ---- stores -----------------------------------------------------------------------------
 
-    def _store_new(self, plans: list[_Plan], kv: torch.Tensor, k_starts: list[int]) -> None:
+    def _store_new(self, plans: list[Plan], kv: torch.Tensor, k_starts: list[int]) -> None:
         """The new full blocks of every request: packed once for the batch, admitted into HBM
         (device to device) and stored in the background."""
         assert self.cache is not None

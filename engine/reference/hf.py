@@ -33,7 +33,7 @@ def _cache_kw(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _out_cache(out: Any) -> DynamicCache:
+def out_cache(out: Any) -> DynamicCache:
     c = getattr(out, "cache", None)
     return c if c is not None else out.past_key_values
 
@@ -135,7 +135,7 @@ class CachedLM:
 
     def _run(self, ids: torch.Tensor, hit: int, hashes: list[bytes], kv_cache: DynamicCache, t0: float) -> Prefill:
         out = self.model(input_ids=ids[hit:].unsqueeze(0).to(self.device), use_cache=True, **self._extra, **{self._kw: kv_cache})
-        kv_cache = _out_cache(out)
+        kv_cache = out_cache(out)
         if self.cache is not None and hashes:
             full = len(hashes)
             start = hit // self.shape.block_tokens
@@ -202,6 +202,6 @@ class CachedLM:
             if len(tokens) == max_new_tokens:
                 break
             out = self.model(input_ids=torch.tensor([[nxt]], device=self.device), use_cache=True, **{self._kw: kv_cache})
-            kv_cache = _out_cache(out)
+            kv_cache = out_cache(out)
             nxt = int(out.logits[0, -1].argmax())
         return tokens, pre

@@ -47,7 +47,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from engine.gpu import ArenaBlocks, HostBlocks
 from engine.kvlayout import KVShape, pack, unpack_layer, unpack_layer_into
-from engine.reference.hf import _cache_kw, _out_cache
+from engine.reference.hf import _cache_kw, out_cache
 from kvstore.errors import MissingPrefixError, UsageError
 from kvstore.hybrid import CheckpointPolicy, HybridNamespaces, StoreAPI, lookup
 from kvstore.keys import BlockHash, KVLayout, LayerGroup, Namespace, hash_blocks
@@ -307,7 +307,7 @@ def model_plan(model: Any) -> LayerPlan:
     kw = _cache_kw(model)
     with torch.no_grad():
         out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, **{kw: DynamicCache(config=model.config)})
-    cache = _out_cache(out)
+    cache = out_cache(out)
     slots = []
     for layer in plan.recurrent:
         lay = cache.layers[layer]
@@ -753,7 +753,7 @@ class HybridLM:
                     for end in ends:
                         chunk = ids[pos:end].unsqueeze(0).to(self.device)
                         out = self.model(input_ids=chunk, use_cache=True, logits_to_keep=1, **extra, **{self._kw: cache})
-                        cache = _out_cache(out)
+                        cache = out_cache(out)
                         if end in want:
                             states[end // bt - 1] = self._snapshot(cache)
                         pos = end
@@ -931,7 +931,7 @@ class HybridLM:
             if len(tokens) == max_new_tokens:
                 break
             out = self.model(input_ids=torch.tensor([[nxt]], device=self.device), use_cache=True, **{self._kw: cache})
-            cache = _out_cache(out)
+            cache = out_cache(out)
             nxt = int(out.logits[0, -1].argmax())
         return tokens, pre
 

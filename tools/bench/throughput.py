@@ -45,7 +45,7 @@ import torch
 from engine.client import EngineCache
 from engine.gpu import arena_tensor, release_arenas
 from engine.kvlayout import KVShape, shape_of
-from engine.reference.batch import BatchedLM, BatchResult, _Loads, _Plan, batches
+from engine.reference.batch import BatchedLM, BatchResult, Loads, Plan, batches
 from engine.reference.hbm_cache import HbmCache
 from engine.reference.hf import CachedLM
 from kvstore.config import StoreConfig, TierSpec
@@ -181,13 +181,13 @@ class _Resident(BatchedLM):
             self._rows_buf.normal_()
         return kv
 
-    def _plan(self, ids: torch.Tensor, use_cache: bool) -> _Plan:
-        p = _Plan(ids)
+    def _plan(self, ids: torch.Tensor, use_cache: bool) -> Plan:
+        p = Plan(ids)
         p.n_hbm = self.hits.pop(0)
         return p
 
-    def _load(self, plans: list[_Plan], kv: torch.Tensor, k_starts: list[int]) -> _Loads:
-        return _Loads(self.shape.num_layers, 1, None, 0)
+    def _load(self, plans: list[Plan], kv: torch.Tensor, k_starts: list[int]) -> Loads:
+        return Loads(self.shape.num_layers, 1, None, 0)
 
 
 @dataclass(slots=True)
