@@ -121,7 +121,7 @@ def _cudnn_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
     queries see every key before them (``T - S`` keys, no mask) and their own square block
     causally (where top-left and bottom-right agree); the two parts are merged by their
     log-sum-exp. Returns ``[1, S, Hq, D]``. (cuDNN's own ``is_causal`` aligns top-left: wrong
-    for a prefill after a cached prefix; ``tools.bench.hybrid attention`` checks it.)"""
+    for a prefill after a cached prefix; ``python -m tools.lab.probes.hybrid_kernels attention`` checks it.)"""
     s, t = q.shape[2], k.shape[2]
     expand = q.shape[1] // k.shape[1] if mode == "expand" else 1
     o2, l2 = _cudnn_part(q, k[:, :, t - s :], v[:, :, t - s :], True, scale, expand)

@@ -29,3 +29,16 @@ def test_lease_rows_time_a_whole_lease_against_a_lookup() -> None:
     assert all(r["value"] > 0 and r["baseline"] > 0 and r["unit"] == "ms" for r in rows)
     with pytest.raises(SystemExit):
         main(["--blocks", "0"])
+
+
+def test_hybrid_kernels_parts_skip_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("runs the CUDA probe for real on a GPU")
+    from tools.lab.probes.hybrid_kernels import main
+
+    assert main(["attention", "profile", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "hybrid attention: skipped" in out and "hybrid profile: skipped" in out
+    with pytest.raises(SystemExit):
+        main(["syncs"])  # the bench's part, not the probe's

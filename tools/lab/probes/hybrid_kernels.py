@@ -1,5 +1,7 @@
 """Where a hybrid replay's device time goes (CUDA only): attention kernels and a kernel profile.
 
+``python -m tools.lab.probes.hybrid_kernels [attention|profile ...] [--quick] [--c 21]``: JSON lines.
+
 - **attention**: one full layer's attention of ``S`` new queries over ``K`` keys (the queries
   are the last ``S`` positions: causal aligned bottom-right), Llama-3-8B heads (32 query heads,
   8 KV heads, 128 dims, bf16), with every exact attention torch has on this device:
@@ -16,12 +18,16 @@
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from engine.reference.hybrid import HybridLM, namespace_of
+from kvstore.hybrid import CheckpointPolicy
 from tools.bench._common import result
+from tools.bench.hybrid import BT, CONTEXT, _dram_store, _gpu_model
 
 HQ, HKV, D = 32, 8, 128
 
@@ -159,3 +165,57 @@ def profile_row(prefill: Callable[[], Any], label: str, baseline: float) -> dict
     total = sum(kinds.values())
     return result("hybrid", f"profile_{label}", total, "ms", baseline, baseline_is="kernel ms of the first profiled hit", kinds_ms={k: round(v, 3) for k, v in kinds.items()},
                  top_kernels=[{"ms": round(a, 3), "calls": c, "name": k} for a, c, k in kernels[:25]])
+
+
+def profile_part(quick: bool, c: int = 21, replays: tuple[int, ...] = (0, 10, 20)) -> Iterator[dict[str, Any]]:
+    """Kernel time by kind (:func:`profile_row`) of hybrid hits at C = ``c``
+    that replay ``replays`` blocks, the 32K prefix and model of the TTFT rows (CUDA only)."""
+    if not torch.cuda.is_available():
+        print("hybrid profile: skipped, needs a CUDA device", flush=True)
+        return
+    model, prefix_len = _gpu_model(quick), (4096 if quick else CONTEXT)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, model.config.vocab_size, (prefix_len,), generator=g)
+    tail = torch.randint(0, model.config.vocab_size, (512,), generator=g)
+    ns = namespace_of(model, "bench/gemma3-8b-shape-profile", BT)
+    n_blocks = prefix_len // BT
+    with tempfile.TemporaryDirectory() as d:
+        store = _dram_store(d, -(-(n_blocks + 8) * ns.block_bytes // (64 << 20)) * (64 << 20) + (128 << 20))
+        try:
+            lm = HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=c))
+            lm.prefill(prefix)
+            p = (n_blocks - c) // c * c - 1
+            first = 0.0
+            for r in replays:
+                prompt = torch.cat([prefix, tail]) if r == 0 else torch.cat([prefix[: (p + 1 + r) * BT], tail])
+                row = profile_row(lambda prompt=prompt: lm.prefill(prompt, store=False), f"C{c}_replay_{r}_blocks_{lm.attention}", first)
+                first = first or row["value"]
+                yield row
+            lm.close()
+        finally:
+            store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    from kvstore.version import version
+
+    p = argparse.ArgumentParser(prog="python -m tools.lab.probes.hybrid_kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    p.add_argument("parts", nargs="*", choices=["attention", "profile"])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--c", type=int, default=21, help="the checkpoint interval of the profiled hits (default 21)")
+    a = p.parse_args(argv)
+    parts = {"attention": lambda: attention_rows(a.quick), "profile": lambda: profile_part(a.quick, a.c)}
+    for name in a.parts or list(parts):
+        for row in parts[name]():
+            print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
