@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/tools/lab
 
 # The lab's tests (tools/lab: research and one-off probes, not installed; tests/tools/lab), apart
-# from the product's suite. About a minute on a 2-core box.
+# from the product's suite. Under a minute on a 2-core box.
 test-lab: $(STAMP)
 	$(PY) -m pytest -q tests/tools/lab
 
