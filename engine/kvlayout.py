@@ -8,7 +8,7 @@ one contiguous run of bytes.
 The engine's side is the per-layer ``[batch=1, kv_heads, tokens, head_dim]`` tensors that
 Hugging Face caches (and most engines' attention kernels) use. :func:`pack` and :func:`unpack`
 convert between the two with a few tensor ops (no per-token or per-block Python). The batched
-engine (``engine.batch``) keeps token-major ``[tokens, kv_heads, head_dim]`` rows instead (the
+engine (``engine.reference.batch``) keeps token-major ``[tokens, kv_heads, head_dim]`` rows instead (the
 layout of variable-length attention kernels): :func:`layer_rows` and :func:`pack_rows`.
 """
 
@@ -30,7 +30,7 @@ class KVShape:
     dtype: torch.dtype
     block_tokens: int
     mla: tuple[int, int] | None = None
-    """``(latent_dim, rope_dim)`` for an MLA model (``engine.mla``): one latent per token and
+    """``(latent_dim, rope_dim)`` for an MLA model (``engine.reference.mla``): one latent per token and
     layer, moved as two halves in the K and V places (``kv_heads`` 1, ``head_dim`` half the
     latent), so every byte-moving part of the engine serves it unchanged."""
 
@@ -124,7 +124,7 @@ def layer_rows(blocks: torch.Tensor, shape: KVShape, layer: int) -> tuple[torch.
 def block_rows(rows: torch.Tensor, shape: KVShape) -> torch.Tensor:
     """Token-major ``[rows, H, D]`` K or V (rows a multiple of ``block_tokens``) as one row per
     block, ``[rows / block_tokens, width]``, in the units of :func:`wide` over bytes: the form the
-    HBM pages' parts have (:meth:`engine.hbm_cache.HbmCache.part`)."""
+    HBM pages' parts have (:meth:`engine.reference.hbm_cache.HbmCache.part`)."""
     return wide(rows.view(torch.uint8).view(rows.shape[0] // shape.block_tokens, -1))
 
 

@@ -9,7 +9,7 @@ lifecycle rules and write-back switched off), and ``namespaces.json`` is only re
 Pins are read from ``pins.json`` (the store rewrites it atomically on every change): a block held
 by a pin that a store opened now would re-apply (no deadline, or one still ahead) does not count
 as expired. What a snapshot cannot know: hit counts and in-use counts live in a running store's
-memory (``hits`` comes from the event log instead, when there is one; see tools/kvctl).
+memory (``hits`` comes from the event log instead, when there is one; see kvstore/ctl).
 """
 
 from __future__ import annotations

@@ -123,9 +123,15 @@ def test_the_checks_catch_a_stale_map(tmp_path: Path) -> None:
         ("tools.bench.hash", "tools/bench"),
         ("kvstore.store.core", "kvstore/store"),
         ("kvstore.keys", "kvstore"),
+        ("kvstore.ctl.cli", "kvstore/ctl"),
+        ("engine.reference.batch", "engine/reference"),
+        ("engine.client", "engine"),
+        ("tools.lab.replay.bounds", "tools/lab/replay"),
+        ("tools.replay.sim", "tools"),
         ("numpy", None),
     ],
 )
 def test_a_module_belongs_to_its_longest_package(module: str, expected: str | None) -> None:
-    packages = {"kvstore", "kvstore/store", "tools", "tools/bench"}
+    packages = {"kvstore", "kvstore/store", "kvstore/ctl", "engine", "engine/reference", "tools", "tools/bench",
+                "tools/lab", "tools/lab/replay"}
     assert package_of(module, packages) == expected

@@ -1,9 +1,13 @@
 """Imports flow one way (docs/architecture.md): ``tiers/`` and ``eviction/`` import only the
 leaf modules of ``kvstore/``; ``kvstore/wire`` (the wire formats) only those and itself;
-``kvstore/client`` and ``kvstore/route`` never the daemon (``kvstore/server``);
-``kvstore/server``, ``kvstore/client``, ``engine/`` and ``tools/`` import only public names of
-other kvstore packages. Walks every module's imports with ``ast``
-(function-level and ``TYPE_CHECKING`` imports included), so an upward import fails here."""
+``kvstore/client`` and ``kvstore/route`` never the daemon (``kvstore/server``); no package imports
+an underscore-private name of another package
+(a private name is visible in the package that holds it and that package's subpackages); the
+product (``kvstore/``, ``tiers/``, ``eviction/``, ``engine/``) imports nothing from ``tools/``;
+the engine adapters (``engine/vllm``, ``engine/sglang``) import no reference engine
+(``engine/reference``); nothing outside ``tools/lab`` imports the lab, and the lab, which is
+research, is the one place that may reach into private names. Walks every module's imports with
+``ast`` (function-level and ``TYPE_CHECKING`` imports included), so an upward import fails here."""
 
 from __future__ import annotations
 
@@ -18,7 +22,10 @@ LEAVES = {"keys", "block", "errors", "units", "clock", "buffers", "shm", "api", 
 LOWER = ("tiers", "eviction")
 WIRE = "kvstore/wire"
 CLIENTS = ("kvstore/client", "kvstore/route")
-CALLERS = ("kvstore/server", "kvstore/client", "engine", "tools")
+FIRST_PARTY = ("kvstore", "tiers", "eviction", "engine", "tools")
+PRODUCT = ("kvstore", "tiers", "eviction", "engine")
+ADAPTERS = ("engine/vllm", "engine/sglang")
+LAB = "tools/lab"
 
 
 def _modules(where: str) -> list[Path]:
@@ -73,20 +80,40 @@ def daemon(path: Path) -> list[str]:
     return out
 
 
+def _owner(prefix: list[str]) -> str:
+    """The package that holds the private name ending ``prefix``: the name's own package when it
+    is one (``tools.bench._peers``), else the package of the module it is in."""
+    return ".".join(prefix) if (ROOT / "/".join(prefix)).is_dir() else ".".join(prefix[:-1])
+
+
 def private(path: Path) -> list[str]:
-    """Imports of underscore-private kvstore modules or names outside the importer's package."""
+    """Imports of underscore-private modules or names of another first-party package."""
     own = _package_of(path)
     out = []
     for line, module, name in imports(path):
         parts = module.split(".")
-        if parts[0] != "kvstore":
+        if parts[0] not in FIRST_PARTY:
             continue
         full = [*parts, name] if name else parts
         for i, part in enumerate(full[1:], 1):
-            if part.startswith("_") and not part.startswith("__") and ".".join(full[:i]) != own:
-                out.append(f"{path.relative_to(ROOT)}:{line}: imports private {'.'.join(full[: i + 1])}")
+            if part.startswith("_") and not part.startswith("__"):
+                owner = _owner(full[:i])
+                if own != owner and not own.startswith(owner + "."):
+                    out.append(f"{path.relative_to(ROOT)}:{line}: imports private {'.'.join(full[: i + 1])}")
                 break
     return out
+
+
+def reaching(path: Path, target: str) -> list[str]:
+    """Imports of ``target`` (a dotted package) or anything under it."""
+    return [f"{path.relative_to(ROOT)}:{line}: imports {module}{'.' + name if name and module == target.rpartition('.')[0] else ''}"
+            for line, module, name in imports(path)
+            if module == target or module.startswith(target + ".")
+            or (name and f"{module}.{name}" == target)]
+
+
+def _outside_lab(where: str) -> list[Path]:
+    return [p for p in _modules(where) if not p.relative_to(ROOT).as_posix().startswith(LAB + "/")]
 
 
 @pytest.mark.parametrize("where", LOWER)
@@ -111,9 +138,24 @@ def test_the_sglang_backend_does_not_import_the_vllm_adapter() -> None:
     assert found == []
 
 
-@pytest.mark.parametrize("where", CALLERS)
-def test_callers_use_only_public_kvstore_names(where: str) -> None:
-    assert [v for p in _modules(where) for v in private(p)] == []
+@pytest.mark.parametrize("where", FIRST_PARTY)
+def test_no_package_imports_another_ones_private_names(where: str) -> None:
+    assert [v for p in _outside_lab(where) for v in private(p)] == []
+
+
+@pytest.mark.parametrize("where", PRODUCT)
+def test_the_product_imports_nothing_from_tools(where: str) -> None:
+    assert [v for p in _modules(where) for v in reaching(p, "tools")] == []
+
+
+@pytest.mark.parametrize("where", ADAPTERS)
+def test_the_adapters_import_no_reference_engine(where: str) -> None:
+    assert [v for p in _modules(where) for v in reaching(p, "engine.reference")] == []
+
+
+@pytest.mark.parametrize("where", FIRST_PARTY)
+def test_nothing_outside_the_lab_imports_it(where: str) -> None:
+    assert [v for p in _outside_lab(where) for v in reaching(p, "tools.lab")] == []
 
 
 def test_the_checks_catch_a_violation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,3 +183,12 @@ def test_the_checks_catch_a_violation(tmp_path: Path, monkeypatch: pytest.Monkey
         "engine/bad.py:1: imports private kvstore.store._dst_views",
         "engine/bad.py:2: imports private kvstore.store._common",
     ]
+    (tmp_path / "tools" / "bench").mkdir(parents=True)
+    bench = tmp_path / "tools" / "bench" / "bad.py"
+    bench.write_text("from tools import lab\nfrom tools.lab.replay import bounds\nfrom engine.reference.batch import _Plan\n"
+                     "from tools.bench._common import result\n")
+    assert reaching(bench, "tools.lab") == ["tools/bench/bad.py:1: imports tools.lab", "tools/bench/bad.py:2: imports tools.lab.replay"]
+    assert private(bench) == ["tools/bench/bad.py:3: imports private engine.reference.batch._Plan"]
+    adapter = tmp_path / "engine" / "vllm.py"
+    adapter.write_text("import engine.reference.hf\nfrom engine import reference\nfrom engine.client import EngineCache\n")
+    assert reaching(adapter, "engine.reference") == ["engine/vllm.py:1: imports engine.reference.hf", "engine/vllm.py:2: imports engine.reference"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.demo import fake_prefill
+from engine.reference.demo import fake_prefill
 from kvstore.client import connect
 from kvstore.client.control import control
 from kvstore.client.spawn import LocalDaemon, start_daemon

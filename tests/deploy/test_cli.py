@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     "module, prog",
-    [("kvstore.server", "kvstore"), ("tools.kvctl", "kvctl"), ("tools.kvreport", "kvreport"),
-     ("engine.demo", "python -m engine.demo"), ("tools.replay", "python -m tools.replay"),
+    [("kvstore.server", "kvstore"), ("kvstore.ctl", "kvctl"), ("kvstore.report", "kvreport"),
+     ("engine.reference.demo", "python -m engine.reference.demo"), ("tools.replay", "python -m tools.replay"),
      ("tools.bench", "python -m tools.bench"), ("kvstore.route", "python -m kvstore.route")],
 )
 def test_version(module: str, prog: str) -> None:

@@ -104,6 +104,8 @@ def test_the_checkout_builds_the_distribution_the_docs_install(tmp_path: Path) -
         meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         meta = email.message_from_bytes(z.read(meta_name))
         entry = z.read(meta_name.replace("METADATA", "entry_points.txt")).decode()
+        tops = {n.split("/")[0] for n in z.namelist() if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"kvstore", "engine", "tiers", "eviction"}, tops  # no tools/ (benchmarks, replay, lab)
     assert meta["Name"] == "kvstore-llm"
     requires = meta.get_all("Requires-Dist") or []
     assert any(r.startswith("fastapi-offline") and 'extra == "server"' in r for r in requires), requires

@@ -18,14 +18,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from engine.client import EngineCache  # noqa: E402
-from engine.hf import CachedLM  # noqa: E402
 from engine.kvlayout import KVShape, shape_of  # noqa: E402
+from engine.reference.hf import CachedLM  # noqa: E402
 from kvstore.client import connect  # noqa: E402
 from kvstore.client.spawn import start_daemon  # noqa: E402
 from kvstore.config import StoreConfig, TierSpec  # noqa: E402
 from kvstore.errors import AuthError, DaemonUnavailableError  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
-from tests.engine.test_hf import llama  # noqa: E402
+from tests.engine.reference.test_hf import llama  # noqa: E402
 
 SHAPE = KVShape(num_layers=2, kv_heads=2, head_dim=8, block_tokens=4, dtype=torch.float32)
 DATA_CALLS = ("acquire", "get_into", "put", "lookup")

@@ -362,20 +362,6 @@ def test_paged_run_on_the_cpu_restores_every_page(tmp_path, capsys: pytest.Captu
     assert not list(tmp_path.iterdir())
 
 
-def test_copy_scale_rows_name_each_thread_count_against_one_thread() -> None:
-    from tools.bench._peers.copyscale import run, thread_counts
-
-    assert thread_counts(16) == [1, 2, 4, 8, 16]
-    assert thread_counts(6) == [1, 2, 4, 6]
-    assert thread_counts(2) == [1, 2]
-    rows = list(run(mib=4, reps=1, threads=[2]))
-    assert [r["metric"] for r in rows] == ["copy_threads_1", "copy_threads_2"]
-    assert rows[0]["ratio"] == 1.0 and all(r["value"] > 0 and r["default_copy_threads"] >= 1 for r in rows)
-    into = list(run(mib=4, reps=1, threads=[2], into_arena=True))
-    assert [r["metric"] for r in into] == ["copy_threads_into_1", "copy_threads_into_2"]
-    assert {r["direction"] for r in into} == {"into the arena"}
-
-
 def test_paired_paged_run_drives_the_stores_in_turn(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     code = bench_main(["peers", "--device", "cpu", "--json", "--sizes", "1024", "--layers", "2", "--rounds", "2",
                        "--only", "kvstore,kvstore-connector-hnd,lmcache", "--paired", "--dir", str(tmp_path)])
@@ -421,17 +407,6 @@ def test_paged_d2h_pieces_cover_the_blocks_in_order() -> None:
         assert pieces[0][0] == 0 and pieces[-1][1] == n
         assert all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:], strict=False))
         assert len(pieces) == min(n, max(2, min(MAX_SAVE_PIECES, n * s.spec.block_bytes // D2H_PIECE_BYTES)))
-
-
-def test_lease_rows_time_a_whole_lease_against_a_lookup() -> None:
-    from tools.bench._peers.lease import main, run
-
-    rows = list(run(blocks=[3, 40], reps=2)) + list(run(blocks=[5], reps=1, policy="lru"))
-    assert [r["metric"] for r in rows] == ["lease_3", "lease_40", "lease_5"]
-    assert rows[-1]["policy"] == "lru"
-    assert all(r["value"] > 0 and r["baseline"] > 0 and r["unit"] == "ms" for r in rows)
-    with pytest.raises(SystemExit):
-        main(["--blocks", "0"])
 
 
 def test_the_connector_rows_run_on_the_cpu_against_a_daemon(tmp_path: pathlib.Path) -> None:

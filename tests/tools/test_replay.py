@@ -13,11 +13,11 @@ import pytest
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
-from tools.replay.bounds import belady, next_use, unlimited
 from tools.replay.cli import main
-from tools.replay.sim import parse_capacity, replay_store
+from tools.replay.sim import expand_unlimited, parse_capacity, replay_store
 from tools.replay.synth import KINDS, generate, write_trace
 from tools.replay.trace import Trace, TraceError, load_trace
+from tools.replay.yardsticks import belady, next_use, unlimited
 
 TRACES = next(
     (p / "shared" / "traces" / "mooncake" for p in Path(__file__).resolve().parents
@@ -277,55 +277,13 @@ def test_cli_writes_the_store_event_log(small: Path, tmp_path: Path, capsys: pyt
     assert main([str(small), "--capacity", "4", "--policy", "density", "--json", "--events", str(tmp_path / "ev")]) == 0
     row = json.loads(capsys.readouterr().out)
     reqs = [r for r in read_events(tmp_path / "ev" / "density-4") if r["type"] == "request"]
-    assert len(reqs) == 6  # one per request, for python -m tools.kvreport
+    assert len(reqs) == 6  # one per request, for python -m kvstore.report
     assert sum(r["hit_blocks"] for r in reqs) == round(row["block_hit_rate"] * row["blocks"])
-
-
-def test_class_bound_is_between_nothing_and_every_reuse(small: Path) -> None:
-    from tools.replay.bounds import class_bound, class_segments
-
-    seg = class_segments(load_trace(small))
-    assert seg.accesses == 18
-    bounds = [class_bound(seg, c) for c in (0, 1, 2, 4, 100)]
-    assert bounds[0] == 0 and bounds == sorted(bounds)
-    assert bounds[-1] == pytest.approx(10)  # room for everything: every reuse (here all prefix hits)
-
-
-def test_finer_classes_never_lower_the_class_bound(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Request features split the classes further: the bound of the finer partition is at least
-    that of the coarser one at every capacity, and the CLI rejects unknown features."""
-    from tools.replay.bounds import EXTRA_FEATURES, class_bound, class_segments
-
-    trace = load_trace(small)
-    coarse, fine = class_segments(trace), class_segments(trace, extra=EXTRA_FEATURES)
-    assert len(fine.gaps) >= len(coarse.gaps) and fine.accesses == coarse.accesses
-    for c in (1, 2, 4):
-        assert class_bound(fine, c) >= class_bound(coarse, c) - 1e-9
-    assert main([str(small), "--capacity", "4", "--policy", "lru", "--json", "--class-bound", "--class-features", "length,turn"]) == 0
-    assert 0 <= json.loads(capsys.readouterr().out)["class_bound_block_hit_rate"] <= 1
-    assert main([str(small), "--capacity", "4", "--class-bound", "--class-features", "colour"]) == 2
-    assert "colour" in capsys.readouterr().err
-
-
-def test_holdout_learns_on_the_first_half_and_scores_the_second(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tools.replay.bounds import class_segments, holdout_class_hits
-    from tools.replay.holdout import main as holdout
-
-    seg = class_segments(load_trace(small))
-    late = seg.accesses - seg.accesses // 2
-    rates = [holdout_class_hits(seg, c) / late for c in (1, 4, 100)]
-    assert rates == sorted(rates) and rates[0] >= 0 and rates[-1] <= 1
-    assert holdout_class_hits(seg, 0) == 0
-    assert holdout([str(small), "--capacity", "4", "--json"]) == 0
-    row = json.loads(capsys.readouterr().out)
-    assert row["capacity_blocks"] == 4 and {"lru", "opt", "holdout_base", "holdout_all"} <= set(row)
-    assert 0 <= row["lru"] <= row["opt"] <= 1
-    assert holdout([str(small / "missing.jsonl")]) == 2
 
 
 def test_kvreport_reads_a_replayed_trace(small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A report can be made from a replayed trace as well as from a live daemon."""
-    from tools.kvreport.cli import main as kvreport
+    from kvstore.report.cli import main as kvreport
 
     assert main([str(small), "--capacity", "4", "--policy", "lru", "--json", "--events", str(tmp_path / "ev")]) == 0
     row = json.loads(capsys.readouterr().out)
@@ -337,3 +295,10 @@ def test_kvreport_reads_a_replayed_trace(small: Path, tmp_path: Path, capsys: py
     assert numbers["requests"] == 6
     assert numbers["hit_tokens"] == round(row["block_hit_rate"] * row["blocks"]) * 512
     assert numbers["ideal_token_hit_rate"] == pytest.approx(row["infinite_block_hit_rate"])
+
+
+def test_expand_unlimited() -> None:
+    assert expand_unlimited("dram=5%,nvme=25%,object=inf", 7) == "dram=5%,nvme=25%,object=7"
+    assert expand_unlimited("inf", 9) == "9"
+    assert expand_unlimited("dram=1,nvme=unlimited", 3) == "dram=1,nvme=3"
+    assert expand_unlimited("dram=infinite", 3) == "dram=infinite"  # not ours: parse_capacity says what is wrong

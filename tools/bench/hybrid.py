@@ -33,14 +33,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from engine.hybrid import HybridLM, namespace_of, window_bytes_per_token
+from engine.reference.hybrid import HybridLM, namespace_of, window_bytes_per_token
 from kvstore.config import StoreConfig, TierSpec
 from kvstore.hybrid import CheckpointPolicy, HybridNamespaces
 from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 from kvstore.store import KVStore
 from tools.bench._common import best_of, result
 from tools.bench._gpu import random_bf16_on_cuda
-from tools.bench.hybrid_kernels import attention_rows
 
 CONTEXT = 32_768
 BT = 64
@@ -417,37 +416,6 @@ def ttft_rows(quick: bool, intervals: tuple[int, ...] | None = None, attentions:
             store.close()
 
 
-def profile_part(quick: bool, c: int = 21, replays: tuple[int, ...] = (0, 10, 20)) -> Iterator[dict[str, Any]]:
-    """Kernel time by kind (``tools.bench.hybrid_kernels.profile_rows``) of hybrid hits at C = ``c``
-    that replay ``replays`` blocks, the 32K prefix and model of the TTFT rows (CUDA only)."""
-    if not torch.cuda.is_available():
-        print("hybrid profile: skipped, needs a CUDA device", flush=True)
-        return
-    from tools.bench.hybrid_kernels import profile_row
-
-    model, prefix_len = _gpu_model(quick), (4096 if quick else CONTEXT)
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, model.config.vocab_size, (prefix_len,), generator=g)
-    tail = torch.randint(0, model.config.vocab_size, (512,), generator=g)
-    ns = namespace_of(model, "bench/gemma3-8b-shape-profile", BT)
-    n_blocks = prefix_len // BT
-    with tempfile.TemporaryDirectory() as d:
-        store = _dram_store(d, -(-(n_blocks + 8) * ns.block_bytes // (64 << 20)) * (64 << 20) + (128 << 20))
-        try:
-            lm = HybridLM(model, store, ns, policy=CheckpointPolicy(every_blocks=c))
-            lm.prefill(prefix)
-            p = (n_blocks - c) // c * c - 1
-            first = 0.0
-            for r in replays:
-                prompt = torch.cat([prefix, tail]) if r == 0 else torch.cat([prefix[: (p + 1 + r) * BT], tail])
-                row = profile_row(lambda prompt=prompt: lm.prefill(prompt, store=False), f"C{c}_replay_{r}_blocks_{lm.attention}", first)
-                first = first or row["value"]
-                yield row
-            lm.close()
-        finally:
-            store.close()
-
-
 def syncs_rows(quick: bool) -> Iterator[dict[str, Any]]:
     """CUDA: the host-device synchronisations inside one cached prefill of each engine
     (``torch.cuda.set_sync_debug_mode``): each one stops the host until the compute stream,
@@ -610,8 +578,7 @@ def main(argv: list[str]) -> None:
         "document-QA traces and, on CUDA, TTFT against store-everything; JSON lines on stdout.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    p.add_argument("parts", nargs="*", choices=["bytes", "replay", "trace", "ttft", "trace_ttft", "syncs",
-                                                  "attention", "profile"])
+    p.add_argument("parts", nargs="*", choices=["bytes", "replay", "trace", "ttft", "trace_ttft", "syncs"])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--c", default="", help="checkpoint intervals of the TTFT rows, comma-separated")
     p.add_argument("--attention", default="", help="attention of the TTFT rows (auto, model, flash), comma-separated")
@@ -623,10 +590,9 @@ def main(argv: list[str]) -> None:
     parts = {
         "bytes": lambda: bytes_rows(a.quick), "replay": lambda: replay_rows(a.quick), "trace": lambda: trace_rows(a.quick),
         "ttft": lambda: ttft_rows(a.quick, cs, vs, a.trace, tuple(x == "on" for x in a.cone.split(",") if x)), "trace_ttft": lambda: trace_ttft_rows(a.quick, vs[0] if vs else None),
-        "syncs": lambda: syncs_rows(a.quick), "attention": lambda: attention_rows(a.quick),
-        "profile": lambda: profile_part(a.quick, cs[0] if cs else 21),
+        "syncs": lambda: syncs_rows(a.quick),
     }
-    for name in a.parts or [k for k in parts if k not in ("syncs", "attention", "profile")]:
+    for name in a.parts or [k for k in parts if k != "syncs"]:
         for row in parts[name]():
             print(json.dumps(row), flush=True)
 

@@ -3,7 +3,7 @@
 A stream of multi-turn conversations (shared system prompts, histories of 4K-32K tokens) at a
 target token hit rate h: every turn's prompt is the conversation's history (cached) plus new
 tokens making up a fraction 1-h of the prompt (rounded to whole blocks, so the next turn finds
-the whole prompt cached). Requests go through :class:`engine.batch.BatchedLM` in batches of at
+the whole prompt cached). Requests go through :class:`engine.reference.batch.BatchedLM` in batches of at
 most ``--max-batch-tokens`` computed tokens (and a KV-row budget), one forward pass each.
 
 Figures (tokens/s counting hits: prompt tokens served per second), each against (a) the same
@@ -11,7 +11,7 @@ batching engine without the store (every prompt computed in full), measured in t
 
 - (b) ``dram``: hits loaded from the store's DRAM arena (leases, layer-wise 2-D DMAs
   overlapped with compute, new blocks stored in the background);
-- (c) ``hbm``: the same with an :class:`engine.hbm_cache.HbmCache` in front (hot blocks
+- (c) ``hbm``: the same with an :class:`engine.reference.hbm_cache.HbmCache` in front (hot blocks
   gathered from device memory; DRAM hits promoted, computed blocks admitted);
 - (d) ``ideal``: the HBM-resident ideal, the same batches with each prompt's cached prefix
   already in the KV rows (no lookup, load or store): the compute-only bound.
@@ -42,12 +42,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.batch import BatchedLM, BatchResult, _Loads, _Plan, batches
 from engine.client import EngineCache
 from engine.gpu import arena_tensor, release_arenas
-from engine.hbm_cache import HbmCache
-from engine.hf import CachedLM
 from engine.kvlayout import KVShape, shape_of
+from engine.reference.batch import BatchedLM, BatchResult, Loads, Plan, batches
+from engine.reference.hbm_cache import HbmCache
+from engine.reference.hf import CachedLM
 from kvstore.config import StoreConfig, TierSpec
 from kvstore.store import KVStore
 from tools.bench._common import result
@@ -181,13 +181,13 @@ class _Resident(BatchedLM):
             self._rows_buf.normal_()
         return kv
 
-    def _plan(self, ids: torch.Tensor, use_cache: bool) -> _Plan:
-        p = _Plan(ids)
+    def _plan(self, ids: torch.Tensor, use_cache: bool) -> Plan:
+        p = Plan(ids)
         p.n_hbm = self.hits.pop(0)
         return p
 
-    def _load(self, plans: list[_Plan], kv: torch.Tensor, k_starts: list[int]) -> _Loads:
-        return _Loads(self.shape.num_layers, 1, None, 0)
+    def _load(self, plans: list[Plan], kv: torch.Tensor, k_starts: list[int]) -> Loads:
+        return Loads(self.shape.num_layers, 1, None, 0)
 
 
 @dataclass(slots=True)
@@ -199,7 +199,7 @@ class _Run:
     batches: int = 0
     store_wait: float = 0.0
     phases: dict[str, float] | None = None
-    """The engine thread's seconds per phase over the timed rounds (:class:`engine.batch.Timings`)."""
+    """The engine thread's seconds per phase over the timed rounds (:class:`engine.reference.batch.Timings`)."""
     ring_waits: int = 0
     kernels: list[dict[str, Any]] | None = None
     """With ``PROFILE``: the CUDA kernels of the timed rounds by total device time (torch.profiler)."""

@@ -2,7 +2,7 @@
 
 The same stream, engines and rows as :mod:`tools.bench.throughput` (the Llama-3-8B figures):
 (a) the batching engine without the store, (b) hits from DRAM, (c) hits from HBM, (d) the
-HBM-resident ideal, each at the target hit rates, with :class:`engine.batch_mla.BatchedMLA` as
+HBM-resident ideal, each at the target hit rates, with :class:`engine.reference.batch_mla.BatchedMLA` as
 the engine. What the store and the HBM pages hold per token and layer is the MLA latent
 (``kv_lora_rank + qk_rope_head_dim`` = 512 + 64 values: 1,152 bytes in bf16), not per-head K/V.
 
@@ -14,7 +14,7 @@ dense MLP of 10,752 (V3's dense layers' 18,432 / 7,168 ratio) in every layer ins
 (routed experts with random weights measure the router, not the cache), V3's vocabulary. About
 5.9 B parameters (12 GiB); 27 KiB of latent per token (the full 61-layer V3: 69 KiB).
 
-Hits are not free in MLA's naive prefill form (what runs here, :func:`engine.mla.choose_form`):
+Hits are not free in MLA's naive prefill form (what runs here, :func:`engine.reference.mla.choose_form`):
 every cached token is decompressed by ``kv_b_proj`` in every layer (2 x 512 x heads x 256 FLOPs
 per token and layer), so the FLOP bound (:func:`flop_bound`) counts that beside each new token's
 attention over its whole prefix.
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from engine.batch_mla import BatchedMLA
 from engine.client import EngineCache
-from engine.mla import latent_shape, mla_config
+from engine.reference.batch_mla import BatchedMLA
+from engine.reference.mla import latent_shape, mla_config
 from tools.bench import throughput
 from tools.bench._common import result
 from tools.bench._gpu import random_bf16_on_cuda
@@ -126,10 +126,10 @@ FORM_SHAPES = ((8, 2048), (32, 2048), (128, 2048), (512, 2048), (2048, 2048))
 def forms(heads: int = 8, repeat: int = 3, shapes: tuple[tuple[int, int], ...] = FORM_SHAPES) -> Iterator[dict[str, Any]]:
     """One MLA layer's attention on the CPU (float32, DeepSeek-V3's per-head dims, ``heads``
     heads) in the absorbed form against the naive one, per ``(s, n)``: the time of each (best
-    of ``repeat``) and the form :func:`engine.mla.choose_form` picks by FLOPs."""
+    of ``repeat``) and the form :func:`engine.reference.mla.choose_form` picks by FLOPs."""
     import transformers
 
-    from engine.mla import ATTEND, Dims, choose_form, project
+    from engine.reference.mla import ATTEND, Dims, choose_form, project
 
     cfg = transformers.DeepseekV3Config(
         vocab_size=256, hidden_size=1024, intermediate_size=64, num_hidden_layers=1, first_k_dense_replace=1,

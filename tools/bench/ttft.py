@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from engine.client import EngineCache
-from engine.hf import CachedLM, _out_cache
 from engine.kvlayout import shape_of
+from engine.reference.hf import CachedLM, out_cache
 from tools.bench._common import result
 from tools.bench._gpu import dram_store, llama_8b, need_cuda
 
@@ -85,7 +85,7 @@ def measure(args: argparse.Namespace, want: str) -> Iterator[dict[str, Any]]:
                     for i, (k, v) in enumerate(resident):
                         kv.update(k, v, i)  # the prefix KV, already in GPU memory
                     out = model(input_ids=ids, use_cache=True, **lm._extra, **{lm._kw: kv})
-                    _out_cache(out)
+                    out_cache(out)
                     out.logits[0, -1].float()
 
                 on_gpu()

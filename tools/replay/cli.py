@@ -13,7 +13,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from eviction.cost import MODELS, CostModel
 from kvstore.config import StoreConfig
@@ -21,11 +21,10 @@ from kvstore.errors import ConfigError, KVStoreError, UsageError
 from kvstore.registry import POLICIES, build_config, policy_class
 from kvstore.units import parse_duration
 from kvstore.version import version
-from tools.replay import economics
-from tools.replay.bounds import EXTRA_FEATURES, belady, class_bound, class_segments, unlimited
 from tools.replay.plot import write_svg
-from tools.replay.sim import TierCapacity, replay_store, summarize
+from tools.replay.sim import TierCapacity, parse_tiers, replay_store, summarize
 from tools.replay.trace import Trace, TraceError, load_trace
+from tools.replay.yardsticks import belady, unlimited
 
 EPILOG = """\
 capacity: a share of the trace's unique blocks ('5%'), a number of blocks ('2000') or bytes
@@ -38,9 +37,9 @@ examples:
 """
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser(prog: str = "python -m tools.replay") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tools.replay",
+        prog=prog,
         description="Replay a request trace (Mooncake JSONL: timestamp ms, input_length, "
         "output_length, hash_ids) through the store's real index, tier manager and eviction "
         "code, metadata only, on the trace's clock. Each request looks up its blocks "
@@ -62,19 +61,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS), help="model shape for the cost model")
     p.add_argument("--ttl", default="72h", help="namespace TTL on the trace's clock (default 72h)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
-    p.add_argument("--class-bound", action="store_true", help="also the best hit rate of any policy that ranks by block class and age with perfect statistics (an upper bound for learned policies; slower)")
-    p.add_argument("--class-features", default="", metavar="F,F", help=f"with --class-bound: request features added to the class ({', '.join(EXTRA_FEATURES)}); finer classes are partly memorised, see docs/eviction.md")
     p.add_argument("--opt-ties", choices=("deep", "shallow"), default="deep", help="Belady tie-break (shallow reproduces traces/README.md exactly; deep is the prefix-closed optimum)")
     p.add_argument("--admission", default=StoreConfig().admission,
                    help="admission rule of the last tier (all, reuse, learned; eviction/admission.py; default: the store's default, %(default)s)")
     p.add_argument("--admission-option", action="append", default=[], metavar="KEY=VALUE", help="an option of the admission rule's Config")
-    p.add_argument("--economics", action="store_true", help="also hits and writes by tier, with Belady-first-tier and admission-oracle references (tools/replay/economics.py)")
-    p.add_argument("--admission-frontier", action="store_true", help="with --economics: the exact subtree-refusal frontier at hit losses of 0.25/0.5/0.75/1/2/5%% (tools/replay/subtree.py; default: at 1%% only)")
     p.add_argument("--json", action="store_true", help="one JSON object per (policy, capacity) on stdout")
     p.add_argument("--plot", metavar="FILE.svg", help="write hit rate against capacity, one line per policy")
-    p.add_argument("--events", metavar="DIR", help="write each replay's store event log under DIR/<policy>-<capacity> (for python -m tools.kvreport)")
+    p.add_argument("--events", metavar="DIR", help="write each replay's store event log under DIR/<policy>-<capacity> (for python -m kvstore.report)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
     return p
+
+
+class Extras(Protocol):
+    """More figures beside each capacity's rows, from the same replays (``tools/lab/replay/cli.py``:
+    class bounds, tier economics)."""
+
+    def bounds(self, trace: Trace, capacity_blocks: int) -> dict[str, float]:
+        """More yardsticks for every row at this capacity (``<name>_block_hit_rate``)."""
+        ...
+
+    def after(self, trace: Trace, spec: str, tiers: list[TierCapacity], runs: dict[str, Any],
+              replay: Any, args: argparse.Namespace, block_bytes: int) -> None:
+        """Called once this capacity's rows are out; ``replay(policy, ...)`` replays again."""
+        ...
 
 
 class _Progress:
@@ -143,7 +152,7 @@ def _row(
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, extras: Extras | None = None) -> int:
     if args.block_tokens <= 0:
         raise UsageError(f"--block-tokens must be positive, got {args.block_tokens}")
     if args.limit is not None and args.limit <= 0:
@@ -157,15 +166,8 @@ def run(args: argparse.Namespace) -> int:
         names = sorted(POLICIES)
     given = _options(args.policy_option)
     options = {name: _policy_options(name, given, args) for name in names}
-    capacities = [(spec, economics.parse_tiers(spec, trace.unique_blocks, cost.block_bytes)) for spec in specs]
+    capacities = [(spec, parse_tiers(spec, trace.unique_blocks, cost.block_bytes)) for spec in specs]
     progress = _Progress(not args.no_progress)
-    features = tuple(f.strip() for f in args.class_features.split(",") if f.strip())
-    if features and not args.class_bound:
-        raise UsageError("--class-features needs --class-bound")
-    try:
-        segments = class_segments(trace, args.block_tokens, features) if args.class_bound else None
-    except ValueError as e:
-        raise UsageError(str(e)) from None
     plot: dict[str, list[tuple[float, float]]] = {}
     started = time.perf_counter()
     for spec, tiers in capacities:
@@ -192,16 +194,15 @@ def run(args: argparse.Namespace) -> int:
             "opt_block_hit_rate": float(belady(trace, total, args.opt_ties).sum() / n),
             "infinite_block_hit_rate": float(unlimited(trace).sum() / n),
         }
-        if segments is not None:
-            bounds["class_bound_block_hit_rate"] = min(class_bound(segments, total) / n, 1.0)
+        if extras is not None:
+            bounds.update(extras.bounds(trace, total))
         for name, r in runs.items():
             metrics = summarize(trace, r.hits, args.block_tokens, cost)
             row = _row(trace, spec, tiers, name, r, metrics, bounds)
             _emit(row, args.json)
             plot.setdefault(name, []).append((share, metrics["block_hit_rate"]))
-        if args.economics:
-            budgets = (0.0025, 0.005, 0.0075, 0.01, 0.02, 0.05) if args.admission_frontier else (0.01,)
-            economics.report(trace, spec, tiers, runs, replay, args.admission, cost.block_bytes, args.json, budgets)
+        if extras is not None:
+            extras.after(trace, spec, tiers, runs, replay, args, cost.block_bytes)
         yardsticks = [("opt_block_hit_rate", "~OPT"), ("infinite_block_hit_rate", "~unlimited")]
         if "lru" not in names:
             yardsticks.append(("lru_block_hit_rate", "lru"))
@@ -230,9 +231,13 @@ def _emit(row: dict[str, Any], as_json: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    return run_cli(parser().parse_args(argv))
+
+
+def run_cli(args: argparse.Namespace, extras: Extras | None = None) -> int:
+    """:func:`run` with the exit codes of the module docstring."""
     try:
-        return run(args)
+        return run(args, extras)
     except (TraceError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

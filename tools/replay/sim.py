@@ -31,8 +31,9 @@ from kvstore.store import KVStore
 from kvstore.units import parse_size
 from tools.replay.trace import Trace
 
-_EPOCH = 1_700_000_000.0
+EPOCH = 1_700_000_000.0
 _ITEM = re.compile(r"^(?:(?P<name>[A-Za-z][\w-]*)=)?(?P<amount>.+)$")
+_INF = re.compile(r"(^|[=,])\s*(inf|unlimited)\s*(?=,|$)", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,17 @@ def parse_capacity(spec: str, unique_blocks: int, block_bytes: int) -> list[Tier
     return tiers
 
 
+def expand_unlimited(spec: str, unique_blocks: int) -> str:
+    """``object=inf`` (or ``unlimited``) as room for every unique block of the trace."""
+    return _INF.sub(lambda m: f"{m.group(1)}{unique_blocks}", spec)
+
+
+def parse_tiers(spec: str, unique_blocks: int, block_bytes: int = 1) -> list[TierCapacity]:
+    """The tiers of a capacity string, ``object=inf`` included (:func:`expand_unlimited`, then
+    ``parse_capacity``)."""
+    return parse_capacity(expand_unlimited(spec, unique_blocks), unique_blocks, block_bytes)
+
+
 @dataclass(slots=True)
 class StoreRun:
     policy: str
@@ -97,7 +109,7 @@ def replay_store(
     admission_options: dict[str, Any] | None = None,
 ) -> StoreRun:
     """Run ``trace`` through a KVStore with null tiers of the given capacities; with
-    ``events_dir`` the store writes its event log there (for ``tools.kvreport``). ``admission``
+    ``events_dir`` the store writes its event log there (for ``kvstore.report``). ``admission``
     is the last tier's rule (default: the store's)."""
     # A namespace whose blocks are as small as the store allows: the null tiers check sizes
     # and keep none of the bytes, so only the per-call overhead is left.
@@ -108,7 +120,7 @@ def replay_store(
     # checks sizes only), passed whole so that the store cuts it into blocks itself.
     buf = memoryview(bytearray(max(longest, 1) * bb))
     keys = [i.to_bytes(16, "little") for i in range(trace.unique_blocks)]
-    clock = FakeClock(_EPOCH)
+    clock = FakeClock(EPOCH)
     hits = np.zeros(trace.num_requests, dtype=np.int64)
     with tempfile.TemporaryDirectory(prefix="kvstore-replay-") as root:
         config = StoreConfig(
@@ -128,7 +140,7 @@ def replay_store(
         offsets, ids, stamps = trace.offsets.tolist(), trace.block_ids.tolist(), trace.timestamps_ms.tolist()
         t0, c0 = time.perf_counter(), time.process_time()
         for r in range(trace.num_requests):
-            clock.set(_EPOCH + stamps[r] / 1000.0)
+            clock.set(EPOCH + stamps[r] / 1000.0)
             chain = [keys[i] for i in ids[offsets[r] : offsets[r + 1]]]
             n = get_into(ns, chain, buf[: len(chain) * bb])
             put(ns, chain, buf[: (len(chain) - n) * bb], start=n)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from engine.demo import fake_prefill
+from engine.reference.demo import fake_prefill
 from kvstore.clock import Clock, system_clock
 from kvstore.config import StoreConfig, TierSpec
 from kvstore.events import EventsConfig

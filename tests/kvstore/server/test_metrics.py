@@ -20,14 +20,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import connect
 from kvstore.config import StoreConfig
+from kvstore.ctl.cli import main as kvctl
 from kvstore.events import EventsConfig, read_events
+from kvstore.report.analyze import analyze
 from kvstore.server.config import ServerConfig
 from kvstore.server.daemon import ThreadedDaemon
 from kvstore.server.metrics import OTHER, Metrics
 from tests.conftest import BB, SMALL_NS, chain_for, payload, small_tiers
 from tests.kvstore.conftest import TENANTS, TOKEN_A, TOKEN_B, TOKEN_OPS
-from tools.kvctl.cli import main as kvctl
-from tools.kvreport.analyze import analyze
 
 BT = SMALL_NS.block_tokens
 FP16 = replace(SMALL_NS, layout=replace(SMALL_NS.layout, dtype="float16"))

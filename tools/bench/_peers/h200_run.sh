@@ -30,7 +30,7 @@ if [ -z "${NO_TESTS:-}" ]; then
     echo "== CUDA tests ($(date -u +%T))"
     timeout $(( $(left) / 4 )) python3 -m pytest -q -p no:cacheprovider tests/engine/test_transfer.py \
         tests/engine/vllm/test_pages_device.py tests/engine/test_gpu.py tests/engine/vllm/test_worker_families.py \
-        tests/engine/test_hybrid.py tests/engine/test_mla.py > "$OUTD/cuda-tests.log" 2>&1
+        tests/engine/reference/test_hybrid.py tests/engine/reference/test_mla.py > "$OUTD/cuda-tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUTD/cuda-tests.log" | tail -40
     echo "peers: tests done after $((SECONDS - START)) s"
 fi

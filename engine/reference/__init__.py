@@ -1,0 +1,1 @@
+"""Reference engines and demos over ``KVCacheAPI``: not adapters (``engine/vllm``, ``engine/sglang``)."""

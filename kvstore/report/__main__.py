@@ -1,0 +1,5 @@
+import sys
+
+from kvstore.report.cli import main
+
+sys.exit(main())

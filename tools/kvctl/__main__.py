@@ -1,5 +1,0 @@
-import sys
-
-from tools.kvctl.cli import main
-
-sys.exit(main())

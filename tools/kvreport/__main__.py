@@ -1,5 +1,0 @@
-import sys
-
-from tools.kvreport.cli import main
-
-sys.exit(main())
