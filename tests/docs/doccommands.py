@@ -1,7 +1,7 @@
 """The commands the docs show, and the check that a tool's own argument parser accepts one.
 
 ``extract`` finds every command of ``docs/*.md``: each line of a fenced block with a shell info
-string (``bash``, ``sh``, ``shell``, ``console``) or of a bare fence whose lines start with a
+string (``bash``, ``sh``, ``shell``, ``console``) or of a bare fence where a line starts with a
 command, and every inline code span that starts with a command a user runs (``python -m ...``,
 ``kvctl``, ``kvreport``, ``kvstore serve``, ``make``, ``curl``, ``vllm``, ``pip``...). Usage
 notation in a command (``[--opt X]``, ``{a,b}``, ``BLOCK...``) is expanded by ``variants``.
@@ -111,7 +111,7 @@ def extract(root: Path = ROOT) -> list[DocCommand]:
                 start, info = fence
                 fence = None
                 commands = [b for b in body if b.strip() and not b.lstrip().startswith("#")]
-                if info in SHELL_FENCES or (info == "" and commands and all(COMMAND.match(c) for c in commands)):
+                if info in SHELL_FENCES or (info == "" and any(COMMAND.match(c) for c in commands)):
                     out.extend(_block_commands(doc, start, body))
                 continue
             if fence is not None:
@@ -188,9 +188,19 @@ def program(argv: list[str]) -> Program:
         argv = argv[1:]
     head = re.sub(r"^(?:\.venv[\w-]*/bin/|/opt/kvstore/bin/)", "", argv[0])
     if head in ("python", "python3") and len(argv) > 2 and argv[1] == "-m":
-        mine = (ROOT / argv[2].split(".")[0]).is_dir()  # vllm, sglang, venv, pytest are not
-        return Program(f"python -m {argv[2]}", argv[2] if mine else None, argv[3:])
+        return Program(f"python -m {argv[2]}", argv[2] if _in_repo(argv[2]) else None, argv[3:])
     return Program(head, scripts().get(head), argv[1:])
+
+
+def _in_repo(module: str) -> bool:
+    """Whether ``module``'s top-level package is this repository's (vllm, sglang, venv, pytest
+    are not), wherever in the tree it lives."""
+    try:
+        spec = importlib.util.find_spec(module.split(".")[0])
+    except (ImportError, ValueError):
+        return False
+    where = [*(spec.submodule_search_locations or []), spec.origin or ""] if spec else []
+    return any(Path(w).resolve().is_relative_to(ROOT) for w in where if w)
 
 
 class _Accepted(Exception):

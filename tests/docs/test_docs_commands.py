@@ -79,7 +79,7 @@ NOT_IN_CI: dict[str, str] = {
         "needs vLLM's CPU build (.venv-vllm): the scenario runner tests/engine/vllm's tests start",
     ".venv/bin/python -m pytest tests/reliability -q": "part of `make test` (CI runs tests/reliability)",
     "KVSTORE_RELIABILITY=long KVSTORE_RELIABILITY_OUT=reliability-figures.json .venv/bin/python -m pytest "
-    "tests/reliability -q": "`make reliability-long` (about an hour; its make target is checked with make -n)",
+    "tests/reliability -q": "`make reliability-long` (about an hour; its target is checked by a dry run)",
 }
 
 # docs commands the run test runs as written (placeholders filled).
@@ -163,6 +163,29 @@ def test_every_docs_command_is_run_parsed_or_listed() -> None:
     written = {c.text for c in COMMANDS}
     stale = sorted((RUN | NOT_IN_CI.keys()) - written)
     assert not stale, f"RUN or NOT_IN_CI names commands the docs no longer show: {stale}"
+
+
+def test_where_the_listed_commands_run_instead_exists() -> None:
+    """A reason that names a test file or a make target names one that exists."""
+    makefile = (ROOT / "Makefile").read_text()
+    for command, reason in NOT_IN_CI.items():
+        for path in re.findall(r"\btests/[\w/]+(?:\.py)?", reason):
+            assert (ROOT / path).exists(), f"{command!r}: {reason!r} names {path}, which does not exist"
+        for target in re.findall(r"\bmake ([a-z][\w-]*)", reason):
+            assert re.search(rf"^{target}:", makefile, flags=re.M), f"{command!r}: no make target {target}"
+
+
+def test_the_parse_check_refuses_what_the_tool_refuses() -> None:
+    """The check is the tool's own parser: a bad choice, a missing argument or an unknown option
+    is refused with the tool's message; a good line is accepted and nothing runs."""
+    assert parse(program(["kvctl", "top", "-n", "3", "--by", "tokens"])).namespace.by == "tokens"
+    for bad in (["kvctl", "top", "--by", "bytes"], ["kvctl", "evict"], ["python", "-m", "tools.bench", "nosuch"],
+                ["python", "-m", "tools.replay", "t.jsonl", "--capacity"]):
+        result = parse(program(bad))
+        assert not result.ok and "error" in result.message, (bad, result)
+    assert variants("kvctl pins [--ns NS]") == ["kvctl pins", "kvctl pins --ns NS"]
+    assert variants("python -m tools.bench {shm,tcp} --json") == ["python -m tools.bench shm --json",
+                                                                 "python -m tools.bench tcp --json"]
 
 
 def _trace_exists(path: str, outputs: set[str]) -> bool:
@@ -255,15 +278,18 @@ def _put_prompts(url: str) -> tuple[list[int], list[str], list[str]]:
 
 
 def _tokenizer_dir(path: Path) -> None:
-    """A local Hugging Face tokenizer directory (`--tokenizer DIR`), trained here."""
+    """A local Hugging Face tokenizer directory (`--tokenizer DIR`), trained here: its
+    tokenizer.json and the config that names the class to load it with."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(["the cache keeps the prefix computed once"] * 10,
                             trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "unk_token": "[UNK]"}))
 
 
 @pytest.mark.slow
