@@ -97,6 +97,7 @@ RUN: frozenset[str] = frozenset({
     "kvctl pins", "kvctl pins [--ns NS]",
     "kvctl evict BLOCK...",
     "kvctl ttl NS 7d",
+    "kvctl --dir DIR pins",
     "kvreport /var/lib/kvstore/events -o report.html",
     "kvreport events/ --last 24h --json",
     "kvreport events/ --prefill-tps 25000 --gpu-price 3.0 --currency '$'",
@@ -342,6 +343,9 @@ def test_docs_commands_run_as_written(tmp_path: Path) -> None:
                 os.killpg(daemon.pid, signal.SIGKILL)
             log.close()
     assert daemon.returncode == 0, (tmp_path / "daemon.log").read_text()
+
+    # Offline, by a relative path (docs/eviction.md): the pins from pins.json.
+    assert first[-1] in r.run("kvctl --dir DIR pins", {"DIR": "kvstore-data"})
 
     # docs/operations.md's kvreport block on the daemon's event log (its data dir is ./kvstore-data).
     data = tmp_path / "kvstore-data"
