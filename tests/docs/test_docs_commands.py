@@ -98,6 +98,7 @@ RUN: frozenset[str] = frozenset({
     "kvctl evict BLOCK...",
     "kvctl ttl NS 7d",
     "kvctl --dir DIR pins",
+    "python -m kvstore.route.demo",
     "kvreport /var/lib/kvstore/events -o report.html",
     "kvreport events/ --last 24h --json",
     "kvreport events/ --prefill-tps 25000 --gpu-price 3.0 --currency '$'",
@@ -367,6 +368,11 @@ def test_docs_commands_run_as_written(tmp_path: Path) -> None:
                  "replay_store(t, parse_capacity('5%', t.unique_blocks, 1), '$p', block_tokens=512); print('$p', "
                  "int(r.hits.sum()), round(r.cpu_seconds, 2))\"; done", {"TRACE": str(small)}, cwd=ROOT)
     assert [line.split()[0] for line in loop.splitlines()] == ["lru", "density", "arc", "cost"]
+
+    # docs/routing.md's demo: each second turn routed to the node of its first, a 16-block handoff.
+    demo = json.loads(r.run("python -m kvstore.route.demo"))
+    assert all(t["routed_to"] == t["first_turn_on"] and t["reason"] == "prefix" for t in demo["second_turns"]), demo
+    assert demo["handoff"]["blocks"] == 16 and demo["handoff"]["bytes_equal"], demo
 
     # docs/benchmarks.md's peers tables, from the raw runs the docs keep.
     runs = sorted(str(p) for p in (ROOT / "docs" / "results").glob("peers-s8-paired-32k-r*.jsonl"))
