@@ -1,7 +1,7 @@
 """The commands the docs show, and the check that a tool's own argument parser accepts one.
 
 ``extract`` finds every command of ``docs/*.md``: each line of a fenced block with a shell info
-string (``bash``, ``sh``, ``shell``, ``console``) or of a bare fence where a line starts with a
+string (``bash``, ``sh``, ``shell``; ``console``: its ``$ `` lines) or of a bare fence where a line starts with a
 command, and every inline code span that starts with a command a user runs (``python -m ...``,
 ``kvctl``, ``kvreport``, ``kvstore serve``, ``make``, ``curl``, ``vllm``, ``pip``...). Usage
 notation in a command (``[--opt X]``, ``{a,b}``, ``BLOCK...``) is expanded by ``variants``.
@@ -110,6 +110,8 @@ def extract(root: Path = ROOT) -> list[DocCommand]:
                     continue
                 start, info = fence
                 fence = None
+                if info == "console":  # `$ command` lines; the rest is output
+                    body = [b[2:] if b.startswith("$ ") else "" for b in body]
                 commands = [b for b in body if b.strip() and not b.lstrip().startswith("#")]
                 if info in SHELL_FENCES or (info == "" and any(COMMAND.match(c) for c in commands)):
                     out.extend(_block_commands(doc, start, body))
