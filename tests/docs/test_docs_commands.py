@@ -248,6 +248,8 @@ class Runner:
                           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)}
         self.ran: set[str] = set()
         self.texts = {c.text for c in COMMANDS}
+        self.done: set[tuple[str, str]] = set()  # (cwd, line): a variant equal to a line already run
+        self.background: list[subprocess.Popen[str]] = []
 
     def lines(self, text: str, fill: dict[str, str] | None = None) -> list[str]:
         """The command ``text`` (as the docs write it; each usage variant), placeholders filled."""
@@ -262,12 +264,41 @@ class Runner:
         return out
 
     def run(self, text: str, fill: dict[str, str] | None = None, cwd: Path | None = None) -> str:
-        """Run each variant; the last one's stdout."""
+        """Run each variant (once: ``pins [--ns NS]`` repeats ``pins``); the last one's stdout."""
+        stdout = ""
         for line in self.lines(text, fill):
+            if (str(cwd), line) in self.done:
+                continue
+            self.done.add((str(cwd), line))
             out = subprocess.run(["bash", "-c", line], cwd=cwd or self.work, env=self.env, capture_output=True,
                                  text=True, timeout=300, check=False)
             assert out.returncode == 0, f"{line!r} exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
-        return out.stdout
+            stdout = out.stdout
+        return stdout
+
+    def start(self, text: str, fill: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen[str]:
+        """Start a command that needs nothing else of this test, to run beside the rest."""
+        (line,) = self.lines(text, fill)
+        n = len(self.background)
+        with (self.work / f"bg{n}.out").open("w") as out, (self.work / f"bg{n}.err").open("w") as err:
+            proc = subprocess.Popen(["bash", "-c", line], cwd=cwd or self.work, env=self.env, text=True,
+                                    stdout=out, stderr=err, start_new_session=True)
+        self.background.append(proc)
+        return proc
+
+    def finish(self, proc: subprocess.Popen[str]) -> str:
+        n = self.background.index(proc)
+        proc.wait(timeout=300)
+        out = (self.work / f"bg{n}.out").read_text()
+        err = (self.work / f"bg{n}.err").read_text()
+        assert proc.returncode == 0, f"{proc.args!r} exited {proc.returncode}:\n{out[-2000:]}\n{err[-2000:]}"
+        return out
+
+    def close(self) -> None:
+        for proc in self.background:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def _put_prompts(url: str) -> tuple[list[int], list[str], list[str]]:
@@ -305,9 +336,30 @@ def _tokenizer_dir(path: Path) -> None:
                                                             "unk_token": "[UNK]"}))
 
 
-@pytest.mark.slow
-def test_docs_commands_run_as_written(tmp_path: Path) -> None:
+@pytest.fixture
+def runner(tmp_path: Path) -> Iterator[Runner]:
     r = Runner(tmp_path)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+@pytest.mark.slow
+def test_docs_commands_run_as_written(runner: Runner, tmp_path: Path) -> None:
+    r = runner
+    # Beside the rest: docs/routing.md's demo (its own daemons), and docs/benchmarks.md's policy
+    # loop (in the checkout's root, as its PYTHONPATH=. says) over a small trace made as
+    # docs/eviction.md makes them (TRACE filled in).
+    demo = r.start("python -m kvstore.route.demo")
+    small = tmp_path / "small.jsonl"
+    subprocess.run([sys.executable, "-m", "tools.replay.synth", "coding-agent", "--requests", "40", "--block-tokens",
+                    "64", "--out", str(small)], env=r.env, check=True, capture_output=True)
+    loop = r.start("for p in lru density arc cost; do PYTHONPATH=. .venv/bin/python -c \"from tools.replay.trace import "
+                   "load_trace; from tools.replay.sim import replay_store, parse_capacity; t = load_trace('TRACE'); r = "
+                   "replay_store(t, parse_capacity('5%', t.unique_blocks, 1), '$p', block_tokens=512); print('$p', "
+                   "int(r.hits.sum()), round(r.cpu_seconds, 2))\"; done", {"TRACE": str(small)}, cwd=ROOT)
+
     assert "--http-port" in r.run("kvstore serve --help")
     assert r.run("/opt/kvstore/bin/kvstore --version").startswith("kvstore ")
 
@@ -353,7 +405,10 @@ def test_docs_commands_run_as_written(tmp_path: Path) -> None:
         finally:
             if daemon.poll() is None:
                 os.killpg(daemon.pid, signal.SIGKILL)
+                daemon.wait()
             log.close()
+            if daemon.stdout is not None:
+                daemon.stdout.close()
     assert daemon.returncode == 0, (tmp_path / "daemon.log").read_text()
 
     # Offline, by a relative path (docs/eviction.md): the pins from pins.json.
@@ -371,23 +426,9 @@ def test_docs_commands_run_as_written(tmp_path: Path) -> None:
         warnings.warn("zstdcat or jq is not installed: docs/operations.md's `zstdcat ... | jq` not run", stacklevel=1)
         r.ran.add("zstdcat events-*.jsonl.zst | jq")
 
-    # docs/eviction.md's made trace; docs/benchmarks.md's policy loop (run in the checkout's root,
-    # as its PYTHONPATH=. says) over a small one made the same way (TRACE filled in).
+    # docs/eviction.md's made trace.
     r.run("python -m tools.replay.synth coding-agent --requests 800 --block-tokens 64 --out coding-agent.jsonl")
     assert len((tmp_path / "coding-agent.jsonl").read_text().splitlines()) == 800
-    small = tmp_path / "small.jsonl"
-    subprocess.run([sys.executable, "-m", "tools.replay.synth", "coding-agent", "--requests", "40", "--block-tokens",
-                    "64", "--out", str(small)], env=r.env, check=True, capture_output=True)
-    loop = r.run("for p in lru density arc cost; do PYTHONPATH=. .venv/bin/python -c \"from tools.replay.trace import "
-                 "load_trace; from tools.replay.sim import replay_store, parse_capacity; t = load_trace('TRACE'); r = "
-                 "replay_store(t, parse_capacity('5%', t.unique_blocks, 1), '$p', block_tokens=512); print('$p', "
-                 "int(r.hits.sum()), round(r.cpu_seconds, 2))\"; done", {"TRACE": str(small)}, cwd=ROOT)
-    assert [line.split()[0] for line in loop.splitlines()] == ["lru", "density", "arc", "cost"]
-
-    # docs/routing.md's demo: each second turn routed to the node of its first, a 16-block handoff.
-    demo = json.loads(r.run("python -m kvstore.route.demo"))
-    assert all(t["routed_to"] == t["first_turn_on"] and t["reason"] == "prefix" for t in demo["second_turns"]), demo
-    assert demo["handoff"]["blocks"] == 16 and demo["handoff"]["bytes_equal"], demo
 
     # docs/benchmarks.md's peers tables, from the raw runs the docs keep.
     runs = sorted(str(p) for p in (ROOT / "docs" / "results").glob("peers-s8-paired-32k-r*.jsonl"))
@@ -395,5 +436,11 @@ def test_docs_commands_run_as_written(tmp_path: Path) -> None:
     table = r.run("PYTHONPATH=. .venv-peers/bin/python -m tools.bench._peers.table RUN.jsonl ...",
                   {"RUN.jsonl": " ".join(runs)}, cwd=ROOT)
     assert "| store |" in table
+
+    assert [line.split()[0] for line in r.finish(loop).splitlines()] == ["lru", "density", "arc", "cost"]
+    # each second turn routed to the node of its first turn, a 16-block handoff (docs/routing.md)
+    routed = json.loads(r.finish(demo))
+    assert all(t["routed_to"] == t["first_turn_on"] and t["reason"] == "prefix" for t in routed["second_turns"]), routed
+    assert routed["handoff"]["blocks"] == 16 and routed["handoff"]["bytes_equal"], routed
 
     assert r.ran == RUN, f"RUN lists commands this test did not run: {sorted(RUN - r.ran)}"
