@@ -216,6 +216,7 @@ class Parsed:
     ok: bool
     namespace: Any  # argparse.Namespace when accepted by a parser; None for --help/--version
     message: str  # what the tool printed when it refused
+    missing: str | None = None  # a module the tool imports that is not installed here
 
 
 def _stop_after_parsing() -> contextlib.AbstractContextManager[Any]:
@@ -276,7 +277,9 @@ def parse(prog: Program) -> Parsed:
                 runpy.run_module(prog.module, run_name="__main__", alter_sys=True)
     except _Accepted as a:
         return Parsed(True, a.namespace, "")
-    except Exception as e:  # the tool failed before or while parsing (an import, say)
+    except ModuleNotFoundError as e:  # an optional dependency (torch) this venv lacks: say which
+        return Parsed(False, None, f"ModuleNotFoundError: {e}", missing=e.name)
+    except Exception as e:  # the tool failed before or while parsing
         return Parsed(False, None, f"{type(e).__name__}: {e}\n{err.getvalue()}")
     except SystemExit as e:
         # --help and --version exit 0 from inside the parser; anything else is a refusal

@@ -18,6 +18,7 @@ Placeholders (``NS``, ``BLOCK``, ``DIR``, ``TRACE``...) are filled in; nothing e
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -226,6 +227,9 @@ def test_docs_commands_too_long_for_ci_are_accepted_by_their_tools() -> None:
             result = parse(prog)
             if not result.ok and cmd.inline and parse(Program(prog.name, prog.module, [*prog.args, "--help"])).ok:
                 continue  # prose naming a program or a subcommand (`kvctl ttl`): it exists
+            if result.missing and importlib.util.find_spec(result.missing.split(".")[0]) is None:
+                warnings.warn(f"{cmd}: not checked, {result.missing} is not installed", stacklevel=1)
+                continue  # an optional dependency (the Makefile's torch) absent from this venv
             if not result.ok:
                 failures.append(f"{cmd}\n  {line}\n  {result.message.strip()[-600:]}")
                 continue
