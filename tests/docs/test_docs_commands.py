@@ -197,6 +197,11 @@ def test_the_parse_check_refuses_what_the_tool_refuses() -> None:
                 ["python", "-m", "tools.replay", "t.jsonl", "--capacity"]):
         result = parse(program(bad))
         assert not result.ok and "error" in result.message, (bad, result)
+    # prose may name a subcommand without its arguments, never with a wrong option
+    assert refusal("kvctl ttl", True, set()) is None and refusal("python -m tools.replay", True, set()) is None
+    assert "--jsn" in (refusal("python -m tools.bench hash --jsn", True, set()) or "")
+    assert "no such trace" in (refusal("python -m tools.replay nosuch.jsonl", False, set()) or "")
+    assert refusal("make no-such-target", False, set())
     assert variants("kvctl pins [--ns NS]") == ["kvctl pins", "kvctl pins --ns NS"]
     assert variants("python -m tools.bench {shm,tcp} --json") == ["python -m tools.bench shm --json",
                                                                  "python -m tools.bench tcp --json"]
@@ -210,6 +215,30 @@ def _trace_exists(path: str, outputs: set[str]) -> bool:
     return TRACES is None or (TRACES / path).exists()
 
 
+def refusal(line: str, inline: bool, outputs: set[str]) -> str | None:
+    """Why the tool refuses ``line`` (placeholders filled), or None. Prose may name a program or
+    a subcommand without its arguments (`kvctl ttl`): that passes when the name exists."""
+    argv = shlex.split(line)
+    if _is_make(argv):
+        out = subprocess.run(["make", "-n", *argv[1:]], cwd=ROOT, capture_output=True, text=True, check=False)
+        return None if out.returncode == 0 else f"make -n: {out.stderr.strip()}"
+    prog = program(argv)
+    result = parse(prog)
+    if result.missing and importlib.util.find_spec(result.missing.split(".")[0]) is None:
+        warnings.warn(f"{line}: not checked, {result.missing} is not installed", stacklevel=1)
+        return None  # an optional dependency (the Makefile's torch) absent from this venv
+    if (not result.ok and inline and "arguments are required" in result.message
+            and not any(a.startswith("-") for a in prog.args)
+            and parse(Program(prog.name, prog.module, [*prog.args, "--help"])).ok):
+        return None
+    if not result.ok:
+        return result.message.strip()[-600:]
+    trace = getattr(result.namespace, "trace", None)
+    if isinstance(trace, str) and not _trace_exists(trace, outputs):
+        return f"no such trace: {trace} (under {TRACES})"
+    return None
+
+
 def test_docs_commands_too_long_for_ci_are_accepted_by_their_tools() -> None:
     parsed = [c for c in COMMANDS if how_checked(c) == "parsed"]
     outputs = {m.group(1) for c in COMMANDS for v in filled(c.text) for m in re.finditer(r"--out (\S+)", v)}
@@ -217,29 +246,11 @@ def test_docs_commands_too_long_for_ci_are_accepted_by_their_tools() -> None:
     seen: set[tuple[str, bool]] = set()  # `kvstore serve` is named eight times
     for cmd in parsed:
         for line in filled(cmd.text):
-            if (line, cmd.inline) in seen:
-                continue
-            seen.add((line, cmd.inline))
-            argv = shlex.split(line)
-            if _is_make(argv):
-                out = subprocess.run(["make", "-n", *argv[1:]], cwd=ROOT, capture_output=True, text=True,
-                                     check=False)
-                if out.returncode != 0:
-                    failures.append(f"{cmd}\n  make -n: {out.stderr.strip()}")
-                continue
-            prog = program(argv)
-            result = parse(prog)
-            if not result.ok and cmd.inline and parse(Program(prog.name, prog.module, [*prog.args, "--help"])).ok:
-                continue  # prose naming a program or a subcommand (`kvctl ttl`): it exists
-            if result.missing and importlib.util.find_spec(result.missing.split(".")[0]) is None:
-                warnings.warn(f"{cmd}: not checked, {result.missing} is not installed", stacklevel=1)
-                continue  # an optional dependency (the Makefile's torch) absent from this venv
-            if not result.ok:
-                failures.append(f"{cmd}\n  {line}\n  {result.message.strip()[-600:]}")
-                continue
-            trace = getattr(result.namespace, "trace", None)
-            if isinstance(trace, str) and not _trace_exists(trace, outputs):
-                failures.append(f"{cmd}\n  no such trace: {trace} (under {TRACES})")
+            if (line, cmd.inline) not in seen:
+                seen.add((line, cmd.inline))
+                why = refusal(line, cmd.inline, outputs)
+                if why:
+                    failures.append(f"{cmd}\n  {line}\n  {why}")
     assert not failures, "\n\n".join(failures)
 
 
