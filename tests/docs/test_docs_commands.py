@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstore.registry import POLICIES
 from tests.docs.doccommands import ROOT, DocCommand, Program, extract, parse, program, variants
 
 MODEL = "meta-llama/Llama-3.1-8B"  # the model the docs' examples name
@@ -202,6 +203,8 @@ def test_the_parse_check_refuses_what_the_tool_refuses() -> None:
     assert "--jsn" in (refusal("python -m tools.bench hash --jsn", True, set()) or "")
     assert "no such trace" in (refusal("python -m tools.replay nosuch.jsonl", False, set()) or "")
     assert refusal("make no-such-target", False, set())
+    assert "lruu" in (refusal("python -m tools.replay coding-agent.jsonl --policy lruu", False, {"coding-agent.jsonl"})
+                      or "")
     assert variants("kvctl pins [--ns NS]") == ["kvctl pins", "kvctl pins --ns NS"]
     assert variants("python -m tools.bench {shm,tcp} --json") == ["python -m tools.bench shm --json",
                                                                  "python -m tools.bench tcp --json"]
@@ -236,7 +239,10 @@ def refusal(line: str, inline: bool, outputs: set[str]) -> str | None:
     trace = getattr(result.namespace, "trace", None)
     if isinstance(trace, str) and not _trace_exists(trace, outputs):
         return f"no such trace: {trace} (under {TRACES})"
-    return None
+    # the replay takes any --policy string and refuses an unknown one only once the trace is read
+    policies = getattr(result.namespace, "policy", None) if prog.name.startswith("python -m tools.replay") else None
+    unknown = [p for p in policies or [] if p != "all" and p not in POLICIES]
+    return f"no such eviction policy: {unknown} (kvstore.registry.POLICIES)" if unknown else None
 
 
 def test_docs_commands_too_long_for_ci_are_accepted_by_their_tools() -> None:
