@@ -63,8 +63,10 @@ test-rgw: $(STAMP)
 		ceph-mon ceph-osd radosgw ceph-common >/dev/null)
 	KVSTORE_TEST_S3=rgw $(PY) -m pytest -q $(RGW_TESTS) -k "s3"
 
-# The README's and docs' commands as written (tests/docs, docs/vllm.md's server in test-vllm),
-# the generated docs/config.md, and /docs in Chromium. Part of `make test`; alone for doc edits.
+# The README's and docs' commands as written (tests/docs: test_readme_commands.py runs the
+# README's; test_docs_commands.py runs docs/*.md's, hands the long ones to their tools' argument
+# parsers and lists what CI cannot run with why; docs/vllm.md's server runs in test-vllm), the
+# generated docs/config.md, and /docs in Chromium. Part of `make test`; alone for doc edits.
 docs-check: $(STAMP)
 	$(PY) -m tools.configdoc --check
 	$(PY) -m pytest -q tests/docs tests/test_readme.py tests/deploy
