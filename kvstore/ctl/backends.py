@@ -25,7 +25,7 @@ from kvstore.errors import (
 )
 from kvstore.events import decode_hashes, key_int, read_events
 from kvstore.inspection import layout_warnings, namespace_row, top_prefixes
-from kvstore.keys import Namespace, hash_blocks
+from kvstore.keys import BlockHash, Namespace, hash_blocks
 from kvstore.snapshot import Progress, StoreSnapshot
 
 
@@ -193,7 +193,7 @@ class DirBackend:
                 )
             keys = hash_blocks(n, tokens)
         else:
-            keys = [bytes.fromhex(h) for h in hashes or []]
+            keys = [BlockHash(bytes.fromhex(h)) for h in hashes or []]
         hit, tiers = self.snap.lookup(n.root, keys)
         return {"ns": ns, "blocks": len(keys), "num_blocks": hit, "num_tokens": hit * n.block_tokens,
                 "block_tokens": n.block_tokens, "tiers": tiers, "unavailable": [], "hashes": [k.hex() for k in keys]}

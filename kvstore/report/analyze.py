@@ -114,8 +114,9 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
     born: dict[int, float] = {}
     fate: dict[int, str] = {}
     block_events = 0
-    total, tenants = _Tally(), defaultdict(_Tally)
-    lookups, tenant_lookups = _Tally(), defaultdict(_Tally)
+    total, lookups = _Tally(), _Tally()
+    tenants: defaultdict[str, _Tally] = defaultdict(_Tally)
+    tenant_lookups: defaultdict[str, _Tally] = defaultdict(_Tally)
     buckets = [_Tally() for _ in range(nb)]
     tenant_buckets: dict[str, list[_Tally]] = defaultdict(lambda: [_Tally() for _ in range(nb)])
     lost: Counter[str] = Counter()
@@ -145,19 +146,19 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
                 fate[k] = "cached"
             elif ev == "evicted":
                 fate[k] = "deleted" if rec.get("reason", "").startswith("deleted") else "evicted"
-                if fate[k] == "evicted" and (b := bucket(t)) is not None:
-                    leaving["evicted"][b] += 1
+                if fate[k] == "evicted" and (bi := bucket(t)) is not None:
+                    leaving["evicted"][bi] += 1
             elif ev == "expired":
                 fate[k] = "expired"
-                if (b := bucket(t)) is not None:
-                    leaving["expired"][b] += 1
+                if (bi := bucket(t)) is not None:
+                    leaving["expired"][bi] += 1
             elif ev == "corrupt" and fate.get(k) != "evicted":
                 fate[k] = "corrupt"
             continue
         bt = int(rec["block_tokens"])
         prompt = int(rec["prompt_tokens"])
         hit_b = int(rec["hit_blocks"])
-        by_tier = {k or "?": int(v) for k, v in rec.get("hit_tokens_by_tier", {}).items()}
+        by_tier = {tn or "?": int(v) for tn, v in rec.get("hit_tokens_by_tier", {}).items()}
         ns = rec["ns"]
         if rec.get("op") == "lookup":
             tenant = rec.get("tenant") or namespaces.get(ns, {}).get("tenant") or "-"
@@ -184,11 +185,11 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
             else:
                 never_seen += misses
             for k in keys[:hit_b]:
-                b = born.get(k)
-                if b is None:
+                birth = born.get(k)
+                if birth is None:
                     ages["before log"] += bt
                 else:
-                    ages[next(label for label, top in AGE_BUCKETS if t - b < top)] += bt
+                    ages[next(label for label, top in AGE_BUCKETS if t - birth < top)] += bt
                 if k in last_use:
                     gaps.append((t - last_use[k], bt))
             seen.update(keys)
@@ -201,11 +202,11 @@ def analyze(records: Iterable[Mapping[str, Any]], cfg: ReportConfig | None = Non
         active.add(ns)
         hit = hit_b * bt
         tenant = rec.get("tenant") or namespaces.get(ns, {}).get("tenant") or "-"
-        b = int((t - t0) // width)
-        for tally in (total, tenants[tenant], buckets[b], tenant_buckets[tenant][b]):
+        bi = int((t - t0) // width)
+        for tally in (total, tenants[tenant], buckets[bi], tenant_buckets[tenant][bi]):
             tally.add(prompt, hit, ideal, by_tier)
         if fastest is not None:
-            slow += sum(v for k, v in by_tier.items() if k != fastest)
+            slow += sum(v for tn, v in by_tier.items() if tn != fastest)
         lookup_s.append(float(rec.get("lookup_s", 0.0)))
         if hit_b and len(by_tier) == 1:
             load_per_block[next(iter(by_tier))].append(float(rec.get("load_s", 0.0)) / hit_b)
