@@ -70,7 +70,9 @@ class ReqInfo:
 class LoadSpec:
     req_id: str
     start: int  # first block (index in the request) to load
-    block_ids: list[int]  # vLLM pages of blocks start..start+len-1
+    block_ids: list[Any]
+    """vLLM's pages of blocks start..start+len-1: block ids, or with its hybrid KV cache manager a
+    tuple per block (each KV cache group's block id)."""
     is_async: bool
 
 
@@ -78,7 +80,7 @@ class LoadSpec:
 class SaveSpec:
     req_id: str
     start: int
-    block_ids: list[int]
+    block_ids: list[Any]  # as LoadSpec's
     pieces: list[int] = field(default_factory=list)
     """A page with sliding layers: the blocks (indices in the request, among ``start..``) whose
     window piece is stored (checkpoints' windows)."""
@@ -199,14 +201,23 @@ class _LoadJob:
         self.layer_events: list[Any] = [None] * num_layers
         """The CUDA event after which the layer's pages hold the blocks (None on the CPU)."""
         self.done = threading.Event()
-        self.failed: set[int] = set()
+        self.failed: set[Any] = set()
+        """Pages that failed to load (with several KV cache groups, tuples of page ids)."""
+        self.failed_reqs: set[str] = set()
         self.loaded = 0
         self.abandoned = False
         self.lock = threading.Lock()
 
+    def fail(self, spec: LoadSpec, pages: list[Any]) -> None:
+        """Pages of ``spec`` did not load: its request failed (reported per request with several
+        KV cache groups, whose page ids vLLM cannot map back)."""
+        if pages:
+            self.failed.update(pages)
+            self.failed_reqs.add(spec.req_id)
+
     def fail_all(self) -> None:
         for spec, _, _ in self.specs:
-            self.failed.update(spec.block_ids)
+            self.fail(spec, spec.block_ids)
 
 
 class Worker:
@@ -247,6 +258,7 @@ class Worker:
         self._layer_job: _LoadJob | None = None
         self._async_jobs: dict[str, _LoadJob] = {}
         self._errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
         self._step_failed = False
         self._lock = threading.Lock()
         self._loads: deque[_LoadJob] = deque()
@@ -423,7 +435,10 @@ class Worker:
         with job.lock:
             if job.failed:
                 self._step_failed |= in_step
-                self._errors |= job.failed
+                if self.spec.groups:  # several KV cache groups: vLLM takes failures per request
+                    self._failed_reqs |= job.failed_reqs
+                else:
+                    self._errors |= job.failed
                 self.counters.failed_blocks += len(job.failed)
             self.counters.loaded_blocks += job.loaded
 
@@ -440,6 +455,12 @@ class Worker:
     def take_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose async load failed (several KV cache groups: ``failed_recving``; each is
+        also among the requests :meth:`get_finished` has returned, this step or before)."""
+        failed, self._failed_reqs = self._failed_reqs, set()
+        return failed
 
     # -- loader thread --
 
@@ -477,7 +498,7 @@ class Worker:
                 n, src = self._fetch(ns, hashes, held)
                 job.loaded += n
                 if n < len(hashes):
-                    job.failed.update(spec.block_ids[n:])
+                    job.fail(spec, spec.block_ids[n:])
                 if n:
                     parts.append((src, n))
                     ids.extend(spec.block_ids[:n])
@@ -521,12 +542,12 @@ class Worker:
             if hyb.full is not None:
                 m, got_full = self._fetch(hyb.full, hashes, held)
                 if m < n:
-                    job.failed.update(spec.block_ids)
+                    job.fail(spec, spec.block_ids)
                     continue
             assert hyb.window is not None
             m, got_window = self._fetch(hyb.window, [hyb.window_key(hashes[j - start]) for j in pieces], held)
             if m < len(pieces):
-                job.failed.update(spec.block_ids)
+                job.fail(spec, spec.block_ids)
                 continue
             job.loaded += n
             if got_full is not None:

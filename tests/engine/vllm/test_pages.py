@@ -85,7 +85,7 @@ def test_page_spec_orders_layers_and_refuses_what_it_cannot_store() -> None:
         page_spec(_kv_config(head_size_v=128), "LBHNC")
     two = _kv_config()
     two.kv_cache_groups.append(two.kv_cache_groups[0])
-    with pytest.raises(UsageError, match="one KV cache group"):
+    with pytest.raises(UsageError, match="a layer is in several of this model's 2 KV cache groups"):
         page_spec(two, "LBHNC")
     with pytest.raises(UsageError, match="expects"):
         PagedKV(SPEC, {n: torch.zeros(4, 2, 32, 64, dtype=torch.bfloat16) for n in SPEC.layer_names})
