@@ -405,6 +405,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
             raise UsageError("kvstore's vLLM connector does not support pipeline parallelism yet (use TP)")
         spec = page_spec(kv_cache_config, getattr(kv_cache_config, "kv_cache_layout", None), vllm_config)
+        if self.cfg.block_format != spec.block_format:
+            spec = replace(spec, block_format=self.cfg.block_format)
         self.spec = sliding_mode(spec, self.cfg, bool(vllm_config.cache_config.enable_prefix_caching),
                                  log_it=role == KVConnectorRole.SCHEDULER)
         if self.spec.num_groups > 1 and self.cfg.load_mode != "async":

@@ -44,6 +44,12 @@ GATHER_STAGE_BYTES = 128 << 20
 PAGE_FORMAT = "vllm-HNC1"
 """Version of the block format above; part of every namespace (a change is a new namespace)."""
 
+BLOCK_FORMATS = ("vllm", "kvstore")
+"""``vllm``: each layer as vLLM's page, ``[H][N][K then V]`` (:data:`PAGE_FORMAT`, in the
+namespace's revision); ``kvstore``: the store's own per-layer format, ``[K, V][H][N][D]``
+(``engine.kvlayout``), the reference engines' (``engine.hf``, ``engine.hybrid``): no tag, so the
+namespace is theirs for the same model id and revision and the blocks are shared."""
+
 
 def _natural_key(name: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
@@ -96,6 +102,8 @@ class PageSpec:
     groups: tuple[int, ...] = ()
     """vLLM's hybrid KV cache manager: the KV cache group of each layer of ``layer_names`` (its
     pages are that group's block ids). Empty: one group."""
+    block_format: str = "vllm"
+    """How a layer's page is laid out in a block (:data:`BLOCK_FORMATS`)."""
 
     def __post_init__(self) -> None:
         if self.kind not in PAGE_KINDS:
@@ -104,6 +112,13 @@ class PageSpec:
             raise UsageError(f"sliding layers {self.sliding} need a window > 0 and must be among {self.layer_names}")
         if self.groups and len(self.groups) != len(self.layer_names):
             raise UsageError(f"{len(self.groups)} KV cache groups given for {len(self.layer_names)} layers")
+        if self.block_format not in BLOCK_FORMATS:
+            raise UsageError(f"block format {self.block_format!r} is not one of {', '.join(BLOCK_FORMATS)}")
+        if self.block_format == "kvstore" and (self.kind != "full" or self.quantized):
+            raise UsageError(
+                "kv_connector_extra_config.block_format = 'kvstore' (the reference engines' K/V planes) is for "
+                "dense bf16/fp16/fp32 K/V pages; MLA and fp8 pages are stored as vLLM's ('vllm')"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -165,7 +180,8 @@ class PageSpec:
         if self.sliding:
             groups.append(LayerGroup("sliding", len(self.sliding), self.num_kv_heads, self.head_size, window=self.window))
         layout = KVLayout(self._dtype_name(), self.block_size, tuple(groups))
-        ns = Namespace(model_id, layout, model_revision=f"{revision}+{self.tag()}", rank=rank,
+        tag = self.tag()
+        ns = Namespace(model_id, layout, model_revision=f"{revision}+{tag}" if tag else revision, rank=rank,
                        world_size=world_size, lora_id=lora_id)
         if ns.block_bytes != self.block_bytes:  # a bug: the two descriptions disagree
             raise AssertionError(f"namespace blocks are {ns.block_bytes} bytes, vLLM pages {self.block_bytes}")
@@ -174,7 +190,10 @@ class PageSpec:
     def tag(self) -> str:
         """The block format in the revision string: a new format is a new deployment; a new
         block size, dtype or head count is a layout conflict within this one (reported). An fp8
-        cache adds its scales' digest: blocks quantised with other scales are other blocks."""
+        cache adds its scales' digest: blocks quantised with other scales are other blocks. The
+        store's own format (``block_format = kvstore``) has none: the reference engines' blocks."""
+        if self.block_format == "kvstore":
+            return ""
         return f"{PAGE_FORMAT}+kvscales-{self.scales or 'unknown'}" if self.quantized else PAGE_FORMAT
 
     def describe(self) -> str:
@@ -185,6 +204,8 @@ class PageSpec:
             extra += f" sliding_layers={len(self.sliding)} window={self.window}"
         if self.groups:
             extra += f" kv_cache_groups={self.num_groups}"
+        if self.block_format != "vllm":
+            extra += f" block_format={self.block_format}"
         return (
             f"block_size={self.block_size} dtype={self._dtype_name()} "
             f"layers={self.num_layers} kv_heads={self.num_kv_heads} head_size={self.head_size} "
@@ -328,6 +349,9 @@ class PagedKV:
         self.device = self.layers[0].device
         self._page = (spec.num_kv_heads, spec.block_size, spec.content)
         self._groups = spec.groups
+        # The store's own format: a layer's K and V planes, [2, H, N, D], against vLLM's [H, N, 2D].
+        self._planes = spec.block_format == "kvstore"
+        self._kv_page = (2, spec.num_kv_heads, spec.block_size, spec.head_size)
 
     def _layer_ids(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         return ids[:, self._groups[layer]] if self._groups else ids
@@ -380,15 +404,23 @@ class PagedKV:
         n, pb = ids.shape[0], self.spec.page_bytes
         dst = out.view(n, self.num_layers, pb)
         for i, t in enumerate(self.layers):
-            dst[:, i].view(self.spec.dtype).view(n, *self._page).copy_(t.index_select(0, self._layer_ids(i, ids)))
+            pages = t.index_select(0, self._layer_ids(i, ids))
+            if self._planes:
+                h, bt, _ = self._page
+                dst[:, i].view(self.spec.dtype).view(n, *self._kv_page).copy_(
+                    pages.view(n, h, bt, 2, -1).permute(0, 3, 1, 2, 4))
+            else:
+                dst[:, i].view(self.spec.dtype).view(n, *self._page).copy_(pages)
 
     def scatter_layer(self, layer: int, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         """Write layer ``layer`` of ``n`` blocks: ``src`` is ``[n, page_bytes]`` uint8 (any row
         stride, e.g. a view of the daemon's arena or of a host buffer of whole blocks)."""
         n = src.shape[0]
-        pages = src.view(self.spec.dtype).view(n, *self._page)
+        pages = src.view(self.spec.dtype).view(n, *(self._kv_page if self._planes else self._page))
         if pages.device != self.device:
             pages = pages.to(self.device, non_blocking=True)
+        if self._planes:
+            pages = pages.permute(0, 2, 3, 1, 4).reshape(n, *self._page)
         self.layers[layer].index_copy_(0, self._layer_ids(layer, block_ids), pages)
 
     def block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:

@@ -153,3 +153,34 @@ def test_gather_to_slots_stores_the_bytes_of_a_plain_gather(monkeypatch: pytest.
         got = torch.zeros_like(want)
         assert store.get_into(ns, chain, got.numpy()) == len(ids)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("permute", [None, (0, 2, 1, 3)])
+def test_the_stores_own_block_format_is_the_reference_engines(permute: tuple[int, ...] | None) -> None:
+    """``block_format = kvstore``: a block is what ``engine.kvlayout.pack`` makes of the same K
+    and V (the reference engines' ``[layers][K, V][H][N][D]``), its namespace has no page-format
+    tag (the reference engine's for the same model and revision), and it loads back into vLLM's
+    pages unchanged."""
+    from engine.kvlayout import KVShape, pack
+
+    spec = replace(SPEC, block_format="kvstore")
+    caches = _caches(6, permute)
+    kv = PagedKV(spec, caches)
+    ids = [4, 1]
+    rows = torch.empty((2, spec.block_bytes), dtype=torch.uint8)
+    kv.gather(ids, rows)
+    d = spec.head_size
+    keys = [caches[n][ids].permute(1, 0, 2, 3).reshape(1, 2, 64, 2 * d)[..., :d] for n in spec.layer_names]
+    values = [caches[n][ids].permute(1, 0, 2, 3).reshape(1, 2, 64, 2 * d)[..., d:] for n in spec.layer_names]
+    shape = KVShape(3, 2, d, torch.bfloat16, 32)
+    assert torch.equal(rows, pack(keys, values, shape, 0, 2))
+    assert spec.namespace("org/m", "main", 0, 1) == shape.namespace("org/m", "main")
+    assert SPEC.namespace("org/m", "main", 0, 1).model_revision == "main+vllm-HNC1"
+    back = PagedKV(spec, {n: torch.zeros_like(t) for n, t in caches.items()})
+    idx = back.block_ids([0, 5])
+    for layer in range(spec.num_layers):
+        back.scatter_layer(layer, idx, rows[:, layer * spec.page_bytes : (layer + 1) * spec.page_bytes])
+    for n in spec.layer_names:
+        assert torch.equal(back.layers[spec.layer_names.index(n)][[0, 5]], caches[n][ids])
+    with pytest.raises(UsageError, match="dense bf16/fp16/fp32"):
+        replace(SPEC, block_format="kvstore", kv_cache_dtype="fp8", dtype=torch.uint8)
