@@ -164,3 +164,47 @@ def test_hybrid_manager_windows_shared_with_the_one_group_mode(family_models: di
     assert c["saved_pieces"] == 4
     assert [(_hit(o), o["kvstore_replayed_tokens"]) for o in again] == [(12 * bt, 0)]
     same_outputs(again, alone[1:])
+
+
+def _reference_engine(model: str, url: str) -> Any:
+    """``engine.hybrid.HybridLM`` (transformers, float32) over the daemon at ``url``, C = 4."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.hybrid import HybridLM, namespace_of
+    from kvstore.client import connect
+    from kvstore.hybrid import CheckpointPolicy
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    client = connect(url, plane="tcp", timeout=60)
+    return HybridLM(hf, client, namespace_of(hf, model, 32), policy=CheckpointPolicy(every_blocks=C),
+                    attention="model")
+
+
+def test_blocks_shared_with_the_reference_engine(family_models: dict[str, str], tmp_path: Path) -> None:
+    """``block_format = kvstore``: the connector stores the reference engine's format under its
+    namespace (model id = the model path, revision ``main``). A prompt the reference engine
+    (``engine.hybrid``) stored is a hit for vLLM (hybrid KV cache manager on), with the same
+    checkpoints and bounded replay; a prompt vLLM stored is a hit for the reference engine.
+    Both answer as vLLM alone does."""
+    bt = 32
+    env = _bind()
+    model = family_models["gemma3"]
+    hma = {**ENGINE, "prefix_caching": True}
+    (alone,) = run_scenario({"model": model, "connector": None, "engine": hma, "rounds": [{"prompts": [A, B]}]},
+                            tmp_path / "alone", env=env)
+    conn = {**ROBUST, "load_mode": "async", "checkpoint_every_blocks": C, "block_format": "kvstore"}
+    with small_daemon(tmp_path / "daemon") as d:
+        ref = _reference_engine(model, d.url)
+        tokens, pre = ref.generate(A, 8)  # stores A's blocks, windows at checkpoints 3, 7, 9
+        assert pre.checkpoint == -1 and tuple(tokens) == tuple(alone[0]["tokens"])
+        (hit,) = run_scenario({"model": model, "url": d.url, "connector": conn, "engine": hma,
+                               "rounds": [{"prompts": [A, B]}]}, tmp_path / "hit", env=env)
+        # vLLM stored B's blocks 4-11 and windows at 6, 7 and 11: the reference engine hits all 12.
+        tokens, pre = ref.generate(B, 8)
+        assert (pre.checkpoint, pre.hit_tokens, pre.replayed_tokens) == (11, 12 * bt, 0)
+        assert tuple(tokens) == tuple(alone[1]["tokens"])
+        ref.store.close()
+    assert [_hit(o) for o in hit] == [10 * bt, 4 * bt]
+    assert [o["kvstore_replayed_tokens"] for o in hit] == [0, 3 * bt]
+    same_outputs(hit, alone)
