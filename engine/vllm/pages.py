@@ -103,7 +103,11 @@ class PageSpec:
     """vLLM's hybrid KV cache manager: the KV cache group of each layer of ``layer_names`` (its
     pages are that group's block ids). Empty: one group."""
     block_format: str = "vllm"
-    """How a layer's page is laid out in a block (:data:`BLOCK_FORMATS`)."""
+    """How a layer's page is laid out in a stored block (:data:`BLOCK_FORMATS`)."""
+    kv_order: str = ""
+    """``block_format = kvstore``: where vLLM's attention kernel keeps K and V in a page, which
+    the conversion to K/V planes needs (:data:`KV_ORDERS`; set by the worker from its attention
+    layers, :func:`kv_order_of`)."""
 
     def __post_init__(self) -> None:
         if self.kind not in PAGE_KINDS:
@@ -211,6 +215,30 @@ class PageSpec:
             f"layers={self.num_layers} kv_heads={self.num_kv_heads} head_size={self.head_size} "
             f"layout={self.layout}{extra}"
         )
+
+
+KV_ORDERS = ("cpu-vec",)
+"""Page arrangements of vLLM attention kernels that the ``kvstore`` block format converts, each
+verified against the reference engine's K and V: ``cpu-vec``: vLLM's CPU backend (``cpu_attn``)
+with its ``vec`` kernel, float32, views a page ``[H, N, 2D]`` as ``[H, 2N, D]`` and splits it in
+two (``kv_cache.view(B, H, 2 * N, -1).chunk(2, dim=2)``): per head a K plane then a V plane; its
+reshape-and-cache kernel writes the K plane transposed, ``[D][N]``, and the V plane as ``[N][D]``.
+Other kernels (the CPU build's ``amx``, ``neon``, ``vec16``...; the GPU backends) are not
+verified and are refused."""
+
+
+def kv_order_of(layers: Sequence[Any], dtype: torch.dtype) -> str:
+    """The :data:`KV_ORDERS` entry of vLLM attention ``layers`` (from its static forward context),
+    or a :class:`UsageError` naming what was found."""
+    isas = {getattr(layer, "isa", None) for layer in layers}
+    if isas == {"vec"} and dtype == torch.float32:
+        return "cpu-vec"
+    found = f"vLLM's CPU attention kernel {sorted(map(str, isas))}" if isas != {None} else "a GPU attention backend"
+    raise UsageError(
+        "kv_connector_extra_config.block_format = 'kvstore' converts vLLM's pages to the reference "
+        f"engines' K/V planes only where the kernel's page order is verified ({', '.join(KV_ORDERS)}: vLLM's "
+        f"CPU backend, its vec kernel, float32); this engine runs {found} with {dtype}. Use block_format 'vllm'"
+    )
 
 
 def scales_digest(layers: Sequence[Any]) -> str:
@@ -349,9 +377,27 @@ class PagedKV:
         self.device = self.layers[0].device
         self._page = (spec.num_kv_heads, spec.block_size, spec.content)
         self._groups = spec.groups
-        # The store's own format: a layer's K and V planes, [2, H, N, D], against vLLM's [H, N, 2D].
+        # The store's own format: a layer's K and V planes, [2, H, N, D] (KV_ORDERS).
         self._planes = spec.block_format == "kvstore"
+        if self._planes and spec.kv_order not in KV_ORDERS:
+            raise UsageError(f"block format 'kvstore' needs a verified page order ({', '.join(KV_ORDERS)}), "
+                             f"got {spec.kv_order!r}")
         self._kv_page = (2, spec.num_kv_heads, spec.block_size, spec.head_size)
+
+    def _to_planes(self, pages: torch.Tensor) -> torch.Tensor:
+        """``cpu-vec`` pages ``[n, H, N, 2D]`` as ``[n, 2, H, N, D]`` K/V planes."""
+        n, (h, bt, _), d = pages.shape[0], self._page, self.spec.head_size
+        halves = pages.reshape(n, h, 2, bt * d)
+        k = halves[:, :, 0].reshape(n, h, d, bt).transpose(2, 3)
+        v = halves[:, :, 1].reshape(n, h, bt, d)
+        return torch.stack([k, v], dim=1)
+
+    def _from_planes(self, planes: torch.Tensor) -> torch.Tensor:
+        """``[n, 2, H, N, D]`` K/V planes as new ``cpu-vec`` pages ``[n, H, N, 2D]``."""
+        n, (h, bt, c) = planes.shape[0], self._page
+        k = planes[:, 0].transpose(2, 3).reshape(n, h, -1)
+        v = planes[:, 1].reshape(n, h, -1)
+        return torch.stack([k, v], dim=2).view(n, h, bt, c)
 
     def _layer_ids(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         return ids[:, self._groups[layer]] if self._groups else ids
@@ -406,9 +452,7 @@ class PagedKV:
         for i, t in enumerate(self.layers):
             pages = t.index_select(0, self._layer_ids(i, ids))
             if self._planes:
-                h, bt, _ = self._page
-                dst[:, i].view(self.spec.dtype).view(n, *self._kv_page).copy_(
-                    pages.view(n, h, bt, 2, -1).permute(0, 3, 1, 2, 4))
+                dst[:, i].view(self.spec.dtype).view(n, *self._kv_page).copy_(self._to_planes(pages))
             else:
                 dst[:, i].view(self.spec.dtype).view(n, *self._page).copy_(pages)
 
@@ -420,7 +464,7 @@ class PagedKV:
         if pages.device != self.device:
             pages = pages.to(self.device, non_blocking=True)
         if self._planes:
-            pages = pages.permute(0, 2, 3, 1, 4).reshape(n, *self._page)
+            pages = self._from_planes(pages)
         self.layers[layer].index_copy_(0, self._layer_ids(layer, block_ids), pages)
 
     def block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:

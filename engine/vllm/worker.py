@@ -45,7 +45,7 @@ from engine.gpu import (
 from engine.transfer import ConcatSource, PagedLoader, PagedSaver, StagedSave
 from engine.vllm.breaker import DaemonLink
 from engine.vllm.config import ConnectorConfig
-from engine.vllm.pages import PagedKV, PageSpec, scales_digest
+from engine.vllm.pages import PagedKV, PageSpec, kv_order_of, scales_digest
 from kvstore.client import Client, connect
 from kvstore.errors import KVStoreError, UsageError
 from kvstore.hybrid import HybridNamespaces
@@ -152,13 +152,18 @@ def make_link(cfg: ConnectorConfig, name: str, timeout: float, namespaces: list[
     return DaemonLink(make, name=name, on_connect=on_connect, backoff_s=cfg.backoff_s, max_backoff_s=cfg.max_backoff_s)
 
 
-def layer_scales(vllm_config: Any, spec: PageSpec) -> str:
-    """The digest of the K/V scales of ``spec``'s layers (:func:`engine.vllm.pages.scales_digest`),
-    read from vLLM's attention layers (its static forward context; a layer not found there, as
-    outside vLLM, counts as unscaled: 1.0)."""
+def attention_layers(vllm_config: Any, spec: PageSpec) -> list[Any]:
+    """vLLM's attention layers of ``spec`` (its static forward context; a layer not found there,
+    as outside vLLM, is a bare object)."""
     ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
     layers = [ctx.get(n) for n in spec.layer_names]
-    return scales_digest([layer if layer is not None else object() for layer in layers])
+    return [layer if layer is not None else object() for layer in layers]
+
+
+def layer_scales(vllm_config: Any, spec: PageSpec) -> str:
+    """The digest of the K/V scales of ``spec``'s layers (:func:`engine.vllm.pages.scales_digest`),
+    read from vLLM's attention layers (a layer not found there counts as unscaled: 1.0)."""
+    return scales_digest(attention_layers(vllm_config, spec))
 
 
 Pieces = tuple[list[int], StagedSave] | None
@@ -235,6 +240,7 @@ class Worker:
 
             tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.cfg = cfg
+        self._vllm_config = vllm_config
         if spec.quantized and not spec.scales:
             spec = replace(spec, scales=layer_scales(vllm_config, spec))
         self.spec = spec
@@ -296,6 +302,9 @@ class Worker:
         return HybridNamespaces.of(self.ns_for(lora))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.spec.block_format == "kvstore" and not self.spec.kv_order:
+            self.spec = replace(self.spec, kv_order=kv_order_of(attention_layers(self._vllm_config, self.spec),
+                                                                self.spec.dtype))
         self.kv = PagedKV(self.spec, kv_caches)
         if self.spec.hybrid:
             full, window = self.spec.part(False), self.spec.part(True)
