@@ -1,8 +1,8 @@
 """vLLM's paged KV as kvstore blocks.
 
 vLLM hands a connector one tensor per attention layer, a logical ``[B, H, N, C]`` view (B pages,
-H KV heads of this rank, N = block_size tokens, C = the content of one token and head: K then V)
-whose memory order is the engine's resolved ``KVCacheLayout`` (``LBHNC`` on CPU). A kvstore
+H KV heads of this rank, N = block_size tokens, C = 2 x head size: K then V of a token in the
+view's terms, though a kernel may keep them otherwise, :data:`KV_ORDERS`) whose memory order is the engine's resolved ``KVCacheLayout`` (``LBHNC`` on CPU). A kvstore
 block is one vLLM page of every layer, layer-major: ``[layer][H][N][C]`` in logical order, so a
 block is the same bytes whatever the memory order, and one layer of one block is one contiguous
 run (the loader writes layer i before layer i+1 is needed).
