@@ -305,7 +305,7 @@ class _Scheduler:
         block outside the window)."""
         if not self.spec.groups:
             return groups[0][start:end]
-        return list(zip(*(g[start:end] for g in groups), strict=True))
+        return list(zip(*(g[start:end] for g in groups), strict=False))  # groups: one length
 
     def _info(self, meta: KVStoreMetadata, req_id: str, r: _Req, blocks: int) -> None:
         if blocks <= r.sent_blocks:
