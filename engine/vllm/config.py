@@ -72,6 +72,11 @@ class ConnectorConfig:
     checkpoint_at_hits: bool = True
     """``window``: a checkpoint where a hit's cached blocks ended past its checkpoint (the next
     hit that ends there replays nothing)."""
+    block_format: str = "vllm"
+    """How a layer's page is laid out in a stored block: ``vllm`` (vLLM's page, ``[H][N][K then
+    V]``, a namespace of its own) or ``kvstore`` (the store's own K/V planes, the reference
+    engines': with the same ``model_id`` and revision, this engine and ``engine.reference.hybrid`` /
+    ``engine.hf`` share blocks; dense pages only)."""
     load_failure_policy: str = "recompute"
     """What vLLM does with a block that failed to load: ``recompute`` (kvstore sets vLLM's
     ``kv_load_failure_policy`` to it) or ``fail`` (keep vLLM's own setting)."""
@@ -99,6 +104,10 @@ class ConnectorConfig:
         if self.sliding not in SLIDING_MODES:
             raise ConfigError(
                 f"kv_connector_extra_config.sliding must be one of {', '.join(SLIDING_MODES)}, got {self.sliding!r}"
+            )
+        if self.block_format not in ("vllm", "kvstore"):
+            raise ConfigError(
+                f"kv_connector_extra_config.block_format must be 'vllm' or 'kvstore', got {self.block_format!r}"
             )
         if self.stage_bytes < self.piece_bytes:
             raise ConfigError("kv_connector_extra_config.stage_bytes must be >= piece_bytes")

@@ -31,6 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from engine.vllm.config import ConnectorConfig
@@ -100,22 +102,28 @@ def sliding_mode(spec: PageSpec, cfg: ConnectorConfig, prefix_caching: bool, log
     """``spec`` as this engine stores it: with its sliding layers stored as window pieces at
     checkpoints (``sliding = window``), or as a dense page of every layer (``every_layer``).
 
-    vLLM runs without its hybrid KV cache manager when kvstore's connector is set: every layer
-    has a page for every block, and vLLM's prefix cache would keep the pages of a window load
-    whose sliding layers hold only the checkpoint's window; a later request served from there by
-    vLLM would read stale sliding pages. So windows need vLLM's prefix cache off."""
+    With vLLM's hybrid KV cache manager (its sliding-window groups), or when every layer slides,
+    vLLM keeps only each window's pages and knows which of its cached pages hold a window:
+    windows are stored, whatever vLLM's prefix cache does. Without it (``--disable-hybrid-kv-
+    cache-manager``), a model that mixes full and sliding layers has a page for every block of
+    every layer, and vLLM's prefix cache would keep the pages of a window load whose sliding
+    layers hold only the checkpoint's window; a later request served from there by vLLM would
+    read stale sliding pages. So windows then need vLLM's prefix cache off."""
     if not spec.hybrid:
         return spec
     if spec.vllm_windows:  # vLLM frees each sliding page once it leaves the window: windows only
         if cfg.sliding == "every_layer":
             raise UsageError(
-                "kv_connector_extra_config.sliding = 'every_layer': every layer of this model slides and "
-                "vLLM keeps only each window's pages, so only windows can be stored; set sliding to "
-                "'window' or 'auto'"
+                "kv_connector_extra_config.sliding = 'every_layer': vLLM keeps only each window's pages "
+                "of this model's sliding layers (its hybrid KV cache manager is on, or every layer "
+                "slides), so only windows can be stored; set sliding to 'window' or 'auto', or start "
+                "vLLM with --disable-hybrid-kv-cache-manager"
             )
         if log_it:
-            log.info("kvstore: every layer slides (window %d): stored as window pieces every %d blocks",
-                     spec.window, cfg.checkpoint_every_blocks)
+            log.info("kvstore: %d of %d layers slide (window %d, %s): stored as window pieces every %d blocks",
+                     len(spec.sliding), spec.num_layers, spec.window,
+                     f"vLLM's hybrid KV cache manager, {spec.num_groups} KV cache groups" if spec.groups
+                     else "vLLM's sliding-window pages", cfg.checkpoint_every_blocks)
         return spec
     mode = cfg.sliding
     if mode == "auto":
@@ -148,7 +156,7 @@ class _Req:
     local: int = 0
     want: tuple[int, int] = (0, 0)
     allocated: bool = False
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # vLLM's pages, one list per KV cache group
     saved: int = 0
     sent_blocks: int = 0
     async_pending: bool = False
@@ -284,12 +292,20 @@ class _Scheduler:
                 f"vLLM asked to load {num_external_tokens} tokens of request {request.request_id}; "
                 f"kvstore offered blocks {start}..{end} of {self.bt} tokens"
             )
-        ids = list(blocks.get_block_ids()[0])
+        ids = self._pages([list(g) for g in blocks.get_block_ids()], start, start + n)
         is_async = self.cfg.load_mode == "async"
-        self.pending_loads.append(LoadSpec(request.request_id, start, ids[start : start + n], is_async))
+        self.pending_loads.append(LoadSpec(request.request_id, start, ids, is_async))
         r.async_pending = is_async
         r.loaded_tokens = num_external_tokens
         self.counters.hit_tokens += num_external_tokens
+
+    def _pages(self, groups: list[list[int]], start: int, end: int) -> list[Any]:
+        """The pages of blocks ``start..end-1``: vLLM's block ids, or with its hybrid KV cache
+        manager a tuple per block (each KV cache group's id; a sliding group's is vLLM's null
+        block outside the window)."""
+        if not self.spec.groups:
+            return groups[0][start:end]
+        return list(zip(*(g[start:end] for g in groups), strict=False))  # groups: one length
 
     def _info(self, meta: KVStoreMetadata, req_id: str, r: _Req, blocks: int) -> None:
         if blocks <= r.sent_blocks:
@@ -302,11 +318,11 @@ class _Scheduler:
     def _plan_save(self, meta: KVStoreMetadata, req_id: str, r: _Req, computed: int) -> None:
         if not self.cfg.save:
             return
-        full = min(computed // self.bt, r.prompt_blocks, len(r.block_ids))
+        full = min(computed // self.bt, r.prompt_blocks, min((len(g) for g in r.block_ids), default=0))
         if full > r.saved:
             self._info(meta, req_id, r, full)
             pieces = [j for j in r.pieces if r.saved <= j < full]
-            meta.saves.append(SaveSpec(req_id, r.saved, r.block_ids[r.saved : full], pieces))
+            meta.saves.append(SaveSpec(req_id, r.saved, self._pages(r.block_ids, r.saved, full), pieces))
             r.saved = full
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVStoreMetadata:
@@ -325,7 +341,7 @@ class _Scheduler:
             r = self.reqs.get(new.req_id)
             if r is None:
                 continue
-            r.block_ids = list(new.block_ids[0])
+            r.block_ids = [list(g) for g in new.block_ids]
             self._plan_save(meta, new.req_id, r, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -334,9 +350,12 @@ class _Scheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                r.block_ids = list(new_ids[0]) if new_ids is not None else []
+                r.block_ids = [list(g) for g in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                r.block_ids.extend(new_ids[0])
+                if not r.block_ids:
+                    r.block_ids = [[] for _ in new_ids]
+                for mine, more in zip(r.block_ids, new_ids, strict=True):
+                    mine.extend(more)
             self._plan_save(meta, req_id, r, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
         return meta
 
@@ -368,8 +387,15 @@ class _Scheduler:
 # ---- the connector vLLM loads ----------------------------------------------------------------
 
 
-class KVStoreConnector(KVConnectorBase_V1):
-    """kvstore as vLLM's external KV cache; see the module docstring and docs/vllm.md."""
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvstore as vLLM's external KV cache; see the module docstring and docs/vllm.md.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on (unless started with
+    ``--disable-hybrid-kv-cache-manager``): a model with sliding-window layers gets its own
+    sliding-window KV cache groups, whose pages hold only the window, and the connector loads a
+    checkpoint's window into them. A load that fails is then reported per request
+    (``failed_recving``), since vLLM 0.32 refuses block-level load errors for several groups:
+    such a model loads ``async`` only."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -379,8 +405,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
             raise UsageError("kvstore's vLLM connector does not support pipeline parallelism yet (use TP)")
         spec = page_spec(kv_cache_config, getattr(kv_cache_config, "kv_cache_layout", None), vllm_config)
+        if self.cfg.block_format != spec.block_format:
+            spec = replace(spec, block_format=self.cfg.block_format)
         self.spec = sliding_mode(spec, self.cfg, bool(vllm_config.cache_config.enable_prefix_caching),
                                  log_it=role == KVConnectorRole.SCHEDULER)
+        if self.spec.num_groups > 1 and self.cfg.load_mode != "async":
+            raise UsageError(
+                f"kv_connector_extra_config.load_mode = {self.cfg.load_mode!r}: with vLLM's hybrid KV cache "
+                f"manager this model has {self.spec.num_groups} KV cache groups, and vLLM 0.32 takes a failed "
+                "load of several groups only per request, which only an async load reports; set load_mode "
+                "to 'async', or start vLLM with --disable-hybrid-kv-cache-manager"
+            )
         self._scheduler: _Scheduler | None = None
         self._worker: Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -431,6 +466,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
     # -- worker --
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -461,6 +501,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
         return None, self._worker.get_finished() or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        done = self._worker.get_finished()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=self._worker.take_failed_requests())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -1,8 +1,8 @@
 """vLLM's paged KV as kvstore blocks.
 
 vLLM hands a connector one tensor per attention layer, a logical ``[B, H, N, C]`` view (B pages,
-H KV heads of this rank, N = block_size tokens, C = the content of one token and head: K then V)
-whose memory order is the engine's resolved ``KVCacheLayout`` (``LBHNC`` on CPU). A kvstore
+H KV heads of this rank, N = block_size tokens, C = 2 x head size: K then V of a token in the
+view's terms, though a kernel may keep them otherwise, :data:`KV_ORDERS`) whose memory order is the engine's resolved ``KVCacheLayout`` (``LBHNC`` on CPU). A kvstore
 block is one vLLM page of every layer, layer-major: ``[layer][H][N][C]`` in logical order, so a
 block is the same bytes whatever the memory order, and one layer of one block is one contiguous
 run (the loader writes layer i before layer i+1 is needed).
@@ -44,6 +44,12 @@ GATHER_STAGE_BYTES = 128 << 20
 PAGE_FORMAT = "vllm-HNC1"
 """Version of the block format above; part of every namespace (a change is a new namespace)."""
 
+BLOCK_FORMATS = ("vllm", "kvstore")
+"""``vllm``: each layer as vLLM's page, ``[H][N][K then V]`` (:data:`PAGE_FORMAT`, in the
+namespace's revision); ``kvstore``: the store's own per-layer format, ``[K, V][H][N][D]``
+(``engine.kvlayout``), the reference engines' (``engine.reference.hf``, ``engine.reference.hybrid``): no tag, so the
+namespace is theirs for the same model id and revision and the blocks are shared."""
+
 
 def _natural_key(name: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
@@ -56,10 +62,10 @@ namespace's element type for each: the pages are 1-byte elements (``torch.uint8`
 PAGE_KINDS = ("full", "mla")
 
 SUPPORTED = (
-    "kvstore's vLLM connector supports one KV cache group of attention layers with dense K/V "
-    "(bf16, fp16, fp32, or --kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2 with per-tensor scales), "
-    "MLA latent pages (DeepSeek-V2/V3) and sliding-window layers in that group (vLLM runs without "
-    "its hybrid KV cache manager when kvstore's connector is set)"
+    "kvstore's vLLM connector supports attention layers with dense K/V (bf16, fp16, fp32, or "
+    "--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2 with per-tensor scales), MLA latent pages "
+    "(DeepSeek-V2/V3) and sliding-window layers: in one KV cache group, or with vLLM's hybrid KV "
+    "cache manager in full-attention and sliding-window groups of one page shape and one window"
 )
 
 
@@ -90,14 +96,33 @@ class PageSpec:
     stored as window pieces at checkpoints (``kvstore.hybrid``; ``docs/vllm.md``, model families)."""
     window: int = 0
     vllm_windows: bool = False
-    """vLLM itself keeps only the window's pages (a ``SlidingWindowSpec`` group: every layer
-    slides, so vLLM's single group is a sliding one even without its hybrid manager)."""
+    """vLLM itself keeps only the window's pages: the sliding layers are in ``SlidingWindowSpec``
+    groups (every layer slides, so vLLM's single group is a sliding one even without its hybrid
+    manager; or the hybrid manager is on)."""
+    groups: tuple[int, ...] = ()
+    """vLLM's hybrid KV cache manager: the KV cache group of each layer of ``layer_names`` (its
+    pages are that group's block ids). Empty: one group."""
+    block_format: str = "vllm"
+    """How a layer's page is laid out in a stored block (:data:`BLOCK_FORMATS`)."""
+    kv_order: str = ""
+    """``block_format = kvstore``: where vLLM's attention kernel keeps K and V in a page, which
+    the conversion to K/V planes needs (:data:`KV_ORDERS`; set by the worker from its attention
+    layers, :func:`kv_order_of`)."""
 
     def __post_init__(self) -> None:
         if self.kind not in PAGE_KINDS:
             raise UsageError(f"page kind {self.kind!r} is not one of {', '.join(PAGE_KINDS)}")
         if set(self.sliding) - set(self.layer_names) or (self.sliding and self.window <= 0):
             raise UsageError(f"sliding layers {self.sliding} need a window > 0 and must be among {self.layer_names}")
+        if self.groups and len(self.groups) != len(self.layer_names):
+            raise UsageError(f"{len(self.groups)} KV cache groups given for {len(self.layer_names)} layers")
+        if self.block_format not in BLOCK_FORMATS:
+            raise UsageError(f"block format {self.block_format!r} is not one of {', '.join(BLOCK_FORMATS)}")
+        if self.block_format == "kvstore" and (self.kind != "full" or self.quantized):
+            raise UsageError(
+                "kv_connector_extra_config.block_format = 'kvstore' (the reference engines' K/V planes) is for "
+                "dense bf16/fp16/fp32 K/V pages; MLA and fp8 pages are stored as vLLM's ('vllm')"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -131,10 +156,18 @@ class PageSpec:
         """MLA: every tensor-parallel rank holds the same latent cache, stored once."""
         return self.kind == "mla"
 
+    @property
+    def num_groups(self) -> int:
+        """vLLM's KV cache groups these layers are in (1 without the hybrid manager)."""
+        return max(self.groups, default=0) + 1
+
     def part(self, sliding: bool) -> PageSpec:
         """The spec of the full-attention layers (``sliding=False``) or of the sliding ones."""
-        names = tuple(n for n in self.layer_names if (n in self.sliding) == sliding)
-        return replace(self, layer_names=names, sliding=names if sliding else (), window=self.window if sliding else 0)
+        keep = [i for i, n in enumerate(self.layer_names) if (n in self.sliding) == sliding]
+        names = tuple(self.layer_names[i] for i in keep)
+        groups = tuple(self.groups[i] for i in keep) if self.groups else ()
+        return replace(self, layer_names=names, sliding=names if sliding else (), window=self.window if sliding else 0,
+                       groups=groups)
 
     def _dtype_name(self) -> str:
         return KV_FP8.get(self.kv_cache_dtype) or str(self.dtype).removeprefix("torch.")
@@ -151,7 +184,8 @@ class PageSpec:
         if self.sliding:
             groups.append(LayerGroup("sliding", len(self.sliding), self.num_kv_heads, self.head_size, window=self.window))
         layout = KVLayout(self._dtype_name(), self.block_size, tuple(groups))
-        ns = Namespace(model_id, layout, model_revision=f"{revision}+{self.tag()}", rank=rank,
+        tag = self.tag()
+        ns = Namespace(model_id, layout, model_revision=f"{revision}+{tag}" if tag else revision, rank=rank,
                        world_size=world_size, lora_id=lora_id)
         if ns.block_bytes != self.block_bytes:  # a bug: the two descriptions disagree
             raise AssertionError(f"namespace blocks are {ns.block_bytes} bytes, vLLM pages {self.block_bytes}")
@@ -160,7 +194,10 @@ class PageSpec:
     def tag(self) -> str:
         """The block format in the revision string: a new format is a new deployment; a new
         block size, dtype or head count is a layout conflict within this one (reported). An fp8
-        cache adds its scales' digest: blocks quantised with other scales are other blocks."""
+        cache adds its scales' digest: blocks quantised with other scales are other blocks. The
+        store's own format (``block_format = kvstore``) has none: the reference engines' blocks."""
+        if self.block_format == "kvstore":
+            return ""
         return f"{PAGE_FORMAT}+kvscales-{self.scales or 'unknown'}" if self.quantized else PAGE_FORMAT
 
     def describe(self) -> str:
@@ -169,11 +206,39 @@ class PageSpec:
             extra += f" mla(latent={self.head_size - self.rope_dim} rope={self.rope_dim}, one copy for every TP rank)"
         if self.sliding:
             extra += f" sliding_layers={len(self.sliding)} window={self.window}"
+        if self.groups:
+            extra += f" kv_cache_groups={self.num_groups}"
+        if self.block_format != "vllm":
+            extra += f" block_format={self.block_format}"
         return (
             f"block_size={self.block_size} dtype={self._dtype_name()} "
             f"layers={self.num_layers} kv_heads={self.num_kv_heads} head_size={self.head_size} "
             f"layout={self.layout}{extra}"
         )
+
+
+KV_ORDERS = ("cpu-vec",)
+"""Page arrangements of vLLM attention kernels that the ``kvstore`` block format converts, each
+verified against the reference engine's K and V: ``cpu-vec``: vLLM's CPU backend (``cpu_attn``)
+with its ``vec`` kernel, float32, views a page ``[H, N, 2D]`` as ``[H, 2N, D]`` and splits it in
+two (``kv_cache.view(B, H, 2 * N, -1).chunk(2, dim=2)``): per head a K plane then a V plane; its
+reshape-and-cache kernel writes the K plane transposed, ``[D][N]``, and the V plane as ``[N][D]``.
+Other kernels (the CPU build's ``amx``, ``neon``, ``vec16``...; the GPU backends) are not
+verified and are refused."""
+
+
+def kv_order_of(layers: Sequence[Any], dtype: torch.dtype) -> str:
+    """The :data:`KV_ORDERS` entry of vLLM attention ``layers`` (from its static forward context),
+    or a :class:`UsageError` naming what was found."""
+    isas = {getattr(layer, "isa", None) for layer in layers}
+    if isas == {"vec"} and dtype == torch.float32:
+        return "cpu-vec"
+    found = f"vLLM's CPU attention kernel {sorted(map(str, isas))}" if isas != {None} else "a GPU attention backend"
+    raise UsageError(
+        "kv_connector_extra_config.block_format = 'kvstore' converts vLLM's pages to the reference "
+        f"engines' K/V planes only where the kernel's page order is verified ({', '.join(KV_ORDERS)}: vLLM's "
+        f"CPU backend, its vec kernel, float32); this engine runs {found} with {dtype}. Use block_format 'vllm'"
+    )
 
 
 def scales_digest(layers: Sequence[Any]) -> str:
@@ -206,24 +271,13 @@ def sliding_layers(names: Sequence[str], hf_config: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def page_spec(kv_cache_config: Any, cache_layout: str | None, vllm_config: Any = None) -> PageSpec:
-    """The page of a vLLM ``KVCacheConfig``: one group of attention layers with dense K/V (any
-    ``--kv-cache-dtype`` kvstore knows, :data:`KV_FP8`), MLA latent pages, or sliding-window
-    layers in that group (vLLM without its hybrid KV cache manager gives them full-size pages;
-    which layers slide comes from the model config, ``vllm_config``). Anything else is a
+def _check_spec(spec: Any, cache: Any) -> tuple[bool, str]:
+    """(MLA, the ``--kv-cache-dtype`` kvstore records) of one KV cache group's spec, or a
     :class:`UsageError` saying what kvstore's connector supports."""
-    groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        raise UsageError(
-            f"this model has {len(groups)} KV cache groups (vLLM's hybrid KV cache manager is on, "
-            f"or a hybrid model with another state). {SUPPORTED}"
-        )
-    spec = groups[0].kv_cache_spec
     missing = [a for a in ("num_kv_heads", "head_size", "dtype", "block_size") if not hasattr(spec, a)]
     if missing:
         raise UsageError(f"this model's KV cache is {type(spec).__name__}. {SUPPORTED}")
     mla = "MLA" in type(spec).__name__
-    cache = vllm_config.cache_config if vllm_config is not None else None
     kv_dtype = str(getattr(spec, "cache_dtype_str", None) or getattr(cache, "cache_dtype", None) or "auto")
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     dense = (
@@ -242,25 +296,68 @@ def page_spec(kv_cache_config: Any, cache_layout: str | None, vllm_config: Any =
         raise UsageError(f"this model's KV cache is {spec!r}. {SUPPORTED}")
     if quant == "NONE" and kv_dtype != "auto" and kv_dtype not in ("bfloat16", "float16", "float32", "half", "float"):
         raise UsageError(f"--kv-cache-dtype {kv_dtype} is not one kvstore stores. {SUPPORTED}")
-    if quant == "NONE":
-        kv_dtype = "auto"
-    names = tuple(sorted(groups[0].layer_names, key=_natural_key))
+    return mla, "auto" if quant == "NONE" else kv_dtype
+
+
+def _is_sliding_group(spec: Any) -> bool:
+    """A group of vLLM's sliding-window pages (it frees a page once it leaves the window)."""
+    return type(spec).__name__ == "SlidingWindowSpec"
+
+
+def page_spec(kv_cache_config: Any, cache_layout: str | None, vllm_config: Any = None) -> PageSpec:
+    """The page of a vLLM ``KVCacheConfig``: attention layers with dense K/V (any
+    ``--kv-cache-dtype`` kvstore knows, :data:`KV_FP8`), MLA latent pages, or sliding-window
+    layers. Without vLLM's hybrid KV cache manager they are one group (sliding layers with
+    full-size pages; which layers slide comes from the model config, ``vllm_config``); with it,
+    full-attention and sliding-window groups of one page shape (:attr:`PageSpec.groups`).
+    Anything else is a :class:`UsageError` saying what kvstore's connector supports."""
+    groups = list(kv_cache_config.kv_cache_groups)
+    cache = vllm_config.cache_config if vllm_config is not None else None
+    checked = [_check_spec(g.kv_cache_spec, cache) for g in groups]
+    spec = groups[0].kv_cache_spec
+    mla, kv_dtype = checked[0]
+    if len(groups) > 1:
+        shape = [(type(g.kv_cache_spec).__name__ == "MLAAttentionSpec", int(g.kv_cache_spec.block_size),
+                  int(g.kv_cache_spec.num_kv_heads), int(g.kv_cache_spec.head_size), g.kv_cache_spec.dtype)
+                 for g in groups]
+        windows = {int(g.kv_cache_spec.sliding_window) for g in groups if _is_sliding_group(g.kv_cache_spec)}
+        if len(set(shape)) > 1 or len(set(checked)) > 1 or len(windows) > 1 or any(m for m, _ in checked):
+            raise UsageError(
+                f"this model has {len(groups)} KV cache groups of different pages "
+                f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}; windows {sorted(windows)}). "
+                f"{SUPPORTED}"
+            )
+    names_groups = sorted(((n, i) for i, g in enumerate(groups) for n in g.layer_names),
+                          key=lambda x: _natural_key(x[0]))
+    names = tuple(n for n, _ in names_groups)
+    if len(set(names)) != len(names):
+        raise UsageError(f"a layer is in several of this model's {len(groups)} KV cache groups. {SUPPORTED}")
     hf = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
     rope = int(getattr(hf, "qk_rope_head_dim", 0) or 0) if mla else 0
     if mla and not 0 <= rope < int(spec.head_size):
         rope = 0
-    window = int(getattr(spec, "sliding_window", None) or 0)
-    vllm_windows = type(spec).__name__ == "SlidingWindowSpec"
-    sliding = names if vllm_windows else sliding_layers(names, hf) if window else ()
+    if len(groups) > 1:  # the hybrid manager: sliding layers are those of its sliding-window groups
+        sliding = tuple(n for n, i in names_groups if _is_sliding_group(groups[i].kv_cache_spec))
+        window = max((int(g.kv_cache_spec.sliding_window) for g in groups if _is_sliding_group(g.kv_cache_spec)),
+                     default=0)
+        vllm_windows, layer_groups = bool(sliding), tuple(i for _, i in names_groups)
+    else:
+        window = int(getattr(spec, "sliding_window", None) or 0)
+        vllm_windows, layer_groups = type(spec).__name__ == "SlidingWindowSpec", ()
+        sliding = names if vllm_windows else sliding_layers(names, hf) if window else ()
     if mla and sliding:
         raise UsageError(f"sliding-window MLA layers are not supported. {SUPPORTED}")
     return PageSpec(names, int(spec.block_size), int(spec.num_kv_heads), int(spec.head_size), spec.dtype,
                     cache_layout or "LBHNC", kind="mla" if mla else "full", kv_cache_dtype=kv_dtype,
-                    rope_dim=rope, sliding=sliding, window=window, vllm_windows=vllm_windows)
+                    rope_dim=rope, sliding=sliding, window=window, vllm_windows=vllm_windows, groups=layer_groups)
 
 
 class PagedKV:
-    """Moves blocks between vLLM's per-layer page tensors and kvstore block buffers."""
+    """Moves blocks between vLLM's per-layer page tensors and kvstore block buffers.
+
+    With vLLM's hybrid KV cache manager (``spec.groups``) each layer's pages are its group's: a
+    block's page ids are a tuple, one per KV cache group (``block_ids`` a ``[n, groups]``
+    tensor), and each layer reads its group's column."""
 
     def __init__(self, spec: PageSpec, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in spec.layer_names if n not in kv_caches]
@@ -279,6 +376,31 @@ class PagedKV:
                 )
         self.device = self.layers[0].device
         self._page = (spec.num_kv_heads, spec.block_size, spec.content)
+        self._groups = spec.groups
+        # The store's own format: a layer's K and V planes, [2, H, N, D] (KV_ORDERS).
+        self._planes = spec.block_format == "kvstore"
+        if self._planes and spec.kv_order not in KV_ORDERS:
+            raise UsageError(f"block format 'kvstore' needs a verified page order ({', '.join(KV_ORDERS)}), "
+                             f"got {spec.kv_order!r}")
+        self._kv_page = (2, spec.num_kv_heads, spec.block_size, spec.head_size)
+
+    def _to_planes(self, pages: torch.Tensor) -> torch.Tensor:
+        """``cpu-vec`` pages ``[n, H, N, 2D]`` as ``[n, 2, H, N, D]`` K/V planes."""
+        n, (h, bt, _), d = pages.shape[0], self._page, self.spec.head_size
+        halves = pages.reshape(n, h, 2, bt * d)
+        k = halves[:, :, 0].reshape(n, h, d, bt).transpose(2, 3)
+        v = halves[:, :, 1].reshape(n, h, bt, d)
+        return torch.stack([k, v], dim=1)
+
+    def _from_planes(self, planes: torch.Tensor) -> torch.Tensor:
+        """``[n, 2, H, N, D]`` K/V planes as new ``cpu-vec`` pages ``[n, H, N, 2D]``."""
+        n, (h, bt, c) = planes.shape[0], self._page
+        k = planes[:, 0].transpose(2, 3).reshape(n, h, -1)
+        v = planes[:, 1].reshape(n, h, -1)
+        return torch.stack([k, v], dim=2).view(n, h, bt, c)
+
+    def _layer_ids(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        return ids[:, self._groups[layer]] if self._groups else ids
 
     @property
     def num_layers(self) -> int:
@@ -325,19 +447,25 @@ class PagedKV:
             out(a, b, staged[: b - a])
 
     def _gather(self, ids: torch.Tensor, out: torch.Tensor) -> None:
-        n, pb = ids.numel(), self.spec.page_bytes
+        n, pb = ids.shape[0], self.spec.page_bytes
         dst = out.view(n, self.num_layers, pb)
         for i, t in enumerate(self.layers):
-            dst[:, i].view(self.spec.dtype).view(n, *self._page).copy_(t.index_select(0, ids))
+            pages = t.index_select(0, self._layer_ids(i, ids))
+            if self._planes:
+                dst[:, i].view(self.spec.dtype).view(n, *self._kv_page).copy_(self._to_planes(pages))
+            else:
+                dst[:, i].view(self.spec.dtype).view(n, *self._page).copy_(pages)
 
     def scatter_layer(self, layer: int, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         """Write layer ``layer`` of ``n`` blocks: ``src`` is ``[n, page_bytes]`` uint8 (any row
         stride, e.g. a view of the daemon's arena or of a host buffer of whole blocks)."""
         n = src.shape[0]
-        pages = src.view(self.spec.dtype).view(n, *self._page)
+        pages = src.view(self.spec.dtype).view(n, *(self._kv_page if self._planes else self._page))
         if pages.device != self.device:
             pages = pages.to(self.device, non_blocking=True)
-        self.layers[layer].index_copy_(0, block_ids, pages)
+        if self._planes:
+            pages = self._from_planes(pages)
+        self.layers[layer].index_copy_(0, self._layer_ids(layer, block_ids), pages)
 
     def block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return self._ids(block_ids)

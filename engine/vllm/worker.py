@@ -46,7 +46,7 @@ from engine.gpu import (
 )
 from engine.transfer import ConcatSource, DeviceLoad, PagedLoader, PagedSaver, StagedSave
 from engine.vllm.config import ConnectorConfig
-from engine.vllm.pages import PagedKV, PageSpec, scales_digest
+from engine.vllm.pages import PagedKV, PageSpec, kv_order_of, scales_digest
 from kvstore.client import Client, connect
 from kvstore.errors import KVStoreError, UsageError
 from kvstore.hybrid import HybridNamespaces
@@ -71,7 +71,9 @@ class ReqInfo:
 class LoadSpec:
     req_id: str
     start: int  # first block (index in the request) to load
-    block_ids: list[int]  # vLLM pages of blocks start..start+len-1
+    block_ids: list[Any]
+    """vLLM's pages of blocks start..start+len-1: block ids, or with its hybrid KV cache manager a
+    tuple per block (each KV cache group's block id)."""
     is_async: bool
 
 
@@ -79,7 +81,7 @@ class LoadSpec:
 class SaveSpec:
     req_id: str
     start: int
-    block_ids: list[int]
+    block_ids: list[Any]  # as LoadSpec's
     pieces: list[int] = field(default_factory=list)
     """A page with sliding layers: the blocks (indices in the request, among ``start..``) whose
     window piece is stored (checkpoints' windows)."""
@@ -151,13 +153,18 @@ def make_link(cfg: ConnectorConfig, name: str, timeout: float, namespaces: list[
     return DaemonLink(make, name=name, on_connect=on_connect, backoff_s=cfg.backoff_s, max_backoff_s=cfg.max_backoff_s)
 
 
-def layer_scales(vllm_config: Any, spec: PageSpec) -> str:
-    """The digest of the K/V scales of ``spec``'s layers (:func:`engine.vllm.pages.scales_digest`),
-    read from vLLM's attention layers (its static forward context; a layer not found there, as
-    outside vLLM, counts as unscaled: 1.0)."""
+def attention_layers(vllm_config: Any, spec: PageSpec) -> list[Any]:
+    """vLLM's attention layers of ``spec`` (its static forward context; a layer not found there,
+    as outside vLLM, is a bare object)."""
     ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
     layers = [ctx.get(n) for n in spec.layer_names]
-    return scales_digest([layer if layer is not None else object() for layer in layers])
+    return [layer if layer is not None else object() for layer in layers]
+
+
+def layer_scales(vllm_config: Any, spec: PageSpec) -> str:
+    """The digest of the K/V scales of ``spec``'s layers (:func:`engine.vllm.pages.scales_digest`),
+    read from vLLM's attention layers (a layer not found there counts as unscaled: 1.0)."""
+    return scales_digest(attention_layers(vllm_config, spec))
 
 
 Pieces = tuple[list[int], StagedSave] | None
@@ -210,14 +217,23 @@ class _LoadJob:
         self.layer_events: list[Any] = [None] * num_layers
         """The CUDA event after which the layer's pages hold the blocks (None on the CPU)."""
         self.done = threading.Event()
-        self.failed: set[int] = set()
+        self.failed: set[Any] = set()
+        """Pages that failed to load (with several KV cache groups, tuples of page ids)."""
+        self.failed_reqs: set[str] = set()
         self.loaded = 0
         self.abandoned = False
         self.lock = threading.Lock()
 
+    def fail(self, spec: LoadSpec, pages: list[Any]) -> None:
+        """Pages of ``spec`` did not load: its request failed (reported per request with several
+        KV cache groups, whose page ids vLLM cannot map back)."""
+        if pages:
+            self.failed.update(pages)
+            self.failed_reqs.add(spec.req_id)
+
     def fail_all(self) -> None:
         for spec, _, _ in self.specs:
-            self.failed.update(spec.block_ids)
+            self.fail(spec, spec.block_ids)
 
 
 class Worker:
@@ -235,6 +251,7 @@ class Worker:
 
             tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.cfg = cfg
+        self._vllm_config = vllm_config
         if spec.quantized and not spec.scales:
             spec = replace(spec, scales=layer_scales(vllm_config, spec))
         self.spec = spec
@@ -258,6 +275,7 @@ class Worker:
         self._layer_job: _LoadJob | None = None
         self._async_jobs: dict[str, _LoadJob] = {}
         self._errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
         self._step_failed = False
         self._lock = threading.Lock()
         self._loads: deque[_LoadJob] = deque()
@@ -299,6 +317,9 @@ class Worker:
         return HybridNamespaces.of(self.ns_for(lora))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.spec.block_format == "kvstore" and not self.spec.kv_order:
+            self.spec = replace(self.spec, kv_order=kv_order_of(attention_layers(self._vllm_config, self.spec),
+                                                                self.spec.dtype))
         self.kv = PagedKV(self.spec, kv_caches)
         if self.spec.hybrid:
             full, window = self.spec.part(False), self.spec.part(True)
@@ -438,7 +459,10 @@ class Worker:
         with job.lock:
             if job.failed:
                 self._step_failed |= in_step
-                self._errors |= job.failed
+                if self.spec.groups:  # several KV cache groups: vLLM takes failures per request
+                    self._failed_reqs |= job.failed_reqs
+                else:
+                    self._errors |= job.failed
                 self.counters.failed_blocks += len(job.failed)
             self.counters.loaded_blocks += job.loaded
 
@@ -455,6 +479,12 @@ class Worker:
     def take_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose async load failed (several KV cache groups: ``failed_recving``; each is
+        also among the requests :meth:`get_finished` has returned, this step or before)."""
+        failed, self._failed_reqs = self._failed_reqs, set()
+        return failed
 
     # -- loader thread --
 
@@ -501,7 +531,7 @@ class Worker:
             n, src = self._fetch(ns, hashes, held)
             job.loaded += n
             if n < len(hashes):
-                job.failed.update(spec.block_ids[n:])
+                job.fail(spec, spec.block_ids[n:])
             if n:
                 parts.append((src, n))
                 ids.extend(spec.block_ids[:n])
@@ -545,12 +575,12 @@ class Worker:
             if hyb.full is not None:
                 m, got_full = self._fetch(hyb.full, hashes, held)
                 if m < n:
-                    job.failed.update(spec.block_ids)
+                    job.fail(spec, spec.block_ids)
                     continue
             assert hyb.window is not None
             m, got_window = self._fetch(hyb.window, [hyb.window_key(hashes[j - start]) for j in pieces], held)
             if m < len(pieces):
-                job.failed.update(spec.block_ids)
+                job.fail(spec, spec.block_ids)
                 continue
             job.loaded += n
             if got_full is not None:

@@ -1,6 +1,7 @@
 """``python -m tools.bench vllm --workload families``: one row per model family the vLLM connector
-stores (dense GQA, fp8 KV, MLA, every layer sliding, sliding and full layers mixed), vLLM alone
-and vLLM with kvstore in the same run, on vLLM's CPU build.
+stores (dense GQA, fp8 KV, MLA, every layer sliding, sliding and full layers mixed: with vLLM's
+hybrid KV cache manager, without it, and every layer stored), vLLM alone and vLLM with kvstore
+in the same run, on vLLM's CPU build. ``KVSTORE_BENCH_FAMILIES=name,name`` runs only those rows.
 
 Per family (a tiny random-weight model, ``engine.vllm.tiny``): ``DOCS`` documents of ``DOC``
 tokens, each asked ``QUESTIONS`` questions of ``QUESTION`` tokens, one request at a time. Each
@@ -11,7 +12,9 @@ its hits come from the daemon; its saves are awaited after each question, so the
 finds the windows this one stored where its replay ended). Reported: the hit tokens, the bytes the daemon holds per cached
 token against storing every layer of every block (the daemon's own count of this tenant's bytes),
 the tokens replayed per hit (sliding families: cached tokens past the checkpoint the hit ended
-on, which vLLM recomputed) and the TTFT of each engine (vLLM's ``first_token_latency``), one
+on, which vLLM recomputed), for the half-sliding rows the bytes against the same prompts stored
+with every layer (``sliding = every_layer``, a row of its own: both counted by the daemon), and
+the TTFT of each engine (vLLM's ``first_token_latency``), one
 compute thread per engine, bound to the same core (``VLLM_CPU_OMP_THREADS_BIND``).
 """
 
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +36,50 @@ import numpy as np
 from tools.bench._common import result
 
 DOCS, DOC, QUESTIONS, QUESTION, C = 2, 1000, 3, 48, 8
+LONG_DOC, LONG_C = 3500, 32
+"""The long half-sliding rows: documents far longer than the window (64 tokens), C = 32."""
+ONE_GROUP = {"disable_hybrid_kv_cache_manager": True}
+EVERY_LAYER = {"sliding": "every_layer"}
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    model: str
+    engine: dict[str, Any] = field(default_factory=dict)
+    connector: dict[str, Any] = field(default_factory=dict)
+    doc: int = DOC
+    baseline: str = ""
+    """The row that stored the same prompts with every layer: bytes are compared with its."""
+
+    @property
+    def c(self) -> int:
+        return int(self.connector.get("checkpoint_every_blocks", 0))
+
+
+def _windows(c: int) -> dict[str, Any]:
+    return {"sliding": "window", "checkpoint_every_blocks": c}
+
+
 FAMILIES = {
-    # name: (model, engine settings, connector settings)
-    "dense-gqa": ("llama", {}, {}),
-    "fp8-kv": ("llama", {"kv_cache_dtype": "fp8"}, {}),
-    "mla": ("deepseek", {}, {}),
-    "sliding-all": ("mistral", {}, {"sliding": "window", "checkpoint_every_blocks": C}),
-    "sliding-half": ("gemma3", {}, {"sliding": "window", "checkpoint_every_blocks": C}),
+    "dense-gqa": Family("llama"),
+    "fp8-kv": Family("llama", {"kv_cache_dtype": "fp8"}),
+    "mla": Family("deepseek"),
+    "sliding-all": Family("mistral", connector=_windows(C)),
+    "sliding-half-every-layer": Family("gemma3", ONE_GROUP, EVERY_LAYER),
+    "sliding-half": Family("gemma3", connector=_windows(C), baseline="sliding-half-every-layer"),
+    "sliding-half-one-group": Family("gemma3", ONE_GROUP, _windows(C), baseline="sliding-half-every-layer"),
+    "sliding-half-long-every-layer": Family("gemma3-w64", ONE_GROUP, EVERY_LAYER, doc=LONG_DOC),
+    "sliding-half-long": Family("gemma3-w64", connector=_windows(LONG_C), doc=LONG_DOC,
+                                baseline="sliding-half-long-every-layer"),
 }
+"""``sliding-half``: vLLM's hybrid KV cache manager on (its default with kvstore's connector);
+``-one-group``: off (``--disable-hybrid-kv-cache-manager``); ``-every-layer``: every layer of
+every block stored (the manager off: with it vLLM keeps only the windows)."""
 
 
-def _workload(quick: bool) -> dict[str, Any]:
+def _workload(quick: bool, doc_tokens: int = DOC) -> dict[str, Any]:
     rng = np.random.default_rng(7)
-    docs, doc = (1, 500) if quick else (DOCS, DOC)
+    docs, doc = (1, min(500, doc_tokens)) if quick else (DOCS, doc_tokens)
     out: dict[str, Any] = {"store": [], "ask": []}
     for _ in range(docs):
         d = rng.integers(3, 2000, doc).tolist()
@@ -65,7 +100,8 @@ def _models(base: Path) -> dict[str, Path]:
 
     return {"llama": save_tiny_llama(base / "llama", SMALL), "deepseek": save_tiny_deepseek(base / "deepseek"),
             "mistral": save_tiny_mistral(base / "mistral", window=128),
-            "gemma3": save_tiny_gemma3(base / "gemma3", window=128)}
+            "gemma3": save_tiny_gemma3(base / "gemma3", window=128),
+            "gemma3-w64": save_tiny_gemma3(base / "gemma3-w64", window=64)}
 
 
 def child(spec_path: str) -> None:
@@ -84,7 +120,7 @@ def child(spec_path: str) -> None:
     transfer = None if spec["url"] is None else kvstore_transfer(spec["url"], **spec["connector"],
                                                                   save_timeout_s=120, load_timeout_s=120,
                                                                   lookup_timeout_s=60, max_pending_saves=256)
-    llm = make_llm(spec["model"], kv_transfer_config=transfer, prefix_caching=False, max_model_len=2048,
+    llm = make_llm(spec["model"], kv_transfer_config=transfer, prefix_caching=False, max_model_len=4096,
                    dtype="float32", disable_log_stats=False, **spec["engine"])
     # Warm-up (kernels, first calls): shorter than a block, so nothing of it is stored.
     generate(llm, [list(range(5, 20))], max_tokens=1)
@@ -129,14 +165,18 @@ def run(quick: bool, tmp: Path) -> Iterator[dict[str, Any]]:
     from kvstore.client import connect
 
     models = _models(tmp / "models")
-    w = _workload(quick)
-    for family, (model, engine, connector) in FAMILIES.items():
-        base = {"model": str(models[model]), "engine": engine, "connector": connector, "workload": w}
+    only = [n for n in os.environ.get("KVSTORE_BENCH_FAMILIES", "").split(",") if n]
+    stored: dict[str, int] = {}  # bytes the daemon held after each row's store phase
+    for family, f in FAMILIES.items():
+        if only and family not in only:
+            continue
+        w = _workload(quick, f.doc)
+        base = {"model": str(models[f.model]), "engine": f.engine, "connector": f.connector, "workload": w}
         alone = _engine(f"{family}-alone", {**base, "url": None, "phase": "ask"}, tmp)
-        with small_daemon(tmp / f"daemon-{family}", dram="512MiB") as d:
+        with small_daemon(tmp / f"daemon-{family}", dram="1GiB") as d:
             _engine(f"{family}-store", {**base, "url": d.url, "phase": "store"}, tmp)
             with connect(d.url, plane="tcp", timeout=60) as c:
-                used = int(c.stats()["usage"]["used_bytes"])
+                used = stored[family] = int(c.stats()["usage"]["used_bytes"])
             kv = _engine(f"{family}-kvstore", {**base, "url": d.url, "phase": "ask"}, tmp)
         bt = kv["block_tokens"]
         cached = sum(len(p) // bt for p in w["store"])  # full blocks the first process stored
@@ -148,11 +188,14 @@ def run(quick: bool, tmp: Path) -> Iterator[dict[str, Any]]:
             bytes_per_cached_token=round(used / (cached * bt), 1),
             every_layer_bytes_per_token=kv["block_bytes"] // bt,
             bytes_vs_every_layer=round(used / (cached * kv["block_bytes"]), 3),
+            bytes_vs_every_layer_measured=(round(used / stored[f.baseline], 3) if f.baseline in stored else None),
             replayed_tokens_per_hit=round(statistics.mean(replayed), 1) if replayed else None,
             replayed_tokens_max=max(replayed, default=0),
-            replay_bound_tokens=(C - 1) * bt if connector.get("sliding") == "window" else 0,
+            replay_bound_tokens=(f.c - 1) * bt if f.c else 0, checkpoint_every_blocks=f.c or None,
+            hybrid_kv_cache_manager=not f.engine.get("disable_hybrid_kv_cache_manager", False),
             doc_tokens=len(w["store"][0]) - QUESTION, question_tokens=QUESTION, block_tokens=bt,
         )
+
 
 if __name__ == "__main__":
     child(sys.argv[1])

@@ -1,5 +1,6 @@
 """Model families on vLLM's CPU build, end to end: an fp8 KV cache, MLA (a tiny DeepSeek-V2),
-a sliding-window model (Mistral) and a hybrid full + sliding model (Gemma 3).
+a sliding-window model (Mistral) and a hybrid full + sliding model (Gemma 3), with vLLM's hybrid
+KV cache manager on (its sliding-window KV cache groups) and off.
 
 Each family: vLLM alone, then two fresh vLLM processes against one daemon (the first stores, the
 second hits), all three with the same thread binding (vLLM computes on another number of threads
@@ -102,7 +103,8 @@ C = 4  # checkpoint_every_blocks: A's windows are stored at blocks 3, 7 and 9 (i
 def test_sliding_window_hits_end_at_checkpoints_with_bounded_replay(family: str, family_models: dict[str, str],
                                                                     tmp_path: Path) -> None:
     """Mistral (every layer slides over 64 tokens) and Gemma 3 (sliding and full layers
-    alternate), vLLM's prefix cache off: the sliding layers are stored as 2-block windows at
+    alternate), vLLM's prefix cache off and its hybrid KV cache manager off (one KV cache group;
+    for Mistral the same either way): the sliding layers are stored as 2-block windows at
     checkpoints. A hit on A ends at its last checkpoint (nothing replayed); B shares 7 of A's
     blocks but none of A's checkpoints past block 3: it loads blocks 0-3 and vLLM recomputes the
     rest (3 cached blocks replayed, under the bound of C - 1)."""
@@ -112,8 +114,9 @@ def test_sliding_window_hits_end_at_checkpoints_with_bounded_replay(family: str,
     model = family_models[family]
     (alone,) = run_scenario({"model": model, "connector": None, "engine": ENGINE, "rounds": [{"prompts": [A, B]}]},
                             tmp_path / "alone", env=env)
+    engine = {**ENGINE, "disable_hybrid_kv_cache_manager": True}
     with small_daemon(tmp_path / "daemon") as d:
-        spec = {"model": model, "url": d.url, "connector": {**ROBUST, **conn}, "engine": ENGINE}
+        spec = {"model": model, "url": d.url, "connector": {**ROBUST, **conn}, "engine": engine}
         (stored,) = run_scenario({**spec, "rounds": [{"prompts": [A]}]}, tmp_path / "stored", env=env)
         (hit,) = run_scenario({**spec, "rounds": [{"prompts": [A, B]}]}, tmp_path / "hit", env=env)
     same_outputs(stored, alone[:1])
@@ -123,3 +126,85 @@ def test_sliding_window_hits_end_at_checkpoints_with_bounded_replay(family: str,
     same_outputs(hit, alone)
     (c,) = counters(tmp_path / "stored")[0]
     assert c["saved_pieces"] == 6  # the windows of checkpoints 3, 7, 9: blocks 2, 3, 6, 7, 8, 9
+
+
+def test_hybrid_manager_windows_shared_with_the_one_group_mode(family_models: dict[str, str], tmp_path: Path) -> None:
+    """Gemma 3 with vLLM's hybrid KV cache manager on (the connector is ``SupportsHMA``): a
+    sliding-window KV cache group whose pages hold only the window, beside the full-attention
+    one, and vLLM's prefix cache on. A prompt stored by an engine with the manager off (one KV
+    cache group, prefix cache off) is a hit for it: both modes store the same blocks under the
+    same keys. A hits on its last checkpoint, B on checkpoint 3 with 3 cached blocks replayed
+    (< C); B's own windows (checkpoints 6 = where its replay ended, 7, and its end 11) then let a
+    third engine hit all of B's 12 blocks with nothing replayed. Greedy tokens and logprobs equal
+    vLLM alone's (its hybrid manager and prefix cache on, as vLLM runs Gemma 3 by default)."""
+    bt = 32
+    conn = {**ROBUST, "load_mode": "async", "checkpoint_every_blocks": C}
+    env = _bind()
+    model = family_models["gemma3"]
+    hma = {**ENGINE, "prefix_caching": True}
+    (alone,) = run_scenario({"model": model, "connector": None, "engine": hma, "rounds": [{"prompts": [A, B]}]},
+                            tmp_path / "alone", env=env)
+    with small_daemon(tmp_path / "daemon") as d:
+        one_group = {**ENGINE, "disable_hybrid_kv_cache_manager": True}
+        base = {"model": model, "url": d.url}
+        (stored,) = run_scenario({**base, "connector": {**conn, "sliding": "window"}, "engine": one_group,
+                                  "rounds": [{"prompts": [A]}]}, tmp_path / "stored", env=env)
+        (hit,) = run_scenario({**base, "connector": conn, "engine": hma, "rounds": [{"prompts": [A, B]}]},
+                              tmp_path / "hit", env=env)
+        (again,) = run_scenario({**base, "connector": conn, "engine": hma, "rounds": [{"prompts": [B]}]},
+                                tmp_path / "again", env=env)
+    same_outputs(stored, alone[:1])
+    assert [_hit(o) for o in hit] == [10 * bt, 4 * bt]
+    assert [o["kvstore_replayed_tokens"] for o in hit] == [0, 3 * bt]
+    same_outputs(hit, alone)
+    (c,) = counters(tmp_path / "hit")[0]
+    assert c["failed_blocks"] == 0
+    # B's windows of checkpoints 6, 7 and 11 (blocks 5, 6, 7, 10, 11) are 4 new pieces: block 6's
+    # is A's (the same prefix, the same key), stored by the first engine.
+    assert c["saved_pieces"] == 4
+    assert [(_hit(o), o["kvstore_replayed_tokens"]) for o in again] == [(12 * bt, 0)]
+    same_outputs(again, alone[1:])
+
+
+def _reference_engine(model: str, url: str) -> Any:
+    """``engine.reference.hybrid.HybridLM`` (transformers, float32) over the daemon at ``url``, C = 4."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.reference.hybrid import HybridLM, namespace_of
+    from kvstore.client import connect
+    from kvstore.hybrid import CheckpointPolicy
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    client = connect(url, plane="tcp", timeout=60)
+    return HybridLM(hf, client, namespace_of(hf, model, 32), policy=CheckpointPolicy(every_blocks=C),
+                    attention="model")
+
+
+def test_blocks_shared_with_the_reference_engine(family_models: dict[str, str], tmp_path: Path) -> None:
+    """``block_format = kvstore``: the connector stores the reference engine's format under its
+    namespace (model id = the model path, revision ``main``). A prompt the reference engine
+    (``engine.reference.hybrid``) stored is a hit for vLLM (hybrid KV cache manager on), with the same
+    checkpoints and bounded replay; a prompt vLLM stored is a hit for the reference engine.
+    Both answer as vLLM alone does."""
+    bt = 32
+    env = _bind()
+    model = family_models["gemma3"]
+    hma = {**ENGINE, "prefix_caching": True}
+    (alone,) = run_scenario({"model": model, "connector": None, "engine": hma, "rounds": [{"prompts": [A, B]}]},
+                            tmp_path / "alone", env=env)
+    conn = {**ROBUST, "load_mode": "async", "checkpoint_every_blocks": C, "block_format": "kvstore"}
+    with small_daemon(tmp_path / "daemon") as d:
+        ref = _reference_engine(model, d.url)
+        tokens, pre = ref.generate(A, 8)  # stores A's blocks, windows at checkpoints 3, 7, 9
+        assert pre.checkpoint == -1 and tuple(tokens) == tuple(alone[0]["tokens"])
+        (hit,) = run_scenario({"model": model, "url": d.url, "connector": conn, "engine": hma,
+                               "rounds": [{"prompts": [A, B]}]}, tmp_path / "hit", env=env)
+        # vLLM stored B's blocks 4-11 and windows at 6, 7 and 11: the reference engine hits all 12.
+        tokens, pre = ref.generate(B, 8)
+        assert (pre.checkpoint, pre.hit_tokens, pre.replayed_tokens) == (11, 12 * bt, 0)
+        assert tuple(tokens) == tuple(alone[1]["tokens"])
+        ref.store.close()
+    assert [_hit(o) for o in hit] == [10 * bt, 4 * bt]
+    assert [o["kvstore_replayed_tokens"] for o in hit] == [0, 3 * bt]
+    same_outputs(hit, alone)

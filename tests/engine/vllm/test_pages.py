@@ -85,7 +85,7 @@ def test_page_spec_orders_layers_and_refuses_what_it_cannot_store() -> None:
         page_spec(_kv_config(head_size_v=128), "LBHNC")
     two = _kv_config()
     two.kv_cache_groups.append(two.kv_cache_groups[0])
-    with pytest.raises(UsageError, match="one KV cache group"):
+    with pytest.raises(UsageError, match="a layer is in several of this model's 2 KV cache groups"):
         page_spec(two, "LBHNC")
     with pytest.raises(UsageError, match="expects"):
         PagedKV(SPEC, {n: torch.zeros(4, 2, 32, 64, dtype=torch.bfloat16) for n in SPEC.layer_names})
@@ -153,3 +153,49 @@ def test_gather_to_slots_stores_the_bytes_of_a_plain_gather(monkeypatch: pytest.
         got = torch.zeros_like(want)
         assert store.get_into(ns, chain, got.numpy()) == len(ids)
     assert torch.equal(got, want)
+
+
+def test_the_stores_own_block_format_is_the_reference_engines() -> None:
+    """``block_format = kvstore`` on vLLM's CPU ``vec`` kernel (``cpu-vec``: per head a K plane
+    stored transposed, ``[D][N]``, then a V plane ``[N][D]``): a block is what
+    ``engine.kvlayout.pack`` makes of the same K and V (the reference engines'
+    ``[layers][K, V][H][N][D]``), its namespace has no page-format tag (the reference engine's for
+    the same model and revision), and it loads back into vLLM's pages unchanged."""
+    from engine.kvlayout import KVShape, pack
+    from engine.vllm.pages import kv_order_of
+
+    spec = replace(SPEC, block_format="kvstore", kv_order="cpu-vec")
+    h, n, d, blocks = spec.num_kv_heads, spec.block_size, spec.head_size, 6
+    k = {name: torch.randn(blocks, h, n, d).to(torch.bfloat16) for name in spec.layer_names}
+    v = {name: torch.randn(blocks, h, n, d).to(torch.bfloat16) for name in spec.layer_names}
+    caches = {name: torch.cat([k[name].transpose(2, 3).reshape(blocks, h, -1), v[name].reshape(blocks, h, -1)],
+                              dim=2).view(blocks, h, n, 2 * d) for name in spec.layer_names}
+    kv = PagedKV(spec, caches)
+    ids = [4, 1]
+    rows = torch.empty((2, spec.block_bytes), dtype=torch.uint8)
+    kv.gather(ids, rows)
+
+    def seq(t: torch.Tensor) -> torch.Tensor:  # blocks ids of [B, H, N, D] as one [1, H, 2N, D] sequence
+        return t[ids].permute(1, 0, 2, 3).reshape(1, h, 2 * n, d)
+
+    shape = KVShape(3, h, d, torch.bfloat16, n)
+    names = spec.layer_names
+    assert torch.equal(rows, pack([seq(k[x]) for x in names], [seq(v[x]) for x in names], shape, 0, 2))
+    assert spec.namespace("org/m", "main", 0, 1) == shape.namespace("org/m", "main")
+    assert SPEC.namespace("org/m", "main", 0, 1).model_revision == "main+vllm-HNC1"
+    back = PagedKV(spec, {x: torch.zeros_like(t) for x, t in caches.items()})
+    idx = back.block_ids([0, 5])
+    for layer in range(spec.num_layers):
+        back.scatter_layer(layer, idx, rows[:, layer * spec.page_bytes : (layer + 1) * spec.page_bytes])
+    for i, x in enumerate(names):
+        assert torch.equal(back.layers[i][[0, 5]], caches[x][ids])
+    with pytest.raises(UsageError, match="dense bf16/fp16/fp32"):
+        replace(SPEC, block_format="kvstore", kv_cache_dtype="fp8", dtype=torch.uint8)
+    # Only a verified kernel order: vLLM's CPU vec kernel in float32.
+    assert kv_order_of([SimpleNamespace(isa="vec")] * 2, torch.float32) == "cpu-vec"
+    with pytest.raises(UsageError, match=r"kernel \['amx'\] with torch.bfloat16"):
+        kv_order_of([SimpleNamespace(isa="amx")], torch.bfloat16)
+    with pytest.raises(UsageError, match="a GPU attention backend"):
+        kv_order_of([object()], torch.float32)
+    with pytest.raises(UsageError, match="verified page order"):
+        PagedKV(replace(SPEC, block_format="kvstore"), caches)

@@ -1,7 +1,8 @@
 """``page_spec`` and ``PagedKV`` against vLLM 0.32's own KV spec classes and page views
 (``create_kv_cache_views``: the tensors vLLM hands ``register_kv_caches``): fp8 pages, MLA latent
-pages in vLLM's MLA memory order, sliding-window layers without the hybrid manager, and the
-loud refusals of what the connector does not store."""
+pages in vLLM's MLA memory order, sliding-window layers without the hybrid manager and with it
+(several KV cache groups, page ids per group), and the loud refusals of what the connector does
+not store."""
 
 from __future__ import annotations
 
@@ -106,13 +107,46 @@ def test_sliding_layers_without_the_hybrid_manager() -> None:
     assert ps.sliding == tuple(NAMES) and ps.vllm_windows
 
 
-def test_what_the_connector_does_not_store_is_refused_with_what_it_does() -> None:
+def _hma(*groups: tuple[object, list[str]]) -> SimpleNamespace:
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s, layer_names=n) for s, n in groups])
+
+
+def test_sliding_groups_of_the_hybrid_manager() -> None:
+    """vLLM's hybrid KV cache manager puts Gemma 3's sliding layers (0, 2) in a sliding-window
+    group and its full layers (1, 3) in another, one page shape for both, each layer indexed by
+    its group's block ids. The namespace is the one-group mode's (both modes share blocks); a
+    block's pages are a tuple (sliding group's id, full group's id)."""
     sw = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64)
     full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    hma = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=sw, layer_names=NAMES[:2]),
-                                           SimpleNamespace(kv_cache_spec=full, layer_names=NAMES[2:])])
-    with pytest.raises(UsageError, match="2 KV cache groups.*supports one KV cache group"):
-        page_spec(hma, "LBHNC", _vllm())
+    ps = page_spec(_hma((sw, [NAMES[0], NAMES[2]]), (full, [NAMES[1], NAMES[3]])), "LBHNC", _vllm())
+    assert ps.layer_names == tuple(NAMES) and ps.groups == (0, 1, 0, 1) and ps.num_groups == 2
+    assert ps.sliding == (NAMES[0], NAMES[2]) and ps.window == 64 and ps.vllm_windows
+    one = page_spec(_config(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                                              sliding_window=64)),
+                    "LBHNC", _vllm(layer_types=["sliding_attention", "full_attention"] * 2))
+    assert ps.namespace("org/m", "main", 0, 1) == one.namespace("org/m", "main", 0, 1)
+    assert ps.part(True).groups == (0, 0) and ps.part(False).groups == (1, 1)
+    src, dst = _views(full, KVCacheLayout.LBHNC), _views(full, KVCacheLayout.LBHNC)
+    for t in dst.values():
+        t.fill_(0)
+    a, b = PagedKV(ps, src), PagedKV(ps, dst)
+    rows = torch.empty((2, ps.block_bytes), dtype=torch.uint8)
+    a.gather([(4, 1), (0, 5)], rows)  # block 0: sliding page 4, full page 1; block 1: 0 and 5
+    ids = b.block_ids([(2, 3), (1, 0)])
+    for layer in range(ps.num_layers):
+        b.scatter_layer(layer, ids, rows[:, layer * ps.page_bytes : (layer + 1) * ps.page_bytes])
+    for name, (got, want) in zip(NAMES, [([2, 1], [4, 0]), ([3, 0], [1, 5])] * 2, strict=True):
+        assert torch.equal(dst[name][got].view(torch.uint8), src[name][want].view(torch.uint8))
+
+
+def test_what_the_connector_does_not_store_is_refused_with_what_it_does() -> None:
+    sw = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64)
+    sw2 = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=128)
+    wide = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.float32)
+    with pytest.raises(UsageError, match="2 KV cache groups of different pages"):
+        page_spec(_hma((sw, NAMES[:2]), (wide, NAMES[2:])), "LBHNC", _vllm())
+    with pytest.raises(UsageError, match=r"windows \[64, 128\]"):
+        page_spec(_hma((sw, NAMES[:2]), (sw2, NAMES[2:])), "LBHNC", _vllm())
     per_token = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.uint8,
                                   kv_quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD)
     with pytest.raises(UsageError, match="fp8_e5m2 with per-tensor scales"):
@@ -146,3 +180,10 @@ def test_the_sliding_mode_follows_vllms_prefix_cache() -> None:
     assert sliding_mode(all_sliding, auto, prefix_caching=True) == all_sliding
     with pytest.raises(UsageError, match="only windows can be stored"):
         sliding_mode(all_sliding, every, prefix_caching=False)
+    # The hybrid manager on: its sliding groups keep only windows, which its prefix cache tracks.
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    hma = page_spec(_hma((sw, [NAMES[0], NAMES[2]]), (full, [NAMES[1], NAMES[3]])), "LBHNC", _vllm())
+    assert sliding_mode(hma, auto, prefix_caching=True) == hma
+    assert sliding_mode(hma, window, prefix_caching=True) == hma
+    with pytest.raises(UsageError, match="--disable-hybrid-kv-cache-manager"):
+        sliding_mode(hma, every, prefix_caching=True)

@@ -1,12 +1,14 @@
 """The worker side's pages of each model family against a real daemon, driven as vLLM drives it
 on CPU page tensors (no vLLM): a sliding-window page (full layers per block, sliding layers as
 window pieces at checkpoints), an all-sliding page (windows only), MLA (one copy for every
-tensor-parallel rank, saved by rank 0 only) and fp8 (1-byte pages, scales in the namespace).
+tensor-parallel rank, saved by rank 0 only), fp8 (1-byte pages, scales in the namespace) and the
+KV cache groups of vLLM's hybrid manager (page ids per group).
 Each on the CPU and, where there is one, on a CUDA device (the GPU load and save paths of
 ``engine.transfer``; skipped without CUDA)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -205,3 +207,68 @@ def test_hybrid_keys_are_the_reference_engines() -> None:
     assert hyb.full is not None and hyb.window is not None
     assert [g.kind for g in ns.layout.groups] == ["full", "sliding"]
     assert hyb.full.block_bytes + hyb.window.block_bytes == HYBRID.block_bytes
+
+
+HMA = PageSpec(NAMES, BT, 2, 64, torch.float32, "LBHNC", sliding=(NAMES[0], NAMES[2]), window=48,
+               vllm_windows=True, groups=(0, 1, 0, 1))
+"""``HYBRID`` as vLLM's hybrid KV cache manager hands it over: the sliding layers in KV cache group
+0 (pages only for the window), the full ones in group 1; a block's pages are (group 0's id,
+group 1's id)."""
+
+
+def _load_async(w: Worker, tokens: np.ndarray, pages: list[tuple[int, int]]) -> None:
+    _step(w, StepPlan(infos={"l": ReqInfo(tokens, "", b"")}, loads=[LoadSpec("l", 0, pages, True)]))
+    for _ in range(6000):
+        if "l" in w.get_finished():
+            return
+        time.sleep(0.01)
+    raise AssertionError("the async load did not finish")
+
+
+def test_hybrid_manager_pages_per_group_share_blocks_with_the_one_group_mode(daemon: LocalDaemon, device: str) -> None:
+    """Blocks saved from one KV cache group (the hybrid manager off) load into the groups of the
+    hybrid manager: the full layers from the full group's pages of every block, the sliding
+    layers into the sliding group's pages of the checkpoint's window (vLLM's null block, 0,
+    elsewhere, never written). Saved from the groups, they load back the same way. A lost
+    window piece fails the request, reported per request (``failed_recving``): vLLM 0.32 takes
+    no block-level load errors for several groups."""
+    assert HMA.namespace("org/tiny", "main", 0, 1) == HYBRID.namespace("org/tiny", "main", 0, 1)
+    src_dev = _caches(HYBRID, seed=3, device=device)
+    src = _host(src_dev)
+    one = _worker(daemon.url, HYBRID)
+    one.register_kv_caches(src_dev)
+    _save(one, TOKENS[: 4 * BT], [3, 1, 4, 9], [2, 3])  # checkpoint 3's window
+    dst_dev = _caches(HMA, seed=None, device=device)
+    w = _worker(daemon.url, HMA)
+    w.register_kv_caches(dst_dev)
+    into = [(0, 7), (0, 5), (10, 2), (11, 6)]
+    _load_async(w, TOKENS[: 4 * BT], into)
+    assert w.take_errors() == set() and w.take_failed_requests() == set()
+    dst = _host(dst_dev)
+    for name in HMA.layer_names:
+        if name in HMA.sliding:
+            assert torch.equal(dst[name][[10, 11]], src[name][[4, 9]]) and not dst[name][0].any()
+        else:
+            assert torch.equal(dst[name][[7, 5, 2, 6]], src[name][[3, 1, 4, 9]])
+    # Saved from the groups (another prompt), loaded back by the one-group worker.
+    other = TOKENS[: 4 * BT] + 1
+    _save(w, other, into, [2, 3])
+    assert w.counters.saved_pieces == 2 and w.counters.save_errors == 0
+    back_dev = _caches(HYBRID, seed=None, device=device)
+    back = _worker(daemon.url, HYBRID)
+    back.register_kv_caches(back_dev)
+    assert _load(back, other, [1, 2, 3, 4]) == set()
+    got = _host(back_dev)
+    for name in HMA.layer_names:
+        rows = [2, 3] if name in HMA.sliding else [0, 1, 2, 3]
+        want = [into[j][0 if name in HMA.sliding else 1] for j in rows]
+        assert torch.equal(got[name][[r + 1 for r in rows]], dst[name][want])
+    with connect(daemon.url, plane="tcp", timeout=60) as c:
+        hyb = w.hyb_for("")
+        assert hyb.window is not None
+        c.register_namespace(hyb.window)
+        assert c.delete(hyb.window, [hyb.window_key(hyb.hashes(other)[3])]) == 1
+    _load_async(w, other, into)
+    assert w.take_errors() == set() and w.take_failed_requests() == {"l"}
+    for x in (one, w, back):
+        x.close()
