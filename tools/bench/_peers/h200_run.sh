@@ -24,7 +24,7 @@ export PYTHONPATH="$PWD:/tmp/peers-site" LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=
 echo "== probe ($(date -u +%T))"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 nproc || true
-python3 -c "import torch, engine.gpu, engine.transfer, kvstore.server.daemon; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), 'cudaMemcpy2DAsync', engine.gpu._memcpy2d() is not None)" || true
+python3 -c "import torch, engine.gpu, engine.transfer, kvstore.server.daemon; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" || true
 
 if [ -z "${NO_TESTS:-}" ]; then
     echo "== CUDA tests ($(date -u +%T))"
