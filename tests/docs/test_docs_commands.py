@@ -182,7 +182,7 @@ def test_where_the_listed_commands_run_instead_exists() -> None:
 
 
 def test_every_repository_path_a_docs_command_names_exists() -> None:
-    """``deploy/Dockerfile``, ``tests/reliability``, ``docs/results/...``: also for the commands
+    """``deploy/Dockerfile``, ``tests/reliability``, a file under ``docs/results``: also for the commands
     CI does not run."""
     tops = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")}
     missing = [f"{c}: {tok}" for c in COMMANDS for tok in re.findall(r"(?<![\w./-])([\w-]+/[\w./-]*\w)", c.text)

@@ -127,7 +127,9 @@ def test_used_plus_reserved_stays_within_the_quota_on_every_plane(
         other.put(SMALL_NS, chain, _blocks(chain))
         other.delete(SMALL_NS, chain[:1])
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+    # derandomize: the same examples every run, so "every refusal kind was met" cannot depend on
+    # the draw (the long profile's EXAMPLES still varies the count)
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     @given(ops=OPS)
     def run(ops: list[tuple[str, str, int, bool]]) -> None:

@@ -115,6 +115,7 @@ def env_vars() -> list[tuple[str, str]]:
         ("KVSTORE_URL", "the daemon a client (`kvstore.client.connect`, `kvctl`) talks to; default http://127.0.0.1:7070"),
         ("KVSTORE_TOKEN", "the bearer token a client sends (`connect`, `kvctl`)"),
         ("KVSTORE_BENCH_VLLM_THREADS", "compute threads of every engine `python -m tools.bench vllm` runs (default 1)"),
+        ("KVSTORE_BENCH_FAMILIES", "`python -m tools.bench vllm --workload families`: only these rows (comma-separated names; default all)"),
         ("the variable a tenant's `token_env` names", "that tenant's token, read by the daemon (e.g. `KVSTORE_TOKEN_TEAM_A`, `KVSTORE_TOKEN_OPS`)"),
     ]
     return rows
