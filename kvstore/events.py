@@ -108,6 +108,26 @@ class EventsConfig:
     """Bytes of published batches kept for replay, per stream (with token ids a batch can be
     megabytes: counted in batches alone, the buffer of a publisher with no subscriber grew
     without a useful bound); the oldest go first."""
+    publish_queue_bytes: int = 64 << 20
+    """Bytes of block hooks waiting for the publisher (about 64 bytes a block change, plus the
+    token ids a put carries); more are dropped and counted like ``publish_queue``'s."""
+    max_batch_bytes: int = 1 << 20
+    """A published batch's msgpack at most (a larger one goes as several, a long
+    ``BlockStored`` split where its chain continues): what one queued message can cost."""
+    subscriber_bytes: int = 64 << 20
+    """Published batches queued for one slow subscriber: its ZeroMQ queue holds
+    ``subscriber_bytes // max_batch_bytes`` batches (SNDHWM); past it that subscriber misses
+    batches (it sees the gap in the sequence numbers and asks for a replay)."""
+    replay_answer_bytes: int = 64 << 20
+    """Replay answers queued for requesters that have not read them, all requesters of all
+    streams together; past it the rest of an answer is dropped (counted; the requester asks
+    again). One answer is always admitted when nothing else is queued (a snapshot can be larger)."""
+    max_connections: int = 256
+    """Connections to the event ports (every stream's publish and replay ports together); a
+    connection over it is closed by the daemon, first the newest that has not finished ZeroMQ's
+    handshake. The daemon keeps this many descriptors aside from its data and HTTP planes'."""
+    max_connections_per_peer: int = 64
+    """Connections to the event ports from one address (a subscriber holds two a stream)."""
     publish_period_s: float = 0.25
     """While blocks change, the publisher sends what changed at most this long ago (sooner when
     many changes wait, at once after a lull): a router's view lags by up to this much; shorter
@@ -130,10 +150,19 @@ class EventsConfig:
             url = getattr(self, name)
             if url is not None and not re.match(r"^tcp://[^:/]+:\d+$", str(url)):
                 raise ConfigError(f"[events] {name} must be 'tcp://HOST:PORT' (e.g. 'tcp://127.0.0.1:5557'), got {url!r}")
-        if self.publish_queue <= 0 or self.replay_batches <= 0:
-            raise ConfigError("[events] publish_queue and replay_batches must be positive counts")
-        if isinstance(self.replay_bytes, bool) or not isinstance(self.replay_bytes, int) or self.replay_bytes <= 0:
-            raise ConfigError(f"[events] replay_bytes must be a positive size (e.g. '64MiB'), got {self.replay_bytes!r}")
+        for name in ("publish_queue", "replay_batches", "max_connections", "max_connections_per_peer"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"[events] {name} must be a positive count, got {v!r}")
+        for name in ("replay_bytes", "publish_queue_bytes", "max_batch_bytes", "subscriber_bytes", "replay_answer_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"[events] {name} must be a positive size (e.g. '64MiB'), got {v!r}")
+        if self.max_batch_bytes < 4096:
+            raise ConfigError(f"[events] max_batch_bytes must be at least 4KiB (one block's event), got {self.max_batch_bytes}")
+        if self.subscriber_bytes < self.max_batch_bytes:
+            raise ConfigError(f"[events] subscriber_bytes ({self.subscriber_bytes}) must hold at least one batch "
+                              f"of max_batch_bytes ({self.max_batch_bytes})")
         if not 0 < self.publish_period_s <= 10:
             raise ConfigError(f"[events] publish_period must be in (0, 10s] (e.g. '0.25s'), got {self.publish_period_s}")
 
@@ -156,6 +185,12 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "publish_queue": ("publish_queue", int),
     "replay_batches": ("replay_batches", int),
     "replay_bytes": ("replay_bytes", parse_size),
+    "publish_queue_bytes": ("publish_queue_bytes", parse_size),
+    "max_batch_bytes": ("max_batch_bytes", parse_size),
+    "subscriber_bytes": ("subscriber_bytes", parse_size),
+    "replay_answer_bytes": ("replay_answer_bytes", parse_size),
+    "max_connections": ("max_connections", int),
+    "max_connections_per_peer": ("max_connections_per_peer", int),
     "publish_period": ("publish_period_s", parse_duration),
 }
 
