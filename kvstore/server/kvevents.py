@@ -89,6 +89,13 @@ from kvstore.route.wire import (
     seq_bytes,
     tenant_mask,
 )
+from kvstore.server.limits import (
+    ConnectionGate,
+    accepted_socket,
+    close_accepted,
+    heard_greeting,
+    peer_of,
+)
 from kvstore.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -289,6 +296,7 @@ class KVEventPublisher:
         self._warned: dict[str, float] = {}
         self._qlock = threading.Lock()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._gate_wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._asleep = False
         self._sleep_until = 0.0  # when the sleeping thread wakes by itself (monotonic)
         self._first_t = 0.0  # when the oldest waiting change was queued
@@ -303,7 +311,7 @@ class KVEventPublisher:
         self._cpu_s = 0.0
         self._pump_cpu_s = 0.0
         self._counts = {"dropped": 0, "batches": 0, "events": 0, "block_events": 0, "replays": 0, "replays_dropped": 0, "snapshots": 0,
-                        "unnamed": 0, "rebuilds": 0, "wakeups": 0}
+                        "unnamed": 0, "rebuilds": 0, "wakeups": 0, "connections_refused": 0}
         self._lost = threading.Event()
         self._recs: dict[bytes, _Rec] = {}
         self._ns_index: dict[bytes, _NsInfo] = {}
@@ -323,6 +331,13 @@ class KVEventPublisher:
         self._snapshot_pending = False
         self._last_send = self._last_rebuild = 0.0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._monitors: dict[zmq.Socket[bytes], int] = {}
+        """Each event socket's monitor, with the socket's port."""
+        self.gate = ConnectionGate(config.max_connections, config.max_connections_per_peer, self._refused,
+                                   what="event port connections")
+        """Connections to the event ports (the gate thread's alone; see :meth:`_on_monitor`)."""
+        self._young: dict[tuple[int, int], float] = {}
+        """(port, fd) -> when accepted, of connections the gate still counts as unproven"""
         self._auth: Any = None
         self.streams: list[_Stream] = []
         host, port = _endpoint(config.publish)
@@ -345,6 +360,7 @@ class KVEventPublisher:
         except zmq.ZMQError as e:
             self._close_sockets()
             os.close(self._wake)
+            os.close(self._gate_wake)
             raise OSError(
                 f"[events] publish: cannot bind {config.publish} (replay port {rport}): {e}; pick free "
                 "ports or port 0 for any"
@@ -357,6 +373,8 @@ class KVEventPublisher:
         store.events.sinks.append(self)
         self._thread = threading.Thread(target=self._run, name="kvstore-kvevents", daemon=True)
         self._thread.start()
+        self._gate_thread = threading.Thread(target=self._run_gate, name="kvstore-kvevents-gate", daemon=True)
+        self._gate_thread.start()
 
     def _stream(self, name: str, tenant: int | None, host: str, port: int, rport: int, hwm: int,
                 domain: str | None) -> _Stream:
@@ -377,6 +395,9 @@ class KVEventPublisher:
             sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
         purl = _bind(pub, host, port)
         rurl = _bind(rep, host, rport)
+        for sock, url in ((pub, purl), (rep, rurl)):
+            mon = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            self._monitors[mon] = _endpoint(url)[1]
         return _Stream(name, tenant, pub, rep, purl, rurl, deque(maxlen=self.config.replay_batches))
 
     # ---- discovery ----------------------------------------------------------------------------
@@ -398,9 +419,39 @@ class KVEventPublisher:
         what it costs the daemon besides the hooks."""
         return {**self._counts, "queued": self._queued, "queued_bytes": self._queued_bytes,
                 "replay_buffer_bytes": {s.name: s.buffer_bytes for s in self.streams},
-                "replay_answer_bytes": self._answer_bytes, "subscriber_hwm": self.hwm, "mirrored": len(self._recs),
+                "replay_answer_bytes": self._answer_bytes, "subscriber_hwm": self.hwm,
+                "connections": self.gate.total, "mirrored": len(self._recs),
                 "cpu_s": self._cpu_s + self._pump_cpu_s, "thread_cpu_s": self._cpu_s,
                 "streams": {s.name: s.seq for s in self.streams}}
+
+    def collector(self) -> Any:
+        """A Prometheus collector of what the publisher dropped and holds (``/metrics``):
+        ``kvstore_kv_events_dropped_total{what}`` (``hooks``: block changes past the hook
+        queue's bounds, each costing subscribers a snapshot; ``replay_answers``: answers past
+        ``replay_answer_bytes`` or a requester's full queue; ``connections``: event port
+        connections closed over the limits) and ``kvstore_kv_events_queued_bytes{queue}``."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.registry import Collector
+
+        pub = self
+
+        class _Collector(Collector):
+            def collect(self) -> Iterator[Any]:
+                c = pub._counts
+                dropped = CounterMetricFamily("kvstore_kv_events_dropped", "What the KV event publisher dropped",
+                                              labels=["what"])
+                for what, key in (("hooks", "dropped"), ("replay_answers", "replays_dropped"),
+                                  ("connections", "connections_refused")):
+                    dropped.add_metric([what], c[key])
+                yield dropped
+                held = GaugeMetricFamily("kvstore_kv_events_queued_bytes", "Bytes the KV event publisher holds "
+                                         "in its queues (hooks, replay buffers, unread replay answers)", labels=["queue"])
+                held.add_metric(["hooks"], pub._queued_bytes)
+                held.add_metric(["replay_buffer"], sum(s.buffer_bytes for s in pub.streams))
+                held.add_metric(["replay_answers"], pub._answer_bytes)
+                yield held
+
+        return _Collector()
 
     # ---- hooks (any thread; blocks() with the store's lock held) ---------------------------------
 
@@ -423,6 +474,9 @@ class KVEventPublisher:
                 self._q.append(item)
         if wake:
             self._nudge()
+
+    def _refused(self) -> None:
+        self._counts["connections_refused"] += 1
 
     def _warn(self, what: str, msg: str, *args: Any) -> None:
         """``msg`` once per burst of ``what`` (one line per 10 s at most), with the count so far."""
@@ -494,12 +548,21 @@ class KVEventPublisher:
             self._asleep = True
             self._nudge()
             self._thread.join(10.0)
+        self._stopping.set()
+        os.eventfd_write(self._gate_wake, 1)
+        self._gate_thread.join(10.0)
         with contextlib.suppress(ValueError):
             self.store.events.sinks.remove(self)
         self._close_sockets()
         os.close(self._wake)
+        os.close(self._gate_wake)
 
     def _close_sockets(self) -> None:
+        for s in self.streams:
+            s.pub.disable_monitor()
+            s.replay.disable_monitor()
+        for mon in self._monitors:
+            mon.close(0)
         for s in self.streams:
             s.pub.close(0)
             s.replay.close(0)
@@ -981,6 +1044,69 @@ class KVEventPublisher:
                 log.warning("kv events: replay failed: %s", e)
         with self._drain_lock:
             self._drain(enc)  # what was hooked before close
+
+    def _run_gate(self) -> None:
+        """The gate's thread: a thread of its own, so that a publication never delays ending a
+        connection over the limits (ZeroMQ accepts on its own thread meanwhile)."""
+        poller = zmq.Poller()
+        for mon in self._monitors:
+            poller.register(mon, zmq.POLLIN)
+        poller.register(self._gate_wake, zmq.POLLIN)
+        while not self._stopping.is_set():
+            try:
+                for sock, _ in poller.poll():
+                    if sock != self._gate_wake:
+                        self._on_monitor(sock, self._monitors[sock])
+            except zmq.ZMQError as e:
+                if self._stopping.is_set():
+                    return
+                log.warning("kv events: the connection gate failed: %s", e)
+
+    def _on_monitor(self, mon: zmq.Socket[bytes], port: int) -> None:
+        """Connections to the event ports under ``[events] max_connections`` and
+        ``max_connections_per_peer`` (ZeroMQ accepts them itself: its monitor tells which
+        descriptor each is). A connection over a limit is ended (``shutdown``; ZeroMQ then
+        closes it), unless an unproven one makes room: one accepted less than the handshake
+        deadline ago (ZeroMQ closes it at ``HANDSHAKE_MS`` unless it completes its handshake,
+        PLAIN authentication included), those that have not sent a ZeroMQ greeting first. A flood
+        of plain connections then displaces itself, never a subscriber that is connected."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        gate, young = self.gate, self._young
+        while True:
+            try:
+                msg = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            fd, key = int(msg["value"]), (port, int(msg["value"]))
+            if msg["event"] == zmq.EVENT_DISCONNECTED:
+                gate.forget(key)
+                young.pop(key, None)
+                continue
+            now = time.monotonic()
+            proven = [k for k, t in young.items() if now - t > HANDSHAKE_MS / 1000 + 1]
+            for k in proven:  # still open past the handshake deadline: it completed it
+                del young[k]
+                gate.prove(k)
+            sock = accepted_socket(fd, port)
+            if sock is None:
+                continue  # gone already (its DISCONNECTED follows)
+            try:
+                peer = peer_of(sock.getpeername())
+            except OSError:
+                continue
+            finally:
+                sock.detach()
+            refused = self._counts["connections_refused"]
+            if gate.admit(peer, key, lambda fd=fd, peer=peer: close_accepted(fd, port, peer),
+                          lambda fd=fd: not heard_greeting(fd, port)):
+                young[key] = now
+            else:
+                close_accepted(fd, port, peer)
+            if self._counts["connections_refused"] > refused:
+                self._warn("connections_refused", "kv events: a connection to port %d from %s closed over the "
+                           "limits (%d open; max_connections %d, max_connections_per_peer %d)", port, peer,
+                           gate.total, gate.max_total, gate.max_per_peer)
 
     def _due(self, now: float) -> bool:
         """Whether the thread publishes now: a flush or a drop waits, the heartbeat is due, or

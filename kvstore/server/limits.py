@@ -65,8 +65,10 @@ class ConnectionGate:
     never closed for it, and a real client's connection, which authenticates as it connects,
     is served before a flood can push it out."""
 
-    def __init__(self, max_total: int, max_per_peer: int, on_refuse: Callable[[], None] | None = None) -> None:
+    def __init__(self, max_total: int, max_per_peer: int, on_refuse: Callable[[], None] | None = None,
+                 what: str = "connections") -> None:
         self.max_total = max_total
+        self._what = what
         self._on_refuse = on_refuse
         self.max_per_peer = max_per_peer
         self.total = 0
@@ -126,9 +128,15 @@ class ConnectionGate:
         now = time.monotonic()
         if now - self._last_warning > 10:  # one line per burst, not one per connection
             self._last_warning = now
-            log.warning("refusing connections over the limit (%d open, %d from %s; limits %d and %d "
-                        "per peer); %d refused so far", self.total, self._peers[peer], peer,
+            log.warning("refusing %s over the limit (%d open, %d from %s; limits %d and %d "
+                        "per peer); %d refused so far", self._what, self.total, self._peers[peer], peer,
                         self.max_total, self.max_per_peer, self.refused)
+
+    def forget(self, key: Any) -> None:
+        """:meth:`leave` of the keyed connection ``key`` (nothing if it is not counted)."""
+        peer = self._open.get(key)
+        if peer is not None:
+            self.leave(peer, key)
 
     def leave(self, peer: str, key: Any = None) -> None:
         """A connection closed (once per connection: a keyed one already displaced is not
@@ -157,6 +165,63 @@ def silent(fd: int) -> bool:
         return False  # closed or failed: it goes by itself
     finally:
         sock.detach()
+
+
+ZMTP_GREETING = 64
+"""Bytes of ZeroMQ's greeting (ZMTP 3), the first thing a real ZeroMQ peer sends."""
+_TCPI_BYTES_RECEIVED = 128
+"""Offset of ``tcpi_bytes_received`` (u64) in Linux's ``struct tcp_info`` (since 4.1)."""
+
+
+def accepted_socket(fd: int, port: int) -> socket.socket | None:
+    """A non-owning socket object for ``fd`` if it is still a TCP connection accepted on local
+    ``port`` (a descriptor a ZeroMQ monitor named may be closed, or reused, by the time it is
+    looked at); None otherwise. The caller ``detach()``es it."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.getsockname()[1] != port:
+            sock.detach()
+            return None
+        sock.getpeername()
+    except (OSError, IndexError, TypeError):
+        sock.detach()
+        return None
+    return sock
+
+
+def close_accepted(fd: int, port: int, peer: str) -> None:
+    """End the connection on ``fd`` accepted on ``port`` from ``peer`` (if ``fd`` still is one):
+    ``shutdown``, so that its owner (ZeroMQ's I/O thread) sees the end and closes it itself."""
+    sock = accepted_socket(fd, port)
+    if sock is None:
+        return
+    try:
+        if peer_of(sock.getpeername()) == peer:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+
+
+def heard_greeting(fd: int, port: int) -> bool:
+    """Whether the peer of the connection on ``fd`` (accepted on ``port``) sent at least a
+    ZeroMQ greeting (the kernel's count of bytes received); False when it is gone."""
+    sock = accepted_socket(fd, port)
+    if sock is None:
+        return False
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return False
+    finally:
+        sock.detach()
+    if len(info) < _TCPI_BYTES_RECEIVED + 8:
+        return True  # an old kernel: cannot tell, so never displace it first
+    return int.from_bytes(info[_TCPI_BYTES_RECEIVED:_TCPI_BYTES_RECEIVED + 8], "little") >= ZMTP_GREETING
 
 
 def peer_of(transport_or_addr: Any) -> str:
