@@ -90,6 +90,9 @@ class EventsConfig:
     """The oldest closed files are deleted once the directory holds more (0 keeps everything)."""
     queue: int = 65_536
     """Records waiting for the writer; more are dropped and counted."""
+    queue_bytes: int = 64 << 20
+    """Bytes of records waiting for the writer (a request record is counted at 256 bytes and 64
+    a block hash it names, up to ``max_blocks`` of them); more are dropped and counted."""
     hashes: bool = True
     """Keep block hashes in request records (what the achieved-vs-ideal analysis needs; about 8
     bytes per block)."""
@@ -113,7 +116,8 @@ class EventsConfig:
     token ids a put carries); more are dropped and counted like ``publish_queue``'s."""
     max_batch_bytes: int = 1 << 20
     """A published batch's msgpack at most (a larger one goes as several, a long
-    ``BlockStored`` split where its chain continues): what one queued message can cost."""
+    ``BlockStored`` split where its chain continues): what one queued message can cost (a
+    single block's event larger than this, from ``block_tokens`` over ~200,000, goes alone)."""
     subscriber_bytes: int = 64 << 20
     """Published batches queued for one slow subscriber: its ZeroMQ queue holds
     ``subscriber_bytes // max_batch_bytes`` batches (SNDHWM); past it that subscriber misses
@@ -123,9 +127,11 @@ class EventsConfig:
     streams together; past it the rest of an answer is dropped (counted; the requester asks
     again). One answer is always admitted when nothing else is queued (a snapshot can be larger)."""
     max_connections: int = 256
-    """Connections to the event ports (every stream's publish and replay ports together); a
-    connection over it is closed by the daemon, first the newest that has not finished ZeroMQ's
-    handshake. The daemon keeps this many descriptors aside from its data and HTTP planes'."""
+    """Connections to the event ports (every stream's publish and replay ports together). A
+    connection over it (or over ``max_connections_per_peer``) ends the oldest connection not yet
+    proven (open for less than ZeroMQ's 5 s handshake deadline; those that sent no ZeroMQ
+    greeting first), else is ended itself. The daemon keeps this many descriptors aside from its
+    data and HTTP planes'."""
     max_connections_per_peer: int = 64
     """Connections to the event ports from one address (a subscriber holds two a stream)."""
     publish_period_s: float = 0.25
@@ -154,7 +160,7 @@ class EventsConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"[events] {name} must be a positive count, got {v!r}")
-        for name in ("replay_bytes", "publish_queue_bytes", "max_batch_bytes", "subscriber_bytes", "replay_answer_bytes"):
+        for name in ("queue_bytes", "replay_bytes", "publish_queue_bytes", "max_batch_bytes", "subscriber_bytes", "replay_answer_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"[events] {name} must be a positive size (e.g. '64MiB'), got {v!r}")
@@ -178,6 +184,7 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "max_age_s": ("max_age_s", parse_duration),
     "retain_bytes": ("retain_bytes", parse_size),
     "queue": ("queue", int),
+    "queue_bytes": ("queue_bytes", parse_size),
     "hashes": ("hashes", bool),
     "level": ("level", int),
     "publish": ("publish", str),
@@ -222,6 +229,12 @@ def events_config(section: Mapping[str, Any], env: Mapping[str, str] | None = No
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"{where}: {e}") from e
     return EventsConfig(**kwargs)
+
+
+def _record_bytes(item: tuple[Any, ...]) -> int:
+    """What a queued event log record is counted at: 256 bytes, and 64 a block hash of a
+    request record (its tuple's slot and the hash it keeps alive)."""
+    return 256 + 64 * len(item[3]) if item[0] == "request" else 256
 
 
 # ---- keys -----------------------------------------------------------------------------------------
@@ -296,6 +309,8 @@ class EventLog:
         self._namespaces: dict[str, dict[str, Any]] = {}  # ns hex -> record: re-sent in each file
         self._lock = threading.Lock()
         self._counts = Counter[str]()
+        self._queued_bytes = 0
+        """What the queued records are counted at (:func:`_record_bytes`), under ``queue_bytes``."""
         self._file: Any = None
         self._path: Path | None = None
         self._opened = 0.0
@@ -413,6 +428,7 @@ class EventLog:
             "files": c.get("files", 0),
             "bytes": c.get("bytes", 0),
             "queued": self._q.qsize(),
+            "queued_bytes": self._queued_bytes,
         }
 
     def __enter__(self) -> EventLog:
@@ -427,10 +443,17 @@ class EventLog:
     def _put(self, item: tuple[Any, ...]) -> None:
         if self._closed:
             return
+        size = _record_bytes(item)
+        with self._lock:
+            if self._queued_bytes + size > self.config.queue_bytes:
+                self._counts["dropped"] += 1
+                return
+            self._queued_bytes += size
         try:
             self._q.put_nowait(item)
         except queue.Full:
             with self._lock:
+                self._queued_bytes -= size
                 self._counts["dropped"] += 1
 
     # ---- the writer thread -------------------------------------------------------------------
@@ -453,6 +476,9 @@ class EventLog:
                     records.append(item)
             if records:
                 self._write(records)
+                taken = sum(map(_record_bytes, records))
+                with self._lock:
+                    self._queued_bytes -= taken
             for w in waiters:
                 w.set()
         self._close_file()

@@ -307,3 +307,26 @@ def _eventually_value(read: Any, ok: Any, timeout: float) -> Any:
         time.sleep(0.1)
         v = read()
     return v
+
+
+def test_the_event_log_queue_stays_within_queue_bytes(tmp_path: Path, figures) -> None:
+    """The event log (the store's other sink; request records name every hash a request
+    asked for, up to ``max_blocks``) queued 65,536 records whatever their size: a burst of big
+    lookups could queue gigabytes. Now its queue is counted in bytes too: a burst of 200
+    records of 4,096 hashes (256 KiB each as counted) against a 1 MiB budget never holds more,
+    and every record is written or counted as dropped."""
+    from kvstore.events import EventLog, EventsConfig
+
+    budget = 1 << 20
+    hashes = tuple(bytes([i % 256]) * 16 for i in range(4096))
+    peak = 0
+    with EventLog(tmp_path / "events", EventsConfig(enabled=True, queue_bytes=budget)) as ev:
+        for _ in range(200):
+            ev.request(ns=b"\x01" * 16, hashes=hashes, hit_blocks=1, block_tokens=16)
+            peak = max(peak, ev.stats()["queued_bytes"])
+            assert ev.stats()["queued_bytes"] <= budget
+        assert ev.flush(60.0)
+        st = ev.stats()
+    assert st["queued_bytes"] == 0
+    assert st["written"] + st["dropped"] == 200, st
+    figures(records=200, written=st["written"], dropped=st["dropped"], peak_queued_bytes=peak, queue_bytes=budget)
