@@ -330,3 +330,47 @@ def test_the_event_log_queue_stays_within_queue_bytes(tmp_path: Path, figures) -
     assert st["queued_bytes"] == 0
     assert st["written"] + st["dropped"] == 200, st
     figures(records=200, written=st["written"], dropped=st["dropped"], peak_queued_bytes=peak, queue_bytes=budget)
+
+
+def test_a_batch_over_max_batch_bytes_goes_as_parts_that_continue_its_chains() -> None:
+    """The publisher's split (``kvevents._batches``): a ``BlockStored`` of 1,000 blocks with
+    1,024 token ids each and a ``BlockRemoved`` of 20,000 hashes, at a 256 KiB cap, become
+    batches whose msgpack is each within the cap, whose ``BlockStored`` parts chain (each part's
+    parent is the block before it) with each block's own token ids, in order."""
+    import msgspec
+
+    from kvstore.route.wire import BlockRemoved, KVEventBatch
+    from kvstore.server import kvevents
+
+    cap = 256 << 10
+    rng = np.random.default_rng(7)
+    hashes = [bytes(h) for h in rng.integers(0, 256, (1000, 16), dtype=np.uint8)]
+    toks = [rng.integers(0, 50_000, 1024).astype("<i4").tobytes() for _ in hashes]
+    gone = [bytes(h) for h in rng.integers(0, 256, (20_000, 16), dtype=np.uint8)]
+    parent = b"\x01" * 16
+    events = [BlockStored(block_hashes=list(hashes), parent_block_hash=parent, token_ids=list(toks),  # type: ignore[arg-type]
+                          block_size=1024, lora_id=None, medium="dram", lora_name=None),
+              BlockRemoved(block_hashes=list(gone), medium="nvme")]
+    enc = msgspec.msgpack.Encoder()
+    stored: list[Any] = []
+    removed: list[bytes] = []
+    batches = 0
+    for part in kvevents._batches(events, cap):
+        batches += 1
+        for e in part:
+            if isinstance(e, BlockStored):
+                stored.append(e)
+                e.token_ids = kvevents._msgpack_ints(b"".join(e.token_ids))  # type: ignore[arg-type]  # as _encode does
+            else:
+                removed.extend(e.block_hashes)
+        assert len(enc.encode(KVEventBatch(ts=0.0, events=part))) <= cap
+    assert batches > 20
+    assert [h for e in stored for h in e.block_hashes] == hashes
+    assert removed == gone
+    prev = parent
+    for e in stored:
+        assert e.parent_block_hash == prev
+        prev = e.block_hashes[-1]
+    got = [bytes(np.asarray(t, "<i4").tobytes()) for e in stored for t in np.array_split(
+        np.asarray(msgspec.msgpack.decode(enc.encode(e.token_ids)), dtype=np.int64), len(e.block_hashes))]
+    assert got == toks
