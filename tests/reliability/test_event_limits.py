@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 import zmq
 
 from kvstore.client import connect
@@ -374,3 +375,22 @@ def test_a_batch_over_max_batch_bytes_goes_as_parts_that_continue_its_chains() -
     got = [bytes(np.asarray(t, "<i4").tobytes()) for e in stored for t in np.array_split(
         np.asarray(msgspec.msgpack.decode(enc.encode(e.token_ids)), dtype=np.int64), len(e.block_hashes))]
     assert got == toks
+
+
+def test_the_byte_budgets_are_validated() -> None:
+    """Sizes positive, a subscriber's budget at least one batch, a batch at least 4 KiB,
+    connection limits positive counts: refused with a message naming the key."""
+    from kvstore.errors import ConfigError
+    from kvstore.events import events_config
+
+    for section, key in (({"subscriber_bytes": "512KiB", "max_batch_bytes": "1MiB"}, "subscriber_bytes"),
+                         ({"max_batch_bytes": "1KiB"}, "max_batch_bytes"),
+                         ({"replay_answer_bytes": 0}, "replay_answer_bytes"),
+                         ({"queue_bytes": -1}, "queue_bytes"),
+                         ({"publish_queue_bytes": True}, "publish_queue_bytes"),
+                         ({"max_connections": 0}, "max_connections"),
+                         ({"max_connections_per_peer": -3}, "max_connections_per_peer")):
+        with pytest.raises(ConfigError, match=key):
+            events_config(section)
+    cfg = events_config({"subscriber_bytes": "8MiB", "max_batch_bytes": "256KiB"})
+    assert cfg.subscriber_bytes // cfg.max_batch_bytes == 32
