@@ -94,7 +94,9 @@ from kvstore.server.limits import (
     accepted_socket,
     close_accepted,
     heard_greeting,
+    pause_accepting,
     peer_of,
+    resume_accepting,
 )
 from kvstore.store import KVStore
 
@@ -121,6 +123,9 @@ REPLAY_HWM = 1024
 MAX_REQUEST_BYTES = 4096
 """The largest message a peer may send to an event port (a subscription, a replay request);
 ZeroMQ disconnects a peer that sends more."""
+ACCEPT_BACKLOG = 16
+"""The event ports' listen backlog: connections the kernel completes while the gate has paused
+accepting (see :meth:`KVEventPublisher._on_monitor`) that ZeroMQ may still accept."""
 HANDSHAKE_MS = 5000
 """A connection to an event port that has not finished ZeroMQ's handshake by then is closed
 (ZeroMQ's default, 30 s, let idle plain connections hold descriptors 6x longer)."""
@@ -311,7 +316,8 @@ class KVEventPublisher:
         self._cpu_s = 0.0
         self._pump_cpu_s = 0.0
         self._counts = {"dropped": 0, "batches": 0, "events": 0, "block_events": 0, "replays": 0, "replays_dropped": 0, "snapshots": 0,
-                        "unnamed": 0, "rebuilds": 0, "wakeups": 0, "connections_refused": 0}
+                        "unnamed": 0, "rebuilds": 0, "wakeups": 0, "connections_refused": 0,
+                        "accept_pauses": 0}
         self._lost = threading.Event()
         self._recs: dict[bytes, _Rec] = {}
         self._ns_index: dict[bytes, _NsInfo] = {}
@@ -338,6 +344,13 @@ class KVEventPublisher:
         """Connections to the event ports (the gate thread's alone; see :meth:`_on_monitor`)."""
         self._young: dict[tuple[int, int], float] = {}
         """(port, fd) -> when accepted, of connections the gate still counts as unproven"""
+        self._ending: dict[tuple[int, int], float] = {}
+        """(port, fd) -> when ended, of connections ended over a limit that ZeroMQ has not closed yet"""
+        self._listeners: dict[int, int] = {}
+        """port -> its listening descriptor (ZeroMQ's)"""
+        self._paused = False
+        self._slack = max(16, config.max_connections // 4)
+        """Connections ended but not yet closed, over ``max_connections``, from which accepting pauses."""
         self._auth: Any = None
         self.streams: list[_Stream] = []
         host, port = _endpoint(config.publish)
@@ -393,10 +406,12 @@ class KVEventPublisher:
         rep.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises (zmq.Again), never blocks
         for sock in (pub, rep):  # a connection that never finishes its handshake goes
             sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+            sock.setsockopt(zmq.BACKLOG, ACCEPT_BACKLOG)
+        # (monitors before bind: their first event names the listening descriptor)
+        mons = [s.get_monitor_socket(zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED) for s in (pub, rep)]
         purl = _bind(pub, host, port)
         rurl = _bind(rep, host, rport)
-        for sock, url in ((pub, purl), (rep, rurl)):
-            mon = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        for mon, url in zip(mons, (purl, rurl), strict=True):
             self._monitors[mon] = _endpoint(url)[1]
         return _Stream(name, tenant, pub, rep, purl, rurl, deque(maxlen=self.config.replay_batches))
 
@@ -1054,9 +1069,10 @@ class KVEventPublisher:
         poller.register(self._gate_wake, zmq.POLLIN)
         while not self._stopping.is_set():
             try:
-                for sock, _ in poller.poll():
+                for sock, _ in poller.poll(100 if self._paused else None):
                     if sock != self._gate_wake:
                         self._on_monitor(sock, self._monitors[sock])
+                self._pace()
             except zmq.ZMQError as e:
                 if self._stopping.is_set():
                     return
@@ -1079,9 +1095,13 @@ class KVEventPublisher:
             except zmq.Again:
                 return
             fd, key = int(msg["value"]), (port, int(msg["value"]))
+            if msg["event"] == zmq.EVENT_LISTENING:
+                self._listeners[port] = fd
+                continue
             if msg["event"] == zmq.EVENT_DISCONNECTED:
                 gate.forget(key)
                 young.pop(key, None)
+                self._ending.pop(key, None)
                 continue
             now = time.monotonic()
             proven = [k for k, t in young.items() if now - t > HANDSHAKE_MS / 1000 + 1]
@@ -1098,15 +1118,48 @@ class KVEventPublisher:
             finally:
                 sock.detach()
             refused = self._counts["connections_refused"]
-            if gate.admit(peer, key, lambda fd=fd, peer=peer: close_accepted(fd, port, peer),
+            if gate.admit(peer, key, lambda fd=fd, peer=peer, key=key: self._end(fd, port, peer, key),
                           lambda fd=fd: not heard_greeting(fd, port)):
                 young[key] = now
             else:
-                close_accepted(fd, port, peer)
+                self._end(fd, port, peer, key)
             if self._counts["connections_refused"] > refused:
                 self._warn("connections_refused", "kv events: a connection to port %d from %s closed over the "
                            "limits (%d open; max_connections %d, max_connections_per_peer %d)", port, peer,
                            gate.total, gate.max_total, gate.max_per_peer)
+
+    def _end(self, fd: int, port: int, peer: str, key: tuple[int, int]) -> None:
+        close_accepted(fd, port, peer)
+        self._ending[key] = time.monotonic()
+
+    def _pace(self) -> None:
+        """Pause accepting on every event port while the connections ended over a limit and not
+        yet closed are more than ``_slack`` over ``max_connections`` (a flood faster than the
+        gate's thread ends them), so that they never run the daemon out of descriptors;
+        resume once they are within it again."""
+        now = time.monotonic()
+        stale = [k for k, t in self._ending.items() if now - t > 10.0]  # (their DISCONNECTED was missed)
+        for k in stale:
+            del self._ending[k]
+        held = self.gate.total + len(self._ending)
+        if not self._paused and held >= self.config.max_connections + self._slack:
+            self._paused = True
+            self._counts["accept_pauses"] += 1
+            for port, fd in self._listeners.items():
+                pause_accepting(fd, port)
+            self._warn("accept_pauses", "kv events: accepting paused on the event ports (%d connections open or "
+                       "closing; max_connections %d)", held, self.config.max_connections)
+        elif self._paused and held <= self.config.max_connections:
+            self._paused = False
+            for port, fd in self._listeners.items():
+                resume_accepting(fd, port)
+
+    @property
+    def descriptors(self) -> int:
+        """Descriptors the event ports' connections may hold at most: ``max_connections``, the
+        slack before accepting pauses, and every port's backlog (what the daemon keeps aside
+        in its descriptor budget)."""
+        return self.config.max_connections + self._slack + ACCEPT_BACKLOG * len(self._monitors)
 
     def _due(self, now: float) -> bool:
         """Whether the thread publishes now: a flush or a drop waits, the heartbeat is due, or

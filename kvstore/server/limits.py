@@ -17,6 +17,7 @@ within ``request_timeout``) are in :mod:`kvstore.server.dataplane`.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import resource
 import socket
@@ -222,6 +223,64 @@ def heard_greeting(fd: int, port: int) -> bool:
     if len(info) < _TCPI_BYTES_RECEIVED + 8:
         return True  # an old kernel: cannot tell, so never displace it first
     return int.from_bytes(info[_TCPI_BYTES_RECEIVED:_TCPI_BYTES_RECEIVED + 8], "little") >= ZMTP_GREETING
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+_DROP_ALL = (_SockFilter * 1)(_SockFilter(0x06, 0, 0, 0))  # BPF_RET | BPF_K 0: keep no packet
+_DROP_ALL_PROG = bytes(_SockFprog(1, _DROP_ALL))  # (points at _DROP_ALL, which lives as long as the module)
+_SO_ATTACH_FILTER, _SO_DETACH_FILTER = 26, 27
+
+
+def _listener(fd: int, port: int) -> socket.socket | None:
+    """A non-owning socket object for ``fd`` if it is a TCP socket listening on ``port``."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getsockname()[1] == port:
+            return sock
+    except (OSError, IndexError, TypeError):
+        pass
+    sock.detach()
+    return None
+
+
+def pause_accepting(fd: int, port: int) -> bool:
+    """Stop new connections reaching the listening socket ``fd`` (on ``port``) that another
+    component accepts on (ZeroMQ's I/O thread): a socket filter that keeps no packet, so the
+    kernel drops their SYNs (a client retries, from 1 s later) while the connections accepted
+    before carry on. False if ``fd`` is not that listener."""
+    sock = _listener(fd, port)
+    if sock is None:
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, _DROP_ALL_PROG)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()
+
+
+def resume_accepting(fd: int, port: int) -> None:
+    """Undo :func:`pause_accepting`."""
+    sock = _listener(fd, port)
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_DETACH_FILTER, 0)
+    except OSError:
+        pass  # no filter attached
+    finally:
+        sock.detach()
 
 
 def peer_of(transport_or_addr: Any) -> str:

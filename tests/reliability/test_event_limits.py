@@ -261,12 +261,16 @@ def test_a_flood_of_plain_connections_to_the_event_ports_stays_within_its_limit(
             for r in range(rounds):
                 if r == rounds // 2:
                     sub.connect(ev["publish"])  # a router arriving in the middle of the flood
-                c = connect(d.url, plane="tcp")  # a new engine connection each round
-                c.register_namespace(EV_NS)
-                _put_with_tokens(c, 30_000 + r)
-                toks = np.random.default_rng(30_000 + r).integers(0, 50_000, BLOCKS_PER_PUT * EV_NS.block_tokens)
-                assert c.lookup(EV_NS, hash_blocks(EV_NS, toks)).num_blocks >= 1
-                c.close()
+                try:
+                    c = connect(d.url, plane="tcp")  # a new engine connection each round
+                    c.register_namespace(EV_NS)
+                    _put_with_tokens(c, 30_000 + r)
+                    toks = np.random.default_rng(30_000 + r).integers(0, 50_000, BLOCKS_PER_PUT * EV_NS.block_tokens)
+                    assert c.lookup(EV_NS, hash_blocks(EV_NS, toks)).num_blocks >= 1
+                    c.close()
+                except Exception as e:
+                    raise AssertionError(f"round {r} of the flood failed: {e}; the daemon's log ends:\n"
+                                         f"{d.log()[-4000:]}") from e
                 served += 1
                 peak_fds = max(peak_fds, len(list(Path(f"/proc/{d.pid}/fd").iterdir())))
                 peak_conns = max(peak_conns, _event_port_conns(d.pid, ports))
@@ -297,7 +301,8 @@ def test_a_flood_of_plain_connections_to_the_event_ports_stays_within_its_limit(
         figures(rounds=rounds, flood_connections_opened=opened[0], event_conns_limit=cap,
                 event_conns_held_peak=peak_conns, event_conns_held_settled=settled,
                 daemon_fds_start=fds0, daemon_fds_peak=peak_fds, nofile=nofile,
-                closed_over_limit=st["connections_refused"], subscriber_batches=received)
+                closed_over_limit=st["connections_refused"], accept_pauses=st["accept_pauses"],
+                subscriber_batches=received)
 
 
 def _eventually_value(read: Any, ok: Any, timeout: float) -> Any:
