@@ -46,6 +46,17 @@ requests, the heartbeat (an empty batch after a second of quiet, so a subscriber
 the last batch notices the gap), flushes and rebuilds.
 PUB drops at its high-water mark rather than wait for a slow subscriber.
 
+Bounds, all in bytes (``docs/reliability.md``, "Every queue of the daemon and its bound"): the
+hooks waiting (``publish_queue_bytes``), each stream's replay buffer (``replay_bytes``), the replay
+answers no requester has read yet (``replay_answer_bytes``, all of them together: zero-copy frames
+tracked until ZeroMQ lets go), a slow subscriber's queue (``subscriber_bytes // max_batch_bytes``
+batches, no batch over ``max_batch_bytes``: :func:`_batches` splits the rest). Connections to the
+event ports, which ZeroMQ accepts by itself, are under ``max_connections`` and
+``max_connections_per_peer``: a thread of their own reads each socket's monitor and ends what is
+over a limit (:meth:`KVEventPublisher._on_monitor`), pausing the ports' accepts while a flood
+outruns it (:meth:`KVEventPublisher._pace`). What is dropped is counted
+(:meth:`KVEventPublisher.collector`) and logged once per burst.
+
 Token ids. A put that carries the token ids of its blocks (``KVStore.put(tokens=)``, the
 client's ``put(tokens=)``; 4 bytes a token on the wire) gets them in its ``BlockStored``, as
 vLLM's engines send them (Dynamo's router hashes tokens itself); the mirror keeps them
@@ -125,7 +136,7 @@ MAX_REQUEST_BYTES = 4096
 ZeroMQ disconnects a peer that sends more."""
 ACCEPT_BACKLOG = 16
 """The event ports' listen backlog: connections the kernel completes while the gate has paused
-accepting (see :meth:`KVEventPublisher._on_monitor`) that ZeroMQ may still accept."""
+accepting (see :meth:`KVEventPublisher._pace`) that ZeroMQ may still accept."""
 HANDSHAKE_MS = 5000
 """A connection to an event port that has not finished ZeroMQ's handshake by then is closed
 (ZeroMQ's default, 30 s, let idle plain connections hold descriptors 6x longer)."""
