@@ -131,7 +131,7 @@ class Daemon:
             tickets = fds.max_claims + fds.max_per_owner * len(service.tenants()) if fds else 0
             event_conns = 0
             if service.kv_events is not None:  # its ports' connections have their own limit
-                event_conns = service.kv_events.descriptors
+                event_conns = service.kv_events.gate.descriptors
                 metrics.registry.register(service.kv_events.collector())
             gate = ConnectionGate(descriptor_budget(lim.max_connections, tickets + event_conns),
                                   lim.max_connections_per_peer, metrics.refused.inc)

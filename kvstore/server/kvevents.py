@@ -52,9 +52,9 @@ answers no requester has read yet (``replay_answer_bytes``, all of them together
 tracked until ZeroMQ lets go), a slow subscriber's queue (``subscriber_bytes // max_batch_bytes``
 batches, no batch over ``max_batch_bytes``: :func:`_batches` splits the rest). Connections to the
 event ports, which ZeroMQ accepts by itself, are under ``max_connections`` and
-``max_connections_per_peer``: a thread of their own reads each socket's monitor and ends what is
-over a limit (:meth:`KVEventPublisher._on_monitor`), pausing the ports' accepts while a flood
-outruns it (:meth:`KVEventPublisher._pace`). What is dropped is counted
+``max_connections_per_peer`` (:class:`kvstore.server.limits.ZmqPortGate`: each socket's monitor
+names the connections, one over a limit is ended, and a flood that outruns it pauses the ports'
+accepts). What is dropped is counted
 (:meth:`KVEventPublisher.collector`) and logged once per burst.
 
 Token ids. A put that carries the token ids of its blocks (``KVStore.put(tokens=)``, the
@@ -100,15 +100,7 @@ from kvstore.route.wire import (
     seq_bytes,
     tenant_mask,
 )
-from kvstore.server.limits import (
-    ConnectionGate,
-    accepted_socket,
-    close_accepted,
-    heard_greeting,
-    pause_accepting,
-    peer_of,
-    resume_accepting,
-)
+from kvstore.server.limits import ZmqPortGate
 from kvstore.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -134,9 +126,6 @@ REPLAY_HWM = 1024
 MAX_REQUEST_BYTES = 4096
 """The largest message a peer may send to an event port (a subscription, a replay request);
 ZeroMQ disconnects a peer that sends more."""
-ACCEPT_BACKLOG = 16
-"""The event ports' listen backlog: connections the kernel completes while the gate has paused
-accepting (see :meth:`KVEventPublisher._pace`) that ZeroMQ may still accept."""
 HANDSHAKE_MS = 5000
 """A connection to an event port that has not finished ZeroMQ's handshake by then is closed
 (ZeroMQ's default, 30 s, let idle plain connections hold descriptors 6x longer)."""
@@ -270,14 +259,6 @@ def _endpoint(url: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
-def _bind(sock: zmq.Socket[bytes], host: str, port: int) -> str:
-    if port == 0:
-        port = sock.bind_to_random_port(f"tcp://{host}")
-    else:
-        sock.bind(f"tcp://{host}:{port}")
-    return f"tcp://{host}:{port}"
-
-
 class KVEventPublisher:
     """Publishes the store's block events; see the module docstring. Thread-safe hooks."""
 
@@ -312,7 +293,6 @@ class KVEventPublisher:
         self._warned: dict[str, float] = {}
         self._qlock = threading.Lock()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._gate_wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._asleep = False
         self._sleep_until = 0.0  # when the sleeping thread wakes by itself (monotonic)
         self._first_t = 0.0  # when the oldest waiting change was queued
@@ -327,8 +307,7 @@ class KVEventPublisher:
         self._cpu_s = 0.0
         self._pump_cpu_s = 0.0
         self._counts = {"dropped": 0, "batches": 0, "events": 0, "block_events": 0, "replays": 0, "replays_dropped": 0, "snapshots": 0,
-                        "unnamed": 0, "rebuilds": 0, "wakeups": 0, "connections_refused": 0,
-                        "accept_pauses": 0}
+                        "unnamed": 0, "rebuilds": 0, "wakeups": 0}
         self._lost = threading.Event()
         self._recs: dict[bytes, _Rec] = {}
         self._ns_index: dict[bytes, _NsInfo] = {}
@@ -348,20 +327,9 @@ class KVEventPublisher:
         self._snapshot_pending = False
         self._last_send = self._last_rebuild = 0.0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._monitors: dict[zmq.Socket[bytes], int] = {}
-        """Each event socket's monitor, with the socket's port."""
-        self.gate = ConnectionGate(config.max_connections, config.max_connections_per_peer, self._refused,
-                                   what="event port connections")
-        """Connections to the event ports (the gate thread's alone; see :meth:`_on_monitor`)."""
-        self._young: dict[tuple[int, int], float] = {}
-        """(port, fd) -> when accepted, of connections the gate still counts as unproven"""
-        self._ending: dict[tuple[int, int], float] = {}
-        """(port, fd) -> when ended, of connections ended over a limit that ZeroMQ has not closed yet"""
-        self._listeners: dict[int, int] = {}
-        """port -> its listening descriptor (ZeroMQ's)"""
-        self._paused = False
-        self._slack = max(16, config.max_connections // 4)
-        """Connections ended but not yet closed, over ``max_connections``, from which accepting pauses."""
+        self.gate = ZmqPortGate(config.max_connections, config.max_connections_per_peer, HANDSHAKE_MS / 1000,
+                                "kv event port")
+        """Connections to the event ports (:class:`kvstore.server.limits.ZmqPortGate`)."""
         self._auth: Any = None
         self.streams: list[_Stream] = []
         host, port = _endpoint(config.publish)
@@ -384,7 +352,6 @@ class KVEventPublisher:
         except zmq.ZMQError as e:
             self._close_sockets()
             os.close(self._wake)
-            os.close(self._gate_wake)
             raise OSError(
                 f"[events] publish: cannot bind {config.publish} (replay port {rport}): {e}; pick free "
                 "ports or port 0 for any"
@@ -397,8 +364,7 @@ class KVEventPublisher:
         store.events.sinks.append(self)
         self._thread = threading.Thread(target=self._run, name="kvstore-kvevents", daemon=True)
         self._thread.start()
-        self._gate_thread = threading.Thread(target=self._run_gate, name="kvstore-kvevents-gate", daemon=True)
-        self._gate_thread.start()
+        self.gate.start()
 
     def _stream(self, name: str, tenant: int | None, host: str, port: int, rport: int, hwm: int,
                 domain: str | None) -> _Stream:
@@ -417,13 +383,8 @@ class KVEventPublisher:
         rep.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises (zmq.Again), never blocks
         for sock in (pub, rep):  # a connection that never finishes its handshake goes
             sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
-            sock.setsockopt(zmq.BACKLOG, ACCEPT_BACKLOG)
-        # (monitors before bind: their first event names the listening descriptor)
-        mons = [s.get_monitor_socket(zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED) for s in (pub, rep)]
-        purl = _bind(pub, host, port)
-        rurl = _bind(rep, host, rport)
-        for mon, url in zip(mons, (purl, rurl), strict=True):
-            self._monitors[mon] = _endpoint(url)[1]
+        purl = f"tcp://{host}:{self.gate.bind(pub, host, port)}"
+        rurl = f"tcp://{host}:{self.gate.bind(rep, host, rport)}"
         return _Stream(name, tenant, pub, rep, purl, rurl, deque(maxlen=self.config.replay_batches))
 
     # ---- discovery ----------------------------------------------------------------------------
@@ -446,7 +407,8 @@ class KVEventPublisher:
         return {**self._counts, "queued": self._queued, "queued_bytes": self._queued_bytes,
                 "replay_buffer_bytes": {s.name: s.buffer_bytes for s in self.streams},
                 "replay_answer_bytes": self._answer_bytes, "subscriber_hwm": self.hwm,
-                "connections": self.gate.total, "mirrored": len(self._recs),
+                "connections": self.gate.total, "connections_refused": self.gate.refused,
+                "accept_pauses": self.gate.pauses, "mirrored": len(self._recs),
                 "cpu_s": self._cpu_s + self._pump_cpu_s, "thread_cpu_s": self._cpu_s,
                 "streams": {s.name: s.seq for s in self.streams}}
 
@@ -466,9 +428,9 @@ class KVEventPublisher:
                 c = pub._counts
                 dropped = CounterMetricFamily("kvstore_kv_events_dropped", "What the KV event publisher dropped",
                                               labels=["what"])
-                for what, key in (("hooks", "dropped"), ("replay_answers", "replays_dropped"),
-                                  ("connections", "connections_refused")):
+                for what, key in (("hooks", "dropped"), ("replay_answers", "replays_dropped")):
                     dropped.add_metric([what], c[key])
+                dropped.add_metric(["connections"], pub.gate.refused)
                 yield dropped
                 held = GaugeMetricFamily("kvstore_kv_events_queued_bytes", "Bytes the KV event publisher holds "
                                          "in its queues (hooks, replay buffers, unread replay answers)", labels=["queue"])
@@ -500,9 +462,6 @@ class KVEventPublisher:
                 self._q.append(item)
         if wake:
             self._nudge()
-
-    def _refused(self) -> None:
-        self._counts["connections_refused"] += 1
 
     def _warn(self, what: str, msg: str, *args: Any) -> None:
         """``msg`` once per burst of ``what`` (one line per 10 s at most), with the count so far."""
@@ -574,21 +533,13 @@ class KVEventPublisher:
             self._asleep = True
             self._nudge()
             self._thread.join(10.0)
-        self._stopping.set()
-        os.eventfd_write(self._gate_wake, 1)
-        self._gate_thread.join(10.0)
         with contextlib.suppress(ValueError):
             self.store.events.sinks.remove(self)
         self._close_sockets()
         os.close(self._wake)
-        os.close(self._gate_wake)
 
     def _close_sockets(self) -> None:
-        for s in self.streams:
-            s.pub.disable_monitor()
-            s.replay.disable_monitor()
-        for mon in self._monitors:
-            mon.close(0)
+        self.gate.close()
         for s in self.streams:
             s.pub.close(0)
             s.replay.close(0)
@@ -1070,107 +1021,6 @@ class KVEventPublisher:
                 log.warning("kv events: replay failed: %s", e)
         with self._drain_lock:
             self._drain(enc)  # what was hooked before close
-
-    def _run_gate(self) -> None:
-        """The gate's thread: a thread of its own, so that a publication never delays ending a
-        connection over the limits (ZeroMQ accepts on its own thread meanwhile)."""
-        poller = zmq.Poller()
-        for mon in self._monitors:
-            poller.register(mon, zmq.POLLIN)
-        poller.register(self._gate_wake, zmq.POLLIN)
-        while not self._stopping.is_set():
-            try:
-                for sock, _ in poller.poll(100 if self._paused else None):
-                    if sock != self._gate_wake:
-                        self._on_monitor(sock, self._monitors[sock])
-                self._pace()
-            except zmq.ZMQError as e:
-                if self._stopping.is_set():
-                    return
-                log.warning("kv events: the connection gate failed: %s", e)
-
-    def _on_monitor(self, mon: zmq.Socket[bytes], port: int) -> None:
-        """Connections to the event ports under ``[events] max_connections`` and
-        ``max_connections_per_peer`` (ZeroMQ accepts them itself: its monitor tells which
-        descriptor each is). A connection over a limit is ended (``shutdown``; ZeroMQ then
-        closes it), unless an unproven one makes room: one accepted less than the handshake
-        deadline ago (ZeroMQ closes it at ``HANDSHAKE_MS`` unless it completes its handshake,
-        PLAIN authentication included), those that have not sent a ZeroMQ greeting first. A flood
-        of plain connections then displaces itself, never a subscriber that is connected."""
-        from zmq.utils.monitor import parse_monitor_message
-
-        gate, young = self.gate, self._young
-        while True:
-            try:
-                msg = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            fd, key = int(msg["value"]), (port, int(msg["value"]))
-            if msg["event"] == zmq.EVENT_LISTENING:
-                self._listeners[port] = fd
-                continue
-            if msg["event"] == zmq.EVENT_DISCONNECTED:
-                gate.forget(key)
-                young.pop(key, None)
-                self._ending.pop(key, None)
-                continue
-            now = time.monotonic()
-            proven = [k for k, t in young.items() if now - t > HANDSHAKE_MS / 1000 + 1]
-            for k in proven:  # still open past the handshake deadline: it completed it
-                del young[k]
-                gate.prove(k)
-            sock = accepted_socket(fd, port)
-            if sock is None:
-                continue  # gone already (its DISCONNECTED follows)
-            try:
-                peer = peer_of(sock.getpeername())
-            except OSError:
-                continue
-            finally:
-                sock.detach()
-            refused = self._counts["connections_refused"]
-            if gate.admit(peer, key, lambda fd=fd, peer=peer, key=key: self._end(fd, port, peer, key),
-                          lambda fd=fd: not heard_greeting(fd, port)):
-                young[key] = now
-            else:
-                self._end(fd, port, peer, key)
-            if self._counts["connections_refused"] > refused:
-                self._warn("connections_refused", "kv events: a connection to port %d from %s closed over the "
-                           "limits (%d open; max_connections %d, max_connections_per_peer %d)", port, peer,
-                           gate.total, gate.max_total, gate.max_per_peer)
-
-    def _end(self, fd: int, port: int, peer: str, key: tuple[int, int]) -> None:
-        close_accepted(fd, port, peer)
-        self._ending[key] = time.monotonic()
-
-    def _pace(self) -> None:
-        """Pause accepting on every event port while the connections ended over a limit and not
-        yet closed are more than ``_slack`` over ``max_connections`` (a flood faster than the
-        gate's thread ends them), so that they never run the daemon out of descriptors;
-        resume once they are within it again."""
-        now = time.monotonic()
-        stale = [k for k, t in self._ending.items() if now - t > 10.0]  # (their DISCONNECTED was missed)
-        for k in stale:
-            del self._ending[k]
-        held = self.gate.total + len(self._ending)
-        if not self._paused and held >= self.config.max_connections + self._slack:
-            self._paused = True
-            self._counts["accept_pauses"] += 1
-            for port, fd in self._listeners.items():
-                pause_accepting(fd, port)
-            self._warn("accept_pauses", "kv events: accepting paused on the event ports (%d connections open or "
-                       "closing; max_connections %d)", held, self.config.max_connections)
-        elif self._paused and held <= self.config.max_connections:
-            self._paused = False
-            for port, fd in self._listeners.items():
-                resume_accepting(fd, port)
-
-    @property
-    def descriptors(self) -> int:
-        """Descriptors the event ports' connections may hold at most: ``max_connections``, the
-        slack before accepting pauses, and every port's backlog (what the daemon keeps aside
-        in its descriptor budget)."""
-        return self.config.max_connections + self._slack + ACCEPT_BACKLOG * len(self._monitors)
 
     def _due(self, now: float) -> bool:
         """Whether the thread publishes now: a flush or a drop waits, the heartbeat is due, or
