@@ -102,8 +102,8 @@ bench-peers:
 	@$(MAKE) --no-print-directory $(PEERS_STAMP) >&2  # building the venv logs to stderr
 	@PYTHONPATH=$(CURDIR) $(PEERS_PY) -m tools.bench peers --json $(PEERS_ARGS)
 
-# The long reliability run (docs/reliability.md): about an hour on a 2-core box (the restart and
-# quota properties run thousands of examples); figures to reliability-figures.json.
+# The long reliability run (docs/reliability.md): 80 minutes or more on a shared 2-core box (the
+# restart and quota properties run thousands of examples); figures to reliability-figures.json.
 reliability-long: $(STAMP)
 	KVSTORE_RELIABILITY=long KVSTORE_RELIABILITY_OUT=reliability-figures.json $(PY) -m pytest tests/reliability -q
 

@@ -90,6 +90,9 @@ class EventsConfig:
     """The oldest closed files are deleted once the directory holds more (0 keeps everything)."""
     queue: int = 65_536
     """Records waiting for the writer; more are dropped and counted."""
+    queue_bytes: int = 64 << 20
+    """Bytes of records waiting for the writer (a request record is counted at 256 bytes and 64
+    a block hash it names, up to ``max_blocks`` of them); more are dropped and counted."""
     hashes: bool = True
     """Keep block hashes in request records (what the achieved-vs-ideal analysis needs; about 8
     bytes per block)."""
@@ -108,6 +111,31 @@ class EventsConfig:
     """Bytes of published batches kept for replay, per stream (with token ids a batch can be
     megabytes: counted in batches alone, the buffer of a publisher with no subscriber grew
     without a useful bound); the oldest go first."""
+    publish_queue_bytes: int = 64 << 20
+    """Bytes of block hooks waiting for the publisher (about 64 bytes a block change, plus the
+    token ids a put carries); more are dropped and counted like ``publish_queue``'s."""
+    max_batch_bytes: int = 1 << 20
+    """A published batch's msgpack at most (a larger one goes as several, a long
+    ``BlockStored`` split where its chain continues): what one queued message can cost (a
+    single block's event larger than this, from ``block_tokens`` over ~200,000, goes alone)."""
+    subscriber_bytes: int = 64 << 20
+    """Published batches queued for one slow subscriber: its ZeroMQ queue holds
+    ``subscriber_bytes // max_batch_bytes`` batches (SNDHWM); past it that subscriber misses
+    batches (it sees the gap in the sequence numbers and asks for a replay)."""
+    replay_answer_bytes: int = 64 << 20
+    """Replay answers queued for requesters that have not read them, all requesters of all
+    streams together; past it the rest of an answer is dropped (counted; the requester asks
+    again). One answer is always admitted when nothing else is queued (a snapshot can be larger)."""
+    max_connections: int = 256
+    """Connections to the event ports (every stream's publish and replay ports together). A
+    connection over it (or over ``max_connections_per_peer``) ends the oldest connection not yet
+    proven (open for less than ZeroMQ's 5 s handshake deadline; those that sent no ZeroMQ
+    greeting first), else is ended itself. While more than a quarter of it (at least 16) over
+    it are ended but not yet closed (a flood faster than the daemon ends them), the ports accept
+    nothing (their SYNs are dropped; a client retries). The daemon keeps this many descriptors,
+    that slack and each port's backlog of 16 aside from its data and HTTP planes'."""
+    max_connections_per_peer: int = 64
+    """Connections to the event ports from one address (a subscriber holds two a stream)."""
     publish_period_s: float = 0.25
     """While blocks change, the publisher sends what changed at most this long ago (sooner when
     many changes wait, at once after a lull): a router's view lags by up to this much; shorter
@@ -130,10 +158,19 @@ class EventsConfig:
             url = getattr(self, name)
             if url is not None and not re.match(r"^tcp://[^:/]+:\d+$", str(url)):
                 raise ConfigError(f"[events] {name} must be 'tcp://HOST:PORT' (e.g. 'tcp://127.0.0.1:5557'), got {url!r}")
-        if self.publish_queue <= 0 or self.replay_batches <= 0:
-            raise ConfigError("[events] publish_queue and replay_batches must be positive counts")
-        if isinstance(self.replay_bytes, bool) or not isinstance(self.replay_bytes, int) or self.replay_bytes <= 0:
-            raise ConfigError(f"[events] replay_bytes must be a positive size (e.g. '64MiB'), got {self.replay_bytes!r}")
+        for name in ("publish_queue", "replay_batches", "max_connections", "max_connections_per_peer"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"[events] {name} must be a positive count, got {v!r}")
+        for name in ("queue_bytes", "replay_bytes", "publish_queue_bytes", "max_batch_bytes", "subscriber_bytes", "replay_answer_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"[events] {name} must be a positive size (e.g. '64MiB'), got {v!r}")
+        if self.max_batch_bytes < 4096:
+            raise ConfigError(f"[events] max_batch_bytes must be at least 4KiB (one block's event), got {self.max_batch_bytes}")
+        if self.subscriber_bytes < self.max_batch_bytes:
+            raise ConfigError(f"[events] subscriber_bytes ({self.subscriber_bytes}) must hold at least one batch "
+                              f"of max_batch_bytes ({self.max_batch_bytes})")
         if not 0 < self.publish_period_s <= 10:
             raise ConfigError(f"[events] publish_period must be in (0, 10s] (e.g. '0.25s'), got {self.publish_period_s}")
 
@@ -149,6 +186,7 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "max_age_s": ("max_age_s", parse_duration),
     "retain_bytes": ("retain_bytes", parse_size),
     "queue": ("queue", int),
+    "queue_bytes": ("queue_bytes", parse_size),
     "hashes": ("hashes", bool),
     "level": ("level", int),
     "publish": ("publish", str),
@@ -156,6 +194,12 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "publish_queue": ("publish_queue", int),
     "replay_batches": ("replay_batches", int),
     "replay_bytes": ("replay_bytes", parse_size),
+    "publish_queue_bytes": ("publish_queue_bytes", parse_size),
+    "max_batch_bytes": ("max_batch_bytes", parse_size),
+    "subscriber_bytes": ("subscriber_bytes", parse_size),
+    "replay_answer_bytes": ("replay_answer_bytes", parse_size),
+    "max_connections": ("max_connections", int),
+    "max_connections_per_peer": ("max_connections_per_peer", int),
     "publish_period": ("publish_period_s", parse_duration),
 }
 
@@ -187,6 +231,12 @@ def events_config(section: Mapping[str, Any], env: Mapping[str, str] | None = No
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"{where}: {e}") from e
     return EventsConfig(**kwargs)
+
+
+def _record_bytes(item: tuple[Any, ...]) -> int:
+    """What a queued event log record is counted at: 256 bytes, and 64 a block hash of a
+    request record (its tuple's slot and the hash it keeps alive)."""
+    return 256 + 64 * len(item[3]) if item[0] == "request" else 256
 
 
 # ---- keys -----------------------------------------------------------------------------------------
@@ -261,6 +311,8 @@ class EventLog:
         self._namespaces: dict[str, dict[str, Any]] = {}  # ns hex -> record: re-sent in each file
         self._lock = threading.Lock()
         self._counts = Counter[str]()
+        self._queued_bytes = 0
+        """What the queued records are counted at (:func:`_record_bytes`), under ``queue_bytes``."""
         self._file: Any = None
         self._path: Path | None = None
         self._opened = 0.0
@@ -378,6 +430,7 @@ class EventLog:
             "files": c.get("files", 0),
             "bytes": c.get("bytes", 0),
             "queued": self._q.qsize(),
+            "queued_bytes": self._queued_bytes,
         }
 
     def __enter__(self) -> EventLog:
@@ -392,10 +445,17 @@ class EventLog:
     def _put(self, item: tuple[Any, ...]) -> None:
         if self._closed:
             return
+        size = _record_bytes(item)
+        with self._lock:
+            if self._queued_bytes + size > self.config.queue_bytes:
+                self._counts["dropped"] += 1
+                return
+            self._queued_bytes += size
         try:
             self._q.put_nowait(item)
         except queue.Full:
             with self._lock:
+                self._queued_bytes -= size
                 self._counts["dropped"] += 1
 
     # ---- the writer thread -------------------------------------------------------------------
@@ -418,6 +478,9 @@ class EventLog:
                     records.append(item)
             if records:
                 self._write(records)
+                taken = sum(map(_record_bytes, records))
+                with self._lock:
+                    self._queued_bytes -= taken
             for w in waiters:
                 w.set()
         self._close_file()

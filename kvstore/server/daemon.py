@@ -130,8 +130,12 @@ class Daemon:
             lim = cfg.limits
             metrics = Metrics(store.stats, service.namespace_tenants)
             tickets = fds.max_claims + fds.max_per_owner * len(service.tenants()) if fds else 0
-            gate = ConnectionGate(descriptor_budget(lim.max_connections, tickets), lim.max_connections_per_peer,
-                                  metrics.refused.inc)
+            event_conns = 0
+            if service.kv_events is not None:  # its ports' connections have their own limit
+                event_conns = service.kv_events.gate.descriptors
+                metrics.registry.register(service.kv_events.collector())
+            gate = ConnectionGate(descriptor_budget(lim.max_connections, tickets + event_conns),
+                                  lim.max_connections_per_peer, metrics.refused.inc)
             ctx = DataContext(service, pool, metrics, arena_shm.buf if arena_shm else None, node_id(),
                               gate, InflightBytes(lim.max_inflight_bytes_per_tenant), fds, arena_fd,
                               DeviceCopier(arena_shm.buf) if arena_shm is not None and arena_shm.buf is not None else None)

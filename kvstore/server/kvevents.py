@@ -46,6 +46,17 @@ requests, the heartbeat (an empty batch after a second of quiet, so a subscriber
 the last batch notices the gap), flushes and rebuilds.
 PUB drops at its high-water mark rather than wait for a slow subscriber.
 
+Bounds, all in bytes (``docs/reliability.md``, "Every queue of the daemon and its bound"): the
+hooks waiting (``publish_queue_bytes``), each stream's replay buffer (``replay_bytes``), the replay
+answers no requester has read yet (``replay_answer_bytes``, all of them together: zero-copy frames
+tracked until ZeroMQ lets go), a slow subscriber's queue (``subscriber_bytes // max_batch_bytes``
+batches, no batch over ``max_batch_bytes``: :func:`_batches` splits the rest). Connections to the
+event ports, which ZeroMQ accepts by itself, are under ``max_connections`` and
+``max_connections_per_peer`` (:class:`kvstore.server.limits.ZmqPortGate`: each socket's monitor
+names the connections, one over a limit is ended, and a flood that outruns it pauses the ports'
+accepts). What is dropped is counted
+(:meth:`KVEventPublisher.collector`) and logged once per burst.
+
 Token ids. A put that carries the token ids of its blocks (``KVStore.put(tokens=)``, the
 client's ``put(tokens=)``; 4 bytes a token on the wire) gets them in its ``BlockStored``, as
 vLLM's engines send them (Dynamo's router hashes tokens itself); the mirror keeps them
@@ -78,6 +89,7 @@ import zmq
 
 from kvstore.events import BlockRun, EventsConfig, PutChain, PutTokens, block_changes
 from kvstore.keys import Namespace
+from kvstore.server.limits import ZmqPortGate
 from kvstore.store import KVStore
 from kvstore.wire.kvevents import (
     END_SEQ,
@@ -111,6 +123,9 @@ REBUILD_EVERY_S = 5.0
 REPLAY_HWM = 1024
 """Replay answer messages queued for one requester; past it, the rest of that answer is dropped
 (a requester that reads nothing holds at most this many, each a batch of the bounded buffer)."""
+MAX_REQUEST_BYTES = 4096
+"""The largest message a peer may send to an event port (a subscription, a replay request);
+ZeroMQ disconnects a peer that sends more."""
 HANDSHAKE_MS = 5000
 """A connection to an event port that has not finished ZeroMQ's handshake by then is closed
 (ZeroMQ's default, 30 s, let idle plain connections hold descriptors 6x longer)."""
@@ -155,6 +170,63 @@ class _Stream:
     pending: dict[int, list[Any]] = field(default_factory=dict)  # tenant -> events of this cycle
 
 
+HOOK_BYTES = 64
+"""What a queued block change is counted at (its key's share of the operation's lists)."""
+
+
+def _item_bytes(item: tuple[Any, ...], n: int) -> int:
+    """The bytes a hook queue entry of ``n`` block changes is counted at: :data:`HOOK_BYTES` a
+    change, and a put's token ids (held until the publisher takes them)."""
+    tokens = item[2] if item[0] == "b" else None
+    return HOOK_BYTES * n + (tokens.tokens.nbytes if tokens is not None else 0)
+
+
+def _event_bytes(e: Any) -> int:
+    """At least the bytes of event ``e``'s msgpack (a hash 18, a token id 5, the fields'
+    names and values 160 and its strings), computed before its tokens are encoded."""
+    if type(e) is AllBlocksCleared:
+        return 32
+    n = 160 + 18 * len(e.block_hashes) + len(e.medium or "")
+    if type(e) is BlockStored:
+        n += len(e.lora_name or "") + 5 * sum(map(len, cast("list[bytes]", e.token_ids))) // 4 + 5
+    return n
+
+
+def _split(e: Any, cap: int) -> list[Any]:
+    """Event ``e`` as events of at most ``cap`` bytes each (by :func:`_event_bytes`; a single
+    block's event larger than ``cap`` goes alone): a ``BlockStored``'s parts continue its chain
+    (each part's parent is the block before it), a ``BlockRemoved``'s are runs of its hashes."""
+    hs = e.block_hashes
+    per = max(1, _event_bytes(e) // len(hs)) if hs else 1
+    step = max(1, (cap - 200 - len(getattr(e, "lora_name", None) or "") - len(e.medium or "")) // per)
+    if type(e) is BlockRemoved:
+        return [BlockRemoved(block_hashes=hs[i:i + step], medium=e.medium) for i in range(0, len(hs), step)]
+    toks = e.token_ids
+    return [BlockStored(block_hashes=hs[i:i + step], parent_block_hash=hs[i - 1] if i else e.parent_block_hash,
+                        token_ids=toks[i:i + step] if toks else [], block_size=e.block_size, lora_id=e.lora_id,
+                        medium=e.medium, lora_name=e.lora_name) for i in range(0, len(hs), step)]
+
+
+def _batches(events: list[Any], cap: int) -> Iterator[list[Any]]:
+    """``events`` as consecutive batches of at most ``cap`` bytes each (by :func:`_event_bytes`,
+    16 for the batch itself; an event larger than a batch split by :func:`_split`), in order."""
+    sizes = list(map(_event_bytes, events))
+    if sum(sizes) + 16 <= cap:
+        yield events
+        return
+    part: list[Any] = []
+    size = 16
+    for e, n in zip(events, sizes, strict=True):
+        for piece, m in ([(e, n)] if n + 16 <= cap else [(p, _event_bytes(p)) for p in _split(e, cap - 16)]):
+            if part and size + m > cap:
+                yield part
+                part, size = [], 16
+            part.append(piece)
+            size += m
+    if part:
+        yield part
+
+
 def _token_slices(tokens: PutTokens) -> tuple[bytes, int, dict[bytes, int]]:
     """A put's token ids as one bytes, the bytes a block takes, and where each key's begin:
     a block's are ``tb[i:i + step]``, one slice each, no numpy call per block."""
@@ -170,14 +242,6 @@ def _endpoint(url: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
-def _bind(sock: zmq.Socket[bytes], host: str, port: int) -> str:
-    if port == 0:
-        port = sock.bind_to_random_port(f"tcp://{host}")
-    else:
-        sock.bind(f"tcp://{host}:{port}")
-    return f"tcp://{host}:{port}"
-
-
 class KVEventPublisher:
     """Publishes the store's block events; see the module docstring. Thread-safe hooks."""
 
@@ -187,10 +251,11 @@ class KVEventPublisher:
         config: EventsConfig,
         tenants: Sequence[tuple[str, str, str, bool]] = (),
         *,
-        hwm: int = 100_000,
+        hwm: int | None = None,
     ) -> None:
         """``tenants``: ``(name, salt, token, admin)`` of each configured tenant (none: the
-        anonymous tenant, one stream without authentication)."""
+        anonymous tenant, one stream without authentication). ``hwm``: batches queued for one
+        subscriber (default ``subscriber_bytes // max_batch_bytes``)."""
         if config.publish is None:
             raise ValueError("KVEventPublisher needs [events] publish")
         self.store = store
@@ -204,7 +269,11 @@ class KVEventPublisher:
         # counts the blocks they hold against ``publish_queue``.
         self._q: deque[tuple[Any, ...]] = deque()
         self._cap = config.publish_queue
+        self._cap_bytes = config.publish_queue_bytes
         self._queued = 0
+        self._queued_bytes = 0
+        """What the queued entries hold, by :func:`_item_bytes` (kept under ``publish_queue_bytes``)."""
+        self._warned: dict[str, float] = {}
         self._qlock = threading.Lock()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._asleep = False
@@ -229,11 +298,21 @@ class KVEventPublisher:
         self._salts = {t[1]: i for i, t in enumerate(tenants)}
         self._keyed = bool(tenants)
         self._masks = [tenant_mask(n) for n in self._tenant_names] if self._keyed else [0]
+        if hwm is None:
+            hwm = max(1, config.subscriber_bytes // config.max_batch_bytes)
+        self.hwm = hwm
+        self._answers: deque[tuple[zmq.MessageTracker, int]] = deque()
+        """Replay answer messages handed to ZeroMQ, each with its tracker and bytes, oldest first."""
+        self._answer_bytes = 0
+        """Bytes of ``_answers`` whose tracker is not done (under ``replay_answer_bytes``)."""
         self._fan: list[list[tuple[_Stream, int]]] = []
         """Per tenant: the streams its blocks go to, each with the mask its hashes carry there."""
         self._snapshot_pending = False
         self._last_send = self._last_rebuild = 0.0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.gate = ZmqPortGate(config.max_connections, config.max_connections_per_peer, HANDSHAKE_MS / 1000,
+                                "kv event port")
+        """Connections to the event ports (:class:`kvstore.server.limits.ZmqPortGate`)."""
         self._auth: Any = None
         self.streams: list[_Stream] = []
         host, port = _endpoint(config.publish)
@@ -268,6 +347,7 @@ class KVEventPublisher:
         store.events.sinks.append(self)
         self._thread = threading.Thread(target=self._run, name="kvstore-kvevents", daemon=True)
         self._thread.start()
+        self.gate.start()
 
     def _stream(self, name: str, tenant: int | None, host: str, port: int, rport: int, hwm: int,
                 domain: str | None) -> _Stream:
@@ -278,13 +358,16 @@ class KVEventPublisher:
             if domain is not None:
                 s.setsockopt(zmq.PLAIN_SERVER, 1)
                 s.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
-        pub.set_hwm(hwm)
-        rep.set_hwm(REPLAY_HWM)
+        pub.setsockopt(zmq.SNDHWM, hwm)
+        rep.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+        for s in (pub, rep):  # what a peer may send: subscriptions, replay requests
+            s.setsockopt(zmq.RCVHWM, 64)
+            s.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         rep.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises (zmq.Again), never blocks
         for sock in (pub, rep):  # a connection that never finishes its handshake goes
             sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
-        purl = _bind(pub, host, port)
-        rurl = _bind(rep, host, rport)
+        purl = f"tcp://{host}:{self.gate.bind(pub, host, port)}"
+        rurl = f"tcp://{host}:{self.gate.bind(rep, host, rport)}"
         return _Stream(name, tenant, pub, rep, purl, rurl, deque(maxlen=self.config.replay_batches))
 
     # ---- discovery ----------------------------------------------------------------------------
@@ -304,26 +387,71 @@ class KVEventPublisher:
         """Counters; ``events``: events published, ``block_events``: block hashes they carried,
         ``cpu_s``: the CPU time publishing took (the thread's, ``thread_cpu_s``, and the pumps'),
         what it costs the daemon besides the hooks."""
-        return {**self._counts, "queued": self._queued, "mirrored": len(self._recs),
+        return {**self._counts, "queued": self._queued, "queued_bytes": self._queued_bytes,
+                "replay_buffer_bytes": {s.name: s.buffer_bytes for s in self.streams},
+                "replay_answer_bytes": self._answer_bytes, "subscriber_hwm": self.hwm,
+                "connections": self.gate.total, "connections_refused": self.gate.refused,
+                "accept_pauses": self.gate.pauses, "mirrored": len(self._recs),
                 "cpu_s": self._cpu_s + self._pump_cpu_s, "thread_cpu_s": self._cpu_s,
                 "streams": {s.name: s.seq for s in self.streams}}
+
+    def collector(self) -> Any:
+        """A Prometheus collector of what the publisher dropped and holds (``/metrics``):
+        ``kvstore_kv_events_dropped_total{what}`` (``hooks``: block changes past the hook
+        queue's bounds, each costing subscribers a snapshot; ``replay_answers``: answers past
+        ``replay_answer_bytes`` or a requester's full queue; ``connections``: event port
+        connections closed over the limits) and ``kvstore_kv_events_queued_bytes{queue}``."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.registry import Collector
+
+        pub = self
+
+        class _Collector(Collector):
+            def collect(self) -> Iterator[Any]:
+                c = pub._counts
+                dropped = CounterMetricFamily("kvstore_kv_events_dropped", "What the KV event publisher dropped",
+                                              labels=["what"])
+                for what, key in (("hooks", "dropped"), ("replay_answers", "replays_dropped")):
+                    dropped.add_metric([what], c[key])
+                dropped.add_metric(["connections"], pub.gate.refused)
+                yield dropped
+                held = GaugeMetricFamily("kvstore_kv_events_queued_bytes", "Bytes the KV event publisher holds "
+                                         "in its queues (hooks, replay buffers, unread replay answers)", labels=["queue"])
+                held.add_metric(["hooks"], pub._queued_bytes)
+                held.add_metric(["replay_buffer"], sum(s.buffer_bytes for s in pub.streams))
+                held.add_metric(["replay_answers"], pub._answer_bytes)
+                yield held
+
+        return _Collector()
 
     # ---- hooks (any thread; blocks() with the store's lock held) ---------------------------------
 
     def _put(self, item: tuple[Any, ...], n: int, *, wake: bool = True) -> None:
+        size = _item_bytes(item, n)
         with self._qlock:
-            if self._queued + n > self._cap:
+            if self._queued + n > self._cap or self._queued_bytes + size > self._cap_bytes:
                 self._counts["dropped"] += n
                 self._lost.set()  # (the nudge below brings the rebuild as soon as it may run)
                 wake = True
+                self._warn("dropped", "kv events: block hooks dropped (the queue holds %d changes, %d bytes; limits "
+                           "publish_queue %d, publish_queue_bytes %d); subscribers get a snapshot", self._queued,
+                           self._queued_bytes, self._cap, self._cap_bytes)
             else:
                 if not self._queued:
                     self._first_t = time.monotonic()
                     self._busy_until = self._first_t + HEARTBEAT_S
                 self._queued += n
+                self._queued_bytes += size
                 self._q.append(item)
         if wake:
             self._nudge()
+
+    def _warn(self, what: str, msg: str, *args: Any) -> None:
+        """``msg`` once per burst of ``what`` (one line per 10 s at most), with the count so far."""
+        now = time.monotonic()
+        if now - self._warned.get(what, -1e9) >= 10.0:
+            self._warned[what] = now
+            log.warning(msg + "; %d so far", *args, self._counts[what])
 
     def _nudge(self) -> None:
         # The thread sets _asleep, then looks at the queue once more before it sleeps; we
@@ -394,6 +522,7 @@ class KVEventPublisher:
         os.close(self._wake)
 
     def _close_sockets(self) -> None:
+        self.gate.close()
         for s in self.streams:
             s.pub.close(0)
             s.replay.close(0)
@@ -761,6 +890,11 @@ class KVEventPublisher:
         return enc.encode(KVEventBatch(ts=time.time(), events=events))
 
     def _send(self, stream: _Stream, tenant: int, events: list[Any], enc: msgspec.msgpack.Encoder) -> None:
+        """Publish ``events`` as one batch, or as several of at most ``max_batch_bytes`` each."""
+        for part in _batches(events, self.config.max_batch_bytes):
+            self._send_batch(stream, tenant, part, enc)
+
+    def _send_batch(self, stream: _Stream, tenant: int, events: list[Any], enc: msgspec.msgpack.Encoder) -> None:
         stream.seq += 1
         payload = self._encode(events, enc)
         with contextlib.suppress(zmq.Again):
@@ -789,22 +923,46 @@ class KVEventPublisher:
         client, _, start_b = frames
         start = int.from_bytes(start_b, "big")
         self._counts["replays"] += 1
-        # Answers never wait and never copy: a requester that does not read its answers fills
-        # its own queue (REPLAY_HWM messages; then the rest of that answer is dropped), and a
-        # queued batch is the buffer's own bytes, not a copy of them.
+        # Answers never wait and never copy: a queued batch is the buffer's own bytes (a
+        # zero-copy frame), tracked until ZeroMQ lets go of it. A requester that does not read
+        # fills its own queue (REPLAY_HWM messages), and the answers of all requesters together
+        # stay within replay_answer_bytes; past either, the rest of that answer is dropped.
         try:
             if s.buffer and s.buffer[0][0] <= start:
                 for seq, payload in list(s.buffer):
                     if seq >= start:
-                        s.replay.send_multipart((client, b"", seq_bytes(seq), payload), flags=zmq.NOBLOCK, copy=False)
+                        self._answer(s, client, seq_bytes(seq), payload)
             elif start <= s.seq:  # what was asked for is gone: the state instead, as of s.seq
                 # One batch, so that a subscriber that applies a seq once (vLLM's example) takes it all.
                 self._counts["snapshots"] += 1
                 events = [e for _, chunk in self._snapshot(s) for e in chunk]
-                s.replay.send_multipart((client, b"", seq_bytes(s.seq), self._encode(events, enc)), flags=zmq.NOBLOCK)
+                self._answer(s, client, seq_bytes(s.seq), self._encode(events, enc))
             s.replay.send_multipart((client, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError):  # its queue is full, or it is gone: it asks again
             self._counts["replays_dropped"] += 1
+            self._warn("replays_dropped", "kv events: a replay answer dropped (%d bytes of answers unread, limit "
+                       "replay_answer_bytes %d; or its requester's queue full or gone)", self._answer_bytes,
+                       self.config.replay_answer_bytes)
+
+    def _answer(self, s: _Stream, client: bytes, seq: bytes, payload: bytes) -> None:
+        """One replay answer message to ``client``, without a copy; zmq.Again when it does not
+        fit ``replay_answer_bytes`` (one always fits while no other is queued)."""
+        answers = self._answers
+        while answers and answers[0][0].done:
+            self._answer_bytes -= answers.popleft()[1]
+        if answers and self._answer_bytes + len(payload) > self.config.replay_answer_bytes:
+            # (trackers finish out of order across requesters: look past the oldest once)
+            kept = [a for a in answers if not a[0].done]
+            answers.clear()
+            answers.extend(kept)
+            self._answer_bytes = sum(n for _, n in kept)
+            if kept and self._answer_bytes + len(payload) > self.config.replay_answer_bytes:
+                raise zmq.Again()
+        frame = zmq.Frame(payload, copy=False, track=True)
+        s.replay.send_multipart((client, b"", seq, frame), flags=zmq.NOBLOCK, copy=False)
+        assert frame.tracker is not None
+        answers.append((frame.tracker, len(payload)))
+        self._answer_bytes += len(payload)
 
     def _run(self) -> None:
         enc = msgspec.msgpack.Encoder()
@@ -884,17 +1042,20 @@ class KVEventPublisher:
             while len(items) < 1024:
                 items.append(q.popleft())
         waiters = []
-        taken = 0
+        taken = taken_bytes = 0
         for item in items:
             kind = item[0]
             if kind == "f":
                 waiters.append(item[1])
             else:
-                taken += sum(map(len, map(_keys, item[1]))) if kind == "b" else len(item[2])
+                n = sum(map(len, map(_keys, item[1]))) if kind == "b" else len(item[2])
+                taken += n
+                taken_bytes += _item_bytes(item, n)
                 self._apply(item)
         if taken or waiters:
             with self._qlock:
                 self._queued -= taken
+                self._queued_bytes -= taken_bytes
                 self._flushes -= len(waiters)
         now = time.monotonic()
         if self._lost.is_set() and now - self._last_rebuild >= REBUILD_EVERY_S:

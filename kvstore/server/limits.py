@@ -9,6 +9,7 @@
   that never sends a request, nor one that sends half of one).
 * :class:`InflightBytes`: payload bytes of one tenant's puts being received at once; a put over
   the bound waits, and meanwhile its bytes stay in the client's socket (TCP backpressure).
+* :class:`ZmqPortGate`: the same gate for ports that ZeroMQ accepts on (the KV event ports).
 
 The data plane's own deadlines (a HELLO within ``handshake_timeout``, the rest of a header
 within ``request_timeout``) are in :mod:`kvstore.server.dataplane`.
@@ -17,7 +18,11 @@ within ``request_timeout``) are in :mod:`kvstore.server.dataplane`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import functools
 import logging
+import os
 import resource
 import socket
 import time
@@ -65,8 +70,10 @@ class ConnectionGate:
     never closed for it, and a real client's connection, which authenticates as it connects,
     is served before a flood can push it out."""
 
-    def __init__(self, max_total: int, max_per_peer: int, on_refuse: Callable[[], None] | None = None) -> None:
+    def __init__(self, max_total: int, max_per_peer: int, on_refuse: Callable[[], None] | None = None,
+                 what: str = "connections") -> None:
         self.max_total = max_total
+        self._what = what
         self._on_refuse = on_refuse
         self.max_per_peer = max_per_peer
         self.total = 0
@@ -126,9 +133,15 @@ class ConnectionGate:
         now = time.monotonic()
         if now - self._last_warning > 10:  # one line per burst, not one per connection
             self._last_warning = now
-            log.warning("refusing connections over the limit (%d open, %d from %s; limits %d and %d "
-                        "per peer); %d refused so far", self.total, self._peers[peer], peer,
+            log.warning("refusing %s over the limit (%d open, %d from %s; limits %d and %d "
+                        "per peer); %d refused so far", self._what, self.total, self._peers[peer], peer,
                         self.max_total, self.max_per_peer, self.refused)
+
+    def forget(self, key: Any) -> None:
+        """:meth:`leave` of the keyed connection ``key`` (nothing if it is not counted)."""
+        peer = self._open.get(key)
+        if peer is not None:
+            self.leave(peer, key)
 
     def leave(self, peer: str, key: Any = None) -> None:
         """A connection closed (once per connection: a keyed one already displaced is not
@@ -155,6 +168,121 @@ def silent(fd: int) -> bool:
         return True
     except OSError:
         return False  # closed or failed: it goes by itself
+    finally:
+        sock.detach()
+
+
+ZMTP_GREETING = 64
+"""Bytes of ZeroMQ's greeting (ZMTP 3), the first thing a real ZeroMQ peer sends."""
+_TCPI_BYTES_RECEIVED = 128
+"""Offset of ``tcpi_bytes_received`` (u64) in Linux's ``struct tcp_info`` (since 4.1)."""
+
+
+def accepted_socket(fd: int, port: int) -> socket.socket | None:
+    """A non-owning socket object for ``fd`` if it is still a TCP connection accepted on local
+    ``port`` (a descriptor a ZeroMQ monitor named may be closed, or reused, by the time it is
+    looked at); None otherwise. The caller ``detach()``es it."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.getsockname()[1] != port:
+            sock.detach()
+            return None
+        sock.getpeername()
+    except (OSError, IndexError, TypeError):
+        sock.detach()
+        return None
+    return sock
+
+
+def close_accepted(fd: int, port: int, peer: str) -> None:
+    """End the connection on ``fd`` accepted on ``port`` from ``peer`` (if ``fd`` still is one):
+    ``shutdown``, so that its owner (ZeroMQ's I/O thread) sees the end and closes it itself."""
+    sock = accepted_socket(fd, port)
+    if sock is None:
+        return
+    try:
+        if peer_of(sock.getpeername()) == peer:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+
+
+def heard_greeting(fd: int, port: int) -> bool:
+    """Whether the peer of the connection on ``fd`` (accepted on ``port``) sent at least a
+    ZeroMQ greeting (the kernel's count of bytes received); False when it is gone."""
+    sock = accepted_socket(fd, port)
+    if sock is None:
+        return False
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return False
+    finally:
+        sock.detach()
+    if len(info) < _TCPI_BYTES_RECEIVED + 8:
+        return True  # an old kernel: cannot tell, so never displace it first
+    return int.from_bytes(info[_TCPI_BYTES_RECEIVED:_TCPI_BYTES_RECEIVED + 8], "little") >= ZMTP_GREETING
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+_DROP_ALL = (_SockFilter * 1)(_SockFilter(0x06, 0, 0, 0))  # BPF_RET | BPF_K 0: keep no packet
+_DROP_ALL_PROG = bytes(_SockFprog(1, _DROP_ALL))  # (points at _DROP_ALL, which lives as long as the module)
+_SO_ATTACH_FILTER, _SO_DETACH_FILTER = 26, 27
+
+
+def _listener(fd: int, port: int) -> socket.socket | None:
+    """A non-owning socket object for ``fd`` if it is a TCP socket listening on ``port``."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getsockname()[1] == port:
+            return sock
+    except (OSError, IndexError, TypeError):
+        pass
+    sock.detach()
+    return None
+
+
+def pause_accepting(fd: int, port: int) -> bool:
+    """Stop new connections reaching the listening socket ``fd`` (on ``port``) that another
+    component accepts on (ZeroMQ's I/O thread): a socket filter that keeps no packet, so the
+    kernel drops their SYNs (a client retries, from 1 s later) while the connections accepted
+    before carry on. False if ``fd`` is not that listener."""
+    sock = _listener(fd, port)
+    if sock is None:
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, _DROP_ALL_PROG)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()
+
+
+def resume_accepting(fd: int, port: int) -> None:
+    """Undo :func:`pause_accepting`."""
+    sock = _listener(fd, port)
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_DETACH_FILTER, 0)
+    except OSError:
+        pass  # no filter attached
     finally:
         sock.detach()
 
@@ -272,3 +400,197 @@ class InflightBytes:
 
     def held(self, tenant: str) -> int:
         return self._held.get(tenant, 0)
+
+
+
+def _silent_on(fd: int, port: int) -> bool:
+    """Whether the connection ``fd`` on ``port`` has sent no ZeroMQ greeting yet."""
+    return not heard_greeting(fd, port)
+
+class ZmqPortGate:
+    """Connections to ZeroMQ sockets bound on TCP ports (the KV event ports) under a
+    :class:`ConnectionGate`, as the data and HTTP planes' are: ZeroMQ accepts them on its own
+    thread, so the gate learns of each from the socket's monitor (which names its descriptor)
+    and ends one over a limit with ``shutdown``, after which ZeroMQ closes it.
+
+    Proof: ZeroMQ closes a connection that has not completed its handshake (PLAIN
+    authentication included, with tenants) by ``handshake_s``; one still open a second past it
+    is proven. Until then it may be displaced by a newer connection over a limit, those that sent
+    no ZeroMQ greeting first, so a flood of plain connections displaces itself, never a
+    subscriber that is connected. While the connections ended but not yet closed are more than
+    ``slack`` over ``max_total`` (a flood faster than this thread), every port stops accepting
+    (:func:`pause_accepting`) until they are within it again: the connections never run the
+    daemon out of descriptors (:attr:`descriptors` at most, in a stable state).
+
+    Use: :meth:`bind` each socket (instead of its own ``bind``), then :meth:`start`; :meth:`close`
+    before the sockets are closed. The gate's state is its thread's alone."""
+
+    BACKLOG = 16
+    """Each port's listen backlog: what the kernel completes while accepting is paused that
+    ZeroMQ may still accept."""
+
+    def __init__(self, max_total: int, max_per_peer: int, handshake_s: float, name: str = "event port") -> None:
+        self.gate = ConnectionGate(max_total, max_per_peer, self._count_refused, what=f"{name} connections")
+        self.name = name
+        self.handshake_s = handshake_s
+        self.slack = max(16, max_total // 4)
+        self.refused = 0
+        """Connections ended over a limit (refused as accepted, or displaced)."""
+        self.pauses = 0
+        self._socks: list[Any] = []
+        self._monitors: dict[Any, int] = {}  # monitor socket -> its port
+        self._young: dict[tuple[int, int], float] = {}
+        """(port, fd) -> when accepted, of connections still unproven"""
+        self._ending: dict[tuple[int, int], float] = {}
+        """(port, fd) -> when ended, of connections ended over a limit that ZeroMQ has not closed yet"""
+        self._listeners: dict[int, int] = {}  # port -> its listening descriptor (ZeroMQ's)
+        self._paused = False
+        self._warned: dict[str, float] = {}
+        self._stop = False
+        self._wake = -1
+        self._thread: Any = None
+
+    @property
+    def total(self) -> int:
+        return self.gate.total
+
+    @property
+    def descriptors(self) -> int:
+        """Descriptors its connections may hold at most: ``max_total``, the slack before
+        accepting pauses, every port's backlog (what the daemon keeps aside for them)."""
+        return self.gate.max_total + self.slack + self.BACKLOG * len(self._socks)
+
+    def bind(self, sock: Any, host: str, port: int) -> int:
+        """Bind ZeroMQ socket ``sock`` on ``host:port`` (0: a free port) under the gate; the port."""
+        import zmq
+
+        sock.setsockopt(zmq.BACKLOG, self.BACKLOG)
+        # (the monitor before bind: its first event names the listening descriptor)
+        mon = sock.get_monitor_socket(zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._socks.append(sock)
+        self._monitors[mon] = -1
+        if port == 0:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            sock.bind(f"tcp://{host}:{port}")
+        self._monitors[mon] = port
+        return port
+
+    def start(self) -> None:
+        import threading
+
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._thread = threading.Thread(target=self._run, name="kvstore-port-gate", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread and the monitors (before the sockets are closed)."""
+        if self._thread is not None:
+            self._stop = True
+            os.eventfd_write(self._wake, 1)
+            self._thread.join(10.0)
+            self._thread = None
+            os.close(self._wake)
+        for sock in self._socks:
+            with contextlib.suppress(Exception):  # (a socket closed already: nothing to undo)
+                sock.disable_monitor()
+        for mon in self._monitors:
+            mon.close(0)
+        self._monitors.clear()
+        self._socks.clear()
+
+    def _count_refused(self) -> None:
+        self.refused += 1
+
+    def _warn(self, what: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._warned.get(what, -1e9) >= 10.0:  # one line per burst
+            self._warned[what] = now
+            log.warning(msg, *args)
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        for mon in self._monitors:
+            poller.register(mon, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
+        while not self._stop:
+            try:
+                for sock, _ in poller.poll(100 if self._paused else None):
+                    if sock != self._wake:
+                        self._on_monitor(sock, self._monitors[sock])
+                self._pace()
+            except zmq.ZMQError as e:
+                if self._stop:
+                    return
+                log.warning("the %s gate failed: %s", self.name, e)
+
+    def _on_monitor(self, mon: Any, port: int) -> None:
+        """The monitor's events: a listener named, a connection accepted (admitted or ended),
+        a connection gone."""
+        import zmq
+        from zmq.utils.monitor import parse_monitor_message
+
+        gate, young = self.gate, self._young
+        while True:
+            try:
+                msg = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            fd = int(msg["value"])
+            key = (port, fd)
+            if msg["event"] == zmq.EVENT_LISTENING:
+                self._listeners[port] = fd
+                continue
+            if msg["event"] == zmq.EVENT_DISCONNECTED:
+                gate.forget(key)
+                young.pop(key, None)
+                self._ending.pop(key, None)
+                continue
+            now = time.monotonic()
+            for k in [k for k, t in young.items() if now - t > self.handshake_s + 1]:
+                del young[k]  # still open past the handshake deadline: it completed it
+                gate.prove(k)
+            sock = accepted_socket(fd, port)
+            if sock is None:
+                continue  # gone already (its DISCONNECTED follows)
+            try:
+                peer = peer_of(sock.getpeername())
+            except OSError:
+                continue
+            finally:
+                sock.detach()
+            refused = self.refused
+            if gate.admit(peer, key, functools.partial(self._end, fd, port, peer, key),
+                          functools.partial(_silent_on, fd, port)):
+                young[key] = now
+            else:
+                self._end(fd, port, peer, key)
+            if self.refused > refused:
+                self._warn("refused", "%s: a connection to port %d from %s ended over the limits (%d open; limits "
+                           "%d and %d per peer); %d so far", self.name, port, peer, gate.total, gate.max_total,
+                           gate.max_per_peer, self.refused)
+
+    def _end(self, fd: int, port: int, peer: str, key: tuple[int, int]) -> None:
+        close_accepted(fd, port, peer)
+        self._ending[key] = time.monotonic()
+
+    def _pace(self) -> None:
+        """Pause accepting on every port while the connections open or ended but not yet closed
+        are ``slack`` or more over ``max_total``; resume once they are within ``max_total``."""
+        now = time.monotonic()
+        for k in [k for k, t in self._ending.items() if now - t > 10.0]:  # (their DISCONNECTED was missed)
+            del self._ending[k]
+        held = self.gate.total + len(self._ending)
+        if not self._paused and held >= self.gate.max_total + self.slack:
+            self._paused = True
+            self.pauses += 1
+            for port, fd in self._listeners.items():
+                pause_accepting(fd, port)
+            self._warn("pause", "%s: accepting paused (%d connections open or closing; limit %d); %d pauses so far",
+                       self.name, held, self.gate.max_total, self.pauses)
+        elif self._paused and held <= self.gate.max_total:
+            self._paused = False
+            for port, fd in self._listeners.items():
+                resume_accepting(fd, port)

@@ -57,9 +57,13 @@ def write_config(
     server: dict[str, Any] | None = None,
     tenants: Iterable[dict[str, Any]] = (),
     events: bool = True,
+    events_options: dict[str, Any] | None = None,
 ) -> Path:
-    """A TOML file for ``kvstore serve --config``: ``tiers`` as ``(name, kind, options)``."""
-    lines = ["[events]", f"enabled = {_toml_value(events)}", ""]
+    """A TOML file for ``kvstore serve --config``: ``tiers`` as ``(name, kind, options)``;
+    ``events_options``: more keys of ``[events]`` (``publish``...)."""
+    lines = ["[events]", f"enabled = {_toml_value(events)}"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in (events_options or {}).items()]
+    lines.append("")
     for name, kind, options in tiers:
         lines += ["[[tiers]]", f'name = "{name}"', f'kind = "{kind}"']
         lines += [f"{k} = {_toml_value(v)}" for k, v in options.items()]

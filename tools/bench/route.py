@@ -69,6 +69,9 @@ from tools.bench.tcp import raw_round, raw_sender
 
 SMALL = Namespace("bench/route-16k", KVLayout("bfloat16", 32, (LayerGroup("full", 2, 2, 32),)))
 """16 KiB a block: many blocks per byte, so the per-block cost of publishing shows."""
+TOKENS = Namespace("bench/route-tokens", KVLayout("bfloat16", 256, (LayerGroup("full", 1, 1, 16),)))
+"""16 KiB a block of 256 tokens: each ``BlockStored`` carries 1 KiB of token ids a block (5 KiB
+as msgpack), the most token bytes per payload byte of the benchmark's namespaces."""
 HANDOFF = Namespace("bench/handoff", KVLayout("bfloat16", 256, (LayerGroup("full", 8, 2, 64),)))
 """256 tokens x 4 KiB a token = 1 MiB a block; 32K tokens = 128 MiB."""
 
@@ -193,12 +196,12 @@ def _zmq_cpu_s(pid: int) -> float:
     return total / 1e9
 
 
-def datapath(rounds: int, ns: Namespace, per: int, dram: str, trials: int) -> dict[str, Any]:
+def datapath(rounds: int, ns: Namespace, per: int, dram: str, trials: int, *, tokens: bool = False) -> dict[str, Any]:
     """Rounds on three identical daemons, interleaved (the order rotates every round): ``on``
     publishes, ``off`` and ``off2`` do not; ``off2`` / ``off`` is the noise floor of every
     ratio. The rounds are cut into ``trials`` trials, each with its own ratios (wall time
     and the daemons' CPU time per round), so that a neighbour's burst moves a trial, not
-    the median."""
+    the median. ``tokens``: every put carries its blocks' token ids (``put(tokens=)``)."""
     rng = np.random.default_rng(1)
     with _daemon(True, dram) as on, _daemon(False, dram) as off, _daemon(False, dram) as off2, \
             connect(on.url, plane="tcp") as c_on, connect(off.url, plane="tcp") as c_off, \
@@ -218,11 +221,12 @@ def datapath(rounds: int, ns: Namespace, per: int, dram: str, trials: int) -> di
         def one_round(r: int, times: dict[str, float], cpu: dict[str, float]) -> None:
             hashes = [bytes(h) for h in rng.integers(0, 256, (per, 16), dtype=np.uint8)]
             blocks = rng.integers(0, 256, per * ns.block_bytes, dtype=np.uint8)
+            toks = rng.integers(0, 50_000, per * ns.block_tokens) if tokens else None
             for name in names[r % 3:] + names[:r % 3]:
                 c = clients[name]
                 c0 = _cpu_s(pids[name])
                 t0 = time.perf_counter()
-                c.put(ns, hashes, blocks)
+                c.put(ns, hashes, blocks, tokens=toks)
                 c.get_into(ns, hashes, dst)
                 t1 = time.perf_counter()
                 times[name] += t1 - t0
@@ -354,8 +358,10 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
          "put + get of 8 new 1 MiB blocks over TCP (the daemon benchmarks' block)"),
         ("datapath_with_publish_16k", 20 if quick else 600, SMALL, 32, "32MiB",
          "put + get of 32 new 16 KiB blocks over TCP (the worst case: events per byte)"),
+        ("datapath_with_publish_tokens", 20 if quick else 600, TOKENS, 32, "32MiB",
+         "put with token ids + get of 32 new 16 KiB blocks of 256 tokens over TCP (token bytes in every BlockStored)"),
     ):
-        dp = datapath(rounds, ns, per, dram, 2 if quick else 10)
+        dp = datapath(rounds, ns, per, dram, 2 if quick else 10, tokens=ns is TOKENS)
         yield result("route", metric, dp["on"], "rounds/s", dp["off"],
                      baseline_is="the same rounds on an identical daemon with publishing off, interleaved; "
                                  "value and baseline: the trial of median ratio",
