@@ -118,6 +118,11 @@ class CachedLM:
         params = inspect.signature(model.forward).parameters
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
+    def forward_kwargs(self, kv_cache: Any) -> dict[str, Any]:
+        """The keyword arguments of a forward pass over ``kv_cache`` as this wrapper makes it
+        (the model's cache argument; last-position logits only where the model takes that)."""
+        return {**self._extra, self._kw: kv_cache}
+
     @property
     def shape(self) -> KVShape:
         assert self.cache is not None

@@ -84,7 +84,7 @@ def measure(args: argparse.Namespace, want: str) -> Iterator[dict[str, Any]]:
                     kv = DynamicCache(config=model.config)
                     for i, (k, v) in enumerate(resident):
                         kv.update(k, v, i)  # the prefix KV, already in GPU memory
-                    out = model(input_ids=ids, use_cache=True, **lm._extra, **{lm._kw: kv})
+                    out = model(input_ids=ids, use_cache=True, **lm.forward_kwargs(kv))
                     out_cache(out)
                     out.logits[0, -1].float()
 
