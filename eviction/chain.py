@@ -76,6 +76,10 @@ class ChainConfig:
     protected: float = 0.5
     """Upper tiers: the share of the tier that blocks read at least once may keep from blocks
     never read (a segmented LRU); 0: plain LRU."""
+    tails: bool = False
+    """Upper tiers: a block never read that enters with no cached child (the tail of a put:
+    often a request's partial last block, rarely read again) joins the unread ones at their old
+    end instead of their young end."""
     adapt: bool = True
     """False: take the exception wherever it applies, without the comparison (for analysis)."""
 
@@ -173,13 +177,15 @@ class ChainPolicy(LRUPolicy):
             view, order, read = self._view, self._order, self._read
             share = self.config.protected
             was_read = view.hits[arr].tolist() if view is not None and share > 0 else [0] * arr.size
-            for bid, hit in zip(arr.tolist(), was_read, strict=True):
+            tails = self.config.tails and view is not None
+            young = (view.children[arr] != 0).tolist() if tails else [True] * arr.size  # type: ignore[union-attr]
+            for bid, hit, y in zip(arr.tolist(), was_read, young, strict=True):
                 if hit or bid in read:
                     order.pop(bid, None)
                     self._protect(bid)
-                else:  # (as _enter: the young end of the unread ones)
+                else:  # (as _enter: the young end of the unread ones, or a tail at the old end)
                     order[bid] = None
-                    order.move_to_end(bid)
+                    order.move_to_end(bid, last=y)
             return
         super().insert_many(ids, sizes, now)
         order = np.asarray(ids).tolist()
@@ -258,7 +264,7 @@ class ChainPolicy(LRUPolicy):
             self._protect(bid)
         else:
             self._order[bid] = None
-            self._order.move_to_end(bid)
+            self._order.move_to_end(bid, last=not (self.config.tails and view is not None and not view.children[bid]))
 
     def _protect(self, bid: int) -> None:
         read = self._read

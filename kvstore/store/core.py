@@ -306,6 +306,8 @@ class KVStore:
                     self._loader.count_hits(plan, held)
                 finally:
                     self._loader.finish(plan, held)
+                    if held:
+                        self._ledger.lease(plan.ids[:held])
         trace.done(plan.served[:held])
         return Lease(arena.shm_name, tuple(locations), plan.ids[:held].copy())
 
@@ -347,7 +349,7 @@ class KVStore:
                 return
             lease._released = True
             if lease._ids.size:
-                self._ledger.unhold(lease._ids)
+                self._ledger.end_lease(lease._ids)
 
     # ---- puts ---------------------------------------------------------------------------------
 

@@ -103,6 +103,14 @@ class Ledger:
         self._last_bit = 1 << self.last
         self.dirty_expiry: set[int] = set()
         """Blocks whose expiry moved since the persistent tiers last learned it."""
+        self.leased: Counter[int] = Counter()
+        """Blocks an :meth:`~kvstore.store.core.KVStore.acquire` lease holds (in use until it is
+        given back), by the number of leases."""
+        self.kept_out: set[int] = set()
+        """Last-tier leaves held out of the policy order because they are pinned (a pin or a
+        retention deadline) or leased (:meth:`lease`): a make-room never
+        meets them, so its cost does not grow with the number of protected blocks. Offered
+        again when the last pin and use are gone (:meth:`_let_in`)."""
 
     # ---- structure ------------------------------------------------------------------------------
 
@@ -128,7 +136,57 @@ class Ledger:
 
     def _gained_child(self, bid: int) -> None:
         if int(self.index.tiers[bid]) & self._last_bit:
-            self.policies[self.last].hold(bid)
+            if bid in self.kept_out:  # held already (protected): now held for its child
+                self.kept_out.discard(bid)
+            else:
+                self.policies[self.last].hold(bid)
+
+    def _guarded(self, bid: int) -> bool:
+        return bool(self.index.pins[bid]) or bid in self.leased
+
+    def _offer(self, bid: int) -> None:
+        """Last-tier ``bid`` lost its last cached child: offer it, unless it is protected (then
+        it is kept out until :meth:`_let_in`)."""
+        if self._guarded(bid):
+            self.kept_out.add(bid)
+        else:
+            self.policies[self.last].offer(bid)
+
+    def _keep_out(self, ids: np.ndarray) -> None:
+        """``ids`` are protected now: their last-tier leaves leave the policy order."""
+        idx = self.index
+        if not ids.size:
+            return
+        lb = np.uint8(self._last_bit)
+        ids = ids[((idx.tiers[ids] & lb) != 0) & (idx.children[ids] == 0)]
+        if not ids.size:
+            return
+        pol, kept = self.policies[self.last], self.kept_out
+        for bid in ids.tolist():
+            if bid not in kept:
+                kept.add(bid)
+                pol.hold(bid)
+
+    def _let_in(self, ids: np.ndarray) -> None:
+        """Some protection of ``ids`` was taken off: those no longer protected are offered."""
+        kept = self.kept_out
+        if not kept or not ids.size:
+            return
+        idx = self.index
+        ids = ids[idx.pins[ids] == 0]
+        pol, leased = self.policies[self.last], self.leased
+        for bid in ids.tolist():
+            if bid in kept and bid not in leased:
+                kept.discard(bid)
+                pol.offer(bid)
+
+    def _entered_last(self, ids: np.ndarray) -> None:
+        """``ids`` entered the last tier's policy (offered if leaves): keep protected ones out."""
+        idx = self.index
+        if ids.size and (idx.pins[ids] != 0).any():
+            self._keep_out(ids[idx.pins[ids] != 0])
+        if self.leased:
+            self._keep_out(np.array([b for b in ids.tolist() if b in self.leased], np.int64))
 
     def _unlink(self, bid: int) -> None:
         """``bid`` leaves the index; a parent left childless may leave the last tier now."""
@@ -137,8 +195,10 @@ class Ledger:
         idx.remove(bid)
         if self.dirty_expiry:
             self.dirty_expiry.discard(bid)
+        if self.kept_out:
+            self.kept_out.discard(bid)
         if parent != NO_PARENT and not idx.children[parent] and int(idx.tiers[parent]) & self._last_bit:
-            self.policies[self.last].offer(parent)
+            self._offer(parent)
 
     # ---- copies -----------------------------------------------------------------------------------
 
@@ -155,6 +215,8 @@ class Ledger:
             deferred.append((k, bid, size))
         else:
             self.policies[k].insert(bid, size, created)
+            if k == self.last and self._guarded(bid):
+                self._keep_out(np.array([bid], np.int64))
 
     def add_copies(
         self, ids: list[int], keys: Sequence[bytes], depth0: int, k: int, size: int, created: float,
@@ -175,6 +237,8 @@ class Ledger:
             deferred.extend([(k, bid, size) for bid in ids])
         else:
             self.policies[k].insert_many(arr, np.full(arr.size, size, np.int64), created)
+            if k == self.last:
+                self._entered_last(arr)
 
     def enter_deferred(self, placed: list[tuple[int, int, int]], now: float) -> None:
         # Leaves first, as after a restart: a last-tier policy that orders by arrival then meets
@@ -189,16 +253,21 @@ class Ledger:
         if not np.logical_and.reduce(here):  # (the ufunc: no Python wrapper)
             ids, sizes = ids[here], sizes[here]
         self.policies[k].insert_many(ids, sizes, now)
+        self._entered_last(ids)
 
     def learn(self, bid: int, k: int, size: int, created: float) -> None:
         """A copy the tier already held (found by a probe) enters tier ``k``'s policy."""
         self.policies[k].insert(bid, size, created)
+        if k == self.last and self._guarded(bid):
+            self._keep_out(np.array([bid], np.int64))
 
     def drop_copy(self, bid: int, k: int) -> bool:
         """Tier ``k`` no longer holds ``bid``; True if no copy is left (the node is hollow)."""
         idx = self.index
         idx.tiers[bid] &= ~np.uint8(1 << k)
         self.policies[k].remove(bid)
+        if k == self.last and self.kept_out:
+            self.kept_out.discard(bid)
         self.events.copy_dropped(idx.hash_of(bid), k)
         return not idx.tiers[bid]
 
@@ -231,7 +300,7 @@ class Ledger:
             c = (int(idx.children[p]) if c is None else c) - 1
             left[p] = c
             if not c and int(idx.tiers[p]) & self._last_bit:
-                self.policies[self.last].offer(p)
+                self._offer(p)
 
     def forget_leaves(self, bids: list[int], left: dict[int, int]) -> None:
         """:meth:`forget_leaf` of each of ``bids`` in order (leaves whose only copy is on the
@@ -247,6 +316,9 @@ class Ledger:
             c = left.get(p)
             c = (int(children[p]) if c is None else c) - 1
             left[p] = c
+            if not c and int(tiers[p]) & lb and self._guarded(p):
+                self.kept_out.add(p)  # protected: kept out instead of offered
+                c = 1
             offers.append(p if not c and int(tiers[p]) & lb else -1)
         self.policies[self.last].remove_leaves(bids, offers)
 
@@ -254,6 +326,8 @@ class Ledger:
         """The leaves :meth:`forget_leaf` took (in order, each copy on tier ``k`` only) leave
         the index in one call; returns their keys (the caller deletes the copies)."""
         keys = self.index.remove_many(bids)
+        if self.kept_out:
+            self.kept_out.difference_update(bids)
         self.events.dropped_many(keys, 1 << k, reason)
         if self.dirty_expiry:
             self.dirty_expiry.difference_update(bids)
@@ -288,11 +362,36 @@ class Ledger:
     def unhold(self, ids: np.ndarray | list[int]) -> None:
         self.index.add_in_use(np.asarray(ids, np.int64), -1)
 
-    def pin(self, ids: np.ndarray | list[int]) -> None:
-        self.index.add_pins(np.asarray(ids, np.int64), 1)
+    def lease(self, ids: np.ndarray) -> None:
+        """Blocks in use (:meth:`hold`) stay in use under a lease until :meth:`end_lease`: their
+        last-tier leaves leave the policy order meanwhile. (A read or a move in flight is
+        brief and stays in the order: the make-room skips it.)"""
+        self.leased.update(ids.tolist())
+        self._keep_out(ids)
+
+    def end_lease(self, ids: np.ndarray) -> None:
+        """A lease is given back: its blocks go out of use, and into the order again."""
+        leased = self.leased
+        for bid in ids.tolist():
+            leased[bid] -= 1
+            if leased[bid] <= 0:
+                del leased[bid]
+        self.unhold(ids)
+        self._let_in(ids)
+
+    def pin(self, ids: np.ndarray | list[int], keep_out: bool = True) -> None:
+        """One more pin on ``ids``; their last-tier leaves leave the policy order unless
+        ``keep_out`` is false (a put's own pin while it stages its chain: brief, and on a
+        prefix it is about to extend)."""
+        arr = np.asarray(ids, np.int64)
+        self.index.add_pins(arr, 1)
+        if keep_out:
+            self._keep_out(arr)
 
     def unpin(self, ids: np.ndarray | list[int]) -> None:
-        self.index.add_pins(np.asarray(ids, np.int64), -1)
+        arr = np.asarray(ids, np.int64)
+        self.index.add_pins(arr, -1)
+        self._let_in(arr)
 
     def release_pin(self, record: PinRecord) -> int:
         """Take one pin record's pin off the blocks it still holds; returns how many."""
@@ -300,6 +399,7 @@ class Ledger:
         held = np.array([i for h in record.hashes if (i := idx.id_of(h)) is not None], dtype=np.int64)
         held = held[idx.pins[held] > 0]
         idx.add_pins(held, -1)
+        self._let_in(held)
         return int(held.size)
 
     def touch_hits(self, hit: np.ndarray, now: float, expiry: float) -> None:

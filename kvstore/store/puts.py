@@ -154,7 +154,7 @@ class Storer:
             pid = ids[fresh - 1] if fresh else NO_PARENT
             bb = info.block_bytes
             ids = ids + self.ledger.insert_chain(hashes[fresh:], pid, fresh, bb, info.nid, 0, now, now + info.ttl_s)
-        self.ledger.pin(ids)
+        self.ledger.pin(ids, keep_out=False)
         return StorePlan(info, hashes, start, srcs, now, ids, list(ids), fresh)
 
     def _direct(self) -> bool:
@@ -259,14 +259,14 @@ class Storer:
 
     def complete_store(self, plan: StorePlan) -> None:
         """Under the lock: delete staged copies that were not published (past the end of a
-        short chain); policies learn the chain leaves first; unpin; drop the hollow rest."""
+        short chain); unpin; policies learn the chain leaves first; drop the hollow rest."""
         if plan.staged:
             leftover = [BlockHash(plan.hashes[i]) for i, err in plan.written.items() if err is None]
             self.writing.difference_update(plan.ids[plan.fresh :])
             if leftover:
                 self.placer.delete_unpublished(0, leftover)
+        self.ledger.unpin(plan.pinned)  # (first: the put's own pin keeps nothing out of the order)
         self.ledger.enter_deferred(plan.placed, plan.now)
-        self.ledger.unpin(plan.pinned)
         if plan.stored_to < len(plan.hashes):  # (a whole chain stored leaves no hollow block)
             self.ledger.drop_hollow_leaves(plan.pinned)
 

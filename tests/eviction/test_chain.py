@@ -216,3 +216,17 @@ def test_upper_tier_without_a_protected_share_is_lru() -> None:
         pol.touch(b, t)
         lru.touch(b, t)
     assert list(pol.candidates()) == list(lru.candidates()) == [2, 4, 5, 3, 0, 1]
+
+
+def test_upper_tier_with_tails_a_put_s_tail_joins_the_unread_ones_at_their_old_end() -> None:
+    view = FakeView()
+    pol = ChainPolicy(ChainConfig(tails=True))
+    pol.bind(view, UPPER)
+    a = _chain(view, 0, 3)
+    _put(pol, a, 0.0)  # a[2] has no cached child: the old end; a[1], a[0] the young end
+    assert list(pol.candidates()) == [a[2], a[1], a[0]]
+    b = _chain(view, 10, 2)
+    pol.insert_many(np.array(b[::-1]), np.full(2, 4096), 1.0)  # (the vectorised insert: the same)
+    assert list(pol.candidates()) == [b[1], a[2], a[1], a[0], b[0]]
+    pol.touch(b[1], 2.0)  # read: with the read ones, as without tails
+    assert list(pol.candidates()) == [a[2], a[1], a[0], b[0], b[1]]
