@@ -13,6 +13,7 @@ import pytest
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
+from tests.tools.traces import write_requests
 from tools.replay.cli import main
 from tools.replay.sim import expand_unlimited, parse_capacity, replay_store
 from tools.replay.synth import KINDS, generate, write_trace
@@ -27,20 +28,6 @@ TRACES = next(
 CONVERSATION = TRACES / "conversation_trace.jsonl"
 SYNTHETIC = TRACES / "synthetic_trace.jsonl"
 needs_traces = pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces are not mounted")
-
-
-def _write(path: Path, reqs: list[tuple[int, list[int]]]) -> Path:
-    with path.open("w") as f:
-        for t, ids in reqs:
-            f.write(json.dumps({"timestamp": t, "input_length": 512 * len(ids) - 100, "output_length": 5, "hash_ids": ids}) + "\n")
-    return path
-
-
-@pytest.fixture
-def small(tmp_path: Path) -> Path:
-    """Four chains under one root, re-requested: hits, misses and evictions at 4 blocks."""
-    reqs = [(0, [0, 1, 2]), (10, [0, 3, 4]), (20, [0, 1, 2, 5]), (30, [0, 6]), (40, [0, 3, 4]), (50, [0, 1, 7])]
-    return _write(tmp_path / "small_trace.jsonl", reqs)
 
 
 def test_load_renumbers_ids_and_keeps_requests(small: Path) -> None:
@@ -85,7 +72,7 @@ def test_a_damaged_gzip_trace_is_a_trace_error(small: Path, tmp_path: Path) -> N
 
 
 def test_time_must_not_go_back(tmp_path: Path) -> None:
-    p = _write(tmp_path / "t.jsonl", [(10, [1]), (5, [1])])
+    p = write_requests(tmp_path / "t.jsonl", [(10, [1]), (5, [1])])
     with pytest.raises(TraceError, match="back in time"):
         load_trace(p)
 

@@ -12,20 +12,6 @@ from tools.lab.replay.cli import main
 from tools.replay.trace import load_trace
 
 
-def _write(path: Path, reqs: list[tuple[int, list[int]]]) -> Path:
-    with path.open("w") as f:
-        for t, ids in reqs:
-            f.write(json.dumps({"timestamp": t, "input_length": 512 * len(ids) - 100, "output_length": 5, "hash_ids": ids}) + "\n")
-    return path
-
-
-@pytest.fixture
-def small(tmp_path: Path) -> Path:
-    """Four chains under one root, re-requested: hits, misses and evictions at 4 blocks."""
-    reqs = [(0, [0, 1, 2]), (10, [0, 3, 4]), (20, [0, 1, 2, 5]), (30, [0, 6]), (40, [0, 3, 4]), (50, [0, 1, 7])]
-    return _write(tmp_path / "small_trace.jsonl", reqs)
-
-
 def test_class_bound_is_between_nothing_and_every_reuse(small: Path) -> None:
     from tools.lab.replay.bounds import class_bound, class_segments
 
