@@ -20,15 +20,18 @@ import functools
 import importlib
 import importlib.util
 import io
+import os
 import re
 import runpy
 import shlex
+import signal
+import subprocess
 import sys
 import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -288,3 +291,18 @@ def parse(prog: Program) -> Parsed:
         return Parsed(False, None, "the program returned without parsing any argument")
     finally:
         sys.argv = argv
+
+
+def stop_gracefully(daemon: subprocess.Popen[str], log: IO[str]) -> None:
+    """SIGTERM a daemon the docs started (its graceful stop writes the event log out), wait up to
+    120 s, SIGKILL its process group if it is still running, and close its log and stdout."""
+    daemon.send_signal(signal.SIGTERM)
+    try:
+        daemon.wait(timeout=120)
+    finally:
+        if daemon.poll() is None:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+        log.close()
+        if daemon.stdout is not None:
+            daemon.stdout.close()

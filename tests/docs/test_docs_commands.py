@@ -35,7 +35,16 @@ import numpy as np
 import pytest
 
 from kvstore.registry import POLICIES
-from tests.docs.doccommands import ROOT, DocCommand, Program, extract, parse, program, variants
+from tests.docs.doccommands import (
+    ROOT,
+    DocCommand,
+    Program,
+    extract,
+    parse,
+    program,
+    stop_gracefully,
+    variants,
+)
 
 MODEL = "meta-llama/Llama-3.1-8B"  # the model the docs' examples name
 TRACES = next((p / "shared" / "traces" for p in ROOT.parents if (p / "shared" / "traces").is_dir()), None)
@@ -424,16 +433,7 @@ def test_docs_commands_run_as_written(runner: Runner, tmp_path: Path) -> None:
         assert gone.returncode == 4 and "not cached" in gone.stderr, gone  # evicted with what extends it
         assert "ttl 7d" in r.run("kvctl ttl NS 7d", fill)
     finally:
-        daemon.send_signal(signal.SIGTERM)  # the graceful stop writes the event log out
-        try:
-            daemon.wait(timeout=120)
-        finally:
-            if daemon.poll() is None:
-                os.killpg(daemon.pid, signal.SIGKILL)
-                daemon.wait()
-            log.close()
-            if daemon.stdout is not None:
-                daemon.stdout.close()
+        stop_gracefully(daemon, log)  # the graceful stop writes the event log out
     assert daemon.returncode == 0, (tmp_path / "daemon.log").read_text()
 
     # Offline, by a relative path (docs/eviction.md): the pins from pins.json.

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.config import load_config
+from tests.docs.doccommands import stop_gracefully
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -140,13 +140,7 @@ def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
             out = run(line.replace("MODEL", MODEL).replace("BLOCK", block.group(1)))
         assert "pinned" in out  # the last daemon line: kvctl top ... && kvctl pin BLOCK
     finally:
-        daemon.send_signal(signal.SIGTERM)  # the graceful stop writes the event log out
-        try:
-            daemon.wait(timeout=120)
-        finally:
-            if daemon.poll() is None:
-                os.killpg(daemon.pid, signal.SIGKILL)
-            log.close()
+        stop_gracefully(daemon, log)  # the graceful stop writes the event log out
     assert daemon.returncode == 0, (tmp_path / "daemon.log").read_text()
 
     # 5. Offline: the store directory by a relative path, and the report of its event log.
