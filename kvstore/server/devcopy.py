@@ -5,7 +5,8 @@ A GPU engine gathers the pages to save into one device buffer and sends a CUDA I
 it (``cudaIpcGetMemHandle`` of the buffer's allocation, and the offset in it); the daemon opens
 the handle once (an LRU of open handles per connection), registers its arena with CUDA once
 (``cudaHostRegister``), and copies each run of reserved slots with one device-to-host DMA
-(``cudaMemcpy2D`` when the slots lie at a fixed stride) before it commits them. No host copy on
+(``cudaMemcpy2DAsync`` when the slots lie at a fixed stride, all queued on one stream, then one
+wait) before it commits them. No host copy on
 either side, and the client never maps the arena writable: it only lets the daemon *read* one
 buffer of its own GPU memory. The CUDA runtime is loaded with ``ctypes`` from the system or the
 ``nvidia-cuda-runtime`` wheel torch installs, only when a client asks; a daemon without it (or
@@ -52,8 +53,6 @@ class CudaRuntime:
             ("cudaIpcCloseMemHandle", [ctypes.c_void_p]),
             ("cudaHostRegister", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]),
             ("cudaHostUnregister", [ctypes.c_void_p]),
-            ("cudaMemcpy2D", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                              ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]),
             ("cudaMemcpy2DAsync", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                                    ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]),
             ("cudaStreamCreateWithFlags", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
@@ -98,9 +97,6 @@ class DeviceCopier:
         self._registered = False
         self._lock = threading.Lock()
         self._local = threading.local()
-        self.dma_calls = 0
-        """Device-to-host DMAs queued (one per run of equally spaced slots)."""
-        self.copied_bytes = 0
 
     @property
     def why(self) -> str:
@@ -167,23 +163,26 @@ class DeviceCopier:
         rt = self._runtime(device)
         stream = self._stream(rt, device)
         i, n = 0, len(slots)
-        while i < n:
-            j, stride = i + 1, 0
-            if j < n:
-                stride = slots[j][0] - slots[i][0]
-                while j < n and slots[j][0] - slots[j - 1][0] == stride and stride >= block_bytes:
-                    j += 1
-                if stride < block_bytes:
-                    j, stride = i + 1, 0
-            rows = j - i
-            rt.check(rt.lib.cudaMemcpy2DAsync(self._base + slots[i][0], stride or block_bytes, src + i * block_bytes,
-                                              block_bytes, block_bytes, rows, _DEVICE_TO_HOST, stream),
-                     "cudaMemcpy2DAsync")
-            self.dma_calls += 1
-            i = j
-        # One wait for all of them (the arena is page-locked: each DMA is queued, none blocks).
-        rt.check(rt.lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
-        self.copied_bytes += len(slots) * block_bytes
+        try:
+            while i < n:
+                j, stride = i + 1, 0
+                if j < n:
+                    stride = slots[j][0] - slots[i][0]
+                    while j < n and slots[j][0] - slots[j - 1][0] == stride and stride >= block_bytes:
+                        j += 1
+                    if stride < block_bytes:
+                        j, stride = i + 1, 0
+                rows = j - i
+                rt.check(rt.lib.cudaMemcpy2DAsync(self._base + slots[i][0], stride or block_bytes,
+                                                  src + i * block_bytes, block_bytes, block_bytes, rows,
+                                                  _DEVICE_TO_HOST, stream), "cudaMemcpy2DAsync")
+                i = j
+        finally:
+            # One wait for all of them (the arena is page-locked: each DMA is queued, none
+            # blocks); also when one failed to queue, so that none still writes into a slot the
+            # caller gives back.
+            synced = rt.lib.cudaStreamSynchronize(stream)
+        rt.check(synced, "cudaStreamSynchronize")
 
     def _stream(self, rt: CudaRuntime, device: int) -> int:
         """This thread's non-blocking stream on ``device`` (made once): copies of different
