@@ -73,8 +73,6 @@ from kvstore.wire.fdpass import receive_fds
 T = TypeVar("T")
 PLANES = ("auto", "shm", "tcp", "ucx")
 log = logging.getLogger("kvstore.client")
-# What an error reply without a known ``kind`` (an older daemon, a proxy) raises, by status. The
-# body's ``kind`` says more: a 409 is a missing prefix, a layout mismatch or a refused guarantee.
 _STAGING_MIN = 64 << 20
 _SLOT_ALIGN = 4096  # the DRAM arena hands out slots in multiples of this (tiers/dram.py)
 
