@@ -25,6 +25,7 @@ load failed are dropped, so KV computed over a failed load never reaches the sto
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -504,7 +505,9 @@ class Worker:
                 with job.lock:
                     job.fail_all()
                 if self._cuda and self.kv is not None:  # copies it queued read the leases
-                    torch.cuda.synchronize(self.kv.device)
+                    # (a broken CUDA context raises here too: the loader thread must live on)
+                    with contextlib.suppress(RuntimeError):
+                        torch.cuda.synchronize(self.kv.device)
             finally:
                 with job.lock:
                     for ev in job.layer_done:
