@@ -106,6 +106,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _tile_sizes(piece_bytes: int) -> dict[str, int]:
+    """The loader's ``piece_bytes`` and a staging ring of four such tiles (512 MiB at least);
+    none for 0 (the defaults)."""
+    return {"piece_bytes": piece_bytes, "stage_bytes": max(4 * piece_bytes, 512 << 20)} if piece_bytes else {}
+
+
+def _tiles_ms(load: Any) -> list[tuple[float, float]]:
+    """A landed load's tile timeline (``DeviceLoad.tile_ms``), rounded to microseconds."""
+    return [(round(a, 3), round(b, 3)) for a, b in load.tile_ms()]
+
+
 class Cache:
     """The paged cache the stores restore into, with the blocks of one prefix: ``src`` (where
     it is saved from, random bits) and ``dst`` (where it is restored, zeroed first), two disjoint
@@ -218,9 +229,7 @@ class KvstorePaged:
         self._stream: Any = None
         self.tiles_ms: list[tuple[float, float]] = []
         """The last restore's tiles: (landed, scattered) ms after its first DMA began."""
-        self._loader = PagedLoader(cache.device, **({"piece_bytes": self.piece_bytes,
-                                                       "stage_bytes": max(4 * self.piece_bytes, 512 << 20)}
-                                                      if self.piece_bytes else {}))
+        self._loader = PagedLoader(cache.device, **_tile_sizes(self.piece_bytes))
         self._loader.timing = cache.device.type == "cuda"
         self.phases: dict[str, list[float]] = {}
         """Host seconds of each restore's steps (``restore``), read and cleared per size."""
@@ -319,7 +328,7 @@ class KvstorePaged:
             t3 = time.perf_counter()
             if load is not None:
                 load.synchronize()
-                self.tiles_ms = [(round(a, 3), round(b, 3)) for a, b in load.tile_ms()]
+                self.tiles_ms = _tiles_ms(load)
         finally:
             blocks.release()
         for k, v in (("hash", t1 - t0), ("lease", t2 - t1), ("queue", t3 - t2)):
@@ -368,11 +377,9 @@ class KvstoreConnector:
         # an engine starts long before its first save, and LMCache allocates its pool in its open.
         time.sleep(min(20.0, 1.0 + capacity / 2e9))
         caches = dict(zip(cache.spec.layer_names, cache.layers, strict=True))
-        extra: dict[str, int] = {}
-        if self.piece_bytes:
-            extra = {"piece_bytes": self.piece_bytes, "stage_bytes": max(4 * self.piece_bytes, 512 << 20)}
         self.driver = WorkerDriver(self.daemon.url, cache.spec, caches, plane="shm", load_mode=self.load_mode,
-                                   lookup_timeout_s=60.0, load_timeout_s=60.0, save_timeout_s=120.0, **extra)
+                                   lookup_timeout_s=60.0, load_timeout_s=60.0, save_timeout_s=120.0,
+                                   **_tile_sizes(self.piece_bytes))
         if self.driver.worker.loader is not None:
             self.driver.worker.loader.timing = cache.device.type == "cuda"
 
@@ -394,7 +401,6 @@ class KvstoreConnector:
             "piece_bytes": w.cfg.piece_bytes, "stage_bytes": w.cfg.stage_bytes,
             "put_device": bool(c and c.info.get("put_device")),
             "device_puts": k.device_puts, "staged_puts": k.staged_puts,
-            # the worker's own time per load and per save (its counters, since the last info)
             # the worker's own time in all, over every load and save of the row (warm-up included)
             "worker_ms": {"fetch": round(k.load_fetch_s * 1e3, 3), "copy": round(k.load_copy_s * 1e3, 3),
                           "put": round(k.save_put_s * 1e3, 3), "loaded_blocks": k.loaded_blocks,
@@ -403,7 +409,7 @@ class KvstoreConnector:
         if c and not c.info.get("put_device"):
             out["put_device_unavailable"] = c.info.get("put_device_unavailable")
         if w.last_load is not None and w.last_load.tiles:
-            out["tiles_ms"] = [(round(a, 3), round(b, 3)) for a, b in w.last_load.tile_ms()]
+            out["tiles_ms"] = _tiles_ms(w.last_load)
         return out
 
     def close(self) -> None:
