@@ -437,3 +437,40 @@ def test_the_connector_rows_run_on_the_cpu_against_a_daemon(tmp_path: pathlib.Pa
             assert s.info()["plane"] == "shm"
         finally:
             s.close()
+
+
+def test_a_peers_untimed_reference_runs_after_the_timed_restore(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer-wise row's compute with nothing to load (``after_restore``) is its reference,
+    not part of its TTFT: it runs after the timed restore has ended, outside the timer."""
+    torch = pytest.importorskip("torch")
+    from tools.bench._peers import paged_run
+    from tools.bench._peers.paged import Cache, page_spec
+
+    calls: list[str] = []
+
+    class Peer:
+        name = "fake"
+
+        def prepare(self, tokens: int) -> None:
+            pass
+
+        def restore(self, tokens: np.ndarray, ids: list[int]) -> int:
+            calls.append("restore")
+            return len(ids) * 16
+
+        def after_restore(self) -> None:
+            calls.append("after_restore")
+
+    def timed(fn, device):  # type: ignore[no-untyped-def]
+        calls.append("timer on")
+        out = fn()
+        calls.append("timer off")
+        return 0.001, out
+
+    monkeypatch.setattr(paged_run, "_timed", timed)
+    cache = Cache(page_spec(layers=1, kv_heads=1, head_dim=16), 64, torch.device("cpu"))
+    run = paged_run._SizeRun(Peer(), cache, 64, trials=1, where="cpu")
+    assert run.start(lambda _: None)
+    run.restore_once(1, lambda _: None)
+    assert run.error is None
+    assert calls[-4:] == ["timer on", "restore", "timer off", "after_restore"]

@@ -252,6 +252,8 @@ class _SizeRun:
             cache.zero(self.dst)
             b, _ = _timed(self._h2d, dev)
             dt, n = _timed(lambda: self.s.restore(self.prompts[0], self.dst), dev)
+            if (after := getattr(self.s, "after_restore", None)) is not None:
+                after()  # untimed: a peer's own reference (the layer-wise row's compute alone)
             if i == self.trials:
                 m = n // BLOCK
                 self.wrong = cache.wrong_pages(self.src[:m], self.dst[:m])
