@@ -10,8 +10,8 @@ on a shared-memory arena (:class:`engine.gpu.ArenaBlocks`: the arena mapped read
 (:class:`engine.gpu.HostBlocks`). They are copied to the device in *tiles* (a range of blocks
 times a range of layers) by DMA on the loader's copy stream, one ``cudaMemcpy2DAsync`` per run of
 equally spaced blocks, into a bounded device staging ring; each tile is scattered into the pages
-on the loader's scatter stream as soon as it lands, and the tile after the ring's length waits
-(on the device) for the scatter that frees its slot. Every layer gets the CUDA event of its last
+on the loader's scatter stream as soon as it lands, and a tile waits (on the device) for the
+scatter that last read its slot, in this load or the one before. Every layer gets the CUDA event of its last
 tile's scatter: a layer-wise load makes the forward stream wait on that layer's event only. No
 host copy, no pageable memory, no host wait until the caller asks for one.
 
@@ -145,18 +145,32 @@ class PagedLoader:
         self._cuda = self.device.type == "cuda"
         self._copy: Any = torch.cuda.Stream(self.device) if self._cuda else None
         self._scatter: Any = torch.cuda.Stream(self.device) if self._cuda else None
-        self._stage: torch.Tensor | None = None
+        nslots = max(1, stage_bytes // piece_bytes)
+        self._slots: list[torch.Tensor | None] = [None] * nslots
+        """The staging ring: one device buffer per slot, allocated (and grown) on first use."""
+        self._freed: list[Any] = [None] * nslots
+        """Each slot's last scatter (the CUDA event after which it may be written again)."""
+        self._next = 0
+        """The ring's next slot: it goes on across loads, so a load queued right after another
+        (the connector's chunks of one request) needs no wait for the other's last scatter."""
         self.timing = False
         """Record timing events per tile (:attr:`DeviceLoad.tiles`): benchmarks."""
 
-    def _staging(self, slot_bytes: int, slots: int) -> torch.Tensor:
-        need = slot_bytes * slots
-        if self._stage is None or self._stage.numel() < need:
-            if self._stage is not None and self._cuda:
-                self._scatter.synchronize()  # its last readers are done before the memory goes back
-            self._stage = None
-            self._stage = torch.empty(need, dtype=torch.uint8, device=self.device)
-        return self._stage
+    def _slot(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        """The ring's next slot, ``nbytes`` at least, and its index; the copy stream waits (on
+        the device) for the scatter that last read it."""
+        s = self._next
+        self._next = (s + 1) % len(self._slots)
+        buf = self._slots[s]
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None:  # the allocator keeps it until the work queued on it is done
+                buf.record_stream(self._copy)
+                buf.record_stream(self._scatter)
+            buf = self._slots[s] = None
+            buf = self._slots[s] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if self._freed[s] is not None:
+            self._copy.wait_event(self._freed[s])
+        return buf, s
 
     def load(self, src: BlockSource, target: PagedTarget, ids: Sequence[int], *, layer_group: int = 0,
              after: Any = None, on_layers: Callable[[int, int, Any], None] | None = None,
@@ -176,11 +190,7 @@ class PagedLoader:
         if not self._cuda:
             return self._load_host(src, target, ids, first, on_layers, cancelled)
         idx_host = list(ids)
-        slot = max((b - a) * (hi - lo) * pb for a, b, lo, hi in plan)
-        nslots = max(1, min(len(plan), self.stage_bytes // slot))
-        stage = self._staging(slot, nslots)
         copy, scat = self._copy, self._scatter
-        copy.wait_stream(scat)  # the ring's last readers (the previous load's scatters) are done
         with torch.cuda.stream(scat):
             if after is not None:
                 scat.wait_event(after)
@@ -188,14 +198,12 @@ class PagedLoader:
         freed: list[Any] = []
         events: list[Any] = [None] * num_layers
         timed: list[tuple[Any, Any, Any]] = []
-        for k, (a, b, lo, hi) in enumerate(plan):
+        for a, b, lo, hi in plan:
             if cancelled is not None and cancelled():
                 break
             width = (hi - lo) * pb
-            s = k % nslots
-            dst = stage[s * slot : s * slot + (b - a) * width].view(b - a, width)
-            if k >= nslots:
-                copy.wait_event(freed[k - nslots])
+            buf, s = self._slot((b - a) * width)
+            dst = buf[: (b - a) * width].view(b - a, width)
             began = None
             if self.timing:
                 began = torch.cuda.Event(enable_timing=True)
@@ -211,6 +219,7 @@ class PagedLoader:
                 done = torch.cuda.Event(enable_timing=self.timing)
                 done.record(scat)
             freed.append(done)
+            self._freed[s] = done
             if began is not None:
                 timed.append((began, landed, done))
             if b == n:  # the group's last tile: its layers are ready after this scatter

@@ -55,6 +55,10 @@ class ConnectorConfig:
     into the daemon's staging segment, put while the next piece crosses the link)."""
     stage_bytes: int = 512 << 20
     """Device staging of a GPU load: a ring of ``stage_bytes // piece_bytes`` tiles."""
+    lease_head_bytes: int = 32 << 20
+    """``async`` loads over shared memory: the lease is taken in chunks, the first of this many
+    bytes and each next four times larger, and a chunk's copies are queued as soon as its lease
+    is back, so the later leases overlap the first copies (0: one lease per request)."""
     device_puts: bool = True
     """On a GPU with the daemon on this node: saves by PUT_DEVICE (the daemon copies the pages
     from the GPU into its arena: no host copy), where the daemon offers it; False: through the
@@ -111,6 +115,8 @@ class ConnectorConfig:
             )
         if self.stage_bytes < self.piece_bytes:
             raise ConfigError("kv_connector_extra_config.stage_bytes must be >= piece_bytes")
+        if self.lease_head_bytes < 0:
+            raise ConfigError(f"kv_connector_extra_config.lease_head_bytes must be >= 0, got {self.lease_head_bytes!r}")
         for name in ("min_load_blocks", "max_pending_saves", "layer_group", "piece_bytes", "checkpoint_every_blocks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be >= 1, got {getattr(self, name)!r}")

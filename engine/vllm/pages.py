@@ -415,7 +415,12 @@ class PagedKV:
         return self.spec.block_bytes
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        ids = torch.tensor(list(block_ids), dtype=torch.long)
+        if self.device.type != "cuda":
+            return ids.to(self.device)
+        # From pinned memory, in stream order: a copy from pageable memory would make the host
+        # wait for the current stream (a loader's: the engine's forward pass it waits on).
+        return ids.pin_memory().to(self.device, non_blocking=True)
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy pages ``block_ids`` of every layer into ``out`` (``[n, block_bytes]`` uint8), on

@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -529,6 +530,21 @@ class Worker:
         if self.spec.hybrid:
             self._run_hybrid_load(job, held)
             return
+
+        def ready(lo: int, hi: int, event: Any) -> None:
+            for layer in range(lo, hi):
+                job.layer_events[layer] = event
+                job.layer_done[layer].set()
+
+        def cancelled() -> bool:
+            with job.lock:
+                return job.abandoned
+
+        group = self.cfg.layer_group if job.specs and not job.specs[0][0].is_async else 0
+        client = self.load_link.client
+        if group == 0 and self.cfg.lease_head_bytes > 0 and client is not None and client.plane == "shm":
+            self._run_chunked_load(job, held, ready, cancelled)
+            return
         t0 = time.perf_counter()
         for spec, ns, hashes in job.specs:
             n, src = self._fetch(ns, hashes, held)
@@ -542,23 +558,47 @@ class Worker:
         self.counters.load_fetch_s += t1 - t0
         if not ids:
             return
-
-        def ready(lo: int, hi: int, event: Any) -> None:
-            for layer in range(lo, hi):
-                job.layer_events[layer] = event
-                job.layer_done[layer].set()
-
-        def cancelled() -> bool:
-            with job.lock:
-                return job.abandoned
-
         src = parts[0][0] if len(parts) == 1 else ConcatSource(parts)
-        group = self.cfg.layer_group if job.specs and not job.specs[0][0].is_async else 0
         load = loader.load(src, kv, ids, layer_group=group, after=job.after, on_layers=ready,
                            cancelled=cancelled)
         load.synchronize()  # the leases are read until the last copy lands
         self.counters.load_copy_s += time.perf_counter() - t1
         self.last_load = load
+
+    def _run_chunked_load(self, job: _LoadJob, held: list[Any], ready: Callable[[int, int, Any], None],
+                          cancelled: Callable[[], bool]) -> None:
+        """An async load over shared memory, lease by lease (``lease_head_bytes``): each chunk's
+        copies are queued as soon as its lease is back, so the next lease is taken while they
+        run; the leases are held (``held``) until the last copy has landed."""
+        kv, loader = self.kv, self.loader
+        assert kv is not None and loader is not None
+        size = max(1, self.cfg.lease_head_bytes // kv.block_bytes)
+        loads: list[DeviceLoad] = []
+        fetch_s, t0 = 0.0, time.perf_counter()
+        for spec, ns, hashes in job.specs:
+            a = 0
+            while a < len(hashes) and not cancelled():
+                b = min(len(hashes), a + size)
+                size *= 4
+                f0 = time.perf_counter()
+                n, src = self._fetch(ns, hashes[a:b], held)
+                fetch_s += time.perf_counter() - f0
+                job.loaded += n
+                if n:
+                    loads.append(loader.load(src, kv, spec.block_ids[a : a + n], after=job.after,
+                                             cancelled=cancelled))
+                if n < b - a:  # the rest of this request is not cached (or the daemon failed)
+                    job.fail(spec, spec.block_ids[a + n :])
+                    break
+                a = b
+        if loads:
+            last = loads[-1]
+            ready(0, kv.num_layers, last.done)
+            for load in loads:
+                load.synchronize()  # the leases are read until the last copy lands
+            self.last_load = DeviceLoad(last.layer_events, last.done, [t for ld in loads for t in ld.tiles])
+        self.counters.load_fetch_s += fetch_s
+        self.counters.load_copy_s += time.perf_counter() - t0 - fetch_s
 
     def _run_hybrid_load(self, job: _LoadJob, held: list[Any]) -> None:
         """A page with sliding layers: for each request, the full part of its blocks into the

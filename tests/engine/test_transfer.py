@@ -164,6 +164,35 @@ def test_a_device_load_from_a_lease_writes_the_pages(tmp_path: Path, layout: str
 
 
 @cuda
+@pytest.mark.parametrize("slots", [1, 2])
+def test_loads_queued_back_to_back_share_the_staging_ring(tmp_path: Path, slots: int) -> None:
+    """Two loads queued one after the other with no host wait between them (the connector's
+    lease chunks) go on around one staging ring of one or two one-block slots: every tile waits
+    for the scatter that last read its slot, and both loads' pages equal their sources."""
+    src = _caches("LBNHC", "cuda", seed=8)
+    ids_src, ids_dst = [0, 3, 5, 7, 9, 2], [11, 1, 6, 8, 10, 4]
+    blocks = torch.empty((6, SPEC.block_bytes), dtype=torch.uint8, device="cuda")
+    PagedKV(SPEC, src).gather(ids_src, blocks)
+    with _store(tmp_path) as store:
+        ns = SPEC.namespace("test/transfer", "r", 0, 1)
+        store.register_namespace(ns)
+        hashes = hash_blocks(ns, np.arange(6 * BT))
+        store.put(ns, hashes, blocks.cpu().view(-1).numpy())
+        head, rest = store.acquire(ns, hashes[:2]), store.acquire(ns, hashes[2:])
+        dst = _caches("LBNHC", "cuda", seed=None)
+        loader = PagedLoader(torch.device("cuda"), piece_bytes=SPEC.block_bytes, stage_bytes=slots * SPEC.block_bytes)
+        pages = PagedKV(SPEC, dst)
+        first = loader.load(ArenaBlocks(store, head), pages, ids_dst[:2])
+        second = loader.load(ArenaBlocks(store, rest), pages, ids_dst[2:])
+        second.synchronize()
+        first.synchronize()
+        store.release(head)
+        store.release(rest)
+        for name in SPEC.layer_names:
+            assert torch.equal(dst[name][ids_dst].view(torch.int16), src[name][ids_src].view(torch.int16))
+
+
+@cuda
 def test_a_device_save_lands_in_registered_host_memory_in_pieces() -> None:
     src = _caches("LBNHC", "cuda", seed=6)
     ids = [4, 2, 9, 1, 0, 11, 3]

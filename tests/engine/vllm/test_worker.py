@@ -201,3 +201,39 @@ def test_a_remote_plane_loads_two_requests_of_one_step(stored: tuple[LocalDaemon
         w.wait_for_save()
     assert w.take_errors() == {5, 6} and w.counters.loaded_blocks == 4
     w.close()
+
+
+@pytest.mark.parametrize("head_blocks", [0, 1])
+def test_an_async_load_takes_its_lease_in_growing_chunks(stored: tuple[LocalDaemon, dict[str, torch.Tensor]],
+                                                        head_blocks: int) -> None:
+    """Over shared memory an async load leases ``lease_head_bytes`` first, then chunks four
+    times larger, each chunk loaded as its lease comes back (0: one lease a request); every
+    page lands, and a request whose blocks are not cached reports its pages for recompute."""
+    d, src = stored
+    dst = _caches(seed=None)
+    w = _worker(d.url, lease_head_bytes=head_blocks * SPEC.block_bytes)
+    w.register_kv_caches(dst)
+    assert w.load_link.client is not None and w.load_link.client.plane == "shm"
+    leases: list[int] = []
+    fetch = w._fetch
+
+    def counted(ns: object, hashes: list[bytes], held: list[object]) -> tuple[int, object]:
+        leases.append(len(hashes))
+        return fetch(ns, hashes, held)  # type: ignore[arg-type]
+
+    w._fetch = counted  # type: ignore[method-assign]
+    infos = {"a": ReqInfo(A, "", b""), "b": ReqInfo(A[: 2 * BT], "", b""), "c": ReqInfo(B, "", b"")}
+    loads = [LoadSpec("a", 0, [5, 6, 7, 8], True), LoadSpec("b", 0, [0, 9], True), LoadSpec("c", 0, [1, 2], True)]
+    _step(w, KVStoreMetadata(infos=infos, loads=loads))
+    for _ in range(2000):
+        if w.get_finished() >= {"a", "b", "c"}:
+            break
+        threading.Event().wait(0.01)
+    for name in SPEC.layer_names:
+        assert torch.equal(dst[name][5:9], src[name][1:5])
+        assert torch.equal(dst[name][[0, 9]], src[name][[1, 2]])
+        assert not dst[name][[1, 2]].any()
+    assert w.take_errors() == {1, 2} and w.counters.loaded_blocks == 6
+    # a: 1 block, then the 3 left (a chunk of 4); b: 2 (of 16); c: 2 asked (of 64), none cached
+    assert leases == ([1, 3, 2, 2] if head_blocks else [4, 2, 2])
+    w.close()
