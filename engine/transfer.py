@@ -163,11 +163,12 @@ class PagedLoader:
         self._next = (s + 1) % len(self._slots)
         buf = self._slots[s]
         if buf is None or buf.numel() < nbytes:
-            if buf is not None:  # the allocator keeps it until the work queued on it is done
-                buf.record_stream(self._copy)
+            if buf is not None:  # the allocator keeps it until the scatters queued on it are done
                 buf.record_stream(self._scatter)
             buf = self._slots[s] = None
-            buf = self._slots[s] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            with torch.cuda.stream(self._copy):  # the copy stream's own memory: no race with
+                # kernels still queued on the engine's stream over memory it has just freed
+                buf = self._slots[s] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if self._freed[s] is not None:
             self._copy.wait_event(self._freed[s])
         return buf, s
