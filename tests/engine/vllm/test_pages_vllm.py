@@ -44,17 +44,29 @@ def _vllm(cache_dtype: str = "auto", **hf: object) -> SimpleNamespace:
                            model_config=SimpleNamespace(hf_text_config=SimpleNamespace(**hf)))
 
 
-def _views(spec: object, layout: KVCacheLayout, num_blocks: int = 6) -> dict[str, torch.Tensor]:
-    """vLLM's per-layer page views of one random backing tensor, as its model runner builds them."""
+def _views(spec: object, layout: KVCacheLayout, num_blocks: int = 6, names: list[str] = NAMES,
+           raw: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """vLLM's per-layer page views of one backing tensor (``raw``, else a random one), as its
+    model runner builds them."""
     page = spec.page_size_bytes  # type: ignore[attr-defined]
-    size = page * num_blocks * len(NAMES)
-    raw = torch.randint(0, 256, (size,), dtype=torch.uint8).view(torch.int8)
+    size = page * num_blocks * len(names)
+    if raw is None:
+        raw = torch.randint(0, 256, (size,), dtype=torch.uint8).view(torch.int8)
     if layout.is_layer_compact:
-        t = KVCacheTensor(size, NAMES, layer_stride=page * num_blocks, block_stride=page)
+        t = KVCacheTensor(size, names, layer_stride=page * num_blocks, block_stride=page)
     else:
-        t = KVCacheTensor(size, NAMES, layer_stride=page, block_stride=page * len(NAMES))
+        t = KVCacheTensor(size, names, layer_stride=page, block_stride=page * len(names))
     views = create_kv_cache_views(raw, spec, num_blocks, layout, t)  # type: ignore[arg-type]
-    return dict(zip(NAMES, views, strict=True))
+    return dict(zip(names, views, strict=True))
+
+
+def _move(a: PagedKV | PagedState, b: PagedKV | PagedState, layer_bytes: int) -> None:
+    """Blocks in pages 4 and 1 of ``a`` into pages 0 and 5 of ``b``, through block rows."""
+    rows = torch.empty((2, layer_bytes * len(a.layers)), dtype=torch.uint8)
+    a.gather([4, 1], rows)
+    ids = b.block_ids([0, 5])
+    for layer in range(len(b.layers)):
+        b.scatter_layer(layer, ids, rows[:, layer * layer_bytes : (layer + 1) * layer_bytes])
 
 
 def _round_trip(spec: object, layout: KVCacheLayout, vllm_config: SimpleNamespace) -> None:
@@ -62,12 +74,7 @@ def _round_trip(spec: object, layout: KVCacheLayout, vllm_config: SimpleNamespac
     src, dst = _views(spec, layout), _views(spec, layout)
     for t in dst.values():
         t.fill_(0)
-    a, b = PagedKV(ps, src), PagedKV(ps, dst)
-    rows = torch.empty((2, ps.block_bytes), dtype=torch.uint8)
-    a.gather([4, 1], rows)
-    ids = b.block_ids([0, 5])
-    for layer in range(ps.num_layers):
-        b.scatter_layer(layer, ids, rows[:, layer * ps.page_bytes : (layer + 1) * ps.page_bytes])
+    _move(PagedKV(ps, src), PagedKV(ps, dst), ps.page_bytes)
     for name in NAMES:
         assert torch.equal(dst[name][[0, 5]].view(torch.uint8), src[name][[4, 1]].view(torch.uint8))
 
@@ -239,11 +246,9 @@ def test_recurrent_state_pages_against_vllms_mamba_spec() -> None:
     assert (st.state_bytes, st.num_layers, st.mamba_type) == (3 * 1024 * 2 + 4 * 128 * 128 * 4, 2, "GDN_ATTN")
 
     def pages(seed: int, blocks: int = 6) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[_Layer]]:
-        page = spec.page_size_bytes
         g = torch.Generator().manual_seed(seed)
-        raw = torch.randint(0, 256, (page * blocks * 2,), dtype=torch.uint8, generator=g).view(torch.int8)
-        t = KVCacheTensor(page * blocks * 2, names, layer_stride=page * blocks, block_stride=page)
-        views = dict(zip(names, create_kv_cache_views(raw, spec, blocks, KVCacheLayout.LBHNC, t), strict=True))
+        raw = torch.randint(0, 256, (spec.page_size_bytes * blocks * 2,), dtype=torch.uint8, generator=g)
+        views = _views(spec, KVCacheLayout.LBHNC, blocks, names, raw.view(torch.int8))
         layers = [_Layer(spec) for _ in names]
         for layer, name in zip(layers, names, strict=True):
             MambaBase.bind_kv_cache(layer, views[name])  # type: ignore[arg-type]
@@ -253,12 +258,7 @@ def test_recurrent_state_pages_against_vllms_mamba_spec() -> None:
     assert tuple(src_views[names[0]].shape) == (6, 1, 1, st.state_bytes)
     raw, dst_views, dst = pages(2)
     before = raw.clone()
-    a, b = PagedState(st, src_views), PagedState(st, dst_views)
-    rows = torch.empty((2, st.block_bytes), dtype=torch.uint8)
-    a.gather([4, 1], rows)
-    ids = b.block_ids([0, 5])
-    for layer in range(st.num_layers):
-        b.scatter_layer(layer, ids, rows[:, layer * st.state_bytes : (layer + 1) * st.state_bytes])
+    _move(PagedState(st, src_views), PagedState(st, dst_views), st.state_bytes)
     for s_layer, d_layer in zip(src, dst, strict=True):
         for s_state, d_state in zip(s_layer.kv_cache, d_layer.kv_cache, strict=True):
             assert torch.equal(d_state[[0, 5]].view(torch.uint8), s_state[[4, 1]].view(torch.uint8))
