@@ -19,11 +19,15 @@ Families (``docs/vllm.md``, "Model families"): an fp8 cache's pages are 1-byte e
 namespace holds the fp8 format and a digest of the layers' scales; an MLA page is ``[B, 1, N,
 latent]``, one namespace (rank 0's) for every TP rank; a page with sliding-window layers is
 stored as the parts of ``kvstore.hybrid`` (:meth:`PageSpec.part`: the full layers per block, the
-sliding layers as window pieces at checkpoints).
+sliding layers as window pieces at checkpoints). A group of vLLM's recurrent state (``MambaSpec``:
+Mamba2, gated delta net linear attention, short convolutions) is described by :class:`StateSpec`
+and moved by :class:`PagedState`, one state per layer at a checkpoint; the connector refuses such
+models at start-up (``docs/vllm.md``, "Model families", says what runs and what is missing).
 """
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 from collections.abc import Callable, Sequence
@@ -35,7 +39,7 @@ import xxhash
 
 from engine.gpu import arena_layer_rows
 from kvstore.errors import UsageError
-from kvstore.keys import KVLayout, LayerGroup, Namespace
+from kvstore.keys import DTYPE_BYTES, KVLayout, LayerGroup, Namespace
 
 GATHER_STAGE_BYTES = 128 << 20
 """The device staging a gather into host memory uses at most (what a layer's ``index_select`` of
@@ -274,6 +278,8 @@ def sliding_layers(names: Sequence[str], hf_config: Any) -> tuple[str, ...]:
 def _check_spec(spec: Any, cache: Any) -> tuple[bool, str]:
     """(MLA, the ``--kv-cache-dtype`` kvstore records) of one KV cache group's spec, or a
     :class:`UsageError` saying what kvstore's connector supports."""
+    if type(spec).__name__ == "MambaSpec":
+        raise UsageError(f"this model has recurrent layers ({spec!r}). {RECURRENT}. {SUPPORTED}")
     missing = [a for a in ("num_kv_heads", "head_size", "dtype", "block_size") if not hasattr(spec, a)]
     if missing:
         raise UsageError(f"this model's KV cache is {type(spec).__name__}. {SUPPORTED}")
@@ -350,6 +356,116 @@ def page_spec(kv_cache_config: Any, cache_layout: str | None, vllm_config: Any =
     return PageSpec(names, int(spec.block_size), int(spec.num_kv_heads), int(spec.head_size), spec.dtype,
                     cache_layout or "LBHNC", kind="mla" if mla else "full", kv_cache_dtype=kv_dtype,
                     rope_dim=rope, sliding=sliding, window=window, vllm_windows=vllm_windows, groups=layer_groups)
+
+
+RECURRENT = (
+    "kvstore's vLLM connector does not store recurrent state yet (Mamba, Mamba2, gated delta net linear "
+    "attention such as Qwen3-Next, short convolutions: vLLM's MambaSpec groups); start vLLM without the "
+    "kvstore connector for this model"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """One KV cache group of vLLM's recurrent state (``MambaSpec``), per rank.
+
+    vLLM keeps a recurrent layer's whole history in a fixed-size state: one page per block of
+    ``block_size`` tokens, holding the state after the block's last token (its ``align`` cache
+    mode keeps these at block boundaries; ``none`` keeps only the running one). vLLM hands a
+    connector each layer as an int8 view ``[B, 1, 1, state_bytes]`` whose pages are padded to
+    vLLM's common page size; the layer's tensors (``shapes``, ``dtypes``: e.g. a gated delta net's
+    conv state ``[3, 1024]`` bf16 and its recurrent state ``[4, 128, 128]`` fp32) lie back to back
+    in a page (``MambaBase.bind_kv_cache``). A stored state is those bytes of every layer,
+    layer-major: what ``kvstore.hybrid`` keeps under a checkpoint's state key."""
+
+    layer_names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    block_size: int
+    """Tokens between two states vLLM keeps (its ``mamba_block_size``: the attention block size)."""
+    mamba_type: str = ""
+    """vLLM's ``MambaAttentionBackendEnum`` name (``MAMBA2``, ``GDN_ATTN``, ``SHORT_CONV``...)."""
+
+    def __post_init__(self) -> None:
+        if not self.layer_names or len(self.shapes) != len(self.dtypes) or not self.shapes:
+            raise UsageError(f"a recurrent state needs layers and one dtype per state tensor, got "
+                             f"{len(self.layer_names)} layers, shapes {self.shapes}, dtypes {self.dtypes}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one layer's state (without vLLM's page padding)."""
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(self.shapes, self.dtypes, strict=True))
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one stored state: every layer's."""
+        return self.num_layers * self.state_bytes
+
+    def layer_group(self, dtype: str) -> LayerGroup:
+        """The namespace's ``recurrent`` group for a layout of element type ``dtype``: a layer's
+        state as ``latent_dim`` elements of it (the reference engines' form: one size per model)."""
+        size = DTYPE_BYTES[dtype]
+        if self.state_bytes % size:
+            raise UsageError(f"a recurrent state of {self.state_bytes} bytes is not a whole number of {dtype} elements")
+        return LayerGroup("recurrent", self.num_layers, latent_dim=self.state_bytes // size)
+
+
+def state_spec(group: Any) -> StateSpec:
+    """The :class:`StateSpec` of a vLLM ``KVCacheGroupSpec`` whose spec is a ``MambaSpec`` in
+    ``align`` mode (the only mode in which vLLM keeps a state at each block boundary), or a
+    :class:`UsageError` saying why not."""
+    spec = group.kv_cache_spec
+    if type(spec).__name__ != "MambaSpec":
+        raise UsageError(f"{type(spec).__name__} is not a recurrent state group (MambaSpec)")
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise UsageError(f"vLLM keeps this model's recurrent state at block boundaries only with its prefix cache on "
+                         f"(mamba_cache_mode 'align', got {mode!r})")
+    if int(getattr(spec, "num_speculative_blocks", 0)):
+        raise UsageError("recurrent state with speculative decoding's extra state blocks is not supported")
+    kind = getattr(spec, "mamba_type", "")
+    return StateSpec(tuple(group.layer_names), tuple(tuple(int(d) for d in s) for s in spec.shapes),
+                     tuple(spec.dtypes), int(spec.block_size), str(getattr(kind, "name", kind)))
+
+
+class PagedState:
+    """Moves states between vLLM's recurrent-state pages and kvstore blocks: a block is one state
+    of every layer (``[layer][state_bytes]``), gathered from and scattered into the pages vLLM's
+    Mamba KV cache group gives a request (one page id per block)."""
+
+    def __init__(self, spec: StateSpec, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in spec.layer_names if n not in kv_caches]
+        if missing:
+            raise UsageError(f"vLLM registered no state for layer(s) {', '.join(missing[:4])}")
+        self.spec = spec
+        self.layers = []
+        for name in spec.layer_names:
+            t = kv_caches[name]
+            if t.dim() != 4 or tuple(t.shape[1:]) != (1, 1, spec.state_bytes) or t.element_size() != 1:
+                raise UsageError(f"layer {name}: vLLM's state view is {tuple(t.shape)} {t.dtype}; kvstore expects "
+                                 f"[blocks, 1, 1, {spec.state_bytes}] int8")
+            self.layers.append(t.view(torch.uint8).squeeze(2).squeeze(1))
+        self.device = self.layers[0].device
+
+    def block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Copy the states in pages ``block_ids`` of every layer into ``out`` (``[n, block_bytes]`` uint8)."""
+        ids, sb = self.block_ids(block_ids), self.spec.state_bytes
+        dst = out.view(len(block_ids), self.spec.num_layers, sb)
+        for i, t in enumerate(self.layers):
+            dst[:, i].copy_(t.index_select(0, ids), non_blocking=True)
+
+    def scatter_layer(self, layer: int, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Write layer ``layer``'s state of ``n`` blocks from ``src`` (``[n, state_bytes]`` uint8)."""
+        if src.device != self.device:
+            src = src.to(self.device, non_blocking=True)
+        self.layers[layer].index_copy_(0, block_ids, src)
 
 
 class PagedKV:

@@ -1,6 +1,7 @@
 """One vLLM process of the end-to-end tests: ``python -m tests.engine.vllm._scenario SPEC.json``.
 
-SPEC names the model, the connector settings (or none), the engine settings and the rounds to
+SPEC names the model, the connector settings (or none; or ``example``: a folder for vLLM's own
+ExampleConnector instead), the engine settings and the rounds to
 run; the results (per round, per prompt: tokens, logprobs, cached and kvstore-hit tokens) go to
 SPEC's ``out`` as JSON, and each round's connector counters per tensor-parallel rank beside it
 (``out.counters.json``; read by ``conftest.counters``), and per round the lookups the daemon
@@ -26,6 +27,7 @@ import numpy as np
 
 from engine.vllm.harness import (
     BLOCK_SIZE,
+    example_transfer,
     flush_saves,
     generate,
     kvstore_transfer,
@@ -81,6 +83,8 @@ def main(path: str) -> None:
         spec["daemon"]["http_port"] = daemon.info["http_port"]
         spec["daemon"]["data_port"] = daemon.info["data_port"]
     transfer = None if spec.get("connector") is None else kvstore_transfer(url, **spec["connector"])
+    if spec.get("example"):
+        transfer = example_transfer(spec["example"])
     t0 = time.perf_counter()
     llm = make_llm(spec["model"], kv_transfer_config=transfer, **spec.get("engine", {}))
     print(f"scenario: engine up in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

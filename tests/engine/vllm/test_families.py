@@ -4,7 +4,9 @@ KV cache manager on (its sliding-window KV cache groups) and off.
 
 Each family: vLLM alone, then two fresh vLLM processes against one daemon (the first stores, the
 second hits), all three with the same thread binding (vLLM computes on another number of threads
-when a connector is set); the second's greedy tokens and logprobs equal vLLM alone's.
+when a connector is set); the second's greedy tokens and logprobs equal vLLM alone's (MLA: vLLM's
+when its own ExampleConnector loads the same blocks, as its CPU MLA backend is not invariant to
+the batch's shape).
 """
 
 from __future__ import annotations
@@ -75,18 +77,32 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_mla_latent_pages(family_models: dict[str, str], tmp_path: Path) -> None:
     """A tiny DeepSeek-V2 on vLLM's CPU MLA backend (kv_lora_rank 512 + rope 64, 16-token pages:
     the CPU build forces them, and turns vLLM's prefix cache and chunked prefill off): a fresh
-    process loads every stored block but the last of each prompt, without a failure.
+    process loads every stored block but the last of each prompt, without a failure, and answers
+    as vLLM does when its own ExampleConnector loads the same blocks.
 
-    Its answers are not compared with vLLM alone's: vLLM 0.32's CPU MLA backend is not invariant
-    to the batch (vLLM alone answers the same prompt differently alone and beside another one:
-    first-token logprobs 0.1-0.5 apart, ``docs/vllm.md``), and a hit changes the batch's shape. The
-    latent pages' bytes are checked against vLLM's own MLA page views
-    (``test_pages_vllm.py``) and through a real daemon (``test_worker_families.py``)."""
+    The reference is vLLM with its ExampleConnector (one process: a cold round that stores, then
+    a round that loads), not vLLM alone: vLLM 0.32's CPU MLA backend is not invariant to the
+    batch (vLLM alone answers the same prompt differently alone and beside another one:
+    first-token logprobs 0.1-0.5 apart, ``docs/vllm.md``), and a hit changes the batch's shape
+    (a few new tokens over a loaded context). The ExampleConnector loads the same whole blocks
+    (all but the one holding the last prompt token), so its loaded round computes in the same
+    shapes as kvstore's hit; only the latent bytes loaded can differ."""
     bt = 16
     ps = prompts(12, [150, 233])
-    alone, stored, hit = run_family(family_models["deepseek"], ENGINE, {"load_mode": "layerwise"}, ps, tmp_path)
-    same_outputs(stored, alone)  # nothing loaded: the connector changed nothing
-    assert [_hit(o) for o in hit] == [(len(p) - 1) // bt * bt for p in ps]
+    env = _bind()
+    model, conn = family_models["deepseek"], {**ROBUST, "load_mode": "layerwise"}
+    example = {"model": model, "connector": None, "example": str(tmp_path / "example-kv"), "engine": ENGINE,
+               "rounds": [{"prompts": ps}, {"prompts": ps}]}
+    cold, loaded = run_scenario(example, tmp_path / "example", env=env)
+    with small_daemon(tmp_path / "daemon") as d:
+        spec = {"model": model, "url": d.url, "connector": conn, "engine": ENGINE, "rounds": [{"prompts": ps}]}
+        (stored,) = run_scenario(spec, tmp_path / "stored", env=env)
+        (hit,) = run_scenario(spec, tmp_path / "hit", env=env)
+    same_outputs(stored, cold)  # nothing loaded by either
+    want = [(len(p) - 1) // bt * bt for p in ps]
+    assert [_hit(o) for o in hit] == want
+    assert [o["cached_tokens"] for o in loaded] == [o["cached_tokens"] for o in hit] == want
+    same_outputs(hit, loaded, atol=1e-6)  # the same shapes, the same latent bytes: the same floats
     (s,) = counters(tmp_path / "stored")[0]
     assert s["saved_blocks"] == sum(len(p) // bt for p in ps)
     (c,) = counters(tmp_path / "hit")[0]

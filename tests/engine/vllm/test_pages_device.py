@@ -1,8 +1,10 @@
 """vLLM pages <-> kvstore blocks on CUDA: ``PagedKV`` gather and scatter on device pages give the
-same bytes as on the CPU, for vLLM's paged memory orders, a shuffled block table and the
-cross-device branch (rows of a pinned host arena written into CUDA pages). Skipped without CUDA
-(CI has none). Last run: one NVIDIA H200, 2026-12-01, torch 2.11: 12 passed
-(``docs/results/h200-s4-pages-device.txt``)."""
+same bytes as on the CPU, for vLLM's paged memory orders, a shuffled block table, the
+cross-device branch (rows of a pinned host arena written into CUDA pages) and the page layouts of
+the model families (MLA latent pages, fp8 bytes, sliding and full layers in the KV cache groups of
+vLLM's hybrid manager, page ids per group). Skipped without CUDA (CI has none); imports no vLLM
+(the GPU machine has none). Last run: one NVIDIA H200, 2026-12-01, torch 2.11: 12 passed
+(``docs/results/h200-s4-pages-device.txt``), before the family layouts were added."""
 
 from __future__ import annotations
 
@@ -145,3 +147,58 @@ def test_gather_to_slots_on_cuda_stores_the_bytes_of_a_cpu_gather(order: tuple[i
         got = torch.zeros_like(want)
         assert store.get_into(ns, chain, got.numpy()) == len(ids)
     assert torch.equal(got, want)
+
+
+FAMILIES = {
+    "mla": PageSpec(SPEC.layer_names[:2], 16, 1, 576, torch.bfloat16, "LBNHC", kind="mla", rope_dim=64),
+    "fp8": PageSpec(SPEC.layer_names, 16, 4, 64, torch.uint8, "LBHNC", kv_cache_dtype="fp8"),
+    "hybrid-groups": PageSpec(SPEC.layer_names, 16, 4, 64, torch.bfloat16, "LBHNC",
+                              sliding=SPEC.layer_names[0::2], window=32, vllm_windows=True, groups=(0, 1, 0, 1)),
+}
+"""MLA (one latent of 576 a token), fp8 (1-byte pages) and vLLM's hybrid KV cache manager (sliding
+layers 0, 2 in group 0, full layers 1, 3 in group 1: a block's pages are one id per group)."""
+
+
+def family_pages(spec: PageSpec, device: str, seed: int) -> dict[str, torch.Tensor]:
+    """Random pages of ``spec`` on ``device`` (the same bytes for any device, from the CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (BLOCKS, spec.num_kv_heads, spec.block_size, spec.content)
+    raw = {n: torch.randint(0, 256, (*shape[:3], shape[3] * spec.dtype.itemsize), dtype=torch.uint8, generator=g)
+           for n in spec.layer_names}
+    return {n: t.view(spec.dtype).to(device) for n, t in raw.items()}
+
+
+def family_round_trip(spec: PageSpec, device: str) -> None:
+    """Gather a shuffled table's pages on ``device`` into pinned host rows (the save path): the
+    bytes of the same gather on the CPU; scatter those rows into zeroed pages at other ids (the
+    load path): the pages moved, nothing else was written."""
+    ids: list = _table(10, 6)
+    targets: list = _table(11, 6)
+    if spec.groups:  # one page id per KV cache group
+        ids = list(zip(ids, _table(12, 6), strict=True))
+        targets = list(zip(targets, _table(13, 6), strict=True))
+    want = torch.empty((len(ids), spec.block_bytes), dtype=torch.uint8)
+    PagedKV(spec, family_pages(spec, "cpu", 5)).gather(ids, want)
+    src = PagedKV(spec, family_pages(spec, device, 5))
+    rows = torch.full_like(want, 0x5A).pin_memory() if device == "cuda" else torch.full_like(want, 0x5A)
+    src.gather(ids, rows)
+    dst = PagedKV(spec, {n: torch.zeros_like(t) for n, t in family_pages(spec, device, 5).items()})
+    pb = spec.page_bytes
+    for layer in range(spec.num_layers):
+        dst.scatter_layer(layer, dst.block_ids(targets), rows[:, layer * pb : (layer + 1) * pb])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(rows, want)
+    for layer in range(spec.num_layers):
+        col = spec.groups[layer] if spec.groups else None
+        got = [t[col] if col is not None else t for t in targets]
+        had = [i[col] if col is not None else i for i in ids]
+        moved = dst.layers[layer][got].cpu().view(torch.uint8)
+        assert torch.equal(moved, src.layers[layer][had].cpu().view(torch.uint8)), f"layer {layer}"
+        untouched = [b for b in range(BLOCKS) if b not in got]
+        assert not dst.layers[layer][untouched].cpu().view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_pages_round_trip_on_cuda_as_on_the_cpu(family: str) -> None:
+    family_round_trip(FAMILIES[family], "cuda")

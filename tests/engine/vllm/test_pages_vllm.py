@@ -1,8 +1,9 @@
 """``page_spec`` and ``PagedKV`` against vLLM 0.32's own KV spec classes and page views
 (``create_kv_cache_views``: the tensors vLLM hands ``register_kv_caches``): fp8 pages, MLA latent
 pages in vLLM's MLA memory order, sliding-window layers without the hybrid manager and with it
-(several KV cache groups, page ids per group), and the loud refusals of what the connector does
-not store."""
+(several KV cache groups, page ids per group), the recurrent state of a Qwen3-Next-style gated
+delta net (``MambaSpec``, the state code the connector does not use yet), and the loud refusals
+of what the connector does not store."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from engine.vllm.pages import PagedKV, page_spec  # noqa: E402
+from engine.vllm.pages import PagedKV, PagedState, page_spec, state_spec  # noqa: E402
 from kvstore.errors import UsageError  # noqa: E402
+from kvstore.hybrid import HybridNamespaces  # noqa: E402
+from kvstore.keys import KVLayout, LayerGroup, Namespace  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -41,17 +44,29 @@ def _vllm(cache_dtype: str = "auto", **hf: object) -> SimpleNamespace:
                            model_config=SimpleNamespace(hf_text_config=SimpleNamespace(**hf)))
 
 
-def _views(spec: object, layout: KVCacheLayout, num_blocks: int = 6) -> dict[str, torch.Tensor]:
-    """vLLM's per-layer page views of one random backing tensor, as its model runner builds them."""
+def _views(spec: object, layout: KVCacheLayout, num_blocks: int = 6, names: list[str] = NAMES,
+           raw: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """vLLM's per-layer page views of one backing tensor (``raw``, else a random one), as its
+    model runner builds them."""
     page = spec.page_size_bytes  # type: ignore[attr-defined]
-    size = page * num_blocks * len(NAMES)
-    raw = torch.randint(0, 256, (size,), dtype=torch.uint8).view(torch.int8)
+    size = page * num_blocks * len(names)
+    if raw is None:
+        raw = torch.randint(0, 256, (size,), dtype=torch.uint8).view(torch.int8)
     if layout.is_layer_compact:
-        t = KVCacheTensor(size, NAMES, layer_stride=page * num_blocks, block_stride=page)
+        t = KVCacheTensor(size, names, layer_stride=page * num_blocks, block_stride=page)
     else:
-        t = KVCacheTensor(size, NAMES, layer_stride=page, block_stride=page * len(NAMES))
+        t = KVCacheTensor(size, names, layer_stride=page, block_stride=page * len(names))
     views = create_kv_cache_views(raw, spec, num_blocks, layout, t)  # type: ignore[arg-type]
-    return dict(zip(NAMES, views, strict=True))
+    return dict(zip(names, views, strict=True))
+
+
+def _move(a: PagedKV | PagedState, b: PagedKV | PagedState, layer_bytes: int) -> None:
+    """Blocks in pages 4 and 1 of ``a`` into pages 0 and 5 of ``b``, through block rows."""
+    rows = torch.empty((2, layer_bytes * len(a.layers)), dtype=torch.uint8)
+    a.gather([4, 1], rows)
+    ids = b.block_ids([0, 5])
+    for layer in range(len(b.layers)):
+        b.scatter_layer(layer, ids, rows[:, layer * layer_bytes : (layer + 1) * layer_bytes])
 
 
 def _round_trip(spec: object, layout: KVCacheLayout, vllm_config: SimpleNamespace) -> None:
@@ -59,12 +74,7 @@ def _round_trip(spec: object, layout: KVCacheLayout, vllm_config: SimpleNamespac
     src, dst = _views(spec, layout), _views(spec, layout)
     for t in dst.values():
         t.fill_(0)
-    a, b = PagedKV(ps, src), PagedKV(ps, dst)
-    rows = torch.empty((2, ps.block_bytes), dtype=torch.uint8)
-    a.gather([4, 1], rows)
-    ids = b.block_ids([0, 5])
-    for layer in range(ps.num_layers):
-        b.scatter_layer(layer, ids, rows[:, layer * ps.page_bytes : (layer + 1) * ps.page_bytes])
+    _move(PagedKV(ps, src), PagedKV(ps, dst), ps.page_bytes)
     for name in NAMES:
         assert torch.equal(dst[name][[0, 5]].view(torch.uint8), src[name][[4, 1]].view(torch.uint8))
 
@@ -152,8 +162,11 @@ def test_what_the_connector_does_not_store_is_refused_with_what_it_does() -> Non
     with pytest.raises(UsageError, match="fp8_e5m2 with per-tensor scales"):
         page_spec(_config(per_token), "LBHNC", _vllm("fp8_per_token_head"))
     mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
-    with pytest.raises(UsageError, match="MambaSpec"):
+    with pytest.raises(UsageError, match="does not store recurrent state yet.*MambaSpec"):
         page_spec(_config(mamba), "LBHNC", _vllm())
+    full = FullAttentionSpec(block_size=544, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    with pytest.raises(UsageError, match="Qwen3-Next"):  # vLLM's groups of the tiny Qwen3-Next
+        page_spec(_hma((_gdn_spec(), NAMES[0::2]), (full, NAMES[1::2])), "LBHNC", _vllm())
     with pytest.raises(UsageError, match="'linear_attention' layer"):
         page_spec(_config(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32,
                                             sliding_window=64)), "LBHNC",
@@ -187,3 +200,78 @@ def test_the_sliding_mode_follows_vllms_prefix_cache() -> None:
     assert sliding_mode(hma, window, prefix_caching=True) == hma
     with pytest.raises(UsageError, match="--disable-hybrid-kv-cache-manager"):
         sliding_mode(hma, every, prefix_caching=True)
+
+
+def _gdn_spec(mode: str = "align") -> MambaSpec:
+    """The ``MambaSpec`` vLLM 0.32's CPU build gives the gated delta net layers of a tiny
+    Qwen3-Next (2 key heads and 4 value heads of 128, conv kernel 4, bf16 model; the recurrent
+    state in fp32), its page padded to the full-attention page of 544-token blocks (2 KV heads of
+    64, bf16: 278,528 bytes), as read off a running engine."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 2, 4, 128, 128, 4)
+    return MambaSpec(block_size=544, shapes=tuple(shapes), dtypes=(torch.bfloat16, torch.float32),
+                     page_size_padded=2 * 544 * 2 * 64 * 2, mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                     mamba_cache_mode=mode)
+
+
+class _Layer:
+    """A recurrent layer's state tensors as vLLM binds them (``MambaBase.bind_kv_cache``)."""
+
+    def __init__(self, spec: MambaSpec) -> None:
+        self.spec = spec
+        self.kv_cache: tuple[torch.Tensor, ...] = ()
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return self.spec.shapes
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return self.spec.dtypes
+
+
+def test_recurrent_state_pages_against_vllms_mamba_spec() -> None:
+    """vLLM hands a connector each recurrent layer as an int8 view ``[B, 1, 1, state_bytes]`` over
+    pages padded to the attention page (``create_kv_cache_views``), in which the layer binds its
+    conv and recurrent state tensors (``MambaBase.bind_kv_cache``). ``PagedState`` moves a state
+    of every layer between those pages and a block: the layer's own state tensors arrive equal,
+    nothing else (other pages, the padding) is written. The namespace's ``recurrent`` group is
+    the state part ``kvstore.hybrid`` keys a checkpoint's state under."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    spec = _gdn_spec()
+    assert spec.shapes == ((3, 1024), (4, 128, 128))  # conv state (kernel - 1 taps), recurrent state
+    names = NAMES[0::2]
+    st = state_spec(SimpleNamespace(kv_cache_spec=spec, layer_names=names))
+    assert (st.state_bytes, st.num_layers, st.mamba_type) == (3 * 1024 * 2 + 4 * 128 * 128 * 4, 2, "GDN_ATTN")
+
+    def pages(seed: int, blocks: int = 6) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[_Layer]]:
+        g = torch.Generator().manual_seed(seed)
+        raw = torch.randint(0, 256, (spec.page_size_bytes * blocks * 2,), dtype=torch.uint8, generator=g)
+        views = _views(spec, KVCacheLayout.LBHNC, blocks, names, raw.view(torch.int8))
+        layers = [_Layer(spec) for _ in names]
+        for layer, name in zip(layers, names, strict=True):
+            MambaBase.bind_kv_cache(layer, views[name])  # type: ignore[arg-type]
+        return raw, views, layers
+
+    _, src_views, src = pages(1)
+    assert tuple(src_views[names[0]].shape) == (6, 1, 1, st.state_bytes)
+    raw, dst_views, dst = pages(2)
+    before = raw.clone()
+    _move(PagedState(st, src_views), PagedState(st, dst_views), st.state_bytes)
+    for s_layer, d_layer in zip(src, dst, strict=True):
+        for s_state, d_state in zip(s_layer.kv_cache, d_layer.kv_cache, strict=True):
+            assert torch.equal(d_state[[0, 5]].view(torch.uint8), s_state[[4, 1]].view(torch.uint8))
+    written = torch.zeros_like(raw, dtype=torch.bool)
+    for layer in range(2):
+        for block in (0, 5):
+            start = layer * 6 * spec.page_size_bytes + block * spec.page_size_bytes
+            written[start : start + st.state_bytes] = True
+    assert torch.equal(raw[~written], before[~written])  # other pages and the padding untouched
+    full = LayerGroup("full", 2, 2, 64)
+    ns = Namespace("org/qwen3-next-tiny", KVLayout("bfloat16", 544, (full, st.layer_group("bfloat16"))))
+    hyb = HybridNamespaces.of(ns)
+    assert hyb.state is not None and hyb.state.block_bytes == st.block_bytes
+    assert hyb.full is not None and hyb.full.block_bytes == 2 * 544 * 2 * 2 * 64 * 2
+    with pytest.raises(UsageError, match="mamba_cache_mode 'align'"):
+        state_spec(SimpleNamespace(kv_cache_spec=_gdn_spec("none"), layer_names=names))

@@ -4,10 +4,13 @@ window pieces at checkpoints), an all-sliding page (windows only), MLA (one copy
 tensor-parallel rank, saved by rank 0 only), fp8 (1-byte pages, scales in the namespace) and the
 KV cache groups of vLLM's hybrid manager (page ids per group).
 Each on the CPU and, where there is one, on a CUDA device (the GPU load and save paths of
-``engine.transfer``; skipped without CUDA)."""
+``engine.transfer``; skipped without CUDA). Neither this module nor ``test_pages_device.py``
+imports vLLM: they run on a GPU machine that has torch but no vLLM."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -272,3 +275,15 @@ def test_hybrid_manager_pages_per_group_share_blocks_with_the_one_group_mode(dae
     assert w.take_errors() == set() and w.take_failed_requests() == {"l"}
     for x in (one, w, back):
         x.close()
+
+
+def test_the_cuda_page_tests_import_no_vllm() -> None:
+    """The GPU machine has torch and transformers but no vLLM: this module and the CUDA page tests
+    import with vLLM made unimportable."""
+    code = ("import sys; sys.modules['vllm'] = None; "
+            "import tests.engine.vllm.test_worker_families, tests.engine.vllm.test_pages_device; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm' and sys.modules[m] is not None))")
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
