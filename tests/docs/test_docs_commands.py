@@ -456,7 +456,7 @@ def test_docs_commands_run_as_written(runner: Runner, tmp_path: Path) -> None:
     assert len((tmp_path / "coding-agent.jsonl").read_text().splitlines()) == 800
 
     # docs/benchmarks.md's peers tables, from the raw runs the docs keep.
-    runs = sorted(str(p) for p in (ROOT / "docs" / "results").glob("peers-s8-paired-32k-r*.jsonl"))
+    runs = sorted(str(p) for p in (ROOT / "docs" / "results").glob("peers-paired-32k-r*.jsonl"))
     assert runs
     table = r.run("PYTHONPATH=. .venv-peers/bin/python -m tools.bench._peers.table RUN.jsonl ...",
                   {"RUN.jsonl": " ".join(runs)}, cwd=ROOT)

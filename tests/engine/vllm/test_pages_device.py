@@ -2,7 +2,7 @@
 same bytes as on the CPU, for vLLM's paged memory orders, a shuffled block table and the
 cross-device branch (rows of a pinned host arena written into CUDA pages). Skipped without CUDA
 (CI has none). Last run: one NVIDIA H200, 2026-12-01, torch 2.11: 12 passed
-(``docs/results/h200-s4-pages-device.txt``)."""
+(``docs/results/h200-pages-device-tests.txt``)."""
 
 from __future__ import annotations
 
