@@ -443,6 +443,11 @@ class BatchedLM:
             self._staging_buf = torch.empty(n * width, dtype=torch.uint8, device=self.device)
         return self._staging_buf[: n * width].view(n, width)
 
+    def reserve_rows(self, rows: int) -> None:
+        """Allocate the KV rows for batches of up to ``rows`` rows now (a benchmark does before
+        its timed batches), rather than at the first batch that needs them."""
+        self._rows(rows)
+
     def rows_allocated(self, buf: torch.Tensor) -> None:
         """Called with the whole KV row buffer each time it is (re)allocated, before any row is
         written: by default nothing (every row a batch reads is loaded or computed first)."""

@@ -466,7 +466,7 @@ def _engine_run(bench: Bench, kind: str, h: float, args: argparse.Namespace, mod
         return _stream(bench.engine(model, None, attention=attention, block_tokens=w.block_tokens), turns, histories, w, kind, None)
     if kind == "ideal":
         ideal = bench.resident(model, None, attention=attention, block_tokens=w.block_tokens)
-        ideal._rows(w.max_rows)  # allocated (and filled) before the timed rounds
+        ideal.reserve_rows(w.max_rows)  # allocated (and filled) before the timed rounds
         run = _stream(ideal, turns, histories, w, kind, None)
         if not smoke and bench.compare_attention and args.compare_attention:
             alt = bench.resident(model, None, attention="loop", block_tokens=w.block_tokens)
