@@ -1,5 +1,5 @@
 """What an operator asks about a store's contents, computed the same way for a live daemon
-(kvstore/server/admin.py) and for a store directory read offline (kvstore/snapshot.py).
+(kvstore/server/admin.py) and for a store directory read offline (kvstore/store/snapshot.py).
 
 Everything here works on plain rows: namespace rows (:func:`namespace_row`) and block rows as
 ``KVStore.iter_blocks()`` yields them (hash, namespace, parent, depth, size, tiers, hits, ...).

@@ -2,7 +2,9 @@
 leaf modules of ``kvstore/``; ``kvstore/wire`` (the wire formats) only those and itself;
 ``kvstore/client`` and ``kvstore/route`` never the daemon (``kvstore/server``); no package imports
 an underscore-private name of another package
-(a private name is visible in the package that holds it and that package's subpackages); the
+(a private name is visible in the package that holds it and that package's subpackages), and no
+subclass of another package's class overrides, reads or writes a private attribute of its base
+(``def _load``, ``self._ring``: a public extension point instead); the
 product (``kvstore/``, ``tiers/``, ``eviction/``, ``engine/``) imports nothing from ``tools/``;
 the engine adapters (``engine/vllm``, ``engine/sglang``) import no reference engine
 (``engine/reference``); nothing outside ``tools/lab`` imports the lab, and the lab, which is
@@ -38,22 +40,27 @@ def _package_of(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports(path: Path) -> Iterator[tuple[int, str, str | None]]:
-    """``(line, module, name)`` of every import in ``path`` (``name`` None for ``import m``),
-    relative imports resolved against the module's package."""
-    tree = ast.parse(path.read_text(), str(path))
-    package = _package_of(path)
+def _import_rows(tree: ast.Module, package: str) -> Iterator[tuple[int, str, str | None, str | None]]:
+    """``(line, module, name, as)`` of every import in a module of ``package``."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                yield node.lineno, a.name, None
+                yield node.lineno, a.name, None, a.asname
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 module = ".".join([*base, module] if module else base)
             for a in node.names:
-                yield node.lineno, module, a.name
+                yield node.lineno, module, a.name, a.asname
+
+
+def imports(path: Path) -> Iterator[tuple[int, str, str | None]]:
+    """``(line, module, name)`` of every import in ``path`` (``name`` None for ``import m``),
+    relative imports resolved against the module's package."""
+    tree = ast.parse(path.read_text(), str(path))
+    for line, module, name, _ in _import_rows(tree, _package_of(path)):
+        yield line, module, name
 
 
 def upward(path: Path, own: str | None = None) -> list[str]:
@@ -104,6 +111,126 @@ def private(path: Path) -> list[str]:
     return out
 
 
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _module_file(module: str) -> Path | None:
+    base = ROOT.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _bound_names(tree: ast.Module, path: Path) -> dict[str, tuple[str, str | None]]:
+    """``{local name: (module, name)}`` of a module's first-party imports (``name`` None for a
+    module imported whole)."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for _, module, name, asname in _import_rows(tree, _package_of(path)):
+        if name or asname:
+            out[asname or name or module] = (module, name)
+        else:  # import a.b binds a
+            out[module.split(".")[0]] = (module.split(".")[0], None)
+    return {k: v for k, v in out.items() if v[0].split(".")[0] in FIRST_PARTY}
+
+
+def _resolve(expr: ast.expr, bound: dict[str, tuple[str, str | None]]) -> tuple[str, str] | None:
+    """``(module, class)`` of a base-class expression that names a first-party class."""
+    dotted: list[str] = []
+    while isinstance(expr, ast.Attribute):
+        dotted.insert(0, expr.attr)
+        expr = expr.value
+    if not isinstance(expr, ast.Name) or expr.id not in bound:
+        return None
+    module, name = bound[expr.id]
+    parts = [*module.split("."), *([name] if name else []), *dotted]
+    for n in range(len(parts) - 1, 0, -1):
+        if _module_file(".".join(parts[:n])) and n == len(parts) - 1:
+            return ".".join(parts[:n]), parts[-1]
+    return None
+
+
+def _find_class(module: str, name: str, depth: int = 0) -> tuple[str, ast.ClassDef, ast.Module] | None:
+    """A class by the module that defines it or re-exports it (followed a few imports deep)."""
+    path = _module_file(module)
+    if path is None or depth > 4:
+        return None
+    tree = ast.parse(path.read_text(), str(path))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return module, node, tree
+    source = _bound_names(tree, path).get(name)
+    if source and source[1]:
+        return _find_class(source[0], source[1], depth + 1)
+    return None
+
+
+def _class_level(cls: ast.ClassDef) -> Iterator[tuple[int, str]]:
+    """``(line, name)`` of the methods and class attributes a class body defines."""
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.lineno, node.name
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        yield from ((t.lineno, t.id) for t in targets if isinstance(t, ast.Name))
+
+
+def _own_privates(cls: ast.ClassDef) -> set[str]:
+    """Private names a class defines: methods and class attributes, and ``self._x`` it sets or reads."""
+    out = {name for _, name in _class_level(cls) if _is_private(name)}
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            out.add(node.attr)
+    return out
+
+
+def _base_privates(module: str, cls: ast.ClassDef, tree: ast.Module, seen: set[str]) -> set[str]:
+    """Private names of a first-party class and of its first-party bases."""
+    if f"{module}.{cls.name}" in seen:
+        return set()
+    seen.add(f"{module}.{cls.name}")
+    out = _own_privates(cls)
+    path = _module_file(module)
+    bound = _bound_names(tree, path) if path else {}
+    for base in cls.bases:
+        target = _resolve(base, bound)
+        if target is None and isinstance(base, ast.Name):
+            target = (module, base.id)
+        found = _find_class(*target) if target else None
+        if found:
+            out |= _base_privates(*found, seen)
+    return out
+
+
+def foreign_privates(path: Path) -> list[str]:
+    """Private attributes of another package's class that a subclass here overrides, reads or
+    writes (``def _x``, ``_x = ...``, ``self._x``, ``super()._x``)."""
+    own = _package_of(path)
+    tree = ast.parse(path.read_text(), str(path))
+    bound = _bound_names(tree, path)
+    out = []
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        privates: set[str] = set()
+        for base in cls.bases:
+            target = _resolve(base, bound)
+            if target is None:
+                continue
+            owner = _owner(target[0].split("."))
+            if own == owner or own.startswith(owner + "."):
+                continue
+            found = _find_class(*target)
+            if found:
+                privates |= _base_privates(*found, set())
+        if not privates:
+            continue
+        used = [*_class_level(cls), *(
+            (node.lineno, node.attr) for node in ast.walk(cls) if isinstance(node, ast.Attribute) and (
+                (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                or (isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name) and node.value.func.id == "super")))]
+        out += [f"{path.relative_to(ROOT)}:{line}: {cls.name} uses {name} of its base" for line, name in used if name in privates]
+    return sorted(set(out), key=lambda v: (v.split(":")[0], int(v.split(":")[1]), v))
+
+
 def reaching(path: Path, target: str) -> list[str]:
     """Imports of ``target`` (a dotted package) or anything under it."""
     return [f"{path.relative_to(ROOT)}:{line}: imports {module}{'.' + name if name and module == target.rpartition('.')[0] else ''}"
@@ -141,6 +268,11 @@ def test_the_sglang_backend_does_not_import_the_vllm_adapter() -> None:
 @pytest.mark.parametrize("where", FIRST_PARTY)
 def test_no_package_imports_another_ones_private_names(where: str) -> None:
     assert [v for p in _outside_lab(where) for v in private(p)] == []
+
+
+@pytest.mark.parametrize("where", FIRST_PARTY)
+def test_no_subclass_uses_another_packages_private_attributes(where: str) -> None:
+    assert [v for p in _outside_lab(where) for v in foreign_privates(p)] == []
 
 
 @pytest.mark.parametrize("where", PRODUCT)
@@ -189,6 +321,17 @@ def test_the_checks_catch_a_violation(tmp_path: Path, monkeypatch: pytest.Monkey
                      "from tools.bench._common import result\n")
     assert reaching(bench, "tools.lab") == ["tools/bench/bad.py:1: imports tools.lab", "tools/bench/bad.py:2: imports tools.lab.replay"]
     assert private(bench) == ["tools/bench/bad.py:3: imports private engine.reference.batch._Plan"]
+    (tmp_path / "engine" / "lm.py").write_text(
+        "class LM:\n    def __init__(self):\n        self._buf = 0\n    def _plan(self):\n        return self._buf\n"
+        "    def plan(self):\n        return self._plan()\n")
+    sub = tmp_path / "tools" / "bench" / "sub.py"
+    sub.write_text("from engine.lm import LM\nimport engine.lm as m\n\nclass A(LM):\n    def _plan(self):\n        return self._buf\n"
+                   "\nclass B(m.LM):\n    _own = 1\n    def plan(self):\n        return super()._plan() + self._own\n"
+                   "\nimport engine.lm\nclass D(engine.lm.LM):\n    _plan = None\n")
+    assert foreign_privates(sub) == ["tools/bench/sub.py:5: A uses _plan of its base", "tools/bench/sub.py:6: A uses _buf of its base",
+                                     "tools/bench/sub.py:11: B uses _plan of its base", "tools/bench/sub.py:15: D uses _plan of its base"]
+    (tmp_path / "engine" / "sub.py").write_text("from engine.lm import LM\n\nclass C(LM):\n    def _plan(self):\n        return 1\n")
+    assert foreign_privates(tmp_path / "engine" / "sub.py") == []
     adapter = tmp_path / "engine" / "vllm.py"
     adapter.write_text("import engine.reference.hf\nfrom engine import reference\nfrom engine.client import EngineCache\n")
     assert reaching(adapter, "engine.reference") == ["engine/vllm.py:1: imports engine.reference.hf", "engine/vllm.py:2: imports engine.reference"]

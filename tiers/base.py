@@ -346,7 +346,7 @@ class Tier(ABC):
     def read_offline(cls, name: str, config: Any, root: Path, clock: Clock) -> OfflineScan | None:
         """What a tier of this kind named ``name`` holds under store ``root``, read without
         writing, locking or deleting anything there (a store directory that no process
-        serves, or one a daemon holds: :mod:`kvstore.snapshot`). None: this kind cannot be
+        serves, or one a daemon holds: :mod:`kvstore.store.snapshot`). None: this kind cannot be
         read so (a volatile tier's blocks live only inside its process)."""
         return None
 

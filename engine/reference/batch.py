@@ -289,6 +289,11 @@ class BatchedLM:
         self._d2h: torch.cuda.Stream | None = None
         self.timings = Timings()
 
+    @property
+    def ring_waits(self) -> int:
+        """Stores that waited for room in the host staging ring (0 before the first store)."""
+        return self._ring.waits if self._ring is not None else 0
+
     # ---- the batch --------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -301,7 +306,7 @@ class BatchedLM:
         if any(x.numel() == 0 for x in ids):
             raise ValueError("a prompt is empty")
         t0 = time.perf_counter()
-        plans = [self._plan(x, use_cache) for x in ids]
+        plans = [self.plan(x, use_cache) for x in ids]
         self.timings.plan += time.perf_counter() - t0
         self.timings.batches += 1
         try:
@@ -317,7 +322,15 @@ class BatchedLM:
                     if p.promote is not None:
                         self.hbm.release(p.promote.keys)
 
-    def _plan(self, ids: torch.Tensor, use_cache: bool) -> Plan:
+    # ---- extension points: where a batch's cached rows come from ------------------------------
+    # A subclass may override :meth:`plan`, :meth:`load` and :meth:`rows_allocated` (and only
+    # these) to model another cache; tools/bench/throughput.py's HBM-resident ideal does.
+
+    def plan(self, ids: torch.Tensor, use_cache: bool) -> Plan:
+        """Where each cached block of one prompt comes from: the HBM cache's resident run, then
+        a lease on the store's copies of the blocks after it (leases and HBM pages are released
+        by :meth:`prefill` once the batch is done). At most ``(len - 1) // block_tokens`` blocks:
+        one token is always computed."""
         p = Plan(ids)
         if self.cache is None or not use_cache:
             return p
@@ -357,7 +370,7 @@ class BatchedLM:
             marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             marks[0].record()
         kv = self._rows(rows)
-        loads = self._load(plans, kv, k_starts)
+        loads = self.load(plans, kv, k_starts)
         loads.until(0)
         t1 = time.perf_counter()
         tm.load += t1 - t0
@@ -421,6 +434,7 @@ class BatchedLM:
         if self._rows_buf.numel() < need:
             self._rows_buf = torch.empty(0, dtype=s.dtype, device=self.device)  # free before growing
             self._rows_buf = torch.empty(need, dtype=s.dtype, device=self.device)
+            self.rows_allocated(self._rows_buf)
         return self._rows_buf[:need].view(s.num_layers, 2, rows, s.kv_heads, s.head_dim)
 
     def _staging(self, n: int, width: int) -> torch.Tensor:
@@ -429,7 +443,16 @@ class BatchedLM:
             self._staging_buf = torch.empty(n * width, dtype=torch.uint8, device=self.device)
         return self._staging_buf[: n * width].view(n, width)
 
-    def _load(self, plans: list[Plan], kv: torch.Tensor, k_starts: list[int]) -> Loads:
+    def reserve_rows(self, rows: int) -> None:
+        """Allocate the KV rows for batches of up to ``rows`` rows now (a benchmark does before
+        its timed batches), rather than at the first batch that needs them."""
+        self._rows(rows)
+
+    def rows_allocated(self, buf: torch.Tensor) -> None:
+        """Called with the whole KV row buffer each time it is (re)allocated, before any row is
+        written: by default nothing (every row a batch reads is loaded or computed first)."""
+
+    def load(self, plans: list[Plan], kv: torch.Tensor, k_starts: list[int]) -> Loads:
         """The loads of the cached rows of every request, to be issued group by group
         (:class:`Loads`); on the CPU each group is done when issued, so a layer's rows are
         filled before its ``update`` returns."""

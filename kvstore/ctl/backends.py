@@ -1,5 +1,5 @@
 """Where kvctl's answers come from: a daemon (``--url``, its ``/v1/admin`` endpoints) or a store
-directory read offline (``--dir``, :class:`kvstore.snapshot.StoreSnapshot`). Both return the
+directory read offline (``--dir``, :class:`kvstore.store.snapshot.StoreSnapshot`). Both return the
 same JSON-able shapes, so every command renders one way whatever the source."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvstore.errors import (
 from kvstore.events import decode_hashes, key_int, read_events
 from kvstore.inspection import layout_warnings, namespace_row, top_prefixes
 from kvstore.keys import BlockHash, Namespace, hash_blocks
-from kvstore.snapshot import Progress, StoreSnapshot
+from kvstore.store.snapshot import Progress, StoreSnapshot
 
 
 class KvctlError(Exception):

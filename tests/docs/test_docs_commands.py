@@ -111,7 +111,7 @@ RUN: frozenset[str] = frozenset({
     "kvctl evict BLOCK...",
     "kvctl ttl NS 7d",
     "kvctl --dir DIR pins",
-    "python -m kvstore.route.demo",
+    "python -m engine.reference.route_demo",
     "kvreport /var/lib/kvstore/events -o report.html",
     "kvreport events/ --last 24h --json",
     "kvreport events/ --prefill-tps 25000 --gpu-price 3.0 --currency '$'",
@@ -385,7 +385,7 @@ def test_docs_commands_run_as_written(runner: Runner, tmp_path: Path) -> None:
     # Beside the rest: docs/routing.md's demo (its own daemons), and docs/benchmarks.md's policy
     # loop (in the checkout's root, as its PYTHONPATH=. says) over a small trace made as
     # docs/eviction.md makes them (TRACE filled in).
-    demo = r.start("python -m kvstore.route.demo")
+    demo = r.start("python -m engine.reference.route_demo")
     small = tmp_path / "small.jsonl"
     subprocess.run([sys.executable, "-m", "tools.replay.synth", "coding-agent", "--requests", "40", "--block-tokens",
                     "64", "--out", str(small)], env=r.env, check=True, capture_output=True)
@@ -456,7 +456,7 @@ def test_docs_commands_run_as_written(runner: Runner, tmp_path: Path) -> None:
     assert len((tmp_path / "coding-agent.jsonl").read_text().splitlines()) == 800
 
     # docs/benchmarks.md's peers tables, from the raw runs the docs keep.
-    runs = sorted(str(p) for p in (ROOT / "docs" / "results").glob("peers-s8-paired-32k-r*.jsonl"))
+    runs = sorted(str(p) for p in (ROOT / "docs" / "results").glob("peers-paired-32k-r*.jsonl"))
     assert runs
     table = r.run("PYTHONPATH=. .venv-peers/bin/python -m tools.bench._peers.table RUN.jsonl ...",
                   {"RUN.jsonl": " ".join(runs)}, cwd=ROOT)

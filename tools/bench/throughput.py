@@ -174,19 +174,15 @@ class _Resident(BatchedLM):
 
     hits: list[int]
 
-    def _rows(self, rows: int) -> torch.Tensor:
-        before = self._rows_buf.data_ptr(), self._rows_buf.numel()
-        kv = super()._rows(rows)
-        if (self._rows_buf.data_ptr(), self._rows_buf.numel()) != before:
-            self._rows_buf.normal_()
-        return kv
+    def rows_allocated(self, buf: torch.Tensor) -> None:
+        buf.normal_()
 
-    def _plan(self, ids: torch.Tensor, use_cache: bool) -> Plan:
+    def plan(self, ids: torch.Tensor, use_cache: bool) -> Plan:
         p = Plan(ids)
         p.n_hbm = self.hits.pop(0)
         return p
 
-    def _load(self, plans: list[Plan], kv: torch.Tensor, k_starts: list[int]) -> Loads:
+    def load(self, plans: list[Plan], kv: torch.Tensor, k_starts: list[int]) -> Loads:
         return Loads(self.shape.num_layers, 1, None, 0)
 
 
@@ -261,7 +257,7 @@ def _stream(lm: BatchedLM, turns: list[list[torch.Tensor]], histories: list[torc
         prof.__exit__(None, None, None)
         run.kernels = _top_kernels(prof)
     run.phases = lm.timings.as_dict()
-    run.ring_waits = lm._ring.waits if lm._ring is not None else 0
+    run.ring_waits = lm.ring_waits
     return run
 
 
@@ -470,7 +466,7 @@ def _engine_run(bench: Bench, kind: str, h: float, args: argparse.Namespace, mod
         return _stream(bench.engine(model, None, attention=attention, block_tokens=w.block_tokens), turns, histories, w, kind, None)
     if kind == "ideal":
         ideal = bench.resident(model, None, attention=attention, block_tokens=w.block_tokens)
-        ideal._rows(w.max_rows)  # allocated (and filled) before the timed rounds
+        ideal.reserve_rows(w.max_rows)  # allocated (and filled) before the timed rounds
         run = _stream(ideal, turns, histories, w, kind, None)
         if not smoke and bench.compare_attention and args.compare_attention:
             alt = bench.resident(model, None, attention="loop", block_tokens=w.block_tokens)

@@ -4,7 +4,7 @@ cross-device branch (rows of a pinned host arena written into CUDA pages) and th
 the model families (MLA latent pages, fp8 bytes, sliding and full layers in the KV cache groups of
 vLLM's hybrid manager, page ids per group). Skipped without CUDA (CI has none); imports no vLLM
 (the GPU machine has none). Last run: one NVIDIA H200, 2026-12-01, torch 2.11: 12 passed
-(``docs/results/h200-s4-pages-device.txt``), before the family layouts were added."""
+(``docs/results/h200-pages-device-tests.txt``), before the family layouts were added."""
 
 from __future__ import annotations
 

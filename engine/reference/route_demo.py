@@ -1,4 +1,4 @@
-"""The routing demo on one machine: ``python -m kvstore.route.demo [--nodes 3] [--json]``.
+"""The routing demo on one machine: ``python -m engine.reference.route_demo [--nodes 3] [--json]``.
 
 Starts ``--nodes`` daemons on loopback (``kvstore.client.spawn.start_daemon``, each publishing
 its KV events) and a router process (``python -m kvstore.route``) that knows only their event
@@ -157,7 +157,7 @@ def run(nodes: int, users: int, turns: int, seed: int, root: Path) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvstore.route.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m engine.reference.route_demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--users", type=int, default=8)

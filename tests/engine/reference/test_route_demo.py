@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.route import demo
+from engine.reference import route_demo
 
 
 @pytest.mark.slow
 def test_second_turns_meet_their_prefix_through_a_router_process(tmp_path: Path) -> None:
-    out = demo.run(nodes=2, users=4, turns=2, seed=3, root=tmp_path)
+    out = route_demo.run(nodes=2, users=4, turns=2, seed=3, root=tmp_path)
     assert out["requests"] == 8 and sum(out["requests_per_node"].values()) == 8
     assert out["second_turns_on_their_node"] == 4
     for s in out["second_turns"]:

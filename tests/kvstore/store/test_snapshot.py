@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.config import StoreConfig
-from kvstore.snapshot import StoreSnapshot
 from kvstore.store import KVStore
+from kvstore.store.snapshot import StoreSnapshot
 from tests.conftest import SMALL_NS, chain_for, payload, small_tiers
 from tiers.nvme import lock_holder, read_metadata
 
