@@ -202,17 +202,36 @@ class ChainPolicy(LRUPolicy):
                 self._push_back(bid)
 
     def touch(self, bid: int, now: float) -> None:
+        self.touch_many([bid], now)
+
+    def touch_many(self, bids: list[int], now: float) -> None:
         if not self._leaf_mode:
-            if bid in self._order or bid in self._read:
-                self._order.pop(bid, None)
-                self._protect(bid)
+            # Every touched block to the young end of the read ones, then the read ones over
+            # their share back to the unread, oldest first: the same lists as trimming after
+            # each touch (a block trimmed and touched again later in the batch ends read, in
+            # the same place), with no trim per block when a long prefix passes the share.
+            order, read = self._order, self._read
+            touched = False
+            for bid in bids:
+                if bid in read:
+                    read.move_to_end(bid)
+                elif bid in order:
+                    del order[bid]
+                    read[bid] = None
+                else:
+                    continue
+                touched = True
+            if touched:
+                self._trim()
             return
-        if bid not in self._stamp:
+        stamp, when = self._stamp, self._when
+        live = [bid for bid in bids if bid in stamp]
+        if not live:
             return
         if now != self._gap_at:
             # The first touch of a request is its deepest hit block: the chain's gap since
             # its last request, folded into the chain's typical gap (a geometric mean).
-            t, g, _ = self._when[bid]
+            t, g, _ = when[live[0]]
             gap = now - t
             if gap > 0:
                 self._learn_gap(gap)
@@ -221,14 +240,20 @@ class ChainPolicy(LRUPolicy):
                 self._gap = g
             self._gap_at = now
         self._advance(now)
-        self._when[bid] = (now, self._gap, self._when[bid][2])
-        if bid in self._by_id:
-            self._settle(*self._by_id.pop(bid))
-        super().touch(bid, now)
-        if bid not in self._held:
-            self._push_back(bid)
-            if len(self._back) > 2 * len(self._stamp) + _COMPACT_SLACK:
-                self._compact_back()
+        gap = self._gap
+        when.update({bid: (now, gap, when[bid][2]) for bid in live})
+        if self._by_id:
+            by_id = self._by_id
+            for bid in live:
+                if bid in by_id:
+                    self._settle(*by_id.pop(bid))
+        self._restamp(live)
+        held = self._held
+        for bid in live:
+            if bid not in held:
+                self._push_back(bid)
+        if len(self._back) > 2 * len(stamp) + _COMPACT_SLACK:
+            self._compact_back()
 
     def remove(self, bid: int) -> None:
         if not self._leaf_mode:
@@ -270,10 +295,14 @@ class ChainPolicy(LRUPolicy):
         read = self._read
         read[bid] = None
         read.move_to_end(bid)
-        limit = self.config.protected * (len(read) + len(self._order))
+        self._trim()
+
+    def _trim(self) -> None:
+        read, order = self._read, self._order
+        limit = self.config.protected * (len(read) + len(order))
         while len(read) > limit and read:
             old, _ = read.popitem(last=False)  # the least recently read joins the unread
-            self._order[old] = None
+            order[old] = None
 
     def _compact_back(self) -> None:
         stamp, held = self._stamp, self._held
