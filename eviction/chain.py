@@ -32,9 +32,9 @@ are short beside the cache) no pair is ever made and the last tier is LRU exactl
 or promoted by a hit) keep up to ``protected`` of the tier in their own LRU list; blocks never
 read, and read ones pushed out of that share, form the other list, which goes down first. A
 conversation's shared prefixes and continued turns then stay in DRAM ahead of one-off requests,
-in O(1) per event. With ``tails`` (the default) a block never read that enters with no cached
-child, a put's tail (often a request's partial last block, rarely read again), joins the unread
-ones at their old end (``protected = 0, tails = false``: plain LRU).
+in O(1) per event (``protected = 0``: plain LRU). With ``tails`` (opt-in) a block never read
+that enters with no cached child, a put's tail (often a request's partial last block, rarely
+read again), joins the unread ones at their old end.
 
 Costs: one more dictionary entry and one more heap push per event than LRU on the last tier; a
 pair is made at most once per change of the two candidates and resolved with one hash look-up
@@ -75,10 +75,10 @@ class ChainConfig:
     """Weight the score keeps at each settled comparison."""
     pending: int = 256
     """Comparisons waiting to be settled, at most (the oldest is dropped)."""
-    protected: float = 0.35
+    protected: float = 0.5
     """Upper tiers: the share of the tier that blocks read at least once may keep from blocks
     never read (a segmented LRU); 0: plain LRU."""
-    tails: bool = True
+    tails: bool = False
     """Upper tiers: a block never read that enters with no cached child (the tail of a put:
     often a request's partial last block, rarely read again) joins the unread ones at their old
     end instead of their young end."""

@@ -108,7 +108,7 @@ def test_reuse_is_the_default_and_reported(tmp_path: Path) -> None:
 
 
 def test_refused_leaves_leave_and_are_counted(tmp_path: Path) -> None:
-    s = _store(tmp_path, NULL3, policy="lru")  # (the oldest chains go down first)
+    s = _store(tmp_path, NULL3)
     for i in range(6):  # six one-block chains: four pass through the middle tier, two refused
         _put(s, [i])
     st = s.stats()
