@@ -12,6 +12,9 @@ never removes anything itself:
   under its lock, once per event. ``touch`` is a hit (a load of the block), nothing else.
   ``remove`` of an unknown id is a no-op. The store inserts a new chain leaves first and touches
   a hit prefix deepest first, so that parents are always more recent than their children.
+  ``touch_many`` is ``touch`` of each block in order, at one time (a hit prefix: the store
+  calls it once per tier per load or lease); a policy may override it with a faster loop of
+  the same outcome.
   ``insert_many`` is ``insert`` of each block in order (a warm restart learns every block with
   one call per tier); a policy may override it with a vectorised version of the same outcome.
 * On the **last tier** only leaves may leave the store, so a last-tier policy orders leaves
@@ -92,6 +95,12 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def touch(self, bid: int, now: float) -> None: ...
+
+    def touch_many(self, bids: list[int], now: float) -> None:
+        """``touch(bid, now)`` for each ``bid`` in order (a hit prefix, deepest first)."""
+        touch = self.touch
+        for bid in bids:
+            touch(bid, now)
 
     @abstractmethod
     def remove(self, bid: int) -> None: ...

@@ -32,7 +32,9 @@ are short beside the cache) no pair is ever made and the last tier is LRU exactl
 or promoted by a hit) keep up to ``protected`` of the tier in their own LRU list; blocks never
 read, and read ones pushed out of that share, form the other list, which goes down first. A
 conversation's shared prefixes and continued turns then stay in DRAM ahead of one-off requests,
-in O(1) per event (``protected = 0``: plain LRU).
+in O(1) per event (``protected = 0``: plain LRU). With ``tails`` (opt-in) a block never read
+that enters with no cached child, a put's tail (often a request's partial last block, rarely
+read again), joins the unread ones at their old end.
 
 Costs: one more dictionary entry and one more heap push per event than LRU on the last tier; a
 pair is made at most once per change of the two candidates and resolved with one hash look-up
@@ -202,17 +204,36 @@ class ChainPolicy(LRUPolicy):
                 self._push_back(bid)
 
     def touch(self, bid: int, now: float) -> None:
+        self.touch_many([bid], now)
+
+    def touch_many(self, bids: list[int], now: float) -> None:
         if not self._leaf_mode:
-            if bid in self._order or bid in self._read:
-                self._order.pop(bid, None)
-                self._protect(bid)
+            # Every touched block to the young end of the read ones, then the read ones over
+            # their share back to the unread, oldest first: the same lists as trimming after
+            # each touch (a block trimmed and touched again later in the batch ends read, in
+            # the same place), with no trim per block when a long prefix passes the share.
+            order, read = self._order, self._read
+            touched = False
+            for bid in bids:
+                if bid in read:
+                    read.move_to_end(bid)
+                elif bid in order:
+                    del order[bid]
+                    read[bid] = None
+                else:
+                    continue
+                touched = True
+            if touched:
+                self._trim()
             return
-        if bid not in self._stamp:
+        stamp, when = self._stamp, self._when
+        live = [bid for bid in bids if bid in stamp]
+        if not live:
             return
         if now != self._gap_at:
             # The first touch of a request is its deepest hit block: the chain's gap since
             # its last request, folded into the chain's typical gap (a geometric mean).
-            t, g, _ = self._when[bid]
+            t, g, _ = when[live[0]]
             gap = now - t
             if gap > 0:
                 self._learn_gap(gap)
@@ -221,14 +242,20 @@ class ChainPolicy(LRUPolicy):
                 self._gap = g
             self._gap_at = now
         self._advance(now)
-        self._when[bid] = (now, self._gap, self._when[bid][2])
-        if bid in self._by_id:
-            self._settle(*self._by_id.pop(bid))
-        super().touch(bid, now)
-        if bid not in self._held:
-            self._push_back(bid)
-            if len(self._back) > 2 * len(self._stamp) + _COMPACT_SLACK:
-                self._compact_back()
+        gap = self._gap
+        when.update({bid: (now, gap, when[bid][2]) for bid in live})
+        if self._by_id:
+            by_id = self._by_id
+            for bid in live:
+                if bid in by_id:
+                    self._settle(*by_id.pop(bid))
+        self._restamp(live)
+        held = self._held
+        for bid in live:
+            if bid not in held:
+                self._push_back(bid)
+        if len(self._back) > 2 * len(stamp) + _COMPACT_SLACK:
+            self._compact_back()
 
     def remove(self, bid: int) -> None:
         if not self._leaf_mode:
@@ -270,10 +297,14 @@ class ChainPolicy(LRUPolicy):
         read = self._read
         read[bid] = None
         read.move_to_end(bid)
-        limit = self.config.protected * (len(read) + len(self._order))
+        self._trim()
+
+    def _trim(self) -> None:
+        read, order = self._read, self._order
+        limit = self.config.protected * (len(read) + len(order))
         while len(read) > limit and read:
             old, _ = read.popitem(last=False)  # the least recently read joins the unread
-            self._order[old] = None
+            order[old] = None
 
     def _compact_back(self) -> None:
         stamp, held = self._stamp, self._held

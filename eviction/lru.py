@@ -105,6 +105,29 @@ class LRUPolicy(EvictionPolicy):
                 heapq.heappush(self._heap, (self._seq, bid))
                 self._compact()
 
+    def touch_many(self, bids: list[int], now: float) -> None:
+        if not self._leaf_mode:
+            order = self._order
+            move = order.move_to_end
+            for bid in bids:
+                if bid in order:
+                    move(bid)
+            return
+        self._restamp([bid for bid in bids if bid in self._stamp])
+
+    def _restamp(self, live: list[int]) -> None:
+        """The last tier's touch of resident ``live``, in order: new stamps, and the offered
+        ones back in the heap (a hit prefix's inner blocks are held: few pushes)."""
+        seq = self._seq
+        stamps = range(seq + 1, seq + 1 + len(live))
+        self._stamp.update(zip(live, stamps, strict=True))
+        self._seq = seq + len(live)
+        held, heap = self._held, self._heap
+        for bid, s in zip(live, stamps, strict=True):
+            if bid not in held:
+                heapq.heappush(heap, (s, bid))
+        self._compact()
+
     def remove(self, bid: int) -> None:
         if not self._leaf_mode:
             self._order.pop(bid, None)

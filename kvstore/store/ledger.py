@@ -13,6 +13,8 @@ Not thread-safe: the store holds its lock around every call.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -408,22 +410,18 @@ class Ledger:
         idx.touch(hit, now, expiry)
         self.dirty_expiry.update(hit.tolist())
         # Deepest first so that parents end up more recent than their children (leaves go first).
+        # One touch_many per tier: each policy sees its own blocks' touches in the same order.
         policies = self.policies
         rev = hit[::-1].tolist()
         masks = idx.tiers[hit[::-1]].tolist()
         if masks and masks.count(masks[0]) == len(masks):
-            # Every block in the same tiers (a hit's usual case): one loop per tier, no mask walk
-            # per block; each policy sees the same touches in the same order.
+            # Every block in the same tiers (a hit's usual case): no mask walk per block.
             for k in bits(masks[0]):
-                touch = policies[k].touch
-                for bid in rev:
-                    touch(bid, now)
+                policies[k].touch_many(rev, now)
             return
-        for bid, mask in zip(rev, masks, strict=True):
-            while mask:
-                k = lowest_bit(mask)
-                mask &= mask - 1
-                policies[k].touch(bid, now)
+        for k in bits(functools.reduce(operator.or_, masks, 0)):
+            bit = 1 << k
+            policies[k].touch_many([bid for bid, m in zip(rev, masks, strict=True) if m & bit], now)
 
     def extend_expiry(self, ids: np.ndarray, until: float) -> None:
         self.index.extend_expiry(ids, until)

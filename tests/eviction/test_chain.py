@@ -175,6 +175,9 @@ def test_config_is_validated(options: dict[str, object]) -> None:
 
 
 def _upper(**options: object) -> tuple[ChainPolicy, FakeView]:
+    """Six lone blocks on an upper tier; the segmented LRU without ``tails`` unless asked (a lone
+    block has no cached child, so with ``tails`` each would enter at the old end)."""
+    options.setdefault("tails", False)
     view = FakeView()
     pol = ChainPolicy(build_config(ChainConfig, dict(options), "chain"))
     pol.bind(view, UPPER)

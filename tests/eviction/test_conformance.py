@@ -136,6 +136,20 @@ def test_remove_all_then_reuse_ids(name: str, view: FakeView) -> None:
     assert list(pol.candidates()) == [2] and len(pol) == 1
 
 
+def _random_chains(view: FakeView, rng: np.random.Generator, count: int, longest: int) -> list[list[int]]:
+    """``count`` chains of 1 to ``longest - 1`` blocks in ``view``, ids from 0, each root first."""
+    chains: list[list[int]] = []
+    bid = 0
+    for _ in range(count):
+        parent, chain = -1, []
+        for _ in range(int(rng.integers(1, longest))):
+            chain.append(view.add(bid, parent))
+            parent = bid
+            bid += 1
+        chains.append(chain)
+    return chains
+
+
 @pytest.mark.parametrize("tier", [LAST, UPPER], ids=["last", "upper"])
 @pytest.mark.parametrize("ghosts", [False, True], ids=["fresh", "ghosts"])
 @pytest.mark.parametrize("queued", [False, True], ids=["", "queued"])
@@ -146,16 +160,8 @@ def test_insert_many_equals_inserts_in_order(name: str, tier: TierContext, ghost
     may join."""
     options = {"period": 64} if issubclass(policy_class(name).Config, DensityConfig) else {}
     view = FakeView()
-    rng = np.random.default_rng(3)
-    chains: list[list[int]] = []
-    bid = 0
-    for _ in range(40):
-        parent, chain = -1, []
-        for _ in range(int(rng.integers(1, 13))):
-            chain.append(view.add(bid, parent))
-            parent = bid
-            bid += 1
-        chains.append(chain)
+    chains = _random_chains(view, np.random.default_rng(3), 40, 13)
+    bid = sum(map(len, chains))
     one, many = _make(name, view, tier, **options), _make(name, view, tier, **options)
     early = [b for chain in chains[:3] for b in reversed(chain)]
     for pol in (one, many):  # resident before the batch, some hit, some evicted (ghosts)
@@ -190,6 +196,47 @@ def test_insert_many_equals_inserts_in_order(name: str, tier: TierContext, ghost
         pol.touch(batch[7], 2.0)
         pol.insert(view.add(bid), 4096, 3.0)
     assert list(one.candidates()) == list(many.candidates())
+
+
+@pytest.mark.parametrize("tier", [LAST, UPPER], ids=["last", "upper"])
+def test_touch_many_equals_touches_in_order(name: str, tier: TierContext) -> None:
+    """What a load or a lease relies on: one touch_many of a hit prefix (deepest first) is the
+    per-block touches in the same order, with repeats, ids not resident, held blocks, and
+    evictions between the hits (the store's own make-room: take the first offer, offer its
+    parent)."""
+    options: dict[str, object] = {"period": 64} if issubclass(policy_class(name).Config, DensityConfig) else {}
+    if name == "chain":  # the exception wherever it applies: comparisons made and settled
+        options = {"patience": 100.0, "adapt": False}
+    view = FakeView()
+    rng = np.random.default_rng(5)
+    chains = _random_chains(view, rng, 24, 30)
+    bid = sum(map(len, chains))
+    one, many = _make(name, view, tier, **options), _make(name, view, tier, **options)
+    for pol in (one, many):
+        for t, chain in enumerate(chains):
+            pol.insert_many(np.array(chain[::-1]), np.full(len(chain), 4096), float(t))
+    gone: set[int] = set()
+    for step in range(80):
+        now = 100.0 + step * float(rng.integers(1, 5))
+        chain = [b for b in chains[int(rng.integers(len(chains)))] if b not in gone]
+        hit = chain[: int(rng.integers(len(chain) // 2, len(chain) + 1))][::-1] + [bid + 7, *chain[:1]]
+        for b in hit:
+            one.touch(b, now)
+        many.touch_many(hit, now)
+        for _ in range(3):  # a make-room of three blocks
+            victim = one.first()
+            assert victim == many.first()
+            if victim is None:
+                break
+            parent = int(view.parent[victim]) if tier.last else -1
+            for pol in (one, many):
+                pol.remove_leaves([victim], [parent if parent >= 0 and view.children[parent] == 1 else -1])
+            view.drop(victim)
+            gone.add(victim)
+        assert len(one) == len(many)
+        assert list(one.candidates()) == list(many.candidates())
+    if isinstance(one, ChainPolicy) and isinstance(many, ChainPolicy):
+        assert (one.score, one.deviations) == (many.score, many.deviations)
 
 
 def test_store_stays_prefix_closed_under_pressure(name: str, tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ BENCHES = {
     "throughput": "tools.bench.throughput",  # batched prefill, hits from DRAM and HBM
     "hybrid": "tools.bench.hybrid",  # sliding-window models: bytes, replay; TTFT on CUDA
     # the daemon: each starts its own daemon on loopback
+    "touch": "tools.bench.touch",  # the policy's share of a 2,048-block lease
     "shm": "tools.bench.shm",
     "tcp": "tools.bench.tcp",
     "ucx": "tools.bench.ucx",

@@ -379,3 +379,22 @@ def test_touching_an_empty_hit_raises_nothing_and_reorders_nothing(null_store: M
     s._ledger.touch_hits(np.empty(0, np.int64), 10.0, 20.0)  # noqa: SLF001 - the ledger's own call
     put(s, ["c0"])
     assert resident(s) == {"b0", "c0"}
+
+
+def test_a_hit_tells_each_tier_policy_once_with_its_own_blocks_deepest_first(null_store: Make) -> None:
+    """A load whose prefix lies in two tiers: one ``touch_many`` per tier, each with that tier's
+    blocks of the hit, deepest first (what a per-block touch would have told each policy)."""
+    s = null_store(2, 8, promote_on_hit=False)
+    put(s, ["a0", "a1", "a2", "a3"])  # the upper tier keeps two of them
+    tiers = where(s)
+    calls: list[tuple[int, list[str]]] = []
+    for k, pol in enumerate(s._ledger.policies):  # noqa: SLF001 - spying on the store's own policies
+        def spy(bids: list[int], now: float, k: int = k, real: Any = pol.touch_many) -> None:
+            calls.append((k, [s.index.hash_of(b).rstrip(b".").decode() for b in bids]))
+            real(bids, now)
+        pol.touch_many = spy  # type: ignore[method-assign]  # an instance spy
+    assert get(s, ["a0", "a1", "a2", "a3"]) == 4
+    deepest_first = ["a3", "a2", "a1", "a0"]
+    assert calls == [(k, [n for n in deepest_first if f"t{k}" in tiers[n]]) for k in (0, 1) if any(f"t{k}" in t for t in tiers.values())]
+    assert {n for _, names in calls for n in names} == set(deepest_first)
+    assert len(calls) == 2 and len(set(map(tuple, tiers.values()))) == 2  # two tiers, two kinds of block
