@@ -388,7 +388,7 @@ def test_a_batch_over_max_batch_bytes_goes_as_parts_that_continue_its_chains() -
     assert got == toks
 
 
-def test_the_byte_budgets_are_validated() -> None:
+def test_the_byte_budgets_are_validated(tmp_path: Path) -> None:
     """Sizes positive, a subscriber's budget at least one batch, a batch at least 4 KiB,
     connection limits positive counts: refused with a message naming the key."""
     from kvstore.errors import ConfigError
@@ -400,8 +400,15 @@ def test_the_byte_budgets_are_validated() -> None:
                          ({"queue_bytes": -1}, "queue_bytes"),
                          ({"publish_queue_bytes": True}, "publish_queue_bytes"),
                          ({"max_connections": 0}, "max_connections"),
-                         ({"max_connections_per_peer": -3}, "max_connections_per_peer")):
+                         ({"max_connections_per_peer": -3}, "max_connections_per_peer"),
+                         ({"mirror_token_bytes": 0}, "mirror_token_bytes")):
         with pytest.raises(ConfigError, match=key):
             events_config(section)
+    from kvstore.server.config import load_server_config
+
+    for key in ("max_handoff_bytes_per_tenant", "handoff_history_bytes"):  # (the handoffs' budgets, [server])
+        (tmp_path / "server.toml").write_text(f'[server]\n{key} = "0B"\n')
+        with pytest.raises(ConfigError, match=key):
+            load_server_config(tmp_path / "server.toml", env={})
     cfg = events_config({"subscriber_bytes": "8MiB", "max_batch_bytes": "256KiB"})
     assert cfg.subscriber_bytes // cfg.max_batch_bytes == 32
