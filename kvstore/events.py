@@ -130,7 +130,7 @@ class EventsConfig:
     """Token ids the KV event publisher keeps for blocks already announced (``4 x block_tokens``
     bytes a block, and 41 more for their entry), so that the blocks' promotions, demotions,
     snapshots and replays carry them too. Past it the oldest blocks' token ids go (counted,
-    logged once per burst), and those later events carry ``token_ids == []``, as a block's
+    logged once per burst), and those later events carry ``token_ids == []``, as those of a block
     recovered at a restart do; a put's own ``BlockStored`` always carries the tokens it came with."""
     max_connections: int = 256
     """Connections to the event ports (every stream's publish and replay ports together). A
