@@ -65,6 +65,11 @@ RECORD_BYTES = 640
 its ids as hex strings, its key in the registry and the registry's entry."""
 KEY_BYTES = 89
 """What each block key of an open handoff costs (a 32-character hex string and its slot)."""
+
+
+def record_bytes(request_id: str, tenant: str, keys: int, reason: str = "") -> int:
+    """What a handoff record with ``keys`` block keys costs in the daemon's memory (from above)."""
+    return RECORD_BYTES + len(request_id) + len(tenant) + len(reason) + KEY_BYTES * keys
 STATES = ("ready", "released", "expired", "lost")
 _RID = r"^[A-Za-z0-9._:-]{1,128}$"
 
@@ -90,8 +95,7 @@ class Handoff:
     def nbytes(self, keys: bool = True) -> int:
         """What the record costs in the daemon's memory (an estimate from above); without its
         keys: as it is kept once finished."""
-        return (RECORD_BYTES + len(self.request_id) + len(self.tenant) + len(self.reason)
-                + (KEY_BYTES * len(self.keys) if keys else 0))
+        return record_bytes(self.request_id, self.tenant, len(self.keys) if keys else 0, self.reason)
 
     def view(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "ns": self.ns, "blocks": self.blocks,
@@ -136,7 +140,7 @@ class Handoffs:
             known = self._open.get(key)
         if known is not None:  # an offer retried after a lost answer
             return known.view()
-        cost = RECORD_BYTES + len(request_id) + len(t.name) + KEY_BYTES * len(hashes)
+        cost = record_bytes(request_id, t.name, len(hashes))
         self._reserve(t, cost)
         try:
             return self._offer(t, ns_id, hashes, request_id, ttl_s, durable)

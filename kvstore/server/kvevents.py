@@ -173,10 +173,10 @@ class _Stream:
 
 
 HOOK_BYTES = 64
+"""What a queued block change is counted at (its key's share of the operation's lists)."""
 TOKEN_ENTRY_BYTES = 41
 """What the mirror's token ids of a block cost besides the ids: their ``bytes`` object's header
 (33) and their slot in the publisher's order of kept token ids (8)."""
-"""What a queued block change is counted at (its key's share of the operation's lists)."""
 
 
 def _item_bytes(item: tuple[Any, ...], n: int) -> int:
@@ -299,7 +299,8 @@ class KVEventPublisher:
         self._lost = threading.Event()
         self._recs: dict[bytes, _Rec] = {}
         self._tok_recs: deque[_Rec] = deque()
-        """The records holding token ids, in the order they got them (:meth:`_keep_tokens`)."""
+        """The records holding token ids, in the order they got them (:meth:`_trim_tokens`); a
+        record of a block that left the store stays here, its token ids counted, until trimmed."""
         self._tok_bytes = 0
         """What their token ids cost (ids and :data:`TOKEN_ENTRY_BYTES`), under ``mirror_token_bytes``."""
         self._ns_index: dict[bytes, _NsInfo] = {}
@@ -409,9 +410,10 @@ class KVEventPublisher:
         """A Prometheus collector of what the publisher dropped and holds (``/metrics``):
         ``kvstore_kv_events_dropped_total{what}`` (``hooks``: block changes past the hook
         queue's bounds, each costing subscribers a snapshot; ``replay_answers``: answers past
-        ``replay_answer_bytes`` or a requester's full queue; ``mirror_tokens``: blocks whose
-        token ids the mirror let go of past ``mirror_token_bytes``; ``connections``: event port
-        connections closed over the limits) and ``kvstore_kv_events_queued_bytes{queue}``."""
+        ``replay_answer_bytes`` or a requester's full queue; ``mirror_tokens``: blocks' token
+        ids the mirror let go of past ``mirror_token_bytes``, a block's that had left the store
+        included; ``connections``: event port connections closed over the limits) and
+        ``kvstore_kv_events_queued_bytes{queue}``."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         from prometheus_client.registry import Collector
 
