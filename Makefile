@@ -102,7 +102,7 @@ bench-peers:
 	@$(MAKE) --no-print-directory $(PEERS_STAMP) >&2  # building the venv logs to stderr
 	@PYTHONPATH=$(CURDIR) $(PEERS_PY) -m tools.bench peers --json $(PEERS_ARGS)
 
-# The long reliability run (docs/reliability.md): 80 minutes or more on a shared 2-core box (the
+# The long reliability run (docs/reliability.md): 50 to 80+ minutes on a shared 2-core box (the
 # restart and quota properties run thousands of examples); figures to reliability-figures.json.
 reliability-long: $(STAMP)
 	KVSTORE_RELIABILITY=long KVSTORE_RELIABILITY_OUT=reliability-figures.json $(PY) -m pytest tests/reliability -q

@@ -126,6 +126,12 @@ class EventsConfig:
     """Replay answers queued for requesters that have not read them, all requesters of all
     streams together; past it the rest of an answer is dropped (counted; the requester asks
     again). One answer is always admitted when nothing else is queued (a snapshot can be larger)."""
+    mirror_token_bytes: int = 256 << 20
+    """Token ids the KV event publisher keeps for blocks already announced (``4 x block_tokens``
+    bytes a block, and 41 more for their entry), so that the blocks' promotions, demotions,
+    snapshots and replays carry them too. Past it the oldest blocks' token ids go (counted,
+    logged once per burst), and those later events carry ``token_ids == []``, as those of a block
+    recovered at a restart do; a put's own ``BlockStored`` always carries the tokens it came with."""
     max_connections: int = 256
     """Connections to the event ports (every stream's publish and replay ports together). A
     connection over it (or over ``max_connections_per_peer``) ends the oldest connection not yet
@@ -162,7 +168,8 @@ class EventsConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"[events] {name} must be a positive count, got {v!r}")
-        for name in ("queue_bytes", "replay_bytes", "publish_queue_bytes", "max_batch_bytes", "subscriber_bytes", "replay_answer_bytes"):
+        for name in ("queue_bytes", "replay_bytes", "publish_queue_bytes", "max_batch_bytes", "subscriber_bytes",
+                     "replay_answer_bytes", "mirror_token_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"[events] {name} must be a positive size (e.g. '64MiB'), got {v!r}")
@@ -198,6 +205,7 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "max_batch_bytes": ("max_batch_bytes", parse_size),
     "subscriber_bytes": ("subscriber_bytes", parse_size),
     "replay_answer_bytes": ("replay_answer_bytes", parse_size),
+    "mirror_token_bytes": ("mirror_token_bytes", parse_size),
     "max_connections": ("max_connections", int),
     "max_connections_per_peer": ("max_connections_per_peer", int),
     "publish_period": ("publish_period_s", parse_duration),

@@ -133,11 +133,21 @@ class Limits:
     """Pin records (untimed and timed) one tenant may hold."""
     max_namespaces_per_tenant: int = 1024
     """Namespaces one tenant may register (one per model deployment and layout)."""
+    max_handoff_bytes_per_tenant: int = 64 * _MiB
+    """Bytes of one tenant's open handoff records (about 90 bytes a block they name, 640 a
+    handoff; the daemon's memory and ``handoffs.json``); an offer past it is refused (507) and
+    counted (``kvstore_handoffs_refused_total``). Open handoffs also hold a pin each, under
+    ``max_pins_per_tenant``."""
+    handoff_history_bytes: int = 16 * _MiB
+    """Bytes of finished (released, expired, lost) handoff records kept for status queries, all
+    tenants together (about 700 bytes each: a finished record keeps no block keys); the oldest
+    are forgotten first (counted in ``kvstore_handoffs_forgotten_total``, logged once per burst)."""
 
     def __post_init__(self) -> None:
         for k in ("max_body_bytes", "max_blocks", "max_tokens", "max_payload_bytes",
                   "max_staging_bytes", "max_leases", "max_connections", "max_connections_per_peer",
-                  "max_inflight_bytes_per_tenant", "max_pins_per_tenant", "max_namespaces_per_tenant"):
+                  "max_inflight_bytes_per_tenant", "max_pins_per_tenant", "max_namespaces_per_tenant",
+                  "max_handoff_bytes_per_tenant", "handoff_history_bytes"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"[server] {k} must be a positive integer, got {v!r}")
@@ -255,6 +265,8 @@ _LIMIT_KEYS: dict[str, tuple[str, Any]] = {
     "max_inflight_per_tenant": ("max_inflight_bytes_per_tenant", parse_size),
     "max_pins_per_tenant": ("max_pins_per_tenant", int),
     "max_namespaces_per_tenant": ("max_namespaces_per_tenant", int),
+    "max_handoff_bytes_per_tenant": ("max_handoff_bytes_per_tenant", parse_size),
+    "handoff_history_bytes": ("handoff_history_bytes", parse_size),
 }
 
 

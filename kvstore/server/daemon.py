@@ -129,6 +129,8 @@ class Daemon:
                 fds.start()
             lim = cfg.limits
             metrics = Metrics(store.stats, service.namespace_tenants)
+            if service.handoffs is not None:
+                metrics.registry.register(service.handoffs.collector())
             tickets = fds.max_claims + fds.max_per_owner * len(service.tenants()) if fds else 0
             event_conns = 0
             if service.kv_events is not None:  # its ports' connections have their own limit

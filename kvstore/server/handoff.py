@@ -19,12 +19,20 @@ Two kinds, as the prefill side chooses:
 After a restart every recorded handoff is checked against the store: whole ones are served as
 before; one that lost blocks is reported ``lost`` (``GET /v1/handoffs/{id}``), and the decode
 side recomputes. Every method blocks (store I/O): the event loop calls them in the pool.
+
+Bounds, in bytes (``docs/reliability.md``, "Every queue of the daemon and its bound"): a
+tenant's open handoffs hold at most ``[server] max_handoff_bytes_per_tenant`` of records (each
+names its blocks: :data:`KEY_BYTES` a block), an offer past it is refused (507) and counted;
+finished handoffs are kept for status queries within ``[server] handoff_history_bytes`` (all
+tenants together; a record lets go of its block keys when it finishes), the oldest forgotten
+first (counted, logged once per burst). Both in :meth:`Handoffs.collector`.
 """
 
 import json
 import logging
 import threading
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +47,7 @@ from kvstore.errors import (
     BlockNotFound,
     ForbiddenError,
     MissingPrefixError,
+    QuotaExceededError,
     TierIOError,
     UsageError,
 )
@@ -51,8 +60,16 @@ log = logging.getLogger(__name__)
 HANDOFFS_FILE = "handoffs.json"
 MAX_TTL_S = 3600.0
 """A handoff is short: a longer hold is a pin (``POST /v1/pin``), not a handoff."""
-FINISHED_KEPT = 10_000
-"""Released, expired and lost handoffs kept for status queries (the oldest go first)."""
+RECORD_BYTES = 640
+"""What a handoff record costs besides its strings' characters and its block keys: the record,
+its ids as hex strings, its key in the registry and the registry's entry."""
+KEY_BYTES = 89
+"""What each block key of an open handoff costs (a 32-character hex string and its slot)."""
+
+
+def record_bytes(request_id: str, tenant: str, keys: int, reason: str = "") -> int:
+    """What a handoff record with ``keys`` block keys costs in the daemon's memory (from above)."""
+    return RECORD_BYTES + len(request_id) + len(tenant) + len(reason) + KEY_BYTES * keys
 STATES = ("ready", "released", "expired", "lost")
 _RID = r"^[A-Za-z0-9._:-]{1,128}$"
 
@@ -68,9 +85,20 @@ class Handoff:
     durable: bool
     state: str = "ready"
     reason: str = ""
+    blocks: int = -1
+    """How many blocks it names (its ``keys`` go once it is finished and released)."""
+
+    def __post_init__(self) -> None:
+        if self.blocks < 0:
+            self.blocks = len(self.keys)
+
+    def nbytes(self, keys: bool = True) -> int:
+        """What the record costs in the daemon's memory (an estimate from above); without its
+        keys: as it is kept once finished."""
+        return record_bytes(self.request_id, self.tenant, len(self.keys) if keys else 0, self.reason)
 
     def view(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "ns": self.ns, "blocks": len(self.keys),
+        return {"request_id": self.request_id, "ns": self.ns, "blocks": self.blocks,
                 "deadline": self.deadline, "durable": self.durable, "state": self.state,
                 "reason": self.reason}
 
@@ -86,6 +114,14 @@ class Handoffs:
         self._lock = threading.Lock()
         self._open: dict[tuple[str, str], Handoff] = {}
         self._done: OrderedDict[tuple[str, str], Handoff] = OrderedDict()
+        self._open_bytes: Counter[str] = Counter()
+        """Per tenant: the bytes of its open handoffs, and of offers on their way in."""
+        self._done_bytes = 0
+        self.refused = 0
+        """Offers refused over ``max_handoff_bytes_per_tenant``."""
+        self.forgotten = 0
+        """Finished handoffs forgotten to stay within ``handoff_history_bytes``."""
+        self._warned: dict[str, float] = {}
         self.lost_at_start: list[Handoff] = []
         self._load()
 
@@ -104,6 +140,33 @@ class Handoffs:
             known = self._open.get(key)
         if known is not None:  # an offer retried after a lost answer
             return known.view()
+        cost = record_bytes(request_id, t.name, len(hashes))
+        self._reserve(t, cost)
+        try:
+            return self._offer(t, ns_id, hashes, request_id, ttl_s, durable)
+        finally:
+            with self._lock:
+                self._open_bytes[t.name] -= cost  # the record counts itself, if it was made
+
+    def _reserve(self, t: Tenant, cost: int) -> None:
+        limit = self.service.limits.max_handoff_bytes_per_tenant
+        with self._lock:
+            have = self._open_bytes[t.name]
+            if have + cost > limit:
+                self.refused += 1
+                self._warn("refused", "handoff: refusing offers over max_handoff_bytes_per_tenant (%d bytes; "
+                           "tenant %r holds %d); %d refused so far", limit, t.name, have, self.refused)
+                raise QuotaExceededError(
+                    f"tenant {t.name!r} holds {have} bytes of open handoffs; this one ({cost} bytes, "
+                    f"~{KEY_BYTES} a block) would pass the daemon's limit per tenant "
+                    f"(max_handoff_bytes_per_tenant = {limit}): confirm the handoffs decode engines have "
+                    "taken, offer shorter ones, or raise the limit"
+                )
+            self._open_bytes[t.name] += cost
+
+    def _offer(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], request_id: str, ttl_s: float,
+               durable: bool) -> dict[str, Any]:
+        key = (t.name, request_id)
         cached = self.service.lookup(t, ns_id, hashes).num_blocks
         if cached < len(hashes):
             raise MissingPrefixError(
@@ -120,7 +183,10 @@ class Handoffs:
         h = Handoff(request_id, t.name, bytes(ns_id).hex(), bytes(stored.root).hex(),
                     [k.hex() for k in self.service.store_keys(t, stored, hashes)], deadline, durable)
         with self._lock:
+            if key in self._open:  # the same offer twice at once: the later record stays, as before
+                self._close(self._open[key])
             self._open[key] = h
+            self._open_bytes[t.name] += h.nbytes()
             self._save()
         return h.view()
 
@@ -139,12 +205,13 @@ class Handoffs:
         self.expire()
         key = (t.name, request_id)
         with self._lock:
-            h = self._open.pop(key, None)
+            h = self._open.get(key)
             if h is None:
                 done = self._done.get(key)
                 if done is None:
                     raise BlockNotFound(f"no handoff {request_id!r} for tenant {t.name!r}")
                 return done.view()
+            self._close(h)
             self._finish(h, "released")
             self._save()
         self._release(h)
@@ -156,7 +223,7 @@ class Handoffs:
         with self._lock:
             due = [h for h in self._open.values() if h.deadline <= now]
             for h in due:
-                del self._open[(h.tenant, h.request_id)]
+                self._close(h)
                 self._finish(h, "expired", "nobody confirmed it before the deadline")
             if due:
                 self._save()
@@ -174,11 +241,72 @@ class Handoffs:
 
     # ---- internals ------------------------------------------------------------------------------
 
+    def collector(self) -> Any:
+        """A Prometheus collector (``/metrics``): ``kvstore_handoffs_refused_total`` (offers past
+        ``max_handoff_bytes_per_tenant``), ``kvstore_handoffs_forgotten_total`` (finished
+        handoffs let go of past ``handoff_history_bytes``; a status query of one answers 404)
+        and ``kvstore_handoffs_held_bytes{state}`` (``open``, ``finished``)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.registry import Collector
+
+        reg = self
+
+        class _Collector(Collector):
+            def collect(self) -> Any:
+                yield CounterMetricFamily("kvstore_handoffs_refused", "Handoff offers refused over "
+                                          "max_handoff_bytes_per_tenant", value=reg.refused)
+                yield CounterMetricFamily("kvstore_handoffs_forgotten", "Finished handoffs forgotten to stay "
+                                          "within handoff_history_bytes", value=reg.forgotten)
+                held = GaugeMetricFamily("kvstore_handoffs_held_bytes", "Bytes of handoff records the daemon "
+                                         "holds", labels=["state"])
+                b = reg.held_bytes()
+                held.add_metric(["open"], b["open"])
+                held.add_metric(["finished"], b["finished"])
+                yield held
+
+        return _Collector()
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of the records held: ``open`` (all tenants, with offers on their way in) and
+        ``finished``."""
+        with self._lock:
+            return {"open": sum(self._open_bytes.values()), "finished": self._done_bytes}
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _warn(self, what: str, msg: str, *args: Any) -> None:
+        """``msg`` once per burst of ``what`` (one line per 10 s at most)."""
+        now = time.monotonic()
+        if now - self._warned.get(what, -1e9) >= 10.0:
+            self._warned[what] = now
+            log.warning(msg, *args)
+
+    def _close(self, h: Handoff) -> None:
+        """``h`` is no longer open (with the lock held)."""
+        del self._open[(h.tenant, h.request_id)]
+        self._open_bytes[h.tenant] -= h.nbytes()
+        if self._open_bytes[h.tenant] <= 0:
+            del self._open_bytes[h.tenant]
+
     def _finish(self, h: Handoff, state: str, reason: str = "") -> None:
+        """Keep ``h`` for status queries (with the lock held); the oldest finished ones go past
+        ``handoff_history_bytes``. Its keys stay until :meth:`_release` has used them."""
         h.state, h.reason = state, reason
+        old = self._done.pop((h.tenant, h.request_id), None)
+        if old is not None:
+            self._done_bytes -= old.nbytes(keys=False)
         self._done[(h.tenant, h.request_id)] = h
-        while len(self._done) > FINISHED_KEPT:
-            self._done.popitem(last=False)
+        self._done_bytes += h.nbytes(keys=False)  # (as it is kept once released)
+        limit, gone = self.service.limits.handoff_history_bytes, 0
+        while self._done_bytes > limit and len(self._done) > 1:
+            _, first = self._done.popitem(last=False)
+            self._done_bytes -= first.nbytes(keys=False)
+            gone += 1
+        if gone:
+            self.forgotten += gone
+            self._warn("forgotten", "handoff: forgetting the oldest finished handoffs to stay within "
+                       "handoff_history_bytes (%d); a status query of one answers 404; %d forgotten so far",
+                       limit, self.forgotten)
 
     def _stored_ns(self, h: Handoff) -> Namespace | None:
         digest = bytes.fromhex(h.stored_ns)
@@ -188,12 +316,14 @@ class Handoffs:
         return None
 
     def _release(self, h: Handoff) -> None:
-        """Take back the handoff's pin. A durable one past its deadline the store released."""
-        if h.durable and h.deadline <= self.clock():
-            return
-        ns = self._stored_ns(h)
-        if ns is not None:
-            self._unpin_keys(ns, [bytes.fromhex(k) for k in h.keys], h.deadline if h.durable else None)
+        """Take back the handoff's pin (a durable one past its deadline the store released),
+        then let go of its keys: a finished record keeps only their count."""
+        if not (h.durable and h.deadline <= self.clock()):
+            ns = self._stored_ns(h)
+            if ns is not None:
+                self._unpin_keys(ns, [bytes.fromhex(k) for k in h.keys], h.deadline if h.durable else None)
+        if h.state != "ready":
+            h.keys = []
 
     def _unpin_keys(self, ns: Namespace, keys: Sequence[bytes], until: float | None) -> None:
         """Undo the handoff's own pin (these keys, this deadline; None: untimed): never the
@@ -228,6 +358,7 @@ class Handoffs:
                 self._release(h)
             elif left == len(h.keys):
                 self._open[key] = h
+                self._open_bytes[h.tenant] += h.nbytes()
             else:
                 self._finish(h, "lost", f"the daemon restarted; {left} of {len(h.keys)} blocks survived"
                              + ("" if h.durable else " (a volatile handoff lives in memory)"))

@@ -50,7 +50,8 @@ Bounds, all in bytes (``docs/reliability.md``, "Every queue of the daemon and it
 hooks waiting (``publish_queue_bytes``), each stream's replay buffer (``replay_bytes``), the replay
 answers no requester has read yet (``replay_answer_bytes``, all of them together: zero-copy frames
 tracked until ZeroMQ lets go), a slow subscriber's queue (``subscriber_bytes // max_batch_bytes``
-batches, no batch over ``max_batch_bytes``: :func:`_batches` splits the rest). Connections to the
+batches, no batch over ``max_batch_bytes``: :func:`_batches` splits the rest), the mirror's token
+ids (``mirror_token_bytes``, :meth:`KVEventPublisher._trim_tokens`). Connections to the
 event ports, which ZeroMQ accepts by itself, are under ``max_connections`` and
 ``max_connections_per_peer`` (:class:`kvstore.server.limits.ZmqPortGate`: each socket's monitor
 names the connections, one over a limit is ended, and a flood that outruns it pauses the ports'
@@ -60,9 +61,10 @@ accepts). What is dropped is counted
 Token ids. A put that carries the token ids of its blocks (``KVStore.put(tokens=)``, the
 client's ``put(tokens=)``; 4 bytes a token on the wire) gets them in its ``BlockStored``, as
 vLLM's engines send them (Dynamo's router hashes tokens itself); the mirror keeps them
-(``4 * block_tokens`` bytes a block) so promotions, demotions, snapshots and replays carry them
-too. A block put without tokens, or recovered at a restart, has ``token_ids == []``; a
-``BlockStored`` never mixes the two.
+(``4 * block_tokens`` bytes a block, up to ``[events] mirror_token_bytes`` in all, the newest
+kept) so promotions, demotions, snapshots and replays carry them too. A block put without
+tokens, recovered at a restart, or whose token ids the mirror let go of, has
+``token_ids == []`` in those; a ``BlockStored`` never mixes the two.
 
 A replay request for a sequence number the buffer no longer holds is answered with a snapshot:
 ``AllBlocksCleared`` and every block the stream may see, all tagged with the last sequence
@@ -172,6 +174,9 @@ class _Stream:
 
 HOOK_BYTES = 64
 """What a queued block change is counted at (its key's share of the operation's lists)."""
+TOKEN_ENTRY_BYTES = 41
+"""What the mirror's token ids of a block cost besides the ids: their ``bytes`` object's header
+(33) and their slot in the publisher's order of kept token ids (8)."""
 
 
 def _item_bytes(item: tuple[Any, ...], n: int) -> int:
@@ -290,9 +295,14 @@ class KVEventPublisher:
         self._cpu_s = 0.0
         self._pump_cpu_s = 0.0
         self._counts = {"dropped": 0, "batches": 0, "events": 0, "block_events": 0, "replays": 0, "replays_dropped": 0, "snapshots": 0,
-                        "unnamed": 0, "rebuilds": 0, "wakeups": 0}
+                        "unnamed": 0, "rebuilds": 0, "wakeups": 0, "tokens_dropped": 0}
         self._lost = threading.Event()
         self._recs: dict[bytes, _Rec] = {}
+        self._tok_recs: deque[_Rec] = deque()
+        """The records holding token ids, in the order they got them (:meth:`_trim_tokens`); a
+        record of a block that left the store stays here, its token ids counted, until trimmed."""
+        self._tok_bytes = 0
+        """What their token ids cost (ids and :data:`TOKEN_ENTRY_BYTES`), under ``mirror_token_bytes``."""
         self._ns_index: dict[bytes, _NsInfo] = {}
         self._tenant_names = [t[0] for t in tenants] or [""]
         self._salts = {t[1]: i for i, t in enumerate(tenants)}
@@ -392,6 +402,7 @@ class KVEventPublisher:
                 "replay_answer_bytes": self._answer_bytes, "subscriber_hwm": self.hwm,
                 "connections": self.gate.total, "connections_refused": self.gate.refused,
                 "accept_pauses": self.gate.pauses, "mirrored": len(self._recs),
+                "mirror_token_bytes": self._tok_bytes,
                 "cpu_s": self._cpu_s + self._pump_cpu_s, "thread_cpu_s": self._cpu_s,
                 "streams": {s.name: s.seq for s in self.streams}}
 
@@ -399,8 +410,10 @@ class KVEventPublisher:
         """A Prometheus collector of what the publisher dropped and holds (``/metrics``):
         ``kvstore_kv_events_dropped_total{what}`` (``hooks``: block changes past the hook
         queue's bounds, each costing subscribers a snapshot; ``replay_answers``: answers past
-        ``replay_answer_bytes`` or a requester's full queue; ``connections``: event port
-        connections closed over the limits) and ``kvstore_kv_events_queued_bytes{queue}``."""
+        ``replay_answer_bytes`` or a requester's full queue; ``mirror_tokens``: blocks' token
+        ids the mirror let go of past ``mirror_token_bytes``, a block's that had left the store
+        included; ``connections``: event port connections closed over the limits) and
+        ``kvstore_kv_events_queued_bytes{queue}``."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         from prometheus_client.registry import Collector
 
@@ -411,15 +424,18 @@ class KVEventPublisher:
                 c = pub._counts
                 dropped = CounterMetricFamily("kvstore_kv_events_dropped", "What the KV event publisher dropped",
                                               labels=["what"])
-                for what, key in (("hooks", "dropped"), ("replay_answers", "replays_dropped")):
+                for what, key in (("hooks", "dropped"), ("replay_answers", "replays_dropped"),
+                                  ("mirror_tokens", "tokens_dropped")):
                     dropped.add_metric([what], c[key])
                 dropped.add_metric(["connections"], pub.gate.refused)
                 yield dropped
                 held = GaugeMetricFamily("kvstore_kv_events_queued_bytes", "Bytes the KV event publisher holds "
-                                         "in its queues (hooks, replay buffers, unread replay answers)", labels=["queue"])
+                                         "in its queues (hooks, replay buffers, unread replay answers) "
+                                         "and its mirror's token ids", labels=["queue"])
                 held.add_metric(["hooks"], pub._queued_bytes)
                 held.add_metric(["replay_buffer"], sum(s.buffer_bytes for s in pub.streams))
                 held.add_metric(["replay_answers"], pub._answer_bytes)
+                held.add_metric(["mirror_tokens"], pub._tok_bytes)
                 yield held
 
         return _Collector()
@@ -565,6 +581,8 @@ class KVEventPublisher:
                 parent = bytes.fromhex(row["parent"]) if row["parent"] else None
             recs[key] = _Rec(client, parent, self._ns_of(ns), mask)
         self._recs = recs
+        self._tok_recs.clear()  # (the old records go, their token ids with them)
+        self._tok_bytes = 0
         self._counts["rebuilds"] += 1
         self._snapshot_pending = True
 
@@ -643,6 +661,8 @@ class KVEventPublisher:
                 rec.mask |= 1 << k
                 if at is not None and rec.tokens is None and (i := at.get(key)) is not None:
                     rec.tokens = tb[i:i + step]
+                    self._tok_recs.append(rec)
+                    self._tok_bytes += step + TOKEN_ENTRY_BYTES
                 if rec.client is None:
                     continue
                 if gone:
@@ -716,8 +736,12 @@ class KVEventPublisher:
                 return False
             tb = tokens.tokens.astype("<i4", copy=False).tobytes()
             toks = [tb[o:o + step] for o in range(at * step, (at + n) * step, step)]
-        recs.update(zip(keys, map(_Rec, keys, parents, repeat(info), repeat(bit), toks), strict=False))
+        new = list(map(_Rec, keys, parents, repeat(info), repeat(bit), toks))
+        recs.update(zip(keys, new, strict=True))
         self._stored_hashes(keys, parent, None if tokens is None else toks, k, info)
+        if tokens is not None:
+            self._tok_recs.extend(new)
+            self._tok_bytes += n * (step + TOKEN_ENTRY_BYTES)
         return True
 
     def _apply_gone(self, kind: str, k: int, keys: list[bytes]) -> bool:
@@ -764,9 +788,12 @@ class KVEventPublisher:
                 offs = cast("list[int]", list(map(at.get, keys)))  # (None in offs returns next)
                 if None in offs:
                     return False
+                fresh = [r for r in rs if r.tokens is None]
                 for r, i in zip(rs, offs, strict=True):  # (the same hash has the same tokens: overwriting is fine)
                     r.mask |= bit
                     r.tokens = tb[i:i + step]
+                self._tok_recs.extend(fresh)
+                self._tok_bytes += len(fresh) * (step + TOKEN_ENTRY_BYTES)
             self._stored(rs, k, ns.fan)
             return True
         masks = set(map(_mask, rs))
@@ -782,6 +809,23 @@ class KVEventPublisher:
         deque(map(recs.__delitem__, keys), maxlen=0)  # (del of each, in C)
         self._removed(rs, mask.bit_length() - 1)
         return True
+
+    def _trim_tokens(self) -> None:
+        """Let go of the oldest token ids until the mirror's are under ``mirror_token_bytes``
+        (between operations, so no run of :meth:`_stored` ever mixes blocks with and without).
+        A record of a block that left the store is let go of here too: its token ids were
+        counted until now."""
+        q, cap, dropped = self._tok_recs, self.config.mirror_token_bytes, 0
+        while self._tok_bytes > cap and q:
+            r = q.popleft()
+            if r.tokens is not None:
+                self._tok_bytes -= len(r.tokens) + TOKEN_ENTRY_BYTES
+                r.tokens = None
+                dropped += 1
+        self._counts["tokens_dropped"] += dropped
+        self._warn("tokens_dropped", "kv events: the mirror let go of the token ids of its %d oldest blocks "
+                   "(mirror_token_bytes %d); their later events (promotions, demotions, snapshots) carry none",
+                   dropped, cap)
 
     # ---- events into the streams' batches ---------------------------------------------------------
 
@@ -1052,6 +1096,8 @@ class KVEventPublisher:
                 taken += n
                 taken_bytes += _item_bytes(item, n)
                 self._apply(item)
+                if self._tok_bytes > self.config.mirror_token_bytes:
+                    self._trim_tokens()
         if taken or waiters:
             with self._qlock:
                 self._queued -= taken

@@ -41,6 +41,30 @@ def figures(request: pytest.FixtureRequest) -> Iterator[Callable[..., None]]:
         _FIGURES[request.node.name] = mine
 
 
+_CONFIG: list[pytest.Config] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _CONFIG[:] = [config]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """In the long run, a failure's traceback as it happens, on the terminal and (with
+    ``KVSTORE_RELIABILITY_OUT``) in ``<out>.failures.txt``: pytest prints them only at the end,
+    and a long run cut short before it (a test_fairness failure once) left no traceback."""
+    if not (LONG and report.failed and _CONFIG):
+        return
+    text = f"FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n"
+    tr = _CONFIG[0].pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_line("")
+        tr.write_line(text)
+    out = os.environ.get("KVSTORE_RELIABILITY_OUT")
+    if out:
+        with open(out + ".failures.txt", "a") as f:
+            f.write(text)
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _FIGURES:
         return

@@ -34,7 +34,9 @@ EV_NS = Namespace("test/events", KVLayout("bfloat16", 1024, (LayerGroup("full", 
 as its payload, as in the review's reproduction."""
 BLOCKS_PER_PUT = 64
 BUDGETS = {"replay_bytes": "4MiB", "publish_queue_bytes": "4MiB", "max_batch_bytes": "256KiB",
-           "subscriber_bytes": "2MiB", "replay_answer_bytes": "4MiB"}
+           "subscriber_bytes": "2MiB", "replay_answer_bytes": "4MiB", "mirror_token_bytes": "512KiB"}
+"""(The store holds ~320 blocks of ``EV_NS``: their token ids, 4 KiB each, are more than the
+mirror may keep.)"""
 
 
 def _rss(pid: int) -> int:
@@ -109,8 +111,9 @@ def test_the_publisher_stays_within_its_byte_budgets_with_no_or_stalled_subscrib
     """Puts of 64 blocks with 1,024 token ids each (320 KiB of events a put), first with no
     subscriber, then with a subscriber and a replay requester that never read: at every look
     each queue holds at most its budget (a replay buffer or answer queue may hold one item
-    larger than its budget alone), no batch is larger than ``max_batch_bytes``, and a slow
-    subscriber's queue is ``subscriber_bytes // max_batch_bytes`` batches."""
+    larger than its budget alone), no batch is larger than ``max_batch_bytes``, a slow
+    subscriber's queue is ``subscriber_bytes // max_batch_bytes`` batches, and the mirror's
+    token ids stay within ``mirror_token_bytes``."""
     puts = pick(48, 300)
     budget = {k: parse_size(v, k) for k, v in BUDGETS.items()}
     looks = [0]
@@ -121,6 +124,7 @@ def test_the_publisher_stays_within_its_byte_budgets_with_no_or_stalled_subscrib
         for name, held in st["replay_buffer_bytes"].items():
             assert held <= budget["replay_bytes"], (name, held)
         assert st["replay_answer_bytes"] <= budget["replay_answer_bytes"]
+        assert st["mirror_token_bytes"] <= budget["mirror_token_bytes"]
         assert st["subscriber_hwm"] == budget["subscriber_bytes"] // budget["max_batch_bytes"]
 
     quiet = event_rss(tmp_path / "none", puts, stalled=False, options=BUDGETS, check=check)
@@ -130,6 +134,7 @@ def test_the_publisher_stays_within_its_byte_budgets_with_no_or_stalled_subscrib
         assert st["batches"] > 0 and st["block_events"] >= puts * BLOCKS_PER_PUT
         # a put's BlockStored (~320 KiB) went as two batches: far more batches than puts
         assert st["batches"] > puts
+        assert st["tokens_dropped"] > 0  # the mirror let go of the oldest blocks' token ids
     assert stalled["stats"]["replays"] >= 1
     # The batches themselves: a subscriber that reads sees none over max_batch_bytes.
     biggest = _biggest_batch(tmp_path / "reader", budget["max_batch_bytes"])
@@ -137,6 +142,7 @@ def test_the_publisher_stays_within_its_byte_budgets_with_no_or_stalled_subscrib
             **{f"no_subscriber_{k}": v for k, v in quiet.items() if k != "stats"},
             **{f"stalled_{k}": v for k, v in stalled.items() if k != "stats"},
             stalled_replays=stalled["stats"]["replays"], stalled_replays_dropped=stalled["stats"]["replays_dropped"],
+            mirror_tokens_dropped=quiet["stats"]["tokens_dropped"] + stalled["stats"]["tokens_dropped"],
             batches=quiet["stats"]["batches"] + stalled["stats"]["batches"])
 
 
@@ -382,7 +388,7 @@ def test_a_batch_over_max_batch_bytes_goes_as_parts_that_continue_its_chains() -
     assert got == toks
 
 
-def test_the_byte_budgets_are_validated() -> None:
+def test_the_byte_budgets_are_validated(tmp_path: Path) -> None:
     """Sizes positive, a subscriber's budget at least one batch, a batch at least 4 KiB,
     connection limits positive counts: refused with a message naming the key."""
     from kvstore.errors import ConfigError
@@ -394,8 +400,15 @@ def test_the_byte_budgets_are_validated() -> None:
                          ({"queue_bytes": -1}, "queue_bytes"),
                          ({"publish_queue_bytes": True}, "publish_queue_bytes"),
                          ({"max_connections": 0}, "max_connections"),
-                         ({"max_connections_per_peer": -3}, "max_connections_per_peer")):
+                         ({"max_connections_per_peer": -3}, "max_connections_per_peer"),
+                         ({"mirror_token_bytes": 0}, "mirror_token_bytes")):
         with pytest.raises(ConfigError, match=key):
             events_config(section)
+    from kvstore.server.config import load_server_config
+
+    for key in ("max_handoff_bytes_per_tenant", "handoff_history_bytes"):  # (the handoffs' budgets, [server])
+        (tmp_path / "server.toml").write_text(f'[server]\n{key} = "0B"\n')
+        with pytest.raises(ConfigError, match=key):
+            load_server_config(tmp_path / "server.toml", env={})
     cfg = events_config({"subscriber_bytes": "8MiB", "max_batch_bytes": "256KiB"})
     assert cfg.subscriber_bytes // cfg.max_batch_bytes == 32

@@ -4,6 +4,7 @@ and the failure paths (unreachable prefill node, a prefill daemon killed mid-han
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,10 @@ from kvstore.client import connect
 from kvstore.client.control import control
 from kvstore.client.spawn import start_daemon
 from kvstore.clock import FakeClock
-from kvstore.errors import BlockNotFound, MissingPrefixError, UsageError
+from kvstore.errors import BlockNotFound, MissingPrefixError, QuotaExceededError, UsageError
 from kvstore.keys import hash_blocks
 from kvstore.route import offer, receive
+from kvstore.server.config import Limits
 from kvstore.server.daemon import ThreadedDaemon
 from tests.conftest import SMALL_NS
 from tests.kvstore.conftest import TENANTS, TOKEN_A, TOKEN_B, TOKEN_OPS
@@ -221,3 +223,59 @@ def test_confirming_a_handoff_removes_its_own_pin_not_the_tenants(
     else:
         assert left[0]["until"] > time.time() + 3000  # the hour, not the handoff's 30 s
 
+
+
+def _metric(url: str, name: str) -> float:
+    """One sample of the daemon's ``/metrics`` (``name`` with its labels, as printed)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_handoff_records_stay_within_their_byte_budgets(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    """Issue 33, memory: handoff records were bounded in count only (open ones by the pins'
+    limit, finished ones by 10,000), each naming up to ``max_blocks`` keys. Now a tenant's open
+    ones stay within ``max_handoff_bytes_per_tenant`` (an offer past it is refused, holding
+    nothing) and finished ones within ``handoff_history_bytes`` (the oldest forgotten), both
+    counted in ``/metrics``."""
+    lim = Limits(max_body_bytes=64 * 1024, max_blocks=256, max_payload_bytes=64 * 4096,
+                 max_handoff_bytes_per_tenant=4096, handoff_history_bytes=8192)
+    d = start_daemon(limits=lim)
+    hashes, kv = prefill(np.arange(20 * BT, dtype=np.int32) + 5)
+    ns = SMALL_NS.root.hex()
+
+    def offer_of(rid: str, n: int) -> dict[str, Any]:
+        body = {"ns": ns, "hashes": [h.hex() for h in hashes[:n]], "request_id": rid, "ttl_s": 60}
+        return control(d.url, "POST", "/v1/handoffs", body)
+
+    with connect(d.url) as c:
+        c.register_namespace(SMALL_NS)
+        c.put(SMALL_NS, hashes, kv)
+    assert offer_of("a", 20)["state"] == "ready"  # ~2,400 bytes: 20 keys
+    with pytest.raises(QuotaExceededError, match="max_handoff_bytes_per_tenant"):
+        offer_of("b", 20)
+    assert len(pins(d.url)) == 1  # the refused offer holds nothing
+    assert offer_of("c", 5)["state"] == "ready"
+    assert _metric(d.url, "kvstore_handoffs_refused_total") == 1
+    assert 0 < _metric(d.url, 'kvstore_handoffs_held_bytes{state="open"}') <= 4096
+    for rid in ("a", "c"):
+        control(d.url, "POST", f"/v1/handoffs/{rid}/confirm")
+    assert offer_of("b", 20)["state"] == "ready"  # room again
+    control(d.url, "POST", "/v1/handoffs/b/confirm")
+    for i in range(30):  # finished records: ~650 bytes each, their keys let go
+        offer_of(f"h{i}", 1)
+        control(d.url, "POST", f"/v1/handoffs/h{i}/confirm")
+        assert _metric(d.url, 'kvstore_handoffs_held_bytes{state="finished"}') <= 8192
+    assert _metric(d.url, 'kvstore_handoffs_held_bytes{state="open"}') == 0
+    kept = [rid for rid in ("a", "c", "b", *(f"h{i}" for i in range(30)))
+            if _status(d.url, rid) is not None]
+    assert kept == [f"h{i}" for i in range(30 - len(kept), 30)]  # the newest, in order
+    assert _metric(d.url, "kvstore_handoffs_forgotten_total") == 33 - len(kept)
+    assert control(d.url, "GET", "/v1/handoffs/h29")["blocks"] == 1  # a finished record's count stays
+
+
+def _status(url: str, rid: str) -> dict[str, Any] | None:
+    try:
+        return control(url, "GET", f"/v1/handoffs/{rid}")
+    except BlockNotFound:
+        return None

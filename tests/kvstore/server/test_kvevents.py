@@ -502,3 +502,39 @@ def test_the_replay_buffer_stays_within_replay_bytes_with_no_subscriber(tmp_path
             req.close(linger=0)
         finally:
             pub.close()
+
+
+def test_the_mirrors_token_ids_stay_within_mirror_token_bytes(tmp_path: Path) -> None:
+    """Issue 33, memory: the mirror kept every cached block's token ids (``4 x block_tokens``
+    bytes a block), bounded only by the store's block count. Now it keeps the newest within
+    ``mirror_token_bytes`` (counted, dropped and metered), and a put's own ``BlockStored``
+    still carries all its tokens, even one whose tokens alone are over the budget."""
+    limit = 4096  # 39 blocks' token ids of SMALL_NS (64 bytes each, and 41 for their entry)
+    entry = 4 * SMALL_NS.block_tokens + kvevents.TOKEN_ENTRY_BYTES
+    with KVStore(StoreConfig(root=tmp_path / "s", tiers=small_tiers(dram_blocks=256, nvme_blocks=512))) as store:
+        store.register_namespace(SMALL_NS)
+        pub = kvevents.KVEventPublisher(store, events_config({"publish": "tcp://127.0.0.1:0",
+                                                              "mirror_token_bytes": "4KiB"}))
+        try:
+            s, dec = pub.streams[0], decoder()
+            for i in range(60):  # 480 blocks, all cached (DRAM and NVMe)
+                n = 50 if i == 30 else 8  # one put over the budget alone
+                hs = chain(n, seed=i)
+                store.put(SMALL_NS, hs, payloads(n), tokens=tokens_of(n, seed=i))
+                assert pub.flush(60.0)
+                kept = [r for r in pub._recs.values() if r.tokens is not None]
+                assert len(kept) * entry <= limit, f"put {i}: {len(kept)} blocks' token ids kept"
+                assert pub.stats()["mirror_token_bytes"] <= limit
+                stored = [e for e in dec.decode(s.buffer[-1][1]).events
+                          if type(e) is BlockStored and e.medium == store.tiers[0].name]  # (not demotions)
+                assert [h for e in stored for h in e.block_hashes] == hs
+                assert [t for e in stored for t in e.token_ids] == tokens_of(n, seed=i)
+            assert len(kept) == limit // entry  # the newest blocks' token ids are kept
+            assert all(pub._recs[h].tokens is not None for h in chain(8, seed=59))
+            assert pub.stats()["tokens_dropped"] == 8 * 59 + 50 - len(kept)
+            families = {m.name: m for m in pub.collector().collect()}
+            dropped = {s.labels["what"]: s.value for s in families["kvstore_kv_events_dropped"].samples
+                       if s.name.endswith("_total")}
+            assert dropped["mirror_tokens"] == 8 * 59 + 50 - len(kept)
+        finally:
+            pub.close()
