@@ -125,7 +125,7 @@ class Breaker:
                 return
             with self._lock:
                 # Wait for the next trip only while closed, under the lock: a trip that came
-                # after the probe that closed it keeps this round going.
+                # after the probe that closed it keeps the breaker open.
                 if self.closed:
                     self._tripped.clear()
 

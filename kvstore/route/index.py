@@ -127,8 +127,8 @@ class PrefixIndex:
             out[pending[hit]] = slot[hit].astype(np.int64)
             empty = np.flatnonzero(cur == 0)
             if empty.size:
-                # Several keys may reach one empty slot in this round: the first takes it, the
-                # others find it taken by another key next round and probe on.
+                # Several keys may reach one empty slot in one probe step: the first takes it, the
+                # others find it taken by another key at the step after and probe on.
                 taken, first = np.unique(slot[empty], return_index=True)
                 winners = pending[empty[first]]
                 self._keys[taken] = uniq[winners]

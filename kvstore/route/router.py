@@ -307,7 +307,7 @@ class Router:
     def _first_false(self, hashes: Sequence[bytes], mask: int, tests: list[Callable[[int], bool]],
                      ends: list[int]) -> list[int]:
         """For each monotone ``test`` (true, then false along the chain, over ``[0, end)``):
-        the first position where it is false (``end`` if none). The first round probes both ends
+        the first position where it is false (``end`` if none). The opening probe tests both ends
         (a whole hit or a whole miss ends there), then 32-way rounds; all tests share one batch
         of keys per round. Small batches: plain Python beats numpy's per-call cost here."""
         lo = [0] * len(tests)

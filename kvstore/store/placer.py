@@ -54,7 +54,7 @@ disagrees with the plan (a slab tier whose freed blocks are of another size clas
 demotion whose write failed); each further round plans from what the last one left."""
 WRITE_ATTEMPTS = 4
 """Writes tried per placement: a tier may refuse a write it said would fit (a size class ran
-out), and gets another make-room before the next attempt."""
+out), and gets another make-room before it tries again."""
 
 COPY, DEMOTE, EVICT = 0, 1, 2
 """What a victim does: lose this tier's copy (another tier has one), move down, leave the store."""
@@ -483,7 +483,7 @@ class Placer:
                 stuck.add(v.bid)
                 failed = True
         if failed:
-            return False  # the plan falls short: let the next round plan again
+            return False  # the plan falls short: let the caller plan again
         for v in plan:
             if not int(idx.tiers[v.bid]) & bit:
                 continue

@@ -247,7 +247,7 @@ def test_sweeper_deletes_expired_objects_of_every_node_within_its_work_cap(
         assert sweeper.describe()["sweep_examined"] == min(3 * i, 10)
     assert sum(passes) == 8 and max(passes) <= 3
     assert sweeper.describe()["expired_deleted"] == 8
-    assert sweeper.sweep(limit=3) == 0  # the next pass starts over: nothing left to expire
+    assert sweeper.sweep(limit=3) == 0  # a sweep after it starts over: nothing left to expire
     left = {p.rsplit("/", 1)[-1] for p in s3_server.fs.find(sweeper._base)}
     assert left == {f"{b.key.hex()}.kvb" for b in long}
 

@@ -61,7 +61,7 @@ def test_the_warm_up_runs_every_engine_on_every_prompt_until_a_pass_is_steady() 
     for e in (lm, every, needed):
         assert e.calls == [0, 5] * 4  # each engine, each prompt, each pass: warmed alike
     assert [(a.replayed_tokens, b.loaded_bytes, n.loaded_bytes) for a, b, n in warm] == [(0, 5, 11), (5, 5, 11)]
-    assert [float(a.logits[0]) for a, _, _ in warm] == [1.0, 2.0]  # the first pass's results are kept
+    assert [float(a.logits[0]) for a, _, _ in warm] == [1.0, 2.0]  # the warm-up's results are kept
 
 
 def test_the_warm_up_stops_at_its_limit_and_once_on_the_cpu() -> None:

@@ -2,7 +2,7 @@
 
 The workload of the peer comparison (``tools.bench peers``): Llama-8B geometry (32 layers, 8 KV heads, head_dim
 128, bf16: 128 KiB per token), 4,096-token requests, one DRAM tier (LRU) of four requests'
-capacity, opened just before the first put, so the first rounds fill a fresh arena (where the
+capacity, opened just before the first put, so the early rounds fill a fresh arena (where the
 page faults of a cold tmpfs arena cost the most unless it is prefaulted) and the later ones
 evict. Blocks of 256 tokens (32 MiB, LMCache's chunk) and of 16 tokens (2 MiB, vLLM's page: the per-block costs).
 Every request's bytes are read back and checked.
@@ -35,7 +35,7 @@ from tools.bench._common import result
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 FILL_ROUNDS = 4
-"""Requests the DRAM tier holds: the first rounds fill it, the rest evict."""
+"""Requests the DRAM tier holds: the early rounds fill it, the rest evict."""
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:

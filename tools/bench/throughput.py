@@ -16,7 +16,7 @@ batching engine without the store (every prompt computed in full), measured in t
 - (d) ``ideal``: the HBM-resident ideal, the same batches with each prompt's cached prefix
   already in the KV rows (no lookup, load or store): the compute-only bound.
 
-The first round of each engine is a warm-up (kernels; the HBM cache fills by promotion); the
+Round 0 of each engine is a warm-up (kernels; the HBM cache fills by promotion); the
 rest are timed. The wait for the last background stores after each round is reported
 (``store_wait_s``) but not timed: in a server a conversation's next turn comes after decode.
 
@@ -82,7 +82,7 @@ def conversations(w: Workload, h: float, vocab: int, seed: int = 0) -> tuple[lis
     """Initial histories (cached before the stream) and each round's prompts, per conversation.
 
     History lengths start log-uniform in ``[min_len, max_len * h**rounds]`` (at least
-    ``min_len``) so that the last round stays near ``max_len``; each turn adds
+    ``min_len``) so that the final round stays near ``max_len``; each turn adds
     ``(1-h)/h`` of the history in whole blocks (at least one block)."""
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -213,7 +213,7 @@ def _sync(dev: torch.device) -> None:
 
 def _stream(lm: BatchedLM, turns: list[list[torch.Tensor]], histories: list[torch.Tensor], w: Workload,
             kind: str, cache: EngineCache | None) -> _Run:
-    """Run every round; rounds after the first are timed. The first round only warms the store
+    """Run every round; rounds after round 0 are timed. Round 0 only warms the store
     engines (kernels, HBM promotion); the others skip it after one small warm-up batch."""
     run = _Run()
     prof = None

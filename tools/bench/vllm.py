@@ -240,7 +240,7 @@ def _long_doc(llm: Any, w: dict[str, Any], cpu: _Cpu, kvstore: bool) -> dict[str
 def _overhead(llm: Any, w: dict[str, Any], cpu: _Cpu, kvstore: bool) -> dict[str, Any]:
     """Each prompt once (a miss everywhere), then each again (vLLM's own prefix hit), one request
     at a time: wall and CPU time of each request; the saves run in the background and are
-    flushed only at the end of the first pass (``flush_cpu_ms``: their CPU, not in any request's)."""
+    flushed only at the end of the miss phase (``flush_cpu_ms``: their CPU, not in any request's)."""
     from engine.vllm.harness import flush_saves, generate, worker_counters
 
     out: dict[str, Any] = {}
@@ -454,7 +454,7 @@ def _overhead_rows(res: dict[str, dict[str, Any]], w: dict[str, Any], threads: i
                          baseline_cached_tokens=ref[f"{phase}_cached_tokens"], note=what[phase],
                          workload="overhead", **shape)
     yield result("vllm", "overhead_flush_cpu_kvstore", kv["flush_cpu_ms"], "ms", ref["flush_cpu_ms"],
-                 note="CPU of waiting for the background saves after the first pass (in no request's time)",
+                 note="CPU of waiting for the background saves after the miss phase (in no request's time)",
                  counters=kv.get("counters"), workload="overhead", **shape)
 
 

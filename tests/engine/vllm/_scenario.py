@@ -101,7 +101,7 @@ def main(path: str) -> None:
             killer = None
             if action == "kill":
                 daemon.kill()
-            elif action == "kill_during":  # SIGKILL while this round's requests run
+            elif action == "kill_during":  # SIGKILL while the requests of this step of the scenario run
                 killer = threading.Timer(rnd.get("after_s", 0.3), daemon.kill)
                 killer.start()
             elif action == "restart":

@@ -117,7 +117,7 @@ def test_concurrent_requests_with_shared_prefix_and_more_than_kv_capacity(refere
     same_outputs(first, reference[1])
     same_outputs(again, reference[1])
     # The working set (S and F, ~6,900 tokens) is three times vLLM's 2,048-token KV; every
-    # request of the second pass finds its whole prefix in kvstore.
+    # request of the repeat finds its whole prefix in kvstore.
     assert [_hit(o) for o in again] == [_full(p) for p in F]
 
 

@@ -6,8 +6,8 @@ loads whole chunks. A request of ``tokens`` tokens is one contiguous buffer of i
 
 Phases, for one store at one request size (``drive``):
 
-1. **store**: ``rounds`` rounds, each storing ``fit`` new requests (new token ids), so from the
-   second round on every store makes room by evicting the oldest (LRU, capacity equal for all
+1. **store**: ``rounds`` rounds, each storing ``fit`` new requests (new token ids), so from round
+   two on every store makes room by evicting the oldest (LRU, capacity equal for all
    stores: ``fit`` requests and two chunks of slack). Figure: bytes / time of the store calls.
 2. **lookup**: each of the ``fit`` cached requests, ``lookups`` times; figure: the median
    latency; baseline: hashing the request's tokens (``kvstore.keys.hash_blocks``), the floor of
