@@ -243,9 +243,14 @@ class _Scheduler:
             want = r.hashes[:max_blocks]
             if self.spec.hybrid:
                 self._hybrid_lookup(r, ns, want)
+                r.saved = min(r.hit, r.prompt_blocks)
             else:
-                r.hit = r.cached = self.link.call(lambda c: c.lookup(ns, want).num_blocks, 0) if want else 0
-            r.saved = min(r.hit, r.prompt_blocks)
+                # The prompt's last full block too: never loaded (vLLM computes the last token),
+                # but a block kvstore holds already is not saved again.
+                ask = r.hashes[: max(max_blocks, r.prompt_blocks)]
+                found = self.link.call(lambda c: c.lookup(ns, ask).num_blocks, 0) if ask else 0
+                r.hit = r.cached = min(found, max_blocks)
+                r.saved = min(found, r.prompt_blocks)
             self.counters.requested_tokens += request.num_tokens
         r.local = num_computed_tokens // bt
         if self.spec.hybrid:

@@ -97,6 +97,9 @@ def test_same_tokens_and_logprobs_with_and_without_kvstore(reference: list, writ
     (c0,), (c1,) = after_cold, after_warm
     assert c0["saved_blocks"] == sum(len(p) // BT for p in S) and c0["loaded_blocks"] == 0
     assert c1["loaded_blocks"] - c0["loaded_blocks"] == sum(_full(p) // BT for p in S) and c1["failed_blocks"] == 0
+    # Nothing is saved again, not even the 640-token prompt's last block (never loaded: it
+    # holds the last token, but the lookup saw it cached).
+    assert c1["saved_blocks"] == c0["saved_blocks"] and c1["saves_submitted"] == c0["saves_submitted"]
 
 
 def test_preempted_requests_come_back_right(reference: list, writer: list, writer_dir: Path) -> None:
