@@ -19,7 +19,7 @@ from engine.gpu import ArenaBlocks, HostBlocks, register_host, unregister_host
 from engine.transfer import ConcatSource, PagedLoader, PagedSaver, tiles
 from engine.vllm.pages import PagedKV, PageSpec
 from kvstore.config import StoreConfig, TierSpec
-from kvstore.keys import hash_blocks
+from kvstore.keys import BlockHash, Namespace, hash_blocks
 from kvstore.store import KVStore
 
 BT, H, D, LAYERS, BLOCKS = 16, 2, 8, 3, 12
@@ -132,6 +132,17 @@ def _store(tmp_path: Path) -> KVStore:
     return KVStore(StoreConfig(root=tmp_path, tiers=tiers, persist_on_close=False, policy="lru"))
 
 
+def _stored(store: KVStore, src: dict[str, torch.Tensor], ids: list[int]) -> tuple[Namespace, list[BlockHash]]:
+    """Pages ``ids`` of ``src`` (CUDA) put into ``store`` as blocks: their namespace and hashes."""
+    blocks = torch.empty((len(ids), SPEC.block_bytes), dtype=torch.uint8, device="cuda")
+    PagedKV(SPEC, src).gather(ids, blocks)
+    ns = SPEC.namespace("test/transfer", "r", 0, 1)
+    store.register_namespace(ns)
+    hashes = hash_blocks(ns, np.arange(len(ids) * BT))
+    store.put(ns, hashes, blocks.cpu().view(-1).numpy())
+    return ns, hashes
+
+
 @cuda
 @pytest.mark.parametrize("layout,group,stage", [("LBNHC", 0, 1 << 30), ("LBHNC", 0, 1 << 30), ("LBNHC", 1, 1 << 30),
                                                 ("BLNHC", 2, 1 << 30), ("LBNHC", 0, 0)])
@@ -141,13 +152,8 @@ def test_a_device_load_from_a_lease_writes_the_pages(tmp_path: Path, layout: str
     device pages of ``layout``; every layer's event fires, and the pages equal the source."""
     src = _caches(layout, "cuda", seed=5)
     ids_src, ids_dst = [0, 3, 5, 7, 9], [11, 1, 2, 8, 10]
-    blocks = torch.empty((5, SPEC.block_bytes), dtype=torch.uint8, device="cuda")
-    PagedKV(SPEC, src).gather(ids_src, blocks)
     with _store(tmp_path) as store:
-        ns = SPEC.namespace("test/transfer", "r", 0, 1)
-        store.register_namespace(ns)
-        hashes = hash_blocks(ns, np.arange(5 * BT))
-        store.put(ns, hashes, blocks.cpu().view(-1).numpy())
+        ns, hashes = _stored(store, src, ids_src)
         lease = store.acquire(ns, hashes)
         dst = _caches(layout, "cuda", seed=None)
         piece = SPEC.block_bytes if stage == 0 else 64 << 20
@@ -171,13 +177,8 @@ def test_loads_queued_back_to_back_share_the_staging_ring(tmp_path: Path, slots:
     for the scatter that last read its slot, and both loads' pages equal their sources."""
     src = _caches("LBNHC", "cuda", seed=8)
     ids_src, ids_dst = [0, 3, 5, 7, 9, 2], [11, 1, 6, 8, 10, 4]
-    blocks = torch.empty((6, SPEC.block_bytes), dtype=torch.uint8, device="cuda")
-    PagedKV(SPEC, src).gather(ids_src, blocks)
     with _store(tmp_path) as store:
-        ns = SPEC.namespace("test/transfer", "r", 0, 1)
-        store.register_namespace(ns)
-        hashes = hash_blocks(ns, np.arange(6 * BT))
-        store.put(ns, hashes, blocks.cpu().view(-1).numpy())
+        ns, hashes = _stored(store, src, ids_src)
         head, rest = store.acquire(ns, hashes[:2]), store.acquire(ns, hashes[2:])
         dst = _caches("LBNHC", "cuda", seed=None)
         loader = PagedLoader(torch.device("cuda"), piece_bytes=SPEC.block_bytes, stage_bytes=slots * SPEC.block_bytes)
