@@ -196,7 +196,7 @@ class PagedLoader:
             if after is not None:
                 scat.wait_event(after)
             idx = target.block_ids(idx_host)  # one small copy, before the first scatter
-        freed: list[Any] = []
+        last: Any = None
         events: list[Any] = [None] * num_layers
         timed: list[tuple[Any, Any, Any]] = []
         for a, b, lo, hi in plan:
@@ -219,8 +219,7 @@ class PagedLoader:
                     target.scatter_layer(layer, idx[a:b], dst[:, off : off + pb])
                 done = torch.cuda.Event(enable_timing=self.timing)
                 done.record(scat)
-            freed.append(done)
-            self._freed[s] = done
+            last = self._freed[s] = done
             if began is not None:
                 timed.append((began, landed, done))
             if b == n:  # the group's last tile: its layers are ready after this scatter
@@ -228,7 +227,7 @@ class PagedLoader:
                     events[layer] = done
                 if on_layers is not None:
                     on_layers(lo, hi, done)
-        return DeviceLoad(events, freed[-1] if freed else None, timed)
+        return DeviceLoad(events, last, timed)
 
     @staticmethod
     def _load_host(src: BlockSource, target: PagedTarget, ids: Sequence[int], first: int,
