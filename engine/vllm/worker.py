@@ -649,8 +649,7 @@ class Worker:
                     job.layer_done[where[layer]].set()
 
             src = parts[0][0] if len(parts) == 1 else ConcatSource(parts)
-            for load in loads:  # the loader's staging ring is reused (and may grow): one load at a time
-                load.synchronize()
+            # queued right after the full part's (each ring slot waits for its last scatter)
             loads.append(loader.load(src, kv, ids, layer_group=group, after=job.after, on_layers=ready,
                                      cancelled=cancelled))
         for load in loads:
