@@ -42,6 +42,7 @@ from engine.vllm.worker import (
     LoadSpec,
     ReqInfo,
     SaveSpec,
+    StateSave,
     StepPlan,
     Worker,
     chain_namespace,
@@ -109,7 +110,7 @@ def sliding_mode(spec: PageSpec, cfg: ConnectorConfig, prefix_caching: bool, log
     every layer, and vLLM's prefix cache would keep the pages of a window load whose sliding
     layers hold only the checkpoint's window; a later request served from there by vLLM would
     read stale sliding pages. So windows then need vLLM's prefix cache off."""
-    if not spec.hybrid:
+    if not spec.sliding:
         return spec
     if spec.vllm_windows:  # vLLM frees each sliding page once it leaves the window: windows only
         if cfg.sliding == "every_layer":
@@ -163,6 +164,7 @@ class _Req:
     loaded_tokens: int = 0
     cached: int = 0  # leading blocks whose full part kvstore holds (a hybrid page; else = hit)
     pieces: list[int] = field(default_factory=list)  # blocks whose window piece this request stores
+    states: set[int] = field(default_factory=set)  # blocks whose recurrent state this request stored
 
 
 class _Scheduler:
@@ -187,7 +189,31 @@ class _Scheduler:
         self.reqs: dict[str, _Req] = {}
         self.pending_loads: list[LoadSpec] = []
         self.counters = ConnectorCounters()
-        self.policy = CheckpointPolicy(cfg.checkpoint_every_blocks, cfg.checkpoint_at_end, cfg.checkpoint_at_hits)
+        every = cfg.checkpoint_every_blocks
+        if spec.state is not None:
+            every = self._state_checkpoints(vllm_config, every)
+        self.policy = CheckpointPolicy(every, cfg.checkpoint_at_end, cfg.checkpoint_at_hits)
+
+    def _state_checkpoints(self, vllm_config: VllmConfig, every: int) -> int:
+        """The checkpoint spacing of a model with recurrent layers: vLLM keeps (and offers the
+        connector) a state only where its own prefix cache retains one, at the end of a prefill
+        and, with ``--prefix-cache-retention-interval`` R, every R tokens that a prefill chunk
+        ends on (``--max-num-batched-tokens`` R or a divisor of it). So the checkpoints are
+        vLLM's: every R / block_size blocks, the replay bound."""
+        interval = int(getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0) or 0)
+        if interval and interval % self.bt == 0:
+            every = interval // self.bt
+            log.info("kvstore: %d recurrent layers: their state is stored where vLLM keeps it, at the end of each "
+                     "prompt and every %d blocks (--prefix-cache-retention-interval %d; prefill chunks of at most "
+                     "that many tokens): a hit replays at most %d blocks", self.spec.state.num_layers if self.spec.state
+                     else 0, every, interval, every - 1)
+        else:
+            log.warning("kvstore: recurrent layers: vLLM keeps their state only at the end of each prefill "
+                        "(--prefix-cache-retention-interval %s): a hit ends where a stored prompt ended, and "
+                        "other prompts sharing a prefix replay it all; set --prefix-cache-retention-interval to a "
+                        "multiple of %d tokens, and --max-num-batched-tokens to it, for checkpoints every so many "
+                        "tokens", interval or 0, self.bt)
+        return every
 
     def ns_for(self, lora: str) -> Namespace:
         ns = self._ns.get(lora)
@@ -253,7 +279,7 @@ class _Scheduler:
                 r.saved = min(found, r.prompt_blocks)
             self.counters.requested_tokens += request.num_tokens
         r.local = num_computed_tokens // bt
-        if self.spec.hybrid:
+        if self.spec.sliding:
             self._plan_windows(r, self.ns_for(self._lora(request)))
         ext = min(r.hit, max_blocks) - r.local
         if ext < self.cfg.min_load_blocks or self.link.is_open:
@@ -362,7 +388,36 @@ class _Scheduler:
                 for mine, more in zip(r.block_ids, new_ids, strict=True):
                     mine.extend(more)
             self._plan_save(meta, req_id, r, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
+        if self.spec.state is not None and self.cfg.save:
+            self._plan_states(meta, so)
         return meta
+
+    def _plan_states(self, meta: KVStoreMetadata, so: SchedulerOutput) -> None:
+        """The recurrent states vLLM offers this step (``kv_connector_block_state``: each a KV
+        cache group, the page holding it and the boundary it ends, as its prefix cache retains
+        them; the forward pass of this step writes them) at the end of a block whose full part
+        is saved: stored as that block's checkpoint state, except the state a hit loaded."""
+        assert self.spec.state is not None
+        block_state = getattr(so, "kv_connector_block_state", None)
+        offers = block_state.boundary_state_offloads if block_state is not None else {}
+        mine = set(self.spec.state.groups)
+        for req_id, entries in offers.items():
+            r = self.reqs.get(req_id)
+            if r is None:
+                continue
+            at: dict[int, dict[int, int]] = {}
+            for group, page, tokens in entries:
+                if group in mine and tokens % self.bt == 0 and tokens:
+                    at.setdefault(tokens // self.bt - 1, {})[group] = page
+            for i, pages in sorted(at.items()):
+                if set(pages) != mine or i >= min(r.saved, r.prompt_blocks) or i == r.hit - 1 or i in r.states:
+                    continue
+                ids = [0] * self.spec.num_groups
+                for group, page in pages.items():
+                    ids[group] = page
+                self._info(meta, req_id, r, i + 1)
+                meta.states.append(StateSave(req_id, i, tuple(ids)))
+                r.states.add(i)
 
     def update_connector_output(self, output: Any) -> None:
         for req_id in output.finished_recving or ():

@@ -19,10 +19,10 @@ Families (``docs/vllm.md``, "Model families"): an fp8 cache's pages are 1-byte e
 namespace holds the fp8 format and a digest of the layers' scales; an MLA page is ``[B, 1, N,
 latent]``, one namespace (rank 0's) for every TP rank; a page with sliding-window layers is
 stored as the parts of ``kvstore.hybrid`` (:meth:`PageSpec.part`: the full layers per block, the
-sliding layers as window pieces at checkpoints). A group of vLLM's recurrent state (``MambaSpec``:
-Mamba2, gated delta net linear attention, short convolutions) is described by :class:`StateSpec`
-and moved by :class:`PagedState`, one state per layer at a checkpoint; the connector refuses such
-models at start-up (``docs/vllm.md``, "Model families", says what runs and what is missing).
+sliding layers as window pieces at checkpoints). vLLM's recurrent state groups (``MambaSpec`` in
+its ``align`` mode: gated delta net linear attention as in Qwen3-Next, Mamba2, short convolutions)
+are described by :class:`StateSpec` (:attr:`PageSpec.state`) and moved by :class:`PagedState`:
+every recurrent layer's state at a checkpoint is the state part of ``kvstore.hybrid``.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ SUPPORTED = (
     "kvstore's vLLM connector supports attention layers with dense K/V (bf16, fp16, fp32, or "
     "--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2 with per-tensor scales), MLA latent pages "
     "(DeepSeek-V2/V3) and sliding-window layers: in one KV cache group, or with vLLM's hybrid KV "
-    "cache manager in full-attention and sliding-window groups of one page shape and one window"
+    "cache manager in full-attention and sliding-window groups of one page shape and one window, and "
+    "recurrent-state groups (MambaSpec, vLLM's prefix cache on) beside them"
 )
 
 
@@ -112,6 +113,9 @@ class PageSpec:
     """``block_format = kvstore``: where vLLM's attention kernel keeps K and V in a page, which
     the conversion to K/V planes needs (:data:`KV_ORDERS`; set by the worker from its attention
     layers, :func:`kv_order_of`)."""
+    state: StateSpec | None = None
+    """vLLM's recurrent-state groups (``MambaSpec``, ``align`` mode), stored at checkpoints as
+    the state part of ``kvstore.hybrid``; their pages are those groups' (``StateSpec.groups``)."""
 
     def __post_init__(self) -> None:
         if self.kind not in PAGE_KINDS:
@@ -122,6 +126,9 @@ class PageSpec:
             raise UsageError(f"{len(self.groups)} KV cache groups given for {len(self.layer_names)} layers")
         if self.block_format not in BLOCK_FORMATS:
             raise UsageError(f"block format {self.block_format!r} is not one of {', '.join(BLOCK_FORMATS)}")
+        if self.state is not None and (self.kind != "full" or self.quantized or self.block_format != "vllm"):
+            raise UsageError("recurrent state is stored beside dense bf16/fp16/fp32 attention pages in vLLM's "
+                             "block format only")
         if self.block_format == "kvstore" and (self.kind != "full" or self.quantized):
             raise UsageError(
                 "kv_connector_extra_config.block_format = 'kvstore' (the reference engines' K/V planes) is for "
@@ -152,8 +159,9 @@ class PageSpec:
 
     @property
     def hybrid(self) -> bool:
-        """Some layers slide: a block is stored as a full part and window pieces."""
-        return bool(self.sliding)
+        """Some layers slide or hold a recurrent state: a block is stored as a full part, and
+        window pieces and states at checkpoints (``kvstore.hybrid``)."""
+        return bool(self.sliding) or self.state is not None
 
     @property
     def shared_by_ranks(self) -> bool:
@@ -163,7 +171,7 @@ class PageSpec:
     @property
     def num_groups(self) -> int:
         """vLLM's KV cache groups these layers are in (1 without the hybrid manager)."""
-        return max(self.groups, default=0) + 1
+        return max((*self.groups, *(self.state.groups if self.state is not None else ())), default=0) + 1
 
     def part(self, sliding: bool) -> PageSpec:
         """The spec of the full-attention layers (``sliding=False``) or of the sliding ones."""
@@ -171,7 +179,7 @@ class PageSpec:
         names = tuple(self.layer_names[i] for i in keep)
         groups = tuple(self.groups[i] for i in keep) if self.groups else ()
         return replace(self, layer_names=names, sliding=names if sliding else (), window=self.window if sliding else 0,
-                       groups=groups)
+                       groups=groups, state=None)
 
     def _dtype_name(self) -> str:
         return KV_FP8.get(self.kv_cache_dtype) or str(self.dtype).removeprefix("torch.")
@@ -187,11 +195,15 @@ class PageSpec:
             groups.append(LayerGroup("full", full, self.num_kv_heads, self.head_size))
         if self.sliding:
             groups.append(LayerGroup("sliding", len(self.sliding), self.num_kv_heads, self.head_size, window=self.window))
+        state = 0
+        if self.state is not None:
+            groups.append(self.state.layer_group(self._dtype_name()))
+            state = self.state.block_bytes
         layout = KVLayout(self._dtype_name(), self.block_size, tuple(groups))
         tag = self.tag()
         ns = Namespace(model_id, layout, model_revision=f"{revision}+{tag}" if tag else revision, rank=rank,
                        world_size=world_size, lora_id=lora_id)
-        if ns.block_bytes != self.block_bytes:  # a bug: the two descriptions disagree
+        if ns.block_bytes != self.block_bytes + state:  # a bug: the two descriptions disagree
             raise AssertionError(f"namespace blocks are {ns.block_bytes} bytes, vLLM pages {self.block_bytes}")
         return ns
 
@@ -202,7 +214,8 @@ class PageSpec:
         store's own format (``block_format = kvstore``) has none: the reference engines' blocks."""
         if self.block_format == "kvstore":
             return ""
-        return f"{PAGE_FORMAT}+kvscales-{self.scales or 'unknown'}" if self.quantized else PAGE_FORMAT
+        tag = f"{PAGE_FORMAT}+kvscales-{self.scales or 'unknown'}" if self.quantized else PAGE_FORMAT
+        return f"{tag}+{self.state.tag()}" if self.state is not None else tag
 
     def describe(self) -> str:
         extra = f" kv_cache_dtype={self.kv_cache_dtype} scales={self.scales}" if self.quantized else ""
@@ -210,6 +223,10 @@ class PageSpec:
             extra += f" mla(latent={self.head_size - self.rope_dim} rope={self.rope_dim}, one copy for every TP rank)"
         if self.sliding:
             extra += f" sliding_layers={len(self.sliding)} window={self.window}"
+        if self.state is not None:
+            st = self.state
+            extra += (f" recurrent_layers={st.num_layers} state={st.mamba_type or 'mamba'}"
+                      f"{list(map(list, st.shapes))} {st.state_bytes} B/layer")
         if self.groups:
             extra += f" kv_cache_groups={self.num_groups}"
         if self.block_format != "vllm":
@@ -278,8 +295,6 @@ def sliding_layers(names: Sequence[str], hf_config: Any) -> tuple[str, ...]:
 def _check_spec(spec: Any, cache: Any) -> tuple[bool, str]:
     """(MLA, the ``--kv-cache-dtype`` kvstore records) of one KV cache group's spec, or a
     :class:`UsageError` saying what kvstore's connector supports."""
-    if type(spec).__name__ == "MambaSpec":
-        raise UsageError(f"this model has recurrent layers ({spec!r}). {RECURRENT}. {SUPPORTED}")
     missing = [a for a in ("num_kv_heads", "head_size", "dtype", "block_size") if not hasattr(spec, a)]
     if missing:
         raise UsageError(f"this model's KV cache is {type(spec).__name__}. {SUPPORTED}")
@@ -315,9 +330,16 @@ def page_spec(kv_cache_config: Any, cache_layout: str | None, vllm_config: Any =
     ``--kv-cache-dtype`` kvstore knows, :data:`KV_FP8`), MLA latent pages, or sliding-window
     layers. Without vLLM's hybrid KV cache manager they are one group (sliding layers with
     full-size pages; which layers slide comes from the model config, ``vllm_config``); with it,
-    full-attention and sliding-window groups of one page shape (:attr:`PageSpec.groups`).
+    full-attention and sliding-window groups of one page shape (:attr:`PageSpec.groups`), and
+    recurrent-state groups beside them (``MambaSpec`` in ``align`` mode: :attr:`PageSpec.state`).
     Anything else is a :class:`UsageError` saying what kvstore's connector supports."""
-    groups = list(kv_cache_config.kv_cache_groups)
+    every = list(kv_cache_config.kv_cache_groups)
+    state_ids = [i for i, g in enumerate(every) if type(g.kv_cache_spec).__name__ == "MambaSpec"]
+    ids = [i for i in range(len(every)) if i not in state_ids]
+    if not ids:
+        raise UsageError(f"this model has recurrent layers only ({every[0].kv_cache_spec!r}): {RECURRENT}. "
+                         f"{SUPPORTED}")
+    groups = [every[i] for i in ids]
     cache = vllm_config.cache_config if vllm_config is not None else None
     checked = [_check_spec(g.kv_cache_spec, cache) for g in groups]
     spec = groups[0].kv_cache_spec
@@ -333,7 +355,7 @@ def page_spec(kv_cache_config: Any, cache_layout: str | None, vllm_config: Any =
                 f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}; windows {sorted(windows)}). "
                 f"{SUPPORTED}"
             )
-    names_groups = sorted(((n, i) for i, g in enumerate(groups) for n in g.layer_names),
+    names_groups = sorted(((n, ids[k]) for k, g in enumerate(groups) for n in g.layer_names),
                           key=lambda x: _natural_key(x[0]))
     names = tuple(n for n, _ in names_groups)
     if len(set(names)) != len(names):
@@ -342,8 +364,8 @@ def page_spec(kv_cache_config: Any, cache_layout: str | None, vllm_config: Any =
     rope = int(getattr(hf, "qk_rope_head_dim", 0) or 0) if mla else 0
     if mla and not 0 <= rope < int(spec.head_size):
         rope = 0
-    if len(groups) > 1:  # the hybrid manager: sliding layers are those of its sliding-window groups
-        sliding = tuple(n for n, i in names_groups if _is_sliding_group(groups[i].kv_cache_spec))
+    if len(every) > 1:  # the hybrid manager: sliding layers are those of its sliding-window groups
+        sliding = tuple(n for n, i in names_groups if _is_sliding_group(every[i].kv_cache_spec))
         window = max((int(g.kv_cache_spec.sliding_window) for g in groups if _is_sliding_group(g.kv_cache_spec)),
                      default=0)
         vllm_windows, layer_groups = bool(sliding), tuple(i for _, i in names_groups)
@@ -353,15 +375,20 @@ def page_spec(kv_cache_config: Any, cache_layout: str | None, vllm_config: Any =
         sliding = names if vllm_windows else sliding_layers(names, hf) if window else ()
     if mla and sliding:
         raise UsageError(f"sliding-window MLA layers are not supported. {SUPPORTED}")
+    state = states_spec([every[i] for i in state_ids], state_ids) if state_ids else None
+    if state is not None and state.block_size != int(spec.block_size):
+        raise UsageError(f"vLLM keeps this model's recurrent state every {state.block_size} tokens and its attention "
+                         f"pages hold {int(spec.block_size)}; kvstore needs a state at each attention block boundary")
     return PageSpec(names, int(spec.block_size), int(spec.num_kv_heads), int(spec.head_size), spec.dtype,
                     cache_layout or "LBHNC", kind="mla" if mla else "full", kv_cache_dtype=kv_dtype,
-                    rope_dim=rope, sliding=sliding, window=window, vllm_windows=vllm_windows, groups=layer_groups)
+                    rope_dim=rope, sliding=sliding, window=window, vllm_windows=vllm_windows, groups=layer_groups,
+                    state=state)
 
 
 RECURRENT = (
-    "kvstore's vLLM connector does not store recurrent state yet (Mamba, Mamba2, gated delta net linear "
-    "attention such as Qwen3-Next, short convolutions: vLLM's MambaSpec groups); start vLLM without the "
-    "kvstore connector for this model"
+    "kvstore's vLLM connector stores recurrent state (vLLM's MambaSpec groups: gated delta net linear "
+    "attention as in Qwen3-Next, Mamba2, short convolutions) beside attention layers, whose blocks key it; "
+    "start vLLM without the kvstore connector for this model"
 )
 
 
@@ -385,11 +412,23 @@ class StateSpec:
     """Tokens between two states vLLM keeps (its ``mamba_block_size``: the attention block size)."""
     mamba_type: str = ""
     """vLLM's ``MambaAttentionBackendEnum`` name (``MAMBA2``, ``GDN_ATTN``, ``SHORT_CONV``...)."""
+    groups: tuple[int, ...] = ()
+    """vLLM's KV cache group of each layer (its pages are that group's block ids; a block's page
+    ids are then a tuple indexed by group, as :class:`PagedKV`'s). Empty: one id per block."""
 
     def __post_init__(self) -> None:
         if not self.layer_names or len(self.shapes) != len(self.dtypes) or not self.shapes:
             raise UsageError(f"a recurrent state needs layers and one dtype per state tensor, got "
                              f"{len(self.layer_names)} layers, shapes {self.shapes}, dtypes {self.dtypes}")
+        if self.groups and len(self.groups) != len(self.layer_names):
+            raise UsageError(f"{len(self.groups)} KV cache groups given for {len(self.layer_names)} recurrent layers")
+
+    def tag(self) -> str:
+        """The state's format in the namespace's revision: the layout records only a state's
+        size, so tensors of the same size in another shape or order (vLLM's conv state layout,
+        ``VLLM_SSM_CONV_STATE_LAYOUT``) are another namespace, never a wrong hit."""
+        desc = f"{self.mamba_type}|{self.shapes}|{[str(d) for d in self.dtypes]}"
+        return f"state-{xxhash.xxh3_64_hexdigest(desc.encode())[:8]}"
 
     @property
     def num_layers(self) -> int:
@@ -414,6 +453,17 @@ class StateSpec:
         return LayerGroup("recurrent", self.num_layers, latent_dim=self.state_bytes // size)
 
 
+def states_spec(groups: Sequence[Any], ids: Sequence[int]) -> StateSpec:
+    """One :class:`StateSpec` for vLLM's recurrent-state groups ``groups`` (KV cache group ids
+    ``ids``): their layers in model order, each read from its group's pages."""
+    specs = [state_spec(g) for g in groups]
+    if len({(s.shapes, s.dtypes, s.block_size, s.mamba_type) for s in specs}) > 1:
+        raise UsageError(f"this model's recurrent layers keep states of different shapes ({specs}). {SUPPORTED}")
+    layers = sorted(((n, i) for s, i in zip(specs, ids, strict=True) for n in s.layer_names),
+                    key=lambda x: _natural_key(x[0]))
+    return replace(specs[0], layer_names=tuple(n for n, _ in layers), groups=tuple(i for _, i in layers))
+
+
 def state_spec(group: Any) -> StateSpec:
     """The :class:`StateSpec` of a vLLM ``KVCacheGroupSpec`` whose spec is a ``MambaSpec`` in
     ``align`` mode (the only mode in which vLLM keeps a state at each block boundary), or a
@@ -435,7 +485,9 @@ def state_spec(group: Any) -> StateSpec:
 class PagedState:
     """Moves states between vLLM's recurrent-state pages and kvstore blocks: a block is one state
     of every layer (``[layer][state_bytes]``), gathered from and scattered into the pages vLLM's
-    Mamba KV cache group gives a request (one page id per block)."""
+    Mamba KV cache groups give a request (one page id per block, or with ``spec.groups`` a tuple
+    per block indexed by KV cache group). A ``engine.transfer.PagedTarget``: the loader and saver
+    move states as they move pages."""
 
     def __init__(self, spec: StateSpec, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in spec.layer_names if n not in kv_caches]
@@ -451,21 +503,36 @@ class PagedState:
             self.layers.append(t.view(torch.uint8).squeeze(2).squeeze(1))
         self.device = self.layers[0].device
 
-    def block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def page_bytes(self) -> int:
+        return self.spec.state_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.spec.block_bytes
+
+    def block_ids(self, block_ids: Sequence[Any]) -> torch.Tensor:
         return torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    def _layer_ids(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        return ids[:, self.spec.groups[layer]] if self.spec.groups else ids
+
+    def gather(self, block_ids: Sequence[Any], out: torch.Tensor) -> None:
         """Copy the states in pages ``block_ids`` of every layer into ``out`` (``[n, block_bytes]`` uint8)."""
         ids, sb = self.block_ids(block_ids), self.spec.state_bytes
         dst = out.view(len(block_ids), self.spec.num_layers, sb)
         for i, t in enumerate(self.layers):
-            dst[:, i].copy_(t.index_select(0, ids), non_blocking=True)
+            dst[:, i].copy_(t.index_select(0, self._layer_ids(i, ids)), non_blocking=True)
 
     def scatter_layer(self, layer: int, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         """Write layer ``layer``'s state of ``n`` blocks from ``src`` (``[n, state_bytes]`` uint8)."""
         if src.device != self.device:
             src = src.to(self.device, non_blocking=True)
-        self.layers[layer].index_copy_(0, block_ids, src)
+        self.layers[layer].index_copy_(0, self._layer_ids(layer, block_ids), src)
 
 
 class PagedKV:

@@ -1,6 +1,6 @@
 """Tiny random-weight models saved locally, for vLLM tests and benchmarks (no download): a Llama
-(dense GQA), a Mistral (every layer sliding), a Gemma 3 (sliding and full layers) and a
-DeepSeek-V2 (MLA).
+(dense GQA), a Mistral (every layer sliding), a Gemma 3 (sliding and full layers), a
+DeepSeek-V2 (MLA) and a Qwen3-Next (gated delta net linear attention and full layers).
 
 Prompts are token ids (``TokensPrompt``) and the engine runs with ``skip_tokenizer_init``, so no
 tokenizer is needed.
@@ -150,4 +150,36 @@ def save_tiny_deepseek(path: str | Path, seed: int = 0) -> Path:
                            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     model = DeepseekV2ForCausalLM(cfg)
     _randomize(model, seed)
+    return _save(path, model, tag)
+
+
+def save_tiny_qwen3_next(path: str | Path, seed: int = 0) -> Path:
+    """A random-weight Qwen3-Next: gated delta net linear attention and full attention layers
+    alternating, a small mixture of experts (vLLM's Qwen3-Next needs one), bfloat16. The shape vLLM 0.32's CPU build runs: its gated delta net
+    kernel needs bfloat16 and 128-wide linear heads (2 key heads, 4 value heads: a layer's state
+    is a conv state ``[3, 1024]`` bf16 and a recurrent state ``[4, 128, 128]`` fp32), and with
+    its prefix cache on (``mamba_cache_mode`` ``align``) vLLM sets the block size to 544 tokens,
+    the attention page (2 KV heads of 64) as large as a layer's state."""
+    path, tag = Path(path), {"family": "qwen3_next", "seed": seed, "experts": 4}
+    if _kept(path, tag):
+        return path
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    s = SMALL
+    cfg = Qwen3NextConfig(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                          num_key_value_heads=s.kv_heads, head_dim=s.head_dim, intermediate_size=s.intermediate,
+                          vocab_size=s.vocab, max_position_embeddings=s.max_positions,
+                          layer_types=["linear_attention", "full_attention"] * (s.layers // 2),
+                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+                          linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = Qwen3NextForCausalLM(cfg)
+    _randomize(model, seed, norm=0.0)  # Qwen3-Next's RMS norms scale by 1 + weight...
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "linear_attn.norm" in name:  # ...but not the gated one after the delta rule: 0 would mute it
+                p.fill_(1.0)
+    model.to(torch.bfloat16)
     return _save(path, model, tag)

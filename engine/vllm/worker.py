@@ -48,7 +48,7 @@ from engine.gpu import (
 )
 from engine.transfer import ConcatSource, DeviceLoad, PagedLoader, PagedSaver, StagedSave
 from engine.vllm.config import ConnectorConfig
-from engine.vllm.pages import PagedKV, PageSpec, kv_order_of, scales_digest
+from engine.vllm.pages import PagedKV, PagedState, PageSpec, kv_order_of, scales_digest
 from kvstore.client import Client, connect
 from kvstore.errors import KVStoreError, UsageError
 from kvstore.hybrid import HybridNamespaces
@@ -89,6 +89,18 @@ class SaveSpec:
     window piece is stored (checkpoints' windows)."""
 
 
+@dataclass(slots=True)
+class StateSave:
+    """A recurrent state vLLM offered at a block boundary (``boundary_state_offloads``), to store
+    as checkpoint ``block``'s state."""
+
+    req_id: str
+    block: int
+    """The block (index in the request) the state ends."""
+    pages: tuple[int, ...]
+    """vLLM's page ids holding it, indexed by KV cache group (the recurrent groups' are set)."""
+
+
 @dataclass
 class StepPlan:
     """What the scheduler tells the workers once per step (vLLM's connector metadata)."""
@@ -97,6 +109,8 @@ class StepPlan:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
+    states: list[StateSave] = field(default_factory=list)
+    """Saved after this step's ``saves`` (a state is put under its full block)."""
 
 
 # ---- shared set-up -----------------------------------------------------------------------------
@@ -114,19 +128,23 @@ def model_identity(vllm_config: Any, cfg: ConnectorConfig) -> tuple[str, str]:
 
 def chain_namespace(ns: Namespace) -> Namespace:
     """The namespace a request's block hashes are rooted in: ``ns``, or for a page with sliding
-    layers its hybrid parts' (``HybridNamespaces.chain_ns``: the keys the reference engine's
-    hybrid store uses too)."""
-    if any(g.kind == "sliding" for g in ns.layout.groups):
+    or recurrent layers its hybrid parts' (``HybridNamespaces.chain_ns``: the keys the reference
+    engine's hybrid store uses too)."""
+    if _split(ns):
         return HybridNamespaces.of(ns).chain_ns
     return ns
 
 
 def stored_namespaces(ns: Namespace) -> list[Namespace]:
-    """The namespaces blocks of ``ns`` are stored under: ``ns``, or a page with sliding layers'
-    hybrid parts (full, window)."""
-    if any(g.kind == "sliding" for g in ns.layout.groups):
+    """The namespaces blocks of ``ns`` are stored under: ``ns``, or a page with sliding or
+    recurrent layers' hybrid parts (full, window, state)."""
+    if _split(ns):
         return HybridNamespaces.of(ns).parts()
     return [ns]
+
+
+def _split(ns: Namespace) -> bool:
+    return any(g.kind in ("sliding", "recurrent") for g in ns.layout.groups)
 
 
 def make_link(cfg: ConnectorConfig, name: str, timeout: float, namespaces: list[Namespace],
@@ -170,7 +188,8 @@ def layer_scales(vllm_config: Any, spec: PageSpec) -> str:
 
 
 Pieces = tuple[list[int], StagedSave] | None
-"""A save's window pieces: the blocks (indices in the request) and their sliding layers, staged."""
+"""A save's window pieces (or recurrent states): the blocks (indices in the request) and their
+sliding layers (states), staged."""
 
 
 @dataclass(slots=True)
@@ -190,6 +209,8 @@ class ConnectorCounters:
     """A page with sliding layers: cached blocks after the checkpoint a hit ended on (recomputed)."""
     saved_pieces: int = 0
     """A page with sliding layers: window pieces stored."""
+    saved_states: int = 0
+    """A page with recurrent layers: checkpoints' states stored."""
     device_puts: int = 0
     """Puts the daemon copied straight from GPU memory (PUT_DEVICE)."""
     staged_puts: int = 0
@@ -267,6 +288,7 @@ class Worker:
         self.kv: PagedKV | None = None
         self.full_kv: PagedKV | None = None  # a page with sliding layers: its full-attention layers
         self.window_kv: PagedKV | None = None  # ... and its sliding layers
+        self.state: PagedState | None = None  # a page with recurrent layers: their states
         self._part_layers: tuple[list[int], list[int]] = ([], [])  # their indices in ``kv``
         self.loader: PagedLoader | None = None
         self.saver: PagedSaver | None = None
@@ -291,7 +313,7 @@ class Worker:
         self._pinned: torch.Tensor | None = None  # a remote plane's save buffer
         self._load_host: torch.Tensor | None = None  # a remote plane's load buffer
         self._sink: tuple[Any, torch.Tensor] | None = None  # (staging segment, its registered view)
-        self._saves: deque[tuple[Namespace, list[BlockHash], int, StagedSave, np.ndarray, Pieces]] = deque()
+        self._saves: deque[tuple[Namespace, list[BlockHash], int, StagedSave, np.ndarray, Pieces, Pieces]] = deque()
         self._save_wake = threading.Condition(threading.Lock())
         self._save_slots = threading.BoundedSemaphore(cfg.max_pending_saves)
         self._stop = False
@@ -326,9 +348,11 @@ class Worker:
         if self.spec.hybrid:
             full, window = self.spec.part(False), self.spec.part(True)
             self.full_kv = PagedKV(full, kv_caches) if full.num_layers else None
-            self.window_kv = PagedKV(window, kv_caches)
+            self.window_kv = PagedKV(window, kv_caches) if window.num_layers else None
             self._part_layers = ([self.kv.index[n] for n in full.layer_names],
                                  [self.kv.index[n] for n in window.layer_names])
+        if self.spec.state is not None:
+            self.state = PagedState(self.spec.state, kv_caches)
         self.loader = PagedLoader(self.kv.device, piece_bytes=self.cfg.piece_bytes, stage_bytes=self.cfg.stage_bytes)
         self.saver = PagedSaver(self.kv.device, piece_bytes=self.cfg.piece_bytes)
 
@@ -437,8 +461,25 @@ class Worker:
             # carry them in BlockStored.token_ids, as vLLM's own events do.
             tokens = self.infos[sv.req_id].tokens[sv.start * self.bt : end * self.bt]
             with self._save_wake:
-                self._saves.append((ns, chain[:end], sv.start, staged, tokens, pieces))
+                self._saves.append((ns, chain[:end], sv.start, staged, tokens, pieces, None))
                 self._save_wake.notify()
+        for st in meta.states:
+            self._save_state(st)
+
+    def _save_state(self, st: StateSave) -> None:
+        """Queue the state vLLM offered at the end of block ``st.block`` (after the step's block
+        saves: it is put under its full block)."""
+        assert self.saver is not None and self.state is not None
+        if not self._save_slots.acquire(blocking=False):
+            self.counters.saves_dropped += 1
+            return
+        ns, chain = self._chain(st.req_id, st.block + 1)
+        rows = self.saver.stage(self.state, [st.pages])
+        none = StagedSave(torch.empty((0, 0), dtype=torch.uint8, device=self.state.device))
+        with self._save_wake:
+            self._saves.append((ns, chain[: st.block + 1], st.block + 1, none, np.empty(0, np.int32), None,
+                                ([st.block], rows)))
+            self._save_wake.notify()
 
     def _stage(self, sv: SaveSpec) -> tuple[StagedSave, tuple[list[int], StagedSave] | None]:
         """The pages a save stores, gathered: every layer of its blocks; for a page with sliding
@@ -611,26 +652,40 @@ class Worker:
         full_ids: list[int] = []
         window: list[tuple[Any, int]] = []
         window_ids: list[int] = []
+        states: list[tuple[Any, int]] = []
+        state_ids: list[Any] = []
         for spec, ns, hashes in job.specs:
             hyb, n, start = HybridNamespaces.of(ns), len(hashes), spec.start
-            pieces = [j for j in hyb.checkpoint_blocks(start + n - 1) if j >= start]
             got_full: Any = None
             if hyb.full is not None:
                 m, got_full = self._fetch(hyb.full, hashes, held)
                 if m < n:
                     job.fail(spec, spec.block_ids)
                     continue
-            assert hyb.window is not None
-            m, got_window = self._fetch(hyb.window, [hyb.window_key(hashes[j - start]) for j in pieces], held)
-            if m < len(pieces):
-                job.fail(spec, spec.block_ids)
-                continue
+            pieces: list[int] = []
+            got_window: Any = None
+            if hyb.window is not None:
+                pieces = [j for j in hyb.checkpoint_blocks(start + n - 1) if j >= start]
+                m, got_window = self._fetch(hyb.window, [hyb.window_key(hashes[j - start]) for j in pieces], held)
+                if m < len(pieces):
+                    job.fail(spec, spec.block_ids)
+                    continue
+            got_state: Any = None
+            if hyb.state is not None:  # the checkpoint's state, into the page vLLM keeps it in
+                m, got_state = self._fetch(hyb.state, [hyb.state_key(hashes[-1])], held)
+                if m < 1:
+                    job.fail(spec, spec.block_ids)
+                    continue
             job.loaded += n
             if got_full is not None:
                 full.append((got_full, n))
                 full_ids.extend(spec.block_ids)
-            window.append((got_window, len(pieces)))
-            window_ids.extend(spec.block_ids[j - start] for j in pieces)
+            if got_window is not None:
+                window.append((got_window, len(pieces)))
+                window_ids.extend(spec.block_ids[j - start] for j in pieces)
+            if got_state is not None:
+                states.append((got_state, 1))
+                state_ids.append(spec.block_ids[-1])
 
         def cancelled() -> bool:
             with job.lock:
@@ -638,6 +693,9 @@ class Worker:
 
         group = self.cfg.layer_group if job.specs and not job.specs[0][0].is_async else 0
         loads: list[DeviceLoad] = []
+        if self.state is not None and state_ids:  # before the layers' events: async loads only
+            src = states[0][0] if len(states) == 1 else ConcatSource(states)
+            loads.append(loader.load(src, self.state, state_ids, after=job.after, cancelled=cancelled))
         for kv, parts, ids, where in ((self.full_kv, full, full_ids, self._part_layers[0]),
                                       (self.window_kv, window, window_ids, self._part_layers[1])):
             if kv is None or not ids:
@@ -704,12 +762,12 @@ class Worker:
                     self._save_wake.wait()
                 if self._stop and not self._saves:
                     return
-                ns, chain, start, staged, tokens, pieces = self._saves.popleft()
+                ns, chain, start, staged, tokens, pieces, states = self._saves.popleft()
             t0 = time.perf_counter()
             try:
                 n = self.save_link.call(
-                    lambda c, ns=ns, chain=chain, start=start, staged=staged, tokens=tokens, pieces=pieces: self._store(  # type: ignore[misc]  # as above
-                        c, ns, chain, start, staged, tokens, pieces), -1)
+                    lambda c, ns=ns, chain=chain, start=start, staged=staged, tokens=tokens, pieces=pieces, states=states: self._store(  # type: ignore[misc]  # as above
+                        c, ns, chain, start, staged, tokens, pieces, states), -1)
                 if n < 0:
                     self.counters.saves_dropped += 1
                 else:
@@ -725,23 +783,30 @@ class Worker:
                 self._save_slots.release()
 
     def _store(self, c: Client, ns: Namespace, chain: list[BlockHash], start: int, staged: StagedSave,
-               tokens: np.ndarray, pieces: Pieces = None) -> int:
+               tokens: np.ndarray, pieces: Pieces = None, states: Pieces = None) -> int:
         """Put ``staged`` (blocks ``start..`` of ``chain``), then a page with sliding layers'
-        window ``pieces`` (each under its full block: ``HybridNamespaces.window_chain``)."""
+        window ``pieces`` and a page with recurrent layers' ``states`` (each under its full
+        block: ``HybridNamespaces.window_chain``, ``state_chain``)."""
         if not self.spec.hybrid:
             return self._put_blocks(c, ns, chain, start, staged, tokens)
         hyb = HybridNamespaces.of(ns)
         new = 0
         if hyb.full is not None and staged.num_blocks:
             new = self._put_blocks(c, hyb.full, chain, start, staged, tokens)
-        if pieces is not None and hyb.window is not None:
-            which, rows = pieces
+        for part, key_chain, got in ((hyb.window, hyb.window_chain, pieces), (hyb.state, hyb.state_chain, states)):
+            if got is None or part is None:
+                continue
+            which, rows = got
             if rows.ready is not None:  # a GPU: the gather ran on the forward's stream
                 rows.ready.synchronize()
-            host = rows.rows.cpu()  # small (a window per checkpoint): one plain copy
+            host = rows.rows.cpu()  # small (a window or a state per checkpoint): one plain copy
             for k, j in enumerate(which):
-                wchain = hyb.window_chain(chain, j)
-                self.counters.saved_pieces += c.put(hyb.window, wchain, host[k].numpy(), start=len(wchain) - 1)
+                kchain = key_chain(chain, j)
+                stored = c.put(part, kchain, host[k].numpy(), start=len(kchain) - 1)
+                if part is hyb.window:
+                    self.counters.saved_pieces += stored
+                else:
+                    self.counters.saved_states += stored
         return new
 
     def _put_blocks(self, c: Client, ns: Namespace, chain: list[BlockHash], start: int, staged: StagedSave,

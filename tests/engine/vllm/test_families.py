@@ -1,6 +1,7 @@
 """Model families on vLLM's CPU build, end to end: an fp8 KV cache, MLA (a tiny DeepSeek-V2),
-a sliding-window model (Mistral) and a hybrid full + sliding model (Gemma 3), with vLLM's hybrid
-KV cache manager on (its sliding-window KV cache groups) and off.
+a sliding-window model (Mistral), a hybrid full + sliding model (Gemma 3), with vLLM's hybrid
+KV cache manager on (its sliding-window KV cache groups) and off, and a hybrid full + linear
+attention model (Qwen3-Next: recurrent state at checkpoints).
 
 Each family: vLLM alone, then two fresh vLLM processes against one daemon (the first stores, the
 second hits), all three with the same thread binding (vLLM computes on another number of threads
@@ -66,12 +67,13 @@ def test_fp8_kv_cache(models: dict[str, str], tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from engine.vllm.tiny import save_tiny_deepseek, save_tiny_gemma3, save_tiny_mistral
+    from engine.vllm.tiny import save_tiny_deepseek, save_tiny_gemma3, save_tiny_mistral, save_tiny_qwen3_next
 
     base = tmp_path_factory.mktemp("family-models")
     return {"mistral": str(save_tiny_mistral(base / "mistral", window=64)),
             "gemma3": str(save_tiny_gemma3(base / "gemma3", window=64)),
-            "deepseek": str(save_tiny_deepseek(base / "deepseek"))}
+            "deepseek": str(save_tiny_deepseek(base / "deepseek")),
+            "qwen3_next": str(save_tiny_qwen3_next(base / "qwen3-next"))}
 
 
 def test_mla_latent_pages(family_models: dict[str, str], tmp_path: Path) -> None:
@@ -224,3 +226,37 @@ def test_blocks_shared_with_the_reference_engine(family_models: dict[str, str], 
     assert [_hit(o) for o in hit] == [10 * bt, 4 * bt]
     assert [o["kvstore_replayed_tokens"] for o in hit] == [0, 3 * bt]
     same_outputs(hit, alone)
+
+
+def test_recurrent_state_at_vllms_checkpoints(family_models: dict[str, str], tmp_path: Path) -> None:
+    """A tiny Qwen3-Next (gated delta net linear attention and full attention alternating, bf16),
+    vLLM's prefix cache on (its ``align`` mode keeps a state at retained block boundaries; vLLM
+    picks 640-token blocks), prefill chunks and a retention interval of 2 blocks: vLLM offers the
+    connector the state at blocks 1 and 3 and at the prompt's last full block 4
+    (``boundary_state_offloads``), where it is stored beside the full part. A fresh process hits
+    all 5 of A's blocks on its last checkpoint, and B, which shares 3 of A's blocks, hits the
+    checkpoint at block 1 and replays block 2 (under the bound, C - 1 = 1 block). Greedy tokens
+    and logprobs equal vLLM alone's, each prompt in its own round in both runs (vLLM alone then
+    serves B from its own prefix cache at block 1: the same chunks as the hit)."""
+    bt, every = 640, 2
+    a = prompts(15, [3300])[0]
+    b = a[:2000] + prompts(16, [600])[0]
+    engine = {"prefix_caching": True, "dtype": "bfloat16", "max_model_len": 4096, "block_size": None,
+              "max_num_batched_tokens": every * bt, "prefix_cache_retention_interval": every * bt}
+    rounds = [{"prompts": [a]}, {"prompts": [b]}]
+    env = _bind()
+    model = family_models["qwen3_next"]
+    alone = run_scenario({"model": model, "connector": None, "engine": engine, "rounds": rounds},
+                         tmp_path / "alone", env=env)
+    with small_daemon(tmp_path / "daemon") as d:
+        spec = {"model": model, "url": d.url, "connector": {**ROBUST, "load_mode": "async"}, "engine": engine}
+        (stored,) = run_scenario({**spec, "rounds": rounds[:1]}, tmp_path / "stored", env=env)
+        hit = run_scenario({**spec, "rounds": rounds}, tmp_path / "hit", env=env)
+    same_outputs(stored, alone[0])
+    (s,) = counters(tmp_path / "stored")[0]
+    assert (s["saved_blocks"], s["saved_states"]) == (5, 3)  # states at blocks 1, 3 and 4
+    assert [(_hit(o), o["kvstore_replayed_tokens"]) for rnd in hit for o in rnd] == [(5 * bt, 0), (2 * bt, bt)]
+    for got, want in zip(hit, alone, strict=True):
+        same_outputs(got, want)
+    c = counters(tmp_path / "hit")[-1][0]
+    assert c["failed_blocks"] == 0 and c["loaded_blocks"] == 7

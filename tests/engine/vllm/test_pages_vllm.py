@@ -2,11 +2,12 @@
 (``create_kv_cache_views``: the tensors vLLM hands ``register_kv_caches``): fp8 pages, MLA latent
 pages in vLLM's MLA memory order, sliding-window layers without the hybrid manager and with it
 (several KV cache groups, page ids per group), the recurrent state of a Qwen3-Next-style gated
-delta net (``MambaSpec``, the state code the connector does not use yet), and the loud refusals
+delta net (``MambaSpec``: its pages, and a Qwen3-Next's KV cache groups as a page with recurrent state), and the loud refusals
 of what the connector does not store."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -162,11 +163,11 @@ def test_what_the_connector_does_not_store_is_refused_with_what_it_does() -> Non
     with pytest.raises(UsageError, match="fp8_e5m2 with per-tensor scales"):
         page_spec(_config(per_token), "LBHNC", _vllm("fp8_per_token_head"))
     mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
-    with pytest.raises(UsageError, match="does not store recurrent state yet.*MambaSpec"):
+    with pytest.raises(UsageError, match="recurrent layers only.*MambaSpec"):  # Mamba2: no attention to key it
         page_spec(_config(mamba), "LBHNC", _vllm())
     full = FullAttentionSpec(block_size=544, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    with pytest.raises(UsageError, match="Qwen3-Next"):  # vLLM's groups of the tiny Qwen3-Next
-        page_spec(_hma((_gdn_spec(), NAMES[0::2]), (full, NAMES[1::2])), "LBHNC", _vllm())
+    with pytest.raises(UsageError, match="mamba_cache_mode 'align'"):  # vLLM's prefix cache off: no states kept
+        page_spec(_hma((_gdn_spec("none"), NAMES[0::2]), (full, NAMES[1::2])), "LBHNC", _vllm())
     with pytest.raises(UsageError, match="'linear_attention' layer"):
         page_spec(_config(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32,
                                             sliding_window=64)), "LBHNC",
@@ -275,3 +276,33 @@ def test_recurrent_state_pages_against_vllms_mamba_spec() -> None:
     assert hyb.full is not None and hyb.full.block_bytes == 2 * 544 * 2 * 2 * 64 * 2
     with pytest.raises(UsageError, match="mamba_cache_mode 'align'"):
         state_spec(SimpleNamespace(kv_cache_spec=_gdn_spec("none"), layer_names=names))
+
+
+def test_a_qwen3_next_page_records_its_recurrent_state() -> None:
+    """vLLM's KV cache groups of the tiny Qwen3-Next (a ``MambaSpec`` group of the gated delta net
+    layers, a full-attention group): the attention layers are the full part, the recurrent ones
+    the state part (``PageSpec.state``, each layer read from its group's pages); the namespace's
+    layout records the state's size (a change is a reported layout conflict) and its revision
+    the state's tensor shapes and dtypes (another arrangement of the same bytes is another
+    namespace, never a wrong hit)."""
+    full = FullAttentionSpec(block_size=544, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    spec = page_spec(_hma((_gdn_spec(), NAMES[0::2]), (full, NAMES[1::2])), "LBHNC", _vllm())
+    assert spec.layer_names == tuple(NAMES[1::2]) and spec.groups == (1, 1) and spec.num_groups == 2
+    assert spec.state is not None and spec.state.layer_names == tuple(NAMES[0::2]) and spec.state.groups == (0, 0)
+    assert spec.hybrid and not spec.sliding
+    ns = spec.namespace("org/qwen3-next-tiny", "main", 0, 1)
+    hyb = HybridNamespaces.of(ns)
+    assert hyb.window is None and hyb.full is not None and hyb.state is not None
+    assert hyb.full.block_bytes == spec.block_bytes == 2 * 544 * 2 * 2 * 64 * 2
+    assert hyb.state.block_bytes == spec.state.block_bytes == 2 * (3 * 1024 * 2 + 4 * 128 * 128 * 4)
+    assert ns.model_revision == f"main+vllm-HNC1+{spec.state.tag()}"
+    other = replace(spec, state=replace(spec.state, shapes=((1024, 3), (4, 128, 128))))  # the conv state's DS layout
+    assert other.namespace("org/qwen3-next-tiny", "main", 0, 1).root != ns.root
+    # Pages of several recurrent groups: each layer reads its own group's id of a block's tuple.
+    st = replace(spec.state, groups=(0, 2))
+    g = torch.Generator().manual_seed(3)
+    views = {n: torch.randint(-128, 127, (4, 1, 1, st.state_bytes), dtype=torch.int8, generator=g) for n in st.layer_names}
+    out = torch.empty((1, st.block_bytes), dtype=torch.uint8)
+    PagedState(st, views).gather([(1, 9, 3)], out)
+    assert torch.equal(out.view(2, -1)[0], views[st.layer_names[0]][1].view(torch.uint8).flatten())
+    assert torch.equal(out.view(2, -1)[1], views[st.layer_names[1]][3].view(torch.uint8).flatten())
