@@ -474,7 +474,8 @@ class Worker:
             self.counters.saves_dropped += 1
             return
         ns, chain = self._chain(st.req_id, st.block + 1)
-        rows = self.saver.stage(self.state, [st.pages])
+        pages: list[Any] = [st.pages]  # a tuple of page ids per block, as with several KV cache groups
+        rows = self.saver.stage(self.state, pages)
         none = StagedSave(torch.empty((0, 0), dtype=torch.uint8, device=self.state.device))
         with self._save_wake:
             self._saves.append((ns, chain[: st.block + 1], st.block + 1, none, np.empty(0, np.int32), None,

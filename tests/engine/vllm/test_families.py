@@ -67,7 +67,12 @@ def test_fp8_kv_cache(models: dict[str, str], tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from engine.vllm.tiny import save_tiny_deepseek, save_tiny_gemma3, save_tiny_mistral, save_tiny_qwen3_next
+    from engine.vllm.tiny import (
+        save_tiny_deepseek,
+        save_tiny_gemma3,
+        save_tiny_mistral,
+        save_tiny_qwen3_next,
+    )
 
     base = tmp_path_factory.mktemp("family-models")
     return {"mistral": str(save_tiny_mistral(base / "mistral", window=64)),
@@ -235,15 +240,19 @@ def test_recurrent_state_at_vllms_checkpoints(family_models: dict[str, str], tmp
     connector the state at blocks 1 and 3 and at the prompt's last full block 4
     (``boundary_state_offloads``), where it is stored beside the full part. A fresh process hits
     all 5 of A's blocks on its last checkpoint, and B, which shares 3 of A's blocks, hits the
-    checkpoint at block 1 and replays block 2 (under the bound, C - 1 = 1 block). Greedy tokens
-    and logprobs equal vLLM alone's, each prompt in its own round in both runs (vLLM alone then
-    serves B from its own prefix cache at block 1: the same chunks as the hit)."""
+    checkpoint at block 1 and replays block 2 (under the bound, C - 1 = 1 block); vLLM keeps, and
+    the connector stores, B's state where its replay ended (block 2: where B leaves A's cached
+    prefix) and at its end (block 3), so a third process hits D, which shares 3 blocks with both,
+    on block 2 with nothing replayed. Greedy tokens and logprobs equal vLLM alone's, each prompt
+    in its own round in every run (vLLM alone then serves B and D from its own prefix cache at
+    the same blocks: the same chunks as the hits)."""
     bt, every = 640, 2
     a = prompts(15, [3300])[0]
     b = a[:2000] + prompts(16, [600])[0]
+    d = a[:1950] + prompts(17, [400])[0]
     engine = {"prefix_caching": True, "dtype": "bfloat16", "max_model_len": 4096, "block_size": None,
               "max_num_batched_tokens": every * bt, "prefix_cache_retention_interval": every * bt}
-    rounds = [{"prompts": [a]}, {"prompts": [b]}]
+    rounds = [{"prompts": [a]}, {"prompts": [b]}, {"prompts": [d]}]
     env = _bind()
     model = family_models["qwen3_next"]
     alone = run_scenario({"model": model, "connector": None, "engine": engine, "rounds": rounds},
@@ -251,12 +260,15 @@ def test_recurrent_state_at_vllms_checkpoints(family_models: dict[str, str], tmp
     with small_daemon(tmp_path / "daemon") as d:
         spec = {"model": model, "url": d.url, "connector": {**ROBUST, "load_mode": "async"}, "engine": engine}
         (stored,) = run_scenario({**spec, "rounds": rounds[:1]}, tmp_path / "stored", env=env)
-        hit = run_scenario({**spec, "rounds": rounds}, tmp_path / "hit", env=env)
+        hit = run_scenario({**spec, "rounds": rounds[:2]}, tmp_path / "hit", env=env)
+        (again,) = run_scenario({**spec, "rounds": rounds[2:]}, tmp_path / "again", env=env)
     same_outputs(stored, alone[0])
     (s,) = counters(tmp_path / "stored")[0]
     assert (s["saved_blocks"], s["saved_states"]) == (5, 3)  # states at blocks 1, 3 and 4
     assert [(_hit(o), o["kvstore_replayed_tokens"]) for rnd in hit for o in rnd] == [(5 * bt, 0), (2 * bt, bt)]
-    for got, want in zip(hit, alone, strict=True):
+    for got, want in zip([*hit, again], alone, strict=True):
         same_outputs(got, want)
     c = counters(tmp_path / "hit")[-1][0]
     assert c["failed_blocks"] == 0 and c["loaded_blocks"] == 7
+    assert c["saved_states"] == 2  # B's at blocks 2 and 3
+    assert [(_hit(o), o["kvstore_replayed_tokens"]) for o in again] == [(3 * bt, 0)]
