@@ -1,7 +1,8 @@
 """``python -m tools.bench vllm --workload families``: one row per model family the vLLM connector
 stores (dense GQA, fp8 KV, MLA, every layer sliding, sliding and full layers mixed: with vLLM's
-hybrid KV cache manager, without it, and every layer stored), vLLM alone and vLLM with kvstore
-in the same run, on vLLM's CPU build. ``KVSTORE_BENCH_FAMILIES=name,name`` runs only those rows.
+hybrid KV cache manager, without it, and every layer stored; linear attention and full layers
+mixed: recurrent state at checkpoints), vLLM alone and vLLM with kvstore in the same run, on
+vLLM's CPU build. ``KVSTORE_BENCH_FAMILIES=name,name`` runs only those rows.
 
 Per family (a tiny random-weight model, ``engine.vllm.tiny``): ``DOCS`` documents of ``DOC``
 tokens, each asked ``QUESTIONS`` questions of ``QUESTION`` tokens, one request at a time. Each
@@ -38,6 +39,15 @@ from tools.bench._common import result
 DOCS, DOC, QUESTIONS, QUESTION, C = 2, 1000, 3, 48, 8
 LONG_DOC, LONG_C = 3500, 32
 """The long half-sliding rows: documents far longer than the window (64 tokens), C = 32."""
+STATE_BT, STATE_C = 640, 2
+"""The recurrent row: vLLM's blocks for the tiny Qwen3-Next (it sets them from the state's size),
+and a checkpoint every 2 of them: vLLM keeps a state (and offers it to the connector) where its
+prefix cache retains one, every ``--prefix-cache-retention-interval`` tokens a prefill chunk ends
+on, and at each prompt's last full block."""
+RECURRENT = {"prefix_caching": True, "dtype": "bfloat16", "block_size": None,
+             "max_num_batched_tokens": STATE_BT * STATE_C, "prefix_cache_retention_interval": STATE_BT * STATE_C}
+"""vLLM keeps recurrent states at block boundaries only with its prefix cache on (``align``
+mode); the gated delta net runs on the CPU in bfloat16 only."""
 ONE_GROUP = {"disable_hybrid_kv_cache_manager": True}
 EVERY_LAYER = {"sliding": "every_layer"}
 
@@ -53,6 +63,8 @@ class Family:
 
     @property
     def c(self) -> int:
+        if self.engine.get("prefix_cache_retention_interval"):  # recurrent state: vLLM's checkpoints
+            return STATE_C
         return int(self.connector.get("checkpoint_every_blocks", 0))
 
 
@@ -71,10 +83,13 @@ FAMILIES = {
     "sliding-half-long-every-layer": Family("gemma3-w64", ONE_GROUP, EVERY_LAYER, doc=LONG_DOC),
     "sliding-half-long": Family("gemma3-w64", connector=_windows(LONG_C), doc=LONG_DOC,
                                 baseline="sliding-half-long-every-layer"),
+    "recurrent-half": Family("qwen3-next", RECURRENT, doc=LONG_DOC),
 }
 """``sliding-half``: vLLM's hybrid KV cache manager on (its default with kvstore's connector);
 ``-one-group``: off (``--disable-hybrid-kv-cache-manager``); ``-every-layer``: every layer of
-every block stored (the manager off: with it vLLM keeps only the windows)."""
+every block stored (the manager off: with it vLLM keeps only the windows). ``recurrent-half``: a
+Qwen3-Next (gated delta net and full layers alternating); "every layer" is the full layers' pages
+and a state at every block."""
 
 
 def _workload(quick: bool, doc_tokens: int = DOC) -> dict[str, Any]:
@@ -96,12 +111,14 @@ def _models(base: Path) -> dict[str, Path]:
         save_tiny_gemma3,
         save_tiny_llama,
         save_tiny_mistral,
+        save_tiny_qwen3_next,
     )
 
     return {"llama": save_tiny_llama(base / "llama", SMALL), "deepseek": save_tiny_deepseek(base / "deepseek"),
             "mistral": save_tiny_mistral(base / "mistral", window=128),
             "gemma3": save_tiny_gemma3(base / "gemma3", window=128),
-            "gemma3-w64": save_tiny_gemma3(base / "gemma3-w64", window=64)}
+            "gemma3-w64": save_tiny_gemma3(base / "gemma3-w64", window=64),
+            "qwen3-next": save_tiny_qwen3_next(base / "qwen3-next")}
 
 
 def child(spec_path: str) -> None:
@@ -120,8 +137,9 @@ def child(spec_path: str) -> None:
     transfer = None if spec["url"] is None else kvstore_transfer(spec["url"], **spec["connector"],
                                                                   save_timeout_s=120, load_timeout_s=120,
                                                                   lookup_timeout_s=60, max_pending_saves=256)
-    llm = make_llm(spec["model"], kv_transfer_config=transfer, prefix_caching=False, max_model_len=4096,
-                   dtype="float32", disable_log_stats=False, **spec["engine"])
+    engine = {"prefix_caching": False, "dtype": "float32", **spec["engine"]}
+    llm = make_llm(spec["model"], kv_transfer_config=transfer, max_model_len=4096, disable_log_stats=False,
+                   **engine)
     # Warm-up (kernels, first calls): shorter than a block, so nothing of it is stored.
     generate(llm, [list(range(5, 20))], max_tokens=1)
     out: dict[str, Any] = {"ttft_ms": [], "hit": [], "replayed": [], "block_bytes": 0}
@@ -130,6 +148,8 @@ def child(spec_path: str) -> None:
         flush_saves(llm)
     else:
         for p in spec["workload"]["ask"]:
+            if engine["prefix_caching"]:  # every hit from kvstore, none from vLLM's own cache
+                llm.reset_prefix_cache()
             c, ttft = generate_timed(llm, p, 1)
             out["ttft_ms"].append(ttft * 1e3)
             out["hit"].append(c.kvstore_hit_tokens)
@@ -172,7 +192,10 @@ def run(quick: bool, tmp: Path) -> Iterator[dict[str, Any]]:
             continue
         w = _workload(quick, f.doc)
         base = {"model": str(models[f.model]), "engine": f.engine, "connector": f.connector, "workload": w}
-        alone = _engine(f"{family}-alone", {**base, "url": None, "phase": "ask"}, tmp)
+        # vLLM alone: a full prefill each time (its prefix cache off, so no retention interval)
+        solo = {k: v for k, v in f.engine.items() if k != "prefix_cache_retention_interval"}
+        alone = _engine(f"{family}-alone", {**base, "engine": {**solo, "prefix_caching": False}, "url": None,
+                                            "phase": "ask"}, tmp)
         with small_daemon(tmp / f"daemon-{family}", dram="1GiB") as d:
             _engine(f"{family}-store", {**base, "url": d.url, "phase": "store"}, tmp)
             with connect(d.url, plane="tcp", timeout=60) as c:
