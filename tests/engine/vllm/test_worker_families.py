@@ -2,7 +2,8 @@
 on CPU page tensors (no vLLM): a sliding-window page (full layers per block, sliding layers as
 window pieces at checkpoints), an all-sliding page (windows only), MLA (one copy for every
 tensor-parallel rank, saved by rank 0 only), fp8 (1-byte pages, scales in the namespace) and the
-KV cache groups of vLLM's hybrid manager (page ids per group).
+KV cache groups of vLLM's hybrid manager (page ids per group), and recurrent state beside full
+layers (a state of every recurrent layer at checkpoints, into the page vLLM keeps a hit's state in).
 Each on the CPU and, where there is one, on a CUDA device (the GPU load and save paths of
 ``engine.transfer``; skipped without CUDA). Neither this module nor ``test_pages_device.py``
 imports vLLM: they run on a GPU machine that has torch but no vLLM."""
@@ -22,8 +23,8 @@ import torch
 
 from engine.vllm.config import ConnectorConfig
 from engine.vllm.harness import small_daemon
-from engine.vllm.pages import PageSpec
-from engine.vllm.worker import LoadSpec, ReqInfo, SaveSpec, StepPlan, Worker
+from engine.vllm.pages import PageSpec, StateSpec
+from engine.vllm.worker import LoadSpec, ReqInfo, SaveSpec, StateSave, StepPlan, Worker
 from kvstore.client import connect
 from kvstore.client.spawn import LocalDaemon
 from kvstore.hybrid import CheckpointPolicy, HybridNamespaces
@@ -274,6 +275,63 @@ def test_hybrid_manager_pages_per_group_share_blocks_with_the_one_group_mode(dae
     _load_async(w, other, into)
     assert w.take_errors() == set() and w.take_failed_requests() == {"l"}
     for x in (one, w, back):
+        x.close()
+
+
+STATE = StateSpec((NAMES[0], NAMES[2]), ((3, 16), (2, 8, 8)), (torch.bfloat16, torch.float32), BT,
+                  "GDN_ATTN", groups=(0, 0))
+"""A gated-delta-net-shaped state (a conv and a recurrent tensor) of 2 recurrent layers in KV cache
+group 0, as vLLM hands them over: ``[B, 1, 1, state_bytes]`` int8 views."""
+LINEAR = PageSpec((NAMES[1], NAMES[3]), BT, 2, 64, torch.float32, "LBHNC", groups=(1, 1), state=STATE)
+"""Full layers in group 1 beside them (Qwen3-Next's layout); a block's pages are (state page, KV page)."""
+
+
+def _state_caches(seed: int | None, device: str, blocks: int = 12) -> dict[str, torch.Tensor]:
+    caches = _caches(LINEAR, seed, device, blocks)
+    g = torch.Generator().manual_seed((seed or 0) + 1)
+    for name in STATE.layer_names:
+        t = torch.randint(-128, 127, (blocks, 1, 1, STATE.state_bytes), generator=g, dtype=torch.int8)
+        caches[name] = (t if seed is not None else torch.zeros_like(t)).to(device)
+    return caches
+
+
+def test_recurrent_state_at_checkpoints_beside_the_full_layers(daemon: LocalDaemon, device: str) -> None:
+    """A page with recurrent layers: the full layers are saved per block, the states vLLM offers
+    at blocks 3 and 7 (``StateSave``: the page holding each) under those blocks; a load of 8
+    blocks writes the full layers of every block and the checkpoint's state into the state page
+    of its last block only (the others are vLLM's null block, never written). With that state
+    lost, the request fails whole (per request: several KV cache groups)."""
+    src_dev = _state_caches(seed=5, device=device)
+    src = _host(src_dev)
+    w = _worker(daemon.url, LINEAR)
+    w.register_kv_caches(src_dev)
+    pages = [(0, p) for p in (3, 1, 4, 9, 2, 6, 5, 8)]
+    _step(w, StepPlan(infos={"s": ReqInfo(TOKENS, "", b"")}, saves=[SaveSpec("s", 0, pages)],
+                      states=[StateSave("s", 3, (10, 0)), StateSave("s", 7, (11, 0))]))
+    w.flush()
+    assert (w.counters.saved_blocks, w.counters.saved_states, w.counters.save_errors) == (8, 2, 0)
+    hyb = w.hyb_for("")
+    assert hyb.window is None and hyb.full is not None and hyb.state is not None
+    with connect(daemon.url, plane="tcp", timeout=60) as c:
+        found = hybrid_lookup(c, hyb, hyb.hashes(TOKENS)[:7], CheckpointPolicy(every_blocks=4))
+        assert (found.full_blocks, found.checkpoint) == (7, 3)  # block 7 is not asked: its state is not seen
+    dst_dev = _state_caches(seed=None, device=device)
+    r = _worker(daemon.url, LINEAR)
+    r.register_kv_caches(dst_dev)
+    into = [(0, 7), (0, 5), (0, 2), (0, 6), (0, 1), (0, 3), (0, 11), (9, 10)]
+    _load_async(r, TOKENS, into)
+    assert r.take_failed_requests() == set() and r.counters.loaded_blocks == 8
+    dst = _host(dst_dev)
+    for name in LINEAR.layer_names:
+        assert torch.equal(dst[name][[p for _, p in into]], src[name][[p for _, p in pages]])
+    for name in STATE.layer_names:
+        assert torch.equal(dst[name][9], src[name][11]) and not dst[name][torch.arange(12) != 9].any()
+    with connect(daemon.url, plane="tcp", timeout=60) as c:
+        c.register_namespace(hyb.state)
+        assert c.delete(hyb.state, [hyb.state_key(hyb.hashes(TOKENS)[7])]) == 1
+    _load_async(r, TOKENS, into)
+    assert r.take_failed_requests() == {"l"}
+    for x in (w, r):
         x.close()
 
 
