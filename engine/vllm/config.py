@@ -70,7 +70,9 @@ class ConnectorConfig:
     ``every_layer``: every layer of every block, as for a dense model; ``auto``: ``window`` when
     vLLM's prefix cache is off, else ``every_layer``."""
     checkpoint_every_blocks: int = 16
-    """``window``: a checkpoint every this many blocks of a prompt (C: the replay bound)."""
+    """``window``: a checkpoint every this many blocks of a prompt (C: the replay bound). Recurrent
+    state is stored where vLLM keeps it: C is then vLLM's ``--prefix-cache-retention-interval``
+    over the block size."""
     checkpoint_at_end: bool = True
     """``window``: a checkpoint at each stored prompt's last full block."""
     checkpoint_at_hits: bool = True
