@@ -148,13 +148,15 @@ def test_overhead_lockstep_alternates_who_goes_first_and_pairs_each_prompt() -> 
         flushed.append(e)
         return 0.5 if e == "kvstore" else 0.0
 
-    res = ov.lockstep(ask, flush, prompts=3)
+    phases: list[str] = []
+    res = ov.lockstep(ask, flush, prompts=3, after=phases.append)
+    assert phases == ["start", "miss", "hit"]
     assert [c[0] for c in calls[:6]] == ["vllm", "kvstore", "kvstore", "vllm", "vllm", "kvstore"]
     assert [c[1] for c in calls] == ["miss"] * 6 + ["hit"] * 6
     assert sorted(flushed) == ["kvstore", "vllm"]  # once each, after the miss phase only
-    rows = {r["metric"]: r for r in ov.rows(res, {"prompts": 3})}
+    rows = {r["metric"]: r for r in ov.rows(res, {"prompts": 3}, lookups={"miss": 3, "hit": 0})}
     wall = rows["overhead_hit_ms_median_kvstore"]
     assert wall["paired_ratio"] == 1.0 and wall["paired_iqr"][1] > 1.0  # one of three 10% dearer
-    assert wall["cached_tokens"] == wall["baseline_cached_tokens"] == 96
+    assert wall["cached_tokens"] == wall["baseline_cached_tokens"] == 96 and wall["daemon_lookups"] == 0
     assert rows["overhead_miss_cpu_median_kvstore"]["ratio"] == 1.0
     assert rows["overhead_flush_cpu_kvstore"]["value"] == 0.5

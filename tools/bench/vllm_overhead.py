@@ -56,11 +56,12 @@ def order(i: int) -> tuple[str, ...]:
 
 
 def lockstep(ask: Callable[[str, str, int], dict[str, float]], flush: Callable[[str], float],
-             prompts: int) -> dict[str, dict[str, list[float]]]:
+             prompts: int, after: Callable[[str], None] = lambda phase: None) -> dict[str, dict[str, list[float]]]:
     """Drive both engines through both phases: ``ask(engine, phase, i)`` runs prompt ``i`` on
     one engine and returns its ``ms``, ``cpu_ms`` and ``cached`` tokens; ``flush(engine)`` waits
     for an engine's background saves and returns their CPU (after the miss phase: in no request)."""
     out: dict[str, dict[str, list[float]]] = {e: {} for e in ENGINES}
+    after("start")
     for phase in PHASES:
         for e in ENGINES:
             for k in ("ms", "cpu_ms", "cached"):
@@ -73,13 +74,14 @@ def lockstep(ask: Callable[[str, str, int], dict[str, float]], flush: Callable[[
         if phase == "miss":
             for e in ENGINES:
                 out[e]["flush_cpu_ms"] = [flush(e)]
+        after(phase)
     return out
 
 
 def rows(res: dict[str, dict[str, list[float]]], shape: dict[str, Any],
-         counters: Any = None) -> Iterator[dict[str, Any]]:
+         counters: Any = None, lookups: dict[str, int] | None = None) -> Iterator[dict[str, Any]]:
     """Per phase and unit: kvstore's median against vLLM alone's, and the median of the paired
-    per-request ratios (the figure the goal reads)."""
+    per-request ratios (the figure the goal reads); ``lookups``: the daemon's lookups per phase."""
     kv, ref = res["kvstore"], res["vllm"]
     for phase in PHASES:
         for unit in ("ms", "cpu_ms"):
@@ -91,6 +93,7 @@ def rows(res: dict[str, dict[str, list[float]]], shape: dict[str, Any],
                          paired_iqr=[round(q[0], 4), round(q[2], 4)], mean=round(statistics.mean(a), 3),
                          baseline_mean=round(statistics.mean(b), 3), cached_tokens=int(sum(kv[f"{phase}_cached"])),
                          baseline_cached_tokens=int(sum(ref[f"{phase}_cached"])), note=WHAT[phase],
+                         daemon_lookups=(lookups or {}).get(phase),
                          workload="overhead", lockstep=True, **shape)
     yield result("vllm", "overhead_flush_cpu_kvstore", kv["flush_cpu_ms"][0], "ms", ref["flush_cpu_ms"][0],
                  note="CPU of waiting for the background saves after the miss phase (in no request's time)",
@@ -127,11 +130,20 @@ def run(base: dict[str, Any], tmp: Path, daemon: Any, env_for: Callable[[dict[st
                 conns[e].send(("flush", None))
                 return float(conns[e].recv())
 
-            res = lockstep(ask, flush, len(prompts))
+            from kvstore.client import connect
+
+            seen: dict[str, int] = {}
+
+            def after(phase: str) -> None:  # the daemon's lookups in each phase (untimed)
+                with connect(daemon[0], retries=0) as c:
+                    seen[phase] = int(c.stats()["store"]["lookups"])
+
+            res = lockstep(ask, flush, len(prompts), after)
+            lookups = {"miss": seen["miss"] - seen["start"], "hit": seen["hit"] - seen["miss"]}
             conns["kvstore"].send(("counters", None))
             counters = conns["kvstore"].recv()
             shape = {"prompts": len(prompts), "prompt_tokens": len(prompts[0]), "threads": base["threads"]}
-            yield from rows(res, shape, counters)
+            yield from rows(res, shape, counters, lookups)
         except (EOFError, ConnectionError) as e:
             logs = {name: (tmp / f"overhead-{name}.log").read_bytes()[-3000:].decode(errors="replace") for name in ENGINES}
             raise RuntimeError(f"vllm bench: an overhead engine ended early ({e!r}); its log:\n{logs}") from e
