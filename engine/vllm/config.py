@@ -38,6 +38,11 @@ class ConnectorConfig:
     """Store new full prompt blocks (False: a read-only consumer)."""
     min_load_blocks: int = 1
     """Load only when at least this many blocks beyond vLLM's own prefix hit are in kvstore."""
+    known_s: float = 30.0
+    """A prompt that vLLM's own prefix cache holds whole (nothing kvstore could load) skips the
+    lookup when kvstore was seen holding its blocks (a lookup's answer or this engine's save) less
+    than this many seconds ago; the lookup only decided what to save again (blocks the daemon lost
+    while vLLM kept them), which then waits at most this long. 0: a lookup for every request."""
     lookup_timeout_s: float = 0.5
     """Socket timeout of the scheduler's lookups: a daemon slower than this is treated as down."""
     load_timeout_s: float = 2.0
@@ -103,6 +108,8 @@ class ConnectorConfig:
             v = getattr(self, name)
             if not v > 0:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be > 0 seconds, got {v!r}")
+        if self.known_s < 0:
+            raise ConfigError(f"kv_connector_extra_config.known_s must be >= 0 seconds, got {self.known_s!r}")
         if self.ttl_s < 0:
             raise ConfigError(f"kv_connector_extra_config.ttl_s must be >= 0 seconds, got {self.ttl_s!r}")
         if self.max_backoff_s < self.backoff_s:

@@ -21,6 +21,8 @@ load failed are dropped, so KV computed over a failed load never reaches the sto
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -148,6 +150,10 @@ def sliding_mode(spec: PageSpec, cfg: ConnectorConfig, prefix_caching: bool, log
 # ---- scheduler side ----------------------------------------------------------------------------
 
 
+KNOWN_MAX = 1 << 16
+"""Chains the scheduler remembers kvstore holding (``_Scheduler._known``)."""
+
+
 @dataclass(slots=True)
 class _Req:
     request: Any
@@ -193,6 +199,10 @@ class _Scheduler:
         if spec.state is not None:
             every = self._state_checkpoints(vllm_config, every)
         self.policy = CheckpointPolicy(every, cfg.checkpoint_at_end, cfg.checkpoint_at_hits)
+        self.clock = time.monotonic
+        self._known: OrderedDict[bytes, float] = OrderedDict()
+        """The last block of chains kvstore was seen holding (a lookup's answer, a save this
+        engine planned) -> when, newest last; at most KNOWN_MAX."""
 
     def _state_checkpoints(self, vllm_config: VllmConfig, every: int) -> int:
         """The checkpoint spacing of a model with recurrent layers: vLLM keeps (and offers the
@@ -209,10 +219,10 @@ class _Scheduler:
                      else 0, every, interval, every - 1)
         else:
             log.warning("kvstore: recurrent layers: vLLM keeps their state only at the end of each prefill "
-                        "(--prefix-cache-retention-interval %s): a hit ends where a stored prompt ended, and "
-                        "other prompts sharing a prefix replay it all; set --prefix-cache-retention-interval to a "
-                        "multiple of %d tokens, and --max-num-batched-tokens to it, for checkpoints every so many "
-                        "tokens", interval or 0, self.bt)
+                        "(--prefix-cache-retention-interval %s): a hit ends where a stored prompt ended or left "
+                        "a cached prefix, and other prompts sharing a prefix replay it all; set "
+                        "--prefix-cache-retention-interval to a multiple of %d tokens, and "
+                        "--max-num-batched-tokens to it, for checkpoints every so many tokens", interval or 0, self.bt)
         return every
 
     def ns_for(self, lora: str) -> Namespace:
@@ -263,6 +273,9 @@ class _Scheduler:
             if not self.counters.lookups:
                 log.warning("kvstore: no fp8 scales from the workers; no lookups until they come")
             return 0, False
+        if r.hit < 0 and self._skip_lookup(r, num_computed_tokens // bt, max_blocks):
+            self.counters.known_skips += 1
+            self.counters.requested_tokens += request.num_tokens
         if r.hit < 0:
             self.counters.lookups += 1
             ns = self.ns_for(self._lora(request))
@@ -275,6 +288,8 @@ class _Scheduler:
                 # but a block kvstore holds already is not saved again.
                 ask = r.hashes[: max(max_blocks, r.prompt_blocks)]
                 found = self.link.call(lambda c: c.lookup(ns, ask).num_blocks, 0) if ask else 0
+                if found:
+                    self._seen(ask[found - 1])
                 r.hit = r.cached = min(found, max_blocks)
                 r.saved = min(found, r.prompt_blocks)
             self.counters.requested_tokens += request.num_tokens
@@ -287,6 +302,31 @@ class _Scheduler:
             return 0, False
         r.want = (r.local, r.local + ext)
         return ext * bt, self.cfg.load_mode == "async"
+
+    def _skip_lookup(self, r: _Req, local: int, max_blocks: int) -> bool:
+        """Whether ``r`` needs no lookup: vLLM's own prefix hit covers every block kvstore could
+        load, and kvstore was seen holding the prompt's blocks less than ``known_s`` ago (the
+        lookup would only have decided which of vLLM's blocks to save again). Then nothing is
+        loaded or saved."""
+        n = max(max_blocks, r.prompt_blocks)
+        if self.spec.hybrid or not n or local < max_blocks or self.cfg.known_s <= 0:
+            return False
+        seen = self._known.get(bytes(r.hashes[n - 1]))
+        if seen is None or self.clock() - seen >= self.cfg.known_s:
+            return False
+        r.hit = r.cached = max_blocks
+        r.saved = r.prompt_blocks
+        return True
+
+    def _seen(self, last: BlockHash) -> None:
+        """kvstore holds the chain ending at block hash ``last`` (now)."""
+        if self.cfg.known_s <= 0:
+            return
+        key = bytes(last)
+        self._known[key] = self.clock()
+        self._known.move_to_end(key)
+        if len(self._known) > KNOWN_MAX:
+            self._known.popitem(last=False)
 
     def _hybrid_lookup(self, r: _Req, ns: Namespace, want: list[BlockHash]) -> None:
         """The hit of a page with sliding layers: the nearest checkpoint at or before the end of
@@ -355,6 +395,8 @@ class _Scheduler:
             pieces = [j for j in r.pieces if r.saved <= j < full]
             meta.saves.append(SaveSpec(req_id, r.saved, self._pages(r.block_ids, r.saved, full), pieces))
             r.saved = full
+            if not self.spec.hybrid:
+                self._seen(r.hashes[full - 1])
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVStoreMetadata:
         meta = KVStoreMetadata()

@@ -195,6 +195,9 @@ sliding layers (states), staged."""
 @dataclass(slots=True)
 class ConnectorCounters:
     lookups: int = 0
+    known_skips: int = 0
+    """Lookups not made: vLLM's own prefix cache held the whole prompt and kvstore was seen
+    holding it less than ``known_s`` ago."""
     requested_tokens: int = 0
     hit_tokens: int = 0
     """Tokens found in kvstore beyond vLLM's own prefix hit and handed to vLLM to load."""

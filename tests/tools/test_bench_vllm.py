@@ -130,3 +130,33 @@ def test_bad_options_say_what_to_pass(kw: dict[str, Any], message: str, capsys: 
 
 def test_default_options() -> None:
     assert bench._options(argparse.Namespace(workload="standard", tp=1, qps=0.0)) == ("standard", 1, bench.QPS)
+
+
+def test_overhead_lockstep_alternates_who_goes_first_and_pairs_each_prompt() -> None:
+    from tools.bench import vllm_overhead as ov
+
+    calls: list[tuple[str, str, int]] = []
+    flushed: list[str] = []
+
+    def ask(e: str, phase: str, i: int) -> dict[str, float]:
+        calls.append((e, phase, i))
+        # kvstore costs 10% more on prompt 0 of each phase, the same on the others
+        base = 10.0 + i
+        return {"ms": base * (1.1 if e == "kvstore" and i == 0 else 1.0), "cpu_ms": base, "cached": 0 if phase == "miss" else 32}
+
+    def flush(e: str) -> float:
+        flushed.append(e)
+        return 0.5 if e == "kvstore" else 0.0
+
+    phases: list[str] = []
+    res = ov.lockstep(ask, flush, prompts=3, after=phases.append)
+    assert phases == ["start", "miss", "hit"]
+    assert [c[0] for c in calls[:6]] == ["vllm", "kvstore", "kvstore", "vllm", "vllm", "kvstore"]
+    assert [c[1] for c in calls] == ["miss"] * 6 + ["hit"] * 6
+    assert sorted(flushed) == ["kvstore", "vllm"]  # once each, after the miss phase only
+    rows = {r["metric"]: r for r in ov.rows(res, {"prompts": 3}, lookups={"miss": 3, "hit": 0})}
+    wall = rows["overhead_hit_ms_median_kvstore"]
+    assert wall["paired_ratio"] == 1.0 and wall["paired_iqr"][1] > 1.0  # one of three 10% dearer
+    assert wall["cached_tokens"] == wall["baseline_cached_tokens"] == 96 and wall["daemon_lookups"] == 0
+    assert rows["overhead_miss_cpu_median_kvstore"]["ratio"] == 1.0
+    assert rows["overhead_flush_cpu_kvstore"]["value"] == 0.5

@@ -78,12 +78,8 @@ QPS, QPS_USERS, QPS_ROUNDS = 0.5, 8, 3
 QPS_ENGINES = ("vllm", "kvstore", "kvstore-layerwise", "example")
 TP_ENGINES = ("vllm", "kvstore", "kvstore-layerwise")
 WORKLOADS = ("standard", "qps", "overhead", "families")
-# --workload overhead: what the connector costs a request when it has nothing to load: OV_PROMPTS
-# distinct prompts of OV_TOKENS tokens, each asked once (nothing cached anywhere: one lookup that
-# misses, the new blocks saved in the background), then each asked again (every block in vLLM's
-# own prefix cache: one lookup, nothing loaded, nothing saved). vLLM's KV holds them all.
-OV_PROMPTS, OV_TOKENS, OV_BLOCKS = 24, 512, 512
-OV_ENGINES = ("vllm", "kvstore")
+# --workload overhead: what the connector costs a request when it has nothing to load, both
+# engines in lockstep (tools/bench/vllm_overhead.py).
 
 
 def _threads() -> int:
@@ -131,12 +127,6 @@ def _workload(quick: bool) -> dict[str, Any]:
            "questions": [[rng.integers(3, 2000, question).tolist() for _ in range(users)] for _ in range(rounds)],
            "answer": answer}
     return {"docs": texts, "ttft": ask[0], "batch": ask[1], "mrq": mrq}
-
-
-def _overhead_workload(quick: bool) -> dict[str, Any]:
-    n, tokens = (8, 256) if quick else (OV_PROMPTS, OV_TOKENS)
-    rng = np.random.default_rng(13)
-    return {"prompts": [rng.integers(3, 2000, tokens).tolist() for _ in range(n)]}
 
 
 def _qps_workload(quick: bool) -> dict[str, Any]:
@@ -199,8 +189,6 @@ def _child(spec_path: str) -> None:
         return
     if kind == "qps":
         out = _qps(llm, spec["workload"], spec["qps"], cpu)
-    elif kind == "overhead":
-        out = _overhead(llm, spec["workload"], cpu, kvstore=engine.startswith("kvstore"))
     else:
         out = _long_doc(llm, spec["workload"], cpu, kvstore=engine.startswith("kvstore"))
         if tp == 1:
@@ -235,33 +223,6 @@ def _long_doc(llm: Any, w: dict[str, Any], cpu: _Cpu, kvstore: bool) -> dict[str
             "batch_tokens": sum(len(p) for p in w["batch"]),
             "batch_hit_rate": sum(o.cached_tokens for o in outs) / sum(len(p) for p in w["batch"]),
             "threads": torch.get_num_threads()}
-
-
-def _overhead(llm: Any, w: dict[str, Any], cpu: _Cpu, kvstore: bool) -> dict[str, Any]:
-    """Each prompt once (a miss everywhere), then each again (vLLM's own prefix hit), one request
-    at a time: wall and CPU time of each request; the saves run in the background and are
-    flushed only at the end of the miss phase (``flush_cpu_ms``: their CPU, not in any request's)."""
-    from engine.vllm.harness import flush_saves, generate, worker_counters
-
-    out: dict[str, Any] = {}
-    for phase in ("miss", "hit"):
-        wall, used, cached = [], [], 0
-        for p in w["prompts"]:
-            c0, t0 = cpu(), time.perf_counter()
-            (c,) = generate(llm, [p], max_tokens=1)
-            wall.append(time.perf_counter() - t0)
-            used.append(cpu() - c0)
-            cached += c.cached_tokens
-        out[f"{phase}_ms"] = [x * 1e3 for x in wall]
-        out[f"{phase}_cpu_ms"] = [x * 1e3 for x in used]
-        out[f"{phase}_cached_tokens"] = cached
-        if phase == "miss":
-            c0 = cpu()
-            flush_saves(llm)
-            out["flush_cpu_ms"] = (cpu() - c0) * 1e3
-    if kvstore:
-        out["counters"] = worker_counters(llm)
-    return out
 
 
 def _multi_round(llm: Any, mrq: dict[str, Any], cpu: _Cpu) -> dict[str, Any]:
@@ -367,10 +328,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_engine(engine: str, spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
-    path = tmp / f"{engine}.json"
-    spec = {**spec, "engine": engine, "out": str(tmp / f"{engine}.out.json")}
-    path.write_text(json.dumps(spec))
+def _engine_env(spec: dict[str, Any]) -> dict[str, str]:
+    """The environment of an engine's process: in-process engine core at TP=1, the thread count."""
     root = str(Path(__file__).resolve().parents[2])
     tp = spec["tp"]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if tp > 1 else "0",
@@ -378,6 +337,14 @@ def _run_engine(engine: str, spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     if tp > 1:  # one core per rank (vLLM's CPU build binds a NUMA node per rank otherwise)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in sorted(os.sched_getaffinity(0))[:tp])
+    return env
+
+
+def _run_engine(engine: str, spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    path = tmp / f"{engine}.json"
+    spec = {**spec, "engine": engine, "out": str(tmp / f"{engine}.out.json")}
+    path.write_text(json.dumps(spec))
+    env = _engine_env(spec)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "tools.bench.vllm", "--child", str(path)], env=env,
                           capture_output=True, text=True, timeout=3600)
@@ -397,6 +364,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         return
     from engine.vllm.harness import small_daemon
     from engine.vllm.tiny import BENCH, SMALL, save_tiny_llama
+    from tools.bench import vllm_overhead
 
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-bench-vllm-"))
     try:
@@ -406,18 +374,23 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             yield from vllm_families.run(args.quick, tmp)
             return
         model = save_tiny_llama(tmp / "model", SMALL if args.quick else BENCH)
+        engines: tuple[str, ...]
         if workload == "qps":
             w, engines = _qps_workload(args.quick), QPS_ENGINES
         elif workload == "overhead":
-            w, engines = _overhead_workload(args.quick), OV_ENGINES
+            w, engines = vllm_overhead.workload(args.quick), vllm_overhead.ENGINES  # (in lockstep below)
         else:
             w, engines = _workload(args.quick), ENGINES if tp == 1 else TP_ENGINES
-        blocks = OV_BLOCKS if workload == "overhead" else KV_BLOCKS
-        base = {"model": str(model), "workload": w, "kv_blocks": 64 if args.quick and workload != "overhead" else blocks,
+        blocks = vllm_overhead.BLOCKS if workload == "overhead" else KV_BLOCKS
+        base: dict[str, Any] = {"model": str(model), "workload": w, "kv_blocks": 64 if args.quick and workload != "overhead" else blocks,
                 "example_dir": str(tmp / "example"), "threads": _threads(), "kind": workload, "tp": tp,
                 "qps": qps}
         (tmp / "example").mkdir()
         _run_engine("warmup", {**base, "url": ""}, tmp)  # pays the first process's cold caches
+        if workload == "overhead":  # both engines at once, in lockstep
+            with small_daemon(tmp / "daemon-kvstore", dram="1GiB") as fresh:
+                yield from vllm_overhead.run(base, tmp, (fresh.url, fresh.pid), _engine_env)
+            return
         res: dict[str, dict[str, Any]] = {}
         for engine in engines:
             if engine.startswith("kvstore") and engine != "kvstore-down":
@@ -427,8 +400,6 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 res[engine] = _run_engine(engine, {**base, "url": f"http://127.0.0.1:{_free_port()}"}, tmp)
         if workload == "qps":
             yield from _qps_rows(res, w, base["threads"], qps)
-        elif workload == "overhead":
-            yield from _overhead_rows(res, w, base["threads"])
         elif tp > 1:
             yield from _tp_rows(res, w, base["threads"], tp)
         else:
@@ -436,26 +407,6 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             yield from _breaker_cost(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _overhead_rows(res: dict[str, dict[str, Any]], w: dict[str, Any], threads: int) -> Iterator[dict[str, Any]]:
-    """kvstore's per-request wall and CPU time against vLLM alone's, same run, per phase: the
-    medians and the means (a background save lands in some requests' time, not in all)."""
-    ref, kv = res["vllm"], res["kvstore"]
-    shape = {"prompts": len(w["prompts"]), "prompt_tokens": len(w["prompts"][0]), "threads": threads}
-    what = {"miss": "nothing cached anywhere: one lookup that misses, the prompt's blocks saved in the background",
-            "hit": "every block in vLLM's own prefix cache: one lookup, nothing loaded or saved"}
-    for phase in ("miss", "hit"):
-        for unit in ("ms", "cpu_ms"):
-            a, b = kv[f"{phase}_{unit}"], ref[f"{phase}_{unit}"]
-            yield result("vllm", f"overhead_{phase}_{unit.replace('_ms', '')}_median_kvstore", statistics.median(a), "ms",
-                         statistics.median(b), goal_ratio=1.02, mean=round(statistics.mean(a), 3),
-                         baseline_mean=round(statistics.mean(b), 3), cached_tokens=kv[f"{phase}_cached_tokens"],
-                         baseline_cached_tokens=ref[f"{phase}_cached_tokens"], note=what[phase],
-                         workload="overhead", **shape)
-    yield result("vllm", "overhead_flush_cpu_kvstore", kv["flush_cpu_ms"], "ms", ref["flush_cpu_ms"],
-                 note="CPU of waiting for the background saves after the miss phase (in no request's time)",
-                 counters=kv.get("counters"), workload="overhead", **shape)
 
 
 def _long_doc_shape(w: dict[str, Any], threads: int) -> dict[str, Any]:

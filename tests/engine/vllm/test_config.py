@@ -38,6 +38,7 @@ def test_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"sliding": "some"}, "sliding must be one of auto, window, every_layer"),
         ({"checkpoint_every_blocks": 0}, "checkpoint_every_blocks must be >= 1"),
         ({"block_format": "hf"}, "block_format must be 'vllm' or 'kvstore'"),
+        ({"known_s": -1}, "known_s must be >= 0 seconds"),
     ],
 )
 def test_bad_values_say_what_to_do(extra: dict[str, object], message: str) -> None:
