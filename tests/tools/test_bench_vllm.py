@@ -160,3 +160,21 @@ def test_overhead_lockstep_alternates_who_goes_first_and_pairs_each_prompt() -> 
     assert wall["cached_tokens"] == wall["baseline_cached_tokens"] == 96 and wall["daemon_lookups"] == 0
     assert rows["overhead_miss_cpu_median_kvstore"]["ratio"] == 1.0
     assert rows["overhead_flush_cpu_kvstore"]["value"] == 0.5
+
+
+def test_overhead_hook_timer_counts_the_outermost_call_once() -> None:
+    from tools.bench import vllm_overhead as ov
+
+    class Conn:
+        def get_finished(self, ids: set[str]) -> int:
+            return len(ids)
+
+        def get_transfer_results(self, ids: set[str]) -> int:
+            return self.get_finished(ids) + 1  # a hook calling another: counted under the outer one
+
+    spent = ov.time_hooks(Conn)
+    c = Conn()
+    assert c.get_transfer_results({"a", "b"}) == 3 and c.get_finished({"a"}) == 1
+    assert spent["get_transfer_results"] > 0 and spent["get_finished"] > 0
+    assert set(spent) == set(ov.HOOKS) and spent["start_load_kv"] == 0.0
+    assert ov._hooks_row({"a": 0.25, "b": 0.0})["total"] == 0.25

@@ -78,10 +78,11 @@ def lockstep(ask: Callable[[str, str, int], dict[str, float]], flush: Callable[[
     return out
 
 
-def rows(res: dict[str, dict[str, list[float]]], shape: dict[str, Any],
-         counters: Any = None, lookups: dict[str, int] | None = None) -> Iterator[dict[str, Any]]:
+def rows(res: dict[str, dict[str, list[float]]], shape: dict[str, Any], counters: Any = None,
+         lookups: dict[str, int] | None = None, hooks: dict[str, dict[str, float]] | None = None) -> Iterator[dict[str, Any]]:
     """Per phase and unit: kvstore's median against vLLM alone's, and the median of the paired
-    per-request ratios (the figure the goal reads); ``lookups``: the daemon's lookups per phase."""
+    per-request ratios (the figure the goal reads); ``lookups``: the daemon's lookups per phase;
+    ``hooks``: per phase, ms per request inside each connector method vLLM called."""
     kv, ref = res["kvstore"], res["vllm"]
     for phase in PHASES:
         for unit in ("ms", "cpu_ms"):
@@ -94,10 +95,19 @@ def rows(res: dict[str, dict[str, list[float]]], shape: dict[str, Any],
                          baseline_mean=round(statistics.mean(b), 3), cached_tokens=int(sum(kv[f"{phase}_cached"])),
                          baseline_cached_tokens=int(sum(ref[f"{phase}_cached"])), note=WHAT[phase],
                          daemon_lookups=(lookups or {}).get(phase),
+                         connector_ms=_hooks_row((hooks or {}).get(phase)),
                          workload="overhead", lockstep=True, **shape)
     yield result("vllm", "overhead_flush_cpu_kvstore", kv["flush_cpu_ms"][0], "ms", ref["flush_cpu_ms"][0],
                  note="CPU of waiting for the background saves after the miss phase (in no request's time)",
                  counters=counters, workload="overhead", lockstep=True, **shape)
+
+
+def _hooks_row(per: dict[str, float] | None) -> dict[str, Any] | None:
+    """The connector's ms per request: in all, and each method that took any."""
+    if per is None:
+        return None
+    top = {k: round(v, 4) for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v >= 0.0005}
+    return {"total": round(sum(per.values()), 4), **top}
 
 
 def run(base: dict[str, Any], tmp: Path, daemon: Any, env_for: Callable[[dict[str, Any]], dict[str, str]]) -> Iterator[dict[str, Any]]:
@@ -114,7 +124,7 @@ def run(base: dict[str, Any], tmp: Path, daemon: Any, env_for: Callable[[dict[st
                 spec = {**base, "engine": e, "url": url, "daemon_pid": pid, "address": address}
                 path = tmp / f"overhead-{e}.json"
                 path.write_text(json.dumps(spec))
-                env = {**env_for(spec), "KVSTORE_BENCH_KEY": key.hex()}
+                env = {**env_for(spec), "BENCH_OVERHEAD_AUTHKEY": key.hex()}
                 procs[e] = subprocess.Popen([sys.executable, "-m", "tools.bench.vllm_overhead", str(path)], env=env,
                                             stdout=subprocess.DEVNULL, stderr=open(tmp / f"overhead-{e}.log", "wb"))  # noqa: SIM115 (the child owns it)
             for _ in ENGINES:
@@ -134,16 +144,23 @@ def run(base: dict[str, Any], tmp: Path, daemon: Any, env_for: Callable[[dict[st
 
             seen: dict[str, int] = {}
 
-            def after(phase: str) -> None:  # the daemon's lookups in each phase (untimed)
+            hooks: dict[str, dict[str, float]] = {}
+
+            def after(phase: str) -> None:  # the daemon's lookups and the hooks' time, per phase (untimed)
                 with connect(daemon[0], retries=0) as c:
                     seen[phase] = int(c.stats()["store"]["lookups"])
+                conns["kvstore"].send(("hooks", None))
+                hooks[phase] = conns["kvstore"].recv()
 
             res = lockstep(ask, flush, len(prompts), after)
             lookups = {"miss": seen["miss"] - seen["start"], "hit": seen["hit"] - seen["miss"]}
+            n = len(prompts)
+            in_hooks = {ph: {k: (hooks[ph][k] - hooks[prev][k]) / n * 1e3 for k in hooks[ph]}
+                        for ph, prev in (("miss", "start"), ("hit", "miss"))}
             conns["kvstore"].send(("counters", None))
             counters = conns["kvstore"].recv()
             shape = {"prompts": len(prompts), "prompt_tokens": len(prompts[0]), "threads": base["threads"]}
-            yield from rows(res, shape, counters, lookups)
+            yield from rows(res, shape, counters, lookups, in_hooks)
         except (EOFError, ConnectionError) as e:
             logs = {name: (tmp / f"overhead-{name}.log").read_bytes()[-3000:].decode(errors="replace") for name in ENGINES}
             raise RuntimeError(f"vllm bench: an overhead engine ended early ({e!r}); its log:\n{logs}") from e
@@ -160,6 +177,41 @@ def run(base: dict[str, Any], tmp: Path, daemon: Any, env_for: Callable[[dict[st
                     p.wait()
 
 
+HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
+         "request_finished", "request_finished_all_groups", "bind_connector_metadata", "clear_connector_metadata",
+         "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+         "get_transfer_results", "get_block_ids_with_load_errors")
+"""The connector's methods vLLM calls on its own threads (scheduler and worker) as it serves."""
+
+
+def time_hooks(cls: Any) -> dict[str, float]:
+    """Wrap ``cls``'s :data:`HOOKS` so that each adds its seconds (the outermost call only, on
+    the thread vLLM calls it on) to the returned dict, by name: the connector's time inside
+    vLLM's step, measured directly rather than as the difference of two noisy runs."""
+    spent: dict[str, float] = dict.fromkeys(HOOKS, 0.0)
+    depth = [0]
+
+    def wrap(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            if depth[0]:
+                return f(*a, **k)
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t0
+                depth[0] -= 1
+
+        return timed
+
+    for name in HOOKS:
+        f = getattr(cls, name, None)
+        if f is not None:
+            setattr(cls, name, wrap(name, f))
+    return spent
+
+
 def _serve(spec_path: str) -> None:
     """One engine, a server of the controller: build, warm up, then run what it is sent."""
     from engine.vllm.harness import (
@@ -173,12 +225,17 @@ def _serve(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     kvstore = spec["engine"] == "kvstore"
+    spent: dict[str, float] = {}
+    if kvstore:  # one process (vLLM's engine core in process at TP=1): both sides' hooks
+        from engine.vllm.connector import KVStoreConnector
+
+        spent = time_hooks(KVStoreConnector)
     llm = make_llm(spec["model"], kv_transfer_config=kvstore_transfer(spec["url"]) if kvstore else None,
                    prefix_caching=True, num_gpu_blocks_override=spec["kv_blocks"],
                    max_model_len=min(4096, (spec["kv_blocks"] - 2) * 32), distributed_executor_backend="uni")
     cpu = _Cpu(spec.get("daemon_pid"))
     generate(llm, [[5 + i % 1000 for i in range(64)]], max_tokens=1)  # warm-up (kernels, first-call costs)
-    conn = Client(spec["address"], family="AF_UNIX", authkey=bytes.fromhex(os.environ["KVSTORE_BENCH_KEY"]))
+    conn = Client(spec["address"], family="AF_UNIX", authkey=bytes.fromhex(os.environ["BENCH_OVERHEAD_AUTHKEY"]))
     conn.send(spec["engine"])
     last = cpu()
     while True:
@@ -200,6 +257,8 @@ def _serve(spec_path: str) -> None:
             conn.send((last - c0) * 1e3)
         elif op == "counters":
             conn.send(worker_counters(llm) if kvstore else None)
+        elif op == "hooks":
+            conn.send(dict(spent))
         else:
             break
     conn.close()
