@@ -27,7 +27,7 @@ import resource
 import socket
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -428,10 +428,11 @@ class ZmqPortGate:
       filter that drops every packet to the listener: SYNs, and the ACKs that would complete a
       handshake already begun. ZeroMQ can then accept only what the kernel had completed
       already, at most ``BACKLOG + 1`` per port, however long this thread is starved.
-    * **Pause first.** Each turn takes up to :attr:`DRAIN` events a port, counts the accepted
-      ones among them, and pauses if the connections open, ending or just accepted reach
-      ``max_total + slack``, before it looks at any one of them (the per-connection work,
-      several syscalls each, is where a starved thread loses its time).
+    * **Pause first.** A turn reads the waiting events (up to :attr:`DRAIN` a port) and, as
+      each accepted one is read, pauses once the connections open, ending or just accepted
+      reach ``max_total + slack``, before it looks at any one of them (the per-connection work,
+      several syscalls each and each a wait for the GIL on a busy daemon, is where a starved
+      thread loses its time).
     * **Whoever holds them.** The same look pauses while the process holds
       :func:`fd_pause_at` descriptors or more (the last eighth of RLIMIT_NOFILE), counted in
       ``/proc/self/fd``: this counts what the monitor never named (a dropped event, ZeroMQ's own
@@ -544,11 +545,22 @@ class ZmqPortGate:
         while not self._stop:
             try:
                 ready = poller.poll(100 if self._paused else None)
-                batch = [ev for sock, _ in ready if sock != self._wake
-                         for ev in self._drain(sock, self._monitors[sock])]
                 # Pause first: the connections these events name are open already, and the
-                # per-connection work below is where a starved thread loses time.
-                self._pace(sum(1 for _, event, _ in batch if event == zmq.EVENT_ACCEPTED))
+                # per-connection work below (syscalls, each a wait for the GIL on a busy
+                # daemon) is where a starved thread loses time; so the count is checked as
+                # each event is read, and the work comes after.
+                batch: list[tuple[int, int, int]] = []
+                arriving = 0
+                for sock, _ in ready:
+                    if sock == self._wake:
+                        continue
+                    for ev in self._drain(sock, self._monitors[sock]):
+                        batch.append(ev)
+                        if ev[1] == zmq.EVENT_ACCEPTED:
+                            arriving += 1
+                            if not self._paused and self._held(arriving) >= self.gate.max_total + self.slack:
+                                self._pace(arriving)
+                self._pace(arriving)
                 for port, event, fd in batch:
                     self._on_event(port, event, fd)
                 self._pace(0)
@@ -557,19 +569,17 @@ class ZmqPortGate:
                     return
                 log.warning("the %s gate failed: %s", self.name, e)
 
-    def _drain(self, mon: Any, port: int) -> list[tuple[int, int, int]]:
+    def _drain(self, mon: Any, port: int) -> Iterator[tuple[int, int, int]]:
         """Up to :attr:`DRAIN` waiting events of monitor ``mon``, as (port, event, descriptor)."""
         import zmq
         from zmq.utils.monitor import parse_monitor_message
 
-        out: list[tuple[int, int, int]] = []
-        while len(out) < self.DRAIN:
+        for _ in range(self.DRAIN):
             try:
                 msg = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
-                break
-            out.append((port, int(msg["event"]), int(msg["value"])))
-        return out
+                return
+            yield port, int(msg["event"]), int(msg["value"])
 
     def _on_event(self, port: int, event: int, fd: int) -> None:
         """One monitor event: a listener named, a connection accepted (admitted or ended), a
@@ -616,6 +626,10 @@ class ZmqPortGate:
         close_accepted(fd, port, peer)
         self._ending[key] = time.monotonic()
 
+    def _held(self, arriving: int) -> int:
+        """Connections open, ended but not yet closed, and ``arriving`` (named, not yet looked at)."""
+        return self.gate.total + len(self._ending) + arriving
+
     def _pace(self, arriving: int) -> None:
         """Pause accepting on every port while the connections open, ended but not yet closed,
         or ``arriving`` (accepted, not yet looked at) are ``slack`` or more over ``max_total``,
@@ -624,7 +638,7 @@ class ZmqPortGate:
         now = time.monotonic()
         for k in [k for k, t in self._ending.items() if now - t > 10.0]:  # (their DISCONNECTED was missed)
             del self._ending[k]
-        held = self.gate.total + len(self._ending) + arriving
+        held = self._held(arriving)
         fds = open_descriptors() if arriving or self._paused else 0
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if not self._paused and (held >= self.gate.max_total + self.slack or fds >= fd_pause_at(soft)):
