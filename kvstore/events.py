@@ -136,10 +136,12 @@ class EventsConfig:
     """Connections to the event ports (every stream's publish and replay ports together). A
     connection over it (or over ``max_connections_per_peer``) ends the oldest connection not yet
     proven (open for less than ZeroMQ's 5 s handshake deadline; those that sent no ZeroMQ
-    greeting first), else is ended itself. While more than a quarter of it (at least 16) over
-    it are ended but not yet closed (a flood faster than the daemon ends them), the ports accept
-    nothing (their SYNs are dropped; a client retries). The daemon keeps this many descriptors,
-    that slack and each port's backlog of 16 aside from its data and HTTP planes'."""
+    greeting first), else is ended itself. While the connections open, being ended or just
+    accepted are a quarter of it (at least 16) over it (a flood faster than the daemon ends
+    them), or while the daemon holds the last eighth of its ``RLIMIT_NOFILE`` (whoever holds
+    them), the ports accept nothing (their SYNs are dropped; a client retries). The daemon keeps
+    this many descriptors, that slack and each port's backlog of 16 aside from its data and HTTP
+    planes'."""
     max_connections_per_peer: int = 64
     """Connections to the event ports from one address (a subscriber holds two a stream)."""
     publish_period_s: float = 0.25

@@ -27,7 +27,7 @@ import resource
 import socket
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -417,10 +417,35 @@ class ZmqPortGate:
     authentication included, with tenants) by ``handshake_s``; one still open a second past it
     is proven. Until then it may be displaced by a newer connection over a limit, those that sent
     no ZeroMQ greeting first, so a flood of plain connections displaces itself, never a
-    subscriber that is connected. While the connections ended but not yet closed are more than
-    ``slack`` over ``max_total`` (a flood faster than this thread), every port stops accepting
-    (:func:`pause_accepting`) until they are within it again: the connections never run the
-    daemon out of descriptors (:attr:`descriptors` at most, in a stable state).
+    subscriber that is connected.
+
+    The descriptor bound, and what it rests on. ZeroMQ's I/O thread accepts whatever reaches a
+    listener, at C speed, whether or not this thread (Python, behind the GIL) keeps up; so the
+    bound is built from what the kernel enforces and from what this thread decides *before* it
+    does any per-connection work:
+
+    * **Paused, the kernel admits nothing new.** :func:`pause_accepting` attaches a socket
+      filter that drops every packet to the listener: SYNs, and the ACKs that would complete a
+      handshake already begun. ZeroMQ can then accept only what the kernel had completed
+      already, at most ``BACKLOG + 1`` per port, however long this thread is starved.
+    * **Pause first.** A turn reads the waiting events (up to :attr:`DRAIN` a port) and, as
+      each accepted one is read, pauses once the connections open, ending or just accepted
+      reach ``max_total + slack``, before it looks at any one of them (the per-connection work,
+      several syscalls each and each a wait for the GIL on a busy daemon, is where a starved
+      thread loses its time).
+    * **Whoever holds them.** The same look pauses while the process holds
+      :func:`fd_pause_at` descriptors or more (the last eighth of RLIMIT_NOFILE), counted in
+      ``/proc/self/fd``: this counts what the monitor never named (a dropped event, ZeroMQ's own
+      descriptors, connections accepted since the last look) and the other planes'.
+
+    So at a look, the ports hold at most ``max_total + slack`` connections (:attr:`descriptors`
+    with the backlogs), and once paused at most ``BACKLOG + 1`` per port more, whatever this
+    thread's speed. What no in-process gate can bound is what ZeroMQ accepts *while accepting
+    is on* between two looks: that is the arrival rate times this thread's delay. It is kept
+    small (a look right after every wake-up, the pause before the work) and the process-wide
+    count stops it at :func:`fd_pause_at`, short of the limit, at the next look; a bound that
+    holds with the thread stopped outright needs the accepts in another process (its own
+    RLIMIT_NOFILE), as docs/reliability.md says.
 
     Use: :meth:`bind` each socket (instead of its own ``bind``), then :meth:`start`; :meth:`close`
     before the sockets are closed. The gate's state is its thread's alone."""
@@ -428,6 +453,8 @@ class ZmqPortGate:
     BACKLOG = 16
     """Each port's listen backlog: what the kernel completes while accepting is paused that
     ZeroMQ may still accept."""
+    DRAIN = 256
+    """Monitor events taken per port in one turn before the pause is decided again."""
 
     def __init__(self, max_total: int, max_per_peer: int, handshake_s: float, name: str = "event port") -> None:
         self.gate = ConnectionGate(max_total, max_per_peer, self._count_refused, what=f"{name} connections")
@@ -517,80 +544,131 @@ class ZmqPortGate:
         poller.register(self._wake, zmq.POLLIN)
         while not self._stop:
             try:
-                for sock, _ in poller.poll(100 if self._paused else None):
-                    if sock != self._wake:
-                        self._on_monitor(sock, self._monitors[sock])
-                self._pace()
+                ready = poller.poll(100 if self._paused else None)
+                # Pause first: the connections these events name are open already, and the
+                # per-connection work below (syscalls, each a wait for the GIL on a busy
+                # daemon) is where a starved thread loses time; so the count is checked as
+                # each event is read, and the work comes after.
+                batch: list[tuple[int, int, int]] = []
+                arriving = 0
+                for sock, _ in ready:
+                    if sock == self._wake:
+                        continue
+                    for ev in self._drain(sock, self._monitors[sock]):
+                        batch.append(ev)
+                        if ev[1] == zmq.EVENT_ACCEPTED:
+                            arriving += 1
+                            if not self._paused and self._held(arriving) >= self.gate.max_total + self.slack:
+                                self._pace(arriving)
+                self._pace(arriving)
+                for port, event, fd in batch:
+                    self._on_event(port, event, fd)
+                self._pace(0)
             except zmq.ZMQError as e:
                 if self._stop:
                     return
                 log.warning("the %s gate failed: %s", self.name, e)
 
-    def _on_monitor(self, mon: Any, port: int) -> None:
-        """The monitor's events: a listener named, a connection accepted (admitted or ended),
-        a connection gone."""
+    def _drain(self, mon: Any, port: int) -> Iterator[tuple[int, int, int]]:
+        """Up to :attr:`DRAIN` waiting events of monitor ``mon``, as (port, event, descriptor)."""
         import zmq
         from zmq.utils.monitor import parse_monitor_message
 
-        gate, young = self.gate, self._young
-        while True:
+        for _ in range(self.DRAIN):
             try:
                 msg = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            fd = int(msg["value"])
-            key = (port, fd)
-            if msg["event"] == zmq.EVENT_LISTENING:
-                self._listeners[port] = fd
-                continue
-            if msg["event"] == zmq.EVENT_DISCONNECTED:
-                gate.forget(key)
-                young.pop(key, None)
-                self._ending.pop(key, None)
-                continue
-            now = time.monotonic()
-            for k in [k for k, t in young.items() if now - t > self.handshake_s + 1]:
-                del young[k]  # still open past the handshake deadline: it completed it
-                gate.prove(k)
-            sock = accepted_socket(fd, port)
-            if sock is None:
-                continue  # gone already (its DISCONNECTED follows)
-            try:
-                peer = peer_of(sock.getpeername())
-            except OSError:
-                continue
-            finally:
-                sock.detach()
-            refused = self.refused
-            if gate.admit(peer, key, functools.partial(self._end, fd, port, peer, key),
-                          functools.partial(_silent_on, fd, port)):
-                young[key] = now
-            else:
-                self._end(fd, port, peer, key)
-            if self.refused > refused:
-                self._warn("refused", "%s: a connection to port %d from %s ended over the limits (%d open; limits "
-                           "%d and %d per peer); %d so far", self.name, port, peer, gate.total, gate.max_total,
-                           gate.max_per_peer, self.refused)
+            yield port, int(msg["event"]), int(msg["value"])
+
+    def _on_event(self, port: int, event: int, fd: int) -> None:
+        """One monitor event: a listener named, a connection accepted (admitted or ended), a
+        connection gone."""
+        import zmq
+
+        gate, young = self.gate, self._young
+        key = (port, fd)
+        if event == zmq.EVENT_LISTENING:
+            self._listeners[port] = fd
+            if self._paused:  # (a port bound while paused starts paused)
+                pause_accepting(fd, port)
+            return
+        if event == zmq.EVENT_DISCONNECTED:
+            gate.forget(key)
+            young.pop(key, None)
+            self._ending.pop(key, None)
+            return
+        now = time.monotonic()
+        for k in [k for k, t in young.items() if now - t > self.handshake_s + 1]:
+            del young[k]  # still open past the handshake deadline: it completed it
+            gate.prove(k)
+        sock = accepted_socket(fd, port)
+        if sock is None:
+            return  # gone already (its DISCONNECTED follows)
+        try:
+            peer = peer_of(sock.getpeername())
+        except OSError:
+            return
+        finally:
+            sock.detach()
+        refused = self.refused
+        if gate.admit(peer, key, functools.partial(self._end, fd, port, peer, key),
+                      functools.partial(_silent_on, fd, port)):
+            young[key] = now
+        else:
+            self._end(fd, port, peer, key)
+        if self.refused > refused:
+            self._warn("refused", "%s: a connection to port %d from %s ended over the limits (%d open; limits "
+                       "%d and %d per peer); %d so far", self.name, port, peer, gate.total, gate.max_total,
+                       gate.max_per_peer, self.refused)
 
     def _end(self, fd: int, port: int, peer: str, key: tuple[int, int]) -> None:
         close_accepted(fd, port, peer)
         self._ending[key] = time.monotonic()
 
-    def _pace(self) -> None:
-        """Pause accepting on every port while the connections open or ended but not yet closed
-        are ``slack`` or more over ``max_total``; resume once they are within ``max_total``."""
+    def _held(self, arriving: int) -> int:
+        """Connections open, ended but not yet closed, and ``arriving`` (named, not yet looked at)."""
+        return self.gate.total + len(self._ending) + arriving
+
+    def _pace(self, arriving: int) -> None:
+        """Pause accepting on every port while the connections open, ended but not yet closed,
+        or ``arriving`` (accepted, not yet looked at) are ``slack`` or more over ``max_total``,
+        or while the process holds :meth:`fd_pause_at` descriptors or more (whoever holds them);
+        resume once both are back within ``max_total`` and :meth:`fd_resume_below`."""
         now = time.monotonic()
         for k in [k for k, t in self._ending.items() if now - t > 10.0]:  # (their DISCONNECTED was missed)
             del self._ending[k]
-        held = self.gate.total + len(self._ending)
-        if not self._paused and held >= self.gate.max_total + self.slack:
+        held = self._held(arriving)
+        fds = open_descriptors() if arriving or self._paused else 0
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if not self._paused and (held >= self.gate.max_total + self.slack or fds >= fd_pause_at(soft)):
             self._paused = True
             self.pauses += 1
             for port, fd in self._listeners.items():
                 pause_accepting(fd, port)
-            self._warn("pause", "%s: accepting paused (%d connections open or closing; limit %d); %d pauses so far",
-                       self.name, held, self.gate.max_total, self.pauses)
-        elif self._paused and held <= self.gate.max_total:
+            self._warn("pause", "%s: accepting paused (%d connections open, closing or arriving; limit %d; the "
+                       "process holds %d descriptors of %d); %d pauses so far", self.name, held,
+                       self.gate.max_total, fds, soft, self.pauses)
+        elif self._paused and held <= self.gate.max_total and fds < fd_resume_below(soft):
             self._paused = False
             for port, fd in self._listeners.items():
                 resume_accepting(fd, port)
+
+
+def open_descriptors() -> int:
+    """The process's open descriptors (``/proc/self/fd``; 0 where there is none)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # (less the one listing it)
+    except OSError:
+        return 0
+
+
+def fd_pause_at(soft: int) -> int:
+    """The process's descriptor count at which the event ports pause accepting: the last
+    eighth of RLIMIT_NOFILE ``soft`` (at least 16) stays for the rest of the daemon."""
+    return soft - max(16, soft // 8) if soft != resource.RLIM_INFINITY else 1 << 62
+
+
+def fd_resume_below(soft: int) -> int:
+    """Below this many (the last quarter free), the event ports accept again."""
+    return soft - max(32, soft // 4) if soft != resource.RLIM_INFINITY else 1 << 62

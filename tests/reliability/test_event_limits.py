@@ -11,7 +11,8 @@ the connection gates; now they have their own limits, inside the daemon's descri
 
 from __future__ import annotations
 
-import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -208,13 +209,56 @@ def _event_port_conns(pid: int, ports: set[int]) -> int:
     return n
 
 
+FLOOD = """
+import socket, sys, threading
+ports, want = [int(p) for p in sys.argv[1:3]], int(sys.argv[3])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+held, opened = [], 0
+while not stop.is_set():
+    alive = []
+    for s in held:  # drop those the daemon ended
+        try:
+            if s.recv(4096) == b"":
+                s.close()
+                continue
+        except BlockingIOError:
+            pass
+        except OSError:
+            s.close()
+            continue
+        alive.append(s)
+    held = alive
+    while len(held) < want:  # (connects in flight count as held: a pause leaves them waiting)
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", ports[opened % 2]))
+        held.append(s)
+        opened += 1
+print(opened, flush=True)
+"""
+"""The flooder: a process of its own that keeps ``want`` plain TCP connections open to two
+ports, reopening each one the other end closes (or refuses), never waiting: its connects are
+non-blocking, so a pause leaves up to ``want`` of them in flight at once, and it takes a core
+of the box while it runs. It prints how many it opened once its stdin closes."""
+
+
+def _fds(pid: int) -> int:
+    try:
+        return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+    except OSError:
+        return 0
+
+
 def test_a_flood_of_plain_connections_to_the_event_ports_stays_within_its_limit(tmp_path: Path, figures) -> None:
-    """A process keeps 300 plain TCP connections open to the publish and replay ports (more
-    than the daemon's 256 descriptors), opening a new one as each is closed. Before, ZeroMQ
-    accepted them all outside every gate: the daemon ran out of descriptors and engines could
-    not connect. Now the daemon holds at most ``[events] max_connections`` of them (ended over
-    it, the unproven first), stays under its descriptor limit, serves engines that connect
-    during the flood, and a subscriber that connects during it receives the engines' events."""
+    """A process of its own keeps 300 plain TCP connections open to the publish and replay
+    ports (more than the daemon's 256 descriptors), opening a new one as each is closed, as
+    fast as it can (it takes a core, so the gate's thread runs starved beside the engines'
+    puts). Before, ZeroMQ accepted them all outside every gate: the daemon ran out of
+    descriptors and engines could not connect. Now the daemon holds at most ``[events]
+    max_connections`` of them (ended over it, the unproven first), stays under its descriptor
+    limit at every look (a thread looks every 10 ms), serves engines that connect during the
+    flood, and a subscriber that connects during it receives the engines' events."""
     nofile, cap = 256, 32
     cfg = write_config(tmp_path / "kvstore.toml", crash_tiers()[:2], events_options={
         "publish": "tcp://127.0.0.1:0", "max_connections": cap, "max_connections_per_peer": cap})
@@ -223,43 +267,22 @@ def test_a_flood_of_plain_connections_to_the_event_ports_stays_within_its_limit(
     with start_daemon(tmp_path / "store", cfg, nofile=nofile) as d:
         ev = d.info["events"]
         ports = {int(ev["publish"].rsplit(":", 1)[1]), int(ev["replay"].rsplit(":", 1)[1])}
-        fds0 = len(list(Path(f"/proc/{d.pid}/fd").iterdir()))
+        fds0 = _fds(d.pid)
         stop = threading.Event()
-        opened = [0]
+        peak_fds = [fds0]
+        looks = [0]
 
-        def flood() -> None:
-            held: list[socket.socket] = []
-            port_list = sorted(ports)
-            while not stop.is_set():
-                alive = []
-                for s in held:  # drop those the daemon ended
-                    try:
-                        if s.recv(4096) == b"":
-                            s.close()
-                            continue
-                    except BlockingIOError:
-                        pass
-                    except OSError:
-                        s.close()
-                        continue
-                    alive.append(s)
-                held = alive
-                while len(held) < 300 and not stop.is_set():
-                    try:
-                        s = socket.create_connection(("127.0.0.1", port_list[opened[0] % 2]), timeout=5)
-                    except OSError:
-                        break
-                    s.setblocking(False)
-                    held.append(s)
-                    opened[0] += 1
-                stop.wait(0.05)
-            for s in held:
-                s.close()
+        def watch() -> None:
+            while not stop.wait(0.01):
+                peak_fds[0] = max(peak_fds[0], _fds(d.pid))
+                looks[0] += 1
 
-        flooder = threading.Thread(target=flood, daemon=True)
-        flooder.start()
+        flooder = subprocess.Popen([sys.executable, "-c", FLOOD, *map(str, sorted(ports)), "300"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         try:
-            peak_fds = peak_conns = 0
+            peak_conns = 0
             sub = ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             received = 0
@@ -278,7 +301,6 @@ def test_a_flood_of_plain_connections_to_the_event_ports_stays_within_its_limit(
                     raise AssertionError(f"round {r} of the flood failed: {e}; the daemon's log ends:\n"
                                          f"{d.log()[-4000:]}") from e
                 served += 1
-                peak_fds = max(peak_fds, len(list(Path(f"/proc/{d.pid}/fd").iterdir())))
                 peak_conns = max(peak_conns, _event_port_conns(d.pid, ports))
                 while sub.poll(0):
                     sub.recv_multipart()
@@ -297,16 +319,18 @@ def test_a_flood_of_plain_connections_to_the_event_ports_stays_within_its_limit(
             st = _publisher_stats(d)
         finally:
             stop.set()
-            flooder.join(30)
+            out, _ = flooder.communicate(timeout=60)
+            watcher.join(10)
             ctx.destroy(linger=0)
+        opened = int(out.split()[-1]) if out.split() else 0
         assert served == rounds
         assert settled <= cap, settled
-        assert peak_fds < nofile, peak_fds
+        assert peak_fds[0] < nofile, peak_fds[0]
         assert received >= 1, "the subscriber that connected during the flood received nothing"
         assert st["connections_refused"] > 0
-        figures(rounds=rounds, flood_connections_opened=opened[0], event_conns_limit=cap,
+        figures(rounds=rounds, flood_connections_opened=opened, event_conns_limit=cap,
                 event_conns_held_peak=peak_conns, event_conns_held_settled=settled,
-                daemon_fds_start=fds0, daemon_fds_peak=peak_fds, nofile=nofile,
+                daemon_fds_start=fds0, daemon_fds_peak=peak_fds[0], fd_looks=looks[0], nofile=nofile,
                 closed_over_limit=st["connections_refused"], accept_pauses=st["accept_pauses"],
                 subscriber_batches=received)
 
