@@ -229,9 +229,22 @@ class LHDPolicy(LRUPolicy):
         self._scale = c.bins_per_octave / math.log(2.0)
         self._log_age0 = math.log(c.age0)
         self._touch_stamp: Stamp | None = None  # the latest touch's stamp (its put joins it)
+        # The kept order of the offered leaves (see _rank), and the rank of the latest stamp.
+        self._ranked_ok = False
+        self._key_seq = -1
+        self._key_last: tuple[float, int] = (0.0, -1)
+        # Ends of lifetimes not yet counted: a run of evictions of one stamp, counted at once.
+        self._end_stamp: Stamp | None = None
+        self._end_count = 0
+        self._ghost_cap = 64
+        self._order_bids: list[int] = []
+        self._order_keys: list[tuple[float, int]] = []
+        self._order_at = 0
+        self._side: list[tuple[float, int, int]] = []
         # The guard.
         self._shadow = LRUShadow()
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # hash -> last access's sequence
+        self._ghosting = c.guard and c.ghost_factor > 0
         self._capacity = 0  # the most blocks resident so far: LRU's room in the shadow
         self._own = 0.0  # decayed hits of this policy
         self._lru = 0.0  # decayed hits LRU would have had
@@ -318,6 +331,7 @@ class LHDPolicy(LRUPolicy):
         if trails != self.lru_mode:
             self.lru_mode = trails
             self.switches += 1
+            self._invalidate()
 
     def insert(self, bid: int, size: int, now: float) -> None:
         if not self._leaf_mode:
@@ -332,6 +346,7 @@ class LHDPolicy(LRUPolicy):
         order = np.asarray(ids, np.int64).tolist()
         if not order:
             return
+        self._flush_ends()
         nows = np.broadcast_to(np.asarray(now, np.float64), (len(order),)).tolist()
         view = self._view
         kids = view.children[np.asarray(ids, np.int64)].tolist() if view is not None else [0] * len(order)
@@ -364,8 +379,10 @@ class LHDPolicy(LRUPolicy):
                     key = self._hash(bid)
                     old = ghosts.pop(key, -1) if key is not None else -1
                 moves.append((old, st[2]))
+        self._invalidate()
         if len(mark) > self._capacity:
             self._capacity = len(mark)
+            self._ghost_cap = int(self.config.ghost_factor * self._capacity) + 64
         if ghosts is not None:
             for (old, new), group in itertools.groupby(moves):
                 lru_hits += shadow.access(old, new, sum(1 for _ in group), self._capacity)
@@ -383,6 +400,7 @@ class LHDPolicy(LRUPolicy):
         live = [bid for bid in bids if bid in mark]
         if not live:
             return
+        self._flush_ends()
         if now > self._now:
             self._now = now
         # The chain's class: its typical gap, with the idle time its deepest block showed.
@@ -393,6 +411,7 @@ class LHDPolicy(LRUPolicy):
             lg = w * first[3] + (1.0 - w) * lg
         st = self._new_stamp(now, self._gap_class(math.exp(lg)), lg)
         self._touch_stamp = st
+        self._invalidate()
         olds = [mark[bid] for bid in live]
         # Each stamp's blocks were hit at its age, in its class; LRU held some of them.
         hits, guard, shadow, cap = self._hits, self.config.guard, self._shadow, self._capacity
@@ -418,23 +437,7 @@ class LHDPolicy(LRUPolicy):
             self._ends[st[1], self._bin(self._now - st[0])] += 1
         self._leaf_held.discard(bid)
         self._drop_leaf(bid)
-        self._remember([bid], [st])
-
-    def _remember(self, bids: list[int], stamps: list[Stamp]) -> None:
-        """The guard's ghosts of evicted ``bids``: their hash and last access."""
-        if not self.config.guard or self.config.ghost_factor <= 0 or self._view is None:
-            return
-        ghosts, hash_of = self._ghosts, self._view.hash_of
-        try:
-            ghosts.update(zip(map(hash_of, bids), (st[2] for st in stamps), strict=True))
-        except (KeyError, IndexError):  # one not live in the index: the others one by one
-            for bid, st in zip(bids, stamps, strict=True):
-                key = self._hash(bid)
-                if key is not None:
-                    ghosts[key] = st[2]
-        limit = self.config.ghost_factor * max(self._capacity, len(self._mark)) + 64
-        while len(ghosts) > limit:
-            ghosts.popitem(last=False)
+        self._ghost(bid, st)
 
     def remove(self, bid: int) -> None:
         if not self._leaf_mode:
@@ -450,26 +453,43 @@ class LHDPolicy(LRUPolicy):
             super().remove_leaves(bids, parents)
             return
         mark, held, slot = self._mark, self._leaf_held, self._slot
-        going = set(bids)
-        gone: list[int] = []
-        stamps: list[Stamp] = []
+        going = set(bids) if len(bids) > 1 else ()
+        gone = 0
         for bid, p in zip(bids, parents, strict=True):
             st = mark.pop(bid, None)
             if st is not None:
-                gone.append(bid)
-                stamps.append(st)
+                gone += 1
                 held.discard(bid)
                 if bid in slot:
                     self._drop_leaf(bid)
+                if st is not self._end_stamp:
+                    self._flush_ends()
+                    self._end_stamp = st
+                self._end_count += 1
+                self._ghost(bid, st)
             if p >= 0 and p in held:
                 held.discard(p)
                 if p not in going:  # (a parent that leaves in this batch too is never offered)
-                    self._add_leaf(p, mark[p])
-        ends, now = self._ends, self._now
-        for st, group in itertools.groupby(stamps):
-            ends[st[1], self._bin(now - st[0])] += sum(1 for _ in group)
-        self._remember(gone, stamps)
-        self._tick(len(gone))
+                    self._offered(p)
+        self._tick(gone)
+
+    def _flush_ends(self) -> None:
+        """Count the pending ends of lifetimes (all of one stamp, at the same time)."""
+        st = self._end_stamp
+        if st is not None and self._end_count:
+            self._ends[st[1], self._bin(self._now - st[0])] += self._end_count
+        self._end_stamp, self._end_count = None, 0
+
+    def _ghost(self, bid: int, st: Stamp) -> None:
+        """The guard's ghost of evicted ``bid``: its hash and last access."""
+        if not self._ghosting:
+            return
+        key = self._hash(bid)
+        if key is not None:
+            ghosts = self._ghosts
+            ghosts[key] = st[2]
+            if len(ghosts) > self._ghost_cap:
+                ghosts.popitem(last=False)
 
     def hold(self, bid: int) -> None:
         if self._leaf_mode and bid in self._mark:
@@ -479,7 +499,16 @@ class LHDPolicy(LRUPolicy):
     def offer(self, bid: int) -> None:
         if self._leaf_mode and bid in self._leaf_held:
             self._leaf_held.discard(bid)
-            self._add_leaf(bid, self._mark[bid])
+            self._offered(bid)
+
+    def _offered(self, bid: int) -> None:
+        """``bid`` joins the offered leaves (and the kept order's heap, if one is kept)."""
+        st = self._mark[bid]
+        self._add_leaf(bid, st)
+        if self._ranked_ok:
+            if st[2] != self._key_seq:
+                self._key_seq, self._key_last = st[2], self._key(bid)
+            heapq.heappush(self._side, (*self._key_last, bid))
 
     def _hash(self, bid: int) -> bytes | None:
         try:
@@ -491,6 +520,7 @@ class LHDPolicy(LRUPolicy):
 
     def _recompute(self) -> None:
         """Densities per (class, age bin) from the decayed histograms (LHD's reconfiguration)."""
+        self._flush_ends()
         c = self.config
         lo = np.concatenate(([0.0], c.age0 * np.exp2(np.arange(c.bins - 1) / c.bins_per_octave)))
         width = np.diff(np.concatenate((lo, [lo[-1] * 2.0])))
@@ -505,6 +535,7 @@ class LHDPolicy(LRUPolicy):
             if c.monotone:
                 dens[k] = np.minimum.accumulate(dens[k])
         self._density = dens
+        self._invalidate()
         hits *= c.decay
         ends *= c.decay
 
@@ -533,61 +564,98 @@ class LHDPolicy(LRUPolicy):
         assert self._density is not None
         return (math.inf if age <= 0 else float(self._density[st[1], self._bin(age)]), st[2])
 
+    def _invalidate(self) -> None:
+        """The kept order and ranks no longer hold (a touch, a put, new tables, a new mode)."""
+        self._ranked_ok = False
+        self._key_seq = -1
+
+    def _rank(self) -> None:
+        """The offered leaves in order, lowest (density, sequence) first, kept until the next
+        touch, put or change of the tables: removals only leave stale entries behind, and a
+        leaf offered meanwhile joins a heap beside the order."""
+        m = self._n
+        d = self._ranks()
+        seq = self._seqs[:m]
+        if d is None:
+            order = np.argsort(seq, kind="stable")
+            keys = [(0.0, s) for s in seq[order].tolist()]
+        else:
+            order = np.lexsort((seq, d))
+            keys = list(zip(d[order].tolist(), seq[order].tolist(), strict=True))
+        self._order_bids = self._bid[order].tolist()
+        self._order_keys = keys
+        self._order_at = 0
+        self._side = []
+        self._ranked_ok = True
+
+    def _live(self, bid: int, key: tuple[float, int]) -> bool:
+        """Whether a ranked entry still stands: ``bid`` offered with the stamp it was ranked by."""
+        i = self._slot.get(bid)
+        return i is not None and int(self._seqs[i]) == key[1]
+
+    def _top(self) -> tuple[tuple[float, int], int] | None:
+        """The first victim's (key, id) in the kept order, stale entries dropped."""
+        if not self._ranked_ok:
+            self._rank()
+        bids, keys, side = self._order_bids, self._order_keys, self._side
+        while True:
+            i = self._order_at
+            while i < len(bids) and not self._live(bids[i], keys[i]):
+                i += 1
+            self._order_at = i
+            while side and not self._live(side[0][2], side[0][:2]):
+                heapq.heappop(side)
+            if side and (i >= len(bids) or side[0][:2] < keys[i]):
+                return side[0][:2], side[0][2]
+            if i < len(bids):
+                return keys[i], bids[i]
+            return None
+
     def first(self) -> int | None:
         if not self._leaf_mode:
             return super().first()
-        out = self.victims(1)
-        return out[0] if out else None
+        top = self._top()
+        return None if top is None else top[1]
 
     def victims(self, n: int) -> list[int]:
+        """Up to ``n`` offered leaves in the order first() would give them after each removal,
+        ending before a parent that a removal in the run would offer ahead of the next leaf
+        (the store then asks again)."""
         if not self._leaf_mode:
             return super().victims(n)
-        m = self._n
-        if m == 0 or n <= 0:
+        top = self._top()
+        if top is None or n <= 0:
             return []
-        d = self._ranks()
-        seq = self._seqs[:m]
-        k = min(n, m)
-        if d is None:
-            top = np.argpartition(seq, k - 1)[:k] if k < m else np.arange(m)
-            order = top[np.argsort(seq[top], kind="stable")]
-            keys = [(0.0, s) for s in seq[order].tolist()]
-        else:
-            # The k lowest by (density, sequence): every leaf up to the k-th density.
-            top = np.flatnonzero(d <= np.partition(d, k - 1)[k - 1]) if k < m else np.arange(m)
-            order = top[np.lexsort((seq[top], d[top]))][:k]
-            keys = list(zip(d[order].tolist(), seq[order].tolist(), strict=True))
-        bids = self._bid[order].tolist()
+        out = [top[1]]
         view = self._view
-        if view is None:
-            return bids[:n]
-        # The ranked leaves, merged with the parents the run leaves childless (each offered at
-        # its own rank, as first() would see it after each removal).
-        out: list[int] = []
-        side: list[tuple[float, int, int]] = []
-        left: dict[int, int] = {}
-        cache: dict[int, tuple[float, int]] = {}  # a stamp's rank
+        if view is None or n == 1:
+            return out
+        bids, keys, side = self._order_bids, self._order_keys, self._side
+        if side and side[0][2] == top[1]:
+            return out  # a leaf offered since the ranking: the run is that one
+        i = self._order_at + 1
         mark, held = self._mark, self._leaf_held
-        i = 0
+        left: dict[int, int] = {}
+        parent_key: tuple[float, int] | None = None
+        last = top[1]
         while len(out) < n:
-            if side and (i >= len(bids) or side[0][:2] < keys[i]):
-                bid = heapq.heappop(side)[2]
-            elif i < len(bids):
-                bid = bids[i]
-                i += 1
-            else:
-                break
-            out.append(bid)
-            p = int(view.parent[bid])
-            if p >= 0 and p in mark:
+            p = int(view.parent[last])
+            if p >= 0 and p in mark and p in held:
                 kids = left.get(p, int(view.children[p])) - 1
                 left[p] = kids
-                if kids == 0 and p in held:
-                    st = mark[p]
-                    key = cache.get(st[2])
-                    if key is None:
-                        key = cache[st[2]] = self._key(p)
-                    heapq.heappush(side, (*key, p))
+                if kids == 0:
+                    k = self._key(p)
+                    parent_key = k if parent_key is None or k < parent_key else parent_key
+            while i < len(bids) and not self._live(bids[i], keys[i]):
+                i += 1
+            if i >= len(bids):
+                break
+            nxt = keys[i]
+            if (side and side[0][:2] < nxt) or (parent_key is not None and parent_key <= nxt):
+                break
+            last = bids[i]
+            out.append(last)
+            i += 1
         return out
 
     def candidates(self) -> Iterator[int]:

@@ -63,10 +63,32 @@ def test_before_the_first_tables_the_order_is_lru_and_a_chain_leaves_from_its_ta
     _put(pol, a, 0.0)
     _put(pol, b, 1.0)
     assert pol.first() == a[-1]
-    assert pol.victims(6) == [a[3], a[2], a[1], a[0], b[3], b[2]]
+    assert pol.victims(6) == [a[3]]  # its parent comes next: the store asks again
     assert pol.first() == a[-1]  # victims() changed nothing
-    _read(pol, view, a, 2.0)
-    assert pol.victims(2) == [b[3], b[2]]
+    taken = []
+    for _ in range(6):
+        bid = pol.first()
+        assert bid is not None
+        taken.append(bid)
+        _evict(pol, view, bid)
+    assert taken == [a[3], a[2], a[1], a[0], b[3], b[2]]
+    _read(pol, view, b[:2], 2.0)
+    lone = [view.add(k) for k in (30, 31, 32)]
+    for t, bid in enumerate(lone):
+        _put(pol, [bid], 3.0 + t)
+    _put(pol, [view.add(40)], 9.0)
+    assert pol.victims(5)[:1] == [b[1]]
+
+
+def test_a_run_lists_leaves_until_a_parent_it_frees_would_come_first() -> None:
+    view = FakeView()
+    pol = _policy(view)
+    lone = [view.add(k) for k in (30, 31, 32)]
+    for t, bid in enumerate(lone):
+        _put(pol, [bid], float(t))
+    a = _chain(view, 0, 2)
+    _put(pol, a, 5.0)
+    assert pol.victims(10) == [*lone, a[1]]  # a[0] would be offered by the last removal
 
 
 def test_victims_are_what_first_offers_one_removal_after_another() -> None:
