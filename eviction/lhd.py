@@ -36,6 +36,7 @@ keeps.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -50,6 +51,8 @@ from kvstore.errors import ConfigError
 
 _NEW, _NEW_TAIL = 0, 1
 """Classes of blocks not yet read since their put (inner, and a tail with no child)."""
+_RANKED = 64
+"""Offered leaves sorted at a time (the lowest; the others wait until these are taken)."""
 _GAP0 = 2
 """The first class of re-read chains; ``_GAP0 + k`` for the k-th log2 bucket of the gap."""
 
@@ -204,7 +207,8 @@ class LHDPolicy(LRUPolicy):
 
     name = "lhd"
     Config = LHDConfig
-    runs = True  # victims(): a run of leaves, in the order first() would offer them
+    # runs = False (the default victims()): a victim's parent often comes next, so the store
+    # takes first() per victim, from a kept order (O(log n) each).
 
     def __init__(self, config: LHDConfig | None = None) -> None:
         super().__init__()
@@ -225,9 +229,11 @@ class LHDPolicy(LRUPolicy):
         self._time = np.zeros(n, np.float64)
         self._cls = np.zeros(n, np.int64)
         self._seqs = np.zeros(n, np.int64)
+        self._seq_l: list[int] = []  # the sequence column as a list (read per victim)
         self._n = 0
-        self._scale = c.bins_per_octave / math.log(2.0)
-        self._log_age0 = math.log(c.age0)
+        # Age bins: bin 0 below age0, then bins_per_octave per doubling; the last open-ended.
+        self._edges = c.age0 * np.exp2(np.arange(c.bins - 1) / c.bins_per_octave)
+        self._edges_l: list[float] = self._edges.tolist()
         self._touch_stamp: Stamp | None = None  # the latest touch's stamp (its put joins it)
         # The kept order of the offered leaves (see _rank), and the rank of the latest stamp.
         self._ranked_ok = False
@@ -238,8 +244,10 @@ class LHDPolicy(LRUPolicy):
         self._end_count = 0
         self._ghost_cap = 64
         self._order_bids: list[int] = []
-        self._order_keys: list[tuple[float, int]] = []
+        self._order_d: list[float] = []  # the kept order's densities ...
+        self._order_seq: list[int] = []  # ... and sequence numbers
         self._order_at = 0
+        self._order_all = True
         self._side: list[tuple[float, int, int]] = []
         # The guard.
         self._shadow = LRUShadow()
@@ -257,16 +265,10 @@ class LHDPolicy(LRUPolicy):
     # ---- ages and classes ---------------------------------------------------------------------
 
     def _bin(self, age: float) -> int:
-        if age < self.config.age0:
-            return 0
-        b = int((math.log(age) - self._log_age0) * self._scale) + 1
-        return b if b < self.config.bins else self.config.bins - 1
+        return bisect.bisect_right(self._edges_l, age)
 
     def _bins(self, ages: np.ndarray) -> np.ndarray:
-        c = self.config
-        b = np.floor((np.log(np.maximum(ages, c.age0)) - self._log_age0) * self._scale) + 1
-        b[ages < c.age0] = 0
-        return np.clip(b, 0, c.bins - 1).astype(np.int64)
+        return np.searchsorted(self._edges, ages, side="right")
 
     def _gap_class(self, gap: float) -> int:
         c = self.config
@@ -294,6 +296,9 @@ class LHDPolicy(LRUPolicy):
             self._n = i + 1
             self._slot[bid] = i
             self._bid[i] = bid
+            self._seq_l.append(st[2])
+        else:
+            self._seq_l[i] = st[2]
         self._time[i] = st[0]
         self._cls[i] = st[1]
         self._seqs[i] = st[2]
@@ -309,7 +314,9 @@ class LHDPolicy(LRUPolicy):
             self._time[i] = self._time[last]
             self._cls[i] = self._cls[last]
             self._seqs[i] = self._seqs[last]
+            self._seq_l[i] = self._seq_l[last]
             self._slot[moved] = i
+        self._seq_l.pop()
         self._n = last
 
     # ---- events -------------------------------------------------------------------------------
@@ -355,11 +362,13 @@ class LHDPolicy(LRUPolicy):
         ghosts = self._ghosts if self.config.guard else None
         shadow = self._shadow
         lru_hits = 0
+        self._moved()
         stamps: dict[tuple[float, int], Stamp] = {}  # one stamp per time and class of this put
         moves: list[tuple[int, int]] = []  # (last access's stamp or -1, this one's) per block
         for bid, t, k in zip(order, nows, kids, strict=True):
             if t > self._now:
                 self._now = t
+                self._key_seq = -1
             if bid in mark:
                 self._forget(bid, count=False)
             if ts is not None and ts[0] == t and k:
@@ -372,14 +381,13 @@ class LHDPolicy(LRUPolicy):
                 held.add(bid)
             else:
                 held.discard(bid)
-                self._add_leaf(bid, st)
+                self._offered(bid)
             if ghosts is not None:
                 old = -1
                 if ghosts:
                     key = self._hash(bid)
                     old = ghosts.pop(key, -1) if key is not None else -1
                 moves.append((old, st[2]))
-        self._invalidate()
         if len(mark) > self._capacity:
             self._capacity = len(mark)
             self._ghost_cap = int(self.config.ghost_factor * self._capacity) + 64
@@ -411,7 +419,7 @@ class LHDPolicy(LRUPolicy):
             lg = w * first[3] + (1.0 - w) * lg
         st = self._new_stamp(now, self._gap_class(math.exp(lg)), lg)
         self._touch_stamp = st
-        self._invalidate()
+        self._moved()
         olds = [mark[bid] for bid in live]
         # Each stamp's blocks were hit at its age, in its class; LRU held some of them.
         hits, guard, shadow, cap = self._hits, self.config.guard, self._shadow, self._capacity
@@ -425,7 +433,7 @@ class LHDPolicy(LRUPolicy):
         held = self._leaf_held
         for bid in self._slot.keys() & set(live):
             if bid not in held:
-                self._add_leaf(bid, st)
+                self._offered(bid)
         if guard:
             self._account(len(live), lru_hits, len(live))
         self._tick(len(live))
@@ -443,10 +451,20 @@ class LHDPolicy(LRUPolicy):
         if not self._leaf_mode:
             super().remove(bid)
             return
-        if bid not in self._mark:
+        st = self._mark.pop(bid, None)
+        if st is None:
             return
-        self._forget(bid)
-        self._tick(1)
+        self._leaf_held.discard(bid)
+        if bid in self._slot:
+            self._drop_leaf(bid)
+        if st is not self._end_stamp:
+            self._flush_ends()
+            self._end_stamp = st
+        self._end_count += 1
+        self._ghost(bid, st)
+        self._events += 1
+        if self._events >= self.config.period:
+            self._tick(0)
 
     def remove_leaves(self, bids: list[int], parents: list[int]) -> None:
         if not self._leaf_mode:
@@ -482,14 +500,16 @@ class LHDPolicy(LRUPolicy):
 
     def _ghost(self, bid: int, st: Stamp) -> None:
         """The guard's ghost of evicted ``bid``: its hash and last access."""
-        if not self._ghosting:
+        if not self._ghosting or self._view is None:
             return
-        key = self._hash(bid)
-        if key is not None:
-            ghosts = self._ghosts
-            ghosts[key] = st[2]
-            if len(ghosts) > self._ghost_cap:
-                ghosts.popitem(last=False)
+        try:
+            key = self._view.hash_of(bid)
+        except (KeyError, IndexError):  # not live in the index: nothing to follow
+            return
+        ghosts = self._ghosts
+        ghosts[key] = st[2]
+        if len(ghosts) > self._ghost_cap:
+            ghosts.popitem(last=False)
 
     def hold(self, bid: int) -> None:
         if self._leaf_mode and bid in self._mark:
@@ -522,7 +542,7 @@ class LHDPolicy(LRUPolicy):
         """Densities per (class, age bin) from the decayed histograms (LHD's reconfiguration)."""
         self._flush_ends()
         c = self.config
-        lo = np.concatenate(([0.0], c.age0 * np.exp2(np.arange(c.bins - 1) / c.bins_per_octave)))
+        lo = np.concatenate(([0.0], self._edges))
         width = np.diff(np.concatenate((lo, [lo[-1] * 2.0])))
         hits, ends = self._hits, self._ends
         pooled_h, pooled_e = hits.sum(axis=0), ends.sum(axis=0)
@@ -564,6 +584,10 @@ class LHDPolicy(LRUPolicy):
         assert self._density is not None
         return (math.inf if age <= 0 else float(self._density[st[1], self._bin(age)]), st[2])
 
+    def _moved(self) -> None:
+        """A touch or a put: time moved (every age with it) and some leaves changed."""
+        self._invalidate()
+
     def _invalidate(self) -> None:
         """The kept order and ranks no longer hold (a touch, a put, new tables, a new mode)."""
         self._ranked_ok = False
@@ -572,91 +596,59 @@ class LHDPolicy(LRUPolicy):
     def _rank(self) -> None:
         """The offered leaves in order, lowest (density, sequence) first, kept until the next
         touch, put or change of the tables: removals only leave stale entries behind, and a
-        leaf offered meanwhile joins a heap beside the order."""
+        leaf offered meanwhile joins a heap beside the order. Only the lowest ``_RANKED`` (and
+        their ties) are sorted; the rest is ranked when the store has taken those."""
         m = self._n
         d = self._ranks()
         seq = self._seqs[:m]
+        k = _RANKED
         if d is None:
-            order = np.argsort(seq, kind="stable")
-            keys = [(0.0, s) for s in seq[order].tolist()]
+            order = np.argpartition(seq, k)[:k] if m > k else np.arange(m)
+            order = order[np.argsort(seq[order], kind="stable")]
+            self._order_d = [0.0] * len(order)
         else:
-            order = np.lexsort((seq, d))
-            keys = list(zip(d[order].tolist(), seq[order].tolist(), strict=True))
+            order = np.flatnonzero(d <= np.partition(d, k)[k]) if m > k else np.arange(m)
+            order = order[np.lexsort((seq[order], d[order]))]
+            self._order_d = d[order].tolist()
+        self._order_seq = seq[order].tolist()
         self._order_bids = self._bid[order].tolist()
-        self._order_keys = keys
         self._order_at = 0
+        self._order_all = len(order) == m
         self._side = []
         self._ranked_ok = True
-
-    def _live(self, bid: int, key: tuple[float, int]) -> bool:
-        """Whether a ranked entry still stands: ``bid`` offered with the stamp it was ranked by."""
-        i = self._slot.get(bid)
-        return i is not None and int(self._seqs[i]) == key[1]
 
     def _top(self) -> tuple[tuple[float, int], int] | None:
         """The first victim's (key, id) in the kept order, stale entries dropped."""
         if not self._ranked_ok:
             self._rank()
-        bids, keys, side = self._order_bids, self._order_keys, self._side
+        slot, seq_l = self._slot, self._seq_l
         while True:
-            i = self._order_at
-            while i < len(bids) and not self._live(bids[i], keys[i]):
+            bids, ds, seqs, side = self._order_bids, self._order_d, self._order_seq, self._side
+            i, n = self._order_at, len(bids)
+            while i < n:  # (an entry stands while its leaf is offered with the stamp it had)
+                j = slot.get(bids[i])
+                if j is not None and seq_l[j] == seqs[i]:
+                    break
                 i += 1
             self._order_at = i
-            while side and not self._live(side[0][2], side[0][:2]):
+            if i >= n and not self._order_all:
+                self._rank()  # the sorted part is used up: rank the rest
+                continue
+            while side:
+                top = side[0]
+                j = slot.get(top[2])
+                if j is not None and seq_l[j] == top[1]:
+                    if i >= n or (top[0], top[1]) < (ds[i], seqs[i]):
+                        return (top[0], top[1]), top[2]
+                    break
                 heapq.heappop(side)
-            if side and (i >= len(bids) or side[0][:2] < keys[i]):
-                return side[0][:2], side[0][2]
-            if i < len(bids):
-                return keys[i], bids[i]
-            return None
+            return ((ds[i], seqs[i]), bids[i]) if i < n else None
 
     def first(self) -> int | None:
         if not self._leaf_mode:
             return super().first()
         top = self._top()
         return None if top is None else top[1]
-
-    def victims(self, n: int) -> list[int]:
-        """Up to ``n`` offered leaves in the order first() would give them after each removal,
-        ending before a parent that a removal in the run would offer ahead of the next leaf
-        (the store then asks again)."""
-        if not self._leaf_mode:
-            return super().victims(n)
-        top = self._top()
-        if top is None or n <= 0:
-            return []
-        out = [top[1]]
-        view = self._view
-        if view is None or n == 1:
-            return out
-        bids, keys, side = self._order_bids, self._order_keys, self._side
-        if side and side[0][2] == top[1]:
-            return out  # a leaf offered since the ranking: the run is that one
-        i = self._order_at + 1
-        mark, held = self._mark, self._leaf_held
-        left: dict[int, int] = {}
-        parent_key: tuple[float, int] | None = None
-        last = top[1]
-        while len(out) < n:
-            p = int(view.parent[last])
-            if p >= 0 and p in mark and p in held:
-                kids = left.get(p, int(view.children[p])) - 1
-                left[p] = kids
-                if kids == 0:
-                    k = self._key(p)
-                    parent_key = k if parent_key is None or k < parent_key else parent_key
-            while i < len(bids) and not self._live(bids[i], keys[i]):
-                i += 1
-            if i >= len(bids):
-                break
-            nxt = keys[i]
-            if (side and side[0][:2] < nxt) or (parent_key is not None and parent_key <= nxt):
-                break
-            last = bids[i]
-            out.append(last)
-            i += 1
-        return out
 
     def candidates(self) -> Iterator[int]:
         if not self._leaf_mode:
