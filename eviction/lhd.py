@@ -93,12 +93,15 @@ class LHDConfig:
     """A class with fewer (decayed) counts than this is ranked by the pooled histograms."""
     guard: bool = True
     """Count LRU's hits beside the policy's and order by LRU while the policy trails."""
-    margin: float = 0.001
+    margin: float = 0.0005
     """The shortfall of the policy's hits behind LRU's, as a share of the accesses, past which
     the guard orders by LRU."""
     window: float = 256.0
     """The guard's memory: its sums decay by ``1/e`` every ``window`` x resident block
     accesses."""
+    retry: float = 32.0
+    """While the guard orders by LRU, the shortfall that switched it fades by ``1/e`` every
+    ``retry`` x resident block accesses (0: only at ``window``'s pace)."""
     ghost_factor: float = 2.0
     """Evicted blocks remembered by hash for the guard, up to this many times the resident
     ones."""
@@ -116,6 +119,7 @@ class LHDConfig:
             (self.min_events >= 0, "min_events must be >= 0", self.min_events),
             (self.margin >= 0, "margin must be >= 0", self.margin),
             (self.window > 0, "window must be > 0", self.window),
+            (self.retry >= 0, "retry must be >= 0", self.retry),
             (self.ghost_factor >= 0, "ghost_factor must be >= 0", self.ghost_factor),
         ):
             if not ok:
@@ -342,6 +346,11 @@ class LHDPolicy(LRUPolicy):
         self._own = self._own * w + own
         self._lru = self._lru * w + lru
         self._seen = self._seen * w + seen
+        if self.lru_mode and self.config.retry > 0:
+            # Ordered by LRU, both counts grow alike and tell nothing new: the shortfall that
+            # switched fades faster, so the learned order is tried again.
+            fade = math.exp(-seen / (self.config.retry * max(self._capacity, 1)))
+            self._own = self._lru + (self._own - self._lru) * fade
         trails = self._own < self._lru - self.config.margin * self._seen
         if trails != self.lru_mode:
             self.lru_mode = trails

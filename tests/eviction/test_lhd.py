@@ -49,7 +49,7 @@ def test_registry_builds_lhd() -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"bins": 2}, {"age0": 0}, {"decay": 0}, {"gap_memory": 1.0}, {"margin": -1}, {"window": 0}, {"period": 0}],
+    [{"bins": 2}, {"age0": 0}, {"decay": 0}, {"gap_memory": 1.0}, {"margin": -1}, {"window": 0}, {"period": 0}, {"retry": -1}],
 )
 def test_config_is_validated(options: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
@@ -167,6 +167,21 @@ def test_the_guard_orders_by_lru_while_the_policy_trails_lru() -> None:
     for _ in range(20):  # even afterwards: the shortfall decays
         pol._account(own=100, lru=100, seen=100)
     assert not pol.lru_mode and pol._learned()
+
+
+def test_ordered_by_lru_the_shortfall_fades_at_the_retry_pace() -> None:
+    view = FakeView()
+    pol = _policy(view, margin=0.01, window=1e9, retry=1.0)
+    pol._capacity = 100
+    pol._account(own=50, lru=60, seen=100)
+    assert pol.lru_mode
+    pol._account(own=100, lru=100, seen=300)  # three retry periods: 10 x e^-3 < 1% of 500
+    assert not pol.lru_mode
+    slow = _policy(view, margin=0.01, window=1e9, retry=0.0)
+    slow._capacity = 100
+    slow._account(own=50, lru=60, seen=100)
+    slow._account(own=100, lru=100, seen=300)
+    assert slow.lru_mode  # at window's pace the shortfall is still there
 
 
 def test_an_evicted_block_that_comes_back_is_an_lru_hit_if_lru_would_have_held_it() -> None:
