@@ -20,7 +20,7 @@ store takes one victim at a time (the default :meth:`victims`).
 
 Processor time: one ranking per touch or put (numpy over the offered leaves), a few dictionary
 operations per event, and for the guard below a hash look-up per eviction and per put block;
-1.1-1.4x LRU's replay time on the agentic development set, up to ~1.7x on traces of short
+1.25-1.4x LRU's replay time on the agentic development set, up to ~1.8x on traces of short
 requests, where the per-request ranking dominates (docs/eviction.md).
 
 **Classes** (what the store knows when it touches a block): a put nobody has read back yet,
