@@ -82,8 +82,8 @@ class StoreConfig:
     (``"72h"``); every hit refreshes it."""
     policy: str = "chain"
     """Eviction policy of every tier: ``chain`` (LRU with a loop exception for long chains, never
-    below LRU), ``lru``, ``density``, ``cost``, ``arc``, ``lrb`` (eviction/; docs/eviction.md has
-    what each does, when to choose it, and the measurements)."""
+    below LRU), ``lru``, ``density``, ``cost``, ``arc``, ``lrb``, ``lhd`` (eviction/; docs/eviction.md
+    has what each does, when to choose it, and the measurements)."""
     policy_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Options of the policy's own ``Config`` (e.g. ``{ghost_factor = 4}``); see eviction/."""
     admission: str = "reuse"

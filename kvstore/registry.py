@@ -30,6 +30,7 @@ POLICIES: dict[str, str] = {
     "cost": "eviction.costaware:CostAwarePolicy",
     "lrb": "eviction.lrb:LRBPolicy",
     "chain": "eviction.chain:ChainPolicy",
+    "lhd": "eviction.lhd:LHDPolicy",
 }
 ADMISSIONS: dict[str, str] = {
     "all": "eviction.admission:Admission",  # write every demoted block

@@ -16,6 +16,7 @@ from eviction.base import EvictionPolicy, TierContext
 from eviction.chain import ChainPolicy
 from eviction.costaware import CostAwarePolicy
 from eviction.density import DensityConfig, DensityPolicy
+from eviction.lhd import LHDPolicy
 from eviction.lrb import LRBPolicy
 from eviction.lru import LRUPolicy
 from kvstore.clock import FakeClock
@@ -431,4 +432,5 @@ def test_make_policies_binds_every_tier(tmp_path: Path) -> None:
 def test_store_default_policy_is_chain() -> None:
     assert StoreConfig().policy == "chain"
     assert policy_class(StoreConfig().policy) is ChainPolicy
-    assert {LRUPolicy, ARCPolicy, DensityPolicy, CostAwarePolicy, LRBPolicy, ChainPolicy} == {policy_class(n) for n in NAMES}
+    known = {LRUPolicy, ARCPolicy, DensityPolicy, CostAwarePolicy, LRBPolicy, ChainPolicy, LHDPolicy}
+    assert known == {policy_class(n) for n in NAMES}
