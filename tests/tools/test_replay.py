@@ -170,7 +170,7 @@ def test_cli_every_policy_two_tiers_and_a_plot(small: Path, tmp_path: Path, caps
     argv = [str(small), "--capacity", "a=2,b=2", "--capacity", "50%", "--policy", "all", "--json", "--plot", str(svg)]
     assert main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert {r["policy"] for r in rows} == {"arc", "chain", "cost", "density", "lrb", "lru"}
+    assert {r["policy"] for r in rows} == {"arc", "chain", "cost", "density", "lhd", "lrb", "lru"}
     assert {r["capacity"] for r in rows} == {"a=2,b=2", "50%"}
     assert all(r["tiers"] == {"a": 2, "b": 2} for r in rows if r["capacity"] == "a=2,b=2")
     assert svg.read_text().startswith("<svg") and "OPT" in svg.read_text()
