@@ -471,6 +471,12 @@ class LHDPolicy(LRUPolicy):
         st = self._mark.pop(bid, None)
         if st is None:
             return
+        self._leave(bid, st)
+        self._tick(1)
+
+    def _leave(self, bid: int, st: Stamp) -> None:
+        """Block ``bid`` of stamp ``st`` leaves: out of the held set and the ranked order, its
+        age counted among the ends, remembered as a ghost."""
         self._leaf_held.discard(bid)
         if bid in self._slot:
             self._drop_leaf(bid)
@@ -479,29 +485,19 @@ class LHDPolicy(LRUPolicy):
             self._end_stamp = st
         self._end_count += 1
         self._ghost(bid, st)
-        self._events += 1
-        if self._events >= self.config.period:
-            self._tick(0)
 
     def remove_leaves(self, bids: list[int], parents: list[int]) -> None:
         if not self._leaf_mode:
             super().remove_leaves(bids, parents)
             return
-        mark, held, slot = self._mark, self._leaf_held, self._slot
+        mark, held = self._mark, self._leaf_held
         going = set(bids) if len(bids) > 1 else ()
         gone = 0
         for bid, p in zip(bids, parents, strict=True):
             st = mark.pop(bid, None)
             if st is not None:
                 gone += 1
-                held.discard(bid)
-                if bid in slot:
-                    self._drop_leaf(bid)
-                if st is not self._end_stamp:
-                    self._flush_ends()
-                    self._end_stamp = st
-                self._end_count += 1
-                self._ghost(bid, st)
+                self._leave(bid, st)
             if p >= 0 and p in held:
                 held.discard(p)
                 if p not in going:  # (a parent that leaves in this batch too is never offered)
