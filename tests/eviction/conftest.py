@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eviction.base import TierContext
+from eviction.base import EvictionPolicy, TierContext
 
 
 class FakeView:
@@ -38,6 +38,15 @@ class FakeView:
         if p >= 0:
             self.children[p] -= 1
         del self._hash[bid]
+
+
+def evict_leaf(pol: EvictionPolicy, view: FakeView, bid: int) -> None:
+    """What the store does with a last-tier victim: the policy forgets it, its parent is offered."""
+    parent = int(view.parent[bid])
+    pol.remove(bid)
+    view.drop(bid)
+    if parent >= 0 and not view.children[parent]:
+        pol.offer(parent)
 
 
 LAST = TierContext("t0", "dram", 0, "")

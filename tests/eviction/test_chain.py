@@ -12,7 +12,7 @@ from eviction.chain import ChainConfig, ChainPolicy
 from eviction.lru import LRUPolicy
 from kvstore.errors import ConfigError
 from kvstore.registry import build_config, policy_class
-from tests.eviction.conftest import LAST, UPPER, FakeView
+from tests.eviction.conftest import LAST, UPPER, FakeView, evict_leaf
 
 
 def _chain(view: FakeView, first: int, n: int) -> list[int]:
@@ -46,15 +46,6 @@ def _three_chains(**options: object) -> tuple[ChainPolicy, FakeView, list[list[i
     return pol, view, chains
 
 
-def _evict(pol: ChainPolicy, view: FakeView, bid: int) -> None:
-    """What the store does with a last-tier victim: the policy forgets it, its parent is offered."""
-    parent = int(view.parent[bid])
-    pol.remove(bid)
-    view.drop(bid)
-    if parent >= 0 and not view.children[parent]:
-        pol.offer(parent)
-
-
 def test_registry_builds_chain() -> None:
     assert policy_class("chain") is ChainPolicy
 
@@ -74,7 +65,7 @@ def test_the_loop_exception_takes_the_chain_expected_back_last_from_its_tail() -
         bid = pol.first()
         assert bid is not None
         taken.append(bid)
-        _evict(pol, view, bid)
+        evict_leaf(pol, view, bid)
     assert taken == [b[7], b[6], b[5]]
 
 
@@ -109,7 +100,7 @@ def test_an_evicted_pick_is_followed_by_its_hash_when_it_comes_back() -> None:
     pol, view, chains = _three_chains()
     a = chains[0]
     assert pol.first() == a[-1]
-    _evict(pol, view, a[-1])
+    evict_leaf(pol, view, a[-1])
     _read(pol, a[:-1], 13.0)  # A comes back: its prefix is read ...
     view.add(a[-1], a[-2])  # ... and its lost leaf (same id, same hash) is stored again
     pol.hold(a[-2])

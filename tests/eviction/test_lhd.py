@@ -10,7 +10,7 @@ import pytest
 from eviction.lhd import _GAP0, _NEW_TAIL, LHDConfig, LHDPolicy, LRUShadow, density
 from kvstore.errors import ConfigError
 from kvstore.registry import build_config, policy_class
-from tests.eviction.conftest import LAST, FakeView
+from tests.eviction.conftest import LAST, FakeView, evict_leaf
 
 
 def _policy(view: FakeView, **options: object) -> LHDPolicy:
@@ -33,14 +33,6 @@ def _put(pol: LHDPolicy, chain: list[int], now: float) -> None:
 def _read(pol: LHDPolicy, view: FakeView, chain: list[int], now: float) -> None:
     view.hits[chain] += 1
     pol.touch_many(chain[::-1], now)  # deepest first
-
-
-def _evict(pol: LHDPolicy, view: FakeView, bid: int) -> None:
-    parent = int(view.parent[bid])
-    pol.remove(bid)
-    view.drop(bid)
-    if parent >= 0 and not view.children[parent]:
-        pol.offer(parent)
 
 
 def test_registry_builds_lhd() -> None:
@@ -70,7 +62,7 @@ def test_before_the_first_tables_the_order_is_lru_and_a_chain_leaves_from_its_ta
         bid = pol.first()
         assert bid is not None
         taken.append(bid)
-        _evict(pol, view, bid)
+        evict_leaf(pol, view, bid)
     assert taken == [a[3], a[2], a[1], a[0], b[3], b[2]]
     _read(pol, view, b[:2], 2.0)
     lone = [view.add(k) for k in (30, 31, 32)]
@@ -99,7 +91,7 @@ def test_first_follows_the_learned_order_through_removals_and_new_offers() -> No
         pol._invalidate()
         assert pol.first() == bid  # ranked afresh: the same
         assert pol.victims(5) == [bid]
-        _evict(pol, view, bid)
+        evict_leaf(pol, view, bid)
 
 
 def test_the_learned_order_evicts_a_young_block_of_a_class_that_never_returns() -> None:
@@ -190,7 +182,7 @@ def test_an_evicted_block_that_comes_back_is_an_lru_hit_if_lru_would_have_held_i
     a = _chain(view, 0, 2)
     _put(pol, a, 0.0)
     _put(pol, [view.add(10)], 1.0)
-    _evict(pol, view, a[1])  # evicted here; LRU (room for three) would hold it
+    evict_leaf(pol, view, a[1])  # evicted here; LRU (room for three) would hold it
     view.add(a[1], a[0])
     own, lru = pol._own, pol._lru
     _put(pol, [a[1]], 2.0)
