@@ -27,6 +27,7 @@ import secrets
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Client, Connection, Listener
@@ -189,19 +190,19 @@ def time_hooks(cls: Any) -> dict[str, float]:
     the thread vLLM calls it on) to the returned dict, by name: the connector's time inside
     vLLM's step, measured directly rather than as the difference of two noisy runs."""
     spent: dict[str, float] = dict.fromkeys(HOOKS, 0.0)
-    depth = [0]
+    local = threading.local()  # each thread's depth of hook calls: a hook on another thread is its own outermost
 
     def wrap(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*a: Any, **k: Any) -> Any:
-            if depth[0]:
+            if getattr(local, "depth", 0):
                 return f(*a, **k)
-            depth[0] += 1
+            local.depth = 1
             t0 = time.perf_counter()
             try:
                 return f(*a, **k)
             finally:
                 spent[name] += time.perf_counter() - t0
-                depth[0] -= 1
+                local.depth = 0
 
         return timed
 
