@@ -21,6 +21,7 @@ import numpy as np
 from kvstore.client import connect
 from kvstore.server.config import Limits, TenantSpec
 from kvstore.server.daemon import ThreadedDaemon
+from kvstore.server.limits import open_descriptors
 from kvstore.wire import protocol as P
 from kvstore.wire.fdpass import MAX_PENDING_CLAIMS, MAX_TICKETS_PER_OWNER, FdServer
 from tests.conftest import BB, SMALL_NS, chain_for, payload
@@ -34,10 +35,6 @@ LIMITS = dict(max_body_bytes=64 * 1024, max_blocks=256, max_payload_bytes=64 * 4
 SLACK = 48
 """Descriptors the daemon may open for its own work meanwhile (store files, sockets being
 accepted, the worker pool): far below what one ticket per frame would add."""
-
-
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 class RawConn:
@@ -112,14 +109,14 @@ def test_every_frame_type_in_a_loop_keeps_descriptors_bounded(
     with connect(d.url, token=TOKEN_A, plane="tcp") as a:
         a.register_namespace(SMALL_NS)
     _other_tenant_works(d, 1)
-    base = _open_fds()
+    base = open_descriptors()
     conns = [RawConn(d.info["data_port"]) for _ in range(4)]
     peak = 0
     replies: Counter[str] = Counter()
     try:
         for i in range(ROUNDS):
             replies += _every_frame(conns[i % len(conns)], TOKEN_A.encode(), i)
-            peak = max(peak, _open_fds() - base)
+            peak = max(peak, open_descriptors() - base)
             if i % 20 == 0:
                 _other_tenant_works(d, 100 + i)
         # Tickets of one tenant: at most its bound, whatever it sent (plus its 4 sockets).
@@ -129,7 +126,7 @@ def test_every_frame_type_in_a_loop_keeps_descriptors_bounded(
         for c in conns:
             c.close()
     # The connections' unclaimed tickets go with them.
-    assert eventually(lambda: _open_fds() - base <= SLACK)
+    assert eventually(lambda: open_descriptors() - base <= SLACK)
     assert replies["STAGING:ok"] == 2 * ROUNDS and replies["HELLO:ok"] == ROUNDS, dict(replies)
     figures(rounds=ROUNDS, frames=sum(replies.values()), peak_extra_descriptors=peak,
             bound=MAX_TICKETS_PER_OWNER + len(conns), replies=dict(sorted(replies.items())))
@@ -144,7 +141,7 @@ def test_a_flood_of_silent_fd_socket_connections_is_bounded(
     d = start_daemon((TenantSpec("b", TOKEN_B, allow_shm=True),), limits=Limits(**LIMITS))
     with connect(d.url, token=TOKEN_B, plane="shm") as b:
         address = b.info["shm_socket"]
-    base = _open_fds()
+    base = open_descriptors()
     flood: list[socket.socket] = []
     n = 4 * MAX_PENDING_CLAIMS
     try:
@@ -154,7 +151,7 @@ def test_a_flood_of_silent_fd_socket_connections_is_bounded(
                 s.connect("\0" + address[1:])
             flood.append(s)
         # our own n sockets, and on the daemon's side no more than its bound of held claims
-        assert eventually(lambda: _open_fds() - base - n <= MAX_PENDING_CLAIMS + SLACK)
+        assert eventually(lambda: open_descriptors() - base - n <= MAX_PENDING_CLAIMS + SLACK)
         _other_tenant_works(d, 7)
     finally:
         for s in flood:
@@ -168,18 +165,18 @@ def test_tickets_expire_on_a_timer_and_slots_replace_their_ticket() -> None:
     fds = FdServer(max_per_owner=3)
     r, w = os.pipe()
     try:
-        before = _open_fds()
+        before = open_descriptors()
         first = fds.offer([r], "a", ("conn", "staging"))
         fds.offer([r], "a", ("conn", "staging"))
         assert fds.pending("a") == 1 and first not in fds._offers
         for i in range(10):
             fds.offer([r], "a", ("conn", i))
-        assert fds.pending("a") == 3 and _open_fds() - before == 3
+        assert fds.pending("a") == 3 and open_descriptors() - before == 3
         fds.offer([r], "b")
         assert fds.pending("b") == 1
         for o in fds._offers.values():
             o.deadline = 0.0  # as if TICKET_TTL_S had passed
-        assert fds.sweep() == 4 and fds.pending() == 0 and _open_fds() == before
+        assert fds.sweep() == 4 and fds.pending() == 0 and open_descriptors() == before
     finally:
         fds.close()
         os.close(r)
