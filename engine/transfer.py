@@ -167,8 +167,10 @@ class PagedLoader:
                 buf.record_stream(self._scatter)
             buf = self._slots[s] = None
             with torch.cuda.stream(self._copy):  # the copy stream's own memory: no race with
-                # kernels still queued on the engine's stream over memory it has just freed
-                buf = self._slots[s] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                # kernels still queued on the engine's stream over memory it has just freed;
+                # a whole piece at least, so a small first tile does not make it grow later
+                size = max(nbytes, self.piece_bytes)
+                buf = self._slots[s] = torch.empty(size, dtype=torch.uint8, device=self.device)
         if self._freed[s] is not None:
             self._copy.wait_event(self._freed[s])
         return buf, s
@@ -190,12 +192,15 @@ class PagedLoader:
         plan = tiles(n, num_layers, pb, max(self.piece_bytes, target.block_bytes), layer_group)
         if not self._cuda:
             return self._load_host(src, target, ids, first, on_layers, cancelled)
-        idx_host = list(ids)
         copy, scat = self._copy, self._scatter
-        with torch.cuda.stream(scat):
-            if after is not None:
-                scat.wait_event(after)
-            idx = target.block_ids(idx_host)  # one small copy, before the first scatter
+        if after is not None:
+            scat.wait_event(after)
+        with torch.cuda.stream(copy):
+            # One small copy on the copy stream, ahead of the tiles' DMAs: on the scatter stream
+            # it queued behind them in the copy engine (and every scatter with it) until the
+            # ring's last queued tile had landed.
+            idx = target.block_ids(list(ids))
+        idx.record_stream(scat)
         last: Any = None
         events: list[Any] = [None] * num_layers
         timed: list[tuple[Any, Any, Any]] = []

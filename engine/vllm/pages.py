@@ -516,7 +516,7 @@ class PagedState:
         return self.spec.block_bytes
 
     def block_ids(self, block_ids: Sequence[Any]) -> torch.Tensor:
-        return torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return device_ids(block_ids, self.device)
 
     def _layer_ids(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         return ids[:, self.spec.groups[layer]] if self.spec.groups else ids
@@ -598,12 +598,7 @@ class PagedKV:
         return self.spec.block_bytes
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        ids = torch.tensor(list(block_ids), dtype=torch.long)
-        if self.device.type != "cuda":
-            return ids.to(self.device)
-        # From pinned memory, in stream order: a copy from pageable memory would make the host
-        # wait for the current stream (a loader's: the engine's forward pass it waits on).
-        return ids.pin_memory().to(self.device, non_blocking=True)
+        return device_ids(block_ids, self.device)
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy pages ``block_ids`` of every layer into ``out`` (``[n, block_bytes]`` uint8), on
@@ -657,6 +652,16 @@ class PagedKV:
 
     def block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return self._ids(block_ids)
+
+
+def device_ids(block_ids: Sequence[Any], device: torch.device) -> torch.Tensor:
+    """Page ids as a ``long`` tensor on ``device``. On a GPU from pinned memory, in the current
+    stream's order: a copy from pageable memory would make the host wait for that stream (a
+    loader's copy stream: every DMA queued before it)."""
+    ids = torch.tensor(list(block_ids), dtype=torch.long)
+    if device.type != "cuda":
+        return ids.to(device)
+    return ids.pin_memory().to(device, non_blocking=True)
 
 
 layer_rows = arena_layer_rows
