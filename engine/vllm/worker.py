@@ -249,6 +249,14 @@ class _LoadJob:
         self.loaded = 0
         self.abandoned = False
         self.lock = threading.Lock()
+        self.t0 = time.perf_counter()
+        """When the step started the load (``start_load_kv``)."""
+        self.marks: list[tuple[str, float]] = []
+        """The loader thread's host timeline, (what, seconds since :attr:`t0`): where the time
+        of a load goes before its first DMA and after its last scatter (``Worker.last_marks``)."""
+
+    def mark(self, what: str) -> None:
+        self.marks.append((what, time.perf_counter() - self.t0))
 
     def fail(self, spec: LoadSpec, pages: list[Any]) -> None:
         """Pages of ``spec`` did not load: its request failed (reported per request with several
@@ -313,10 +321,17 @@ class Worker:
         self.last_load: DeviceLoad | None = None
         """The last (non-hybrid) load, once landed: diagnostics (its per-tile timeline when
         ``loader.timing`` is on)."""
+        self.last_marks: list[tuple[str, float]] = []
+        """The last load's host timeline (:attr:`_LoadJob.marks`): benchmarks read it."""
+        self.last_save_marks: list[tuple[str, float]] = []
+        """The last save's host timeline on the saver thread, seconds since ``wait_for_save``
+        queued it: benchmarks read it."""
         self._pinned: torch.Tensor | None = None  # a remote plane's save buffer
         self._load_host: torch.Tensor | None = None  # a remote plane's load buffer
         self._sink: tuple[Any, torch.Tensor] | None = None  # (staging segment, its registered view)
-        self._saves: deque[tuple[Namespace, list[BlockHash], int, StagedSave, np.ndarray, Pieces, Pieces]] = deque()
+        self._saves: deque[tuple[Namespace, list[BlockHash], int, StagedSave, np.ndarray, Pieces, Pieces,
+                                 float]] = deque()
+        self._save_t0 = 0.0  # when the saver thread's current save was queued (its marks)
         self._save_wake = threading.Condition(threading.Lock())
         self._save_slots = threading.BoundedSemaphore(cfg.max_pending_saves)
         self._stop = False
@@ -464,7 +479,7 @@ class Worker:
             # carry them in BlockStored.token_ids, as vLLM's own events do.
             tokens = self.infos[sv.req_id].tokens[sv.start * self.bt : end * self.bt]
             with self._save_wake:
-                self._saves.append((ns, chain[:end], sv.start, staged, tokens, pieces, None))
+                self._saves.append((ns, chain[:end], sv.start, staged, tokens, pieces, None, time.perf_counter()))
                 self._save_wake.notify()
         for st in meta.states:
             self._save_state(st)
@@ -482,7 +497,7 @@ class Worker:
         none = StagedSave(torch.empty((0, 0), dtype=torch.uint8, device=self.state.device))
         with self._save_wake:
             self._saves.append((ns, chain[: st.block + 1], st.block + 1, none, np.empty(0, np.int32), None,
-                                ([st.block], rows)))
+                                ([st.block], rows), time.perf_counter()))
             self._save_wake.notify()
 
     def _stage(self, sv: SaveSpec) -> tuple[StagedSave, tuple[list[int], StagedSave] | None]:
@@ -544,6 +559,7 @@ class Worker:
                     return
                 job = self._loads.popleft()
             held: list[Any] = []
+            job.mark("thread")
             try:
                 self._run_load(job, held)
             except Exception:  # a bug: never into vLLM's step; its blocks are recomputed
@@ -555,6 +571,8 @@ class Worker:
                     with contextlib.suppress(RuntimeError):
                         torch.cuda.synchronize(self.kv.device)
             finally:
+                job.mark("landed")
+                self.last_marks = job.marks
                 with job.lock:
                     for ev in job.layer_done:
                         ev.set()
@@ -628,10 +646,12 @@ class Worker:
                 f0 = time.perf_counter()
                 n, src = self._fetch(ns, hashes[a:b], held)
                 fetch_s += time.perf_counter() - f0
+                job.mark(f"lease {b - a}")
                 job.loaded += n
                 if n:
                     loads.append(loader.load(src, kv, spec.block_ids[a : a + n], after=job.after,
                                              cancelled=cancelled))
+                job.mark("queued")
                 if n < b - a:  # the rest of this request is not cached (or the daemon failed)
                     job.fail(spec, spec.block_ids[a + n :])
                     break
@@ -766,8 +786,10 @@ class Worker:
                     self._save_wake.wait()
                 if self._stop and not self._saves:
                     return
-                ns, chain, start, staged, tokens, pieces, states = self._saves.popleft()
+                ns, chain, start, staged, tokens, pieces, states, self._save_t0 = self._saves.popleft()
             t0 = time.perf_counter()
+            self.last_save_marks = []
+            self._save_mark("thread")
             try:
                 n = self.save_link.call(
                     lambda c, ns=ns, chain=chain, start=start, staged=staged, tokens=tokens, pieces=pieces, states=states: self._store(  # type: ignore[misc]  # as above
@@ -784,6 +806,7 @@ class Worker:
                 log.exception("kvstore save of %d blocks failed", len(chain) - start)
             finally:
                 self.counters.save_put_s += time.perf_counter() - t0
+                self._save_mark("stored")
                 self._save_slots.release()
 
     def _store(self, c: Client, ns: Namespace, chain: list[BlockHash], start: int, staged: StagedSave,
@@ -837,6 +860,7 @@ class Worker:
             else:
                 if staged.ready is not None:
                     staged.ready.synchronize()  # the gather has landed before the daemon reads it
+                self._save_mark("gathered")
                 try:
                     new = c.put_device(ns, chain, start=start, device=device, handle=handle, offset=offset,
                                        size=size)
@@ -866,6 +890,10 @@ class Worker:
         saver.drain(staged, host, put)
         self.counters.staged_puts += 1
         return new
+
+    def _save_mark(self, what: str) -> None:
+        """A point of the saver thread's current save (``last_save_marks``)."""
+        self.last_save_marks.append((what, time.perf_counter() - self._save_t0))
 
     def _segment(self, c: Client) -> tuple[Any, torch.Tensor]:
         """This connection's staging segment on the daemon and its view, registered with CUDA

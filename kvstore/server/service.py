@@ -297,6 +297,11 @@ class Service:
         if self.kv_events is not None:
             self.kv_events.pump()
 
+    def acquire_nowait(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes]) -> Lease | None:
+        """A client's :meth:`acquire` served at once from the arena, or None (see
+        ``KVStore.acquire_nowait``: run :meth:`acquire` on a worker thread)."""
+        return self._acquire(t, ns_id, hashes, True, nowait=True)
+
     def acquire(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], *, for_client: bool = True) -> Lease:
         """A lease on the blocks in the arena. ``for_client=False``: the daemon itself sends them
         (TCP, UCX) straight from the arena, which needs no shared-memory grant.
@@ -305,6 +310,12 @@ class Service:
         (``max_lease_fraction`` of the first tier): blocks held in use can neither move nor
         leave, so one tenant's unreleased leases would otherwise fill the arena for everyone.
         The request is cut to what fits; nothing fits: QuotaExceededError."""
+        lease = self._acquire(t, ns_id, hashes, for_client, nowait=False)
+        assert lease is not None
+        return lease
+
+    def _acquire(self, t: Tenant, ns_id: bytes, hashes: Sequence[bytes], for_client: bool, *,
+                 nowait: bool) -> Lease | None:
         if for_client and not t.spec.allow_shm:
             raise ForbiddenError(
                 f"tenant {t.name!r} may not map the shared arena; use the TCP data plane "
@@ -325,19 +336,32 @@ class Service:
                 )
             keys = keys[:room]
             t.leased_bytes += len(keys) * ns.block_bytes  # reserved until the lease is known
+        got: Lease | None = None
         try:
-            lease = self.store.acquire(ns, keys)
+            got = self.store.acquire_nowait(ns, keys) if nowait else self.store.acquire(ns, keys)
         finally:
             with self._lock:
                 t.leased_bytes -= len(keys) * ns.block_bytes
-        with self._lock:
-            t.leased_bytes += sum(size for _, size in lease.locations)
-        self._pump()
-        return lease
+                if got is not None:
+                    t.leased_bytes += sum(size for _, size in got.locations)
+        if got is not None:
+            self._pump()
+        return got
 
     def release(self, lease: Lease, t: Tenant | None = None) -> None:
         """Give a lease back; ``t``: the tenant whose share it counted in (a client's lease)."""
         self.store.release(lease)
+        self._released(lease, t)
+
+    def release_nowait(self, lease: Lease, t: Tenant | None = None) -> bool:
+        """:meth:`release` if the store can take it back at once (True), else nothing (False:
+        run :meth:`release` on a worker thread)."""
+        if not self.store.release_nowait(lease):
+            return False
+        self._released(lease, t)
+        return True
+
+    def _released(self, lease: Lease, t: Tenant | None) -> None:
         if t is not None:
             with self._lock:
                 t.leased_bytes -= sum(size for _, size in lease.locations)

@@ -248,6 +248,21 @@ class KVStore:
         trace.done(plan.served[:n])
         return n
 
+    def acquire_nowait(self, ns: Namespace, hashes: Sequence[bytes]) -> Lease | None:
+        """:meth:`acquire` if it can be served at once from the arena, else None: the store lock
+        is held by a put or a move, a shared tier may need probing, or a leading cached block
+        lies only on a slower tier (a read). For an event loop: a None means "run
+        :meth:`acquire` on a worker thread"."""
+        if self._arena is None or self._loader.shared or not self._lock.acquire(blocking=False):
+            return None
+        try:  # (the lock is re-entrant: acquire takes it again, with nothing between)
+            _, masks = self._loader.match(self._ns(ns), hashes, self._clock())
+            if masks.size and not np.all(masks & (1 << self._arena)):
+                return None
+            return self.acquire(ns, hashes)
+        finally:
+            self._lock.release()
+
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> Lease:
         """Hold the leading cached blocks of ``hashes`` in the store's shared-memory arena.
 
@@ -345,11 +360,25 @@ class KVStore:
     def release(self, lease: Lease) -> None:
         """Give back a :meth:`acquire` lease: its blocks may move and leave again. Idempotent."""
         with self._lock:
-            if lease._released:
-                return
-            lease._released = True
-            if lease._ids.size:
-                self._ledger.end_lease(lease._ids)
+            self._end_lease(lease)
+
+    def release_nowait(self, lease: Lease) -> bool:
+        """:meth:`release` if the store lock is free now (True), else nothing (False: call
+        :meth:`release` on a worker thread)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._end_lease(lease)
+            return True
+        finally:
+            self._lock.release()
+
+    def _end_lease(self, lease: Lease) -> None:
+        if lease._released:
+            return
+        lease._released = True
+        if lease._ids.size:
+            self._ledger.end_lease(lease._ids)
 
     # ---- puts ---------------------------------------------------------------------------------
 

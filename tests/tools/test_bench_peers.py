@@ -454,6 +454,9 @@ def test_a_peers_untimed_reference_runs_after_the_timed_restore(monkeypatch: pyt
         def prepare(self, tokens: int) -> None:
             pass
 
+        def save(self, tokens: np.ndarray, ids: list[int]) -> None:
+            calls.append("save")  # the size's untimed save, in start()
+
         def restore(self, tokens: np.ndarray, ids: list[int]) -> int:
             calls.append("restore")
             return len(ids) * 16

@@ -410,6 +410,10 @@ class KvstoreConnector:
             out["put_device_unavailable"] = c.info.get("put_device_unavailable")
         if w.last_load is not None and w.last_load.tiles:
             out["tiles_ms"] = _tiles_ms(w.last_load)
+        # the last load's and save's host timelines (ms since start_load_kv / wait_for_save)
+        out["load_marks_ms"] = [(k, round(t * 1e3, 3)) for k, t in w.last_marks]
+        out["save_marks_ms"] = [(k, round(t * 1e3, 3)) for k, t in w.last_save_marks]
+        out["daemon_ms"] = daemon_op_ms(self.daemon.url)
         return out
 
     def close(self) -> None:
@@ -417,6 +421,29 @@ class KvstoreConnector:
         release_arenas()
         self.daemon.stop()
         shutil.rmtree(self._root, ignore_errors=True)
+
+
+def daemon_op_ms(url: str) -> dict[str, Any]:
+    """The daemon's own mean time per request of each data-plane op so far (its
+    ``kvstore_request_seconds``; PUT_DEVICE's copies apart), from ``/metrics``: what of a
+    connector's load or save is the daemon's and what is the trip."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError as e:
+        return {"error": str(e)}
+    sums: dict[str, list[float]] = {}
+    for m in re.finditer(r'^kvstore_(request|device_copy)_seconds_(sum|count)(?:\{op="(\w+)",plane="(?!http")\w+"\})? (\S+)$',
+                         text, re.M):
+        kind, what, op, v = m.groups()
+        if kind == "request" and op is None:
+            continue
+        key = op if kind == "request" else "device_copy"
+        sums.setdefault(key, [0.0, 0.0])[0 if what == "sum" else 1] = float(v)
+    return {k: {"mean_ms": round(sm / n * 1e3, 3), "count": int(n)} for k, (sm, n) in sums.items() if n}
 
 
 class KvstoreConnectorHnd(KvstoreConnector):
