@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -114,6 +114,17 @@ class StepPlan:
 
 
 # ---- shared set-up -----------------------------------------------------------------------------
+
+
+def lease_chunks(n: int, head: int) -> list[tuple[int, int]]:
+    """Block ranges of a load of ``n`` blocks leased piece by piece: ``head`` blocks, then each
+    piece 4x the one before (the first DMA waits only for a small lease; the later leases come
+    back while the earlier pieces cross the link)."""
+    out, a, size = [], 0, max(1, head)
+    while a < n:
+        out.append((a, min(n, a + size)))
+        a, size = out[-1][1], size * 4
+    return out
 
 
 def model_identity(vllm_config: Any, cfg: ConnectorConfig) -> tuple[str, str]:
@@ -630,32 +641,37 @@ class Worker:
 
     def _run_chunked_load(self, job: _LoadJob, held: list[Any], ready: Callable[[int, int, Any], None],
                           cancelled: Callable[[], bool]) -> None:
-        """An async load over shared memory, lease by lease (``lease_head_bytes``): each chunk's
-        copies are queued as soon as its lease is back, so the next lease is taken while they
-        run; the leases are held (``held``) until the last copy has landed."""
+        """An async load over shared memory, lease by lease (``lease_head_bytes``, then 4x
+        larger): every lease is asked for at once (``Client.acquire_each``) and each chunk's
+        copies are queued as soon as its lease is back, so only the first lease's round trip
+        comes before the first DMA; the leases are held (``held``) until the last copy has
+        landed."""
         kv, loader = self.kv, self.loader
         assert kv is not None and loader is not None
-        size = max(1, self.cfg.lease_head_bytes // kv.block_bytes)
+        head = max(1, self.cfg.lease_head_bytes // kv.block_bytes)
         loads: list[DeviceLoad] = []
         fetch_s, t0 = 0.0, time.perf_counter()
         for spec, ns, hashes in job.specs:
-            a = 0
-            while a < len(hashes) and not cancelled():
-                b = min(len(hashes), a + size)
-                size *= 4
-                f0 = time.perf_counter()
-                n, src = self._fetch(ns, hashes[a:b], held)
-                fetch_s += time.perf_counter() - f0
-                job.mark(f"lease {b - a}")
-                job.loaded += n
-                if n:
-                    loads.append(loader.load(src, kv, spec.block_ids[a : a + n], after=job.after,
-                                             cancelled=cancelled))
-                job.mark("queued")
-                if n < b - a:  # the rest of this request is not cached (or the daemon failed)
-                    job.fail(spec, spec.block_ids[a + n :])
-                    break
-                a = b
+            if cancelled():
+                break
+            bounds = lease_chunks(len(hashes), head)
+            got = 0
+            f0 = time.perf_counter()
+            with contextlib.closing(self._fetch_each(ns, [hashes[a:b] for a, b in bounds], held)) as leases:
+                for (a, b), (n, src) in zip(bounds, leases, strict=False):
+                    fetch_s += time.perf_counter() - f0
+                    job.mark(f"lease {b - a}")
+                    job.loaded += n
+                    if n:
+                        loads.append(loader.load(src, kv, spec.block_ids[a : a + n], after=job.after,
+                                                 cancelled=cancelled))
+                    job.mark("queued")
+                    got = a + n
+                    if n < b - a or cancelled():
+                        break
+                    f0 = time.perf_counter()
+            if got < len(hashes) and not cancelled():  # not cached further (or the daemon failed)
+                job.fail(spec, spec.block_ids[got:])
         if loads:
             last = loads[-1]
             ready(0, kv.num_layers, last.done)
@@ -749,6 +765,36 @@ class Worker:
             self._load_host = torch.empty(need, dtype=torch.uint8, pin_memory=self._cuda)
         return self._load_host[reserved:need].view(n, bb)
 
+    def _fetch_each(self, ns: Namespace, chunks: list[list[BlockHash]], held: list[Any]) -> Generator[tuple[int, Any], None, None]:
+        """:meth:`_fetch` of each of ``chunks`` (consecutive pieces of one chain) over shared
+        memory, pipelined (``Client.acquire_each``); stops at a short one, a failure (logged),
+        or the breaker. Close it to give back the leases still on their way."""
+        client = self.load_link.client
+        leases = None if client is None else self.load_link.call(lambda c: c.acquire_each(ns, chunks), None)
+        if client is None or leases is None:
+            return
+        with contextlib.closing(leases):
+            while True:
+                try:
+                    lease = self.load_link.call(lambda c: next(leases, None), None)
+                except KVStoreError as e:  # answered: an unknown namespace after a restart, say
+                    log.warning("kvstore load failed (%s); vLLM recomputes these blocks", e)
+                    return
+                if lease is None:
+                    return
+                self._hold(lease, held)
+                yield lease.num_blocks, ArenaBlocks(client, lease)
+
+    def _hold(self, lease: Any, held: list[Any]) -> None:
+        """Keep ``lease`` in ``held`` (given back once its copies have landed)."""
+        if lease.num_blocks and lease.arena != self._arena and not any(
+                not isinstance(h, HostBlocks) for h in held):
+            # A restarted daemon has a new arena: let go of the old one's mapping (no lease on
+            # it is held, no copy from it is in flight: loads run one at a time).
+            release_arenas()
+            self._arena = lease.arena
+        held.append(lease)
+
     def _fetch(self, ns: Namespace, hashes: list[BlockHash], held: list[Any]) -> tuple[int, Any]:
         """The leading cached blocks of ``hashes``: (count, source): a lease on the daemon's arena
         (shared memory) or a host buffer a remote plane filled (pinned on a GPU)."""
@@ -761,13 +807,7 @@ class Worker:
                 lease = self.load_link.call(lambda c: c.acquire(ns, hashes), None)
                 if lease is None:
                     return 0, None
-                if lease.num_blocks and lease.arena != self._arena and not any(
-                        not isinstance(h, HostBlocks) for h in held):
-                    # A restarted daemon has a new arena: let go of the old one's mapping (no
-                    # lease on it is held, no copy from it is in flight: loads run one at a time).
-                    release_arenas()
-                    self._arena = lease.arena
-                held.append(lease)
+                self._hold(lease, held)
                 return lease.num_blocks, ArenaBlocks(client, lease)
             buf = self._load_buffer(len(hashes), ns.block_bytes, reserved=sum(h.blocks.numel() for h in held_host))
             n = self.load_link.call(lambda c: c.get_into(ns, hashes, buf.view(-1).numpy()), 0)

@@ -260,18 +260,23 @@ class ReplySteps:
 
 
 class FrameConn:
-    """Frame exchange over a transport: one request, one reply.
+    """Frame exchange over a transport: one request, one reply, in order.
 
     :meth:`release` sends a RELEASE without waiting for its reply: the reply is read before
     the next request's (:meth:`settle`), so a release costs no round trip on the path of the
     load that made it, and the daemon has handled it before anything this client sends next.
+    :meth:`send` and :meth:`take` pipeline requests the same way: several on the wire at once,
+    each reply read when its caller asks for it (or kept for it by whoever reads past it).
     """
 
     def __init__(self, transport: TcpTransport | UcxTransport) -> None:
         self.t = transport
         self._req = 0
-        self._owed: list[int] = []
-        """Request ids of RELEASEs whose replies are still to be read, oldest first."""
+        self._owed: list[tuple[int, bool]] = []
+        """Requests whose replies are still to be read, oldest first: (id, kept): a RELEASE's
+        reply is dropped, a :meth:`send`'s kept for its :meth:`take`."""
+        self._kept: dict[int, tuple[P.Header, bytearray] | KVStoreError] = {}
+        """Replies (or the daemon's refusals) read past for their :meth:`take`."""
         # Until HELLO says otherwise: room for the largest reply this client could ask for.
         self.limits = P.WireLimits(max_meta_bytes=64 + 16 * 65_536, max_payload_bytes=1 << 40)
 
@@ -316,17 +321,46 @@ class FrameConn:
 
     def release(self, lease_id: int) -> None:
         """Give lease ``lease_id`` back; its reply is read by the next :meth:`settle`."""
-        self._owed.append(self._send(P.Op.RELEASE, P.encode_u64(lease_id)))
+        self._owed.append((self._send(P.Op.RELEASE, P.encode_u64(lease_id)), False))
+
+    def send(self, op: P.Op, meta: bytes) -> int:
+        """Send a request without waiting for its reply (no payload either way); returns its id
+        for :meth:`take`. Every request sent must be taken (a reply taken by no one stays here)."""
+        req = self._send(op, meta)
+        self._owed.append((req, True))
+        return req
+
+    def take(self, req: int) -> tuple[P.Header, bytearray]:
+        """The reply to request ``req`` (:meth:`send`), reading the replies before it first; the
+        daemon's refusal of it raises here, as :meth:`call`'s would."""
+        while req not in self._kept:
+            if not self._owed:
+                raise KeyError(f"request {req} was not sent with send(), or was taken already")
+            self._read_owed()
+        got = self._kept.pop(req)
+        if isinstance(got, KVStoreError):
+            raise got
+        return got
+
+    def _read_owed(self) -> None:
+        req, kept = self._owed.pop(0)
+        try:
+            got: tuple[P.Header, bytearray] | KVStoreError = self._reply(req)
+        except (ConnectionLost, DaemonUnavailableError):
+            raise
+        except KVStoreError as e:  # a release of a lease the daemon had dropped; a refusal
+            if not kept:
+                log.debug("release (request %d) answered: %s", req, e)
+            got = e
+        if kept:
+            self._kept[req] = got
 
     def settle(self) -> None:
-        """Read the replies owed to earlier :meth:`release` calls: once it returns, the daemon
-        has every lease back (what a control call that follows may rely on)."""
+        """Read the replies owed to earlier :meth:`release` and :meth:`send` calls (the latter
+        kept for their :meth:`take`): once it returns, the daemon has every lease back (what a
+        control call that follows may rely on)."""
         while self._owed:
-            req = self._owed.pop(0)
-            try:
-                self._reply(req)
-            except KVStoreError as e:  # the daemon had no such lease: nothing is held
-                log.debug("release (request %d) answered: %s", req, e)
+            self._read_owed()
 
     def close(self) -> None:
         self.t.close()

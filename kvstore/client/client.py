@@ -38,7 +38,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, TypeVar
@@ -615,24 +615,77 @@ class Client:
             if self.plane != "shm":
                 raise UsageError(f"acquire needs the shared-memory plane; this client uses {self.plane!r}")
             conn, ns_id = self._conn, self._ns_id(ns)
-            assert conn is not None and self._arena is not None and self._arena.buf is not None
+            assert conn is not None
             _, meta = conn.call(P.Op.ACQUIRE, P.encode_blocks(ns_id, list(hashes)))
-            lease_id, locs = P.parse_lease(meta)
-            arena = self._arena.buf.toreadonly()
-            views = [arena[off : off + size] for off, size in locs]
-            arena.release()
-
-            def release() -> None:
-                with self._lock:
-                    if self._conn is conn:  # after a reconnect the daemon has dropped it already
-                        with contextlib.suppress(ConnectionLost):
-                            conn.release(lease_id)
-
-            lease = ClientLease(views, release, self._arena_name, tuple(locs))
-            self._leases.add(lease)
-            return lease
+            return self._lease(conn, meta)
 
         return self._retry(call)
+
+    def _lease(self, conn: FrameConn, meta: bytearray) -> ClientLease:
+        """The lease an ACQUIRE's reply grants, on this connection's arena mapping (under the lock)."""
+        assert self._arena is not None and self._arena.buf is not None
+        lease_id, locs = P.parse_lease(meta)
+        arena = self._arena.buf.toreadonly()
+        views = [arena[off : off + size] for off, size in locs]
+        arena.release()
+
+        def release() -> None:
+            with self._lock:
+                if self._conn is conn:  # after a reconnect the daemon has dropped it already
+                    with contextlib.suppress(ConnectionLost):
+                        conn.release(lease_id)
+
+        lease = ClientLease(views, release, self._arena_name, tuple(locs))
+        self._leases.add(lease)
+        return lease
+
+    def acquire_each(self, ns: Namespace, chunks: Sequence[Sequence[bytes]]) -> Generator[ClientLease, None, None]:
+        """:meth:`acquire` of each of ``chunks`` (consecutive pieces of one chain), pipelined:
+        every request goes out at once and each lease is yielded as its reply comes in, so a
+        caller that queues copies from one lease meanwhile waits for no round trip but the
+        first. Stops after a lease shorter than its chunk (the rest of the chain is not cached).
+        Closing the iterator early gives back the leases still on their way. No retry: a
+        connection lost midway raises DaemonUnavailableError (the leases it held are gone with
+        it)."""
+        if self.plane != "shm":
+            raise UsageError(f"acquire needs the shared-memory plane; this client uses {self.plane!r}")
+        parts = [list(c) for c in chunks]
+        pending: list[int] = []
+        conn: FrameConn | None = None
+        try:
+            with self._lock:
+                try:
+                    if self._conn is None:
+                        self._connect()
+                    conn, ns_id = self._conn, self._ns_id(ns)
+                    assert conn is not None
+                    pending = [conn.send(P.Op.ACQUIRE, P.encode_blocks(ns_id, c)) for c in parts]
+                except (ConnectionLost, OSError) as e:
+                    raise self._lost(e) from e
+            for c in parts:
+                with self._lock:
+                    if conn is None or self._conn is not conn:
+                        raise DaemonUnavailableError(f"kvstore daemon at {self.url}: the connection was lost")
+                    try:
+                        _, meta = conn.take(pending.pop(0))
+                    except (ConnectionLost, OSError) as e:
+                        raise self._lost(e) from e
+                    lease = self._lease(conn, meta)
+                yield lease
+                if lease.num_blocks < len(c):
+                    return
+        finally:
+            with self._lock:
+                if pending and conn is not None and self._conn is conn:  # leases granted that no one will read from
+                    with contextlib.suppress(ConnectionLost, OSError, KVStoreError):
+                        for req in pending:
+                            with contextlib.suppress(KVStoreError):
+                                self._lease(conn, conn.take(req)[1]).release()
+
+    def _lost(self, e: BaseException) -> DaemonUnavailableError:
+        self._disconnect(later=True)
+        return DaemonUnavailableError(f"kvstore daemon at {self.url} is unreachable ({e}); is it running? "
+                                      "(`kvstore serve`)")
 
     def release(self, lease: ClientLease) -> None:
         """Give back an :meth:`acquire` lease (as :meth:`KVStore.release`). Idempotent."""

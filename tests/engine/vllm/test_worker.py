@@ -29,6 +29,7 @@ from engine.vllm.pages import PagedKV, PageSpec
 from engine.vllm.worker import LoadSpec, ReqInfo, SaveSpec, Worker
 from engine.vllm.worker import StepPlan as KVStoreMetadata
 from kvstore.client.spawn import LocalDaemon
+from tests.kvstore.conftest import eventually
 
 BT = 32
 SPEC = PageSpec(("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn"), BT, 2, 64, torch.float32, "LBHNC")
@@ -207,21 +208,28 @@ def test_a_remote_plane_loads_two_requests_of_one_step(stored: tuple[LocalDaemon
 def test_an_async_load_takes_its_lease_in_growing_chunks(stored: tuple[LocalDaemon, dict[str, torch.Tensor]],
                                                         head_blocks: int) -> None:
     """Over shared memory an async load leases ``lease_head_bytes`` first, then chunks four
-    times larger, each chunk loaded as its lease comes back (0: one lease a request); every
-    page lands, and a request whose blocks are not cached reports its pages for recompute."""
+    times larger, all asked for at once and each loaded as its lease comes back (0: one lease a
+    request); every page lands, a request whose blocks are not cached reports its pages for
+    recompute, and the leases asked past a short one are given back."""
     d, src = stored
     dst = _caches(seed=None)
     w = _worker(d.url, lease_head_bytes=head_blocks * SPEC.block_bytes)
     w.register_kv_caches(dst)
-    assert w.load_link.client is not None and w.load_link.client.plane == "shm"
-    leases: list[int] = []
-    fetch = w._fetch
+    client = w.load_link.client
+    assert client is not None and client.plane == "shm"
+    leases: list[list[int]] = []
+    fetch, each = w._fetch, client.acquire_each
 
     def counted(ns: object, hashes: list[bytes], held: list[object]) -> tuple[int, object]:
-        leases.append(len(hashes))
+        leases.append([len(hashes)])
         return fetch(ns, hashes, held)  # type: ignore[arg-type]
 
+    def counted_each(ns: object, chunks: list[list[bytes]]) -> object:
+        leases.append([len(c) for c in chunks])
+        return each(ns, chunks)  # type: ignore[arg-type]
+
     w._fetch = counted  # type: ignore[method-assign]
+    client.acquire_each = counted_each  # type: ignore[method-assign,assignment]
     infos = {"a": ReqInfo(A, "", b""), "b": ReqInfo(A[: 2 * BT], "", b""), "c": ReqInfo(B, "", b"")}
     loads = [LoadSpec("a", 0, [5, 6, 7, 8], True), LoadSpec("b", 0, [0, 9], True), LoadSpec("c", 0, [1, 2], True)]
     _step(w, KVStoreMetadata(infos=infos, loads=loads))
@@ -234,6 +242,12 @@ def test_an_async_load_takes_its_lease_in_growing_chunks(stored: tuple[LocalDaem
         assert torch.equal(dst[name][[0, 9]], src[name][[1, 2]])
         assert not dst[name][[1, 2]].any()
     assert w.take_errors() == {1, 2} and w.counters.loaded_blocks == 6
-    # a: 1 block, then the 3 left (a chunk of 4); b: 2 (of 16); c: 2 asked (of 64), none cached
-    assert leases == ([1, 3, 2, 2] if head_blocks else [4, 2, 2])
+    # a: 1 block, then the 3 left (a chunk of 4); b: 1 and 1; c: 1 and 1 asked, none cached
+    assert leases == ([[1, 3], [1, 1], [1, 1]] if head_blocks else [[4], [2], [2]])
+
+    def leased() -> int:
+        client._settle()  # noqa: SLF001 - the daemon has read the releases sent so far
+        return int(client.stats()["usage"]["leased_bytes"])
+
+    assert eventually(lambda: leased() == 0)  # (the loader gives them back after the copies)
     w.close()

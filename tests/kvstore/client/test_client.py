@@ -98,6 +98,47 @@ def test_a_release_reaches_the_daemon_before_the_next_call(start_daemon: Callabl
         assert c.delete(SMALL_NS, chain[:1]) == 4
 
 
+def test_acquire_each_pipelines_the_leases_of_a_chain(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    """Every chunk's ACQUIRE goes out at once; each lease comes back in order with the right
+    bytes, another call in between reads past the replies still owed and keeps them."""
+    d = start_daemon()
+    chain = chain_for(8, 8)
+    with connect(d.url, plane="shm") as c:
+        c.put(SMALL_NS, chain, _blocks(chain))
+        leases = []
+        for lease in c.acquire_each(SMALL_NS, [chain[:2], chain[2:4], chain[4:]]):
+            leases.append(lease)
+            assert c.lookup(SMALL_NS, chain).num_blocks == 8  # a call while ACQUIREs are owed
+        assert [lease.num_blocks for lease in leases] == [2, 2, 4]
+        got = [bytes(v) for lease in leases for v in lease.views]
+        assert got == [payload(h) for h in chain]
+        for lease in leases:
+            lease.release()
+        assert c.delete(SMALL_NS, chain[:1]) == 8  # every lease is back (in-use blocks stay)
+
+
+def test_acquire_each_gives_back_the_leases_no_one_took(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    """Closed after its first lease (a caller that stops early) the iterator gives back the
+    leases the daemon granted for the rest; after a short lease it stops (the chain ends)."""
+    d = start_daemon()
+    chain = chain_for(9, 8)
+    with connect(d.url, plane="shm") as c:
+        c.put(SMALL_NS, chain[:6], _blocks(chain[:6]))
+        each = c.acquire_each(SMALL_NS, [chain[:2], chain[2:4], chain[4:6]])
+        first = next(each)
+        each.close()
+        first.release()
+        assert c.delete(SMALL_NS, chain[:1]) == 6
+        c.put(SMALL_NS, chain[:3], _blocks(chain[:3]))
+        got = list(c.acquire_each(SMALL_NS, [chain[:2], chain[2:4], chain[4:8]]))
+        assert [lease.num_blocks for lease in got] == [2, 1]  # the third was asked, and given back
+        for lease in got:
+            lease.release()
+        assert c.delete(SMALL_NS, chain[:1]) == 3
+    with connect(d.url, plane="tcp") as c, pytest.raises(UsageError, match="shared-memory plane"):
+        list(c.acquire_each(SMALL_NS, [chain[:2]]))
+
+
 def test_a_refused_connection_raises_at_once_without_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing listens on port 9: the refusal is the answer. No retry, no back-off sleep (an
     engine's first call after its daemon died must not wait for them)."""
