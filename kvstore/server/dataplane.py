@@ -664,17 +664,26 @@ class Session:
         bb = await self._call(svc.block_bytes, t, req.ns_id)
         devices = self.devices
 
+        marks: list[float] = []
+
         def fill(res: Any) -> int:
-            t0 = time.perf_counter()
-            copier.copy(devices, req.device, req.handle, req.offset, req.size, bb, res.locations,
-                        res.first - req.start)
-            self.ctx.metrics.device_copy.observe(time.perf_counter() - t0)
+            marks.append(time.perf_counter())
+            marks.append(copier.copy(devices, req.device, req.handle, req.offset, req.size, bb, res.locations,
+                                     res.first - req.start))
+            marks.append(time.perf_counter())
             return int(res.num_blocks)
 
+        t0 = time.perf_counter()
         try:
             new = await self._call(svc.put_device, t, req.ns_id, req.hashes, req.start, fill)
         except (OSError, ValueError) as e:  # a handle that does not open, a buffer too small
             raise RequestError(P.ErrorCode.BAD_REQUEST, f"PUT_DEVICE failed, nothing stored: {e}") from e
+        if len(marks) == 3:
+            filled, queued, copied = marks
+            phases = self.ctx.metrics.put_device
+            for phase, s in (("reserve", filled - t0), ("queue", queued), ("wait", copied - filled - queued),
+                             ("commit", time.perf_counter() - copied)):
+                phases.labels(phase).observe(s)
         self.ctx.metrics.bytes.labels(self.ch.plane + "+device", "in").inc(new * bb)
         await self._reply(hdr.req_id, P.encode_u64(new))
 

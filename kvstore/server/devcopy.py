@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -148,12 +149,13 @@ class DeviceCopier:
         return session[key]
 
     def copy(self, session: OrderedDict[tuple[int, bytes], int], device: int, handle: bytes, offset: int,
-             size: int, block_bytes: int, slots: Sequence[tuple[int, int]], first: int) -> None:
+             size: int, block_bytes: int, slots: Sequence[tuple[int, int]], first: int) -> float:
         """Blocks ``first, first+1, ...`` of the exported buffer (``size`` bytes from ``offset``,
         block ``i`` at ``offset + i * block_bytes``) into arena ``slots`` (``(offset, size)``
-        each), one 2-D DMA per run of equally spaced slots; returns once they have landed."""
+        each), one 2-D DMA per run of equally spaced slots; returns once they have landed, with
+        the seconds it took to issue them (the rest was the wait)."""
         if not slots:
-            return
+            return 0.0
         if (first + len(slots)) * block_bytes > size:
             raise ValueError(f"blocks {first}..{first + len(slots) - 1} are past the {size}-byte device buffer")
         for off, _ in slots:
@@ -163,6 +165,8 @@ class DeviceCopier:
         rt = self._runtime(device)
         stream = self._stream(rt, device)
         i, n = 0, len(slots)
+        t0 = time.perf_counter()
+        queued = 0.0
         try:
             while i < n:
                 j, stride = i + 1, 0
@@ -177,12 +181,14 @@ class DeviceCopier:
                                                   src + i * block_bytes, block_bytes, block_bytes, rows,
                                                   _DEVICE_TO_HOST, stream), "cudaMemcpy2DAsync")
                 i = j
+            queued = time.perf_counter() - t0
         finally:
             # One wait for all of them (the arena is page-locked: each DMA is queued, none
             # blocks); also when one failed to queue, so that none still writes into a slot the
             # caller gives back.
             synced = rt.lib.cudaStreamSynchronize(stream)
         rt.check(synced, "cudaStreamSynchronize")
+        return queued
 
     def _stream(self, rt: CudaRuntime, device: int) -> int:
         """This thread's non-blocking stream on ``device`` (made once): copies of different

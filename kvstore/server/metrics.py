@@ -172,11 +172,11 @@ class Metrics:
             "kvstore_request_seconds", "Request latency in the daemon", ["plane", "op"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.device_copy = Histogram(
-            "kvstore_device_copy_seconds",
-            "PUT_DEVICE: the daemon's copies of one request out of an engine's GPU memory (the rest of "
-            "kvstore_request_seconds{op=\"put_device\"} is the reservation, the commit and the frames)",
-            buckets=_LATENCY_BUCKETS, registry=r,
+        self.put_device = Histogram(
+            "kvstore_put_device_seconds",
+            "PUT_DEVICE by phase: reserve (quota and arena slots), queue (the DMAs out of the engine's GPU "
+            "memory issued), wait (until they landed), commit",
+            ["phase"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.requests = Counter("kvstore_requests", "Requests by outcome", ["plane", "op", "outcome"], registry=r)
         self.bytes = Counter("kvstore_bytes", "Payload bytes moved", ["plane", "direction"], registry=r)

@@ -24,6 +24,8 @@ export PYTHONPATH="$PWD:/tmp/peers-site" LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=
 echo "== probe ($(date -u +%T))"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 nproc || true
+for n in /sys/devices/system/node/node[0-9]*; do echo "$(basename "$n"): cpus $(cat "$n/cpulist") $(grep MemTotal "$n/meminfo" | awk '{print $(NF-1)/1048576 " GiB"}')"; done || true
+nvidia-smi topo -m 2>/dev/null | head -4 || true
 python3 -c "import torch, engine.gpu, engine.transfer, kvstore.server.daemon; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" || true
 
 if [ -z "${NO_TESTS:-}" ]; then

@@ -382,6 +382,9 @@ class KvstoreConnector:
                                    **_tile_sizes(self.piece_bytes))
         if self.driver.worker.loader is not None:
             self.driver.worker.loader.timing = cache.device.type == "cuda"
+        self._sums = daemon_sums(self.daemon.url)
+        self.save_daemon_ms: dict[str, Any] = {}
+        self.restore_daemon_ms: dict[str, Any] = {}
 
     def prepare(self, tokens: int) -> None:
         pass
@@ -413,8 +416,18 @@ class KvstoreConnector:
         # the last load's and save's host timelines (ms since start_load_kv / wait_for_save)
         out["load_marks_ms"] = [(k, round(t * 1e3, 3)) for k, t in w.last_marks]
         out["save_marks_ms"] = [(k, round(t * 1e3, 3)) for k, t in w.last_save_marks]
-        out["daemon_ms"] = daemon_op_ms(self.daemon.url)
+        out["save_daemon_ms"] = self.save_daemon_ms  # the daemon's share of the last save and restore
+        out["restore_daemon_ms"] = self.restore_daemon_ms
         return out
+
+    def after_save(self) -> None:
+        """Untimed, after each timed save: what of it was the daemon's (:func:`daemon_delta_ms`)."""
+        now = daemon_sums(self.daemon.url)
+        self.save_daemon_ms, self._sums = daemon_delta_ms(self._sums, now), now
+
+    def after_restore(self) -> None:
+        now = daemon_sums(self.daemon.url)
+        self.restore_daemon_ms, self._sums = daemon_delta_ms(self._sums, now), now
 
     def close(self) -> None:
         self.driver.close()
@@ -423,27 +436,36 @@ class KvstoreConnector:
         shutil.rmtree(self._root, ignore_errors=True)
 
 
-def daemon_op_ms(url: str) -> dict[str, Any]:
-    """The daemon's own mean time per request of each data-plane op so far (its
-    ``kvstore_request_seconds``; PUT_DEVICE's copies apart), from ``/metrics``: what of a
-    connector's load or save is the daemon's and what is the trip."""
+def daemon_sums(url: str) -> dict[str, tuple[float, float]]:
+    """The daemon's own time so far, from ``/metrics``: ``{"<op>": (seconds, requests)}`` of each
+    data-plane op (``kvstore_request_seconds``) and ``{"put_device:<phase>": ...}`` of
+    PUT_DEVICE's phases (``kvstore_put_device_seconds``); empty when it cannot be read."""
     import re
     import urllib.request
 
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5) as r:
             text = r.read().decode()
-    except OSError as e:
-        return {"error": str(e)}
+    except OSError:
+        return {}
     sums: dict[str, list[float]] = {}
-    for m in re.finditer(r'^kvstore_(request|device_copy)_seconds_(sum|count)(?:\{op="(\w+)",plane="(?!http")\w+"\})? (\S+)$',
-                         text, re.M):
-        kind, what, op, v = m.groups()
-        if kind == "request" and op is None:
-            continue
-        key = op if kind == "request" else "device_copy"
-        sums.setdefault(key, [0.0, 0.0])[0 if what == "sum" else 1] = float(v)
-    return {k: {"mean_ms": round(sm / n * 1e3, 3), "count": int(n)} for k, (sm, n) in sums.items() if n}
+    pat = (r'^kvstore_(?:request_seconds_(sum|count)\{op="(\w+)",plane="(?!http")\w+"\}'
+           r'|put_device_seconds_(sum|count)\{phase="(\w+)"\}) (\S+)$')
+    for m in re.finditer(pat, text, re.M):
+        what, op, pwhat, phase, v = m.groups()
+        key, kind = (op, what) if op else (f"put_device:{phase}", pwhat)
+        sums.setdefault(key, [0.0, 0.0])[0 if kind == "sum" else 1] = float(v)
+    return {k: (sm, n) for k, (sm, n) in sums.items()}
+
+
+def daemon_delta_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """What the daemon spent between two :func:`daemon_sums`: ms and requests of each op or phase."""
+    out: dict[str, Any] = {}
+    for k, (sm, n) in after.items():
+        s0, n0 = before.get(k, (0.0, 0.0))
+        if n > n0:
+            out[k] = {"ms": round((sm - s0) * 1e3, 3), "n": int(n - n0)}
+    return out
 
 
 class KvstoreConnectorHnd(KvstoreConnector):
@@ -483,6 +505,7 @@ class KvstoreConnectorLayerwise(KvstoreConnector):
 
     def after_restore(self) -> None:
         """The same forward pass with nothing to load (``compute_ms``), outside the timed restore."""
+        super().after_restore()
         sync(self.cache.device)
         t0 = time.perf_counter()
         for layer in range(self.cache.spec.num_layers):

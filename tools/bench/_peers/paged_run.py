@@ -8,6 +8,7 @@ import contextlib
 import statistics
 import time
 import traceback
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -135,6 +136,7 @@ def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, 
                 with contextlib.suppress(Exception):
                     s.close()
         if paired and stores:
+            log(f"every store open: free memory by NUMA node {_numa_free_gib()} GiB")
             for tokens in sizes:
                 yield from _paired([_SizeRun(s, caches[s.layout], tokens, k(tokens), where, paired=True)
                                     for s in stores], figures, log)
@@ -142,6 +144,7 @@ def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, 
         for s in stores:
             with contextlib.suppress(Exception):
                 s.close()
+        _BASELINE.clear()
     connectors = ("kvstore-connector", "kvstore-connector-hnd", "kvstore-connector-lw")
     for tokens in sizes:
         for conn in connectors:  # the connector against the bench's own store path, same run
@@ -175,6 +178,31 @@ def _paired(runs: list[_SizeRun], figures: dict[tuple[str, int, str], float],
             r.restore_once(i, log)
     for r in runs:
         yield from r.rows(figures, log)
+
+
+def _numa_free_gib() -> dict[str, float]:
+    """Free memory of each NUMA node (``/sys/devices/system/node``): whether the stores' pinned
+    pools all fit on one node (a pool on the far node reads slower over the link)."""
+    out: dict[str, float] = {}
+    for node in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
+        with contextlib.suppress(OSError):
+            for line in (node / "meminfo").read_text().splitlines():
+                if "MemFree:" in line:
+                    out[node.name] = round(int(line.split()[-2]) / 2**20, 1)
+    return out
+
+
+_BASELINE: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+"""The baseline copy's pinned host and device buffers of each size, shared by the stores (with
+``paired`` all are open at once: a buffer each was 4 GiB of pinned memory per store at 32K)."""
+
+
+def _baseline_buffers(nbytes: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (nbytes, str(dev))
+    if key not in _BASELINE:
+        _BASELINE[key] = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda"),
+                          torch.empty(nbytes, dtype=torch.uint8, device=dev))
+    return _BASELINE[key]
 
 
 class _SizeRun:
@@ -222,8 +250,7 @@ class _SizeRun:
     def start(self, log: Callable[[str], None]) -> bool:
         def go() -> None:
             dev = self.cache.device
-            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
-            self.dev_buf = torch.empty(self.nbytes, dtype=torch.uint8, device=dev)
+            self.host, self.dev_buf = _baseline_buffers(self.nbytes, dev)
             self.s.prepare(self.tokens)
             _timed(self._d2h, dev)
             # One untimed save of this size first (a prompt of its own): a store's first save of
@@ -243,6 +270,8 @@ class _SizeRun:
         def go() -> None:
             dev, prompt = self.cache.device, self.prompts[j]
             self.save_t.append(_timed(lambda: self.s.save(prompt, self.src), dev)[0])
+            if (after := getattr(self.s, "after_save", None)) is not None:
+                after()  # untimed: a peer's own account of the save
             self.save_base.append(_timed(self._d2h, dev)[0])
 
         self._guard(go, log)
