@@ -8,8 +8,8 @@ import contextlib
 import statistics
 import time
 import traceback
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
