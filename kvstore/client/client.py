@@ -38,7 +38,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, TypeVar
@@ -639,17 +639,18 @@ class Client:
         self._leases.add(lease)
         return lease
 
-    def acquire_each(self, ns: Namespace, chunks: Sequence[Sequence[bytes]]) -> Generator[ClientLease, None, None]:
+    def acquire_each(self, ns: Namespace, chunks: Iterable[Sequence[bytes]]) -> Generator[ClientLease, None, None]:
         """:meth:`acquire` of each of ``chunks`` (consecutive pieces of one chain), pipelined:
-        every request goes out at once and each lease is yielded as its reply comes in, so a
-        caller that queues copies from one lease meanwhile waits for no round trip but the
-        first. Stops after a lease shorter than its chunk (the rest of the chain is not cached).
+        every request goes out at once (each as soon as ``chunks`` yields it: a lazy iterable
+        may hash the rest of the chain while the first request is on its way) and each lease
+        is yielded as its reply comes in, so a caller that queues copies from one lease
+        meanwhile waits for no round trip but the first. Stops after a lease shorter than its chunk (the rest of the chain is not cached).
         Closing the iterator early gives back the leases still on their way. No retry: a
         connection lost midway raises DaemonUnavailableError (the leases it held are gone with
         it)."""
         if self.plane != "shm":
             raise UsageError(f"acquire needs the shared-memory plane; this client uses {self.plane!r}")
-        parts = [list(c) for c in chunks]
+        parts: list[list[bytes]] = []
         pending: list[int] = []
         conn: FrameConn | None = None
         try:
@@ -659,7 +660,9 @@ class Client:
                         self._connect()
                     conn, ns_id = self._conn, self._ns_id(ns)
                     assert conn is not None
-                    pending = [conn.send(P.Op.ACQUIRE, P.encode_blocks(ns_id, c)) for c in parts]
+                    for c in chunks:
+                        parts.append(list(c))
+                        pending.append(conn.send(P.Op.ACQUIRE, P.encode_blocks(ns_id, parts[-1])))
                 except (ConnectionLost, OSError) as e:
                     raise self._lost(e) from e
             for c in parts:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -224,9 +224,10 @@ def test_an_async_load_takes_its_lease_in_growing_chunks(stored: tuple[LocalDaem
         leases.append([len(hashes)])
         return fetch(ns, hashes, held)  # type: ignore[arg-type]
 
-    def counted_each(ns: object, chunks: list[list[bytes]]) -> object:
-        leases.append([len(c) for c in chunks])
-        return each(ns, chunks)  # type: ignore[arg-type]
+    def counted_each(ns: object, chunks: Iterable[list[bytes]]) -> object:
+        asked = list(chunks)  # (a lazy iterable: the head is hashed first)
+        leases.append([len(c) for c in asked])
+        return each(ns, asked)  # type: ignore[arg-type]
 
     w._fetch = counted  # type: ignore[method-assign]
     client.acquire_each = counted_each  # type: ignore[method-assign,assignment]
@@ -250,4 +251,33 @@ def test_an_async_load_takes_its_lease_in_growing_chunks(stored: tuple[LocalDaem
         return int(client.stats()["usage"]["leased_bytes"])
 
     assert eventually(lambda: leased() == 0)  # (the loader gives them back after the copies)
+    w.close()
+
+
+def test_a_load_hashes_its_blocks_on_the_loader_thread_head_first(stored: tuple[LocalDaemon, dict[str, torch.Tensor]],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's step does not hash a load's blocks (start_load_kv returns at once); the loader
+    hashes the head, sends its lease, then hashes the rest on from it: the same chain, kept for
+    the request's saves."""
+    from engine.vllm import worker as worker_module
+    from engine.vllm.worker import chain_namespace
+
+    d, src = stored
+    w = _worker(d.url, lease_head_bytes=SPEC.block_bytes)
+    w.register_kv_caches(_caches(seed=None))
+    real = worker_module.hash_blocks
+    calls: list[tuple[str, int, bool]] = []
+
+    def hashed(ns: object, tokens: np.ndarray, extra: object = None, *, parent: bytes | None = None) -> list[bytes]:
+        calls.append((threading.current_thread().name, len(tokens) // BT, parent is not None))
+        return real(ns, tokens, extra, parent=parent)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker_module, "hash_blocks", hashed)
+    _step(w, KVStoreMetadata(infos={"a": ReqInfo(A, "", b"")}, loads=[LoadSpec("a", 1, [5, 6, 7], True)]))
+    assert all(name != threading.main_thread().name for name, _, _ in calls)
+    assert eventually(lambda: "a" in w.get_finished())
+    # the head (the block before the load and its first) first, then the rest from its last hash
+    assert [(n, p) for _, n, p in calls] == [(2, False), (2, True)]
+    assert w.chains["a"] == real(chain_namespace(w.ns_for("")), A)
+    assert w.counters.loaded_blocks == 3 and not w.take_errors()
     w.close()
