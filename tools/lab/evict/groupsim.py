@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,7 +100,7 @@ def simulate(st: State, capacity: int, score: Score, observe: Callable[[State, i
         # make room
         need = size + new - capacity
         if need > 0:
-            live = [g for g, bl in groups.items() if g != r and any(owner.get(x) == g for x in bl[-1:]) or (g != r and _has(groups[g], owner, g))]
+            live = [g for g, bl in groups.items() if g != r and _has(bl, owner, g)]
             sc = score(st, live, now)
             order = [live[i] for i in np.argsort(-sc, kind="stable")]
             freed = 0

@@ -36,7 +36,6 @@ import numpy as np
 
 from tools.lab.evict.groupsim import State, simulate, structure
 from tools.replay.trace import load_trace
-from tools.replay.yardsticks import NEVER
 
 _GRID = np.concatenate(([0.0], np.geomspace(0.01, 1e6, 300)))
 
@@ -142,7 +141,7 @@ class RatioOrder:
             self.table = _table(np.sort(np.array(self.samples + never)), self.horizon)
 
     def score(self, st: State, live: list[int], now: float) -> np.ndarray:
-        ids = np.asarray(live)
+        ids = np.asarray(live, dtype=np.int64)
         idle = now - st.ts[ids]
         if self.table is None:
             return idle
@@ -191,7 +190,6 @@ def main(argv: list[str] | None = None) -> int:
                 o = RatioOrder(st, superseded=name == "ratio")
                 rate = simulate(st, c, o.score, o.observe)
             print(f"{cap}\t{name}\t{rate:.4f}", flush=True)
-    _ = NEVER
     return 0
 
 
