@@ -10,7 +10,7 @@ gone. Within a group blocks leave deepest first, as in the store's prefix-closed
 blocks; higher = evicted first. This is a lab tool: it replays the trace, not the store, and
 its LRU is within a fraction of a point of the store's.
 
-    python -m tools.lab.evict.groupsim TRACE --block-tokens 64 --capacity 5% --order lru
+    python -m tools.lab.evict.groupsim TRACE --capacity 5% --order lru --order oracle
 """
 
 from __future__ import annotations
@@ -177,19 +177,23 @@ ORDERS: dict[str, Score] = {"lru": lru, "oracle": oracle}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.lab.evict.groupsim")
-    p.add_argument("trace")
-    p.add_argument("--capacity", action="append", default=None)
-    p.add_argument("--order", action="append", default=None)
-    p.add_argument("--block-tokens", type=int, default=512)
-    a = p.parse_args(argv)
-    t = load_trace(a.trace)
-    st = structure(t)
-    for cap in a.capacity or ["5%"]:
-        c = int(float(cap[:-1]) / 100 * t.unique_blocks) if cap.endswith("%") else int(cap)
-        for name in a.order or ["lru"]:
-            print(f"{cap}\t{name}\t{simulate(st, c, ORDERS[name]):.4f}", flush=True)
-    return 0
+    from tools.lab.evict.orders import _blocks
+    from tools.lab.replay import tool
+
+    p = tool.parser("python -m tools.lab.evict.groupsim", __doc__)
+    p.add_argument("--capacity", action="append", default=None, help="a share of unique blocks or a number of blocks (default 5%%)")
+    p.add_argument("--order", action="append", default=None, choices=sorted(ORDERS), help="default lru")
+
+    def run(a: argparse.Namespace) -> int:
+        t = load_trace(a.trace)
+        st = structure(t)
+        for cap in a.capacity or ["5%"]:
+            c = _blocks(cap, t.unique_blocks)
+            for name in a.order or ["lru"]:
+                print(f"{cap}\t{name}\t{simulate(st, c, ORDERS[name]):.4f}", flush=True)
+        return 0
+
+    return tool.run(run, p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ import sys
 
 import numpy as np
 
+from kvstore.errors import ConfigError
 from tools.lab.evict.groupsim import State, simulate, structure
+from tools.lab.replay import tool
 from tools.replay.trace import load_trace
 
 _GRID = np.concatenate(([0.0], np.geomspace(0.01, 1e6, 300)))
@@ -151,6 +153,17 @@ class RatioOrder:
         return d
 
 
+def _blocks(cap: str, unique: int) -> int:
+    """A capacity, ``5%`` of the unique blocks or a number of blocks."""
+    try:
+        n = int(float(cap[:-1]) / 100 * unique) if cap.endswith("%") else int(cap)
+    except ValueError:
+        raise ConfigError(f"capacity {cap!r}: write a share ('5%') or a number of blocks") from None
+    if n <= 0:
+        raise ConfigError(f"capacity {cap!r} holds no block (of {unique} unique)")
+    return n
+
+
 def _table(s: np.ndarray, horizon: float) -> np.ndarray:
     out = np.zeros(_GRID.size)
     for j, a in enumerate(_GRID):
@@ -161,12 +174,17 @@ def _table(s: np.ndarray, horizon: float) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.lab.evict.orders", description=__doc__.split("\n\n")[0])
-    p.add_argument("trace")
+    p = tool.parser("python -m tools.lab.evict.orders", __doc__)
     p.add_argument("--capacity", action="append", default=None, help="a share of unique blocks (default 5%% and 10%%)")
-    p.add_argument("--order", action="append", default=None)
-    p.add_argument("--features", action="store_true")
-    a = p.parse_args(argv)
+    p.add_argument("--order", action="append", default=None, choices=ORDERS, help="an order to replay (default all)")
+    p.add_argument("--features", action="store_true", help="print what predicts a chain's next read")
+    return tool.run(_run, p.parse_args(argv))
+
+
+ORDERS = ("lru", "oracle", "oracle_dead", "superseded", "ratio", "ratio_plain")
+
+
+def _run(a: argparse.Namespace) -> int:
     t = load_trace(a.trace)
     st = structure(t)
     if a.features:
@@ -180,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         "oracle_dead": lambda s, live, now: now - s.ts[live] + 1e9 * dead[live],
         "superseded": lambda s, live, now: now - s.ts[live] + 1e9 * (sup[live] <= now),
     }
-    names = a.order or [*simple, "ratio", "ratio_plain"]
+    names = a.order or list(ORDERS)
     for cap in a.capacity or ["5%", "10%"]:
-        c = int(float(cap.rstrip("%")) / 100 * t.unique_blocks)
+        c = _blocks(cap, t.unique_blocks)
         for name in names:
             if name in simple:
                 rate = simulate(st, c, simple[name])

@@ -35,3 +35,14 @@ def test_orders_command(agentic: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert orders.main([str(agentic), "--capacity", "10%", "--order", "lru", "--order", "ratio", "--features"]) == 0
     out = capsys.readouterr().out
     assert "10%\tlru\t" in out and "10%\tratio\t" in out and "dead" in out
+
+
+def test_bad_input_exits_2(agentic: Path, tmp_path: Path) -> None:
+    from tools.lab.evict import groupsim
+
+    assert orders.main([str(tmp_path / "missing.jsonl")]) == 2
+    assert orders.main([str(agentic), "--capacity", "0"]) == 2
+    assert groupsim.main([str(agentic), "--capacity", "x%"]) == 2
+    with pytest.raises(SystemExit) as e:
+        groupsim.main(["--version"])
+    assert e.value.code == 0
