@@ -264,15 +264,23 @@ class _Chain:
                                  self.info.salt or None)
         return self._head[self.start :]
 
-    def all(self) -> list[BlockHash]:
-        """Hashes of every block of the load (kept for the request's saves)."""
+    def all(self, keep: bool = True) -> list[BlockHash]:
+        """Hashes of every block of the load; ``keep``: for the request's later loads and saves
+        (not from the saver thread: the request may have finished and been forgotten since)."""
         if self._done is None:
             bt, head = self.worker.bt, self._head
             rest = hash_blocks(chain_namespace(self.ns), self.info.tokens[len(head) * bt :], self.info.salt or None,
                                parent=head[-1] if head else None)
             self._done = head + rest
-            self.worker.chains[self.req_id] = self._done  # (a shorter chain of older tokens is a prefix of it)
+            if keep:  # (a shorter chain of older tokens is a prefix of it)
+                self.worker.chains[self.req_id] = self._done
         return self._done[self.start : self.start + self.count]
+
+    def prefix(self) -> list[BlockHash]:
+        """The chain up to the end of these blocks (a save's), hashed on the saver thread."""
+        self.all(keep=False)
+        assert self._done is not None
+        return self._done[: self.start + self.count]
 
 
 class _LoadJob:
@@ -374,7 +382,7 @@ class Worker:
         self._pinned: torch.Tensor | None = None  # a remote plane's save buffer
         self._load_host: torch.Tensor | None = None  # a remote plane's load buffer
         self._sink: tuple[Any, torch.Tensor] | None = None  # (staging segment, its registered view)
-        self._saves: deque[tuple[Namespace, list[BlockHash], int, StagedSave, np.ndarray, Pieces, Pieces,
+        self._saves: deque[tuple[Namespace, list[BlockHash] | _Chain, int, StagedSave, np.ndarray, Pieces, Pieces,
                                  float]] = deque()
         self._save_t0 = 0.0  # when the saver thread's current save was queued (its marks)
         self._save_wake = threading.Condition(threading.Lock())
@@ -509,7 +517,10 @@ class Worker:
             if not self._save_slots.acquire(blocking=False):
                 self.counters.saves_dropped += 1
                 continue
-            ns, chain = self._chain(sv.req_id, sv.start + len(sv.block_ids))
+            info = self.infos[sv.req_id]
+            ns = self.ns_for(info.lora)
+            end = sv.start + len(sv.block_ids)
+            chain = _Chain(self, sv.req_id, info, ns, 0, end)  # hashed on the saver thread
             try:
                 staged, pieces = self._stage(sv)
             except (torch.OutOfMemoryError, MemoryError) as e:
@@ -520,12 +531,11 @@ class Worker:
                 log.warning("kvstore save of %d blocks dropped: out of memory (%s)", len(sv.block_ids), e)
                 continue
             self.counters.saves_submitted += 1
-            end = sv.start + len(sv.block_ids)
             # The blocks' token ids go with the save (4 bytes a token): the daemon's KV events
             # carry them in BlockStored.token_ids, as vLLM's own events do.
             tokens = self.infos[sv.req_id].tokens[sv.start * self.bt : end * self.bt]
             with self._save_wake:
-                self._saves.append((ns, chain[:end], sv.start, staged, tokens, pieces, None, time.perf_counter()))
+                self._saves.append((ns, chain, sv.start, staged, tokens, pieces, None, time.perf_counter()))
                 self._save_wake.notify()
         for st in meta.states:
             self._save_state(st)
@@ -871,11 +881,14 @@ class Worker:
                     self._save_wake.wait()
                 if self._stop and not self._saves:
                     return
-                ns, chain, start, staged, tokens, pieces, states, self._save_t0 = self._saves.popleft()
+                ns, lazy, start, staged, tokens, pieces, states, self._save_t0 = self._saves.popleft()
             t0 = time.perf_counter()
+            blocks = staged.num_blocks
             self.last_save_marks = []
             self._save_mark("thread")
             try:
+                chain = lazy.prefix() if isinstance(lazy, _Chain) else lazy  # while the gather runs
+                self._save_mark("hashed")
                 n = self.save_link.call(
                     lambda c, ns=ns, chain=chain, start=start, staged=staged, tokens=tokens, pieces=pieces, states=states: self._store(  # type: ignore[misc]  # as above
                         c, ns, chain, start, staged, tokens, pieces, states), -1)
@@ -885,10 +898,10 @@ class Worker:
                     self.counters.saved_blocks += staged.num_blocks  # (windows only: none)
             except KVStoreError as e:  # a prefix evicted since the lookup, a full store
                 self.counters.save_errors += 1
-                log.info("kvstore save of %d blocks failed: %s", len(chain) - start, e)
+                log.info("kvstore save of %d blocks failed: %s", blocks, e)
             except Exception:  # a bug: never into vLLM; the blocks are computed again next time
                 self.counters.save_errors += 1
-                log.exception("kvstore save of %d blocks failed", len(chain) - start)
+                log.exception("kvstore save of %d blocks failed", blocks)
             finally:
                 self.counters.save_put_s += time.perf_counter() - t0
                 self._save_mark("stored")
