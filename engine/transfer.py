@@ -39,6 +39,8 @@ PIECE_BYTES = 128 * MiB
 """Bytes of one tile of a restore (or one piece of a save) at most: large enough that a 32K-token
 restore of an 8B model is 32 tiles (host time to queue them, ~2 ms, hides under the DMAs), small
 enough that the first scatter starts early."""
+READY_EVENTS = 4
+"""Interprocess events a :class:`PagedSaver` records its gathers with (``StagedSave.ready``)."""
 STAGE_BYTES = 512 * MiB
 """Device staging of a restore: a ring of ``STAGE_BYTES // PIECE_BYTES`` tiles."""
 
@@ -316,6 +318,19 @@ class PagedSaver:
         self.piece_bytes = piece_bytes
         self._cuda = self.device.type == "cuda"
         self._copy: Any = torch.cuda.Stream(self.device) if self._cuda else None
+        self._events: list[Any] = []
+        """Interprocess CUDA events (a daemon's PUT_DEVICE may wait for one), used in turn."""
+        self._next_event = 0
+
+    def _ready_event(self) -> Any:
+        """The next of :data:`READY_EVENTS` interprocess events, each used in turn: a consumer
+        that waits for one after it was recorded again waits for a later gather on the same
+        stream, which is later still."""
+        if len(self._events) < READY_EVENTS:
+            self._events.append(torch.cuda.Event(interprocess=True))
+        ev = self._events[self._next_event % READY_EVENTS]
+        self._next_event += 1
+        return ev
 
     def stage(self, target: PagedTarget, ids: Sequence[int]) -> StagedSave:
         """Gather pages ``ids`` of every layer into a new ``[n, block_bytes]`` tensor on the
@@ -325,7 +340,7 @@ class PagedSaver:
         target.gather(ids, rows)
         if not self._cuda:
             return StagedSave(rows)
-        ev = torch.cuda.Event()
+        ev = self._ready_event()
         ev.record(torch.cuda.current_stream(self.device))
         return StagedSave(rows, ev)
 

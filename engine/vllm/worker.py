@@ -370,6 +370,7 @@ class Worker:
         self._load_wake = threading.Condition(self._lock)
         self._arena = ""  # the daemon arena this worker's loads last read
         self._device_puts = cfg.device_puts  # PUT_DEVICE where the daemon offers it
+        self._device_events = True  # ... sent before the gather lands, where the daemon waits for it
         self._said_staged = False  # logged once why a GPU's saves go through the staging segment
         self.last_load: DeviceLoad | None = None
         """The last (non-hybrid) load, once landed: diagnostics (its per-tile timeline when
@@ -956,12 +957,8 @@ class Worker:
                 self._device_puts = False
                 log.info("kvstore: saves go through the daemon's staging segment (%s)", e)
             else:
-                if staged.ready is not None:
-                    staged.ready.synchronize()  # the gather has landed before the daemon reads it
-                self._save_mark("gathered")
                 try:
-                    new = c.put_device(ns, chain, start=start, device=device, handle=handle, offset=offset,
-                                       size=size)
+                    new = self._put_device(c, ns, chain, start, staged, device, handle, offset, size)
                     self.counters.device_puts += 1
                     return new
                 except UsageError as e:  # refused, nothing stored: the staging segment from now on
@@ -988,6 +985,32 @@ class Worker:
         saver.drain(staged, host, put)
         self.counters.staged_puts += 1
         return new
+
+    def _put_device(self, c: Client, ns: Namespace, chain: list[BlockHash], start: int, staged: StagedSave,
+                    device: int, handle: bytes, offset: int, size: int) -> int:
+        """PUT_DEVICE of ``staged``: sent at once with its gather's event where the daemon waits
+        for one on its device (``put_device_event``: its reservation overlaps the gather), else
+        after the gather has landed."""
+        after = None
+        if staged.ready is not None and self._device_events and c.info.get("put_device_event"):
+            try:
+                after = staged.ready.ipc_handle()
+            except RuntimeError as e:  # an event CUDA cannot share: wait on the host from now on
+                self._device_events = False
+                log.info("kvstore: saves wait for their gather on the host (%s)", e)
+        if after is not None:
+            self._save_mark("sent")
+            try:
+                return c.put_device(ns, chain, start=start, device=device, handle=handle, offset=offset, size=size,
+                                    after=after)
+            except UsageError as e:  # the daemon could not wait for it: nothing stored
+                self._device_events = False
+                log.warning("kvstore: the daemon refused a save's CUDA event (%s); saves wait for their gather "
+                            "on the host", e)
+        if staged.ready is not None:
+            staged.ready.synchronize()  # the gather has landed before the daemon reads it
+        self._save_mark("gathered")
+        return c.put_device(ns, chain, start=start, device=device, handle=handle, offset=offset, size=size)
 
     def _save_mark(self, what: str) -> None:
         """A point of the saver thread's current save (``last_save_marks``)."""

@@ -809,7 +809,7 @@ class Client:
 
     def put_device(
         self, ns: Namespace, hashes: Sequence[bytes], *, device: int, handle: bytes, offset: int, size: int,
-        start: int = 0,
+        start: int = 0, after: bytes | None = None,
     ) -> int:
         """Store blocks ``start..`` of a chain that lie back to back in this process's GPU memory:
         a buffer exported with a CUDA IPC handle (``engine.gpu.device_export``: the device, the
@@ -817,7 +817,9 @@ class Client:
         from there). The daemon copies them from the device straight into its arena (PUT_DEVICE:
         no host copy on either side); only on a same-node daemon whose HELLO offers it
         (``info["put_device"]``). Returns how many blocks were new, as :meth:`put`. The buffer
-        must hold its bytes until the call returns."""
+        must hold its bytes until the call returns. ``after``: the CUDA IPC handle of an event
+        (``torch.cuda.Event(interprocess=True).ipc_handle()``) the daemon's copies wait for,
+        so the call may go out while kernels still fill the buffer (``info["put_device_event"]``)."""
         hashes = list(hashes)
         if not 0 <= start <= len(hashes):
             raise UsageError(f"start={start} is outside the chain of {len(hashes)} blocks")
@@ -827,9 +829,12 @@ class Client:
         def call() -> int:
             if self.plane != "shm" or not self.info.get("put_device"):
                 raise UsageError("this daemon does not copy from GPU memory (put_device): use put or put_staged")
+            if after is not None and not self.info.get("put_device_event"):
+                raise UsageError("this daemon does not wait for CUDA events (put_device_event): synchronize, "
+                                 "then call put_device without after")
             conn, ns_id = self._conn, self._ns_id(ns)
             assert conn is not None
-            meta = P.encode_put_device(ns_id, hashes, start, device, handle, offset, size)
+            meta = P.encode_put_device(ns_id, hashes, start, device, handle, offset, size, after)
             _, reply = conn.call(P.Op.PUT_DEVICE, meta)
             return P.parse_u64(reply)
 

@@ -400,10 +400,12 @@ class Session:
             "get_runs": True,  # GET_RUNS: a GET whose payload moves in runs (one UCX message each)
             # PUT_DEVICE: the daemon copies a GPU engine's blocks out of its device memory itself
             "put_device": False,
+            # ... after a CUDA IPC event (DEVICE_AFTER_EVENT): sent before the buffer is filled
+            "put_device_event": False,
         }
         if shm:
             why = await self.ctx.run(self._put_device_unavailable)
-            info["put_device"] = why is None
+            info["put_device"] = info["put_device_event"] = why is None
             if why is not None:
                 info["put_device_unavailable"] = why  # for the engine's log: why its saves take PUT_SHM
         if shm:
@@ -669,7 +671,7 @@ class Session:
         def fill(res: Any) -> int:
             marks.append(time.perf_counter())
             marks.append(copier.copy(devices, req.device, req.handle, req.offset, req.size, bb, res.locations,
-                                     res.first - req.start))
+                                     res.first - req.start, after=req.event))
             marks.append(time.perf_counter())
             return int(res.num_blocks)
 

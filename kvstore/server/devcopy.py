@@ -33,9 +33,11 @@ log = logging.getLogger("kvstore.daemon")
 IPC_HANDLE_BYTES = 64
 _HOST_TO_DEVICE, _DEVICE_TO_HOST = 1, 2
 _LAZY_ENABLE_PEER_ACCESS = 1
-OPEN_HANDLES = 8
-"""Open IPC handles kept per connection (an engine's save buffers come from its allocator's few
-large blocks); the least recently used is closed past it."""
+OPEN_HANDLES = 16
+"""Open IPC handles kept per connection, memory and events (an engine's save buffers come from
+its allocator's few large blocks, its events from a small pool); the least recently used is
+closed past it."""
+_EVENT = b"event:"
 
 
 class _IpcHandle(ctypes.Structure):
@@ -58,6 +60,9 @@ class CudaRuntime:
                                    ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]),
             ("cudaStreamCreateWithFlags", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
             ("cudaStreamSynchronize", [ctypes.c_void_p]),
+            ("cudaIpcOpenEventHandle", [ctypes.POINTER(ctypes.c_void_p), _IpcHandle]),
+            ("cudaStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
+            ("cudaEventDestroy", [ctypes.c_void_p]),
             ("cudaGetLastError", []),
         ):
             fn = getattr(lib, name)
@@ -129,31 +134,46 @@ class DeviceCopier:
                 self._registered = True
         return rt
 
-    def open(self, session: OrderedDict[tuple[int, bytes], int], device: int, handle: bytes) -> int:
-        """The device address of ``handle`` in this process (opened once per session)."""
+    def open(self, session: OrderedDict[tuple[int, bytes], int], device: int, handle: bytes,
+             event: bool = False) -> int:
+        """The device address of memory handle ``handle`` in this process, or with ``event`` the
+        event an IPC event handle names (opened once per session)."""
         rt = self._runtime(device)
-        key = (device, bytes(handle))
+        key = (device, (_EVENT if event else b"") + bytes(handle))
         ptr = session.get(key)
         if ptr is not None:
             session.move_to_end(key)
             return ptr
         out = ctypes.c_void_p()
         h = _IpcHandle.from_buffer_copy(bytes(handle))
-        rt.check(rt.lib.cudaIpcOpenMemHandle(ctypes.byref(out), h, _LAZY_ENABLE_PEER_ACCESS), "cudaIpcOpenMemHandle")
+        if event:
+            rt.check(rt.lib.cudaIpcOpenEventHandle(ctypes.byref(out), h), "cudaIpcOpenEventHandle")
+        else:
+            rt.check(rt.lib.cudaIpcOpenMemHandle(ctypes.byref(out), h, _LAZY_ENABLE_PEER_ACCESS),
+                     "cudaIpcOpenMemHandle")
         session[key] = int(out.value or 0)
         while len(session) > OPEN_HANDLES:
-            (dev, _), old = session.popitem(last=False)
-            rt.lib.cudaSetDevice(dev)
-            rt.lib.cudaIpcCloseMemHandle(old)
+            self._close(rt, *session.popitem(last=False))
         rt.lib.cudaSetDevice(device)
         return session[key]
 
+    @staticmethod
+    def _close(rt: CudaRuntime, key: tuple[int, bytes], ptr: int) -> None:
+        dev, handle = key
+        rt.lib.cudaSetDevice(dev)
+        if handle.startswith(_EVENT):
+            rt.lib.cudaEventDestroy(ptr)
+        else:
+            rt.lib.cudaIpcCloseMemHandle(ptr)
+
     def copy(self, session: OrderedDict[tuple[int, bytes], int], device: int, handle: bytes, offset: int,
-             size: int, block_bytes: int, slots: Sequence[tuple[int, int]], first: int) -> float:
+             size: int, block_bytes: int, slots: Sequence[tuple[int, int]], first: int,
+             after: bytes | None = None) -> float:
         """Blocks ``first, first+1, ...`` of the exported buffer (``size`` bytes from ``offset``,
         block ``i`` at ``offset + i * block_bytes``) into arena ``slots`` (``(offset, size)``
-        each), one 2-D DMA per run of equally spaced slots; returns once they have landed, with
-        the seconds it took to issue them (the rest was the wait)."""
+        each), one 2-D DMA per run of equally spaced slots, after the event IPC handle ``after``
+        names (on the device: the kernels that fill the buffer); returns once they have landed,
+        with the seconds it took to issue them (the rest was the wait)."""
         if not slots:
             return 0.0
         if (first + len(slots)) * block_bytes > size:
@@ -164,6 +184,9 @@ class DeviceCopier:
         src = self.open(session, device, handle) + offset + first * block_bytes
         rt = self._runtime(device)
         stream = self._stream(rt, device)
+        if after is not None:
+            ev = self.open(session, device, after, event=True)
+            rt.check(rt.lib.cudaStreamWaitEvent(stream, ev, 0), "cudaStreamWaitEvent")
         i, n = 0, len(slots)
         t0 = time.perf_counter()
         queued = 0.0
@@ -204,7 +227,6 @@ class DeviceCopier:
     def close_session(self, session: OrderedDict[tuple[int, bytes], int]) -> None:
         rt = self._rt
         while session:
-            (dev, _), ptr = session.popitem()
+            key, ptr = session.popitem()
             if rt is not None:
-                rt.lib.cudaSetDevice(dev)
-                rt.lib.cudaIpcCloseMemHandle(ptr)
+                self._close(rt, key, ptr)

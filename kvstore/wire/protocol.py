@@ -274,6 +274,10 @@ def encode_put(
 
 _DEV_FIXED = struct.Struct("<IIBiQQ")  # start, n, flags, device, offset, size
 DEVICE_HANDLE_BYTES = 64
+DEVICE_AFTER_EVENT = 0x1
+"""PUT_DEVICE flag: a 64-byte CUDA IPC event handle follows the memory handle; the daemon's
+copies wait (on its device) for that event, so a client sends the request while the kernels
+that fill its buffer still run (HELLO's ``put_device_event``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,13 +291,18 @@ class DeviceRequest:
     offset: int
     size: int
     handle: bytes
+    event: bytes | None = None
+    """The CUDA IPC event handle the copies wait for (``DEVICE_AFTER_EVENT``), or None."""
 
 
 def encode_put_device(ns_id: bytes, hashes: list[bytes], start: int, device: int, handle: bytes, offset: int,
-                      size: int) -> bytes:
-    if len(handle) != DEVICE_HANDLE_BYTES:
-        raise ValueError(f"a CUDA IPC handle is {DEVICE_HANDLE_BYTES} bytes, not {len(handle)}")
-    return ns_id + _DEV_FIXED.pack(start, len(hashes), 0, device, offset, size) + handle + b"".join(hashes)
+                      size: int, event: bytes | None = None) -> bytes:
+    for what, h in (("handle", handle), ("event handle", event)):
+        if h is not None and len(h) != DEVICE_HANDLE_BYTES:
+            raise ValueError(f"a CUDA IPC {what} is {DEVICE_HANDLE_BYTES} bytes, not {len(h)}")
+    flags = DEVICE_AFTER_EVENT if event is not None else 0
+    return (ns_id + _DEV_FIXED.pack(start, len(hashes), flags, device, offset, size) + handle + (event or b"")
+            + b"".join(hashes))
 
 
 def parse_put_device(meta: bytes | bytearray | memoryview, max_blocks: int) -> DeviceRequest:
@@ -305,13 +314,20 @@ def parse_put_device(meta: bytes | bytearray | memoryview, max_blocks: int) -> D
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} blocks exceed the limit of {max_blocks} per request")
     if start > n:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"put start {start} is past its {n} blocks")
-    if flags:
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"PUT_DEVICE takes no flags (a durable put goes through PUT), got {flags:#x}")
+    if flags & ~DEVICE_AFTER_EVENT:
+        raise ProtocolError(ErrorCode.BAD_FRAME,
+                            f"unknown PUT_DEVICE flags {flags:#x} (a durable put goes through PUT)")
     if device < 0:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"CUDA device {device} is not a device index")
     at = NS_ID_BYTES + _DEV_FIXED.size
+    event = None
+    if flags & DEVICE_AFTER_EVENT:
+        fixed += DEVICE_HANDLE_BYTES
+        if len(meta) < fixed:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"PUT_DEVICE metadata with an event needs at least {fixed} bytes")
+        event = bytes(meta[at + DEVICE_HANDLE_BYTES : fixed])
     return DeviceRequest(bytes(meta[:NS_ID_BYTES]), _split_hashes(meta, fixed, n), start, device, offset, size,
-                         bytes(meta[at : at + DEVICE_HANDLE_BYTES]))
+                         bytes(meta[at : at + DEVICE_HANDLE_BYTES]), event)
 
 
 def parse_put(meta: bytes | bytearray | memoryview, max_blocks: int, *, shm: bool = False) -> BlockRequest:

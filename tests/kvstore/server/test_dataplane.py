@@ -231,13 +231,14 @@ def test_put_device_round_trips_and_is_refused_where_the_daemon_has_no_gpu(
                                                  4096, 1 << 20), 16)
     assert (req.start, req.device, req.offset, req.size, req.handle) == (1, 0, 4096, 1 << 20, handle)
     bad = bytearray(P.encode_put_device(b"\2" * P.NS_ID_BYTES, [b"\1" * 16], 0, 0, handle, 0, 64))
-    bad[P.NS_ID_BYTES + 8] = 1  # durable
+    bad[P.NS_ID_BYTES + 8] = 2  # no such flag (a durable put goes through PUT)
     with pytest.raises(P.ProtocolError, match="flags"):
         P.parse_put_device(bytes(bad), 16)
     d = start_daemon(TENANTS)
     chain = chain_for(8, 2)
     with connect(d.url, token=TOKEN_A) as c:
         assert c.plane == "shm"
+        assert c.info["put_device_event"] == c.info["put_device"]
         if c.info["put_device"]:
             pytest.skip("this machine's daemon can copy from a GPU (tests/engine/test_transfer.py covers it)")
         c.register_namespace(SMALL_NS)

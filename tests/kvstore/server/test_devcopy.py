@@ -32,7 +32,8 @@ class _FakeLib:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         for name in ("cudaSetDevice", "cudaGetDeviceCount", "cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle",
                      "cudaHostRegister", "cudaHostUnregister", "cudaStreamCreateWithFlags",
-                     "cudaStreamSynchronize", "cudaGetLastError"):
+                     "cudaStreamSynchronize", "cudaGetLastError", "cudaIpcOpenEventHandle", "cudaStreamWaitEvent",
+                     "cudaEventDestroy"):
             setattr(self, name, _Fn(name, self.calls))
         self.cudaMemcpy2DAsync = _Fn("cudaMemcpy2DAsync", self.calls, copy_codes)
 
@@ -67,3 +68,35 @@ def test_a_copy_that_fails_to_queue_still_waits_for_the_queued_ones() -> None:
     with pytest.raises(OSError, match="cudaMemcpy2DAsync"):
         c.copy(session, 0, bytes(64), 0, 5 * BB, BB, slots, 0)
     assert _names(lib) == ["cudaMemcpy2DAsync", "cudaMemcpy2DAsync", "cudaStreamSynchronize"]
+
+
+def test_a_copy_after_an_event_waits_for_it_on_the_device_and_opens_it_once() -> None:
+    """PUT_DEVICE with DEVICE_AFTER_EVENT: the engine's gather may still run when the request
+    comes; the copies wait for its event on the daemon's stream (no host wait), the event is
+    opened once per session and destroyed with it (memory handles are closed)."""
+    lib = _FakeLib([])
+    c, session = _copier(lib)
+    event = bytes(range(64))
+    for _ in range(2):
+        c.copy(session, 0, bytes(64), 0, 2 * BB, BB, [(0, BB), (BB, BB)], 0, after=event)
+    names = [n for n, _ in lib.calls if n in ("cudaIpcOpenEventHandle", "cudaStreamWaitEvent", "cudaMemcpy2DAsync")]
+    assert names == ["cudaIpcOpenEventHandle", "cudaStreamWaitEvent", "cudaMemcpy2DAsync",
+                     "cudaStreamWaitEvent", "cudaMemcpy2DAsync"]
+    c.close_session(session)
+    closed = [n for n, _ in lib.calls if n in ("cudaEventDestroy", "cudaIpcCloseMemHandle")]
+    assert sorted(closed) == ["cudaEventDestroy", "cudaIpcCloseMemHandle"] and not session
+
+
+def test_put_device_metadata_carries_an_event_handle_only_with_its_flag() -> None:
+    from kvstore.wire import protocol as P
+
+    ns_id, hashes = bytes(P.NS_ID_BYTES), [bytes([i]) * P.HASH_BYTES for i in range(3)]
+    plain = P.parse_put_device(P.encode_put_device(ns_id, hashes, 1, 0, bytes(64), 8, 3 * BB), 16)
+    assert plain.event is None and plain.hashes == hashes and plain.start == 1
+    meta = P.encode_put_device(ns_id, hashes, 1, 0, bytes(64), 8, 3 * BB, event=b"e" * 64)
+    req = P.parse_put_device(meta, 16)
+    assert req.event == b"e" * 64 and req.hashes == hashes and (req.offset, req.size) == (8, 3 * BB)
+    with pytest.raises(P.ProtocolError, match="hashes"):
+        P.parse_put_device(meta[:-1], 16)
+    with pytest.raises(ValueError, match="event handle"):
+        P.encode_put_device(ns_id, hashes, 0, 0, bytes(64), 0, BB, event=b"short")
