@@ -281,3 +281,49 @@ def test_a_load_hashes_its_blocks_on_the_loader_thread_head_first(stored: tuple[
     assert w.chains["a"] == real(chain_namespace(w.ns_for("")), A)
     assert w.counters.loaded_blocks == 3 and not w.take_errors()
     w.close()
+
+
+class _FakeEvent:
+    def __init__(self) -> None:
+        self.synced = 0
+
+    def ipc_handle(self) -> bytes:
+        return b"e" * 64
+
+    def synchronize(self) -> None:
+        self.synced += 1
+
+
+class _FakeDeviceClient:
+    """A same-node client whose daemon takes PUT_DEVICE; ``refuse_events``: it cannot wait for one."""
+
+    def __init__(self, refuse_events: bool) -> None:
+        self.info = {"put_device": True, "put_device_event": True}
+        self.refuse_events = refuse_events
+        self.calls: list[bytes | None] = []
+
+    def put_device(self, ns: object, chain: list[bytes], *, after: bytes | None = None, **kw: object) -> int:
+        from kvstore.errors import UsageError
+
+        self.calls.append(after)
+        if after is not None and self.refuse_events:
+            raise UsageError("PUT_DEVICE failed, nothing stored: cudaIpcOpenEventHandle failed")
+        return len(chain)
+
+
+@pytest.mark.parametrize("refuse_events", [False, True])
+def test_a_device_save_goes_out_with_its_gathers_event_or_after_it(tmp_path: Path, refuse_events: bool) -> None:
+    """With a daemon that waits for CUDA events the save is sent at once with the gather's event
+    (no host wait); a daemon that refuses the event gets the same save after a host wait, and
+    no event from then on."""
+    from engine.transfer import StagedSave
+
+    w = _worker("http://127.0.0.1:9")
+    c = _FakeDeviceClient(refuse_events)
+    for _ in range(2):
+        ev = _FakeEvent()
+        staged = StagedSave(torch.zeros((2, 8), dtype=torch.uint8), ev)
+        assert w._put_device(c, SPEC, [b"a", b"b"], 0, staged, 0, bytes(64), 0, 16) == 2  # type: ignore[arg-type]
+        assert ev.synced == (1 if refuse_events else 0)
+    assert c.calls == ([b"e" * 64, None, None] if refuse_events else [b"e" * 64, b"e" * 64])
+    w.close()
