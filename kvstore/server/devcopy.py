@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstore.buffers import address
 from kvstore.cudart import cudart_candidates
@@ -168,12 +168,13 @@ class DeviceCopier:
 
     def copy(self, session: OrderedDict[tuple[int, bytes], int], device: int, handle: bytes, offset: int,
              size: int, block_bytes: int, slots: Sequence[tuple[int, int]], first: int,
-             after: bytes | None = None) -> float:
+             after: bytes | None = None, meanwhile: Callable[[], object] | None = None) -> float:
         """Blocks ``first, first+1, ...`` of the exported buffer (``size`` bytes from ``offset``,
         block ``i`` at ``offset + i * block_bytes``) into arena ``slots`` (``(offset, size)``
         each), one 2-D DMA per run of equally spaced slots, after the event IPC handle ``after``
-        names (on the device: the kernels that fill the buffer); returns once they have landed,
-        with the seconds it took to issue them (the rest was the wait)."""
+        names (on the device: the kernels that fill the buffer); ``meanwhile()`` runs once they
+        are queued (what the commit needs, built while they cross the link); returns once they
+        have landed, with the seconds it took to issue them (the rest was the wait)."""
         if not slots:
             return 0.0
         if (first + len(slots)) * block_bytes > size:
@@ -205,6 +206,8 @@ class DeviceCopier:
                                                   _DEVICE_TO_HOST, stream), "cudaMemcpy2DAsync")
                 i = j
             queued = time.perf_counter() - t0
+            if meanwhile is not None:
+                meanwhile()
         finally:
             # One wait for all of them (the arena is page-locked: each DMA is queued, none
             # blocks); also when one failed to queue, so that none still writes into a slot the

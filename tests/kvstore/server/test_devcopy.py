@@ -100,3 +100,14 @@ def test_put_device_metadata_carries_an_event_handle_only_with_its_flag() -> Non
         P.parse_put_device(meta[:-1], 16)
     with pytest.raises(ValueError, match="event handle"):
         P.encode_put_device(ns_id, hashes, 0, 0, bytes(64), 0, BB, event=b"short")
+
+
+def test_what_the_commit_needs_is_built_while_the_copies_run() -> None:
+    """``meanwhile`` (the reservation's prepare: its blocks' records) runs once every DMA is
+    queued and before the wait, so the commit under the store's lock is short."""
+    lib = _FakeLib([])
+    c, session = _copier(lib)
+    c.copy(session, 0, bytes(64), 0, 2 * BB, BB, [(0, BB), (5 * BB, BB)], 0,
+           meanwhile=lambda: lib.calls.append(("prepare", ())))
+    names = [n for n, _ in lib.calls if n in ("cudaMemcpy2DAsync", "prepare", "cudaStreamSynchronize")]
+    assert names == ["cudaMemcpy2DAsync", "cudaMemcpy2DAsync", "prepare", "cudaStreamSynchronize"]
