@@ -107,7 +107,7 @@ def test_what_the_commit_needs_is_built_while_the_copies_run() -> None:
     queued and before the wait, so the commit under the store's lock is short."""
     lib = _FakeLib([])
     c, session = _copier(lib)
-    c.copy(session, 0, bytes(64), 0, 2 * BB, BB, [(0, BB), (5 * BB, BB)], 0,
+    c.copy(session, 0, bytes(64), 0, 3 * BB, BB, [(0, BB), (BB, BB), (5 * BB, BB)], 0,
            meanwhile=lambda: lib.calls.append(("prepare", ())))
     names = [n for n, _ in lib.calls if n in ("cudaMemcpy2DAsync", "prepare", "cudaStreamSynchronize")]
     assert names == ["cudaMemcpy2DAsync", "cudaMemcpy2DAsync", "prepare", "cudaStreamSynchronize"]
