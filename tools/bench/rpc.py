@@ -7,7 +7,10 @@ request late on its schedule goes at once, and its latency counts from when it w
 same run, same client and pacing: ``Client.health()`` (``GET /healthz``), which does no store
 work: the floor of the client's HTTP + FastAPI + uvicorn on this machine. Goal: p99 <= 2 ms.
 Beside it, ``lookup_http_*``: the same lookups as ``POST /v1/lookup`` (how a client reaches a
-daemon without LOOKUP frames), from a second client, interleaved with the others.
+daemon without LOOKUP frames), from a second client, interleaved with the others. And
+``acquire_*``: a shared-memory client's ``Client.acquire`` of the same chain and its release
+(what a same-node engine's load takes before its first copy; served on the daemon's event loop
+when the arena holds it), against that client's own LOOKUP of the chain in the same run.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def paced(n: int, send: Callable[[], None]) -> list[float]:
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     n = 300 if args.quick else 5000
     hashes, blocks = chain(32)
-    with bench_daemon("256MiB") as d, connect(d.url, plane="tcp") as c, connect(d.url, plane="tcp") as old:
+    with bench_daemon("256MiB") as d, connect(d.url, plane="tcp") as c, connect(d.url, plane="tcp") as old, \
+            connect(d.url, plane="shm") as shm:
         c.put(BENCH_NS, hashes, blocks)
         old.info["lookup"] = False  # as a daemon without LOOKUP frames answers HELLO
 
@@ -57,18 +61,35 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         def health() -> None:
             assert c.health()["status"] == "ok"
 
+        def acquire() -> None:
+            lease = shm.acquire(BENCH_NS, hashes)
+            assert lease.num_blocks == 32, lease.num_blocks
+            lease.release()  # (its reply is read with the next call's)
+
+        def shm_lookup() -> None:
+            r = shm.lookup(BENCH_NS, hashes)
+            assert r.num_blocks == 32, r
+
         paced(n // 10, lookup)  # warm-up
         paced(n // 10, lookup_http)
+        paced(n // 10, acquire)
         ours: list[float] = []
         http: list[float] = []
         base: list[float] = []
+        leases: list[float] = []
+        shm_base: list[float] = []
         for _ in range(5):  # interleaved blocks of each, so drift hits all alike
             ours += paced(n // 5, lookup)
             http += paced(n // 5, lookup_http)
             base += paced(n // 5, health)
+            leases += paced(n // 5, acquire)
+            shm_base += paced(n // 5, shm_lookup)
     for q in (50, 99):
         yield result("rpc", f"lookup_p{q}_at_1000rps", percentile(ours, q), "ms", percentile(base, q),
                      requests=len(ours), goal_ms=2.0 if q == 99 else None)
     for q in (50, 99):
         yield result("rpc", f"lookup_http_p{q}_at_1000rps", percentile(http, q), "ms", percentile(base, q),
                      requests=len(http))
+    for q in (50, 99):
+        yield result("rpc", f"acquire_p{q}_at_1000rps", percentile(leases, q), "ms", percentile(shm_base, q),
+                     requests=len(leases), blocks=32, baseline_what="the same shared-memory client's LOOKUP")
