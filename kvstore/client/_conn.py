@@ -346,8 +346,6 @@ class FrameConn:
         req, kept = self._owed.pop(0)
         try:
             got: tuple[P.Header, bytearray] | KVStoreError = self._reply(req)
-        except (ConnectionLost, DaemonUnavailableError):
-            raise
         except KVStoreError as e:  # a release of a lease the daemon had dropped; a refusal
             if not kept:
                 log.debug("release (request %d) answered: %s", req, e)

@@ -355,16 +355,12 @@ class Client:
                 # TierIOError is an OSError too, yet no reason to reconnect and retry.
                 raise
             except (ConnectionLost, OSError) as e:
-                with self._lock:
-                    self._disconnect(later=True)
+                lost = self._lost(e)
                 # A refused connection is instant and says the daemon is not there: no retry
                 # and no back-off, so that an engine's first call after a daemon died costs
                 # a connect attempt, not the retries' sleeps (its breaker reconnects later).
                 if not idempotent or attempt == self.retries or isinstance(e, ConnectionRefused):
-                    raise DaemonUnavailableError(
-                        f"kvstore daemon at {self.url} is unreachable ({e}); is it running? "
-                        "(`kvstore serve`)"
-                    ) from e
+                    raise lost from e
                 attempt += 1
                 if attempt > 1:  # a dropped connection is reconnected at once, then with back-off
                     time.sleep(delay)
@@ -644,8 +640,8 @@ class Client:
         every request goes out at once (each as soon as ``chunks`` yields it: a lazy iterable
         may hash the rest of the chain while the first request is on its way) and each lease
         is yielded as its reply comes in, so a caller that queues copies from one lease
-        meanwhile waits for no round trip but the first. Stops after a lease shorter than its chunk (the rest of the chain is not cached).
-        Closing the iterator early gives back the leases still on their way. No retry: a
+        meanwhile waits for no round trip but the first. Stops after a lease shorter than its
+        chunk (the rest of the chain is not cached). Closing the iterator early gives back the leases still on their way. No retry: a
         connection lost midway raises DaemonUnavailableError (the leases it held are gone with
         it)."""
         if self.plane != "shm":
@@ -679,14 +675,17 @@ class Client:
                     return
         finally:
             with self._lock:
-                if pending and conn is not None and self._conn is conn:  # leases granted that no one will read from
+                # leases granted that no one will read from
+                if pending and conn is not None and self._conn is conn:
                     with contextlib.suppress(ConnectionLost, OSError, KVStoreError):
                         for req in pending:
                             with contextlib.suppress(KVStoreError):
                                 self._lease(conn, conn.take(req)[1]).release()
 
     def _lost(self, e: BaseException) -> DaemonUnavailableError:
-        self._disconnect(later=True)
+        """The data connection broke (``e``): close it, and the error to raise if no retry helps."""
+        with self._lock:
+            self._disconnect(later=True)
         return DaemonUnavailableError(f"kvstore daemon at {self.url} is unreachable ({e}); is it running? "
                                       "(`kvstore serve`)")
 
