@@ -432,13 +432,16 @@ class Worker:
     def _cuda(self) -> bool:
         return self.kv is not None and self.kv.device.type == "cuda"
 
-    def _chain(self, req_id: str, blocks: int) -> tuple[Namespace, list[BlockHash]]:
+    def _lazy_chain(self, req_id: str, start: int, count: int) -> tuple[Namespace, _Chain]:
+        """Blocks ``start .. start+count-1`` of a request's chain, hashed when first asked for."""
         info = self.infos[req_id]
         ns = self.ns_for(info.lora)
-        chain = self.chains.get(req_id)
-        if chain is None or len(chain) < blocks:
-            chain = self.chains[req_id] = hash_blocks(chain_namespace(ns), info.tokens, info.salt or None)
-        return ns, chain
+        return ns, _Chain(self, req_id, info, ns, start, count)
+
+    def _chain(self, req_id: str, blocks: int) -> tuple[Namespace, list[BlockHash]]:
+        """The first ``blocks`` hashes of a request's chain, now (kept for its later calls)."""
+        ns, chain = self._lazy_chain(req_id, 0, blocks)
+        return ns, chain.all()
 
     # -- per step --
 
@@ -455,9 +458,7 @@ class Worker:
         self._step_failed = False
         by_kind: dict[bool, list[tuple[LoadSpec, Namespace, _Chain]]] = {True: [], False: []}
         for ld in meta.loads:  # hashed on the loader thread
-            info = self.infos[ld.req_id]
-            ns = self.ns_for(info.lora)
-            by_kind[ld.is_async].append((ld, ns, _Chain(self, ld.req_id, info, ns, ld.start, len(ld.block_ids))))
+            by_kind[ld.is_async].append((ld, *self._lazy_chain(ld.req_id, ld.start, len(ld.block_ids))))
         for is_async, specs in by_kind.items():
             if not specs:
                 continue
@@ -518,10 +519,8 @@ class Worker:
             if not self._save_slots.acquire(blocking=False):
                 self.counters.saves_dropped += 1
                 continue
-            info = self.infos[sv.req_id]
-            ns = self.ns_for(info.lora)
             end = sv.start + len(sv.block_ids)
-            chain = _Chain(self, sv.req_id, info, ns, 0, end)  # hashed on the saver thread
+            ns, chain = self._lazy_chain(sv.req_id, 0, end)  # hashed on the saver thread
             try:
                 staged, pieces = self._stage(sv)
             except (torch.OutOfMemoryError, MemoryError) as e:
@@ -534,7 +533,7 @@ class Worker:
             self.counters.saves_submitted += 1
             # The blocks' token ids go with the save (4 bytes a token): the daemon's KV events
             # carry them in BlockStored.token_ids, as vLLM's own events do.
-            tokens = self.infos[sv.req_id].tokens[sv.start * self.bt : end * self.bt]
+            tokens = chain.info.tokens[sv.start * self.bt : end * self.bt]
             with self._save_wake:
                 self._saves.append((ns, chain, sv.start, staged, tokens, pieces, None, time.perf_counter()))
                 self._save_wake.notify()
@@ -896,7 +895,7 @@ class Worker:
                 if n < 0:
                     self.counters.saves_dropped += 1
                 else:
-                    self.counters.saved_blocks += staged.num_blocks  # (windows only: none)
+                    self.counters.saved_blocks += blocks  # (windows only: none)
             except KVStoreError as e:  # a prefix evicted since the lookup, a full store
                 self.counters.save_errors += 1
                 log.info("kvstore save of %d blocks failed: %s", blocks, e)
