@@ -421,13 +421,16 @@ class KvstoreConnector:
         return out
 
     def after_save(self) -> None:
-        """Untimed, after each timed save: what of it was the daemon's (:func:`daemon_delta_ms`)."""
-        now = daemon_sums(self.daemon.url)
-        self.save_daemon_ms, self._sums = daemon_delta_ms(self._sums, now), now
+        """Untimed, after each save: what of it was the daemon's (:func:`daemon_delta_ms`)."""
+        self.save_daemon_ms = self._daemon_since()
 
     def after_restore(self) -> None:
-        now = daemon_sums(self.daemon.url)
-        self.restore_daemon_ms, self._sums = daemon_delta_ms(self._sums, now), now
+        self.restore_daemon_ms = self._daemon_since()
+
+    def _daemon_since(self) -> dict[str, Any]:
+        """The daemon's time since the last call (or the open)."""
+        before, self._sums = self._sums, daemon_sums(self.daemon.url)
+        return daemon_delta_ms(before, self._sums)
 
     def close(self) -> None:
         self.driver.close()

@@ -207,9 +207,9 @@ def _baseline_buffers(nbytes: int, dev: torch.device) -> tuple[torch.Tensor, tor
 
 class _SizeRun:
     """One store at one prefix length: one untimed save, then ``saves`` timed saves (each of its
-    own prompt, from the same source pages), then ``trials`` timed restores of the first prompt (after one untimed),
-    each beside a pinned copy of the same bytes; rows with the medians. A failure in any step
-    makes the store's rows at this size one failure row."""
+    own prompt, from the same source pages), then ``trials`` timed restores of the first prompt
+    (after one untimed), each beside a pinned copy of the same bytes; rows with the medians. A
+    failure in any step makes the store's rows at this size one failure row."""
 
     def __init__(self, s: Any, cache: Cache, tokens: int, trials: int, where: str, paired: bool = False) -> None:
         self.s, self.cache, self.tokens, self.trials, self.where, self.paired = s, cache, tokens, trials, where, paired
@@ -257,8 +257,14 @@ class _SizeRun:
             # a size pays once for what later ones reuse (the connector's device staging and the
             # daemon's opening of its CUDA IPC handle; LMCache's pool is allocated at open).
             _timed(lambda: self.s.save(self.warm_prompt, self.src), dev)
+            self._after("after_save")  # (a peer's account of the timed saves leaves this one out)
 
         return self._guard(go, log)
+
+    def _after(self, hook: str) -> None:
+        """A peer's untimed hook after a save or a restore (``after_save``, ``after_restore``), if it has one."""
+        if (after := getattr(self.s, hook, None)) is not None:
+            after()
 
     def _h2d(self) -> None:
         self.dev_buf.copy_(self.host, non_blocking=True)
@@ -270,8 +276,7 @@ class _SizeRun:
         def go() -> None:
             dev, prompt = self.cache.device, self.prompts[j]
             self.save_t.append(_timed(lambda: self.s.save(prompt, self.src), dev)[0])
-            if (after := getattr(self.s, "after_save", None)) is not None:
-                after()  # untimed: a peer's own account of the save
+            self._after("after_save")  # untimed: a peer's own account of the save
             self.save_base.append(_timed(self._d2h, dev)[0])
 
         self._guard(go, log)
@@ -286,8 +291,7 @@ class _SizeRun:
             cache.zero(self.dst)
             b, _ = _timed(self._h2d, dev)
             dt, n = _timed(lambda: self.s.restore(self.prompts[0], self.dst), dev)
-            if (after := getattr(self.s, "after_restore", None)) is not None:
-                after()  # untimed: a peer's own reference (the layer-wise row's compute alone)
+            self._after("after_restore")  # untimed: a peer's own reference (the layer-wise row's compute alone)
             if i == self.trials:
                 m = n // BLOCK
                 self.wrong = cache.wrong_pages(self.src[:m], self.dst[:m])
