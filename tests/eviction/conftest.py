@@ -49,6 +49,17 @@ def evict_leaf(pol: EvictionPolicy, view: FakeView, bid: int) -> None:
         pol.offer(parent)
 
 
+def evict_first(pol: EvictionPolicy, view: FakeView, n: int) -> list[int]:
+    """The policy's first victim ``n`` times, each evicted as the store would: the ids taken."""
+    taken = []
+    for _ in range(n):
+        bid = pol.first()
+        assert bid is not None
+        taken.append(bid)
+        evict_leaf(pol, view, bid)
+    return taken
+
+
 LAST = TierContext("t0", "dram", 0, "")
 UPPER = TierContext("t0", "dram", 0, "nvme")
 

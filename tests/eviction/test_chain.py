@@ -12,7 +12,7 @@ from eviction.chain import ChainConfig, ChainPolicy
 from eviction.lru import LRUPolicy
 from kvstore.errors import ConfigError
 from kvstore.registry import build_config, policy_class
-from tests.eviction.conftest import LAST, UPPER, FakeView, evict_leaf
+from tests.eviction.conftest import LAST, UPPER, FakeView, evict_first, evict_leaf
 
 
 def _chain(view: FakeView, first: int, n: int) -> list[int]:
@@ -60,13 +60,7 @@ def test_the_loop_exception_takes_the_chain_expected_back_last_from_its_tail() -
     """A is due back at 20, B at 21, C (being served at 12) is left out: B leaves, tail first."""
     pol, view, chains = _three_chains(adapt=False)
     b = chains[1]
-    taken = []
-    for _ in range(3):
-        bid = pol.first()
-        assert bid is not None
-        taken.append(bid)
-        evict_leaf(pol, view, bid)
-    assert taken == [b[7], b[6], b[5]]
+    assert evict_first(pol, view, 3) == [b[7], b[6], b[5]]
 
 
 def test_an_old_victim_is_lru_s_whatever_the_rule() -> None:

@@ -10,7 +10,7 @@ import pytest
 from eviction.lhd import _GAP0, _NEW_TAIL, LHDConfig, LHDPolicy, LRUShadow, density
 from kvstore.errors import ConfigError
 from kvstore.registry import build_config, policy_class
-from tests.eviction.conftest import LAST, FakeView, evict_leaf
+from tests.eviction.conftest import LAST, FakeView, evict_first, evict_leaf
 
 
 def _policy(view: FakeView, **options: object) -> LHDPolicy:
@@ -57,13 +57,7 @@ def test_before_the_first_tables_the_order_is_lru_and_a_chain_leaves_from_its_ta
     assert pol.first() == a[-1]
     assert pol.victims(6) == [a[3]]  # one at a time: its parent may come next
     assert pol.first() == a[-1]  # victims() changed nothing
-    taken = []
-    for _ in range(6):
-        bid = pol.first()
-        assert bid is not None
-        taken.append(bid)
-        evict_leaf(pol, view, bid)
-    assert taken == [a[3], a[2], a[1], a[0], b[3], b[2]]
+    assert evict_first(pol, view, 6) == [a[3], a[2], a[1], a[0], b[3], b[2]]
     _read(pol, view, b[:2], 2.0)
     lone = [view.add(k) for k in (30, 31, 32)]
     for t, bid in enumerate(lone):

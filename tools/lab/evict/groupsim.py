@@ -81,6 +81,27 @@ def simulate(st: State, capacity: int, score: Score, observe: Callable[[State, i
     groups: dict[int, list[int]] = {}  # request -> its blocks in depth order (lazy: owner check)
     hits = 0
     size = 0
+
+    def take(g: int, room: int) -> tuple[int, bool]:
+        """Evict up to ``room`` blocks from group ``g``'s tail, deepest first: how many, and
+        whether it stopped at a block with a resident child (a branch elsewhere)."""
+        bl = groups[g]
+        taken = 0
+        while bl and taken < room:
+            x = bl[-1]
+            if owner.get(x) != g:
+                bl.pop()
+                continue
+            if kids[x]:
+                return taken, True
+            bl.pop()
+            del owner[x]
+            p = parent.pop(x, -1)
+            if p >= 0:
+                kids[p] -= 1
+            taken += 1
+        return taken, False
+
     for r in range(t.num_requests):
         now = float(st.ts[r])
         b = ids[off[r] : off[r + 1]]
@@ -106,39 +127,15 @@ def simulate(st: State, capacity: int, score: Score, observe: Callable[[State, i
             freed = 0
             blocked: list[int] = []
             for g in order:
-                bl = groups[g]
-                while bl and freed < need:
-                    x = bl[-1]
-                    if owner.get(x) != g:
-                        bl.pop()
-                        continue
-                    if kids[x]:
-                        blocked.append(g)
-                        break
-                    bl.pop()
-                    del owner[x]
-                    p = parent.pop(x, -1)
-                    if p >= 0:
-                        kids[p] -= 1
-                    freed += 1
+                got, stuck = take(g, need - freed)
+                freed += got
+                if stuck:
+                    blocked.append(g)
                 if freed >= need:
                     break
             # a blocked group (its tail has a child elsewhere) is retried once its branches went
             for g in blocked:
-                bl = groups[g]
-                while bl and freed < need:
-                    x = bl[-1]
-                    if owner.get(x) != g:
-                        bl.pop()
-                        continue
-                    if kids[x]:
-                        break
-                    bl.pop()
-                    del owner[x]
-                    p = parent.pop(x, -1)
-                    if p >= 0:
-                        kids[p] -= 1
-                    freed += 1
+                freed += take(g, need - freed)[0]
             size -= freed
             if size + new > capacity:  # could not make room: put only what fits (rare)
                 new = max(capacity - size, 0)
