@@ -155,6 +155,9 @@ class PagedLoader:
         self._next = 0
         """The ring's next slot: it goes on across loads, so a load queued right after another
         (the connector's chunks of one request) needs no wait for the other's last scatter."""
+        self._held: list[Callable[[], None]] = []
+        """Scatters of tiles whose DMA is queued, not yet queued themselves (the next tile's DMA
+        goes first); a ``hold_last`` load leaves its last for the next load or :meth:`flush`."""
         self.timing = False
         """Record timing events per tile (:attr:`DeviceLoad.tiles`): benchmarks."""
 
@@ -179,7 +182,7 @@ class PagedLoader:
 
     def load(self, src: BlockSource, target: PagedTarget, ids: Sequence[int], *, layer_group: int = 0,
              after: Any = None, on_layers: Callable[[int, int, Any], None] | None = None,
-             first: int = 0, cancelled: Callable[[], bool] | None = None) -> DeviceLoad:
+             first: int = 0, cancelled: Callable[[], bool] | None = None, hold_last: bool = False) -> DeviceLoad:
         """Queue the restore of blocks ``first .. first+len(ids)-1`` of ``src`` into pages ``ids``
         of ``target``; returns at once on a GPU (the copies and scatters are queued). ``after``:
         a CUDA event the scatters wait for (the engine's stream when the pages were handed out:
@@ -187,12 +190,16 @@ class PagedLoader:
         as soon as layers ``lo..hi-1`` are queued, with the CUDA event after which they hold the
         blocks (None on the CPU), so a waiter on another thread can make its stream wait on it.
         ``cancelled()``, asked before each tile (each layer on the CPU), stops the queueing: the
-        layers not yet queued are never written."""
+        layers not yet queued are never written. ``hold_last``: the last tile's scatters are
+        queued only after the next load's first DMA (or by :meth:`flush`), so that the copy
+        engine does not idle while the host queues them (a load in chunks: the connector's
+        leases); the returned load's events are complete only then."""
         n, num_layers, pb = len(ids), target.num_layers, target.page_bytes
         if n == 0:
             return DeviceLoad([None] * num_layers)
         plan = tiles(n, num_layers, pb, max(self.piece_bytes, target.block_bytes), layer_group)
         if not self._cuda:
+            self.flush()
             return self._load_host(src, target, ids, first, on_layers, cancelled)
         copy, scat = self._copy, self._scatter
         if after is not None:
@@ -203,13 +210,9 @@ class PagedLoader:
             # ring's last queued tile had landed.
             idx = target.block_ids(list(ids))
         idx.record_stream(scat)
-        events: list[Any] = [None] * num_layers
-        timed: list[tuple[Any, Any, Any]] = []
-        done: Any = None
-        landed_tiles: list[tuple[int, int, int, int, torch.Tensor, int, Any, Any]] = []
-        """Tiles whose DMA is queued and whose scatters are not yet."""
+        out = DeviceLoad([None] * num_layers)
 
-        def scatter(a: int, b: int, lo: int, hi: int, dst: torch.Tensor, s: int, landed: Any, began: Any) -> Any:
+        def scatter(a: int, b: int, lo: int, hi: int, dst: torch.Tensor, s: int, landed: Any, began: Any) -> None:
             scat.wait_event(landed)
             with torch.cuda.stream(scat):
                 for layer in range(lo, hi):
@@ -217,15 +220,14 @@ class PagedLoader:
                     target.scatter_layer(layer, idx[a:b], dst[:, off : off + pb])
                 done = torch.cuda.Event(enable_timing=self.timing)
                 done.record(scat)
-            self._freed[s] = done
+            self._freed[s] = out.done = done
             if began is not None:
-                timed.append((began, landed, done))
+                out.tiles.append((began, landed, done))
             if b == n:  # the group's last tile: its layers are ready after this scatter
                 for layer in range(lo, hi):
-                    events[layer] = done
+                    out.layer_events[layer] = done
                 if on_layers is not None:
                     on_layers(lo, hi, done)
-            return done
 
         # The next tile's DMA is queued before this tile's scatters (a layer's kernel launch
         # each, ~0.8 ms of host time for 32 layers: the copy engine would idle behind them).
@@ -245,12 +247,17 @@ class PagedLoader:
             src.copy_into(dst, lo * pb, hi * pb, first=first + a, stream=copy)
             landed = torch.cuda.Event(enable_timing=self.timing)
             landed.record(copy)
-            landed_tiles.append((a, b, lo, hi, dst, s, landed, began))
-            if len(landed_tiles) > ahead:
-                done = scatter(*landed_tiles.pop(0))
-        for tile in landed_tiles:  # (also after a cancel: their DMAs were queued)
-            done = scatter(*tile)
-        return DeviceLoad(events, done, timed)
+            self._held.append(lambda t=(a, b, lo, hi, dst, s, landed, began): scatter(*t))
+            while len(self._held) > ahead:
+                self._held.pop(0)()
+        if not (hold_last and ahead):
+            self.flush()
+        return out
+
+    def flush(self) -> None:
+        """Queue the scatters a ``hold_last`` load left (call before waiting on its events)."""
+        while self._held:
+            self._held.pop(0)()
 
     @staticmethod
     def _load_host(src: BlockSource, target: PagedTarget, ids: Sequence[int], first: int,

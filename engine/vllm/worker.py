@@ -697,34 +697,37 @@ class Worker:
         head = max(1, self.cfg.lease_head_bytes // kv.block_bytes)
         loads: list[DeviceLoad] = []
         fetch_s, t0 = 0.0, time.perf_counter()
-        for spec, ns, chain in job.specs:
-            if cancelled():
-                break
-            bounds = lease_chunks(chain.count, head)
+        try:  # each chunk's last scatters wait for the next chunk's first DMA (hold_last)
+            for spec, ns, chain in job.specs:
+                if cancelled():
+                    break
+                bounds = lease_chunks(chain.count, head)
 
-            def pieces(chain: _Chain = chain, bounds: list[tuple[int, int]] = bounds) -> Iterator[list[BlockHash]]:
-                yield chain.head(bounds[0][1])  # its lease goes out while the rest is hashed
-                hashes = chain.all()
-                for a, b in bounds[1:]:
-                    yield hashes[a:b]
+                def pieces(chain: _Chain = chain, bounds: list[tuple[int, int]] = bounds) -> Iterator[list[BlockHash]]:
+                    yield chain.head(bounds[0][1])  # its lease goes out while the rest is hashed
+                    hashes = chain.all()
+                    for a, b in bounds[1:]:
+                        yield hashes[a:b]
 
-            got = 0
-            f0 = time.perf_counter()
-            with contextlib.closing(self._fetch_each(ns, pieces(), held)) as leases:
-                for (a, b), (n, src) in zip(bounds, leases, strict=False):
-                    fetch_s += time.perf_counter() - f0
-                    job.mark(f"lease {b - a}")
-                    job.loaded += n
-                    if n:
-                        loads.append(loader.load(src, kv, spec.block_ids[a : a + n], after=job.after,
-                                                 cancelled=cancelled))
-                    job.mark("queued")
-                    got = a + n
-                    if n < b - a or cancelled():
-                        break
-                    f0 = time.perf_counter()
-            if got < chain.count and not cancelled():  # not cached further (or the daemon failed)
-                job.fail(spec, spec.block_ids[got:])
+                got = 0
+                f0 = time.perf_counter()
+                with contextlib.closing(self._fetch_each(ns, pieces(), held)) as leases:
+                    for (a, b), (n, src) in zip(bounds, leases, strict=False):
+                        fetch_s += time.perf_counter() - f0
+                        job.mark(f"lease {b - a}")
+                        job.loaded += n
+                        if n:
+                            loads.append(loader.load(src, kv, spec.block_ids[a : a + n], after=job.after,
+                                                     cancelled=cancelled, hold_last=True))
+                        job.mark("queued")
+                        got = a + n
+                        if n < b - a or cancelled():
+                            break
+                        f0 = time.perf_counter()
+                if got < chain.count and not cancelled():  # not cached further (or the daemon failed)
+                    job.fail(spec, spec.block_ids[got:])
+        finally:
+            loader.flush()
         if loads:
             last = loads[-1]
             ready(0, kv.num_layers, last.done)

@@ -175,11 +175,13 @@ def test_a_device_load_from_a_lease_writes_the_pages(tmp_path: Path, layout: str
 
 
 @cuda
-@pytest.mark.parametrize("slots", [1, 2])
-def test_loads_queued_back_to_back_share_the_staging_ring(tmp_path: Path, slots: int) -> None:
+@pytest.mark.parametrize("slots,hold", [(1, False), (2, False), (1, True), (2, True), (3, True)])
+def test_loads_queued_back_to_back_share_the_staging_ring(tmp_path: Path, slots: int, hold: bool) -> None:
     """Two loads queued one after the other with no host wait between them (the connector's
-    lease chunks) go on around one staging ring of one or two one-block slots: every tile waits
-    for the scatter that last read its slot, and both loads' pages equal their sources."""
+    lease chunks) go on around one staging ring of one to three one-block slots: every tile
+    waits for the scatter that last read its slot, and both loads' pages equal their sources.
+    With ``hold_last`` the first load's last scatters go after the second's first DMA and the
+    second's after the flush; every layer's event is set by then."""
     src = _caches("LBNHC", "cuda", seed=8)
     ids_src, ids_dst = [0, 3, 5, 7, 9, 2], [11, 1, 6, 8, 10, 4]
     with _store(tmp_path) as store:
@@ -188,8 +190,11 @@ def test_loads_queued_back_to_back_share_the_staging_ring(tmp_path: Path, slots:
         dst = _caches("LBNHC", "cuda", seed=None)
         loader = PagedLoader(torch.device("cuda"), piece_bytes=SPEC.block_bytes, stage_bytes=slots * SPEC.block_bytes)
         pages = PagedKV(SPEC, dst)
-        first = loader.load(ArenaBlocks(store, head), pages, ids_dst[:2])
-        second = loader.load(ArenaBlocks(store, rest), pages, ids_dst[2:])
+        first = loader.load(ArenaBlocks(store, head), pages, ids_dst[:2], hold_last=hold)
+        second = loader.load(ArenaBlocks(store, rest), pages, ids_dst[2:], hold_last=hold)
+        loader.flush()
+        assert all(ev is not None for ev in first.layer_events + second.layer_events)
+        assert first.done is not None and second.done is not None
         second.synchronize()
         first.synchronize()
         store.release(head)
