@@ -660,10 +660,13 @@ class Session:
         svc, t = self.ctx.service, self._shm_allowed()
         req = P.parse_put_device(meta, svc.limits.max_blocks)
         copier = self.ctx.devcopy
-        if copier is None or not await self.ctx.run(copier.available):
+        # Both on the loop once the runtime is loaded: a pool hop each cost a save two thread
+        # wake-ups before its reservation.
+        ok = None if copier is None else copier.known()
+        if copier is None or not (ok if ok is not None else await self.ctx.run(copier.available)):
             raise RequestError(P.ErrorCode.BAD_REQUEST,
                                "this daemon cannot copy from GPU memory (HELLO says put_device: false): use PUT_SHM")
-        bb = await self._call(svc.block_bytes, t, req.ns_id)
+        bb = self._inline(svc.block_bytes, t, req.ns_id)
         devices = self.devices
 
         marks: list[float] = []

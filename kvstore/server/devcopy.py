@@ -109,17 +109,22 @@ class DeviceCopier:
         """Why PUT_DEVICE is not available (after :meth:`available` said so)."""
         return self._why
 
+    def known(self) -> bool | None:
+        """Whether PUT_DEVICE can run here, without a lock (for the event loop); None until
+        :meth:`available` has loaded the runtime (a blocking call: not on the loop)."""
+        return (self._rt is not None) if self._loaded else None
+
     def available(self) -> bool:
         """Whether PUT_DEVICE can run here (loads the runtime on the first call)."""
         with self._lock:
             if not self._loaded:
-                self._loaded = True
                 if not self._base:
                     self._why = "the daemon's arena is not writable here"
                 else:
                     self._rt, self._why = load_runtime()
                 if self._rt is None:
                     log.info("PUT_DEVICE unavailable: %s (GPU engines save through PUT_SHM)", self._why)
+                self._loaded = True  # last: known() reads it without the lock
             return self._rt is not None
 
     def _runtime(self, device: int) -> CudaRuntime:

@@ -111,3 +111,20 @@ def test_what_the_commit_needs_is_built_while_the_copies_run() -> None:
            meanwhile=lambda: lib.calls.append(("prepare", ())))
     names = [n for n, _ in lib.calls if n in ("cudaMemcpy2DAsync", "prepare", "cudaStreamSynchronize")]
     assert names == ["cudaMemcpy2DAsync", "cudaMemcpy2DAsync", "prepare", "cudaStreamSynchronize"]
+
+
+def test_known_says_nothing_until_the_runtime_was_looked_for_then_what_available_said(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event loop asks ``known()`` (no lock, no loading); ``None`` sends it to the pool once."""
+    import kvstore.server.devcopy as devcopy
+
+    c = DeviceCopier(memoryview(bytearray(4 * BB)))
+    assert c.known() is None
+    monkeypatch.setattr(devcopy, "load_runtime", lambda: (None, "no CUDA device is visible to the daemon"))
+    assert c.available() is False
+    assert c.known() is False and "no CUDA device" in c.why
+    readonly = DeviceCopier(memoryview(bytes(4 * BB)))
+    assert readonly.available() is False and readonly.known() is False
+    assert "not writable" in readonly.why
+    c2, _ = _copier(_FakeLib([]))
+    assert c2.known() is True
