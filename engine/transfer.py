@@ -23,11 +23,14 @@ registered with CUDA once, or a pinned buffer for a remote plane), while the sto
 piece before it.
 
 On the CPU (vLLM's CPU build) there is no link: a restore scatters straight from the host rows
-and a save gathers straight into host memory.
+and a save gathers straight into host memory, on the saver thread where the engine fences its
+page writes (:class:`DeferredGather`: vLLM's ``handle_preemptions``, before a step touches a page).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -314,6 +317,41 @@ class StagedSave:
         return int(self.rows.shape[0])
 
 
+class DeferredGather:
+    """A save's gather on the CPU, off the engine's step: the saver thread runs it (:meth:`run`),
+    or the engine's fence does (:meth:`settle`: before the engine next writes pages) if the saver
+    has not begun it. Whichever comes first gathers; the other waits for it (a copy of the pages,
+    never a store call) and takes its result."""
+
+    def __init__(self, saver: PagedSaver, target: PagedTarget, ids: Sequence[int]) -> None:
+        self._saver, self._target, self._ids = saver, target, list(ids)
+        self._lock = threading.Lock()
+        self._out: StagedSave | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._ids)
+
+    def run(self) -> StagedSave:
+        """The gathered pages (gathers them if nobody has); raises what the gather raised."""
+        with self._lock:
+            if self._out is None and self._error is None:
+                try:
+                    self._out = self._saver.stage(self._target, self._ids)
+                except Exception as e:  # noqa: BLE001 - kept for the saver thread, which reports it
+                    self._error = e
+            if self._error is not None:
+                raise self._error
+            assert self._out is not None
+            return self._out
+
+    def settle(self) -> None:
+        """Gathered (or failed: the saver thread reports it when it takes the save) once this returns."""
+        with contextlib.suppress(Exception):
+            self.run()
+
+
 class PagedSaver:
     """Saves pages to the host (see the module docstring): :meth:`stage` on the engine's thread
     (gather kernels on its stream, no host wait), :meth:`drain` on a saver thread."""
@@ -350,6 +388,12 @@ class PagedSaver:
         ev = self._ready_event()
         ev.record(torch.cuda.current_stream(self.device))
         return StagedSave(rows, ev)
+
+    def defer(self, target: PagedTarget, ids: Sequence[int]) -> DeferredGather:
+        """:meth:`stage` of pages ``ids`` later, on another thread (the CPU: a gather there is a
+        copy on the caller's thread, not a kernel queued on a stream); the caller settles it
+        before the pages may be written again."""
+        return DeferredGather(self, target, ids)
 
     def pieces(self, n: int, block_bytes: int, room: int) -> list[tuple[int, int]]:
         """Block ranges of a drain of ``n`` blocks into a host buffer of ``room`` bytes: each of

@@ -68,6 +68,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.vllm")
 
+VLLM_FENCES = "handle_preemptions" in vars(KVConnectorBase_V1)
+"""Whether this vLLM calls a connector's ``handle_preemptions`` at the start of each step, before
+it zeroes fresh blocks, copies blocks or runs the forward: then a save's gather on the CPU runs on
+the saver thread and is settled there (an older vLLM: the gather stays in ``wait_for_save``)."""
+
 
 def _log_under_vllm(logger: logging.Logger) -> None:
     """vLLM configures only its own ``vllm`` logger (its handler, its level, no propagation):
@@ -528,7 +533,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info("kvstore: kv_load_failure_policy set to 'recompute' (a failed load is a miss)")
             self._scheduler = _Scheduler(vllm_config, self.cfg, self.spec)
         else:
-            self._worker = Worker(vllm_config, self.cfg, self.spec)
+            self._worker = Worker(vllm_config, self.cfg, self.spec, fenced=VLLM_FENCES)
 
     # -- the handshake: rank 0's worker tells the scheduler what only the model knows --
 
@@ -578,6 +583,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM calls this each step before it writes a page: the saves' gathers left to the
+        saver thread (the CPU build) have run by then."""
+        if self._worker is not None:
+            self._worker.handle_preemptions()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

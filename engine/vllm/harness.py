@@ -192,7 +192,8 @@ def generate_timed(llm: Any, prompt: Sequence[int], max_tokens: int) -> tuple[Co
 
 class WorkerDriver:
     """The connector's worker side (:class:`engine.vllm.worker.Worker`) driven as vLLM drives it,
-    outside vLLM: ``register_kv_caches`` once, then per step ``bind_connector_metadata`` (the
+    outside vLLM: ``register_kv_caches`` once, then per step ``handle_preemptions`` (before the
+    step writes any page), ``bind_connector_metadata`` (the
     scheduler's plan), ``start_load_kv``, ``wait_for_layer_load`` for each attention layer,
     ``save_kv_layer`` (nothing: the connector saves whole blocks in ``wait_for_save``),
     ``wait_for_save`` and ``get_finished``. For benchmarks on a GPU machine where vLLM is not
@@ -206,7 +207,7 @@ class WorkerDriver:
         cfg = ConnectorConfig(url=url, model_id=model_id, **extra)
         vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=model_id, revision="main", quantization=None))
         self.spec = spec
-        self.worker = Worker(vllm_config, cfg, spec, tp=(0, 1))
+        self.worker = Worker(vllm_config, cfg, spec, tp=(0, 1), fenced=True)
         self.worker.register_kv_caches(kv_caches)
         self._n = 0
 
@@ -251,6 +252,7 @@ class WorkerDriver:
 
     def _step(self, plan: Any, compute: Callable[[int], None] | None = None) -> None:
         w = self.worker
+        w.handle_preemptions()  # vLLM's step: before it writes any page
         w.bind(plan)
         w.start_load_kv()
         for i, name in enumerate(self.spec.layer_names):

@@ -46,7 +46,14 @@ from engine.gpu import (
     release_arenas,
     unregister_host,
 )
-from engine.transfer import ConcatSource, DeviceLoad, PagedLoader, PagedSaver, StagedSave
+from engine.transfer import (
+    ConcatSource,
+    DeferredGather,
+    DeviceLoad,
+    PagedLoader,
+    PagedSaver,
+    StagedSave,
+)
 from engine.vllm.config import ConnectorConfig
 from engine.vllm.pages import PagedKV, PagedState, PageSpec, kv_order_of, scales_digest
 from kvstore.client import Client, connect
@@ -327,9 +334,11 @@ class Worker:
     """The connector's worker side; vLLM's ``KVStoreConnector`` forwards its worker calls here."""
 
     def __init__(self, vllm_config: Any, cfg: ConnectorConfig, spec: PageSpec,
-                 tp: tuple[int, int] | None = None) -> None:
+                 tp: tuple[int, int] | None = None, fenced: bool = False) -> None:
         """``tp``: (rank, world size); default vLLM's tensor-parallel group (a worker outside
-        vLLM's processes, in a test or a benchmark, names its own)."""
+        vLLM's processes, in a test or a benchmark, names its own). ``fenced``: the engine calls
+        :meth:`handle_preemptions` each step before it writes a page (vLLM does where its
+        connector base has that hook), so a save's gather on the CPU leaves the step."""
         if tp is None:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
@@ -383,11 +392,14 @@ class Worker:
         self._pinned: torch.Tensor | None = None  # a remote plane's save buffer
         self._load_host: torch.Tensor | None = None  # a remote plane's load buffer
         self._sink: tuple[Any, torch.Tensor] | None = None  # (staging segment, its registered view)
-        self._saves: deque[tuple[Namespace, list[BlockHash] | _Chain, int, StagedSave, np.ndarray, Pieces, Pieces,
-                                 float]] = deque()
+        self._saves: deque[tuple[Namespace, list[BlockHash] | _Chain, int, StagedSave | DeferredGather, np.ndarray,
+                                 Pieces, Pieces, float]] = deque()
         self._save_t0 = 0.0  # when the saver thread's current save was queued (its marks)
         self._save_wake = threading.Condition(threading.Lock())
         self._save_slots = threading.BoundedSemaphore(cfg.max_pending_saves)
+        self._fenced = fenced
+        self._gathers: list[DeferredGather] = []
+        """CPU saves' gathers left to the saver thread, settled by the next :meth:`handle_preemptions`."""
         self._stop = False
         self._threads = [
             threading.Thread(target=self._load_loop, name="kvstore-load", daemon=True),
@@ -445,7 +457,16 @@ class Worker:
 
     # -- per step --
 
+    def handle_preemptions(self) -> None:
+        """Before the step writes any page (vLLM zeroes fresh blocks, copies blocks and runs
+        the forward after it): every save's gather left to the saver thread has run; one it has
+        not begun runs here (a copy of the pages, never a call to the daemon)."""
+        gathers, self._gathers = self._gathers, []
+        for g in gathers:
+            g.settle()
+
     def bind(self, meta: StepPlan) -> None:
+        self.handle_preemptions()  # (also here: an engine that binds first writes after binding)
         self.meta = meta
         self.infos.update(meta.infos)
         for req_id in meta.infos:
@@ -523,6 +544,8 @@ class Worker:
             ns, chain = self._lazy_chain(sv.req_id, 0, end)  # hashed on the saver thread
             try:
                 staged, pieces = self._stage(sv)
+                if isinstance(staged, DeferredGather):
+                    self._gathers.append(staged)
             except (torch.OutOfMemoryError, MemoryError) as e:
                 # The save's device staging did not fit: vLLM's step must go on, and the pages
                 # are recomputed the next time they are needed.
@@ -556,11 +579,15 @@ class Worker:
                                 ([st.block], rows), time.perf_counter()))
             self._save_wake.notify()
 
-    def _stage(self, sv: SaveSpec) -> tuple[StagedSave, tuple[list[int], StagedSave] | None]:
+    def _stage(self, sv: SaveSpec) -> tuple[StagedSave | DeferredGather, tuple[list[int], StagedSave] | None]:
         """The pages a save stores, gathered: every layer of its blocks; for a page with sliding
-        layers, the full layers of its blocks and the sliding layers of its window pieces."""
+        layers, the full layers of its blocks and the sliding layers of its window pieces. On
+        the CPU, where the engine fences its page writes, the gather of a save's blocks is left
+        to the saver thread."""
         assert self.saver is not None and self.kv is not None
         if not self.spec.hybrid:
+            if self._fenced and not self._cuda:
+                return self.saver.defer(self.kv, sv.block_ids), None
             return self.saver.stage(self.kv, sv.block_ids), None
         kv = self.full_kv
         if kv is not None:
@@ -884,12 +911,22 @@ class Worker:
                     self._save_wake.wait()
                 if self._stop and not self._saves:
                     return
-                ns, lazy, start, staged, tokens, pieces, states, self._save_t0 = self._saves.popleft()
+                ns, lazy, start, queued, tokens, pieces, states, self._save_t0 = self._saves.popleft()
             t0 = time.perf_counter()
-            blocks = staged.num_blocks
+            blocks = queued.num_blocks
             self.last_save_marks = []
             self._save_mark("thread")
             try:
+                if isinstance(queued, DeferredGather):
+                    try:
+                        staged = queued.run()
+                    except (torch.OutOfMemoryError, MemoryError) as e:
+                        self.counters.saves_dropped += 1
+                        log.warning("kvstore save of %d blocks dropped: out of memory (%s)", blocks, e)
+                        continue
+                    self._save_mark("gathered")
+                else:
+                    staged = queued
                 chain = lazy.prefix() if isinstance(lazy, _Chain) else lazy  # while the gather runs
                 self._save_mark("hashed")
                 n = self.save_link.call(

@@ -129,6 +129,39 @@ def test_a_save_drains_in_pieces_through_a_small_host_buffer() -> None:
     assert torch.equal(torch.stack([got[i] for i in range(len(ids))]), _reference(src, ids))
 
 
+class _CountedKV(PagedKV):
+    def __init__(self, caches: dict[str, torch.Tensor], fail: bool = False) -> None:
+        super().__init__(SPEC, caches)
+        self.gathers, self.fail = 0, fail
+
+    def gather(self, block_ids: list[int], out: torch.Tensor) -> None:  # type: ignore[override]
+        self.gathers += 1
+        if self.fail:
+            raise torch.OutOfMemoryError("out of memory")
+        super().gather(block_ids, out)
+
+
+def test_a_deferred_gather_runs_once_whoever_asks_first() -> None:
+    """The fence (``settle``) and the saver thread (``run``) share one gather: the pages as they
+    were when it ran, whatever is written after; a failed gather is raised to ``run`` only."""
+    src = _caches("LBNHC", seed=5)
+    ids = [3, 1, 7]
+    want = _reference(src, ids)
+    kv = _CountedKV(src)
+    g = PagedSaver(torch.device("cpu")).defer(kv, ids)
+    assert kv.gathers == 0 and g.num_blocks == 3
+    g.settle()
+    for t in src.values():
+        t.zero_()
+    staged = g.run()
+    assert kv.gathers == 1 and staged is g.run()
+    assert torch.equal(staged.rows, want)
+    bad = PagedSaver(torch.device("cpu")).defer(_CountedKV(_caches("LBNHC", seed=6), fail=True), ids)
+    bad.settle()  # the fence does not raise
+    with pytest.raises(torch.OutOfMemoryError):
+        bad.run()
+
+
 # ---- on a GPU --------------------------------------------------------------------------------
 
 

@@ -60,8 +60,9 @@ def _caches(seed: int | None) -> dict[str, torch.Tensor]:
     return {n: torch.randn(shape, generator=g) if seed is not None else torch.zeros(shape) for n in SPEC.layer_names}
 
 
-def _worker(url: str, **extra: float | str) -> Worker:
-    return Worker(VLLM_CONFIG, ConnectorConfig(url=url, **{**ROBUST, **extra}), SPEC, tp=(0, 1))  # type: ignore[arg-type]
+def _worker(url: str, fenced: bool = False, **extra: float | str) -> Worker:
+    return Worker(VLLM_CONFIG, ConnectorConfig(url=url, **{**ROBUST, **extra}), SPEC, tp=(0, 1),  # type: ignore[arg-type]
+                  fenced=fenced)
 
 
 def _step(w: Worker, meta: KVStoreMetadata) -> None:
@@ -172,6 +173,76 @@ def test_a_save_that_runs_out_of_memory_is_dropped_not_raised(tmp_path: Path) ->
         _step(w, KVStoreMetadata(infos={"a": ReqInfo(A, "", b"")}, saves=[SaveSpec("a", 0, [1, 2, 3, 4])]))
         w.flush()
         assert w.counters.saves_submitted == 1 and w.counters.saved_blocks == 4
+        w.close()
+
+
+class WhereKV(PagedKV):
+    """vLLM's pages; records which thread gathered each save."""
+
+    def __init__(self, spec: PageSpec, caches: dict[str, torch.Tensor]) -> None:
+        super().__init__(spec, caches)
+        self.gathered_on: list[str] = []
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        self.gathered_on.append(threading.current_thread().name)
+        super().gather(block_ids, out)
+
+
+def test_a_fenced_cpu_save_gathers_off_the_step_and_before_the_next_step_writes(tmp_path: Path) -> None:
+    """Where vLLM calls ``handle_preemptions`` before it writes pages, ``wait_for_save`` on the
+    CPU gathers nothing: the saver thread gathers, or the next ``handle_preemptions`` does if the
+    saver has not begun (here it waits on a frozen daemon with an earlier save). What is stored is
+    the pages as the step left them, though the next step then overwrites them all."""
+    with small_daemon(tmp_path, dram="32MiB") as d:
+        src = _caches(seed=4)
+        kept = {n: t.clone() for n, t in src.items()}
+        w = _worker(d.url, fenced=True)
+        w.register_kv_caches(src)
+        kv = w.kv = WhereKV(SPEC, src)
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            _step(w, KVStoreMetadata(infos={"b": ReqInfo(B, "", b"")}, saves=[SaveSpec("b", 0, [5, 6])]))
+            assert eventually(lambda: kv.gathered_on == ["kvstore-save"])  # its put now waits on the daemon
+            _step(w, KVStoreMetadata(infos={"a": ReqInfo(A, "", b"")}, saves=[SaveSpec("a", 0, [1, 2, 3, 4])]))
+            assert kv.gathered_on == ["kvstore-save"]  # the step returned with a's pages not gathered
+            w.handle_preemptions()  # the next step: the saver is still on b, so a is gathered here
+            assert kv.gathered_on == ["kvstore-save", threading.current_thread().name]
+            for t in src.values():  # the next step writes every page
+                t.normal_()
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        w.flush()
+        assert w.counters.saved_blocks == 6 and w.counters.saves_dropped == 0
+        w.close()
+        dst = _caches(seed=None)
+        r = _worker(d.url)
+        r.register_kv_caches(dst)
+        _step(r, KVStoreMetadata(infos={"a": ReqInfo(A, "", b""), "b": ReqInfo(B, "", b"")},
+                                 loads=[LoadSpec("a", 0, [1, 2, 3, 4], False), LoadSpec("b", 0, [7, 8], False)]))
+        assert r.take_errors() == set()
+        for name in SPEC.layer_names:
+            assert torch.equal(dst[name][1:5], kept[name][1:5])
+            assert torch.equal(dst[name][7:9], kept[name][5:7])
+        r.close()
+
+
+def test_a_fenced_save_that_runs_out_of_memory_on_the_saver_thread_is_dropped(tmp_path: Path) -> None:
+    """The gather that runs out of memory on the saver thread drops its save and gives its slot
+    back; vLLM's step saw none of it, and the next save lands."""
+    with small_daemon(tmp_path, dram="32MiB") as d:
+        w = _worker(d.url, fenced=True)
+        src = _caches(seed=3)
+        w.register_kv_caches(src)
+        fails = w.cfg.max_pending_saves + 1
+        w.kv = OomKV(SPEC, src, fails=fails)
+        for _ in range(fails):
+            _step(w, KVStoreMetadata(infos={"a": ReqInfo(A, "", b"")}, saves=[SaveSpec("a", 0, [1, 2, 3, 4])]))
+            w.handle_preemptions()
+            w.flush()
+        assert w.counters.saves_dropped == fails and w.counters.saved_blocks == 0
+        _step(w, KVStoreMetadata(infos={"a": ReqInfo(A, "", b"")}, saves=[SaveSpec("a", 0, [1, 2, 3, 4])]))
+        w.flush()
+        assert w.counters.saved_blocks == 4
         w.close()
 
 
