@@ -61,7 +61,7 @@ class CopyTimeout(OSError):
     aside until they have."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _SetAside:
     """A timed-out copy's retired stream, the client's mappings it reads, and what gives its
     reservation's slots back once the stream's work is done."""
@@ -138,8 +138,9 @@ class DeviceCopier:
         self._aside: list[_SetAside] = []
         self._held: dict[int, int] = {}
         """Client mappings (device pointers) that set-aside copies still read: how many each."""
-        self._deferred: dict[int, tuple[int, bytes]] = {}
-        """Mappings a session closed while set-aside copies read them: closed when they are done."""
+        self._deferred: dict[int, list[tuple[int, bytes]]] = {}
+        """Mappings sessions closed while set-aside copies read them: closed when those are done
+        (a list: a handle opened again is the same pointer, one more reference)."""
         self._base = address(arena) if not arena.readonly else 0
         self._size = arena.nbytes
         self._rt: CudaRuntime | None = None
@@ -206,7 +207,7 @@ class DeviceCopier:
     def _close(self, rt: CudaRuntime, key: tuple[int, bytes], ptr: int) -> None:
         with self._lock:
             if ptr in self._held:  # a set-aside copy still reads it: closed by sweep
-                self._deferred[ptr] = key
+                self._deferred.setdefault(ptr, []).append(key)
                 return
         dev, handle = key
         rt.lib.cudaSetDevice(dev)
@@ -346,13 +347,15 @@ class DeviceCopier:
                     self._held[p] -= 1
                     if not self._held[p]:
                         del self._held[p]
-                        if (key := self._deferred.pop(p, None)) is not None:
-                            closing.append((key, p))
+                        closing += [(key, p) for key in self._deferred.pop(p, [])]
         for key, p in closing:
             self._close(rt, key, p)
         for a in done:
             if a.release is not None:
-                a.release()
+                try:
+                    a.release()
+                except Exception:  # noqa: BLE001 - the others are still given back
+                    log.exception("giving back %d set-aside PUT_DEVICE slots failed", a.slots)
         return sum(a.slots for a in done)
 
     def _stream(self, rt: CudaRuntime, device: int) -> int:
