@@ -179,7 +179,8 @@ def run(base: dict[str, Any], tmp: Path, daemon: Any, env_for: Callable[[dict[st
 
 
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
-         "request_finished", "request_finished_all_groups", "bind_connector_metadata", "clear_connector_metadata",
+         "request_finished", "request_finished_all_groups", "handle_preemptions", "bind_connector_metadata",
+         "clear_connector_metadata",
          "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
          "get_transfer_results", "get_block_ids_with_load_errors")
 """The connector's methods vLLM calls on its own threads (scheduler and worker) as it serves."""
