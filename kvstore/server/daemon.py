@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import os
 import signal
@@ -178,6 +179,8 @@ class Daemon:
                 await http  # start-up failed: raise its error
                 return
             self._ready = not self._stop.is_set()
+            if on_main_thread:  # a process of its own (not embedded in a host's)
+                freeze_startup_objects()
             if on_ready is not None:
                 on_ready({
                     "pid": os.getpid(),
@@ -254,6 +257,15 @@ def _log_usage(store: Any) -> None:
     time" and "admission"."""
     stats = store.stats()
     store.events.usage(stats["tiers"], store=stats)
+
+
+def freeze_startup_objects() -> None:
+    """Move what start-up made (modules, the app, the store's index as loaded) out of the
+    collector's reach (``gc.freeze``): a full collection then scans only what came since. In a
+    daemon of ~86,000 objects at start a full collection stalled a PUT_DEVICE of 2,048 blocks
+    by ~60 ms, every few requests."""
+    gc.collect()
+    gc.freeze()
 
 
 class ThreadedDaemon:
