@@ -41,8 +41,6 @@ from engine.breaker import DaemonLink
 from engine.gpu import (
     ArenaBlocks,
     HostBlocks,
-    device_export,
-    register_host,
     release_arenas,
     unregister_host,
 )
@@ -56,8 +54,9 @@ from engine.transfer import (
 )
 from engine.vllm.config import ConnectorConfig
 from engine.vllm.pages import PagedKV, PagedState, PageSpec, kv_order_of, scales_digest
+from engine.vllm.puts import Pieces, SavePuts
 from kvstore.client import Client, connect
-from kvstore.errors import KVStoreError, UsageError
+from kvstore.errors import KVStoreError
 from kvstore.hybrid import HybridNamespaces
 from kvstore.keys import BlockHash, Namespace, hash_blocks
 
@@ -205,9 +204,6 @@ def layer_scales(vllm_config: Any, spec: PageSpec) -> str:
     return scales_digest(attention_layers(vllm_config, spec))
 
 
-Pieces = tuple[list[int], StagedSave] | None
-"""A save's window pieces (or recurrent states): the blocks (indices in the request) and their
-sliding layers (states), staged."""
 
 
 @dataclass(slots=True)
@@ -330,7 +326,7 @@ class _LoadJob:
             self.fail(spec, spec.block_ids)
 
 
-class Worker:
+class Worker(SavePuts):
     """The connector's worker side; vLLM's ``KVStoreConnector`` forwards its worker calls here."""
 
     def __init__(self, vllm_config: Any, cfg: ConnectorConfig, spec: PageSpec,
@@ -946,134 +942,6 @@ class Worker:
                 self.counters.save_put_s += time.perf_counter() - t0
                 self._save_mark("stored")
                 self._save_slots.release()
-
-    def _store(self, c: Client, ns: Namespace, chain: list[BlockHash], start: int, staged: StagedSave,
-               tokens: np.ndarray, pieces: Pieces = None, states: Pieces = None) -> int:
-        """Put ``staged`` (blocks ``start..`` of ``chain``), then a page with sliding layers'
-        window ``pieces`` and a page with recurrent layers' ``states`` (each under its full
-        block: ``HybridNamespaces.window_chain``, ``state_chain``)."""
-        if not self.spec.hybrid:
-            return self._put_blocks(c, ns, chain, start, staged, tokens)
-        hyb = HybridNamespaces.of(ns)
-        new = 0
-        if hyb.full is not None and staged.num_blocks:
-            new = self._put_blocks(c, hyb.full, chain, start, staged, tokens)
-        for part, key_chain, got in ((hyb.window, hyb.window_chain, pieces), (hyb.state, hyb.state_chain, states)):
-            if got is None or part is None:
-                continue
-            which, rows = got
-            if rows.ready is not None:  # a GPU: the gather ran on the forward's stream
-                rows.ready.synchronize()
-            host = rows.rows.cpu()  # small (a window or a state per checkpoint): one plain copy
-            for k, j in enumerate(which):
-                kchain = key_chain(chain, j)
-                stored = c.put(part, kchain, host[k].numpy(), start=len(kchain) - 1)
-                if part is hyb.window:
-                    self.counters.saved_pieces += stored
-                else:
-                    self.counters.saved_states += stored
-        return new
-
-    def _put_blocks(self, c: Client, ns: Namespace, chain: list[BlockHash], start: int, staged: StagedSave,
-                    tokens: np.ndarray) -> int:
-        """Put ``staged`` (blocks ``start..`` of ``chain``): on the CPU from the staged rows (the
-        put copies them into the daemon); on a GPU, where the daemon on this node offers it, by
-        PUT_DEVICE (the daemon copies the staged rows from the device straight into its arena);
-        else from the device into this connection's staging segment (shared memory) or a pinned
-        buffer (TCP, UCX), piece by piece, each piece put while the next one crosses the link."""
-        saver = self.saver
-        assert saver is not None
-        if not self._cuda:
-            return c.put(ns, chain, staged.rows.view(-1).numpy(), start=start, tokens=tokens)
-        if c.plane == "shm" and self._device_puts and not c.info.get("put_device") and not self._said_staged:
-            self._said_staged = True
-            log.info("kvstore: saves go through the daemon's staging segment: the daemon cannot copy from "
-                     "GPU memory (%s)", c.info.get("put_device_unavailable", "an older daemon"))
-        if c.plane == "shm" and self._device_puts and c.info.get("put_device"):
-            try:
-                device, handle, offset, size = device_export(staged.rows)
-            except OSError as e:  # memory CUDA cannot export: the staging segment from now on
-                self._device_puts = False
-                log.info("kvstore: saves go through the daemon's staging segment (%s)", e)
-            else:
-                try:
-                    new = self._put_device(c, ns, chain, start, staged, device, handle, offset, size)
-                    self.counters.device_puts += 1
-                    return new
-                except UsageError as e:  # refused, nothing stored: the staging segment from now on
-                    self._device_puts = False
-                    log.warning("kvstore: the daemon refused a save from GPU memory (%s); saves go through "
-                                "its staging segment", e)
-        bb, new = ns.block_bytes, 0
-        if c.plane == "shm":
-            seg, host = self._segment(c)
-
-            def put(a: int, b: int, off: int) -> None:
-                nonlocal new
-                new += c.put_staged(ns, chain[: start + b], seg, start=start + a, offset=off)
-        else:
-            host = self._pinned_buffer()
-
-            bt = self.bt
-
-            def put(a: int, b: int, off: int) -> None:
-                nonlocal new
-                new += c.put(ns, chain[: start + b], host[off : off + (b - a) * bb].numpy(), start=start + a,
-                             tokens=tokens[a * bt : b * bt])
-
-        saver.drain(staged, host, put)
-        self.counters.staged_puts += 1
-        return new
-
-    def _put_device(self, c: Client, ns: Namespace, chain: list[BlockHash], start: int, staged: StagedSave,
-                    device: int, handle: bytes, offset: int, size: int) -> int:
-        """PUT_DEVICE of ``staged``: sent at once with its gather's event where the daemon waits
-        for one on its device (``put_device_event``: its reservation overlaps the gather), else
-        after the gather has landed."""
-        after = None
-        if staged.ready is not None and self._device_events and c.info.get("put_device_event"):
-            try:
-                after = staged.ready.ipc_handle()
-            except RuntimeError as e:  # an event CUDA cannot share: wait on the host from now on
-                self._device_events = False
-                log.info("kvstore: saves wait for their gather on the host (%s)", e)
-        if after is not None:
-            self._save_mark("sent")
-            try:
-                return c.put_device(ns, chain, start=start, device=device, handle=handle, offset=offset, size=size,
-                                    after=after)
-            except UsageError as e:  # the daemon could not wait for it: nothing stored
-                self._device_events = False
-                log.warning("kvstore: the daemon refused a save's CUDA event (%s); saves wait for their gather "
-                            "on the host", e)
-        if staged.ready is not None:
-            staged.ready.synchronize()  # the gather has landed before the daemon reads it
-        self._save_mark("gathered")
-        return c.put_device(ns, chain, start=start, device=device, handle=handle, offset=offset, size=size)
-
-    def _save_mark(self, what: str) -> None:
-        """A point of the saver thread's current save (``last_save_marks``)."""
-        self.last_save_marks.append((what, time.perf_counter() - self._save_t0))
-
-    def _segment(self, c: Client) -> tuple[Any, torch.Tensor]:
-        """This connection's staging segment on the daemon and its view, registered with CUDA
-        once per segment (a new connection has a new one)."""
-        limit = int(c.info.get("max_staging_bytes", 0))
-        want = min(limit, max(2 * self.cfg.piece_bytes, self.spec.block_bytes))
-        seg = c.staging(want)
-        if self._sink is None or self._sink[0] is not seg:
-            if self._sink is not None:
-                unregister_host(self._sink[1])
-            view = torch.frombuffer(seg.buf, dtype=torch.uint8)
-            register_host(view)
-            self._sink = (seg, view)
-        return self._sink
-
-    def _pinned_buffer(self) -> torch.Tensor:
-        if self._pinned is None:
-            n = max(2 * self.cfg.piece_bytes, self.spec.block_bytes)
-            self._pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        return self._pinned
 
     def flush(self) -> None:
         """Wait until every submitted save has run (tests, shutdown)."""
