@@ -813,18 +813,23 @@ class StoreEvents:
             event = "demoted"
         self.log.block(event, key, tier=self._tiers[k], size=size, depth=depth)
 
+    def _changes_of(self, kind: str, keys: Sequence[bytes], k: int) -> None:
+        """Changes of one ``kind`` to ``keys`` on tier (or mask) ``k``, for the sinks."""
+        if not self.sinks:
+            return
+        for key in keys:
+            run = self._run
+            if run is not None and run[1] == k and run[0] == kind:
+                run[2].append(key)
+            else:
+                self._change(kind, key, k)
+
     def placed_many(self, keys: Sequence[bytes], k: int, prior_masks: Sequence[int], size: int, depths: Sequence[int]) -> None:
         """:meth:`placed` of each key (``size`` bytes each) in order, in one call (one event
         log record for all of them)."""
         with self._lock:
             self._in[k] += size * len(keys)
-        if self.sinks:
-            for key in keys:
-                run = self._run
-                if run is not None and run[1] == k and run[0] == "p":
-                    run[2].append(key)
-                else:
-                    self._change("p", key, k)
+        self._changes_of("p", keys, k)
         if self.log is not None:
             low, tier = (1 << (k + 1)) - 1, self._tiers[k]
             self.log.blocks([("stored" if not prior else "promoted" if not prior & low else "demoted",
@@ -833,13 +838,7 @@ class StoreEvents:
 
     def dropped_many(self, keys: Sequence[bytes], mask: int, reason: str) -> None:
         """:meth:`dropped` of each key in order, in one call (one event log record for all)."""
-        if self.sinks:
-            for key in keys:
-                run = self._run
-                if run is not None and run[1] == mask and run[0] == "d":
-                    run[2].append(key)
-                else:
-                    self._change("d", key, mask)
+        self._changes_of("d", keys, mask)
         if self.log is not None and keys:
             tier = self._tiers[(mask & -mask).bit_length() - 1] if mask else ""
             if reason == "expired":

@@ -45,7 +45,11 @@ class SavePuts:
     _pinned: torch.Tensor | None
     _save_t0: float
     last_save_marks: list[tuple[str, float]]
-    _cuda: bool  # (the worker's property: its pages are on a GPU)
+
+    @property
+    def _cuda(self) -> bool:
+        """Whether the worker's pages are on a GPU (the worker's)."""
+        raise NotImplementedError
 
     def _store(self, c: Client, ns: Namespace, chain: list[BlockHash], start: int, staged: StagedSave,
                tokens: np.ndarray, pieces: Pieces = None, states: Pieces = None) -> int:
