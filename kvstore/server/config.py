@@ -16,6 +16,7 @@ Example (same file as ``[store]`` and ``[[tiers]]``)::
     handshake_timeout = "10s"   # a data connection's HELLO must arrive within this
     request_timeout = "30s"     # an HTTP request's head and body; the rest of a frame header
     lease_timeout = "5min"      # a shared-memory lease not released by then is taken back
+    put_device_timeout = "5s"   # a save from GPU memory waits this long for the engine's CUDA event
 
     [[tenants]]
     name = "team-a"
@@ -123,6 +124,10 @@ class Limits:
     the connection or the previous reply); so must the rest of a data-plane frame header."""
     lease_timeout_s: float = 300.0
     """A shared-memory lease (ACQUIRE) not released by then is released by the daemon."""
+    put_device_timeout_s: float = 5.0
+    """How long a PUT_DEVICE waits for its copies out of the engine's GPU memory (they wait for
+    the engine's CUDA event first); past it the save fails, nothing stored, and its arena slots
+    stay set aside until the copies are done."""
     max_lease_fraction: float = 0.5
     """Of the first tier (the arena), what one tenant's leases may hold at once (with more than
     one tenant)."""
@@ -151,7 +156,7 @@ class Limits:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"[server] {k} must be a positive integer, got {v!r}")
-        for k in ("handshake_timeout_s", "request_timeout_s", "lease_timeout_s"):
+        for k in ("handshake_timeout_s", "request_timeout_s", "lease_timeout_s", "put_device_timeout_s"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf"):
                 raise ConfigError(f"[server] {k.removesuffix('_s')} must be a positive duration like '10s', got {v!r}")
@@ -261,6 +266,7 @@ _LIMIT_KEYS: dict[str, tuple[str, Any]] = {
     "handshake_timeout": ("handshake_timeout_s", parse_duration),
     "request_timeout": ("request_timeout_s", parse_duration),
     "lease_timeout": ("lease_timeout_s", parse_duration),
+    "put_device_timeout": ("put_device_timeout_s", parse_duration),
     "max_lease_fraction": ("max_lease_fraction", float),
     "max_inflight_per_tenant": ("max_inflight_bytes_per_tenant", parse_size),
     "max_pins_per_tenant": ("max_pins_per_tenant", int),

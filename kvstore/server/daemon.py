@@ -138,9 +138,12 @@ class Daemon:
                 metrics.registry.register(service.kv_events.collector())
             gate = ConnectionGate(descriptor_budget(lim.max_connections, tickets + event_conns),
                                   lim.max_connections_per_peer, metrics.refused.inc)
+            copier = None
+            if arena_shm is not None and arena_shm.buf is not None:
+                copier = DeviceCopier(arena_shm.buf, lim.put_device_timeout_s)
+                metrics.put_device_quarantined.set_function(copier.quarantined_slots)
             ctx = DataContext(service, pool, metrics, arena_shm.buf if arena_shm else None, node_id(),
-                              gate, InflightBytes(lim.max_inflight_bytes_per_tenant), fds, arena_fd,
-                              DeviceCopier(arena_shm.buf) if arena_shm is not None and arena_shm.buf is not None else None)
+                              gate, InflightBytes(lim.max_inflight_bytes_per_tenant), fds, arena_fd, copier)
             planes: list[Any] = []
             tcp = TcpDataServer(ctx)
             data_port = tcp.adopt(tcp_sock)
@@ -225,6 +228,8 @@ class Daemon:
         while True:
             await asyncio.sleep(self.config.maintain_interval_s)
             try:
+                if ctx.devcopy is not None:  # PUT_DEVICE slots set aside whose copies have landed
+                    await ctx.run(ctx.devcopy.sweep)
                 await ctx.run(ctx.service.store.maintain)
                 await ctx.run(_log_usage, ctx.service.store)
                 await ctx.run(ctx.service.refresh_usage)

@@ -39,9 +39,9 @@ import numpy as np
 
 from kvstore.api import Lease
 from kvstore.block import payload_checksum
-from kvstore.errors import error_kind
+from kvstore.errors import UsageError, error_kind
 from kvstore.server.config import is_loopback
-from kvstore.server.devcopy import DeviceCopier
+from kvstore.server.devcopy import CopyTimeout, DeviceCopier
 from kvstore.server.limits import ConnectionGate, InflightBytes, peer_of, silent
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import AuthError, Service, Tenant, classify
@@ -656,7 +656,9 @@ class Session:
 
     async def _put_device(self, hdr: P.Header, meta: bytearray) -> None:
         """PUT_DEVICE (``kvstore.server.devcopy``): arena slots reserved for the new blocks,
-        filled by device-to-host DMAs from the client's exported GPU buffer, then committed."""
+        filled by device-to-host DMAs from the client's exported GPU buffer, then committed.
+        Copies past ``put_device_timeout`` fail the request with their slots set aside; a
+        tenant whose set-aside copies have not landed yet is refused until they have."""
         svc, t = self.ctx.service, self._shm_allowed()
         req = P.parse_put_device(meta, svc.limits.max_blocks)
         copier = self.ctx.devcopy
@@ -676,13 +678,26 @@ class Session:
             # The blocks' records are built while the DMAs run (Reservation.prepare): a commit
             # that built them under the store's lock took 18 ms for 2,048 blocks on an H100 host.
             marks.append(copier.copy(devices, req.device, req.handle, req.offset, req.size, bb, res.locations,
-                                     res.first - req.start, after=req.event, meanwhile=res.prepare))
+                                     res.first - req.start, after=req.event, meanwhile=res.prepare,
+                                     quarantine=res.quarantine, owner=t.name))
             marks.append(time.perf_counter())
             return int(res.num_blocks)
 
+        def put() -> int:
+            copier.sweep()  # the slots of earlier copies past their deadline that have landed since
+            if held := copier.quarantined_slots(t.name):
+                raise UsageError(
+                    f"PUT_DEVICE refused, nothing stored: an earlier save of tenant {t.name!r} passed its deadline "
+                    f"([server] put_device_timeout) and its copies, waiting on its CUDA event, still hold {held} "
+                    "arena slots; until its GPU work completes, save through PUT_SHM")
+            return svc.put_device(t, req.ns_id, req.hashes, req.start, fill)
+
         t0 = time.perf_counter()
         try:
-            new = await self._call(svc.put_device, t, req.ns_id, req.hashes, req.start, fill)
+            new = await self._call(put)
+        except CopyTimeout as e:  # its slots stay set aside until the copies land (devcopy.sweep)
+            self.ctx.metrics.put_device_timeouts.inc()
+            raise RequestError(P.ErrorCode.BAD_REQUEST, f"PUT_DEVICE failed, nothing stored: {e}") from e
         except (OSError, ValueError) as e:  # a handle that does not open, a buffer too small
             raise RequestError(P.ErrorCode.BAD_REQUEST, f"PUT_DEVICE failed, nothing stored: {e}") from e
         if len(marks) == 3:

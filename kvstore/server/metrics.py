@@ -178,6 +178,14 @@ class Metrics:
             "memory issued), wait (until they landed), commit",
             ["phase"], buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.put_device_timeouts = Counter(
+            "kvstore_put_device_timeouts",
+            "PUT_DEVICEs failed at put_device_timeout (the engine's CUDA event had not completed): their "
+            "arena slots are set aside until the copies land", registry=r)
+        self.put_device_quarantined = Gauge(
+            "kvstore_put_device_quarantined_slots",
+            "Arena slots set aside for PUT_DEVICE copies past their deadline that have not landed yet",
+            registry=r)
         self.requests = Counter("kvstore_requests", "Requests by outcome", ["plane", "op", "outcome"], registry=r)
         self.bytes = Counter("kvstore_bytes", "Payload bytes moved", ["plane", "direction"], registry=r)
         self.connections = Gauge("kvstore_connections", "Open data-plane connections", ["plane"], registry=r)

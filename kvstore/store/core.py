@@ -502,14 +502,25 @@ class KVStore:
             if not ahead:
                 ahead[:] = storer.slot_metas(plan, first, len(slots))
 
-        def finish(count: int) -> int:
+        def finish(count: int, free: bool = True) -> int:
             with self._lock, self.events.batch(put_tokens, info.namespace, hashes):  # (the new copies)
-                storer.commit(plan, first, slots, count, ahead or None)
+                storer.commit(plan, first, slots, count, ahead or None, free=free)
             return plan.new
+
+        def set_aside() -> Callable[[], None]:
+            finish(0, free=False)
+            held = list(slots)
+
+            def release() -> None:
+                with self._lock:
+                    tier.free_slots(held)
+                    held.clear()
+
+            return release
 
         return Reservation(tier.shm_name, first, plan.stored_to, tuple((off, bb) for off in slots),
                            lambda: [tier.slot_view(off, bb) for off in slots], finish, prepare,
-                           orphaned=self._orphaned.append)
+                           orphaned=self._orphaned.append, set_aside=set_aside)
 
     def _abort_orphans(self) -> None:
         """Abort the reservations dropped without a commit or an abort since the last call: their

@@ -331,11 +331,12 @@ class Storer:
         return _chain_metas(plan.info, plan.hashes, first, [CHECKSUM_DEFERRED] * count, plan.now)
 
     def commit(self, plan: StorePlan, first: int, slots: list[int], count: int,
-               metas: list[BlockMeta] | None = None) -> None:
+               metas: list[BlockMeta] | None = None, *, free: bool = True) -> None:
         """Under the lock: publish the leading ``count`` reserved slots (their payloads are
         written) as the chain's blocks ``first, first+1, ...``, and give the rest back; then
         :meth:`complete_store` as after a put. ``metas``: :meth:`slot_metas` of ``count``
-        blocks at least, built ahead (else built here)."""
+        blocks at least, built ahead (else built here). ``free=False`` keeps the rest allocated
+        (a quarantine: the caller frees them once no copy can still write them)."""
         hashes, ids, now = plan.hashes, plan.ids, plan.now
         tier, bb = self._arena(), plan.info.block_bytes
         self.writing.difference_update(ids[first : first + len(slots)])
@@ -349,7 +350,8 @@ class Storer:
                 plan.new, plan.stored_to = count, b
                 self.ledger.counters.put_blocks += count
         finally:
-            tier.free_slots(slots)
+            if free:
+                tier.free_slots(slots)
             self.complete_store(plan)
 
     # ---- durability -------------------------------------------------------------------------------

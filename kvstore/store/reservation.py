@@ -27,13 +27,16 @@ class Reservation:
     chain stays pinned. A reservation dropped without either is aborted by the store at its next
     ``reserve``, ``put``, ``stats`` or ``close`` (counted in ``abandoned_reservations``): its
     finalizer only hands it over (``orphaned``), so no store code runs inside the collector.
+    A writer that cannot tell whether its copies into the slots have landed (a DMA queued behind
+    an event that has not completed) ends it with :meth:`quarantine` instead of :meth:`abort`.
     Not thread-safe: one owner.
     """
 
     def __init__(self, arena: str, first: int, stored: int, locations: tuple[tuple[int, int], ...],
                  views: Callable[[], list[memoryview]], finish: Callable[[int], int],
                  prepare: Callable[[], None] | None = None,
-                 orphaned: Callable[[Callable[[int], int]], None] | None = None) -> None:
+                 orphaned: Callable[[Callable[[int], int]], None] | None = None,
+                 set_aside: Callable[[], Callable[[], None]] | None = None) -> None:
         self.arena = arena
         """The shared-memory arena's name (:func:`kvstore.shm.attach_arena`)."""
         self.first = first
@@ -45,6 +48,7 @@ class Reservation:
         self._views = views
         self._finish = finish
         self._prepare = prepare
+        self._set_aside = set_aside
         self.done = False
         """Committed or aborted."""
         self._orphan: weakref.finalize | None = None
@@ -87,6 +91,19 @@ class Reservation:
         if not self.done:
             self._settled()
             self._finish(0)
+
+    def quarantine(self) -> Callable[[], None]:
+        """Commit nothing, as :meth:`abort` (the chain is unpinned, no block of it is stored), but
+        keep the slots out of the allocator: copies into them may still be in flight. Returns
+        the function that gives them back, to be called once nothing can write them any more
+        (a second call does nothing); until then no reservation or put gets them and no read
+        finds them."""
+        if self.done:
+            raise UsageError("this reservation is committed or aborted already")
+        if self._set_aside is None:
+            raise UsageError("this reservation has no slots to set aside")
+        self._settled()
+        return self._set_aside()
 
     def _settled(self) -> None:
         self.done = True

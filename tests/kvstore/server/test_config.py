@@ -18,6 +18,7 @@ root = "{root}"
 http_port = 8000
 max_body = "1MiB"
 maintain_interval = "1min"
+put_device_timeout = "2.5s"
 
 [[tenants]]
 name = "team-a"
@@ -39,6 +40,7 @@ def test_load_from_the_store_file(tmp_path: Path) -> None:
     cfg = load_server_config(path, env=env)
     assert (cfg.http_port, cfg.data_port, cfg.maintain_interval_s) == (8000, 9001, 60.0)
     assert cfg.limits.max_body_bytes == 1 << 20
+    assert cfg.limits.put_device_timeout_s == 2.5
     a, ops = cfg.tenants
     assert (a.name, a.quota_bytes, a.allow_shm, a.admin) == ("team-a", 2 << 30, True, False)
     assert ops.admin and not ops.allow_shm
@@ -54,6 +56,7 @@ def test_load_from_the_store_file(tmp_path: Path) -> None:
         ("[server]\nhttp_port = 70000\n", {}, "outside"),
         ("[server]\nbogus = 1\n", {}, "unknown key"),
         ('[server]\nmax_body = "lots"\n', {}, "size"),
+        ('[server]\nput_device_timeout = "0s"\n', {}, "put_device_timeout must be a positive duration"),
         ('[[tenants]]\nname = "a"\ntoken_env = "NOPE"\n', {}, "NOPE"),
         ('[[tenants]]\nname = "a"\n', {}, "needs token"),
         ('[[tenants]]\nname = "default"\ntoken = "0123456789abcdefg"\n', {}, "reserved"),

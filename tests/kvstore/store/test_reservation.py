@@ -264,3 +264,27 @@ def test_settled_reservations_are_not_counted_as_abandoned(make_store: Make) -> 
     gc.collect()
     assert store.stats()["abandoned_reservations"] == 0
     assert store.lookup(SMALL_NS, a).num_blocks == 2 and store.lookup(SMALL_NS, b).num_blocks == 0
+
+
+def test_a_quarantined_reservation_stores_nothing_and_keeps_its_slots_until_released(make_store: Make) -> None:
+    """PUT_DEVICE after a deadline: the copies may still land in the slots, so nothing is
+    committed and the chain is free again, but the slots go to no other put until released."""
+    store = make_store(tiers=dram_only(8))
+    chain = chain_for(44, 6)
+    res = store.reserve(SMALL_NS, chain)
+    taken = {off for off, _ in res.locations}
+    release = res.quarantine()
+    assert res.done and store.lookup(SMALL_NS, chain).num_blocks == 0
+    with pytest.raises(UsageError, match="already"):
+        res.commit()
+    assert used(store) == 6 * BB
+    other = chain_for(45, 8)
+    again = store.reserve(SMALL_NS, other)  # only the 2 free slots: none of the quarantined ones
+    assert again.num_blocks == 2 and taken.isdisjoint(off for off, _ in again.locations)
+    again.abort()
+    assert store.put(SMALL_NS, chain, [payload(h) for h in chain]) == 2  # the chain is not pinned
+    release()
+    release()  # (once)
+    assert used(store) == 2 * BB
+    assert store.put(SMALL_NS, other, [payload(h) for h in other]) == 8
+    assert served(store, other) == 8
