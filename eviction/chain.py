@@ -32,9 +32,17 @@ are short beside the cache) no pair is ever made and the last tier is LRU exactl
 or promoted by a hit) keep up to ``protected`` of the tier in their own LRU list; blocks never
 read, and read ones pushed out of that share, form the other list, which goes down first. A
 conversation's shared prefixes and continued turns then stay in DRAM ahead of one-off requests,
-in O(1) per event (``protected = 0``: plain LRU). With ``tails`` (opt-in) a block never read
-that enters with no cached child, a put's tail (often a request's partial last block, rarely
-read again), joins the unread ones at their old end.
+in O(1) per event (``protected = 0``: plain LRU). Once ``settle`` blocks have left the tier (a
+store with traffic to speak of), two kinds of block of a short chain join the unread ones at
+their old end, so that they go down first: a block never read that enters with no cached child
+(a put's tail, often a request's partial last block, rarely read again), and a block read just
+once that the protected share pushes out (a conversation turn read by the next turn and not
+since), the second only while such blocks come back to the tier less often than unread blocks
+that have children. A block at depth ``1/short`` of the tier's blocks or deeper keeps the
+segmented LRU's order: long chains (agent sessions) take turns through the cache, and the deep
+end of one is read again with the rest of it. Before that (a small store, the scenario tests)
+the order is the plain segmented LRU's. With ``tails`` the first rule holds from the start, at
+every depth, and the second never.
 
 Costs: one more dictionary entry and one more heap push per event than LRU on the last tier; a
 pair is made at most once per change of the two candidates and resolved with one hash look-up
@@ -81,7 +89,16 @@ class ChainConfig:
     tails: bool = False
     """Upper tiers: a block never read that enters with no cached child (the tail of a put:
     often a request's partial last block, rarely read again) joins the unread ones at their old
-    end instead of their young end."""
+    end instead of their young end, from the start and at every depth (``settle`` is then not
+    used)."""
+    settle: int = 4096
+    """Upper tiers: once this many blocks have left the tier, put tails (as ``tails``) and,
+    while they come back less than unread inner blocks, blocks read once that the protected
+    share pushes out join the unread ones at their old end, if shallower than ``short`` allows;
+    0: from the start; negative: never."""
+    short: float = 64.0
+    """Upper tiers: the ``settle`` rules leave alone a block whose depth is at least
+    ``1/short`` of the tier's resident blocks (a long chain's); 0: no block is left alone."""
     adapt: bool = True
     """False: take the exception wherever it applies, without the comparison (for analysis)."""
 
@@ -91,6 +108,7 @@ class ChainConfig:
             (self.patience > 0, "patience must be > 0", self.patience),
             (0.0 < self.memory <= 1.0, "memory must be in (0, 1]", self.memory),
             (self.pending >= 1, "pending must be >= 1", self.pending),
+            (self.short >= 0, "short must be >= 0", self.short),
         ):
             if not ok:
                 raise ConfigError(f"{rule}, got {value}")
@@ -106,6 +124,14 @@ class ChainPolicy(LRUPolicy):
         super().__init__()
         self.config = config or ChainConfig()
         self._read: OrderedDict[int, None] = OrderedDict()  # upper tier: blocks read here, LRU first
+        self._left = 0  # upper tier: blocks that have left it, counted up to ``settle``
+        self._settled = self.config.settle == 0 and not self.config.tails
+        self._tails = self.config.tails or self._settled
+        # Blocks read once pushed out of the share, and unread inner blocks, lately moved down
+        # (hash -> which); how many of each came back, decayed: the once rule holds while
+        # the first come back less.
+        self._gone: tuple[OrderedDict[bytes, None], OrderedDict[bytes, None]] = (OrderedDict(), OrderedDict())
+        self._back_n = [0.0, 0.0]
         self._when: dict[int, tuple[float, float, int]] = {}  # last tier: (last touch, typical gap, depth)
         self._back: list[tuple[float, int, int]] = []  # (-(expected return), stamp, bid), lazily
         self._fresh: list[tuple[int, int]] = []  # (bid, stamp) offered at the latest time
@@ -179,8 +205,14 @@ class ChainPolicy(LRUPolicy):
             view, order, read = self._view, self._order, self._read
             share = self.config.protected
             was_read = view.hits[arr].tolist() if view is not None and share > 0 else [0] * arr.size
-            tails = self.config.tails and view is not None
+            tails = self._tails and view is not None
+            if self._settled:
+                for bid in arr.tolist():
+                    self._came_back(bid)
             young = (view.children[arr] != 0).tolist() if tails else [True] * arr.size  # type: ignore[union-attr]
+            if tails and self._settled and self.config.short > 0:  # a long chain's tail: the young end
+                deep = len(order) + len(read) + arr.size
+                young = [y or d * self.config.short >= deep for y, d in zip(young, view.depth[arr].tolist(), strict=True)]  # type: ignore[union-attr]
             for bid, hit, y in zip(arr.tolist(), was_read, young, strict=True):
                 if hit or bid in read:
                     order.pop(bid, None)
@@ -259,8 +291,21 @@ class ChainPolicy(LRUPolicy):
 
     def remove(self, bid: int) -> None:
         if not self._leaf_mode:
-            self._order.pop(bid, None)
-            self._read.pop(bid, None)
+            if self._settled and bid in self._order and self._view is not None:
+                view = self._view
+                h = int(view.hits[bid])
+                side = 0 if h == 1 else 1 if h == 0 and view.children[bid] else -1
+                key = self._hash(bid) if side >= 0 else None
+                if key is not None:
+                    gone = self._gone[side]
+                    gone[key] = None
+                    if len(gone) > max(1, (len(self._order) + len(self._read)) // 10):
+                        gone.popitem(last=False)
+            resident = self._order.pop(bid, 0) is None or self._read.pop(bid, 0) is None
+            if resident and not self._settled and not self.config.tails:
+                self._left += 1
+                if self._left == self.config.settle:
+                    self._settled = self._tails = True
             return
         if bid in self._by_id:
             pid, side = self._by_id.pop(bid)
@@ -282,16 +327,31 @@ class ChainPolicy(LRUPolicy):
 
     # ---- upper tiers: a segmented LRU ------------------------------------------------------------
 
+    def _came_back(self, bid: int) -> None:
+        key = self._hash(bid)
+        for side in (0, 1):
+            if key is not None and self._gone[side].pop(key, 0) is None:
+                n = self._back_n
+                n[0] *= 0.999
+                n[1] *= 0.999
+                n[side] += 1.0
+
     def _enter(self, bid: int) -> None:
         """A block stored here: with the read ones if it was ever read (a promotion), else at
         the young end of the unread ones."""
         view = self._view
+        if self._settled:
+            self._came_back(bid)
         if bid in self._read or (view is not None and self.config.protected > 0 and view.hits[bid]):
             self._order.pop(bid, None)
             self._protect(bid)
         else:
-            self._order[bid] = None
-            self._order.move_to_end(bid, last=not (self.config.tails and view is not None and not view.children[bid]))
+            order = self._order
+            order[bid] = None
+            tail = self._tails and view is not None and not view.children[bid]
+            if tail and self._settled and self.config.short > 0:  # a long chain's tail: the young end
+                tail = view.depth[bid] * self.config.short < len(order) + len(self._read)  # type: ignore[union-attr]
+            order.move_to_end(bid, last=not tail)
 
     def _protect(self, bid: int) -> None:
         read = self._read
@@ -302,9 +362,14 @@ class ChainPolicy(LRUPolicy):
     def _trim(self) -> None:
         read, order = self._read, self._order
         limit = self.config.protected * (len(read) + len(order))
+        n, view = self._back_n, self._view
+        once = self._settled and view is not None and n[0] < n[1]
+        deep = (len(read) + len(order)) / self.config.short if self.config.short > 0 else math.inf
         while len(read) > limit and read:
             old, _ = read.popitem(last=False)  # the least recently read joins the unread
             order[old] = None
+            if once and view.hits[old] <= 1 and view.depth[old] < deep:  # type: ignore[union-attr]
+                order.move_to_end(old, last=False)  # read once and not since: it goes first
 
     def _compact_back(self) -> None:
         stamp, held = self._stamp, self._held

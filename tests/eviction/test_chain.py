@@ -153,7 +153,7 @@ def test_short_chains_are_ordered_exactly_as_lru(seed: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "options", [{"chains": 0}, {"patience": 0}, {"memory": 0}, {"memory": 1.5}, {"pending": 0}])
+    "options", [{"chains": 0}, {"patience": 0}, {"memory": 0}, {"memory": 1.5}, {"pending": 0}, {"short": -1}])
 def test_config_is_validated(options: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         build_config(ChainConfig, options, "chain")
@@ -218,3 +218,153 @@ def test_upper_tier_with_tails_a_put_s_tail_joins_the_unread_ones_at_their_old_e
     assert list(pol.candidates()) == [b[1], a[2], a[1], a[0], b[0]]
     pol.touch(b[1], 2.0)  # read: with the read ones, as without tails
     assert list(pol.candidates()) == [a[2], a[1], a[0], b[0], b[1]]
+
+
+def _settled(**options: object) -> tuple[ChainPolicy, FakeView]:
+    view = FakeView()
+    pol = ChainPolicy(build_config(ChainConfig, {"settle": 0, **options}, "chain"))
+    pol.bind(view, UPPER)
+    return pol, view
+
+
+def _inner(view: FakeView, bid: int) -> int:
+    """A block with a cached child (on another tier): not a put's tail."""
+    view.add(bid)
+    view.add(bid + 1000, bid)
+    return bid
+
+
+def _read_once(pol: ChainPolicy, view: FakeView, bids: list[int], now: float) -> None:
+    for b in bids:
+        view.hits[b] += 1  # (the index counts the load; the policy is told by touch)
+        pol.touch(b, now)
+
+
+def test_upper_tier_before_settling_the_order_is_the_segmented_lru_s() -> None:
+    """Until ``settle`` blocks have left the tier a lone block enters at the young end; then at
+    the old end (a put's tail)."""
+    view = FakeView()
+    pol = ChainPolicy(ChainConfig(settle=2))
+    pol.bind(view, UPPER)
+    for b in range(3):
+        pol.insert(view.add(b), 4096, float(b))
+    assert list(pol.candidates()) == [0, 1, 2]
+    pol.remove(0)
+    pol.remove(1)  # two blocks have left: settled
+    pol.insert(view.add(3), 4096, 3.0)
+    assert list(pol.candidates()) == [3, 2]
+
+
+def test_upper_tier_a_block_read_once_pushed_out_goes_first_while_such_blocks_come_back_less() -> None:
+    def setup(evidence: bool) -> list[int]:
+        pol, view = _settled(protected=0.5)
+        if evidence:  # an unread inner block moved down came back; no block read once did
+            pol.insert(_inner(view, 100), 4096, 0.0)
+            pol.remove(100)
+            pol.insert(100, 4096, 0.5)
+        for b in range(6):
+            pol.insert(_inner(view, b), 4096, float(b))
+        _read_once(pol, view, [0, 1, 2], 10.0)
+        _read_once(pol, view, [3], 11.0)  # four read, room for three (or 3.5): 0 is pushed out
+        return list(pol.candidates())
+
+    assert setup(evidence=False) == [4, 5, 0, 1, 2, 3]  # no evidence: the young end of the unread
+    assert setup(evidence=True) == [0, 100, 4, 5, 1, 2, 3]  # read once and not since: first
+
+
+def _evidence_then_push_out(pol: ChainPolicy, view: FakeView, deep0: int) -> list[int]:
+    """An unread inner block moved down came back (the once rule holds); six inner blocks, 0 at
+    depth ``deep0``; 0, 1, 2 and then 3 read once: 0 is pushed out of the share."""
+    pol.insert(_inner(view, 100), 4096, 0.0)
+    pol.remove(100)
+    pol.insert(100, 4096, 0.5)
+    for b in range(6):
+        pol.insert(_inner(view, b), 4096, float(b))
+    view.depth[0] = deep0
+    _read_once(pol, view, [0, 1, 2], 10.0)
+    _read_once(pol, view, [3], 11.0)
+    return list(pol.candidates())
+
+
+def test_upper_tier_a_long_chain_s_block_read_once_keeps_its_place() -> None:
+    """Seven blocks resident, ``short = 2``: a block at depth 3.5 or deeper is a long chain's."""
+    pol, view = _settled(protected=0.5, short=2.0)
+    assert _evidence_then_push_out(pol, view, 3) == [0, 100, 4, 5, 1, 2, 3]  # shallow: first
+    pol, view = _settled(protected=0.5, short=2.0)
+    assert _evidence_then_push_out(pol, view, 4) == [100, 4, 5, 0, 1, 2, 3]  # deep: the young end
+    pol, view = _settled(protected=0.5, short=0.0)
+    assert _evidence_then_push_out(pol, view, 4000) == [0, 100, 4, 5, 1, 2, 3]  # short = 0: any depth
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_upper_tier_a_long_chain_s_tail_enters_at_the_young_end(batch: bool) -> None:
+    """Settled, ``short = 2``: a lone block (depth 0) is a put's tail, at the old end; the tail
+    of a chain at depth 2 with 4 blocks resident is a long chain's, at the young end."""
+    pol, view = _settled(short=2.0)
+    pol.insert(view.add(10), 4096, 0.0)
+    chain = _chain(view, 20, 3)
+    if batch:
+        pol.insert_many(np.array(chain), np.full(3, 4096), 1.0)
+    else:
+        for b in chain:
+            pol.insert(b, 4096, 1.0)
+    assert list(pol.candidates()) == [10, 20, 21, 22]
+    pol, view = _settled(short=4.0)  # depth 1 or deeper is long: a lone block still is not
+    pol.insert(view.add(10), 4096, 0.0)
+    pol.insert(view.add(11), 4096, 0.0)
+    assert list(pol.candidates()) == [11, 10]
+
+
+def test_upper_tier_with_tails_the_tail_rule_holds_at_every_depth_and_the_once_rule_never() -> None:
+    view = FakeView()
+    pol = ChainPolicy(ChainConfig(tails=True, settle=0, short=2.0, protected=0.5))
+    pol.bind(view, UPPER)
+    assert _evidence_then_push_out(pol, view, 0) == [100, 4, 5, 0, 1, 2, 3]  # pushed out: young end
+    pol.insert(view.add(10), 4096, 20.0)
+    chain = _chain(view, 30, 3)
+    for b in chain:
+        pol.insert(b, 4096, 21.0)
+    assert list(pol.candidates())[:2] == [32, 10]  # tails, deep or not, at the old end
+
+
+def test_upper_tier_the_once_rule_stays_off_while_blocks_read_once_come_back_more() -> None:
+    pol, view = _settled(protected=0.5)
+    for b in range(4):
+        pol.insert(_inner(view, b), 4096, float(b))
+    _read_once(pol, view, [0, 1, 2], 10.0)  # 0 pushed out, at the young end of the unread
+    assert list(pol.candidates()) == [3, 0, 1, 2]
+    pol.remove(0)  # read once, moved down ...
+    pol.insert(0, 4096, 11.0)  # ... and back (a promotion): with the read ones
+    for b in range(10, 13):
+        pol.insert(_inner(view, b), 4096, float(b))
+    _read_once(pol, view, [10, 11, 12], 20.0)
+    order = list(pol.candidates())
+    assert order.index(3) < order.index(1)  # pushed-out blocks read once joined the young end
+
+
+@pytest.mark.parametrize("short", [64.0, 2.0])
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("ipteb"), st.integers(0, 23)), max_size=150))
+def test_upper_tier_settled_every_resident_block_is_offered_once(short: float, ops: list[tuple[str, int]]) -> None:
+    """Whatever the rules do to the order (``short = 2``: deep blocks of the chains of four
+    left alone), the candidates are the resident blocks, each once."""
+    pol, view = _settled(protected=0.4, short=short)
+    for b in range(24):
+        view.add(b, b - 1 if b % 4 else -1)  # chains of four
+    resident: set[int] = set()
+    for t, (op, b) in enumerate(ops):
+        if op == "i" and b not in resident:
+            pol.insert(b, 4096, float(t))
+            resident.add(b)
+        elif op == "p" and b not in resident:
+            view.hits[b] += 1  # a promotion of a block read below
+            pol.insert_many(np.array([b]), np.array([4096]), float(t))
+            resident.add(b)
+        elif op == "t" and b in resident:
+            view.hits[b] += 1
+            pol.touch_many([b], float(t))
+        elif op in "eb" and b in resident:
+            pol.remove(b)
+            resident.discard(b)
+        order = list(pol.candidates())
+        assert sorted(order) == sorted(resident) and len(pol) == len(resident)
