@@ -300,6 +300,10 @@ def decode_key(text: str) -> int:
 
 _FLUSH = "flush"
 _STOP = "stop"
+COALESCE_S = 0.05
+"""The writer waits this long after a record wakes it (or until a flush or close) before it
+formats what has come: the work of formatting a put's records then falls after the request
+that made them, not in its commit (the daemon's threads share one interpreter)."""
 
 
 class EventLog:
@@ -336,6 +340,8 @@ class EventLog:
         self._header = {"type": "header", "v": FORMAT_VERSION, "source": source,
                         "host": socket.gethostname(), "pid": os.getpid(), "tiers": list(tiers)}
         self._q: queue.Queue[tuple[Any, ...]] = queue.Queue(self.config.queue)
+        self._urgent = threading.Event()
+        """Set by :meth:`flush` and :meth:`close`: the writer stops coalescing (:data:`COALESCE_S`)."""
         self._namespaces: dict[str, dict[str, Any]] = {}  # ns hex -> record: re-sent in each file
         self._lock = threading.Lock()
         self._counts = Counter[str]()
@@ -447,6 +453,7 @@ class EventLog:
             return False
         done = threading.Event()
         self._q.put((_FLUSH, done))  # blocking put: a flush marker is never dropped
+        self._urgent.set()
         return done.wait(timeout)
 
     def close(self) -> None:
@@ -456,6 +463,7 @@ class EventLog:
         self._closed = True
         if self._thread.is_alive():
             self._q.put((_STOP,))
+            self._urgent.set()
             self._thread.join(30.0)
 
     def stats(self) -> dict[str, Any]:
@@ -505,6 +513,9 @@ class EventLog:
         stop = False
         while not stop:
             items = [self._q.get()]
+            if items[0][0] not in (_FLUSH, _STOP):
+                self._urgent.wait(COALESCE_S)  # let the request that logged it finish first
+            self._urgent.clear()  # (a flush or close from now on is drained below, or wakes the next get)
             with contextlib.suppress(queue.Empty):
                 while len(items) < 4096:
                     items.append(self._q.get_nowait())

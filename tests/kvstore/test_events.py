@@ -66,6 +66,31 @@ def test_records_round_trip_with_hashes_as_bytes_or_ints(tmp_path: Path) -> None
     assert [r["type"] for r in later] == ["header", "namespace", "request"]
 
 
+def test_blocks_go_as_one_record_and_a_flush_cuts_the_writers_wait_short(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``blocks`` queues many block events as one record, written as one line each, in order,
+    exactly as ``block`` writes them; the writer waits ``COALESCE_S`` after a record wakes it
+    (an hour here), and ``flush`` and ``close`` end that wait."""
+    monkeypatch.setattr("kvstore.events.COALESCE_S", 3600.0)
+    clock = FakeClock()
+    chain = chain_for(2, 3)
+    log = EventLog(tmp_path, clock=clock, tiers=["dram"])
+    log.blocks([("stored", chain[0], "dram", BB, "", 0), ("stored", chain[1], "dram", BB, "", 1),
+                ("evicted", chain[2], "dram", 0, "capacity:lru", None)])
+    log.block("expired", chain[0], tier="dram")
+    assert log.flush(timeout=60.0)
+    assert log.stats()["written"] == 4
+    with pytest.raises(ValueError, match="not one of"):
+        log.blocks([("gone", chain[0], "dram", 0, "", None)])
+    log.block("stored", chain[2], tier="dram", size=BB, depth=2)
+    log.close()  # (also ends the writer's wait)
+    recs = [r for r in read_events(tmp_path) if r["type"] == "block"]
+    assert [(r["event"], r.get("depth"), r.get("reason")) for r in recs] == [
+        ("stored", 0, None), ("stored", 1, None), ("evicted", None, "capacity:lru"), ("expired", None, None),
+        ("stored", 2, None)]
+    assert [bytes.fromhex(r["h"]) for r in recs] == [short_key(h) for h in (*chain, chain[0], chain[2])]
+
+
 def test_rotation_by_size_and_by_age_and_retention(tmp_path: Path) -> None:
     clock = FakeClock()
     cfg = EventsConfig(enabled=True, max_bytes=200, max_age_s=60, retain_bytes=0, level=1)
