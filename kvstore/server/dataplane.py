@@ -411,8 +411,17 @@ class Session:
         if shm:
             assert fds is not None
             # The arena has no name to open: a read-only descriptor, fetched with this ticket.
-            info["shm_socket"] = fds.address
-            info["arena_ticket"] = fds.offer([self.ctx.arena_fd], self.tenant.name, (id(self), "arena")).hex()
+            try:
+                ticket = fds.offer([self.ctx.arena_fd], self.tenant.name, (id(self), "arena"))
+            except OSError as e:  # out of descriptors (EMFILE): this connection goes without the arena
+                log.warning("a %s connection of tenant %r gets no shared memory (%s): it moves its blocks "
+                            "over the socket; raise the daemon's descriptor limit (LimitNOFILE)",
+                            self.ch.plane, self.tenant.name, e)
+                info.update(arena=None, put_device=False, put_device_event=False)
+                info.pop("put_device_unavailable", None)
+            else:
+                info["shm_socket"] = fds.address
+                info["arena_ticket"] = ticket.hex()
         await self._reply(hdr.req_id, json.dumps(info).encode())
 
     def _shm_allowed(self) -> Tenant:

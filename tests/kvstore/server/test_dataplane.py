@@ -113,6 +113,35 @@ def test_shared_memory_needs_the_tenants_grant(start_daemon: Callable[..., Threa
         assert a.plane == "shm"
 
 
+def test_a_daemon_out_of_descriptors_serves_a_shared_memory_client_over_the_socket(
+    start_daemon: Callable[..., ThreadedDaemon], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The arena's descriptor cannot be copied for a client (EMFILE: the daemon is at its
+    descriptor limit): HELLO still succeeds, without the arena, and the client moves its blocks
+    over the socket; once descriptors are free again, a new client gets the arena."""
+    import errno
+
+    from kvstore.wire.fdpass import FdServer
+
+    d = start_daemon(TENANTS)
+    offer = FdServer.offer
+
+    def no_descriptors(*a: object, **k: object) -> bytes:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(FdServer, "offer", no_descriptors)
+    chain = chain_for(5, 3)
+    with connect(d.url, token=TOKEN_A) as a:
+        assert a.plane == "tcp" and not a.info["arena"] and not a.info["put_device"]
+        a.put(SMALL_NS, chain, [payload(x) for x in chain])
+        out = np.zeros(3 * BB, np.uint8)
+        assert a.get_into(SMALL_NS, chain, out) == 3
+        assert out.tobytes() == b"".join(payload(x) for x in chain)
+    monkeypatch.setattr(FdServer, "offer", offer)
+    with connect(d.url, token=TOKEN_A) as a:
+        assert a.plane == "shm"
+
+
 def test_leases_of_a_closed_connection_are_released(start_daemon: Callable[..., ThreadedDaemon]) -> None:
     d = start_daemon()
     chain = chain_for(2, 3)
