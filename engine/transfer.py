@@ -202,7 +202,6 @@ class PagedLoader:
             return DeviceLoad([None] * num_layers)
         plan = tiles(n, num_layers, pb, max(self.piece_bytes, target.block_bytes), layer_group)
         if not self._cuda:
-            self.flush()
             return self._load_host(src, target, ids, first, on_layers, cancelled)
         copy, scat = self._copy, self._scatter
         if after is not None:

@@ -807,22 +807,7 @@ class StoreEvents:
         No copy before: *stored*; none as fast: *promoted*; a faster one exists: *demoted*
         (a write down a tier: demotion under pressure, a durable copy, persist on close).
         """
-        with self._lock:
-            self._in[k] += size
-        run = self._run
-        if run is not None and run[1] == k and run[0] == "p":
-            run[2].append(key)
-        elif self.sinks:
-            self._change("p", key, k)
-        if self.log is None:
-            return
-        if not prior_mask:
-            event = "stored"
-        elif not prior_mask & ((1 << (k + 1)) - 1):
-            event = "promoted"
-        else:
-            event = "demoted"
-        self.log.block(event, key, tier=self._tiers[k], size=size, depth=depth)
+        self.placed_many((key,), k, (prior_mask,), size, (depth,))
 
     def _changes_of(self, kind: str, keys: Sequence[bytes], k: int) -> None:
         """Changes of one ``kind`` to ``keys`` on tier (or mask) ``k``, for the sinks."""
@@ -835,7 +820,8 @@ class StoreEvents:
             else:
                 self._change(kind, key, k)
 
-    def placed_many(self, keys: Sequence[bytes], k: int, prior_masks: Sequence[int], size: int, depths: Sequence[int]) -> None:
+    def placed_many(self, keys: Sequence[bytes], k: int, prior_masks: Sequence[int], size: int,
+                    depths: Sequence[int | None]) -> None:
         """:meth:`placed` of each key (``size`` bytes each) in order, in one call (one event
         log record for all of them)."""
         with self._lock:
@@ -861,27 +847,11 @@ class StoreEvents:
     def dropped(self, key: bytes, mask: int, reason: str) -> None:
         """``key`` left the store: ``reason`` "capacity" (evicted by policy), "expired" or
         "deleted" (an operator's evict)."""
-        run = self._run
-        if run is not None and run[1] == mask and run[0] == "d":
-            run[2].append(key)
-        elif self.sinks:
-            self._change("d", key, mask)
-        if self.log is None:
-            return
-        tier = self._tiers[(mask & -mask).bit_length() - 1] if mask else ""
-        if reason == "expired":
-            self.log.block("expired", key, tier=tier)
-        else:
-            why = f"{reason}:{self._policy}" if reason == "capacity" else reason
-            self.log.block("evicted", key, tier=tier, reason=why)
+        self.dropped_many((key,), mask, reason)
 
     def copy_dropped(self, key: bytes, k: int) -> None:
         """Tier ``k`` no longer holds ``key`` (it moved down, or the copy was bad); other tiers may."""
-        run = self._run
-        if run is not None and run[1] == k and run[0] == "c":
-            run[2].append(key)
-        elif self.sinks:
-            self._change("c", key, k)
+        self._changes_of("c", (key,), k)
 
     def usage(self, tiers: Iterable[Mapping[str, Any]], *, store: Mapping[str, Any] | None = None) -> None:
         """Log how full each tier is (``KVStore.stats()["tiers"]``) and, given the store's

@@ -204,8 +204,6 @@ def layer_scales(vllm_config: Any, spec: PageSpec) -> str:
     return scales_digest(attention_layers(vllm_config, spec))
 
 
-
-
 @dataclass(slots=True)
 class ConnectorCounters:
     lookups: int = 0
@@ -462,7 +460,9 @@ class Worker(SavePuts):
             g.settle()
 
     def bind(self, meta: StepPlan) -> None:
-        self.handle_preemptions()  # (also here: an engine that binds first writes after binding)
+        # vLLM has called handle_preemptions already (nothing is left then); a driver that only
+        # binds still never lets the deferred gathers pile up.
+        self.handle_preemptions()
         self.meta = meta
         self.infos.update(meta.infos)
         for req_id in meta.infos:

@@ -673,8 +673,10 @@ class Session:
         copier = self.ctx.devcopy
         # Both on the loop once the runtime is loaded: a pool hop each cost a save two thread
         # wake-ups before its reservation.
-        ok = None if copier is None else copier.known()
-        if copier is None or not (ok if ok is not None else await self.ctx.run(copier.available)):
+        ok = copier.known() if copier is not None else False
+        if copier is not None and ok is None:  # (the first PUT_DEVICE: the runtime loads in the pool)
+            ok = await self.ctx.run(copier.available)
+        if copier is None or not ok:
             raise RequestError(P.ErrorCode.BAD_REQUEST,
                                "this daemon cannot copy from GPU memory (HELLO says put_device: false): use PUT_SHM")
         bb = self._inline(svc.block_bytes, t, req.ns_id)
