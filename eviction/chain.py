@@ -210,9 +210,9 @@ class ChainPolicy(LRUPolicy):
                 for bid in arr.tolist():
                     self._came_back(bid)
             young = (view.children[arr] != 0).tolist() if tails else [True] * arr.size  # type: ignore[union-attr]
-            if tails and self._settled and self.config.short > 0:  # a long chain's tail: the young end
-                deep = len(order) + len(read) + arr.size
-                young = [y or d * self.config.short >= deep for y, d in zip(young, view.depth[arr].tolist(), strict=True)]  # type: ignore[union-attr]
+            if tails and self._settled:  # a long chain's tail: the young end
+                resident = len(order) + len(read) + arr.size
+                young = [y or self._long_chain(d, resident) for y, d in zip(young, view.depth[arr].tolist(), strict=True)]  # type: ignore[union-attr]
             for bid, hit, y in zip(arr.tolist(), was_read, young, strict=True):
                 if hit or bid in read:
                     order.pop(bid, None)
@@ -327,6 +327,13 @@ class ChainPolicy(LRUPolicy):
 
     # ---- upper tiers: a segmented LRU ------------------------------------------------------------
 
+    def _long_chain(self, depth: int, resident: int) -> bool:
+        """Upper tiers: whether a block at ``depth`` belongs to a long chain, at ``1/short`` of
+        the tier's ``resident`` blocks or deeper: the ``settle`` rules leave it alone (the last
+        tier's own test is :meth:`_long`)."""
+        short = self.config.short
+        return short > 0 and depth * short >= resident
+
     def _came_back(self, bid: int) -> None:
         key = self._hash(bid)
         for side in (0, 1):
@@ -349,8 +356,8 @@ class ChainPolicy(LRUPolicy):
             order = self._order
             order[bid] = None
             tail = self._tails and view is not None and not view.children[bid]
-            if tail and self._settled and self.config.short > 0:  # a long chain's tail: the young end
-                tail = view.depth[bid] * self.config.short < len(order) + len(self._read)  # type: ignore[union-attr]
+            if tail and self._settled:  # a long chain's tail: the young end
+                tail = not self._long_chain(int(view.depth[bid]), len(order) + len(self._read))  # type: ignore[union-attr]
             order.move_to_end(bid, last=not tail)
 
     def _protect(self, bid: int) -> None:
@@ -364,11 +371,11 @@ class ChainPolicy(LRUPolicy):
         limit = self.config.protected * (len(read) + len(order))
         n, view = self._back_n, self._view
         once = self._settled and view is not None and n[0] < n[1]
-        deep = (len(read) + len(order)) / self.config.short if self.config.short > 0 else math.inf
+        resident = len(read) + len(order)
         while len(read) > limit and read:
             old, _ = read.popitem(last=False)  # the least recently read joins the unread
             order[old] = None
-            if once and view.hits[old] <= 1 and view.depth[old] < deep:  # type: ignore[union-attr]
+            if once and view.hits[old] <= 1 and not self._long_chain(int(view.depth[old]), resident):  # type: ignore[union-attr]
                 order.move_to_end(old, last=False)  # read once and not since: it goes first
 
     def _compact_back(self) -> None:
