@@ -160,7 +160,9 @@ def _local_node_id() -> str:
 @dataclass(eq=False)
 class ClientLease:
     """Blocks held in the daemon's arena for this client: ``views[i]`` is block ``i``, read-only,
-    valid until :meth:`release` (or the end of a ``with`` block)."""
+    valid until :meth:`release` (or the end of a ``with`` block). A lease from
+    :meth:`Client.lookup_lease` has no views (``locations`` only): it holds the blocks for
+    another process's copies (an engine's worker, which maps the arena itself)."""
 
     views: list[memoryview]
     _release: Callable[[], None] = field(repr=False)
@@ -172,7 +174,7 @@ class ClientLease:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.views)
+        return len(self.locations)
 
     def release(self) -> None:
         if not self._done:
@@ -456,6 +458,34 @@ class Client:
 
         return self._retry(call)
 
+    def lookup_lease(self, ns: Namespace, hashes: Sequence[bytes]) -> tuple[LookupResult, ClientLease | None]:
+        """:meth:`lookup`, and a lease on the leading blocks of the answer that the daemon's arena
+        holds now (None: no lease; the daemon grants one only over shared memory, never waiting
+        for a lower tier: see ``Op.LOOKUP_LEASE``), in one round trip. The lease has no views
+        (:class:`ClientLease`): an engine's scheduler takes it at its lookup and hands its
+        ``locations`` to the worker that copies from the arena, then releases it once those
+        copies have landed. A daemon without LOOKUP_LEASE: a plain :meth:`lookup`."""
+        if (not self.info.get("lookup_lease") or self.plane != "shm"
+                or len(hashes) > int(self.info.get("max_blocks", 0))):
+            return self.lookup(ns, hashes), None
+        keys = [bytes(h) for h in hashes]
+
+        def call() -> tuple[LookupResult, ClientLease | None]:
+            conn, ns_id = self._conn, self._ns_id(ns)
+            assert conn is not None
+            _, meta = conn.call(P.Op.LOOKUP_LEASE, P.encode_blocks(ns_id, keys))
+            try:
+                r, lease_id, locs = P.parse_lookup_lease(meta)
+            except P.ProtocolError as e:
+                raise ConnectionLost(f"malformed reply from the daemon: {e}") from e
+            if isinstance(r, P.Refusal):
+                cls = error_class(r.kind) or STATUS_ERRORS.get(r.status, KVStoreError)
+                raise cls(f"daemon: {r.detail} ({r.kind}, status {r.status})")
+            lease = self._held_lease(conn, lease_id, locs, []) if locs else None
+            return LookupResult(r[0], ns.block_tokens, r[1], r[2]), lease
+
+        return self._retry(call)
+
     def lookup_tokens(self, ns: Namespace, tokens: Sequence[int]) -> LookupResult:
         """:meth:`lookup` by token ids: the daemon hashes them (as :func:`kvstore.keys.hash_blocks`)."""
         return self._lookup(ns, "tokens", [int(t) for t in tokens])
@@ -624,6 +654,11 @@ class Client:
         arena = self._arena.buf.toreadonly()
         views = [arena[off : off + size] for off, size in locs]
         arena.release()
+        return self._held_lease(conn, lease_id, locs, views)
+
+    def _held_lease(self, conn: FrameConn, lease_id: int, locs: list[tuple[int, int]],
+                    views: list[memoryview]) -> ClientLease:
+        """A lease the daemon granted on ``conn`` (under the lock)."""
 
         def release() -> None:
             with self._lock:

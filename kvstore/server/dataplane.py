@@ -39,7 +39,7 @@ import numpy as np
 
 from kvstore.api import Lease
 from kvstore.block import payload_checksum
-from kvstore.errors import UsageError, error_kind
+from kvstore.errors import KVStoreError, UsageError, error_kind
 from kvstore.server.config import is_loopback
 from kvstore.server.devcopy import CopyTimeout, DeviceCopier
 from kvstore.server.limits import ConnectionGate, InflightBytes, peer_of, silent
@@ -371,6 +371,7 @@ class Session:
             P.Op.PUT_SHM: self._put_shm,
             P.Op.PUT_DEVICE: self._put_device,
             P.Op.LOOKUP: self._lookup,
+            P.Op.LOOKUP_LEASE: self._lookup_lease,
         }[op]
         await handler(hdr, meta)
 
@@ -397,6 +398,7 @@ class Session:
             "max_staging_bytes": lim.max_staging_bytes,
             "put_tokens": True,  # PUT / PUT_SHM may carry their blocks' token ids (protocol.PUT_TOKENS)
             "lookup": True,  # LOOKUP frames: an engine's lookups without the HTTP control plane
+            "lookup_lease": True,  # LOOKUP_LEASE: a lookup that leases what the arena holds of it
             "get_runs": True,  # GET_RUNS: a GET whose payload moves in runs (one UCX message each)
             # PUT_DEVICE: the daemon copies a GPU engine's blocks out of its device memory itself
             "put_device": False,
@@ -437,25 +439,65 @@ class Session:
         """As ``POST /v1/lookup`` by hashes: answered on the loop from memory when the store is
         not busy (no thread hop), else in the pool. Over HTTP the daemon spent ~0.3 ms of CPU
         per lookup at rest (uvicorn, FastAPI, JSON), which a loaded box stretched past 1 ms."""
+        r = await self._lookup_result(meta)
+        await self._reply(hdr.req_id, r if isinstance(r, bytes) else P.encode_lookup(r.num_blocks, r.tiers, r.unavailable))
+
+    async def _lookup_result(self, meta: bytearray) -> Any:
+        """A LOOKUP's result, or its refusal (bytes: a user's error, named by class as the HTTP
+        error body does: an error code alone would turn a LayoutMismatchError into a
+        MissingPrefixError, both CONFLICT, at the client)."""
         svc, t = self.ctx.service, self.tenant
         assert t is not None
         try:
             if len(meta) > INLINE_LOOKUP_META:  # parsed and answered in the pool, whole
-                r = await self.ctx.run(_lookup_blocking, svc, t, meta)
-            else:
-                req = P.parse_blocks(meta, svc.limits.max_blocks)
-                r = svc.lookup_nowait(t, req.ns_id, req.hashes) or await self.ctx.run(
-                    svc.lookup, t, req.ns_id, req.hashes)
+                return await self.ctx.run(_lookup_blocking, svc, t, meta)
+            req = P.parse_blocks(meta, svc.limits.max_blocks)
+            return svc.lookup_nowait(t, req.ns_id, req.hashes) or await self.ctx.run(
+                svc.lookup, t, req.ns_id, req.hashes)
         except Exception as e:
             code, status = classify(e)
             if code is P.ErrorCode.INTERNAL:
                 raise
-            # The class by name, as the HTTP error body has it: an error code alone would turn
-            # a LayoutMismatchError into a MissingPrefixError (both CONFLICT) at the client.
-            kind = error_kind(e) or "KVStoreError"
-            await self._reply(hdr.req_id, P.encode_refusal(kind, status, str(e)))
+            return P.encode_refusal(error_kind(e) or "KVStoreError", status, str(e))
+
+    async def _lookup_lease(self, hdr: P.Header, meta: bytearray) -> None:
+        """LOOKUP_LEASE: a LOOKUP, and a lease on the leading blocks of its answer that the arena
+        holds (as ACQUIRE's, released by RELEASE or at its deadline): the scheduler of an
+        engine on this node looks a prompt up and its worker copies from the lease without an
+        ACQUIRE of its own. Right after the lookup on the loop (nothing moves in between); no
+        lease where ACQUIRE would be refused or would wait (another plane, no shared memory
+        for the tenant, this connection's lease limit, the tenant's share of the arena, a
+        block on a lower tier, a busy store): the answer is the lookup's all the same."""
+        r = await self._lookup_result(meta)
+        if isinstance(r, bytes):
+            await self._reply(hdr.req_id, P.encode_lookup_lease(r))
             return
-        await self._reply(hdr.req_id, P.encode_lookup(r.num_blocks, r.tiers, r.unavailable))
+        lookup = P.encode_lookup(r.num_blocks, r.tiers, r.unavailable)
+        svc, t = self.ctx.service, self.tenant
+        assert t is not None
+        tier = svc.store.arena_tier
+        k = 0
+        if tier is not None:
+            while k < r.num_blocks and r.tiers[k] == tier.name:
+                k += 1
+        lease = None
+        if (k and t.spec.allow_shm and self.ch.local and self.ctx.arena is not None
+                and len(self.leases) < svc.limits.max_leases and k <= INLINE_ACQUIRE_BLOCKS):
+            req = P.parse_blocks(meta, svc.limits.max_blocks)
+            try:
+                lease = svc.acquire_nowait(t, req.ns_id, req.hashes[:k])
+            except KVStoreError as e:  # the tenant's share of the arena is held already, say
+                log.debug("LOOKUP_LEASE of %d blocks for %r: no lease (%s)", k, t.name, e)
+        if lease is None or not lease.locations:
+            if lease is not None:
+                await self._give_back(lease)
+            await self._reply(hdr.req_id, P.encode_lookup_lease(lookup))
+            return
+        lease_id = self._next_lease
+        self._next_lease += 1
+        self.leases[lease_id] = (lease, asyncio.get_running_loop().time() + svc.limits.lease_timeout_s)
+        self.ctx.metrics.leases.inc()
+        await self._reply(hdr.req_id, P.encode_lookup_lease(lookup, lease_id, lease.locations))
 
     async def _get(self, hdr: P.Header, meta: bytearray) -> None:
         svc, t = self.ctx.service, self.tenant

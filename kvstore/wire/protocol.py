@@ -81,6 +81,14 @@ class Op(enum.IntEnum):
     run of slots) and commits them (``kvstore.server.devcopy``). Reply meta: u64 new blocks.
     Only to a same-node client granted shared memory, on a daemon whose HELLO says
     ``"put_device": true``."""
+    LOOKUP_LEASE = 11
+    """meta: as GET. A LOOKUP that also leases the leading blocks it finds in the arena, for an
+    engine whose scheduler looks a prompt up and whose worker then loads it on the same node:
+    the worker's copies start without an ACQUIRE round trip. Reply meta: u32 L, L bytes of
+    LOOKUP's reply (a refusal too), then ACQUIRE's reply for the leased blocks (u64 lease id,
+    u32 count, count x (u64 offset, u64 size); count 0 and id 0: no lease is held). Lease or not
+    is the daemon's choice: only over shared memory, only the leading blocks the arena holds
+    now, never a wait for a lower tier. Only to a daemon whose HELLO says ``"lookup_lease": true``."""
     REPLY = 0x80
     """A successful reply; its meta depends on the request's op."""
     ERROR = 0xFF
@@ -102,7 +110,8 @@ class ErrorCode(enum.IntEnum):
 
 
 FATAL = frozenset({ErrorCode.BAD_FRAME, ErrorCode.UNAUTHENTICATED, ErrorCode.TOO_LARGE})
-_REQUEST_OPS = frozenset({Op.HELLO, Op.GET, Op.PUT, Op.ACQUIRE, Op.RELEASE, Op.STAGING, Op.PUT_SHM, Op.LOOKUP, Op.GET_RUNS, Op.PUT_DEVICE})
+_REQUEST_OPS = frozenset({Op.HELLO, Op.GET, Op.PUT, Op.ACQUIRE, Op.RELEASE, Op.STAGING, Op.PUT_SHM, Op.LOOKUP, Op.GET_RUNS, Op.PUT_DEVICE,
+                          Op.LOOKUP_LEASE})
 _REPLY_OPS = frozenset({Op.REPLY, Op.ERROR})
 
 
@@ -482,6 +491,28 @@ def parse_lookup(meta: bytes | bytearray | memoryview) -> tuple[int, tuple[str, 
     if not ok:
         raise ProtocolError(ErrorCode.BAD_FRAME, "a malformed lookup reply (fields of the wrong kind)")
     return n, tuple(names[i] for i in idx), tuple(unavailable)
+
+
+def encode_lookup_lease(lookup: bytes, lease_id: int = 0,
+                        locations: list[tuple[int, int]] | tuple[tuple[int, int], ...] = ()) -> bytes:
+    """A LOOKUP_LEASE reply: LOOKUP's reply (or refusal) ``lookup``, then the lease (none: id 0,
+    no locations)."""
+    return _U32.pack(len(lookup)) + lookup + encode_lease(lease_id, locations)
+
+
+def parse_lookup_lease(meta: bytes | bytearray | memoryview) -> tuple[
+        tuple[int, tuple[str, ...], tuple[str, ...]] | Refusal, int, list[tuple[int, int]]]:
+    """``(lookup, lease id, locations)`` of a LOOKUP_LEASE reply (:func:`parse_lookup` of its
+    first part; id 0 and no locations: no lease)."""
+    if len(meta) < 4:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "a lookup-lease reply needs at least 4 bytes")
+    (n,) = _U32.unpack_from(meta, 0)
+    if len(meta) < 4 + n:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"a lookup-lease reply's lookup part of {n} bytes is cut short")
+    view = memoryview(meta)
+    lookup = parse_lookup(view[4 : 4 + n])
+    lease_id, locations = parse_lease(view[4 + n :])
+    return lookup, lease_id, locations
 
 
 def encode_error(code: ErrorCode, message: str) -> bytes:

@@ -276,3 +276,49 @@ def test_get_into_over_tcp_asks_for_runs_of_its_destination(start_daemon: Callab
     got = [bytes(big[:BB]), bytes(big[BB : 2 * BB]), bytes(other), bytes(big[3 * BB : 4 * BB]), bytes(big[4 * BB : 5 * BB])]
     assert got == [payload(x) for x in chain]
     assert not big[2 * BB : 3 * BB].any() and not big[5 * BB :].any()  # nothing outside the views
+
+
+def test_lookup_lease_holds_the_arena_prefix_for_another_connection(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    """LOOKUP_LEASE answers as LOOKUP and leases the leading blocks the arena holds: another
+    connection of the node reads them at the lease's locations in its own mapping, and they
+    stay (in use: a delete keeps them) until the lease is released."""
+    d = start_daemon()
+    chain = chain_for(31, 6)
+    with connect(d.url, plane="shm") as sched, connect(d.url, plane="shm") as worker:
+        sched.put(SMALL_NS, chain[:4], _blocks(chain[:4]))
+        r, lease = sched.lookup_lease(SMALL_NS, chain)
+        assert (r.num_blocks, r.tiers) == (4, ("dram",) * 4)
+        assert r == sched.lookup(SMALL_NS, chain)
+        assert lease is not None and lease.num_blocks == 4 and lease.views == []
+        assert lease.arena == worker.info["arena"]
+        with worker.acquire(SMALL_NS, chain[:1]) as other:  # the worker's own mapping of the arena
+            arena = other.views[0].obj
+            assert [bytes(arena[o : o + s]) for o, s in lease.locations] == [payload(h) for h in chain[:4]]
+        assert worker.delete(SMALL_NS, chain[:1]) == 0  # in use: the lease holds them
+        lease.release()
+        lease.release()  # idempotent
+        assert worker.delete(SMALL_NS, chain[:1]) == 4
+        r, lease = sched.lookup_lease(SMALL_NS, chain)
+        assert r.num_blocks == 0 and lease is None
+
+
+def test_lookup_lease_leases_only_what_the_arena_holds_and_falls_back(start_daemon: Callable[..., ThreadedDaemon]) -> None:
+    """Blocks on a lower tier are counted by the lookup but never leased (no wait for a
+    promotion); over TCP, or from a daemon without LOOKUP_LEASE, the answer is a plain
+    lookup."""
+    d = start_daemon()
+    chain = chain_for(32, 24)  # more than the 16-block DRAM tier holds
+    with connect(d.url, plane="shm") as c:
+        c.put(SMALL_NS, chain, _blocks(chain))
+        r, lease = c.lookup_lease(SMALL_NS, chain)
+        assert r == c.lookup(SMALL_NS, chain) and r.num_blocks == 24
+        lead = next((i for i, t in enumerate(r.tiers) if t != "dram"), r.num_blocks)
+        assert lead < r.num_blocks  # some of the chain is below the arena
+        assert (lease.num_blocks if lease is not None else 0) == lead
+        if lease is not None:
+            lease.release()
+        c.info["lookup_lease"] = False  # as an older daemon answers HELLO
+        assert c.lookup_lease(SMALL_NS, chain) == (r, None)
+    with connect(d.url, plane="tcp") as c:
+        r2, lease = c.lookup_lease(SMALL_NS, chain)
+        assert r2.num_blocks == 24 and lease is None

@@ -172,3 +172,23 @@ def test_a_lookup_refusal_round_trips() -> None:
         "LayoutMismatchError", 409, "another layout")
     with pytest.raises(P.ProtocolError):
         P.parse_lookup(b'{"kind": 3, "status": 409, "detail": "x"}')
+
+
+@given(tiers=st.lists(st.sampled_from(["dram", "nvme"]), max_size=32), leased=st.integers(0, 32),
+       offsets=st.lists(st.integers(0, 2**40), min_size=32, max_size=32))
+def test_a_lookup_lease_reply_round_trips(tiers: list[str], leased: int, offsets: list[int]) -> None:
+    """LOOKUP's reply, then a lease (none: id 0, no locations); a refusal has no lease."""
+    lookup = P.encode_lookup(len(tiers), tiers, [])
+    locs = [(o, 4096) for o in offsets[: min(leased, len(tiers))]]
+    meta = P.encode_lookup_lease(lookup, 7 if locs else 0, locs)
+    assert P.parse_lookup_lease(meta) == ((len(tiers), tuple(tiers), ()), 7 if locs else 0, locs)
+    refusal = P.encode_refusal("LayoutMismatchError", 409, "another layout")
+    assert P.parse_lookup_lease(P.encode_lookup_lease(refusal)) == (
+        P.Refusal("LayoutMismatchError", 409, "another layout"), 0, [])
+
+
+def test_a_cut_lookup_lease_reply_is_a_protocol_error() -> None:
+    meta = P.encode_lookup_lease(P.encode_lookup(2, ["dram", "dram"], []), 3, [(0, 8), (8, 8)])
+    for cut in (0, 3, 10, len(meta) - 1):
+        with pytest.raises(P.ProtocolError):
+            P.parse_lookup_lease(meta[:cut])
