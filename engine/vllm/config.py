@@ -64,6 +64,11 @@ class ConnectorConfig:
     """``async`` loads over shared memory: the lease is taken in chunks, the first of this many
     bytes and each next four times larger, and a chunk's copies are queued as soon as its lease
     is back, so the later leases overlap the first copies (0: one lease per request)."""
+    lease_at_lookup: bool = True
+    """Over shared memory with tensor parallel degree 1: the scheduler's lookup also leases the
+    blocks the daemon's arena holds (one round trip, ``engine.vllm.leases``), so the worker's
+    copies start without an ACQUIRE of their own; given back once they have landed, or at the
+    end of the step when the request does not load then. False: the worker leases them itself."""
     device_puts: bool = True
     """On a GPU with the daemon on this node: saves by PUT_DEVICE (the daemon copies the pages
     from the GPU into its arena: no host copy), where the daemon offers it; False: through the

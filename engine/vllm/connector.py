@@ -34,10 +34,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
 from engine.vllm.config import ConnectorConfig
+from engine.vllm.leases import LeaseBook
+from engine.vllm.link import chain_namespace, make_link, model_identity, stored_namespaces
 from engine.vllm.pages import PageSpec, page_spec
 from engine.vllm.worker import (
     ConnectorCounters,
@@ -47,10 +50,6 @@ from engine.vllm.worker import (
     StateSave,
     StepPlan,
     Worker,
-    chain_namespace,
-    make_link,
-    model_identity,
-    stored_namespaces,
 )
 from kvstore.errors import UsageError
 from kvstore.hybrid import CheckpointPolicy, HybridNamespaces
@@ -104,6 +103,23 @@ class KVStoreHandshake(KVConnectorHandshakeMetadata):
     that only the model knows (the digest of an fp8 cache's K/V scales)."""
 
     scales: str
+
+
+@dataclass
+class KVStoreWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler each step: requests whose loads from the scheduler's leases have
+    landed (``Worker.take_landed``): their leases go back (``engine.vllm.leases``)."""
+
+    landed: set[str]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        more = other.landed if isinstance(other, KVStoreWorkerMeta) else set()
+        return KVStoreWorkerMeta(self.landed | more)
+
+
+def _found(answer: tuple[Any, Any]) -> tuple[int, Any]:
+    """``(blocks found, lease)`` of a ``Client.lookup_lease`` answer."""
+    return answer[0].num_blocks, answer[1]
 
 
 def sliding_mode(spec: PageSpec, cfg: ConnectorConfig, prefix_caching: bool, log_it: bool = False) -> PageSpec:
@@ -199,6 +215,8 @@ class _Scheduler:
         self.link = make_link(cfg, "kvstore-scheduler", cfg.lookup_timeout_s, self._registered, report_conflicts=True)
         self.reqs: dict[str, _Req] = {}
         self.pending_loads: list[LoadSpec] = []
+        self.leases = LeaseBook()
+        self._lease_at_lookup = cfg.lease_at_lookup and self.world == 1 and not spec.hybrid
         self.counters = ConnectorCounters()
         every = cfg.checkpoint_every_blocks
         if spec.state is not None:
@@ -292,7 +310,11 @@ class _Scheduler:
                 # The prompt's last full block too: never loaded (vLLM computes the last token),
                 # but a block kvstore holds already is not saved again.
                 ask = r.hashes[: max(max_blocks, r.prompt_blocks)]
-                found = self.link.call(lambda c: c.lookup(ns, ask).num_blocks, 0) if ask else 0
+                if ask and self._lease_at_lookup:
+                    found, lease = self.link.call(lambda c: _found(c.lookup_lease(ns, ask)), (0, None))
+                    self.leases.take(request.request_id, lease)
+                else:
+                    found = self.link.call(lambda c: c.lookup(ns, ask).num_blocks, 0) if ask else 0
                 if found:
                     self._seen(ask[found - 1])
                 r.hit = r.cached = min(found, max_blocks)
@@ -304,6 +326,7 @@ class _Scheduler:
         ext = min(r.hit, max_blocks) - r.local
         if ext < self.cfg.min_load_blocks or self.link.is_open:
             r.want = (r.local, r.local)
+            self.leases.drop(request.request_id)
             return 0, False
         r.want = (r.local, r.local + ext)
         return ext * bt, self.cfg.load_mode == "async"
@@ -360,6 +383,7 @@ class _Scheduler:
             return
         r.allocated = True
         if num_external_tokens == 0:
+            self.leases.drop(request.request_id)
             return
         start, end = r.want
         n = num_external_tokens // self.bt
@@ -370,7 +394,8 @@ class _Scheduler:
             )
         ids = self._pages([list(g) for g in blocks.get_block_ids()], start, start + n)
         is_async = self.cfg.load_mode == "async"
-        self.pending_loads.append(LoadSpec(request.request_id, start, ids, is_async))
+        lease = self.leases.lend(request.request_id, start, n)
+        self.pending_loads.append(LoadSpec(request.request_id, start, ids, is_async, lease))
         r.async_pending = is_async
         r.loaded_tokens = num_external_tokens
         self.counters.hit_tokens += num_external_tokens
@@ -437,6 +462,7 @@ class _Scheduler:
             self._plan_save(meta, req_id, r, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
         if self.spec.state is not None and self.cfg.save:
             self._plan_states(meta, so)
+        self.leases.end_step()  # looked up, but not loading in this step: nothing stays pinned
         return meta
 
     def _plan_states(self, meta: KVStoreMetadata, so: SchedulerOutput) -> None:
@@ -467,6 +493,9 @@ class _Scheduler:
                 r.states.add(i)
 
     def update_connector_output(self, output: Any) -> None:
+        landed = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(landed, KVStoreWorkerMeta):
+            self.leases.landed(landed.landed)
         for req_id in output.finished_recving or ():
             r = self.reqs.get(req_id)
             if r is None:
@@ -476,6 +505,7 @@ class _Scheduler:
                 del self.reqs[req_id]
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self.leases.drop(request.request_id)
         r = self.reqs.get(request.request_id)
         if r is None:
             return False, None
@@ -488,6 +518,7 @@ class _Scheduler:
 
     def close(self) -> None:
         log.info("kvstore scheduler: %s", self.counters)
+        self.leases.close()
         self.link.close()
 
 
@@ -619,6 +650,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         done = self._worker.get_finished()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=self._worker.take_failed_requests())
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        landed = self._worker.take_landed()
+        return KVStoreWorkerMeta(landed) if landed else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -196,12 +196,17 @@ class WorkerDriver:
     step writes any page), ``bind_connector_metadata`` (the
     scheduler's plan), ``start_load_kv``, ``wait_for_layer_load`` for each attention layer,
     ``save_kv_layer`` (nothing: the connector saves whole blocks in ``wait_for_save``),
-    ``wait_for_save`` and ``get_finished``. For benchmarks on a GPU machine where vLLM is not
-    installed (``tools.bench peers --device cuda``) and tests; one request per step."""
+    ``wait_for_save`` and ``get_finished``; before a load, the scheduler's lookup of the prompt
+    as the connector's scheduler side makes it (with its lease: ``engine.vllm.leases``), and
+    after it the scheduler's release once the worker reports the copies landed. For benchmarks
+    on a GPU machine where vLLM is not installed (``tools.bench peers --device cuda``) and tests;
+    one request per step."""
 
     def __init__(self, url: str, spec: Any, kv_caches: dict[str, Any], *, model_id: str = "bench/driver",
                  **extra: Any) -> None:
         from engine.vllm.config import ConnectorConfig
+        from engine.vllm.leases import LeaseBook
+        from engine.vllm.link import make_link, stored_namespaces
         from engine.vllm.worker import Worker
 
         cfg = ConnectorConfig(url=url, model_id=model_id, **extra)
@@ -209,6 +214,11 @@ class WorkerDriver:
         self.spec = spec
         self.worker = Worker(vllm_config, cfg, spec, tp=(0, 1), fenced=True)
         self.worker.register_kv_caches(kv_caches)
+        ns = self.worker.ns_for("")  # tensor parallel degree 1: the scheduler's namespace is rank 0's
+        self.scheduler_link = make_link(cfg, "kvstore-scheduler", cfg.lookup_timeout_s, stored_namespaces(ns))
+        self.leases = LeaseBook()
+        self.lookup_s = 0.0
+        """The last load's scheduler lookup (hashing included), seconds."""
         self._n = 0
 
     def _req(self, tokens: Sequence[int]) -> tuple[str, Any]:
@@ -229,15 +239,17 @@ class WorkerDriver:
 
     def load(self, tokens: Sequence[int], block_ids: Sequence[int], *, layerwise: bool = False,
              compute: Callable[[int], None] | None = None, timeout: float = 60.0) -> int:
-        """Load ``tokens``' leading cached blocks into pages ``block_ids``: ``async`` (a step
-        that starts the load, then ``get_finished`` each step until the request is done) or
-        ``layerwise`` (one step: each layer waits for its own load, then ``compute(layer)`` runs
-        on the current stream, the forward pass). Returns the blocks loaded; failed blocks raise."""
+        """The scheduler's lookup of ``tokens`` (:meth:`lookup`), then the load of their leading
+        cached blocks into pages ``block_ids``: ``async`` (a step that starts the load, then
+        ``get_finished`` each step until the request is done) or ``layerwise`` (one step: each
+        layer waits for its own load, then ``compute(layer)`` runs on the current stream, the
+        forward pass). Returns the blocks loaded; failed blocks raise."""
         from engine.vllm.worker import LoadSpec, StepPlan
 
         req, info = self._req(tokens)
+        lease = self.lookup(req, tokens, len(block_ids))
         before = self.worker.counters.loaded_blocks
-        self._step(StepPlan(infos={req: info}, loads=[LoadSpec(req, 0, list(block_ids), not layerwise)]),
+        self._step(StepPlan(infos={req: info}, loads=[LoadSpec(req, 0, list(block_ids), not layerwise, lease)]),
                    compute=compute)
         if not layerwise:
             deadline = time.monotonic() + timeout
@@ -245,10 +257,33 @@ class WorkerDriver:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the load of {len(block_ids)} blocks did not finish in {timeout} s")
                 time.sleep(20e-6)
+        self.leases.landed(self.worker.take_landed())  # the scheduler, at the step's output
         errors = self.worker.take_errors()
         if errors:
             raise RuntimeError(f"{len(errors)} pages failed to load: {sorted(errors)[:8]}")
         return self.worker.counters.loaded_blocks - before
+
+    def lookup(self, req: str, tokens: Sequence[int], blocks: int) -> Any:
+        """The connector's scheduler lookup of ``tokens``' full blocks (hashed as it hashes
+        them), with the lease where ``lease_at_lookup`` (``Client.lookup_lease``); returns the
+        lease's part for the first ``blocks`` blocks (``LoadSpec.lease``), or None."""
+        from engine.vllm.link import chain_namespace
+        from kvstore.keys import hash_blocks
+
+        t0 = time.perf_counter()
+        ns, bt = self.worker.ns_for(""), self.spec.block_size
+        toks = np.asarray(tokens, dtype=np.int32)
+        hashes = hash_blocks(chain_namespace(ns), toks[: len(toks) // bt * bt])
+        link = self.scheduler_link
+        if self.worker.cfg.lease_at_lookup:
+            got = link.call(lambda c: c.lookup_lease(ns, hashes)[1], None)
+            self.leases.take(req, got)
+            lease = self.leases.lend(req, 0, blocks)
+        else:
+            link.call(lambda c: c.lookup(ns, hashes), None)
+            lease = None
+        self.lookup_s = time.perf_counter() - t0
+        return lease
 
     def _step(self, plan: Any, compute: Callable[[int], None] | None = None) -> None:
         w = self.worker
@@ -263,3 +298,5 @@ class WorkerDriver:
 
     def close(self) -> None:
         self.worker.close()
+        self.leases.close()
+        self.scheduler_link.close()

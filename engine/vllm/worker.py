@@ -37,9 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.breaker import DaemonLink
 from engine.gpu import (
     ArenaBlocks,
+    HeldBlocks,
     HostBlocks,
     release_arenas,
     unregister_host,
@@ -53,9 +53,10 @@ from engine.transfer import (
     StagedSave,
 )
 from engine.vllm.config import ConnectorConfig
+from engine.vllm.leases import PreLease, lease_chunks
+from engine.vllm.link import chain_namespace, make_link, model_identity, stored_namespaces
 from engine.vllm.pages import PagedKV, PagedState, PageSpec, kv_order_of, scales_digest
 from engine.vllm.puts import Pieces, SavePuts
-from kvstore.client import Client, connect
 from kvstore.errors import KVStoreError
 from kvstore.hybrid import HybridNamespaces
 from kvstore.keys import BlockHash, Namespace, hash_blocks
@@ -83,6 +84,9 @@ class LoadSpec:
     """vLLM's pages of blocks start..start+len-1: block ids, or with its hybrid KV cache manager a
     tuple per block (each KV cache group's block id)."""
     is_async: bool
+    lease: PreLease | None = None
+    """Where the leading blocks lie in the arena, held by the scheduler's lease from its lookup
+    (``engine.vllm.leases``): copied without an ACQUIRE."""
 
 
 @dataclass(slots=True)
@@ -120,74 +124,6 @@ class StepPlan:
 
 
 # ---- shared set-up -----------------------------------------------------------------------------
-
-
-def lease_chunks(n: int, head: int) -> list[tuple[int, int]]:
-    """Block ranges of a load of ``n`` blocks leased piece by piece: ``head`` blocks, then each
-    piece 4x the one before (the first DMA waits only for a small lease; the later leases come
-    back while the earlier pieces cross the link)."""
-    out, a, size = [], 0, max(1, head)
-    while a < n:
-        out.append((a, min(n, a + size)))
-        a, size = out[-1][1], size * 4
-    return out
-
-
-def model_identity(vllm_config: Any, cfg: ConnectorConfig) -> tuple[str, str]:
-    mc = vllm_config.model_config
-    model_id = cfg.model_id or str(mc.model)
-    revision = cfg.model_revision or str(getattr(mc, "revision", None) or "main")
-    quant = getattr(mc, "quantization", None)
-    if quant:  # quantised weights compute other K/V
-        revision = f"{revision}+{quant}"
-    return model_id, revision
-
-
-def chain_namespace(ns: Namespace) -> Namespace:
-    """The namespace a request's block hashes are rooted in: ``ns``, or for a page with sliding
-    or recurrent layers its hybrid parts' (``HybridNamespaces.chain_ns``: the keys the reference
-    engine's hybrid store uses too)."""
-    if _split(ns):
-        return HybridNamespaces.of(ns).chain_ns
-    return ns
-
-
-def stored_namespaces(ns: Namespace) -> list[Namespace]:
-    """The namespaces blocks of ``ns`` are stored under: ``ns``, or a page with sliding or
-    recurrent layers' hybrid parts (full, window, state)."""
-    if _split(ns):
-        return HybridNamespaces.of(ns).parts()
-    return [ns]
-
-
-def _split(ns: Namespace) -> bool:
-    return any(g.kind in ("sliding", "recurrent") for g in ns.layout.groups)
-
-
-def make_link(cfg: ConnectorConfig, name: str, timeout: float, namespaces: list[Namespace],
-              report_conflicts: bool = False) -> DaemonLink[Client]:
-    """A breaker-guarded client that registers ``namespaces`` on every (re)connection;
-    ``report_conflicts``: say loudly when the daemon holds this model deployment under another
-    page layout (one link per engine does, the scheduler's)."""
-    ttl = cfg.ttl_s or None
-
-    def make() -> Client:
-        return connect(cfg.daemon_url, token=cfg.daemon_token, plane=cfg.plane, timeout=timeout, retries=0)
-
-    def on_connect(client: Client) -> None:
-        for ns in namespaces:
-            client.register_namespace(ns, ttl)
-        mine = {bytes(ns.root).hex() for ns in namespaces}
-        for w in client.layout_conflicts if report_conflicts else ():
-            if w["namespaces"][0] in mine:
-                log.warning(
-                    "kvstore: the daemon already holds %r under another KV page layout (%s): this engine "
-                    "and the one that stored those blocks never share them. If that is not meant, give "
-                    "vLLM the same --block-size, --dtype and --kv-cache-dtype as that engine",
-                    w["model_id"], "; ".join(w["differences"]),
-                )
-
-    return DaemonLink(make, name=name, on_connect=on_connect, backoff_s=cfg.backoff_s, max_backoff_s=cfg.max_backoff_s)
 
 
 def attention_layers(vllm_config: Any, spec: PageSpec) -> list[Any]:
@@ -232,6 +168,8 @@ class ConnectorCounters:
     """Puts through the daemon's staging segment or a pinned buffer (a GPU without PUT_DEVICE)."""
     load_fetch_s: float = 0.0
     """Seconds the loader thread spent taking leases (or remote blocks) from the daemon."""
+    preleased_blocks: int = 0
+    """Blocks loaded from the scheduler's lease (no ACQUIRE of the worker's own)."""
     load_copy_s: float = 0.0
     """Seconds from a load's first queued copy until its last scatter landed."""
     save_put_s: float = 0.0
@@ -372,6 +310,7 @@ class Worker(SavePuts):
         self._loads: deque[_LoadJob] = deque()
         self._load_wake = threading.Condition(self._lock)
         self._arena = ""  # the daemon arena this worker's loads last read
+        self._landed: set[str] = set()  # loads from the scheduler's leases whose copies landed
         self._device_puts = cfg.device_puts  # PUT_DEVICE where the daemon offers it
         self._device_events = True  # ... sent before the gather lands, where the daemon waits for it
         self._said_staged = False  # logged once why a GPU's saves go through the staging segment
@@ -617,6 +556,13 @@ class Worker(SavePuts):
                     self._collect(job)
         return done
 
+    def take_landed(self) -> set[str]:
+        """Requests whose loads read the scheduler's leases and whose copies have all landed (or
+        stopped) since the last call: their leases may go back (vLLM's worker metadata)."""
+        with self._lock:
+            landed, self._landed = self._landed, set()
+        return landed
+
     def take_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
@@ -652,6 +598,8 @@ class Worker(SavePuts):
             finally:
                 job.mark("landed")
                 self.last_marks = job.marks
+                with self._lock:  # their copies have landed: the scheduler may give the leases back
+                    self._landed.update(spec.req_id for spec, _, _ in job.specs if spec.lease is not None)
                 with job.lock:
                     for ev in job.layer_done:
                         ev.set()
@@ -689,10 +637,10 @@ class Worker(SavePuts):
             return
         t0 = time.perf_counter()
         for spec, ns, chain in job.specs:
-            hashes = chain.all()
-            n, src = self._fetch(ns, hashes, held)
+            held_src = self._held(spec, held, whole=True)  # the scheduler's lease: no fetch
+            n, src = (chain.count, held_src) if held_src is not None else self._fetch(ns, chain.all(), held)
             job.loaded += n
-            if n < len(hashes):
+            if n < chain.count:
                 job.fail(spec, spec.block_ids[n:])
             if n:
                 parts.append((src, n))
@@ -724,15 +672,24 @@ class Worker(SavePuts):
             for spec, ns, chain in job.specs:
                 if cancelled():
                     break
-                bounds = lease_chunks(chain.count, head)
+                got = 0
+                src = self._held(spec, held)
+                if src is not None:  # the scheduler's lease: queued at once, no round trip
+                    got = src.num_blocks
+                    job.loaded += got
+                    loads.append(loader.load(src, kv, spec.block_ids[:got], after=job.after,
+                                             cancelled=cancelled, hold_last=True))
+                    job.mark(f"held {got}")
+                    if got == chain.count:
+                        continue
+                bounds = [(a + got, b + got) for a, b in lease_chunks(chain.count - got, head)]
 
                 def pieces(chain: _Chain = chain, bounds: list[tuple[int, int]] = bounds) -> Iterator[list[BlockHash]]:
-                    yield chain.head(bounds[0][1])  # its lease goes out while the rest is hashed
+                    yield chain.head(bounds[0][1])[bounds[0][0]:]  # its lease goes out while the rest is hashed
                     hashes = chain.all()
                     for a, b in bounds[1:]:
                         yield hashes[a:b]
 
-                got = 0
                 f0 = time.perf_counter()
                 with contextlib.closing(self._fetch_each(ns, pieces(), held)) as leases:
                     for (a, b), (n, src) in zip(bounds, leases, strict=False):
@@ -844,6 +801,23 @@ class Worker(SavePuts):
             self._load_host = None
             self._load_host = torch.empty(need, dtype=torch.uint8, pin_memory=self._cuda)
         return self._load_host[reserved:need].view(n, bb)
+
+    def _held(self, spec: LoadSpec, held: list[Any], whole: bool = False) -> HeldBlocks | None:
+        """The blocks of ``spec`` that the scheduler's lease holds (``whole``: only if it holds
+        them all), where this worker reads the same arena (a restarted daemon's new one: None,
+        the worker takes its own leases)."""
+        pre, client = spec.lease, self.load_link.client
+        if pre is None or not pre.num_blocks or client is None or client.plane != "shm":
+            return None
+        if whole and pre.num_blocks < len(spec.block_ids):
+            return None
+        if pre.arena != client.info.get("arena"):
+            return None
+        if pre.arena != self._arena and not any(not isinstance(h, HostBlocks) for h in held):
+            release_arenas()  # a restarted daemon's new arena, as in _hold
+            self._arena = pre.arena
+        self.counters.preleased_blocks += pre.num_blocks
+        return HeldBlocks(pre.arena, pre.locations[: len(spec.block_ids)])
 
     def _fetch_each(self, ns: Namespace, chunks: Iterable[list[BlockHash]],
                     held: list[Any]) -> Generator[tuple[int, Any], None, None]:

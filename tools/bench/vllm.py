@@ -493,8 +493,8 @@ def _breaker_cost(tmp: Path) -> Iterator[dict[str, Any]]:
     """What one scheduler lookup costs with the daemon down (breaker open: the fallback at
     once) against a lookup the daemon answers, same run."""
     from engine.vllm.config import ConnectorConfig
-    from engine.vllm.connector import make_link
     from engine.vllm.harness import small_daemon
+    from engine.vllm.link import make_link
     from kvstore.keys import KVLayout, LayerGroup, Namespace, hash_blocks
 
     ns = Namespace("bench/vllm-breaker", KVLayout("bfloat16", 32, (LayerGroup("full", 6, 2, 128),)))

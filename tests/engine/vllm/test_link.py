@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed here: run `make test-vllm`")
 
 from engine.vllm.config import ConnectorConfig  # noqa: E402
-from engine.vllm.connector import make_link  # noqa: E402
 from engine.vllm.harness import small_daemon  # noqa: E402
+from engine.vllm.link import make_link  # noqa: E402
 from engine.vllm.pages import PageSpec  # noqa: E402
 from kvstore.client import connect  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402

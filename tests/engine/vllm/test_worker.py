@@ -316,7 +316,7 @@ def test_a_load_hashes_its_blocks_on_the_loader_thread_head_first(stored: tuple[
     hashes the head, sends its lease, then hashes the rest on from it: the same chain, kept for
     the request's saves."""
     from engine.vllm import worker as worker_module
-    from engine.vllm.worker import chain_namespace
+    from engine.vllm.link import chain_namespace
 
     d, src = stored
     w = _worker(d.url, lease_head_bytes=SPEC.block_bytes)
@@ -382,4 +382,83 @@ def test_a_device_save_goes_out_with_its_gathers_event_or_after_it(tmp_path: Pat
         assert w._put_device(c, SPEC, [b"a", b"b"], 0, staged, 0, bytes(64), 0, 16) == 2  # type: ignore[arg-type]
         assert ev.synced == (1 if refuse_events else 0)
     assert c.calls == ([b"e" * 64, None, None] if refuse_events else [b"e" * 64, b"e" * 64])
+    w.close()
+
+
+@pytest.mark.parametrize(("mode", "head_blocks"), [("async", 1), ("async", 0), ("layerwise", 0)])
+def test_a_load_copies_from_the_schedulers_lease_without_an_acquire(
+        stored: tuple[LocalDaemon, dict[str, torch.Tensor]], mode: str, head_blocks: int) -> None:
+    """The scheduler's lookup leased the blocks (``Client.lookup_lease``): the worker copies
+    from the lease's locations without an ACQUIRE of its own, every page lands, it reports the
+    request once the copies have landed (``take_landed``), and the lease goes back then. A
+    lease covering only the head of a load: the chunked load acquires the rest, a plain one
+    acquires all of it. A lease on another arena (a restarted daemon) is not used."""
+    from engine.vllm.leases import LeaseBook, PreLease
+    from engine.vllm.link import chain_namespace
+    from kvstore.client import connect
+    from kvstore.keys import hash_blocks
+
+    d, src = stored
+    dst = _caches(seed=None)
+    w = _worker(d.url, load_mode=mode, lease_head_bytes=head_blocks * SPEC.block_bytes)
+    w.register_kv_caches(dst)
+    client = w.load_link.client
+    assert client is not None and client.plane == "shm"
+    asked: list[int] = []
+    fetch, each = w._fetch, client.acquire_each
+
+    def counted(ns: object, hashes: list[bytes], held: list[object]) -> tuple[int, object]:
+        asked.append(len(hashes))
+        return fetch(ns, hashes, held)  # type: ignore[arg-type]
+
+    def counted_each(ns: object, chunks: Iterable[list[bytes]]) -> object:
+        got = list(chunks)
+        asked.extend(len(c) for c in got)
+        return each(ns, got)  # type: ignore[arg-type]
+
+    w._fetch = counted  # type: ignore[method-assign]
+    client.acquire_each = counted_each  # type: ignore[method-assign,assignment]
+    ns = w.ns_for("")
+    book = LeaseBook()
+    is_async = mode == "async"
+
+    def run(loads: list[LoadSpec]) -> None:
+        _step(w, KVStoreMetadata(infos={"a": ReqInfo(A, "", b"")}, loads=loads))
+        for _ in range(2000):
+            if not is_async or w.get_finished() >= {ld.req_id for ld in loads}:
+                break
+            threading.Event().wait(0.01)
+
+    with connect(d.url, plane="shm") as sched:
+        sched.register_namespace(ns)
+        r, lease = sched.lookup_lease(ns, hash_blocks(chain_namespace(ns), A))
+        assert r.num_blocks == 4 and lease is not None and lease.num_blocks == 4
+        book.take("a", lease)
+        pre = book.lend("a", 1, 3)
+        assert pre is not None and pre.locations == lease.locations[1:]
+        run([LoadSpec("a", 1, [6, 7, 8], is_async, pre)])
+        for name in SPEC.layer_names:
+            assert torch.equal(dst[name][6:9], src[name][2:5])
+        assert asked == [] and w.counters.preleased_blocks == 3 and w.take_errors() == set()
+        assert w.take_landed() == {"a"} and w.take_landed() == set()
+        assert sched.stats()["usage"]["leased_bytes"] > 0  # the scheduler's, until it lets go
+        book.landed({"a"})
+        assert eventually(lambda: int(sched.stats()["usage"]["leased_bytes"]) == 0)
+
+        r, lease = sched.lookup_lease(ns, hash_blocks(chain_namespace(ns), A))
+        assert lease is not None
+        for name in SPEC.layer_names:
+            dst[name].zero_()
+        head = PreLease(lease.arena, lease.locations[:2])  # the head of the load only
+        run([LoadSpec("a", 0, [5, 6, 7, 8], is_async, head)])
+        for name in SPEC.layer_names:
+            assert torch.equal(dst[name][5:9], src[name][1:5])
+        chunked = is_async and head_blocks > 0
+        assert asked == ([1, 1] if chunked else [4])  # the rest (1, then 4x: 1 left), or all of it
+        assert w.counters.preleased_blocks == (5 if chunked else 3)
+        asked.clear()
+        other = PreLease("not-this-daemons-arena", lease.locations)
+        run([LoadSpec("a", 0, [5, 6, 7, 8], is_async, other)])
+        assert asked == ([1, 3] if chunked else [4]) and w.take_errors() == set()
+        lease.release()
     w.close()

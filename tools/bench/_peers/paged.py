@@ -357,7 +357,8 @@ class KvstoreConnector:
     ``wait_for_layer_load``, ``wait_for_save``, ``get_finished``) against a real daemon over
     shared memory, on pages in vLLM 0.32's CUDA default layout (``LBNHC``: the logical
     ``[B, H, N, C]`` view over NHD memory): what a vLLM user runs. A save is one step that saves
-    the prompt's blocks, timed until the daemon holds them; a restore an async load, timed until
+    the prompt's blocks, timed until the daemon holds them; a restore the scheduler's lookup
+    (with its lease, as the connector's scheduler side takes it) and an async load, timed until
     ``get_finished`` reports it."""
 
     name = "kvstore-connector"
@@ -407,7 +408,9 @@ class KvstoreConnector:
             # the worker's own time in all, over every load and save of the row (warm-up included)
             "worker_ms": {"fetch": round(k.load_fetch_s * 1e3, 3), "copy": round(k.load_copy_s * 1e3, 3),
                           "put": round(k.save_put_s * 1e3, 3), "loaded_blocks": k.loaded_blocks,
-                          "saved_blocks": k.saved_blocks},
+                          "saved_blocks": k.saved_blocks, "preleased_blocks": k.preleased_blocks},
+            # the last restore's scheduler lookup (timed with it: vLLM's scheduler makes it first)
+            "lease_at_lookup": w.cfg.lease_at_lookup, "lookup_ms": round(self.driver.lookup_s * 1e3, 3),
         }
         if c and not c.info.get("put_device"):
             out["put_device_unavailable"] = c.info.get("put_device_unavailable")
