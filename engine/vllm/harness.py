@@ -219,6 +219,8 @@ class WorkerDriver:
         self.leases = LeaseBook()
         self.lookup_s = 0.0
         """The last load's scheduler lookup (hashing included), seconds."""
+        self.marks: dict[str, list[tuple[str, float]]] = {"load": [], "save": []}
+        """The last load's and save's host timeline here: (what, seconds since the call began)."""
         self._n = 0
 
     def _req(self, tokens: Sequence[int]) -> tuple[str, Any]:
@@ -232,10 +234,14 @@ class WorkerDriver:
         the daemon holds them (``flush``)."""
         from engine.vllm.worker import SaveSpec, StepPlan
 
+        t0 = time.perf_counter()
         req, info = self._req(tokens)
         self._step(StepPlan(infos={req: info}, saves=[SaveSpec(req, 0, list(block_ids))]))
+        marks = [("step", time.perf_counter() - t0)]
         if wait:
             self.worker.flush()
+            marks += [("flushed", time.perf_counter() - t0), ("queued", self.worker._save_t0 - t0)]
+        self.marks["save"] = marks
 
     def load(self, tokens: Sequence[int], block_ids: Sequence[int], *, layerwise: bool = False,
              compute: Callable[[int], None] | None = None, timeout: float = 60.0) -> int:
@@ -246,18 +252,24 @@ class WorkerDriver:
         forward pass). Returns the blocks loaded; failed blocks raise."""
         from engine.vllm.worker import LoadSpec, StepPlan
 
+        t0 = time.perf_counter()
         req, info = self._req(tokens)
         lease = self.lookup(req, tokens, len(block_ids))
+        marks = [("lookup", time.perf_counter() - t0)]
         before = self.worker.counters.loaded_blocks
         self._step(StepPlan(infos={req: info}, loads=[LoadSpec(req, 0, list(block_ids), not layerwise, lease)]),
                    compute=compute)
+        marks.append(("step", time.perf_counter() - t0))
         if not layerwise:
             deadline = time.monotonic() + timeout
             while req not in self.worker.get_finished():
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the load of {len(block_ids)} blocks did not finish in {timeout} s")
                 time.sleep(20e-6)
+            marks.append(("finished", time.perf_counter() - t0))
         self.leases.landed(self.worker.take_landed())  # the scheduler, at the step's output
+        marks.append(("start_load_kv", self.worker.last_t0 - t0))
+        self.marks["load"] = marks
         errors = self.worker.take_errors()
         if errors:
             raise RuntimeError(f"{len(errors)} pages failed to load: {sorted(errors)[:8]}")

@@ -318,6 +318,7 @@ class Worker(SavePuts):
         """The last (non-hybrid) load, once landed: diagnostics (its per-tile timeline when
         ``loader.timing`` is on)."""
         self.last_marks: list[tuple[str, float]] = []
+        self.last_t0 = 0.0  # when the load of last_marks was started (its marks count from there)
         """The last load's host timeline (:attr:`_LoadJob.marks`): benchmarks read it."""
         self.last_save_marks: list[tuple[str, float]] = []
         """The last save's host timeline on the saver thread, seconds since ``wait_for_save``
@@ -597,7 +598,7 @@ class Worker(SavePuts):
                         torch.cuda.synchronize(self.kv.device)
             finally:
                 job.mark("landed")
-                self.last_marks = job.marks
+                self.last_marks, self.last_t0 = job.marks, job.t0
                 with self._lock:  # their copies have landed: the scheduler may give the leases back
                     self._landed.update(spec.req_id for spec, _, _ in job.specs if spec.lease is not None)
                 with job.lock:

@@ -419,6 +419,8 @@ class KvstoreConnector:
         # the last load's and save's host timelines (ms since start_load_kv / wait_for_save)
         out["load_marks_ms"] = [(k, round(t * 1e3, 3)) for k, t in w.last_marks]
         out["save_marks_ms"] = [(k, round(t * 1e3, 3)) for k, t in w.last_save_marks]
+        # the driver's (the timed call's) own: ms since the call began
+        out["driver_marks_ms"] = {k: [(m, round(t * 1e3, 3)) for m, t in v] for k, v in self.driver.marks.items()}
         out["save_daemon_ms"] = self.save_daemon_ms  # the daemon's share of the last save and restore
         out["restore_daemon_ms"] = self.restore_daemon_ms
         return out
