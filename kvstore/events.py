@@ -248,7 +248,7 @@ def _record_bytes(item: tuple[Any, ...]) -> int:
     request record (its tuple's slot and the hash it keeps alive)."""
     if item[0] == "request":
         return 256 + 64 * len(item[3])
-    return 256 * len(item[2]) if item[0] == "blocks" else 256
+    return 256 * len(item[2]) if item[0] in ("blocks", "placed") else 256
 
 
 def _block_line(t: float, event: str, key: bytes | int, tier: str, size: int, reason: str, depth: int | None) -> str:
@@ -262,6 +262,15 @@ def _block_line(t: float, event: str, key: bytes | int, tier: str, size: int, re
     if depth is not None:
         line += f',"depth":{int(depth)}'
     return line + "}\n"
+
+
+def _placed_lines(t: float, keys: Sequence[bytes | int], k: int, tier: str, prior_masks: Sequence[int], size: int,
+                  depths: Sequence[int | None]) -> Iterator[str]:
+    """The block lines of an :meth:`EventLog.placed` record."""
+    low = (1 << (k + 1)) - 1
+    for key, prior, depth in zip(keys, prior_masks, depths, strict=True):
+        yield _block_line(t, "stored" if not prior else "promoted" if not prior & low else "demoted",
+                          key, tier, size, "", depth)
 
 
 _js = json.encoder.encode_basestring  # a str as a JSON string (the C encoder)
@@ -410,6 +419,19 @@ class EventLog:
                 raise ValueError(f"event {e[0]!r} is not one of {', '.join(BLOCK_EVENTS)}")
         self._put(("blocks", self._t(t), list(events)))
 
+    def placed(self, keys: Sequence[bytes | int], k: int, tier: str, prior_masks: Sequence[int], size: int,
+               depths: Sequence[int | None], *, t: float | None = None) -> None:
+        """The events of copies of ``keys`` written into tier ``k`` (named ``tier``), ``size``
+        bytes each, at one time: *stored* where ``prior_masks[i]`` (the tiers that held
+        ``keys[i]`` before) is 0, *promoted* where no tier as fast held it, else *demoted*;
+        ``depths[i]`` its depth. One record, as :meth:`blocks`, whose per-block events the
+        writer spells out: the store calls this under its lock, in a put's commit."""
+        if not keys:
+            return
+        if not len(keys) == len(prior_masks) == len(depths):
+            raise ValueError(f"{len(keys)} keys, {len(prior_masks)} prior masks and {len(depths)} depths")
+        self._put(("placed", self._t(t), tuple(keys), k, tier, tuple(prior_masks), size, tuple(depths)))
+
     def namespace(
         self,
         ns: Namespace | Mapping[str, Any],
@@ -494,7 +516,7 @@ class EventLog:
         if self._closed:
             return
         size = _record_bytes(item)
-        n = len(item[2]) if item[0] == "blocks" else 1
+        n = len(item[2]) if item[0] in ("blocks", "placed") else 1
         with self._lock:
             if self._queued_bytes + size > self.config.queue_bytes:
                 self._counts["dropped"] += n
@@ -563,6 +585,8 @@ class EventLog:
         elif kind == "blocks":
             _, t, events = item
             return "".join(_block_line(t, *e) for e in events).encode()
+        elif kind == "placed":
+            return "".join(_placed_lines(*item[1:])).encode()
         else:
             return _block_line(*item[1:]).encode()
         return json.dumps(rec, separators=(",", ":")).encode() + b"\n"
@@ -828,10 +852,7 @@ class StoreEvents:
             self._in[k] += size * len(keys)
         self._changes_of("p", keys, k)
         if self.log is not None:
-            low, tier = (1 << (k + 1)) - 1, self._tiers[k]
-            self.log.blocks([("stored" if not prior else "promoted" if not prior & low else "demoted",
-                              key, tier, size, "", depth)
-                             for key, prior, depth in zip(keys, prior_masks, depths, strict=True)])
+            self.log.placed(keys, k, self._tiers[k], prior_masks, size, depths)
 
     def dropped_many(self, keys: Sequence[bytes], mask: int, reason: str) -> None:
         """:meth:`dropped` of each key in order, in one call (one event log record for all)."""

@@ -26,7 +26,7 @@ it, and the daemon maps it and hands same-node clients a read-only descriptor of
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, cast, runtime_checkable
@@ -207,8 +207,9 @@ class Arena(Protocol):
         """A writable view of a reserved slot."""
         ...
 
-    def publish_slots(self, items: Sequence[tuple[BlockHash, int, BlockMeta]]) -> None:
-        """Enter reserved slots ``(key, offset, meta)`` whose payloads are written."""
+    def publish_slots(self, entries: Mapping[BlockHash, tuple[int, BlockMeta]]) -> None:
+        """Enter reserved slots whose payloads are written: ``{key: (offset, meta)}``, in order
+        (a mapping the caller may build ahead, while its copies into the slots run)."""
         ...
 
     def free_slots(self, offsets: Iterable[int]) -> None:

@@ -20,7 +20,7 @@ import re
 import secrets
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -395,16 +395,17 @@ class DramTier(Tier):
         """A writable view of a reserved slot (drop it before the slot is published or freed)."""
         return self._buf[off : off + size]
 
-    def publish_slots(self, items: Sequence[tuple[BlockHash, int, BlockMeta]]) -> None:
-        """Enter reserved slots ``(key, offset, meta)`` whose payloads are written, under one lock."""
+    def publish_slots(self, entries: Mapping[BlockHash, tuple[int, BlockMeta]]) -> None:
+        """Enter reserved slots ``{key: (offset, meta)}`` whose payloads are written, under one
+        lock: new keys in one ``dict.update`` (a put's commit, under the store's lock)."""
         with self._lock:
             if self._buf is None:
                 raise TierIOError(f"dram tier {self.name!r} is closed")
-            entries = self._map
-            if entries.keys().isdisjoint([key for key, _, _ in items]):  # (the usual case: new keys)
-                entries.update({key: (off, meta) for key, off, meta in items})
+            held = self._map
+            if held.keys().isdisjoint(entries):  # (the usual case: new keys)
+                held.update(entries)
                 return
-            for key, off, meta in items:
+            for key, (off, meta) in entries.items():
                 self._enter(key, off, meta, True)
 
     def free_slots(self, offsets: Iterable[int]) -> None:

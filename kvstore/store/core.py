@@ -496,15 +496,15 @@ class KVStore:
         assert arena is not None  # (reservable)
         tier: Arena = arena
         bb = info.block_bytes
-        ahead: list[Any] = []  # the records of the slots' blocks, when prepared before the commit
+        ahead: list[Any] = []  # what the commit publishes (Storer.slot_entries), when prepared before it
 
         def prepare() -> None:
             if not ahead:
-                ahead[:] = storer.slot_metas(plan, first, len(slots))
+                ahead.append(storer.slot_entries(plan, first, slots))
 
         def finish(count: int, free: bool = True) -> int:
             with self._lock, self.events.batch(put_tokens, info.namespace, hashes):  # (the new copies)
-                storer.commit(plan, first, slots, count, ahead or None, free=free)
+                storer.commit(plan, first, slots, count, ahead[0] if ahead else None, free=free)
             return plan.new
 
         def set_aside() -> Callable[[], None]:

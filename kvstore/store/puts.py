@@ -27,6 +27,7 @@ there. Every write goes through :meth:`Placer.write_copy`, the routine demotion 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -323,28 +324,34 @@ class Storer:
         return arena
 
     @staticmethod
-    def slot_metas(plan: StorePlan, first: int, count: int) -> list[BlockMeta]:
-        """The records :meth:`commit` publishes with reserved blocks ``first .. first+count-1``.
-        Reads only the plan, fixed at the reservation: no lock needed (a caller may build them
-        while the copies into the slots are in flight, :meth:`Reservation.prepare`)."""
+    def slot_entries(plan: StorePlan, first: int, slots: Sequence[int]) -> dict[BlockHash, tuple[int, BlockMeta]]:
+        """What :meth:`commit` publishes for reserved blocks ``first, first+1, ...`` in
+        ``slots``: ``{key: (offset, record)}`` (:meth:`Arena.publish_slots`). Reads only the
+        plan, fixed at the reservation: no lock needed (a caller builds them while the copies
+        into the slots are in flight, :meth:`Reservation.prepare`)."""
         # A volatile tier's copies defer their checksums (CHECKSUM_DEFERRED), as in a put.
-        return _chain_metas(plan.info, plan.hashes, first, [CHECKSUM_DEFERRED] * count, plan.now)
+        metas = _chain_metas(plan.info, plan.hashes, first, [CHECKSUM_DEFERRED] * len(slots), plan.now)
+        keys = cast("list[BlockHash]", plan.hashes[first : first + len(slots)])
+        return dict(zip(keys, zip(slots, metas, strict=True), strict=True))
 
     def commit(self, plan: StorePlan, first: int, slots: list[int], count: int,
-               metas: list[BlockMeta] | None = None, *, free: bool = True) -> None:
+               entries: dict[BlockHash, tuple[int, BlockMeta]] | None = None, *, free: bool = True) -> None:
         """Under the lock: publish the leading ``count`` reserved slots (their payloads are
         written) as the chain's blocks ``first, first+1, ...``, and give the rest back; then
-        :meth:`complete_store` as after a put. ``metas``: :meth:`slot_metas` of ``count``
-        blocks at least, built ahead (else built here). ``free=False`` keeps the rest allocated
-        (a quarantine: the caller frees them once no copy can still write them)."""
+        :meth:`complete_store` as after a put. ``entries``: :meth:`slot_entries` of every slot,
+        built ahead (else built here). ``free=False`` keeps the rest allocated (a quarantine:
+        the caller frees them once no copy can still write them)."""
         hashes, ids, now = plan.hashes, plan.ids, plan.now
         tier, bb = self._arena(), plan.info.block_bytes
         self.writing.difference_update(ids[first : first + len(slots)])
         try:
             if count:
                 a, b = first, first + count
-                metas = metas[:count] if metas is not None and len(metas) >= count else self.slot_metas(plan, a, count)
-                tier.publish_slots(list(zip(cast("list[BlockHash]", hashes[a:b]), slots[:count], metas, strict=True)))
+                if entries is None or len(entries) != len(slots):
+                    entries = self.slot_entries(plan, a, slots[:count])
+                elif count < len(slots):  # (a short commit: the leading entries, in order)
+                    entries = dict(itertools.islice(entries.items(), count))
+                tier.publish_slots(entries)
                 slots = slots[count:]
                 self.ledger.add_copies(ids[a:b], hashes[a:b], a, 0, bb, now, plan.placed)
                 plan.new, plan.stored_to = count, b

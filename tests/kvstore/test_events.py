@@ -91,6 +91,41 @@ def test_blocks_go_as_one_record_and_a_flush_cuts_the_writers_wait_short(
     assert [bytes.fromhex(r["h"]) for r in recs] == [short_key(h) for h in (*chain, chain[0], chain[2])]
 
 
+def test_placed_copies_go_as_one_record_written_as_block_does_each(tmp_path: Path) -> None:
+    """``placed`` (a put's new copies, handed over under the store's lock) is one record whose
+    lines the writer spells out: stored (no copy before), promoted (none as fast), demoted (a
+    faster one), each line as ``block`` writes it; counted, dropped and limited per block."""
+    clock = FakeClock()
+    chain = chain_for(4, 4)
+    priors, depths = [0, 0b100, 0b001, 0], [0, 1, 2, None]
+    one = EventLog(tmp_path / "one", clock=clock, tiers=["dram", "nvme", "s3"])
+    for key, prior, depth in zip(chain, priors, depths, strict=True):
+        event = "stored" if not prior else "promoted" if not prior & 0b11 else "demoted"
+        one.block(event, key, tier="nvme", size=BB, depth=depth)
+    one.close()
+    many = EventLog(tmp_path / "many", clock=clock, tiers=["dram", "nvme", "s3"])
+    many.placed(chain, 1, "nvme", priors, BB, depths)
+    many.placed([], 1, "nvme", [], BB, [])  # (nothing: no record)
+    with pytest.raises(ValueError, match="prior masks"):
+        many.placed(chain, 1, "nvme", priors[:2], BB, depths)
+    assert many.flush(timeout=60.0) and many.stats()["written"] == 4
+    many.close()
+    recs = [r for r in read_events(tmp_path / "many") if r["type"] == "block"]
+    assert recs == [r for r in read_events(tmp_path / "one") if r["type"] == "block"]
+    assert [r["event"] for r in recs] == ["stored", "promoted", "demoted", "stored"]
+    class Stalled(_Stalled):
+        release = threading.Event()
+
+    full = Stalled(tmp_path / "full", EventsConfig(enabled=True, queue=1))
+    for _ in range(4):
+        full.placed(chain, 0, "dram", priors, BB, depths)
+    Stalled.release.set()
+    full.flush()
+    s = full.stats()
+    full.close()
+    assert s["dropped"] % 4 == 0 and s["dropped"] >= 4 and s["written"] + s["dropped"] == 16
+
+
 def test_rotation_by_size_and_by_age_and_retention(tmp_path: Path) -> None:
     clock = FakeClock()
     cfg = EventsConfig(enabled=True, max_bytes=200, max_age_s=60, retain_bytes=0, level=1)

@@ -413,12 +413,29 @@ def test_arena_reserved_slots_publish_or_free(tier: Tier, make_block: MakeBlock)
     view = arena.slot_view(slots[0], 4096)
     view[:] = a.data
     del view
-    arena.publish_slots([(a.key, slots[0], a.meta)])
+    arena.publish_slots({a.key: (slots[0], a.meta)})
     arena.free_slots(slots[1:])
     assert tier.contains(a.key) and not tier.contains(b.key)
     assert arena.location(a.key) == (slots[0], 4096)
     assert _read(tier, a) == a.data
     assert tier.usage().blocks == 1
+
+
+def test_arena_publishes_many_slots_at_once_and_a_held_key_moves_to_its_new_slot(
+        tier: Tier, make_block: MakeBlock) -> None:
+    arena = _arena(tier)
+    a, b = make_block(4096, seed=123), make_block(4096, seed=124)
+    first = arena.reserve_slots(4096, 1)
+    arena.slot_view(first[0], 4096)[:] = a.data
+    arena.publish_slots({a.key: (first[0], a.meta)})
+    slots = arena.reserve_slots(4096, 2)
+    for off, blk in zip(slots, (a, b), strict=True):
+        arena.slot_view(off, 4096)[:] = blk.data
+    arena.publish_slots({a.key: (slots[0], a.meta), b.key: (slots[1], b.meta)})
+    assert arena.locations([a.key, b.key]) == [(slots[0], 4096), (slots[1], 4096)]
+    assert _read(tier, a) == a.data and _read(tier, b) == b.data
+    assert tier.usage().blocks == 2
+    assert first[0] in arena.reserve_slots(4096, 64)  # a's first slot was given back
 
 
 # ---- fault injection ------------------------------------------------------------------------

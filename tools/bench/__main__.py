@@ -35,6 +35,7 @@ BENCHES = {
     "ucx": "tools.bench.ucx",
     "rpc": "tools.bench.rpc",
     "concurrent": "tools.bench.concurrent",
+    "put_device": "tools.bench.put_device",  # a GPU save's daemon time, on a fake CUDA runtime
     "outage": "tools.bench.outage",  # the engine's cost while its daemon is down
     # vLLM's CPU build with the kvstore connector; needs .venv-vllm
     "vllm": "tools.bench.vllm",
