@@ -28,7 +28,7 @@ record is dropped and counted (``stats()["dropped"]``). Files rotate by size and
 closed files go once the directory holds more than ``retain_bytes``.
 
 :class:`EventLog` is the writer API (the store, the daemon and ``tools/replay`` use it);
-:func:`read_events` the reader; :class:`StoreEvents` the store's hooks (it also keeps the
+:func:`kvstore.eventread.read_events` the reader; :class:`StoreEvents` the store's hooks (it also keeps the
 per-tier byte counters that ``KVStore.stats()`` reports, logging or not).
 """
 
@@ -70,7 +70,7 @@ EVICT_REASONS = ("capacity", "deleted")
 USAGE_COUNTERS = ("skipped_writes", "skipped_bytes")
 """Store counters a usage record carries (``KVStore.stats()``): admission's skipped writes to
 the last tier and their bytes."""
-_NAME = re.compile(r"^events-(\d{8}T\d{6})-(\d+)-(\d{4,})\.jsonl\.zst$")
+EVENT_FILE = re.compile(r"^events-(\d{8}T\d{6})-(\d+)-(\d{4,})\.jsonl\.zst$")
 _MiB = 1 << 20
 
 
@@ -654,7 +654,7 @@ class EventLog:
                 total -= sizes.get(p, 0)
 
 
-# ---- the reader -----------------------------------------------------------------------------------
+# ---- the files -----------------------------------------------------------------------------------
 
 
 def event_files(path: str | os.PathLike[str]) -> list[Path]:
@@ -662,69 +662,14 @@ def event_files(path: str | os.PathLike[str]) -> list[Path]:
     p = Path(path)
     if p.is_file():
         return [p]
-    found = [f for f in p.glob("events-*.jsonl.zst") if _NAME.match(f.name)]
+    found = [f for f in p.glob("events-*.jsonl.zst") if EVENT_FILE.match(f.name)]
 
     def order(f: Path) -> tuple[str, int, int]:
-        m = _NAME.match(f.name)
+        m = EVENT_FILE.match(f.name)
         assert m is not None
         return m.group(1), int(m.group(3)), int(m.group(2))
 
     return sorted(found, key=order)
-
-
-def read_events(
-    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
-    *,
-    since: float | None = None,
-    until: float | None = None,
-    types: Iterable[str] | None = None,
-) -> Iterator[dict[str, Any]]:
-    """Every record of the event files in ``paths`` (directories or files), file by file.
-
-    A file still being written, or cut short by a crash, yields its records up to the last
-    whole batch. ``namespace`` and ``header`` records are yielded whatever ``since``/``until``
-    say (they describe, they do not happen).
-    """
-    if isinstance(paths, str | os.PathLike):
-        paths = [paths]
-    wanted = set(types) if types is not None else None
-    dctx = zstandard.ZstdDecompressor()
-    for root in paths:
-        if not Path(root).exists():
-            raise FileNotFoundError(f"no event log at {root}: pass the events directory (default <store root>/events)")
-        for f in event_files(root):
-            for rec in _records(f, dctx):
-                kind = rec.get("type")
-                if wanted is not None and kind not in wanted:
-                    continue
-                if kind in ("request", "block"):
-                    t = rec.get("t", 0.0)
-                    if (since is not None and t < since) or (until is not None and t >= until):
-                        continue
-                yield rec
-
-
-def _records(path: Path, dctx: zstandard.ZstdDecompressor) -> Iterator[dict[str, Any]]:
-    try:
-        fh = open(path, "rb")  # noqa: SIM115 (closed below)
-    except FileNotFoundError:
-        return  # removed by retention since the listing
-    with fh:
-        reader = dctx.stream_reader(fh, read_across_frames=True)
-        tail = b""
-        while True:
-            try:
-                chunk = reader.read(1 << 20)
-            except zstandard.ZstdError:
-                chunk = b""  # a frame cut short: what came before it is whole
-            if not chunk:
-                break
-            lines = (tail + chunk).split(b"\n")
-            tail = lines.pop()
-            for line in lines:
-                if line:
-                    yield json.loads(line)
-        # An unterminated last line is a record the writer never finished: skip it.
 
 
 # ---- the store's hooks ----------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from kvstore.errors import (
     UnknownNamespaceError,
     UsageError,
 )
-from kvstore.events import decode_hashes, key_int, read_events
+from kvstore.eventread import read_events
+from kvstore.events import decode_hashes, key_int
 from kvstore.inspection import layout_warnings, namespace_row, top_prefixes
 from kvstore.keys import BlockHash, Namespace, hash_blocks
 from kvstore.store.snapshot import Progress, StoreSnapshot

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from kvstore.errors import UsageError
-from kvstore.events import read_events
+from kvstore.eventread import read_events
 from kvstore.report.analyze import ReportConfig, analyze
 from kvstore.report.html import gpu_time, render
 from kvstore.units import parse_duration

@@ -13,13 +13,13 @@ import pytest
 from kvstore.clock import FakeClock
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
+from kvstore.eventread import read_events
 from kvstore.events import (
     EventLog,
     EventsConfig,
     decode_hashes,
     event_files,
     key_int,
-    read_events,
     short_key,
 )
 from kvstore.keys import Namespace

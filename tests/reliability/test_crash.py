@@ -22,7 +22,7 @@ import pytest
 from kvstore.client import connect
 from kvstore.client.spawn import LocalDaemon, start_daemon
 from kvstore.config import load_config
-from kvstore.events import read_events
+from kvstore.eventread import read_events
 from kvstore.store import KVStore
 from tests.conftest import BB, SMALL_NS, chain_for, payload
 from tests.kvstore.conftest import eventually

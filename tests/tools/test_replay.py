@@ -259,7 +259,7 @@ def test_replay_counts_match_the_store(small: Path) -> None:
 
 
 def test_cli_writes_the_store_event_log(small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvstore.events import read_events
+    from kvstore.eventread import read_events
 
     assert main([str(small), "--capacity", "4", "--policy", "density", "--json", "--events", str(tmp_path / "ev")]) == 0
     row = json.loads(capsys.readouterr().out)

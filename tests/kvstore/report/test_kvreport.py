@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.clock import FakeClock
-from kvstore.events import EventLog, read_events
+from kvstore.eventread import read_events
+from kvstore.events import EventLog
 from kvstore.keys import KVLayout, LayerGroup, Namespace
 from kvstore.report import sample, svg
 from kvstore.report.analyze import ReportConfig, analyze

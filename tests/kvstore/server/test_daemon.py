@@ -57,14 +57,18 @@ def test_a_client_killed_while_holding_a_lease(tmp_path: Path) -> None:
 
 def test_startup_objects_are_frozen_out_of_the_collectors_reach() -> None:
     """What a daemon process made before it serves is moved to the permanent generation (a
-    full collection then scans only later objects)."""
+    full collection then scans only later objects), and its threads trade the interpreter
+    every half millisecond at most."""
     import gc
+    import sys
 
-    from kvstore.server.daemon import freeze_startup_objects
+    from kvstore.server.daemon import SWITCH_INTERVAL_S, freeze_startup_objects
 
-    before = gc.get_freeze_count()
+    before, interval = gc.get_freeze_count(), sys.getswitchinterval()
     try:
         freeze_startup_objects()
         assert gc.get_freeze_count() > before
+        assert sys.getswitchinterval() == SWITCH_INTERVAL_S < interval
     finally:
         gc.unfreeze()
+        sys.setswitchinterval(interval)

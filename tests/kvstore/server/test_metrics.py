@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.client import connect
 from kvstore.config import StoreConfig
 from kvstore.ctl.cli import main as kvctl
-from kvstore.events import EventsConfig, read_events
+from kvstore.eventread import read_events
+from kvstore.events import EventsConfig
 from kvstore.report.analyze import analyze
 from kvstore.server.config import ServerConfig
 from kvstore.server.daemon import ThreadedDaemon
