@@ -99,6 +99,10 @@ def test_same_tokens_and_logprobs_with_and_without_kvstore(reference: list, writ
     (c0,), (c1,) = after_cold, after_warm
     assert c0["saved_blocks"] == sum(len(p) // BT for p in S) and c0["loaded_blocks"] == 0
     assert c1["loaded_blocks"] - c0["loaded_blocks"] == sum(_full(p) // BT for p in S) and c1["failed_blocks"] == 0
+    # ... copied from the lease the scheduler's lookup took (LOOKUP_LEASE, no ACQUIRE), except a
+    # request vLLM could not allocate pages for in the step of its lookup (64 pages here): its
+    # lease went back at that step's end, and its worker leased the blocks itself
+    assert 0 < c1["preleased_blocks"] - c0["preleased_blocks"] <= c1["loaded_blocks"] - c0["loaded_blocks"]
     # Nothing is saved again, not even the 640-token prompt's last block (never loaded: it
     # holds the last token, but the lookup saw it cached).
     assert c1["saved_blocks"] == c0["saved_blocks"] and c1["saves_submitted"] == c0["saves_submitted"]
@@ -135,8 +139,11 @@ def test_a_fresh_process_hits_what_another_stored_and_prefix_cache_on(
             "rounds": [{"prompts": S}, {"prompts": S}]}
     fresh, again = run_scenario(spec, tmp_path, inproc=False)
     stats = round_stats(tmp_path)
-    # A new process, an empty vLLM prefix cache: the blocks come from the daemon, layer by layer.
+    # A new process, an empty vLLM prefix cache: the blocks come from the daemon, layer by layer,
+    # from the leases the scheduler's lookups took.
     assert [_hit(o) for o in fresh] == [_full(p) for p in S]
+    (c0,) = counters(tmp_path)[0]
+    assert c0["preleased_blocks"] == c0["loaded_blocks"] == sum(_full(p) // BT for p in S)
     same_outputs(fresh, reference[0])
     # Now vLLM's own prefix cache holds them: it serves the prefix, kvstore is not asked to load.
     assert all(_hit(o) == 0 and o["cached_tokens"] >= _full(p) for o, p in zip(again, S, strict=True))
