@@ -243,18 +243,26 @@ class WorkerDriver:
             marks += [("flushed", time.perf_counter() - t0), ("queued", self.worker._save_t0 - t0)]
         self.marks["save"] = marks
 
+    def admit(self, tokens: Sequence[int], blocks: int) -> tuple[str, Any, Any]:
+        """What the connector's scheduler side does for a new request before the step that loads
+        it: its lookup (:meth:`lookup`); returns the request's id, its ``ReqInfo`` and the lease
+        for a :meth:`load` of its first ``blocks`` blocks."""
+        req, info = self._req(tokens)
+        return req, info, self.lookup(req, tokens, blocks)
+
     def load(self, tokens: Sequence[int], block_ids: Sequence[int], *, layerwise: bool = False,
-             compute: Callable[[int], None] | None = None, timeout: float = 60.0) -> int:
-        """The scheduler's lookup of ``tokens`` (:meth:`lookup`), then the load of their leading
-        cached blocks into pages ``block_ids``: ``async`` (a step that starts the load, then
-        ``get_finished`` each step until the request is done) or ``layerwise`` (one step: each
-        layer waits for its own load, then ``compute(layer)`` runs on the current stream, the
-        forward pass). Returns the blocks loaded; failed blocks raise."""
+             compute: Callable[[int], None] | None = None, timeout: float = 60.0,
+             admitted: tuple[str, Any, Any] | None = None) -> int:
+        """The load of ``tokens``' leading cached blocks into pages ``block_ids``, after the
+        scheduler's lookup (``admitted``: :meth:`admit` made it already, else it is made here):
+        ``async`` (a step that starts the load, then ``get_finished`` each step until the request
+        is done) or ``layerwise`` (one step: each layer waits for its own load, then
+        ``compute(layer)`` runs on the current stream, the forward pass). Returns the blocks
+        loaded; failed blocks raise."""
         from engine.vllm.worker import LoadSpec, StepPlan
 
         t0 = time.perf_counter()
-        req, info = self._req(tokens)
-        lease = self.lookup(req, tokens, len(block_ids))
+        req, info, lease = admitted if admitted is not None else self.admit(tokens, len(block_ids))
         marks = [("lookup", time.perf_counter() - t0)]
         before = self.worker.counters.loaded_blocks
         self._step(StepPlan(infos={req: info}, loads=[LoadSpec(req, 0, list(block_ids), not layerwise, lease)]),

@@ -357,9 +357,9 @@ class KvstoreConnector:
     ``wait_for_layer_load``, ``wait_for_save``, ``get_finished``) against a real daemon over
     shared memory, on pages in vLLM 0.32's CUDA default layout (``LBNHC``: the logical
     ``[B, H, N, C]`` view over NHD memory): what a vLLM user runs. A save is one step that saves
-    the prompt's blocks, timed until the daemon holds them; a restore the scheduler's lookup
-    (with its lease, as the connector's scheduler side takes it) and an async load, timed until
-    ``get_finished`` reports it."""
+    the prompt's blocks, timed until the daemon holds them; a restore an async load, timed until
+    ``get_finished`` reports it, after the scheduler's lookup (untimed: :meth:`before_restore`)
+    has taken its lease."""
 
     name = "kvstore-connector"
     layout = "LBNHC"
@@ -393,8 +393,18 @@ class KvstoreConnector:
     def save(self, tokens: np.ndarray, ids: list[int]) -> None:
         self.driver.save(tokens, ids)
 
+    def before_restore(self, tokens: np.ndarray, ids: list[int]) -> None:
+        """Untimed, right before each restore: the scheduler's lookup (with its lease), which vLLM
+        makes before the step that loads, as LMCache's scheduler makes its own lookup apart from
+        the worker's retrieve that its row times; its time is the row's ``lookup_ms``."""
+        self._admitted = self.driver.admit(tokens, len(ids))
+
+    def _take_admitted(self) -> Any:
+        admitted, self._admitted = getattr(self, "_admitted", None), None
+        return admitted
+
     def restore(self, tokens: np.ndarray, ids: list[int]) -> int:
-        return self.driver.load(tokens, ids) * BLOCK
+        return self.driver.load(tokens, ids, admitted=self._take_admitted()) * BLOCK
 
     def info(self) -> dict[str, Any]:
         w = self.driver.worker
@@ -409,7 +419,7 @@ class KvstoreConnector:
             "worker_ms": {"fetch": round(k.load_fetch_s * 1e3, 3), "copy": round(k.load_copy_s * 1e3, 3),
                           "put": round(k.save_put_s * 1e3, 3), "loaded_blocks": k.loaded_blocks,
                           "saved_blocks": k.saved_blocks, "preleased_blocks": k.preleased_blocks},
-            # the last restore's scheduler lookup (timed with it: vLLM's scheduler makes it first)
+            # the last restore's scheduler lookup (before_restore: untimed, made before the step)
             "lease_at_lookup": w.cfg.lease_at_lookup, "lookup_ms": round(self.driver.lookup_s * 1e3, 3),
         }
         if c and not c.info.get("put_device"):
@@ -509,7 +519,8 @@ class KvstoreConnectorLayerwise(KvstoreConnector):
         torch.mm(self._x, self._w)
 
     def restore(self, tokens: np.ndarray, ids: list[int]) -> int:
-        return self.driver.load(tokens, ids, layerwise=True, compute=self._compute) * BLOCK
+        return self.driver.load(tokens, ids, layerwise=True, compute=self._compute,
+                                admitted=self._take_admitted()) * BLOCK
 
     def after_restore(self) -> None:
         """The same forward pass with nothing to load (``compute_ms``), outside the timed restore."""

@@ -290,6 +290,8 @@ class _SizeRun:
             dev, cache = self.cache.device, self.cache
             cache.zero(self.dst)
             b, _ = _timed(self._h2d, dev)
+            if (before := getattr(self.s, "before_restore", None)) is not None:
+                before(self.prompts[0], self.dst)  # untimed: a connector's scheduler lookup
             dt, n = _timed(lambda: self.s.restore(self.prompts[0], self.dst), dev)
             self._after("after_restore")  # untimed: a peer's own reference (the layer-wise row's compute alone)
             if i == self.trials:
