@@ -265,8 +265,8 @@ def test_the_connector_worker_saves_and_loads_device_pages_through_a_daemon(tmp_
                                                                             device_puts: bool) -> None:
     """The worker as vLLM drives it (``WorkerDriver``) against a real daemon over shared memory:
     a save by PUT_DEVICE (the daemon copies from the GPU into its arena) or through the daemon's
-    staging segment, then a load from the lease into other pages, async or layer by layer (each
-    layer's wait then a kernel on the forward stream)."""
+    staging segment, then a load from the lease the scheduler's lookup took into other pages,
+    async or layer by layer (each layer's wait then a kernel on the forward stream)."""
     from engine.vllm.harness import WorkerDriver, small_daemon
 
     src = _caches("LBNHC", "cuda", seed=7)
@@ -298,5 +298,7 @@ def test_the_connector_worker_saves_and_loads_device_pages_through_a_daemon(tmp_
             if sums:  # the forward's kernel at layer i saw the loaded layer
                 assert int(sums[i]) == int(_checksum(src[name][[0, 3, 5, 7, 9]]))
         assert len(sums) == (len(SPEC.layer_names) if mode == "layerwise" else 0)
+        # copied from the lease the scheduler's lookup took (LOOKUP_LEASE), no ACQUIRE of its own
+        assert loader.worker.counters.preleased_blocks == 5, loader.worker.counters
         saver.close()
         loader.close()
