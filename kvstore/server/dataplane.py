@@ -480,9 +480,10 @@ class Session:
         if tier is not None:
             while k < r.num_blocks and r.tiers[k] == tier.name:
                 k += 1
+        k = min(k, INLINE_ACQUIRE_BLOCKS)  # (what an ACQUIRE serves on the loop; the worker leases the rest)
         lease = None
         if (k and t.spec.allow_shm and self.ch.local and self.ctx.arena is not None
-                and len(self.leases) < svc.limits.max_leases and k <= INLINE_ACQUIRE_BLOCKS):
+                and len(self.leases) < svc.limits.max_leases):
             req = P.parse_blocks(meta, svc.limits.max_blocks)
             try:
                 lease = svc.acquire_nowait(t, req.ns_id, req.hashes[:k])
