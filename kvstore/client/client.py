@@ -157,6 +157,15 @@ def _local_node_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+
+def _lookup_answer(ns: Namespace, r: tuple[int, tuple[str, ...], tuple[str, ...]] | P.Refusal) -> LookupResult:
+    """A LOOKUP's (or LOOKUP_LEASE's) parsed answer as a result, or its refusal raised as the
+    class the daemon names, as over HTTP."""
+    if isinstance(r, P.Refusal):
+        cls = error_class(r.kind) or STATUS_ERRORS.get(r.status, KVStoreError)
+        raise cls(f"daemon: {r.detail} ({r.kind}, status {r.status})")
+    return LookupResult(r[0], ns.block_tokens, r[1], r[2])
+
 @dataclass(eq=False)
 class ClientLease:
     """Blocks held in the daemon's arena for this client: ``views[i]`` is block ``i``, read-only,
@@ -451,10 +460,7 @@ class Client:
                 r = P.parse_lookup(meta)
             except P.ProtocolError as e:
                 raise ConnectionLost(f"malformed reply from the daemon: {e}") from e
-            if isinstance(r, P.Refusal):  # the class the daemon names, as over HTTP
-                cls = error_class(r.kind) or STATUS_ERRORS.get(r.status, KVStoreError)
-                raise cls(f"daemon: {r.detail} ({r.kind}, status {r.status})")
-            return LookupResult(r[0], ns.block_tokens, r[1], r[2])
+            return _lookup_answer(ns, r)
 
         return self._retry(call)
 
@@ -478,11 +484,8 @@ class Client:
                 r, lease_id, locs = P.parse_lookup_lease(meta)
             except P.ProtocolError as e:
                 raise ConnectionLost(f"malformed reply from the daemon: {e}") from e
-            if isinstance(r, P.Refusal):
-                cls = error_class(r.kind) or STATUS_ERRORS.get(r.status, KVStoreError)
-                raise cls(f"daemon: {r.detail} ({r.kind}, status {r.status})")
-            lease = self._held_lease(conn, lease_id, locs, []) if locs else None
-            return LookupResult(r[0], ns.block_tokens, r[1], r[2]), lease
+            answer = _lookup_answer(ns, r)
+            return answer, (self._held_lease(conn, lease_id, locs, []) if locs else None)
 
         return self._retry(call)
 

@@ -439,13 +439,13 @@ class Session:
         """As ``POST /v1/lookup`` by hashes: answered on the loop from memory when the store is
         not busy (no thread hop), else in the pool. Over HTTP the daemon spent ~0.3 ms of CPU
         per lookup at rest (uvicorn, FastAPI, JSON), which a loaded box stretched past 1 ms."""
-        r = await self._lookup_result(meta)
+        r, _ = await self._lookup_result(meta)
         await self._reply(hdr.req_id, r if isinstance(r, bytes) else P.encode_lookup(r.num_blocks, r.tiers, r.unavailable))
 
-    async def _lookup_result(self, meta: bytearray) -> Any:
-        """A LOOKUP's result, or its refusal (bytes: a user's error, named by class as the HTTP
-        error body does: an error code alone would turn a LayoutMismatchError into a
-        MissingPrefixError, both CONFLICT, at the client)."""
+    async def _lookup_result(self, meta: bytearray) -> tuple[Any, P.BlockRequest | None]:
+        """A LOOKUP's result and its parsed request, or its refusal (bytes: a user's error,
+        named by class as the HTTP error body does: an error code alone would turn a
+        LayoutMismatchError into a MissingPrefixError, both CONFLICT, at the client) and None."""
         svc, t = self.ctx.service, self.tenant
         assert t is not None
         try:
@@ -453,12 +453,12 @@ class Session:
                 return await self.ctx.run(_lookup_blocking, svc, t, meta)
             req = P.parse_blocks(meta, svc.limits.max_blocks)
             return svc.lookup_nowait(t, req.ns_id, req.hashes) or await self.ctx.run(
-                svc.lookup, t, req.ns_id, req.hashes)
+                svc.lookup, t, req.ns_id, req.hashes), req
         except Exception as e:
             code, status = classify(e)
             if code is P.ErrorCode.INTERNAL:
                 raise
-            return P.encode_refusal(error_kind(e) or "KVStoreError", status, str(e))
+            return P.encode_refusal(error_kind(e) or "KVStoreError", status, str(e)), None
 
     async def _lookup_lease(self, hdr: P.Header, meta: bytearray) -> None:
         """LOOKUP_LEASE: a LOOKUP, and a lease on the leading blocks of its answer that the arena
@@ -468,8 +468,8 @@ class Session:
         lease where ACQUIRE would be refused or would wait (another plane, no shared memory
         for the tenant, this connection's lease limit, the tenant's share of the arena, a
         block on a lower tier, a busy store): the answer is the lookup's all the same."""
-        r = await self._lookup_result(meta)
-        if isinstance(r, bytes):
+        r, req = await self._lookup_result(meta)
+        if req is None:
             await self._reply(hdr.req_id, P.encode_lookup_lease(r))
             return
         lookup = P.encode_lookup(r.num_blocks, r.tiers, r.unavailable)
@@ -484,7 +484,6 @@ class Session:
         lease = None
         if (k and t.spec.allow_shm and self.ch.local and self.ctx.arena is not None
                 and len(self.leases) < svc.limits.max_leases):
-            req = P.parse_blocks(meta, svc.limits.max_blocks)
             try:
                 lease = svc.acquire_nowait(t, req.ns_id, req.hashes[:k])
             except KVStoreError as e:  # the tenant's share of the arena is held already, say
@@ -494,11 +493,7 @@ class Session:
                 await self._give_back(lease)
             await self._reply(hdr.req_id, P.encode_lookup_lease(lookup))
             return
-        lease_id = self._next_lease
-        self._next_lease += 1
-        self.leases[lease_id] = (lease, asyncio.get_running_loop().time() + svc.limits.lease_timeout_s)
-        self.ctx.metrics.leases.inc()
-        await self._reply(hdr.req_id, P.encode_lookup_lease(lookup, lease_id, lease.locations))
+        await self._reply(hdr.req_id, P.encode_lookup_lease(lookup, self._hold(lease), lease.locations))
 
     async def _get(self, hdr: P.Header, meta: bytearray) -> None:
         svc, t = self.ctx.service, self.tenant
@@ -611,11 +606,15 @@ class Session:
                  if len(req.hashes) <= INLINE_ACQUIRE_BLOCKS else None)
         if lease is None:
             lease = await self._call(svc.acquire, t, req.ns_id, req.hashes)
+        await self._reply(hdr.req_id, P.encode_lease(self._hold(lease), lease.locations))
+
+    def _hold(self, lease: Lease) -> int:
+        """Keep ``lease`` for this connection until its RELEASE or its deadline; its id."""
         lease_id = self._next_lease
         self._next_lease += 1
-        self.leases[lease_id] = (lease, asyncio.get_running_loop().time() + svc.limits.lease_timeout_s)
+        self.leases[lease_id] = (lease, asyncio.get_running_loop().time() + self.ctx.service.limits.lease_timeout_s)
         self.ctx.metrics.leases.inc()
-        await self._reply(hdr.req_id, P.encode_lease(lease_id, lease.locations))
+        return lease_id
 
     async def _release(self, hdr: P.Header, meta: bytearray) -> None:
         held = self.leases.pop(P.parse_u64(meta), None)
@@ -806,9 +805,9 @@ def _run_ends(runs: list[int], n: int) -> set[int]:
     return out
 
 
-def _lookup_blocking(svc: Service, t: Tenant, meta: bytearray) -> Any:
+def _lookup_blocking(svc: Service, t: Tenant, meta: bytearray) -> tuple[Any, P.BlockRequest]:
     req = P.parse_blocks(meta, svc.limits.max_blocks)
-    return svc.lookup(t, req.ns_id, req.hashes)
+    return svc.lookup(t, req.ns_id, req.hashes), req
 
 
 def _refusal(e: Exception) -> RequestError | None:
