@@ -315,12 +315,6 @@ class HeldBlocks(_ArenaSource):
     it at its lookup: ``Client.lookup_lease``): copies from them are queued at once, and the
     holder gives the lease back once they have landed."""
 
-    def __init__(self, arena: str, locations: tuple[tuple[int, int], ...]) -> None:
-        super().__init__(arena, locations)
-
-    def release(self) -> None:
-        """Nothing: the lease is its holder's."""
-
 
 class PeekedBlocks(_ArenaSource):
     """Blocks where the arena held them at a :meth:`kvstore.store.KVStore.peek_arena`, held by

@@ -326,7 +326,6 @@ class _Scheduler:
         ext = min(r.hit, max_blocks) - r.local
         if ext < self.cfg.min_load_blocks or self.link.is_open:
             r.want = (r.local, r.local)
-            self.leases.drop(request.request_id)
             return 0, False
         r.want = (r.local, r.local + ext)
         return ext * bt, self.cfg.load_mode == "async"
@@ -383,7 +382,6 @@ class _Scheduler:
             return
         r.allocated = True
         if num_external_tokens == 0:
-            self.leases.drop(request.request_id)
             return
         start, end = r.want
         n = num_external_tokens // self.bt
@@ -462,7 +460,7 @@ class _Scheduler:
             self._plan_save(meta, req_id, r, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
         if self.spec.state is not None and self.cfg.save:
             self._plan_states(meta, so)
-        self.leases.end_step()  # looked up, but not loading in this step: nothing stays pinned
+        self.leases.end_step()  # looked up, but not loading in this step (none, or not allocated): nothing stays pinned
         return meta
 
     def _plan_states(self, meta: KVStoreMetadata, so: SchedulerOutput) -> None:

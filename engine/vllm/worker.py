@@ -318,8 +318,8 @@ class Worker(SavePuts):
         """The last (non-hybrid) load, once landed: diagnostics (its per-tile timeline when
         ``loader.timing`` is on)."""
         self.last_marks: list[tuple[str, float]] = []
-        self.last_t0 = 0.0  # when the load of last_marks was started (its marks count from there)
         """The last load's host timeline (:attr:`_LoadJob.marks`): benchmarks read it."""
+        self.last_t0 = 0.0  # when the load of last_marks was started (its marks count from there)
         self.last_save_marks: list[tuple[str, float]] = []
         """The last save's host timeline on the saver thread, seconds since ``wait_for_save``
         queued it: benchmarks read it."""
@@ -814,11 +814,10 @@ class Worker(SavePuts):
             return None
         if pre.arena != client.info.get("arena"):
             return None
-        if pre.arena != self._arena and not any(not isinstance(h, HostBlocks) for h in held):
-            release_arenas()  # a restarted daemon's new arena, as in _hold
-            self._arena = pre.arena
-        self.counters.preleased_blocks += pre.num_blocks
-        return HeldBlocks(pre.arena, pre.locations[: len(spec.block_ids)])
+        self._reading(pre.arena, held)
+        src = HeldBlocks(pre.arena, pre.locations[: len(spec.block_ids)])
+        self.counters.preleased_blocks += src.num_blocks
+        return src
 
     def _fetch_each(self, ns: Namespace, chunks: Iterable[list[BlockHash]],
                     held: list[Any]) -> Generator[tuple[int, Any], None, None]:
@@ -843,13 +842,17 @@ class Worker(SavePuts):
 
     def _hold(self, lease: Any, held: list[Any]) -> None:
         """Keep ``lease`` in ``held`` (given back once its copies have landed)."""
-        if lease.num_blocks and lease.arena != self._arena and not any(
-                not isinstance(h, HostBlocks) for h in held):
-            # A restarted daemon has a new arena: let go of the old one's mapping (no lease on
-            # it is held, no copy from it is in flight: loads run one at a time).
-            release_arenas()
-            self._arena = lease.arena
+        if lease.num_blocks:
+            self._reading(lease.arena, held)
         held.append(lease)
+
+    def _reading(self, arena: str, held: list[Any]) -> None:
+        """This load reads ``arena``: a restarted daemon has a new one, so let go of the old
+        one's mapping (no lease on it is held, no copy from it is in flight: loads run one at a
+        time)."""
+        if arena != self._arena and not any(not isinstance(h, HostBlocks) for h in held):
+            release_arenas()
+            self._arena = arena
 
     def _fetch(self, ns: Namespace, hashes: list[BlockHash], held: list[Any]) -> tuple[int, Any]:
         """The leading cached blocks of ``hashes``: (count, source): a lease on the daemon's arena
