@@ -296,3 +296,48 @@ def test_healthz_while_another_client_sends_the_biggest_lookups(start_daemon: Ca
         t.join(60)
     lat.sort()
     figures(probes=probes, healthz_p50_ms=round(1000 * lat[len(lat) // 2], 2), healthz_max_ms=round(1000 * lat[-1], 2))
+
+
+def test_lookup_leases_stay_within_the_tenants_share_and_the_connections_limit(
+    start_daemon: Callable[..., ThreadedDaemon],
+) -> None:
+    """A scheduler's LOOKUP_LEASE holds blocks as an ACQUIRE does, so it is bounded the same way:
+    a tenant's lookup leases hold at most ``max_lease_fraction`` of the arena and a connection at
+    most ``max_leases``; past either, the lookup is answered whole with no lease (never refused),
+    and another tenant's get is served whole meanwhile."""
+    tenants = (TenantSpec("a", TOKEN_A, allow_shm=True), TenantSpec("b", TOKEN_B))
+    d = start_daemon(tenants, tiers=small_tiers(dram_blocks=16, nvme_blocks=64, object_blocks=256),
+                     limits=Limits(**LIMITS, max_lease_fraction=0.5))
+    with connect(d.url, token=TOKEN_A, plane="shm") as a, connect(d.url, token=TOKEN_B, plane="tcp") as b:
+        a.register_namespace(SMALL_NS)
+        b.register_namespace(SMALL_NS)
+        mine = chain_for(120, 8)
+        assert b.put(SMALL_NS, mine, _blocks(mine)) == 8
+        theirs = [chain_for(220 + i, 4) for i in range(4)]
+        for c in theirs:  # 16 blocks: the arena is full of a's blocks
+            assert a.put(SMALL_NS, c, _blocks(c)) == 4
+        leases = []
+        for c in theirs:
+            r, lease = a.lookup_lease(SMALL_NS, c)
+            assert r.num_blocks == 4  # answered whole, leased or not
+            if lease is not None:
+                leases.append(lease)
+        held = sum(lease.num_blocks for lease in leases)
+        assert 0 < held <= 8 and len(leases) < 4  # half of a 16-block arena
+        out = np.zeros(8 * BB, np.uint8)
+        assert b.get_into(SMALL_NS, mine, out) == 8  # served whole while a holds its leases
+        assert out.tobytes() == _blocks(mine).tobytes()
+        for lease in leases:
+            lease.release()
+        r, lease = a.lookup_lease(SMALL_NS, theirs[0])
+        assert r.num_blocks == 4 and lease is not None and lease.num_blocks == 4
+        lease.release()
+    one = start_daemon(tenants, limits=Limits(**LIMITS, max_leases=1))
+    with connect(one.url, token=TOKEN_A, plane="shm") as a:
+        chains = [chain_for(320 + i, 2) for i in range(2)]
+        for c in chains:
+            a.put(SMALL_NS, c, _blocks(c))
+        r1, first = a.lookup_lease(SMALL_NS, chains[0])
+        r2, second = a.lookup_lease(SMALL_NS, chains[1])
+        assert (r1.num_blocks, r2.num_blocks) == (2, 2) and first is not None and second is None
+        first.release()
