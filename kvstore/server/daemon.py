@@ -265,8 +265,8 @@ SWITCH_INTERVAL_S = 0.0005
 is 5 ms). Its threads (the loop, the pool, the event log's and KV events' writers) share one
 interpreter: a request whose thread gives up the interpreter for a moment (a lock, a syscall)
 while another thread formats a batch of records waited up to a whole interval to get it back,
-once or twice per request (a PUT_DEVICE's commit of 2,048 blocks: 15.6-16.3 ms in a daemon on an
-H200 host against 3.4-3.9 ms in process)."""
+once or twice per request (a PUT_DEVICE's commit of 2,048 blocks took four to six times the
+in-process store's on a GPU host; docs/daemon.md)."""
 
 
 def freeze_startup_objects() -> None:
