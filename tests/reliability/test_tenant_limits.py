@@ -35,6 +35,19 @@ def _ns(i: int, block_tokens: int = 16) -> Namespace:
     return Namespace(f"test/model-{i}", KVLayout("bfloat16", block_tokens, (LayerGroup("full", 1, 1, 64),)))
 
 
+def _fill_arena_with_a(a: Any, b: Any, seed: int) -> tuple[list[bytes], list[list[bytes]]]:
+    """b's 8-block chain, then a's four 4-block chains: a 16-block arena full of a's blocks
+    (b's went down to NVMe). Returns (b's chain, a's chains)."""
+    a.register_namespace(SMALL_NS)
+    b.register_namespace(SMALL_NS)
+    mine = chain_for(seed, 8)
+    assert b.put(SMALL_NS, mine, _blocks(mine)) == 8
+    theirs = [chain_for(seed + 100 + i, 4) for i in range(4)]
+    for c in theirs:
+        assert a.put(SMALL_NS, c, _blocks(c)) == 4
+    return mine, theirs
+
+
 def test_a_tenant_registers_at_most_its_limit_of_namespaces(start_daemon: Callable[..., ThreadedDaemon]) -> None:
     """Item 5: namespaces had no bound (the index's 16-bit column overflowed at 65,536). Now a
     tenant gets a clear refusal past ``max_namespaces_per_tenant``; re-registering one it has,
@@ -100,13 +113,7 @@ def test_leases_have_a_deadline_and_a_tenant_holds_at_most_its_share_of_the_aren
     d = start_daemon(tenants, tiers=small_tiers(dram_blocks=16, nvme_blocks=64, object_blocks=256),
                      limits=Limits(**LIMITS, max_lease_fraction=0.5, lease_timeout_s=1.0))
     with connect(d.url, token=TOKEN_A, plane="shm") as a, connect(d.url, token=TOKEN_B, plane="tcp") as b:
-        a.register_namespace(SMALL_NS)
-        b.register_namespace(SMALL_NS)
-        mine = chain_for(100, 8)
-        assert b.put(SMALL_NS, mine, _blocks(mine)) == 8
-        theirs = [chain_for(200 + i, 4) for i in range(4)]
-        for c in theirs:  # 16 blocks: the arena is full of a's blocks, b's went down to NVMe
-            assert a.put(SMALL_NS, c, _blocks(c)) == 4
+        mine, theirs = _fill_arena_with_a(a, b, 100)
         leases, refused = [], 0
         for c in theirs:
             try:
@@ -309,13 +316,7 @@ def test_lookup_leases_stay_within_the_tenants_share_and_the_connections_limit(
     d = start_daemon(tenants, tiers=small_tiers(dram_blocks=16, nvme_blocks=64, object_blocks=256),
                      limits=Limits(**LIMITS, max_lease_fraction=0.5))
     with connect(d.url, token=TOKEN_A, plane="shm") as a, connect(d.url, token=TOKEN_B, plane="tcp") as b:
-        a.register_namespace(SMALL_NS)
-        b.register_namespace(SMALL_NS)
-        mine = chain_for(120, 8)
-        assert b.put(SMALL_NS, mine, _blocks(mine)) == 8
-        theirs = [chain_for(220 + i, 4) for i in range(4)]
-        for c in theirs:  # 16 blocks: the arena is full of a's blocks
-            assert a.put(SMALL_NS, c, _blocks(c)) == 4
+        mine, theirs = _fill_arena_with_a(a, b, 120)
         leases = []
         for c in theirs:
             r, lease = a.lookup_lease(SMALL_NS, c)
