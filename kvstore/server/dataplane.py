@@ -734,6 +734,9 @@ class Session:
                                      res.first - req.start, after=req.event, meanwhile=res.prepare,
                                      quarantine=res.quarantine, owner=t.name))
             marks.append(time.perf_counter())
+            dma_s = copier.last_dma_s
+            if dma_s is not None:
+                marks.append(dma_s)
             return int(res.num_blocks)
 
         def put() -> int:
@@ -753,12 +756,14 @@ class Session:
             raise RequestError(P.ErrorCode.BAD_REQUEST, f"PUT_DEVICE failed, nothing stored: {e}") from e
         except (OSError, ValueError) as e:  # a handle that does not open, a buffer too small
             raise RequestError(P.ErrorCode.BAD_REQUEST, f"PUT_DEVICE failed, nothing stored: {e}") from e
-        if len(marks) == 3:
-            filled, queued, copied = marks
+        if len(marks) >= 3:
+            filled, queued, copied = marks[:3]
             phases = self.ctx.metrics.put_device
             for phase, s in (("reserve", filled - t0), ("queue", queued), ("wait", copied - filled - queued),
                              ("commit", time.perf_counter() - copied)):
                 phases.labels(phase).observe(s)
+            if len(marks) == 4:  # the DMAs' own device time (within queue + wait)
+                phases.labels("dma").observe(marks[3])
         self.ctx.metrics.bytes.labels(self.ch.plane + "+device", "in").inc(new * bb)
         await self._reply(hdr.req_id, P.encode_u64(new))
 

@@ -79,6 +79,14 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
 
 
+_TIMING_CALLS = (
+    ("cudaEventCreate", [ctypes.POINTER(ctypes.c_void_p)]),
+    ("cudaEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
+    ("cudaEventElapsedTime", [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]),
+)
+"""Optional calls: the device time of a copy's DMAs (:attr:`DeviceCopier.last_dma_s`)."""
+
+
 class CudaRuntime:
     """The few CUDA runtime calls PUT_DEVICE needs, through ``ctypes``."""
 
@@ -104,6 +112,13 @@ class CudaRuntime:
             fn = getattr(lib, name)
             fn.argtypes = args
             fn.restype = ctypes.c_int
+        self.timing = all(hasattr(lib, name) for name, _ in _TIMING_CALLS)
+        """Whether the runtime can time its DMAs on the device (``cudaEventElapsedTime``)."""
+        if self.timing:
+            for name, args in _TIMING_CALLS:
+                fn = getattr(lib, name)
+                fn.argtypes = args
+                fn.restype = ctypes.c_int
 
     def check(self, err: int, what: str) -> None:
         if err:
@@ -253,6 +268,10 @@ class DeviceCopier:
             ev = self.open(session, device, after, event=True)
             ptrs += (ev,)
             rt.check(rt.lib.cudaStreamWaitEvent(stream, ev, 0), "cudaStreamWaitEvent")
+        marks = self._marks(rt, device)
+        self._local.dma_s = None
+        if marks is not None:  # the DMAs' device time: from here (the client's event done) to their end
+            rt.lib.cudaEventRecord(marks[0], stream)
         i, n = 0, len(slots)
         t0 = time.perf_counter()
         queued = 0.0
@@ -271,6 +290,8 @@ class DeviceCopier:
                                                   _DEVICE_TO_HOST, stream), "cudaMemcpy2DAsync")
                 i = j
             queued = time.perf_counter() - t0
+            if marks is not None:
+                rt.lib.cudaEventRecord(marks[1], stream)
             if meanwhile is not None:
                 meanwhile()
         finally:
@@ -287,7 +308,32 @@ class DeviceCopier:
                     "event finish (a kernel that never ends, a hung GPU context) or raise put_device_timeout; "
                     "the save's arena slots stay set aside until the copies are done")
         rt.check(synced, "cudaStreamQuery")
+        if marks is not None:
+            ms = ctypes.c_float()
+            if not rt.lib.cudaEventElapsedTime(ctypes.byref(ms), marks[0], marks[1]):
+                self._local.dma_s = ms.value / 1e3
         return queued
+
+    @property
+    def last_dma_s(self) -> float | None:
+        """This thread's last :meth:`copy`: seconds its DMAs took on the device, from the client's
+        event's completion (the gather that fills the buffer) to the last DMA's end; None where the
+        runtime cannot time them."""
+        return getattr(self._local, "dma_s", None)
+
+    def _marks(self, rt: CudaRuntime, device: int) -> tuple[int, int] | None:
+        """This thread's two timing events on ``device`` (made once), or None without timing."""
+        if not rt.timing:
+            return None
+        marks: dict[int, tuple[int, int]] = self._local.__dict__.setdefault("marks", {})
+        pair = marks.get(device)
+        if pair is None:
+            a, b = ctypes.c_void_p(), ctypes.c_void_p()
+            if rt.lib.cudaEventCreate(ctypes.byref(a)) or rt.lib.cudaEventCreate(ctypes.byref(b)):
+                rt.lib.cudaGetLastError()
+                return None
+            pair = marks[device] = (int(a.value or 0), int(b.value or 0))
+        return pair
 
     def _wait(self, rt: CudaRuntime, stream: int) -> int:
         """Poll ``stream`` until its work is done (its CUDA status) or the deadline passes

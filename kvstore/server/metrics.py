@@ -175,7 +175,8 @@ class Metrics:
         self.put_device = Histogram(
             "kvstore_put_device_seconds",
             "PUT_DEVICE by phase: reserve (quota and arena slots), queue (the DMAs out of the engine's GPU "
-            "memory issued), wait (until they landed), commit",
+            "memory issued), wait (until they landed), commit; dma (the DMAs' device time, from the engine's "
+            "event to their end, within queue and wait, where the CUDA runtime can time them)",
             ["phase"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.put_device_timeouts = Counter(

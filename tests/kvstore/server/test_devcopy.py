@@ -52,7 +52,7 @@ class _FakeLib:
     waiting answers ``cudaStreamQuery`` with cudaErrorNotReady. Copies move bytes between host
     addresses (what :meth:`export` hands out stands for device memory) when ``real``."""
 
-    def __init__(self, copy_codes: list[int] | None = None, real: bool = False) -> None:
+    def __init__(self, copy_codes: list[int] | None = None, real: bool = False, dma_ms: float | None = None) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.real = real
         self._lock = threading.RLock()
@@ -73,6 +73,11 @@ class _FakeLib:
                                      impl=lambda *a: self._queue(a[7], ("copy", a[:6])))
         self.cudaStreamQuery = _Fn("cudaStreamQuery", self.calls,
                                    impl=lambda s: NOT_READY if self._queues.get(s) else 0)
+        if dma_ms is not None:  # a runtime that times events: each elapsed time is dma_ms
+            self.cudaEventCreate = _Fn("cudaEventCreate", self.calls, impl=lambda out: self._create(out, 0))
+            self.cudaEventRecord = _Fn("cudaEventRecord", self.calls)
+            self.cudaEventElapsedTime = _Fn("cudaEventElapsedTime", self.calls,
+                                            impl=lambda out, _a, _b: setattr(out._obj, "value", dma_ms) or 0)
 
     def export(self, handle: bytes, buf: bytearray) -> None:
         """``handle`` names ``buf`` (the client's "device" buffer)."""
@@ -147,6 +152,25 @@ def test_runs_of_equally_spaced_slots_go_as_one_queued_copy_each_then_one_wait()
     copies = [args for n, args in lib.calls if n == "cudaMemcpy2DAsync"]
     assert [a[5] for a in copies] == [3, 2, 1]  # rows: three adjacent, two 20 blocks apart, one alone
     assert [a[1] for a in copies] == [BB, 20 * BB, BB]  # the destination pitch
+
+
+def test_the_dmas_device_time_is_taken_between_events_around_them_where_the_runtime_times() -> None:
+    lib = _FakeLib(dma_ms=2.5)
+    copier, session = _copier(lib)
+    copier.copy(session, 0, bytes(64), 0, 4 * BB, BB, [(0, BB), (BB, BB), (2 * BB, BB)], 0, after=bytes(range(64)))
+    order = lib.named("cudaStreamWaitEvent", "cudaEventRecord", "cudaMemcpy2DAsync", "cudaStreamQuery",
+                      "cudaEventElapsedTime")
+    # after the client's event, around the copies; read once they have landed
+    assert order == ["cudaStreamWaitEvent", "cudaEventRecord", "cudaMemcpy2DAsync", "cudaEventRecord",
+                     "cudaStreamQuery", "cudaEventElapsedTime"]
+    assert copier.last_dma_s == pytest.approx(2.5e-3)
+    copier.copy(session, 0, bytes(64), 0, 4 * BB, BB, [(0, BB)], 0)
+    assert lib.named("cudaEventCreate") == ["cudaEventCreate"] * 2  # one pair per thread and device
+
+    plain = _FakeLib()
+    copier, session = _copier(plain)
+    copier.copy(session, 0, bytes(64), 0, 4 * BB, BB, [(0, BB)], 0)
+    assert copier.last_dma_s is None
 
 
 def test_a_copy_that_fails_to_queue_still_waits_for_the_queued_ones() -> None:
@@ -276,7 +300,7 @@ SHM_TENANTS = (
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeLib:
     """The daemon's PUT_DEVICE on the fake runtime, its copies moving real bytes."""
-    lib = _FakeLib(real=True)
+    lib = _FakeLib(real=True, dma_ms=1.5)
     monkeypatch.setattr("kvstore.server.devcopy.load_runtime", lambda: (CudaRuntime(lib), ""))  # type: ignore[arg-type]
     return lib
 
@@ -319,6 +343,11 @@ def test_put_device_through_a_daemon_stores_the_device_bytes(
                             after=b"E" * 64) == 4
         assert _reads(a, chain) == 4
     assert _put_device_metrics(d) == (0, 0)
+    m = _scrape(d.url)  # the DMAs' device time, as the runtime timed it, beside the other phases
+    dma = (("phase", "dma"),)
+    assert m[("kvstore_put_device_seconds_count", dma)] == 1
+    assert m[("kvstore_put_device_seconds_sum", dma)] == pytest.approx(1.5e-3)
+    assert m[("kvstore_put_device_seconds_count", (("phase", "wait"),))] == 1
 
 
 def test_a_save_whose_event_never_completes_fails_and_its_slots_wait_for_the_event(
