@@ -34,6 +34,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.buffers import address
 from kvstore.cudart import cudart_candidates
@@ -79,7 +80,7 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
 
 
-_TIMING_CALLS = (
+_TIMING_CALLS: tuple[tuple[str, list[Any]], ...] = (
     ("cudaEventCreate", [ctypes.POINTER(ctypes.c_void_p)]),
     ("cudaEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
     ("cudaEventElapsedTime", [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]),
@@ -115,10 +116,10 @@ class CudaRuntime:
         self.timing = all(hasattr(lib, name) for name, _ in _TIMING_CALLS)
         """Whether the runtime can time its DMAs on the device (``cudaEventElapsedTime``)."""
         if self.timing:
-            for name, args in _TIMING_CALLS:
-                fn = getattr(lib, name)
-                fn.argtypes = args
-                fn.restype = ctypes.c_int
+            for timed, types in _TIMING_CALLS:
+                call = getattr(lib, timed)
+                call.argtypes = types
+                call.restype = ctypes.c_int
 
     def check(self, err: int, what: str) -> None:
         if err:
