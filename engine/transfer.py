@@ -217,9 +217,13 @@ class PagedLoader:
         def scatter(a: int, b: int, lo: int, hi: int, dst: torch.Tensor, s: int, landed: Any, began: Any) -> None:
             scat.wait_event(landed)
             with torch.cuda.stream(scat):
-                for layer in range(lo, hi):
-                    off = (layer - lo) * pb
-                    target.scatter_layer(layer, idx[a:b], dst[:, off : off + pb])
+                many = getattr(target, "scatter_layers", None)
+                if many is not None:  # every layer of the tile at once (engine.pagecopy)
+                    many(lo, hi, idx[a:b], dst)
+                else:
+                    for layer in range(lo, hi):
+                        off = (layer - lo) * pb
+                        target.scatter_layer(layer, idx[a:b], dst[:, off : off + pb])
                 done = torch.cuda.Event(enable_timing=self.timing)
                 done.record(scat)
             self._freed[s] = out.done = done

@@ -38,6 +38,7 @@ import torch
 import xxhash
 
 from engine.gpu import arena_layer_rows
+from engine.pagecopy import page_copier
 from kvstore.errors import UsageError
 from kvstore.keys import DTYPE_BYTES, KVLayout, LayerGroup, Namespace
 
@@ -566,6 +567,9 @@ class PagedKV:
             raise UsageError(f"block format 'kvstore' needs a verified page order ({', '.join(KV_ORDERS)}), "
                              f"got {spec.kv_order!r}")
         self._kv_page = (2, spec.num_kv_heads, spec.block_size, spec.head_size)
+        # Every layer in one kernel launch where it can (a GPU with Triton; the stored page is
+        # vLLM's, one page id per block); else a kernel or two per layer.
+        self._copier = None if self._planes or self._groups else page_copier(self.layers)
 
     def _to_planes(self, pages: torch.Tensor) -> torch.Tensor:
         """``cpu-vec`` pages ``[n, H, N, 2D]`` as ``[n, 2, H, N, D]`` K/V planes."""
@@ -630,6 +634,9 @@ class PagedKV:
             out(a, b, staged[: b - a])
 
     def _gather(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        if self._copier is not None:
+            self._copier.gather(ids, out)
+            return
         n, pb = ids.shape[0], self.spec.page_bytes
         dst = out.view(n, self.num_layers, pb)
         for i, t in enumerate(self.layers):
@@ -649,6 +656,16 @@ class PagedKV:
         if self._planes:
             pages = self._from_planes(pages)
         self.layers[layer].index_copy_(0, self._layer_ids(layer, block_ids), pages)
+
+    def scatter_layers(self, lo: int, hi: int, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Write layers ``lo..hi-1`` of ``n`` blocks: ``src`` is ``[n, (hi - lo) * page_bytes]``
+        uint8 (any row stride), on the current stream: one kernel launch where it can."""
+        if self._copier is not None and src.device == self.device:
+            self._copier.scatter(block_ids, src, lo, hi)
+            return
+        pb = self.spec.page_bytes
+        for layer in range(lo, hi):
+            self.scatter_layer(layer, block_ids, src[:, (layer - lo) * pb : (layer - lo + 1) * pb])
 
     def block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return self._ids(block_ids)

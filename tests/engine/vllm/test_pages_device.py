@@ -202,3 +202,33 @@ def family_round_trip(spec: PageSpec, device: str) -> None:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_pages_round_trip_on_cuda_as_on_the_cpu(family: str) -> None:
     family_round_trip(FAMILIES[family], "cuda")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_one_launch_copies_on_cuda_give_the_per_layer_bytes(order: tuple[int, ...] | None) -> None:
+    """``engine.pagecopy``'s compiled kernel (where Triton is installed, as with vLLM's CUDA
+    builds): a gather, and a tile of layers 1..3 scattered from strided staging rows, byte for
+    byte what the per-layer copies give."""
+    fast = PagedKV(SPEC, _caches(order, "cuda", 11))
+    slow = PagedKV(SPEC, _caches(order, "cuda", 11))
+    slow._copier = None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton is not installed: the per-layer copies are the only path")
+    assert fast._copier is not None
+    ids = _table(12, 9)
+    a = torch.zeros((len(ids), SPEC.block_bytes), dtype=torch.uint8, device="cuda")
+    b = torch.ones_like(a)
+    fast.gather(ids, a)
+    slow.gather(ids, b)
+    pb = SPEC.page_bytes
+    g = torch.Generator().manual_seed(13)
+    staging = torch.randint(0, 256, (6, 5 * pb), dtype=torch.uint8, generator=g).cuda()
+    targets = fast.block_ids(_table(14, 6))
+    fast.scatter_layers(1, 4, targets, staging[:, pb : 4 * pb])
+    slow.scatter_layers(1, 4, targets, staging[:, pb : 4 * pb])
+    torch.cuda.synchronize()
+    assert torch.equal(a, b)
+    for x, y in zip(fast.layers, slow.layers, strict=True):
+        assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
