@@ -17,6 +17,7 @@ the caller copies layer by layer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -110,8 +111,11 @@ class PageCopier:
         words = rows.view(self.word)
         h, nt, w = self.shape
         s0, s1, s2 = self.strides
-        _kernel()[(n, hi - lo)](self._ptrs, ids, words, words.stride(0), lo, s0, s1, s2,
-                                H=h, N=nt, W=w, BLOCK=BLOCK_WORDS, TO_ROWS=to_rows)
+        # Triton launches on the current device's current stream: a loader or saver thread's
+        # current device is GPU 0 unless set, and a tensor-parallel rank's pages are elsewhere.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            _kernel()[(n, hi - lo)](self._ptrs, ids, words, words.stride(0), lo, s0, s1, s2,
+                                    H=h, N=nt, W=w, BLOCK=BLOCK_WORDS, TO_ROWS=to_rows)
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Pages ``ids`` (a ``long`` tensor on the device) of every layer into ``out``
