@@ -128,11 +128,47 @@ class PageCopier:
         self._launch(ids, rows, lo, hi, False)
 
 
+def _rows_of(layers: Sequence[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """Pages ``ids`` of every layer as block rows, by torch ops layer by layer (the reference)."""
+    n = int(ids.shape[0])
+    return torch.cat([t.index_select(0, ids).contiguous().view(torch.uint8).reshape(n, -1) for t in layers], dim=1)
+
+
+def _write_rows(layers: Sequence[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """Block rows into pages ``ids`` of every layer, by torch ops layer by layer."""
+    n, t0 = int(ids.shape[0]), layers[0]
+    page = rows.view(n, len(layers), -1)
+    for i, t in enumerate(layers):
+        t.index_copy_(0, ids, page[:, i].contiguous().view(t0.dtype).view(n, *t0.shape[1:]))
+
+
+def _self_check(copier: PageCopier, layers: Sequence[torch.Tensor]) -> str | None:
+    """Page 0 of every layer through the kernel against torch's bytes: gathered; a pattern
+    scattered and read back; its own bytes scattered back (the pages end as they began, also
+    when a check fails). None when all agree, else what differed."""
+    ids = torch.zeros(1, dtype=torch.long, device=copier.device)
+    want = _rows_of(layers, ids)
+    row = torch.empty_like(want)
+    copier.gather(ids, row)
+    why = None if torch.equal(row, want) else "gather"
+    pattern = want ^ 0x5A
+    copier.scatter(ids, pattern, 0, copier.num_layers)
+    if why is None and not torch.equal(_rows_of(layers, ids), pattern):
+        why = "scatter"
+    copier.scatter(ids, want, 0, copier.num_layers)
+    if why is None and not torch.equal(_rows_of(layers, ids), want):
+        why = "scatter back"
+    if why is not None:
+        _write_rows(layers, ids, want)
+    return why
+
+
 def page_copier(layers: Sequence[torch.Tensor]) -> PageCopier | None:
     """A :class:`PageCopier` over ``layers`` where one kernel can copy them (a GPU with Triton,
     or Triton's interpreter: ``TRITON_INTERPRET=1``; one dtype, shape and set of strides, the
-    content contiguous), built and tried once on page 0 of every layer (read, then written back
-    with its own bytes, before any other use); else None, and the caller copies layer by layer."""
+    content contiguous), built and checked once against torch's bytes on page 0 of every layer
+    (:func:`_self_check`: its bytes are back as they were when this returns; call it before the
+    pages are in use); else None, and the caller copies layer by layer."""
     if not layers or any(t.dim() != 4 for t in layers):
         return None
     t0 = layers[0]
@@ -147,14 +183,13 @@ def page_copier(layers: Sequence[torch.Tensor]) -> PageCopier | None:
         return None
     copier = PageCopier(layers)
     try:
-        ids = torch.zeros(1, dtype=torch.long, device=t0.device)
-        row = torch.empty((1, copier.num_layers * copier.page_bytes), dtype=torch.uint8, device=t0.device)
-        copier.gather(ids, row)
-        copier.scatter(ids, row, 0, copier.num_layers)
-        if t0.device.type == "cuda":
-            torch.cuda.synchronize(t0.device)
+        why = _self_check(copier, layers)
     except Exception as e:  # noqa: BLE001 - a kernel that does not build here: the per-layer path
         log.warning("kvstore: the one-launch page copy is unavailable (%s: %s); copying layer by layer",
                     type(e).__name__, e)
+        return None
+    if why is not None:  # never wrong bytes: a kernel that misbehaves here is not used
+        log.warning("kvstore: the one-launch page copy's %s differed from torch's bytes on this GPU; "
+                    "copying layer by layer", why)
         return None
     return copier

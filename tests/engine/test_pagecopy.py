@@ -104,3 +104,27 @@ def test_rows_of_the_wrong_shape_are_refused() -> None:
     assert kv._copier is not None
     with pytest.raises(ValueError, match="rows must be"):
         kv._copier.gather(torch.tensor([1, 2]), torch.empty((2, SPEC.block_bytes - 2), dtype=torch.uint8))
+
+
+def test_a_kernel_that_gives_other_bytes_is_not_used_and_the_pages_are_left_as_they_were(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import engine.pagecopy as pagecopy
+
+    caches = _caches((0, 2, 1, 3), 8)
+    layers = list(caches.values())
+    before = [t.clone() for t in layers]
+    real = pagecopy.PageCopier.scatter
+
+    def off_by_one(self: pagecopy.PageCopier, ids: torch.Tensor, rows: torch.Tensor, lo: int, hi: int) -> None:
+        real(self, ids, rows ^ 1, lo, hi)  # a miscompiled scatter
+
+    monkeypatch.setattr(pagecopy.PageCopier, "scatter", off_by_one)
+    assert page_copier(layers) is None
+    for a, b in zip(layers, before, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    monkeypatch.undo()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert page_copier(layers) is not None  # the true kernel passes, and leaves them too
+    for a, b in zip(layers, before, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
