@@ -69,6 +69,11 @@ class ConnectorConfig:
     blocks the daemon's arena holds (one round trip, ``engine.vllm.leases``), so the worker's
     copies start without an ACQUIRE of their own; given back once they have landed, or at the
     end of the step when the request does not load then. False: the worker leases them itself."""
+    page_kernel: bool = False
+    """Copy every layer's pages in one Triton kernel launch (``engine.pagecopy``: a load tile's
+    scatter, a save's gather) where Triton is installed and the layers share one dtype and
+    strides, checked against torch's bytes once at start; else a kernel a layer. Off by default
+    until its GPU figures are in ``docs/benchmarks.md``."""
     device_puts: bool = True
     """On a GPU with the daemon on this node: saves by PUT_DEVICE (the daemon copies the pages
     from the GPU into its arena: no host copy), where the daemon offers it; False: through the

@@ -543,7 +543,7 @@ class PagedKV:
     block's page ids are a tuple, one per KV cache group (``block_ids`` a ``[n, groups]``
     tensor), and each layer reads its group's column."""
 
-    def __init__(self, spec: PageSpec, kv_caches: dict[str, torch.Tensor]) -> None:
+    def __init__(self, spec: PageSpec, kv_caches: dict[str, torch.Tensor], *, one_launch: bool = False) -> None:
         missing = [n for n in spec.layer_names if n not in kv_caches]
         if missing:
             raise UsageError(f"vLLM registered no KV cache for layer(s) {', '.join(missing[:4])}")
@@ -567,9 +567,9 @@ class PagedKV:
             raise UsageError(f"block format 'kvstore' needs a verified page order ({', '.join(KV_ORDERS)}), "
                              f"got {spec.kv_order!r}")
         self._kv_page = (2, spec.num_kv_heads, spec.block_size, spec.head_size)
-        # Every layer in one kernel launch where it can (a GPU with Triton; the stored page is
-        # vLLM's, one page id per block); else a kernel or two per layer.
-        self._copier = None if self._planes or self._groups else page_copier(self.layers)
+        # ``one_launch``: every layer in one kernel launch where it can (a GPU with Triton; the
+        # stored page is vLLM's, one page id per block); else a kernel a layer.
+        self._copier = page_copier(self.layers) if one_launch and not (self._planes or self._groups) else None
 
     def _to_planes(self, pages: torch.Tensor) -> torch.Tensor:
         """``cpu-vec`` pages ``[n, H, N, 2D]`` as ``[n, 2, H, N, D]`` K/V planes."""

@@ -362,11 +362,11 @@ class Worker(SavePuts):
         if self.spec.block_format == "kvstore" and not self.spec.kv_order:
             self.spec = replace(self.spec, kv_order=kv_order_of(attention_layers(self._vllm_config, self.spec),
                                                                 self.spec.dtype))
-        self.kv = PagedKV(self.spec, kv_caches)
+        self.kv = PagedKV(self.spec, kv_caches, one_launch=self.cfg.page_kernel)
         if self.spec.hybrid:
             full, window = self.spec.part(False), self.spec.part(True)
-            self.full_kv = PagedKV(full, kv_caches) if full.num_layers else None
-            self.window_kv = PagedKV(window, kv_caches) if window.num_layers else None
+            self.full_kv = PagedKV(full, kv_caches, one_launch=self.cfg.page_kernel) if full.num_layers else None
+            self.window_kv = PagedKV(window, kv_caches, one_launch=self.cfg.page_kernel) if window.num_layers else None
             self._part_layers = ([self.kv.index[n] for n in full.layer_names],
                                  [self.kv.index[n] for n in window.layer_names])
         if self.spec.state is not None:

@@ -44,7 +44,7 @@ def _per_layer(kv: PagedKV) -> PagedKV:
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_one_launch_gather_gives_the_bytes_of_the_per_layer_gather(order: tuple[int, ...]) -> None:
-    kv = PagedKV(SPEC, _caches(order, 1))
+    kv = PagedKV(SPEC, _caches(order, 1), one_launch=True)
     assert kv._copier is not None
     ref = _per_layer(PagedKV(SPEC, _caches(order, 1)))
     ids = [7, 2, 9, 0, 4]
@@ -58,7 +58,7 @@ def test_one_launch_gather_gives_the_bytes_of_the_per_layer_gather(order: tuple[
 @pytest.mark.parametrize("order", ORDERS)
 def test_one_launch_scatter_of_a_tile_writes_those_pages_and_layers_only(order: tuple[int, ...]) -> None:
     """Layers 1..2 of 4 blocks from a strided view of a wider staging buffer (a restore's tile)."""
-    kv = PagedKV(SPEC, _caches(order, 3))
+    kv = PagedKV(SPEC, _caches(order, 3), one_launch=True)
     ref = _per_layer(PagedKV(SPEC, _caches(order, 3)))
     pb = SPEC.page_bytes
     staging = torch.randint(0, 256, (4, 5 * pb), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
@@ -72,8 +72,8 @@ def test_one_launch_scatter_of_a_tile_writes_those_pages_and_layers_only(order: 
 
 
 def test_round_trip_moves_the_pages_and_nothing_else() -> None:
-    src = PagedKV(SPEC, _caches((0, 2, 1, 3), 5))
-    dst = PagedKV(SPEC, {k: torch.zeros_like(v) for k, v in _caches((0, 2, 1, 3), 5).items()})
+    src = PagedKV(SPEC, _caches((0, 2, 1, 3), 5), one_launch=True)
+    dst = PagedKV(SPEC, {k: torch.zeros_like(v) for k, v in _caches((0, 2, 1, 3), 5).items()}, one_launch=True)
     ids, targets = [3, 8, 1], [0, 6, 9]
     buf = torch.empty((3, SPEC.block_bytes), dtype=torch.uint8)
     src.gather(ids, buf)
@@ -88,6 +88,7 @@ def test_layers_one_kernel_cannot_copy_are_left_to_the_per_layer_path(monkeypatc
     caches = _caches((0, 1, 2, 3), 6)
     layers = list(caches.values())
     assert page_copier(layers) is not None
+    assert PagedKV(SPEC, caches)._copier is None  # off unless asked (the connector's page_kernel)
     nhd = layers[1].permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # the same view over NHD memory
     assert nhd.shape == layers[0].shape and nhd.stride() != layers[0].stride()
     assert page_copier([layers[0], nhd]) is None  # layers in two memory orders
@@ -96,11 +97,11 @@ def test_layers_one_kernel_cannot_copy_are_left_to_the_per_layer_path(monkeypatc
     assert page_copier([layers[0], torch.zeros(BLOCKS, 2, 4, 16, dtype=torch.bfloat16).permute(0, 2, 1, 3)]) is None
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert page_copier(layers) is None  # CPU pages without the interpreter: per layer
-    assert PagedKV(SPEC, caches)._copier is None
+    assert PagedKV(SPEC, caches, one_launch=True)._copier is None
 
 
 def test_rows_of_the_wrong_shape_are_refused() -> None:
-    kv = PagedKV(SPEC, _caches((0, 1, 2, 3), 7))
+    kv = PagedKV(SPEC, _caches((0, 1, 2, 3), 7), one_launch=True)
     assert kv._copier is not None
     with pytest.raises(ValueError, match="rows must be"):
         kv._copier.gather(torch.tensor([1, 2]), torch.empty((2, SPEC.block_bytes - 2), dtype=torch.uint8))

@@ -256,7 +256,7 @@ def paged_rows(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
     yield from paged_run.run(args.device, sizes, layers=args.layers or 32, trials=args.rounds, only=only,
                          scratch=args.dir, log=log, copy_threads=args.copy_threads,
-                         paired=args.paired, piece_bytes=args.piece_bytes)
+                         paired=args.paired, piece_bytes=args.piece_bytes, page_kernel=args.page_kernel)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -289,6 +289,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--piece-bytes", type=parse_size, default=0, metavar="SIZE",
                    help="--device: the restore's tile and the save's piece of kvstore's GPU rows (the "
                         "connector's piece_bytes; default its default, 128MiB)")
+    p.add_argument("--page-kernel", action="store_true",
+                   help="--device: kvstore's rows copy every layer's pages in one Triton kernel launch "
+                        "(engine.pagecopy; the connector's page_kernel), where Triton is installed")
     p.add_argument("--paired", action="store_true",
                    help="drive the peers together in one process, interleaved call by call (each request stored "
                         "into, then retrieved from, every peer in turn), so that all see the same moments of the "

@@ -209,7 +209,7 @@ def test_one_launch_copies_on_cuda_give_the_per_layer_bytes(order: tuple[int, ..
     """``engine.pagecopy``'s compiled kernel (where Triton is installed, as with vLLM's CUDA
     builds): a gather, and a tile of layers 1..3 scattered from strided staging rows, byte for
     byte what the per-layer copies give."""
-    fast = PagedKV(SPEC, _caches(order, "cuda", 11))
+    fast = PagedKV(SPEC, _caches(order, "cuda", 11), one_launch=True)
     slow = PagedKV(SPEC, _caches(order, "cuda", 11))
     slow._copier = None
     try:

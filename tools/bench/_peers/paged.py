@@ -128,7 +128,7 @@ class Cache:
     ``NL_X_TWO_NB_BS_NH_HS``; kvstore's ``PagedKV`` does not take it)."""
 
     def __init__(self, spec: PageSpec, max_tokens: int, device: torch.device, seed: int = 0,
-                 layout: str = "HND") -> None:
+                 layout: str = "HND", one_launch: bool = False) -> None:
         self.spec, self.device, self.layout = spec, device, layout
         n = max_tokens // BLOCK
         self.num_blocks = 2 * n + 8
@@ -149,7 +149,7 @@ class Cache:
             t = torch.empty(shape, dtype=spec.dtype, device=device)
             t.view(torch.int16).random_(generator=g)  # every bit pattern; compared as bytes
             self.layers.append(t.permute(0, 2, 1, 3) if layout == "LBNHC" else t)
-        self.kv = (PagedKV(spec, dict(zip(spec.layer_names, self.layers, strict=True)))
+        self.kv = (PagedKV(spec, dict(zip(spec.layer_names, self.layers, strict=True)), one_launch=one_launch)
                    if layout in ("HND", "LBNHC") else None)
         self._perm = torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -341,6 +341,7 @@ class KvstorePaged:
         save = {k: (v if k == "pieces" else round(v * 1e3, 3)) for k, v in self.save_phases.items()}
         tiles, self.tiles_ms = self.tiles_ms, []
         return {"block_tokens": BLOCK, "block_bytes": self.spec.block_bytes, "copy_threads": self._copy_threads,
+                "page_kernel": self.pages._copier is not None,
                 **({"tiles_ms": tiles} if tiles else {}),
                 **({"phases_ms": phases} if phases else {}), **({"save_phases_ms": save} if save else {})}
 
@@ -366,6 +367,8 @@ class KvstoreConnector:
     load_mode = "async"
     piece_bytes = 0
     """The connector's ``piece_bytes`` (0: its default)."""
+    page_kernel = False
+    """The connector's ``page_kernel`` (every layer's pages in one kernel launch)."""
 
     def open(self, cache: Cache, capacity: int, scratch: str) -> None:
         from engine.vllm.harness import WorkerDriver, small_daemon
@@ -380,7 +383,7 @@ class KvstoreConnector:
         caches = dict(zip(cache.spec.layer_names, cache.layers, strict=True))
         self.driver = WorkerDriver(self.daemon.url, cache.spec, caches, plane="shm", load_mode=self.load_mode,
                                    lookup_timeout_s=60.0, load_timeout_s=60.0, save_timeout_s=120.0,
-                                   **_tile_sizes(self.piece_bytes))
+                                   page_kernel=self.page_kernel, **_tile_sizes(self.piece_bytes))
         if self.driver.worker.loader is not None:
             self.driver.worker.loader.timing = cache.device.type == "cuda"
         self._sums = daemon_sums(self.daemon.url)
@@ -413,6 +416,7 @@ class KvstoreConnector:
         out: dict[str, Any] = {
             "plane": w.load_link.client.plane if w.load_link.client else None, "load_mode": self.load_mode,
             "piece_bytes": w.cfg.piece_bytes, "stage_bytes": w.cfg.stage_bytes,
+            "page_kernel": w.kv is not None and w.kv._copier is not None,
             "put_device": bool(c and c.info.get("put_device")),
             "device_puts": k.device_puts, "staged_puts": k.staged_puts,
             # the worker's own time in all, over every load and save of the row (warm-up included)

@@ -80,7 +80,8 @@ def save_trials(tokens: int) -> int:
 
 def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, trials: int = 0,
         only: tuple[str, ...] = PEERS, scratch: str = ".", log: Callable[[str], None] = print,
-        copy_threads: int = 0, paired: bool = False, piece_bytes: int = 0) -> Iterator[dict[str, Any]]:
+        copy_threads: int = 0, paired: bool = False, piece_bytes: int = 0,
+        page_kernel: bool = False) -> Iterator[dict[str, Any]]:
     """Every row of the paged bench; a store that cannot open or fails gives a status row and
     the others go on. One store after another (each opened, run at every size and closed before
     the next, so no two pools are held at once), or with ``paired`` all open at once and driven
@@ -106,9 +107,11 @@ def run(device: str = "cuda", sizes: tuple[int, ...] = SIZES, layers: int = 32, 
             s.copy_threads = copy_threads
         if piece_bytes and hasattr(s, "piece_bytes"):
             s.piece_bytes = piece_bytes
+        if hasattr(s, "page_kernel"):
+            s.page_kernel = page_kernel
         t0 = time.perf_counter()
         if s.layout not in caches:
-            caches[s.layout] = Cache(spec, max(sizes), dev, layout=s.layout)
+            caches[s.layout] = Cache(spec, max(sizes), dev, layout=s.layout, one_launch=page_kernel)
         s.open(caches[s.layout], capacity, scratch)
         s.prepare(max(sizes))
         _warm(s, caches[s.layout], min(WARM_TOKENS, *sizes))
