@@ -94,6 +94,7 @@ class PageCopier:
         self.strides = tuple(s // wb for s in strides[:3])
         self.page_bytes = page_bytes
         self.num_layers = len(layers)
+        self._kernel = _kernel()  # (ImportError without Triton)
         self._ptrs = torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64, device=self.device)
 
     def _launch(self, ids: torch.Tensor, rows: torch.Tensor, lo: int, hi: int, to_rows: bool) -> None:
@@ -114,7 +115,7 @@ class PageCopier:
         # Triton launches on the current device's current stream: a loader or saver thread's
         # current device is GPU 0 unless set, and a tensor-parallel rank's pages are elsewhere.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            _kernel()[(n, hi - lo)](self._ptrs, ids, words, words.stride(0), lo, s0, s1, s2,
+            self._kernel[(n, hi - lo)](self._ptrs, ids, words, words.stride(0), lo, s0, s1, s2,
                                     H=h, N=nt, W=w, BLOCK=BLOCK_WORDS, TO_ROWS=to_rows)
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -178,10 +179,9 @@ def page_copier(layers: Sequence[torch.Tensor]) -> PageCopier | None:
            for t in layers) or t0.stride(3) != 1 or t0.shape[0] == 0:
         return None
     try:
-        _kernel()
+        copier = PageCopier(layers)
     except ImportError:
         return None
-    copier = PageCopier(layers)
     try:
         why = _self_check(copier, layers)
     except Exception as e:  # noqa: BLE001 - a kernel that does not build here: the per-layer path

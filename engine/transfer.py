@@ -97,6 +97,15 @@ def tiles(n: int, num_layers: int, page_bytes: int, piece_bytes: int = PIECE_BYT
     return out
 
 
+def scatter_each_layer(target: PagedTarget, lo: int, hi: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """Layers ``lo..hi-1`` of ``rows`` (``[n, (hi - lo) * page_bytes]``, any row stride) into
+    pages ``ids``, one :meth:`PagedTarget.scatter_layer` a layer."""
+    pb = target.page_bytes
+    for layer in range(lo, hi):
+        off = (layer - lo) * pb
+        target.scatter_layer(layer, ids, rows[:, off : off + pb])
+
+
 @dataclass
 class DeviceLoad:
     """A restore queued on the device: the event after which each layer's pages hold the blocks
@@ -217,13 +226,11 @@ class PagedLoader:
         def scatter(a: int, b: int, lo: int, hi: int, dst: torch.Tensor, s: int, landed: Any, began: Any) -> None:
             scat.wait_event(landed)
             with torch.cuda.stream(scat):
-                many = getattr(target, "scatter_layers", None)
-                if many is not None:  # every layer of the tile at once (engine.pagecopy)
+                many = getattr(target, "scatter_layers", None)  # every layer at once (engine.pagecopy)
+                if many is not None:
                     many(lo, hi, idx[a:b], dst)
                 else:
-                    for layer in range(lo, hi):
-                        off = (layer - lo) * pb
-                        target.scatter_layer(layer, idx[a:b], dst[:, off : off + pb])
+                    scatter_each_layer(target, lo, hi, idx[a:b], dst)
                 done = torch.cuda.Event(enable_timing=self.timing)
                 done.record(scat)
             self._freed[s] = out.done = done

@@ -39,6 +39,7 @@ import xxhash
 
 from engine.gpu import arena_layer_rows
 from engine.pagecopy import page_copier
+from engine.transfer import scatter_each_layer
 from kvstore.errors import UsageError
 from kvstore.keys import DTYPE_BYTES, KVLayout, LayerGroup, Namespace
 
@@ -662,10 +663,13 @@ class PagedKV:
         uint8 (any row stride), on the current stream: one kernel launch where it can."""
         if self._copier is not None and src.device == self.device:
             self._copier.scatter(block_ids, src, lo, hi)
-            return
-        pb = self.spec.page_bytes
-        for layer in range(lo, hi):
-            self.scatter_layer(layer, block_ids, src[:, (layer - lo) * pb : (layer - lo + 1) * pb])
+        else:
+            scatter_each_layer(self, lo, hi, block_ids, src)
+
+    @property
+    def one_launch(self) -> bool:
+        """Whether gathers and scatters take one kernel launch for every layer (``engine.pagecopy``)."""
+        return self._copier is not None
 
     def block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return self._ids(block_ids)

@@ -36,17 +36,11 @@ def _caches(order: tuple[int, ...], seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _per_layer(kv: PagedKV) -> PagedKV:
-    """The same pages copied layer by layer (no one-launch copier)."""
-    kv._copier = None
-    return kv
-
-
 @pytest.mark.parametrize("order", ORDERS)
 def test_one_launch_gather_gives_the_bytes_of_the_per_layer_gather(order: tuple[int, ...]) -> None:
     kv = PagedKV(SPEC, _caches(order, 1), one_launch=True)
-    assert kv._copier is not None
-    ref = _per_layer(PagedKV(SPEC, _caches(order, 1)))
+    assert kv.one_launch
+    ref = PagedKV(SPEC, _caches(order, 1))  # layer by layer
     ids = [7, 2, 9, 0, 4]
     got = torch.full((len(ids), SPEC.block_bytes), 0xA5, dtype=torch.uint8)
     want = torch.full_like(got, 0x5A)
@@ -59,7 +53,7 @@ def test_one_launch_gather_gives_the_bytes_of_the_per_layer_gather(order: tuple[
 def test_one_launch_scatter_of_a_tile_writes_those_pages_and_layers_only(order: tuple[int, ...]) -> None:
     """Layers 1..2 of 4 blocks from a strided view of a wider staging buffer (a restore's tile)."""
     kv = PagedKV(SPEC, _caches(order, 3), one_launch=True)
-    ref = _per_layer(PagedKV(SPEC, _caches(order, 3)))
+    ref = PagedKV(SPEC, _caches(order, 3))
     pb = SPEC.page_bytes
     staging = torch.randint(0, 256, (4, 5 * pb), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
     rows = staging[:, pb : 3 * pb]  # row stride 5 pages
@@ -88,7 +82,7 @@ def test_layers_one_kernel_cannot_copy_are_left_to_the_per_layer_path(monkeypatc
     caches = _caches((0, 1, 2, 3), 6)
     layers = list(caches.values())
     assert page_copier(layers) is not None
-    assert PagedKV(SPEC, caches)._copier is None  # off unless asked (the connector's page_kernel)
+    assert not PagedKV(SPEC, caches).one_launch  # off unless asked (the connector's page_kernel)
     nhd = layers[1].permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # the same view over NHD memory
     assert nhd.shape == layers[0].shape and nhd.stride() != layers[0].stride()
     assert page_copier([layers[0], nhd]) is None  # layers in two memory orders
@@ -97,14 +91,14 @@ def test_layers_one_kernel_cannot_copy_are_left_to_the_per_layer_path(monkeypatc
     assert page_copier([layers[0], torch.zeros(BLOCKS, 2, 4, 16, dtype=torch.bfloat16).permute(0, 2, 1, 3)]) is None
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert page_copier(layers) is None  # CPU pages without the interpreter: per layer
-    assert PagedKV(SPEC, caches, one_launch=True)._copier is None
+    assert not PagedKV(SPEC, caches, one_launch=True).one_launch
 
 
 def test_rows_of_the_wrong_shape_are_refused() -> None:
-    kv = PagedKV(SPEC, _caches((0, 1, 2, 3), 7), one_launch=True)
-    assert kv._copier is not None
+    copier = page_copier(list(_caches((0, 1, 2, 3), 7).values()))
+    assert copier is not None
     with pytest.raises(ValueError, match="rows must be"):
-        kv._copier.gather(torch.tensor([1, 2]), torch.empty((2, SPEC.block_bytes - 2), dtype=torch.uint8))
+        copier.gather(torch.tensor([1, 2]), torch.empty((2, SPEC.block_bytes - 2), dtype=torch.uint8))
 
 
 def test_a_kernel_that_gives_other_bytes_is_not_used_and_the_pages_are_left_as_they_were(
