@@ -57,13 +57,34 @@ def _reference(caches: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
 
 
 def test_tiles_cover_every_block_and_layer_once() -> None:
-    for n, group, piece in itertools.product((1, 7, 64), (0, 1, 2, 3, 5), (1, 100, 4096, 1 << 20)):
+    for n, group, piece, tail in itertools.product((1, 7, 64), (0, 1, 2, 3, 5), (1, 100, 4096, 1 << 20), (1, 2, 4)):
         seen = np.zeros((n, LAYERS), dtype=int)
-        for a, b, lo, hi in tiles(n, LAYERS, 64, piece, group):
+        for a, b, lo, hi in tiles(n, LAYERS, 64, piece, group, tail):
             assert 0 <= a < b <= n and 0 <= lo < hi <= LAYERS
             assert (b - a) * (hi - lo) * 64 <= max(piece, (hi - lo) * 64)
             seen[a:b, lo:hi] += 1
         assert (seen == 1).all()
+
+
+def test_the_last_tile_is_cut_into_shrinking_parts() -> None:
+    # 64 blocks of 4 layers x 64 bytes in tiles of 16 blocks: three whole tiles, then the last
+    # one in halves (8, 4) and two equal eighths (2, 2); the last part ends the restore
+    plan = tiles(64, LAYERS, 64, 16 * LAYERS * 64, 0, 4)
+    assert [b - a for a, b, _, _ in plan] == [16, 16, 16, 8, 4, 2, 2]
+    assert plan[-1][1] == 64
+    assert [b - a for a, b, _, _ in tiles(64, LAYERS, 64, 16 * LAYERS * 64, 0, 1)] == [16] * 4
+    # a last tile too small to cut stays whole; one block is never cut
+    assert [b - a for a, b, _, _ in tiles(3, LAYERS, 64, 16 * LAYERS * 64, 0, 4)] == [1, 1, 1]
+    assert tiles(1, LAYERS, 64, 16 * LAYERS * 64, 0, 4) == [(0, 1, 0, LAYERS)]
+    # layer-wise: only the plan's last tile (the last group's) is cut
+    plan = tiles(32, LAYERS, 64, 16 * 64, 1, 4)
+    assert [(b - a) for a, b, lo, _ in plan if lo < LAYERS - 1] == [16, 16] * (LAYERS - 1)
+    assert [(b - a) for a, b, lo, _ in plan if lo == LAYERS - 1] == [16, 8, 4, 2, 2]
+
+
+def test_a_loader_refuses_a_tail_of_no_parts() -> None:
+    with pytest.raises(ValueError, match="tail_parts"):
+        PagedLoader(torch.device("cpu"), tail_parts=0)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -243,6 +243,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
 def paged_rows(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     """``--device cuda|cpu``: the paged-KV restore bench (``tools/bench/_peers/paged.py``)."""
+    from engine import transfer
     from tools.bench._peers import paged, paged_run
 
     want = [x.strip() for x in (args.only or ",".join(paged.PEERS)).split(",") if x.strip()]
@@ -254,6 +255,10 @@ def paged_rows(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     sizes = args.sizes or ((1024,) if args.quick else paged.SIZES)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+    if args.tail_parts < 0:
+        raise SystemExit(f"--tail-parts {args.tail_parts}: give 1 or more parts (0: the default)")
+    if args.tail_parts:
+        transfer.TAIL_PARTS = args.tail_parts  # every loader made after this reads it
     yield from paged_run.run(args.device, sizes, layers=args.layers or 32, trials=args.rounds, only=only,
                          scratch=args.dir, log=log, copy_threads=args.copy_threads,
                          paired=args.paired, piece_bytes=args.piece_bytes, page_kernel=args.page_kernel)
@@ -292,6 +297,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page-kernel", action="store_true",
                    help="--device: kvstore's rows copy every layer's pages in one Triton kernel launch "
                         "(engine.pagecopy; the connector's page_kernel), where Triton is installed")
+    p.add_argument("--tail-parts", type=int, default=0, metavar="N",
+                   help="--device: kvstore's rows cut a restore's last tile into N shrinking parts "
+                        "(engine.transfer.TAIL_PARTS; default 0: its default, 4; 1: not cut)")
     p.add_argument("--paired", action="store_true",
                    help="drive the peers together in one process, interleaved call by call (each request stored "
                         "into, then retrieved from, every peer in turn), so that all see the same moments of the "

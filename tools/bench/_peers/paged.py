@@ -341,7 +341,7 @@ class KvstorePaged:
         save = {k: (v if k == "pieces" else round(v * 1e3, 3)) for k, v in self.save_phases.items()}
         tiles, self.tiles_ms = self.tiles_ms, []
         return {"block_tokens": BLOCK, "block_bytes": self.spec.block_bytes, "copy_threads": self._copy_threads,
-                "page_kernel": self.pages.one_launch,
+                "page_kernel": self.pages.one_launch, "tail_parts": self._loader.tail_parts,
                 **({"tiles_ms": tiles} if tiles else {}),
                 **({"phases_ms": phases} if phases else {}), **({"save_phases_ms": save} if save else {})}
 
@@ -417,6 +417,7 @@ class KvstoreConnector:
             "plane": w.load_link.client.plane if w.load_link.client else None, "load_mode": self.load_mode,
             "piece_bytes": w.cfg.piece_bytes, "stage_bytes": w.cfg.stage_bytes,
             "page_kernel": w.kv is not None and w.kv.one_launch,
+            "tail_parts": w.loader.tail_parts if w.loader is not None else None,
             "put_device": bool(c and c.info.get("put_device")),
             "device_puts": k.device_puts, "staged_puts": k.staged_puts,
             # the worker's own time in all, over every load and save of the row (warm-up included)
