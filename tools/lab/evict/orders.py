@@ -20,6 +20,11 @@ last; highest first out):
   mean of its log gaps), learned online from the gaps seen so far (and lineages idle over an
   hour as never returning), divided by the gap; superseded groups first.
 * ``ratio_plain``: ``ratio`` without the superseded signal.
+* ``ratio_dead``: ``ratio`` with the groups of lineages that never continue first (an oracle:
+  what rhythm and perfect knowledge of finished sessions get together).
+
+``--dead-after S`` makes ``oracle_dead`` learn that a lineage has ended only once it has been idle
+``S`` seconds (how late a sign of a finished session may come and still pay).
 
 The simulator knows which request a request extends even when that chain was evicted (the
 store would need a ghost of it), so ``ratio`` is an optimistic estimate of a store policy.
@@ -178,10 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", action="append", default=None, help="a share of unique blocks (default 5%% and 10%%)")
     p.add_argument("--order", action="append", default=None, choices=ORDERS, help="an order to replay (default all)")
     p.add_argument("--features", action="store_true", help="print what predicts a chain's next read")
+    p.add_argument("--horizon", type=float, default=4.0, metavar="G",
+                   help="the ratio orders: hits counted within G typical gaps (default 4)")
+    p.add_argument("--dead-after", type=float, default=0.0, metavar="S",
+                   help="oracle_dead: a finished lineage is known as such once idle S seconds (default 0: at once)")
     return tool.run(_run, p.parse_args(argv))
 
 
-ORDERS = ("lru", "oracle", "oracle_dead", "superseded", "ratio", "ratio_plain")
+ORDERS = ("lru", "oracle", "oracle_dead", "superseded", "ratio", "ratio_plain", "ratio_dead")
 
 
 def _run(a: argparse.Namespace) -> int:
@@ -195,7 +204,7 @@ def _run(a: argparse.Namespace) -> int:
     simple = {
         "lru": lambda s, live, now: now - s.ts[live],
         "oracle": lambda s, live, now: s.nxt_req[live].astype(float),
-        "oracle_dead": lambda s, live, now: now - s.ts[live] + 1e9 * dead[live],
+        "oracle_dead": lambda s, live, now: now - s.ts[live] + 1e9 * (dead[live] & (now - s.ts[live] > a.dead_after)),
         "superseded": lambda s, live, now: now - s.ts[live] + 1e9 * (sup[live] <= now),
     }
     names = a.order or list(ORDERS)
@@ -205,8 +214,11 @@ def _run(a: argparse.Namespace) -> int:
             if name in simple:
                 rate = simulate(st, c, simple[name])
             else:
-                o = RatioOrder(st, superseded=name == "ratio")
-                rate = simulate(st, c, o.score, o.observe)
+                o = RatioOrder(st, superseded=name != "ratio_plain", horizon=a.horizon)
+                score = o.score
+                if name == "ratio_dead":
+                    score = lambda s, live, now, f=o.score: f(s, live, now) + 1e10 * dead[live]  # noqa: E731
+                rate = simulate(st, c, score, o.observe)
             print(f"{cap}\t{name}\t{rate:.4f}", flush=True)
     return 0
 
