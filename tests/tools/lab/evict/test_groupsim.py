@@ -37,6 +37,25 @@ def test_orders_command(agentic: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "10%\tlru\t" in out and "10%\tratio\t" in out and "dead" in out
 
 
+def _rates(out: str) -> dict[str, float]:
+    return {name: float(rate) for _, name, rate in (line.split("\t") for line in out.splitlines() if "\t" in line)}
+
+
+def test_knowing_finished_sessions_at_once_is_worth_at_least_knowing_it_late(
+        agentic: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--dead-after`` delays the oracle of death: at once it is not below LRU here (it moves
+    only dead lineages ahead), and with a delay no lineage outlives it is LRU exactly;
+    ``ratio_dead`` runs."""
+    common = [str(agentic), "--capacity", "5%", "--horizon", "1"]
+    assert orders.main([*common, "--order", "lru", "--order", "oracle_dead", "--order", "ratio_dead"]) == 0
+    now = _rates(capsys.readouterr().out)
+    assert orders.main([*common, "--order", "oracle_dead", "--dead-after", "1e9"]) == 0
+    never = _rates(capsys.readouterr().out)
+    assert now["oracle_dead"] >= now["lru"]
+    assert never["oracle_dead"] == now["lru"]
+    assert 0 < now["ratio_dead"] <= 1
+
+
 def test_bad_input_exits_2(agentic: Path, tmp_path: Path) -> None:
     from tools.lab.evict import groupsim
 
