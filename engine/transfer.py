@@ -47,9 +47,10 @@ READY_EVENTS = 4
 STAGE_BYTES = 512 * MiB
 """Device staging of a restore: a ring of ``STAGE_BYTES // PIECE_BYTES`` tiles."""
 TAIL_PARTS = 4
-"""A restore's last tile is cut into this many parts, each half the one before (the last two
-equal: 1/2, 1/4, 1/8, 1/8): the scatter left after the last DMA lands, the restore's tail, is then
-that of an eighth of a tile (a 128 MiB tile's took 0.38-0.42 ms of device time on an H100)."""
+"""A restore of this many tiles or more has its last tile cut into this many parts, each half the
+one before (the last two equal: 1/2, 1/4, 1/8, 1/8): the scatter left after the last DMA lands,
+the restore's tail, is then that of an eighth of a tile (a 128 MiB tile's took 0.38-0.42 ms of
+device time on an H100)."""
 
 
 class PagedTarget(Protocol):
@@ -90,7 +91,9 @@ def tiles(n: int, num_layers: int, page_bytes: int, piece_bytes: int = PIECE_BYT
     """The tiles ``(first block, end block, first layer, end layer)`` of a restore of ``n``
     blocks, layer group by layer group (``layer_group`` layers each; 0: all layers at once, whole
     blocks), each group cut into block ranges of ``piece_bytes`` at most (one block at least);
-    the last tile cut into up to ``tail_parts`` shrinking parts (:data:`TAIL_PARTS`)."""
+    the last tile cut into up to ``tail_parts`` shrinking parts (:data:`TAIL_PARTS`) where the
+    plan has ``tail_parts`` tiles or more (the tiles before it give the host time to queue the
+    parts' launches while the DMAs run)."""
     if n <= 0:
         return []
     group = num_layers if layer_group <= 0 else min(layer_group, num_layers)
@@ -99,6 +102,8 @@ def tiles(n: int, num_layers: int, page_bytes: int, piece_bytes: int = PIECE_BYT
         hi = min(lo + group, num_layers)
         step = max(1, piece_bytes // ((hi - lo) * page_bytes))
         out.extend((a, min(a + step, n), lo, hi) for a in range(0, n, step))
+    if len(out) < tail_parts:  # a short restore: each part's launches (a layer's kernel each
+        return out              # without engine.pagecopy) would come after the DMAs, not under them
     a, b, lo, hi = out.pop()
     for _ in range(tail_parts - 1):  # the last tile in shrinking parts, while a part has a block
         if b - a < 2:

@@ -73,8 +73,11 @@ def test_the_last_tile_is_cut_into_shrinking_parts() -> None:
     assert [b - a for a, b, _, _ in plan] == [16, 16, 16, 8, 4, 2, 2]
     assert plan[-1][1] == 64
     assert [b - a for a, b, _, _ in tiles(64, LAYERS, 64, 16 * LAYERS * 64, 0, 1)] == [16] * 4
-    # a last tile too small to cut stays whole; one block is never cut
-    assert [b - a for a, b, _, _ in tiles(3, LAYERS, 64, 16 * LAYERS * 64, 0, 4)] == [1, 1, 1]
+    # a plan of fewer tiles than parts is not cut (no earlier tile's DMA to queue them under)
+    assert [b - a for a, b, _, _ in tiles(48, LAYERS, 64, 16 * LAYERS * 64, 0, 4)] == [16] * 3
+    assert [b - a for a, b, _, _ in tiles(48, LAYERS, 64, 16 * LAYERS * 64, 0, 3)] == [16, 16, 8, 4, 4]
+    # parts of one block at least
+    assert [b - a for a, b, _, _ in tiles(7, LAYERS, 64, 2 * LAYERS * 64, 0, 4)] == [2, 2, 2, 1]
     assert tiles(1, LAYERS, 64, 16 * LAYERS * 64, 0, 4) == [(0, 1, 0, LAYERS)]
     # layer-wise: only the plan's last tile (the last group's) is cut
     plan = tiles(32, LAYERS, 64, 16 * 64, 1, 4)
