@@ -257,11 +257,15 @@ def paged_rows(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
     if args.tail_parts < 0:
         raise SystemExit(f"--tail-parts {args.tail_parts}: give 1 or more parts (0: the default)")
+    default = transfer.TAIL_PARTS
     if args.tail_parts:
-        transfer.TAIL_PARTS = args.tail_parts  # every loader made after this reads it
-    yield from paged_run.run(args.device, sizes, layers=args.layers or 32, trials=args.rounds, only=only,
-                         scratch=args.dir, log=log, copy_threads=args.copy_threads,
-                         paired=args.paired, piece_bytes=args.piece_bytes, page_kernel=args.page_kernel)
+        transfer.TAIL_PARTS = args.tail_parts  # every loader made during the run reads it
+    try:
+        yield from paged_run.run(args.device, sizes, layers=args.layers or 32, trials=args.rounds, only=only,
+                                 scratch=args.dir, log=log, copy_threads=args.copy_threads,
+                                 paired=args.paired, piece_bytes=args.piece_bytes, page_kernel=args.page_kernel)
+    finally:  # (an in-process caller's later loaders get the library's default back)
+        transfer.TAIL_PARTS = default
 
 
 def parser() -> argparse.ArgumentParser:
